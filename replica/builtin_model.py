@@ -145,8 +145,8 @@ def build_byte_level_tokenizer() -> Tokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from each byte to a printable character (what ByteLevel pre-tokenizes to)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    symbols = {byte: chr(byte) for byte in printable}
+    printable_ranges = [(ord("!"), ord("~")), (ord("¡"), ord("¬")), (ord("®"), ord("ÿ"))]
+    symbols = {byte: chr(byte) for first, last in printable_ranges for byte in range(first, last + 1)}
     next_codepoint = 256
     for byte in range(256):
         if byte not in symbols:

@@ -1,0 +1,157 @@
+"""Text <-> token ids for one replica, from the checkpoint's own fast tokenizer on local disk,
+and the incremental detokenizer that turns a stream of output ids into text deltas.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from tokenizers import Tokenizer as FastTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+class TokenizerLoadError(ValueError):
+    """The directory holds no tokenizer we can load; the message names the missing file."""
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token facts from tokenizer_config.json."""
+
+    def __init__(self, fast_tokenizer: FastTokenizer, model_dir: Path, tokenizer_config: dict[str, Any]):
+        self._fast_tokenizer = fast_tokenizer
+        self._model_dir = model_dir
+        self._tokenizer_config = tokenizer_config
+        self.bos_token_id = self._special_token_id("bos_token")
+        self.eos_token_id = self._special_token_id("eos_token")
+        # Some checkpoints (Llama 2, Mistral) ask for BOS in the config rather than in the
+        # tokenizer.json post-processor; others put it in both, so add it only when missing.
+        self._add_bos_token = bool(tokenizer_config.get("add_bos_token")) and self.bos_token_id is not None
+        self._transformers_tokenizer = None  # loaded lazily, only to render chat templates
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
+        tokenizer_json = model_dir / "tokenizer.json"
+        if tokenizer_json.is_file():
+            return cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)
+        return cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._fast_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        token_ids = self._fast_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos_token and token_ids[:1] != [self.bos_token_id]:
+            token_ids.insert(0, self.bos_token_id)
+        return token_ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._fast_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text for a conversation, ending where the assistant's reply begins.
+
+        With a chat template in the directory, transformers renders it. Without one the
+        fallback is BOS, then "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+        Either way the text already holds its special tokens: encode it with
+        add_special_tokens=False.
+        """
+        if self._has_chat_template():
+            return self._load_transformers_tokenizer().apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+        bos = self._fast_tokenizer.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        turns = "".join(f"<|{message['role']}|>\n{message['content']}\n" for message in messages)
+        return f"{bos}{turns}<|assistant|>\n"
+
+    def _special_token_id(self, config_key: str) -> Optional[int]:
+        token = self._tokenizer_config.get(config_key)
+        if isinstance(token, dict):  # serialized AddedToken: {"content": "<s>", ...}
+            token = token.get("content")
+        return self._fast_tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+    def _has_chat_template(self) -> bool:
+        return "chat_template" in self._tokenizer_config or any(
+            (self._model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES
+        )
+
+    def _load_transformers_tokenizer(self):
+        if self._transformers_tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as error:
+                raise TokenizerLoadError(
+                    f"{self._model_dir} has a chat template; rendering it needs transformers, which is not installed"
+                ) from error
+            self._transformers_tokenizer = AutoTokenizer.from_pretrained(self._model_dir, local_files_only=True)
+        return self._transformers_tokenizer
+
+
+def _fast_tokenizer_via_transformers(model_dir: Path) -> FastTokenizer:
+    """For checkpoints that ship only slow-tokenizer files (vocab.json + merges.txt, tokenizer.model)."""
+    missing = f"{model_dir / 'tokenizer.json'} does not exist"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise TokenizerLoadError(f"{missing} (and transformers, the fallback loader, is not installed)") from error
+    try:
+        transformers_tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise TokenizerLoadError(f"{missing} and transformers could not load a tokenizer there: {error}") from error
+    fast_tokenizer = getattr(transformers_tokenizer, "backend_tokenizer", None)
+    if fast_tokenizer is None:
+        raise TokenizerLoadError(f"{missing} and transformers found only a slow tokenizer there")
+    return fast_tokenizer
+
+
+def _read_json_if_present(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output ids, as they arrive, into text deltas (vLLM's offsets).
+
+    Each step decodes only a short window: the tokens emitted last time (prefix_offset to
+    read_offset) for context, plus the new ones. A delta is released once the window's
+    text grows and does not end in an incomplete character. The window starts at the
+    first output token, so the deltas (ending with flush()) concatenate to exactly
+    `tokenizer.decode(output_ids)`; decoding with prompt context would instead keep, for
+    example, the leading space a SentencePiece tokenizer strips from the first token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self.output_token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> str:
+        """The text the new tokens complete; "" while they end mid-character."""
+        self.output_token_ids.extend(new_token_ids)
+        prefix_text, window_text = self._decode_window()
+        if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.output_token_ids)
+        return window_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The held-back text, released as-is once the request has finished."""
+        prefix_text, window_text = self._decode_window()
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.output_token_ids)
+        return window_text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        window = self.output_token_ids[self.prefix_offset :]
+        num_context_tokens = self.read_offset - self.prefix_offset
+        prefix_text = self._tokenizer.decode(window[:num_context_tokens], self._skip_special_tokens)
+        window_text = self._tokenizer.decode(window, self._skip_special_tokens)
+        return prefix_text, window_text
