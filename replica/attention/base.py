@@ -1,0 +1,86 @@
+"""The attention contract: the per-step metadata, the backend interface and the paged KV cache layout.
+
+Both backends (pure torch for CPU, Triton for GPU) implement `AttentionBackend`; the model
+and the model runner code against this module only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens and cached context live for one forward pass.
+
+    Tokens of all sequences are flattened into one dimension; sequence i owns query rows
+    query_start_loc[i]:query_start_loc[i + 1]. Its new tokens are the last ones of its context,
+    so token j sits at absolute position seq_lens[i] - q_len_i + j.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]: physical block ids, 0-padded
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset of each new token
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends queries to it.
+
+    Cache layout: key_cache and value_cache are [num_blocks, block_size, num_kv_heads, head_dim];
+    block 0 is a reserved null block that padded block-table entries point at.
+    """
+
+    name: str
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store key/value [num_tokens, num_kv_heads, head_dim] at the flat cache slots in slot_mapping."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of query [num_tokens, num_q_heads, head_dim] over each sequence's cached context.
+
+        The new tokens' K/V must already be in the cache. Query head h reads kv head
+        h // (num_q_heads // num_kv_heads). Returns a tensor shaped like query.
+        """
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (key_cache, value_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

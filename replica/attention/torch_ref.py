@@ -1,0 +1,61 @@
+"""Pure-torch paged attention: the reference the Triton kernels are tested against, and the CPU backend.
+
+One scaled_dot_product_attention call per sequence over that sequence's gathered cache blocks;
+simple enough to read as the specification of the contract in base.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from replica.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        # Negative slots mark padding tokens that own no cache slot.
+        is_real_token = slot_mapping >= 0
+        if not bool(is_real_token.all()):
+            key, value, slot_mapping = key[is_real_token], value[is_real_token], slot_mapping[is_real_token]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+    def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        output = torch.empty_like(query)
+        # One host sync for the whole batch rather than one per sequence.
+        query_starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for seq_idx, seq_len in enumerate(seq_lens):
+            query_start, query_end = query_starts[seq_idx], query_starts[seq_idx + 1]
+            query_len = query_end - query_start
+            if query_len == 0:
+                continue
+            num_blocks = -(-seq_len // block_size)
+            block_ids = meta.block_tables[seq_idx, :num_blocks].long()
+            keys = key_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            values = value_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            seq_query = query[query_start:query_end].transpose(0, 1)  # [heads, q_len, head_dim]
+            seq_output = F.scaled_dot_product_attention(
+                seq_query,
+                keys.transpose(0, 1).to(query.dtype),
+                values.transpose(0, 1).to(query.dtype),
+                attn_mask=_causal_offset_mask(query_len, seq_len, query.device),
+                scale=scale,
+                enable_gqa=True,
+            )
+            output[query_start:query_end] = seq_output.transpose(0, 1)
+        return output
+
+
+def _causal_offset_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean [query_len, seq_len] mask: the queries are the last query_len positions of the context."""
+    if query_len == 1:
+        return None  # a single newest token sees the whole context
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+    key_positions = torch.arange(seq_len, device=device)
+    return key_positions[None, :] <= query_positions[:, None]

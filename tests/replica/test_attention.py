@@ -1,0 +1,183 @@
+"""Paged attention: the torch reference against dense causal attention, the Triton kernels against the reference.
+
+Triton runs under TRITON_INTERPRET=1 here (set before the kernels are decorated), so shapes stay tiny.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import triton.runtime.interpreter as triton_interpreter  # noqa: E402
+
+from replica.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend  # noqa: E402
+from replica.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from replica.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+
+
+def _index_scalars_under_numpy_2_4(patch_lang_tensor):
+    """Triton 3.6's interpreter turns scalar tensors (1-element arrays) into loop bounds with int(),
+    which NumPy 2.4 rejects; this applies upstream's fix (triton-lang/triton#9171, PR #9172)."""
+
+    def patched(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    return patched
+
+
+triton_interpreter._patch_lang_tensor = _index_scalars_under_numpy_2_4(triton_interpreter._patch_lang_tensor)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+# (cached tokens, new tokens) per sequence: a fresh prefill, a chunk continuing on a cached
+# prefix, and decodes at a block boundary and mid-block.
+MIXED_BATCH = [(0, 7), (9, 6), (12, 1), (3, 1)]
+DECODE_BATCH = [(12, 1), (3, 1), (0, 1), (17, 1)]
+
+
+class PagedBatch:
+    """A batch with random dense K/V per sequence, scattered into shuffled cache blocks."""
+
+    def __init__(self, seq_specs, num_q_heads, num_kv_heads, head_dim, dtype, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        shuffled_block_ids = list(range(1, NUM_BLOCKS))  # block 0 is the reserved null block
+        random.Random(seed).shuffle(shuffled_block_ids)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator).to(dtype)
+
+        self.seq_specs = seq_specs
+        self.num_q_heads = num_q_heads
+        self.keys = [randn(cached + new, num_kv_heads, head_dim) for cached, new in seq_specs]
+        self.values = [randn(cached + new, num_kv_heads, head_dim) for cached, new in seq_specs]
+        self.query = randn(sum(new for _, new in seq_specs), num_q_heads, head_dim)
+        [(self.key_cache, self.value_cache)] = allocate_kv_cache(1, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim,
+                                                                 dtype, "cpu")
+
+        seq_lens = [cached + new for cached, new in seq_specs]
+        max_blocks = max(-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens)
+        block_tables = torch.zeros(len(seq_specs), max_blocks, dtype=torch.int32)
+        new_token_slots = []
+        for seq_idx, (cached, new) in enumerate(seq_specs):
+            seq_len = cached + new
+            blocks = [shuffled_block_ids.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+            block_tables[seq_idx, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            slots = [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len)]
+            self.key_cache.view(-1, num_kv_heads, head_dim)[slots] = self.keys[seq_idx]
+            self.value_cache.view(-1, num_kv_heads, head_dim)[slots] = self.values[seq_idx]
+            new_token_slots += slots[cached:]
+
+        query_lens = [new for _, new in seq_specs]
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(new_token_slots, dtype=torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        self.scale = head_dim**-0.5
+
+    def dense_causal_attention(self) -> torch.Tensor:
+        """Attention computed in float64 from the unpaged K/V, one sequence at a time."""
+        outputs = []
+        query_start = 0
+        for (cached, new), keys, values in zip(self.seq_specs, self.keys, self.values):
+            query = self.query[query_start : query_start + new].double()
+            query_start += new
+            queries_per_kv = self.num_q_heads // keys.shape[1]
+            keys = keys.double().repeat_interleave(queries_per_kv, dim=1)
+            values = values.double().repeat_interleave(queries_per_kv, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.scale
+            query_positions = torch.arange(cached, cached + new)
+            visible = torch.arange(cached + new)[None, :] <= query_positions[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        return torch.cat(outputs)
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def test_torch_reference_matches_dense_causal_attention_on_mixed_gqa_batch():
+    batch = PagedBatch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    output = TorchAttentionBackend().forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    torch.testing.assert_close(output.double(), batch.dense_causal_attention(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_attention_matches_reference_on_mixed_gqa_batch(dtype):
+    batch = PagedBatch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    expected = TorchAttentionBackend().forward(*args)
+    output = TritonAttentionBackend().forward(*args)
+    torch.testing.assert_close(output, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_attention_matches_reference_on_decode_only_batch(dtype):
+    batch = PagedBatch(DECODE_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype, seed=1)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    expected = TorchAttentionBackend().forward(*args)
+    torch.testing.assert_close(TritonAttentionBackend().forward(*args), expected,
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_triton_attention_handles_head_dim_not_a_power_of_two_without_gqa():
+    batch = PagedBatch(MIXED_BATCH, num_q_heads=2, num_kv_heads=2, head_dim=24, dtype=torch.float32, seed=2)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    torch.testing.assert_close(TritonAttentionBackend().forward(*args), batch.dense_causal_attention().float(),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TritonAttentionBackend()], ids=lambda b: b.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_stores_each_token_at_its_slot_and_skips_padding(backend, dtype):
+    num_tokens, num_kv_heads, head_dim = 5, 2, 16
+    # K and V as strided views of a fused projection, the way the model produces them.
+    fused = torch.randn(num_tokens, 2 * num_kv_heads * head_dim).to(dtype)
+    key = fused[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = fused[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor([13, 4, -1, 30, 7], dtype=torch.int64)
+    [(key_cache, value_cache)] = allocate_kv_cache(1, 10, BLOCK_SIZE, num_kv_heads, head_dim, dtype, "cpu")
+
+    backend.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_keys[slot], key[token])
+            assert torch.equal(flat_values[slot], value[token])
+    written_slots = [slot for slot in slot_mapping.tolist() if slot >= 0]
+    untouched = torch.ones(flat_keys.shape[0], dtype=torch.bool)
+    untouched[written_slots] = False
+    assert not flat_keys[untouched].any() and not flat_values[untouched].any()
+
+
+def test_write_then_attend_equals_attention_over_the_prefilled_cache():
+    """The two kernels compose: writing a step's K/V and attending gives what a pre-filled cache gives."""
+    batch = PagedBatch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=3)
+    expected = batch.dense_causal_attention().float()
+    new_keys = torch.cat([keys[cached:] for (cached, _), keys in zip(MIXED_BATCH, batch.keys)])
+    new_values = torch.cat([values[cached:] for (cached, _), values in zip(MIXED_BATCH, batch.values)])
+    batch.key_cache.view(-1, 2, 16)[batch.meta.slot_mapping] = 0.0  # forget this step's K/V
+    batch.value_cache.view(-1, 2, 16)[batch.meta.slot_mapping] = 0.0
+
+    backend = TritonAttentionBackend()
+    backend.write_kv(new_keys, new_values, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    output = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_backend_is_torch_on_cpu_and_unknown_names_are_rejected():
+    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
+    with pytest.raises(ValueError, match="flash"):
+        get_attention_backend("flash", torch.device("cpu"))
