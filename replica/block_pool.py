@@ -1,0 +1,147 @@
+"""The fixed pool of KV cache blocks: reference counts, the free queue, and the prefix-hash index.
+
+Freed blocks keep their hash (lazy eviction): a later request with the same prefix can
+take them back until the free queue hands them out again, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Optional
+
+NULL_BLOCK_ID = 0
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[Hashable] = None
+        # Links of the free queue; both None while the block is in use.
+        self.prev_free: Optional[KVBlock] = None
+        self.next_free: Optional[KVBlock] = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) pop from the head, append at the tail, and
+    removal from the middle (a prefix-cache hit revives a freed block in place)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]):
+        self._head = KVBlock(-1)  # sentinels keep the link updates branch-free
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Block 0 is never handed out: block tables are padded with it.
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.null_block.ref_cnt = 1
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached_blocks: dict[Hashable, KVBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: Hashable) -> Optional[KVBlock]:
+        return self.cached_blocks.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def _evict(self, block: KVBlock) -> None:
+        # Lazy eviction: the hash is dropped only now that the block is reused.
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits, reviving those that sat in the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; those reaching zero join the free queue's tail
+        in the given order (callers pass a request's blocks tail-first so its prefix, the part
+        most likely to be shared, is evicted last)."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: Hashable) -> None:
+        """Register a full block under its prefix hash; the first block with a hash keeps it."""
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached_blocks:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only possible when no block is in use."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.blocks[1:]:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True

@@ -1,0 +1,97 @@
+"""Typed configuration of one replica's engine, validated once where it enters.
+
+Defaults follow vLLM where it has one: block size 16, chunked prefill on, prefix caching
+on, FCFS, watermark 0, and our full-sequence admission check on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+VictimPolicy = Literal["fcfs", "priority", "cheapest"]
+
+
+class ConfigError(ValueError):
+    """An impossible configuration; the message names the field."""
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    num_kv_blocks: int = Field(
+        2048, ge=2, description="KV cache blocks in the pool, including the reserved null block."
+    )
+    max_model_len: int = Field(2048, ge=2, description="Longest sequence (prompt + output) in tokens.")
+    max_num_batched_tokens: int = Field(2048, description="Token budget of one engine step.")
+    max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="When > 0, the most prompt tokens one request may run in a step."
+    )
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    victim_policy: Optional[VictimPolicy] = Field(
+        None,
+        description="Who is preempted when memory runs out; None follows scheduling_policy. "
+        "'cheapest' preempts the running request that is cheapest to rebuild.",
+    )
+    watermark: float = Field(
+        0.0, description="Fraction of KV blocks that new admissions must leave free while something runs."
+    )
+    reserve_full_sequence: bool = Field(
+        True, description="Admit a request only if its whole prompt fits, not just its first chunk."
+    )
+    max_waiting_requests: int = Field(
+        4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."
+    )
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "EngineConfig":
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark: must be in [0, 1), got {self.watermark}")
+        blocks_per_max_seq = -(-self.max_model_len // self.block_size)
+        if self.num_usable_blocks < blocks_per_max_seq:
+            raise ConfigError(
+                f"num_kv_blocks: {self.num_kv_blocks} blocks (one is the reserved null block) cannot hold "
+                f"one max_model_len={self.max_model_len} sequence, which needs {blocks_per_max_seq} "
+                f"blocks of {self.block_size} tokens plus the null block"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens: with chunked prefill off it must be >= max_model_len "
+                f"({self.max_model_len}) or long prompts could never run; got {self.max_num_batched_tokens}"
+            )
+        return self
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_kv_blocks - 1
+
+    @property
+    def resolved_victim_policy(self) -> VictimPolicy:
+        return self.victim_policy or self.scheduling_policy
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_usable_blocks)
+
+
+def make_engine_config(**overrides) -> EngineConfig:
+    """Build an EngineConfig, turning pydantic's errors into one ConfigError naming the field."""
+    from pydantic import ValidationError
+
+    try:
+        return EngineConfig(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"])
+        ctx_error = first.get("ctx", {}).get("error")
+        if isinstance(ctx_error, ConfigError):
+            raise ctx_error from None
+        raise ConfigError(f"{loc or 'config'}: {first['msg']}") from None

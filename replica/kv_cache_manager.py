@@ -1,0 +1,158 @@
+"""Per-request view of the block pool: which blocks a request holds, prefix-cache lookups
+over a hash chain of full blocks, and `allocate_slots`, which says no when memory is short.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from replica.block_pool import BlockPool, KVBlock
+from replica.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...], cache_salt: Optional[str]) -> tuple:
+    """Key of one full block in the prefix cache. It chains the parent's hash, so equal keys
+    mean equal whole prefixes; the salt (first block only) keeps tenants' caches apart. The
+    token tuple is part of the key, so a dict lookup compares tokens, not just hashes."""
+    return (parent_hash, token_ids, cache_salt)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading full blocks of each request are already registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up, on each admission
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+
+    # ---- cheap reads -------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def headroom_tokens(self) -> int:
+        return self.pool.num_free_blocks * self.block_size
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    # ---- prefix caching ----------------------------------------------------------------
+    def _update_block_hashes(self, request: Request) -> list:
+        hashes = request.block_hashes
+        block_size = self.block_size
+        num_full = request.num_tokens // block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hash(hashes[-1]) if hashes else None
+            salt = request.cache_salt if i == 0 else None
+            hashes.append(hash_block(parent, tuple(tokens[i * block_size : (i + 1) * block_size]), salt))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, as blocks and tokens. At least one token is
+        always left to compute, because the model must run to produce the next logits."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit_blocks.append(block)
+        return hit_blocks, len(hit_blocks) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # ---- allocation --------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_new_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        num_tokens_to_fit: Optional[int] = None,
+    ) -> Optional[list[KVBlock]]:
+        """Give the request blocks for `num_new_tokens` more tokens, or return None (and change
+        nothing) when memory is short.
+
+        new_computed_blocks / num_new_computed_tokens: prefix-cache hits taken on admission.
+        reserved_blocks: free blocks this allocation must leave untouched (the watermark).
+        num_tokens_to_fit: the allocation succeeds only if this many tokens in total would fit
+            (the full-sequence admission check); only the scheduled tokens are allocated.
+        """
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        num_held = (len(req_blocks) if req_blocks else 0) + len(new_computed_blocks)
+        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held)
+        num_blocks_to_fit = num_new_blocks
+        if num_tokens_to_fit is not None:
+            num_blocks_to_fit = max(num_new_blocks, cdiv(num_tokens_to_fit, self.block_size) - num_held)
+        # Hits sitting in the free queue stop being free once taken.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_blocks_to_fit + num_revived + reserved_blocks > self.pool.num_free_blocks:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
+            self.num_cached_blocks[request.request_id] = 0
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(req_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_known_tokens: int) -> None:
+        # Registered now, before this step's forward pass writes them: a request that hits
+        # them in the same step runs in the same forward pass, which writes every new K/V
+        # before any attention reads the cache.
+        num_full = num_known_tokens // self.block_size
+        start = self.num_cached_blocks[request.request_id]
+        if num_full <= start:
+            return
+        hashes = self._update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(req_blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    # ---- preemption cost ---------------------------------------------------------------
+    def rebuild_cost(self, request: Request) -> int:
+        """Computed tokens the request would have to recompute if preempted now: all of them
+        except the leading blocks other live requests also hold. Those stay cached for sure;
+        the request's private blocks are the ones the preemption hands to someone else."""
+        num_shared_prefix_blocks = 0
+        for block in self.req_to_blocks.get(request.request_id, ()):
+            if block.ref_cnt < 2 or block.block_hash is None:
+                break
+            num_shared_prefix_blocks += 1
+        return max(0, request.num_computed_tokens - num_shared_prefix_blocks * self.block_size)

@@ -1,0 +1,159 @@
+"""A request's life inside one replica: its tokens, sampling parameters and scheduling state.
+
+`num_computed_tokens` chases `num_tokens` (prompt + output). The scheduler moves it; the
+KV cache manager holds the blocks behind it; preemption resets it to 0 (output is kept).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """OpenAI-style finish reason, or None while the request is live."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve. `field` names the offending input field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if prompt_len + self.max_tokens > max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds "
+                f"max_model_len ({max_model_len})",
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if vocab_size is not None:
+            for token_id in self.stop_token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidRequestError("stop_token_ids", f"{token_id} is outside [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: Optional[int] = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value is served first (vLLM's convention)
+    ttft_deadline: Optional[float] = None  # absolute, on the engine's clock
+    cache_salt: Optional[str] = None  # isolates this request's prefix-cache entries
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
+    # Computed tokens thrown away by the latest preemption; settled on re-admission,
+    # when the prefix-cache hit tells how many of them really must be recomputed.
+    num_computed_tokens_lost: int = 0
+    first_token_time: Optional[float] = None
+    admitted_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Hashes of the full blocks of all_token_ids, extended lazily by the KV cache manager.
+        self.block_hashes: list = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int) -> Optional[RequestStatus]:
+        """The finished status the just-appended token puts this request in, if any."""
+        params = self.sampling_params
+        if not params.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], *, max_model_len: int, vocab_size: int | None = None) -> None:
+    if len(prompt_token_ids) == 0:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{len(prompt_token_ids)} tokens leaves no room to generate within max_model_len ({max_model_len})"
+        )
+    if vocab_size is not None:
+        for token_id in prompt_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError("prompt_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")

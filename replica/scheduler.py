@@ -1,0 +1,364 @@
+"""The continuous-batching scheduler: one token budget per step, shared by running
+requests first and waiting ones next.
+
+There is no prefill phase and no decode phase. Each request's `num_computed_tokens` chases
+its `num_tokens`; a step gives each request a slice of the budget, so long prompts are
+prefilled in chunks that ride along with decodes. When blocks run out, a victim is
+preempted and later recomputed from scratch (its output tokens are kept).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from replica.config import EngineConfig
+from replica.kv_cache_manager import KVCacheManager
+from replica.preemption import VICTIM_POLICIES
+from replica.request import InvalidRequestError, Request, RequestStatus, validate_prompt
+from replica.request_queue import make_waiting_queue
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its configured bound; the caller should retry later."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start_pos: int  # num_computed_tokens before this step
+    # Blocks the request gained this step; on admission (`is_new`), its whole block table.
+    new_block_ids: list[int]
+    is_new: bool
+    samples: bool = False  # its computed tokens catch up with its length this step
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+    # Requests that finished or were aborted since the previous step: runners drop their state.
+    finished_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenUpdate:
+    """One sampled token appended to a request, and the status it ended in if it finished."""
+
+    request: Request
+    token_id: int
+    finished: Optional[RequestStatus]
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """Cheap snapshot of what this engine carries; the replica's load report is built from it."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    kv_usage: float
+    headroom_tokens: int
+    num_running: int
+    num_waiting: int
+    waiting_prefill_tokens: int
+    preemptions_total: int
+    recomputed_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    max_num_seqs: int
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # computed tokens thrown away by preemption and computed again
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    scheduled_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        vocab_size: Optional[int] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every live request
+        self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]
+        self.counters = SchedulerCounters()
+        self.waiting_prefill_tokens = 0  # sum of num_tokens over the waiting queue
+        self._finished_req_ids: list[str] = []
+        self._step_id = 0
+
+    # ---- requests in and out -------------------------------------------------------
+    def validate_request(self, request: Request) -> None:
+        """Raise InvalidRequestError naming the field; nothing in the engine changes."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        validate_prompt(request.prompt_token_ids, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size)
+        request.sampling_params.validate(
+            prompt_len=request.num_prompt_tokens, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.validate_request(request)
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        self.waiting_prefill_tokens += request.num_tokens
+        self.counters.prompt_tokens += request.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        """Finish a live request as aborted and free its blocks at once. Unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+            self.waiting_prefill_tokens -= request.num_tokens
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        config = self.config
+        kv_cache = self.kv_cache
+        running = self.running
+        token_budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
+        scheduled: list[ScheduledRequest] = []
+        scheduled_ids: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order.
+        index = 0
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                if not config.enable_chunked_prefill:
+                    index += 1  # it runs whole or not at all; a later, smaller one may fit
+                    continue
+                num_new_tokens = token_budget
+
+            # Preempt until the allocation succeeds. Two exits: blocks were found, or the
+            # request itself was the victim (nothing left to take from), which ends the
+            # running pass for this step.
+            while True:
+                new_blocks = kv_cache.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim_index = self.select_victim(running, kv_cache)
+                victim = running[victim_index]
+                undone = scheduled_ids.pop(victim.request_id, None)
+                if undone is not None:  # the victim already had its slice of this step
+                    scheduled.remove(undone)
+                    token_budget += undone.num_new_tokens
+                self._preempt(victim_index)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+            if new_blocks is None:
+                break
+
+            entry = ScheduledRequest(
+                request, num_new_tokens, request.num_computed_tokens, [b.block_id for b in new_blocks], False
+            )
+            scheduled.append(entry)
+            scheduled_ids[request.request_id] = entry
+            token_budget -= num_new_tokens
+            index += 1
+
+        # 2. Waiting requests, unless this step had to preempt: admitting now would only
+        # take back the memory the preemption just freed.
+        if not preempted:
+            token_budget = self._admit_waiting(token_budget, scheduled)
+
+        for entry in scheduled:
+            request = entry.request
+            request.num_computed_tokens += entry.num_new_tokens
+            entry.samples = request.num_computed_tokens >= request.num_tokens
+
+        self._step_id += 1
+        num_scheduled_tokens = config.max_num_batched_tokens - token_budget
+        self.counters.steps += 1
+        self.counters.scheduled_tokens += num_scheduled_tokens
+        finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(
+            step_id=self._step_id,
+            scheduled=scheduled,
+            num_scheduled_tokens=num_scheduled_tokens,
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=finished_ids,
+        )
+
+    def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
+        config = self.config
+        kv_cache = self.kv_cache
+        threshold = config.long_prefill_token_threshold
+        now = self.clock()
+        while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                if not config.enable_chunked_prefill:
+                    break  # it waits whole, and nothing behind it skips ahead
+                num_new_tokens = token_budget
+            # The watermark is a reserve only admissions must leave free, and only while
+            # something runs: running requests can then grow into it before anyone has to
+            # be preempted, while an idle engine can still admit a request that needs it all.
+            reserved_blocks = config.watermark_blocks if self.running else 0
+            new_blocks = kv_cache.allocate_slots(
+                request,
+                num_new_tokens,
+                hit_blocks,
+                num_hit_tokens,
+                reserved_blocks=reserved_blocks,
+                num_tokens_to_fit=request.num_tokens if config.reserve_full_sequence else None,
+            )
+            if new_blocks is None:
+                break  # head-of-line: later requests do not overtake
+
+            self.waiting.pop()
+            self.waiting_prefill_tokens -= request.num_tokens
+            kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+            if request.num_computed_tokens_lost:
+                self.counters.recomputed_tokens += max(0, request.num_computed_tokens_lost - num_hit_tokens)
+                request.num_computed_tokens_lost = 0
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
+            request.admitted_time = now
+            self.running.append(request)
+            scheduled.append(
+                ScheduledRequest(
+                    request, num_new_tokens, num_hit_tokens, kv_cache.get_block_ids(request.request_id), True
+                )
+            )
+            token_budget -= num_new_tokens
+        return token_budget
+
+    def _preempt(self, running_index: int) -> None:
+        request = self.running.pop(running_index)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens_lost = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.add_front(request)
+        self.waiting_prefill_tokens += request.num_tokens
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[TokenUpdate]:
+        """Append the sampled tokens of the requests that caught up this step and finish the
+        ones that hit EOS, a stop token or max_tokens (their blocks are freed at once)."""
+        updates = []
+        any_finished = False
+        now = None
+        for entry in output.scheduled:
+            request = entry.request
+            if not entry.samples or request.status != RequestStatus.RUNNING:
+                continue  # mid-prefill chunk, or aborted while the step ran
+            token_id = sampled_token_ids[request.request_id]
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                now = now if now is not None else self.clock()
+                request.first_token_time = now
+            finished = request.check_stop(token_id)
+            if finished is not None:
+                self._finish(request, finished)
+                any_finished = True
+            updates.append(TokenUpdate(request, token_id, finished))
+        self.counters.generation_tokens += len(updates)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return updates
+
+    # ---- observation -----------------------------------------------------------------
+    def load(self) -> SchedulerLoad:
+        kv_cache = self.kv_cache
+        return SchedulerLoad(
+            kv_blocks_total=kv_cache.num_usable_blocks,
+            kv_blocks_free=kv_cache.num_free_blocks,
+            block_size=self.config.block_size,
+            kv_usage=kv_cache.usage(),
+            headroom_tokens=kv_cache.headroom_tokens(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            waiting_prefill_tokens=self.waiting_prefill_tokens,
+            preemptions_total=self.counters.preemptions,
+            recomputed_tokens_total=self.counters.recomputed_tokens,
+            prefix_cache_queries=kv_cache.prefix_cache_queries,
+            prefix_cache_hits=kv_cache.prefix_cache_hits,
+            prompt_tokens_total=self.counters.prompt_tokens,
+            generation_tokens_total=self.counters.generation_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the engine's structural invariants (for tests; O(blocks + requests))."""
+        waiting = list(self.waiting)
+        waiting_ids = {r.request_id for r in waiting}
+        running_ids = {r.request_id for r in self.running}
+        assert len(waiting_ids) == len(waiting) and len(running_ids) == len(self.running), "duplicate in a queue"
+        assert not waiting_ids & running_ids, "a request is both waiting and running"
+        assert waiting_ids | running_ids == set(self.requests), "a live request is in no queue"
+        assert len(self.running) <= self.config.max_num_seqs
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
+        assert self.waiting_prefill_tokens == sum(r.num_tokens for r in waiting)
+        kv_cache = self.kv_cache
+        assert set(kv_cache.req_to_blocks) <= running_ids, "a request outside running holds blocks"
+        holders: dict[int, int] = {}
+        for blocks in kv_cache.req_to_blocks.values():
+            for block in blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        free_ids = {block.block_id for block in kv_cache.pool.free_queue}
+        for block in kv_cache.pool.blocks[1:]:
+            assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} has {holders.get(block.block_id, 0)} holders"
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{block} free-queue membership is wrong"
+        assert len(free_ids) == kv_cache.num_free_blocks

@@ -1,0 +1,81 @@
+"""Drive a real Scheduler with a deterministic fake model: the next token is a function of
+the request's whole token history, so a recompute after preemption that got any token
+wrong would change every later token."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from replica.config import make_engine_config
+from replica.request import Request, SamplingParams
+from replica.scheduler import Scheduler, SchedulerOutput
+
+FAKE_VOCAB = 1000
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    return hash(tuple(token_ids)) % FAKE_VOCAB
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    return Scheduler(make_engine_config(**overrides), vocab_size=FAKE_VOCAB)
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 8, **kwargs) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=kwargs.pop("ignore_eos", True))
+    return Request(request_id, list(prompt), params, **kwargs)
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """One engine step: schedule, 'run the model', update; checks the step invariants."""
+    output = scheduler.schedule()
+    config = scheduler.config
+    assert output.num_scheduled_tokens == sum(s.num_new_tokens for s in output.scheduled)
+    assert output.num_scheduled_tokens <= config.max_num_batched_tokens
+    assert len(scheduler.running) <= config.max_num_seqs
+    sampled = {}
+    for entry in output.scheduled:
+        request = entry.request
+        assert entry.num_new_tokens >= 1
+        # A request samples iff its computed tokens reach its length this step.
+        assert entry.samples == (request.num_computed_tokens == request.num_tokens)
+        assert request.num_computed_tokens <= request.num_tokens
+        if entry.samples:
+            sampled[request.request_id] = fake_next_token(request.all_token_ids)
+    scheduler.update(output, sampled)
+    scheduler.check_invariants()
+    return output
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    requests: list[Request],
+    max_steps: int = 20_000,
+    on_step: Optional[Callable[[int, SchedulerOutput], None]] = None,
+) -> dict[str, list[int]]:
+    for request in requests:
+        scheduler.add_request(request)
+    for step in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = run_step(scheduler)
+        if on_step is not None:
+            on_step(step, output)
+    else:
+        raise AssertionError("requests did not finish: a request is stuck")
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_usable_blocks, "leaked KV blocks"
+    return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def reference_outputs(requests: list[Request]) -> dict[str, list[int]]:
+    """What each request must produce, computed one request at a time without an engine."""
+    outputs = {}
+    for request in requests:
+        tokens = list(request.prompt_token_ids)
+        out = []
+        while len(out) < request.sampling_params.max_tokens:
+            token = fake_next_token(tokens)
+            tokens.append(token)
+            out.append(token)
+        outputs[request.request_id] = out
+    return outputs
