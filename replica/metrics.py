@@ -1,0 +1,296 @@
+"""The single source of truth for headroom's Prometheus metric names, and the replica side.
+
+METRIC_NAMES lists every `headroom_` metric (replica and router) with its type, help text,
+labels and matching vLLM metric; docs/metrics.md and the tests read it. ReplicaMetrics
+creates the replica's metrics in a registry of its own, so engines in one process never clash.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from protos.headroom_pb2 import ReplicaLoad
+
+# Bucket bounds in seconds, following vLLM's so its dashboards' quantiles translate, with
+# a few sub-10 ms buckets added because small models on one GPU decode that fast.
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+INTER_TOKEN_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_REQUEST_LATENCY_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# Queueing is part of TTFT, so it gets TTFT's range: near zero on an idle replica,
+# minutes when a replica is overloaded.
+QUEUE_TIME_BUCKETS_S = (0.0,) + TTFT_BUCKETS_S
+# The router watches loads at <= 100 ms intervals; ages beyond a second mean a stale stream.
+LOAD_AGE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+REPLICA_LABELS = ("replica", "model")
+# Matches replica.request.RequestStatus.finish_reason and vLLM's finish_reason label.
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class MetricSpec(NamedTuple):
+    """One metric as exposed on /metrics (counters with their `_total` suffix)."""
+
+    type: str  # "counter", "gauge" or "histogram"
+    help: str
+    vllm: str | None  # the matching `vllm:` metric, None where vLLM has no equivalent
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] = ()  # histograms only
+
+
+METRIC_NAMES: dict[str, MetricSpec] = {
+    # Replica: counters.
+    "headroom_num_preemptions_total": MetricSpec(
+        "counter",
+        "Requests preempted (KV blocks freed, progress reset to recompute) since the replica started.",
+        "vllm:num_preemptions_total",
+        REPLICA_LABELS,
+    ),
+    "headroom_recomputed_tokens_total": MetricSpec(
+        "counter",
+        "Tokens computed again because their request had been preempted: the compute preemption wastes.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_prompt_tokens_total": MetricSpec(
+        "counter",
+        "Prompt tokens of requests that started generating, once per request (prefix-cache hits "
+        "included, like vLLM; recomputation after preemption is counted in "
+        "headroom_recomputed_tokens_total).",
+        "vllm:prompt_tokens_total",
+        REPLICA_LABELS,
+    ),
+    "headroom_generation_tokens_total": MetricSpec(
+        "counter",
+        "Tokens generated.",
+        "vllm:generation_tokens_total",
+        REPLICA_LABELS,
+    ),
+    "headroom_prefix_cache_queries_total": MetricSpec(
+        "counter",
+        "Prompt tokens looked up in the prefix cache (counted in tokens, like vLLM).",
+        "vllm:prefix_cache_queries_total",
+        REPLICA_LABELS,
+    ),
+    "headroom_prefix_cache_hits_total": MetricSpec(
+        "counter",
+        "Prompt tokens found in the prefix cache (counted in tokens, like vLLM).",
+        "vllm:prefix_cache_hits_total",
+        REPLICA_LABELS,
+    ),
+    "headroom_request_success_total": MetricSpec(
+        "counter",
+        "Requests finished, by finish reason (stop, length, abort).",
+        "vllm:request_success_total",
+        REPLICA_LABELS + ("finish_reason",),
+    ),
+    # Replica: gauges.
+    "headroom_kv_cache_usage_ratio": MetricSpec(
+        "gauge",
+        "Fraction of KV cache blocks in use, 0 to 1.",
+        "vllm:kv_cache_usage_perc (formerly vllm:gpu_cache_usage_perc; also 0 to 1)",
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_free_blocks": MetricSpec(
+        "gauge",
+        "KV cache blocks not held by any request.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_headroom_tokens": MetricSpec(
+        "gauge",
+        "KV cache room in tokens for admitting new work: free blocks beyond the watermark reserve, "
+        "times block size.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_num_requests_running": MetricSpec(
+        "gauge",
+        "Requests in the running batch.",
+        "vllm:num_requests_running",
+        REPLICA_LABELS,
+    ),
+    "headroom_num_requests_waiting": MetricSpec(
+        "gauge",
+        "Requests in the waiting queue, preempted ones included.",
+        "vllm:num_requests_waiting",
+        REPLICA_LABELS,
+    ),
+    "headroom_preemption_rate": MetricSpec(
+        "gauge",
+        "Preemptions per second, exponentially smoothed: the rate the router scores replicas with.",
+        None,
+        REPLICA_LABELS,
+    ),
+    # Replica: histograms.
+    "headroom_time_to_first_token_seconds": MetricSpec(
+        "histogram",
+        "Time from a request's arrival to its first generated token.",
+        "vllm:time_to_first_token_seconds",
+        REPLICA_LABELS,
+        TTFT_BUCKETS_S,
+    ),
+    "headroom_inter_token_latency_seconds": MetricSpec(
+        "histogram",
+        "Time between consecutive generated tokens of one request.",
+        "vllm:inter_token_latency_seconds (formerly vllm:time_per_output_token_seconds)",
+        REPLICA_LABELS,
+        INTER_TOKEN_LATENCY_BUCKETS_S,
+    ),
+    "headroom_e2e_request_latency_seconds": MetricSpec(
+        "histogram",
+        "Time from a request's arrival to its last token.",
+        "vllm:e2e_request_latency_seconds",
+        REPLICA_LABELS,
+        E2E_REQUEST_LATENCY_BUCKETS_S,
+    ),
+    "headroom_request_queue_time_seconds": MetricSpec(
+        "histogram",
+        "Time a request waited before it was first scheduled.",
+        "vllm:request_queue_time_seconds",
+        REPLICA_LABELS,
+        QUEUE_TIME_BUCKETS_S,
+    ),
+    # Router (created by router code; listed here so names have one home).
+    "headroom_router_decisions_total": MetricSpec(
+        "counter",
+        "Requests the router sent to each replica, by routing policy.",
+        None,
+        ("policy", "replica"),
+    ),
+    "headroom_router_load_age_seconds": MetricSpec(
+        "histogram",
+        "Age of a replica's ReplicaLoad snapshot when the router scored that replica.",
+        None,
+        ("replica",),
+        LOAD_AGE_BUCKETS_S,
+    ),
+}
+
+ROUTER_METRIC_PREFIX = "headroom_router_"
+REPLICA_METRIC_NAMES = tuple(name for name in METRIC_NAMES if not name.startswith(ROUTER_METRIC_PREFIX))
+
+
+@dataclass(frozen=True)
+class EngineCounterTotals:
+    """The engine's monotonically increasing totals since it started, one per counter."""
+
+    num_preemptions: int = 0
+    recomputed_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+def create_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    """Creates the prometheus_client metric METRIC_NAMES describes under `name`."""
+    spec = METRIC_NAMES[name]
+    if spec.type == "counter":
+        # prometheus_client appends `_total` to a counter's name itself.
+        return Counter(name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
+    if spec.type == "gauge":
+        return Gauge(name, spec.help, spec.labels, registry=registry)
+    return Histogram(name, spec.help, spec.labels, registry=registry, buckets=spec.buckets)
+
+
+class ReplicaMetrics:
+    """One engine's metrics, labelled with its replica id and model, in its own registry."""
+
+    def __init__(self, replica_id: str, model: str, registry: CollectorRegistry | None = None):
+        self.replica_id = replica_id
+        self.model = model
+        self.registry = registry if registry is not None else CollectorRegistry()
+        metrics = {name: create_metric(name, self.registry) for name in REPLICA_METRIC_NAMES}
+        # Binding the labels now makes every series appear (at 0) from the first scrape, so
+        # dashboards see a replica before its first preemption or request.
+        labels = (replica_id, model)
+        self._counters = {
+            "num_preemptions": metrics["headroom_num_preemptions_total"].labels(*labels),
+            "recomputed_tokens": metrics["headroom_recomputed_tokens_total"].labels(*labels),
+            "prompt_tokens": metrics["headroom_prompt_tokens_total"].labels(*labels),
+            "generation_tokens": metrics["headroom_generation_tokens_total"].labels(*labels),
+            "prefix_cache_queries": metrics["headroom_prefix_cache_queries_total"].labels(*labels),
+            "prefix_cache_hits": metrics["headroom_prefix_cache_hits_total"].labels(*labels),
+        }
+        self._synced_totals = EngineCounterTotals()
+        request_success = metrics["headroom_request_success_total"]
+        self._request_success = {reason: request_success.labels(*labels, reason) for reason in FINISH_REASONS}
+        self._kv_cache_usage_ratio = metrics["headroom_kv_cache_usage_ratio"].labels(*labels)
+        self._kv_free_blocks = metrics["headroom_kv_free_blocks"].labels(*labels)
+        self._kv_headroom_tokens = metrics["headroom_kv_headroom_tokens"].labels(*labels)
+        self._num_requests_running = metrics["headroom_num_requests_running"].labels(*labels)
+        self._num_requests_waiting = metrics["headroom_num_requests_waiting"].labels(*labels)
+        self._preemption_rate = metrics["headroom_preemption_rate"].labels(*labels)
+        self._time_to_first_token = metrics["headroom_time_to_first_token_seconds"].labels(*labels)
+        self._inter_token_latency = metrics["headroom_inter_token_latency_seconds"].labels(*labels)
+        self._e2e_request_latency = metrics["headroom_e2e_request_latency_seconds"].labels(*labels)
+        self._request_queue_time = metrics["headroom_request_queue_time_seconds"].labels(*labels)
+
+    def sync_counters(self, totals: EngineCounterTotals) -> None:
+        """Advances every counter to the engine's totals, by the delta since the last sync.
+
+        The engine keeps the authoritative totals (the scheduler counts preemptions where
+        they happen); the counters follow them. A total below the last synced one is a bug
+        (counters never go back), so it raises before any counter moves.
+        """
+        names = [total_field.name for total_field in fields(EngineCounterTotals)]
+        for name in names:
+            total, synced = getattr(totals, name), getattr(self._synced_totals, name)
+            if total < synced:
+                raise ValueError(f"engine total {name} went backwards from {synced} to {total}")
+        for name in names:
+            delta = getattr(totals, name) - getattr(self._synced_totals, name)
+            if delta:
+                self._counters[name].inc(delta)
+        self._synced_totals = totals
+
+    def set_load(self, load: ReplicaLoad) -> None:
+        """Sets the gauges from the load snapshot the router sees, so the two always agree."""
+        self._kv_cache_usage_ratio.set(load.kv_usage)
+        self._kv_free_blocks.set(load.kv_blocks_free)
+        self._kv_headroom_tokens.set(load.headroom_tokens)
+        self._num_requests_running.set(load.num_running)
+        self._num_requests_waiting.set(load.num_waiting)
+        self._preemption_rate.set(load.preemption_rate)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._time_to_first_token.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._inter_token_latency.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e_request_latency.observe(seconds)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._request_queue_time.observe(seconds)
+
+    def finished(self, reason: str) -> None:
+        """Counts one finished request; `reason` is "stop", "length" or "abort"."""
+        if reason not in self._request_success:
+            raise ValueError(f"unknown finish reason {reason!r}; expected one of {FINISH_REASONS}")
+        self._request_success[reason].inc()
+
+    def start_http_server(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
+        """Serves this registry on http://addr:port/metrics from a daemon thread.
+
+        Port 0 picks a free port (read it from `server.server_port`); `server.shutdown()`
+        stops it.
+        """
+        return prometheus_client.start_http_server(port, addr, registry=self.registry)
+
