@@ -8,8 +8,7 @@ creates the replica's metrics in a registry of its own, so engines in one proces
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
@@ -185,16 +184,29 @@ ROUTER_METRIC_PREFIX = "headroom_router_"
 REPLICA_METRIC_NAMES = tuple(name for name in METRIC_NAMES if not name.startswith(ROUTER_METRIC_PREFIX))
 
 
-@dataclass(frozen=True)
-class EngineCounterTotals:
-    """The engine's monotonically increasing totals since it started, one per counter."""
+class CounterTotals(Protocol):
+    """The engine's monotonically increasing totals since it started.
 
-    num_preemptions: int = 0
-    recomputed_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    replica.scheduler.SchedulerLoad has exactly these fields.
+    """
+
+    preemptions_total: int
+    recomputed_tokens_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+# Which counter follows which CounterTotals field.
+COUNTER_FOR_TOTAL = {
+    "preemptions_total": "headroom_num_preemptions_total",
+    "recomputed_tokens_total": "headroom_recomputed_tokens_total",
+    "prompt_tokens_total": "headroom_prompt_tokens_total",
+    "generation_tokens_total": "headroom_generation_tokens_total",
+    "prefix_cache_queries": "headroom_prefix_cache_queries_total",
+    "prefix_cache_hits": "headroom_prefix_cache_hits_total",
+}
 
 
 def create_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
@@ -219,15 +231,8 @@ class ReplicaMetrics:
         # Binding the labels now makes every series appear (at 0) from the first scrape, so
         # dashboards see a replica before its first preemption or request.
         labels = (replica_id, model)
-        self._counters = {
-            "num_preemptions": metrics["headroom_num_preemptions_total"].labels(*labels),
-            "recomputed_tokens": metrics["headroom_recomputed_tokens_total"].labels(*labels),
-            "prompt_tokens": metrics["headroom_prompt_tokens_total"].labels(*labels),
-            "generation_tokens": metrics["headroom_generation_tokens_total"].labels(*labels),
-            "prefix_cache_queries": metrics["headroom_prefix_cache_queries_total"].labels(*labels),
-            "prefix_cache_hits": metrics["headroom_prefix_cache_hits_total"].labels(*labels),
-        }
-        self._synced_totals = EngineCounterTotals()
+        self._counters = {total: metrics[name].labels(*labels) for total, name in COUNTER_FOR_TOTAL.items()}
+        self._synced_totals = dict.fromkeys(COUNTER_FOR_TOTAL, 0)
         request_success = metrics["headroom_request_success_total"]
         self._request_success = {reason: request_success.labels(*labels, reason) for reason in FINISH_REASONS}
         self._kv_cache_usage_ratio = metrics["headroom_kv_cache_usage_ratio"].labels(*labels)
@@ -241,23 +246,24 @@ class ReplicaMetrics:
         self._e2e_request_latency = metrics["headroom_e2e_request_latency_seconds"].labels(*labels)
         self._request_queue_time = metrics["headroom_request_queue_time_seconds"].labels(*labels)
 
-    def sync_counters(self, totals: EngineCounterTotals) -> None:
+    def sync_counters(self, totals: CounterTotals) -> None:
         """Advances every counter to the engine's totals, by the delta since the last sync.
 
         The engine keeps the authoritative totals (the scheduler counts preemptions where
-        they happen); the counters follow them. A total below the last synced one is a bug
-        (counters never go back), so it raises before any counter moves.
+        they happen); the counters follow them, so pass `scheduler.load()` after each step.
+        A total below the last synced one is a bug (counters never go back), so it raises
+        before any counter moves.
         """
-        names = [total_field.name for total_field in fields(EngineCounterTotals)]
-        for name in names:
-            total, synced = getattr(totals, name), getattr(self._synced_totals, name)
+        new_totals = {name: getattr(totals, name) for name in COUNTER_FOR_TOTAL}
+        for name, total in new_totals.items():
+            synced = self._synced_totals[name]
             if total < synced:
                 raise ValueError(f"engine total {name} went backwards from {synced} to {total}")
-        for name in names:
-            delta = getattr(totals, name) - getattr(self._synced_totals, name)
+        for name, total in new_totals.items():
+            delta = total - self._synced_totals[name]
             if delta:
                 self._counters[name].inc(delta)
-        self._synced_totals = totals
+        self._synced_totals = new_totals
 
     def set_load(self, load: ReplicaLoad) -> None:
         """Sets the gauges from the load snapshot the router sees, so the two always agree."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,23 @@ from replica.metrics import (
     FINISH_REASONS,
     METRIC_NAMES,
     REPLICA_METRIC_NAMES,
-    EngineCounterTotals,
     ReplicaMetrics,
 )
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 LABELS = {"replica": "replica-0", "model": "tiny-llama"}
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What the engine passes to sync_counters (its SchedulerLoad has these fields)."""
+
+    preemptions_total: int = 0
+    recomputed_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @pytest.fixture
@@ -111,11 +123,11 @@ def test_every_series_exists_at_zero_before_anything_happens(metrics: ReplicaMet
 
 def test_sync_counters_sets_each_counter_to_the_engine_total(metrics: ReplicaMetrics):
     metrics.sync_counters(
-        EngineCounterTotals(
-            num_preemptions=3,
-            recomputed_tokens=480,
-            prompt_tokens=1024,
-            generation_tokens=64,
+        Totals(
+            preemptions_total=3,
+            recomputed_tokens_total=480,
+            prompt_tokens_total=1024,
+            generation_tokens_total=64,
             prefix_cache_queries=1024,
             prefix_cache_hits=256,
         )
@@ -129,20 +141,30 @@ def test_sync_counters_sets_each_counter_to_the_engine_total(metrics: ReplicaMet
 
 
 def test_sync_counters_increments_by_the_delta_since_the_last_sync(metrics: ReplicaMetrics):
-    metrics.sync_counters(EngineCounterTotals(num_preemptions=3, generation_tokens=10))
-    metrics.sync_counters(EngineCounterTotals(num_preemptions=5, generation_tokens=10))
-    metrics.sync_counters(EngineCounterTotals(num_preemptions=5, generation_tokens=42))
+    metrics.sync_counters(Totals(preemptions_total=3, generation_tokens_total=10))
+    metrics.sync_counters(Totals(preemptions_total=5, generation_tokens_total=10))
+    metrics.sync_counters(Totals(preemptions_total=5, generation_tokens_total=42))
     assert value(metrics, "headroom_num_preemptions_total") == 5
     assert value(metrics, "headroom_generation_tokens_total") == 42
 
 
 def test_sync_counters_rejects_a_total_that_went_backwards_and_moves_no_counter(metrics: ReplicaMetrics):
-    metrics.sync_counters(EngineCounterTotals(num_preemptions=5, generation_tokens=10))
-    with pytest.raises(ValueError, match="num_preemptions went backwards from 5 to 4"):
-        metrics.sync_counters(EngineCounterTotals(num_preemptions=4, generation_tokens=20))
+    metrics.sync_counters(Totals(preemptions_total=5, generation_tokens_total=10))
+    with pytest.raises(ValueError, match="preemptions_total went backwards from 5 to 4"):
+        metrics.sync_counters(Totals(preemptions_total=4, generation_tokens_total=20))
     assert value(metrics, "headroom_generation_tokens_total") == 10
-    metrics.sync_counters(EngineCounterTotals(num_preemptions=6, generation_tokens=20))
+    metrics.sync_counters(Totals(preemptions_total=6, generation_tokens_total=20))
     assert value(metrics, "headroom_num_preemptions_total") == 6
+
+
+def test_sync_counters_accepts_the_schedulers_load_snapshot(metrics: ReplicaMetrics):
+    from replica.scheduler import SchedulerLoad
+
+    fields = {name: 0 for name in SchedulerLoad.__dataclass_fields__}
+    load = SchedulerLoad(**{**fields, "preemptions_total": 9, "prefix_cache_hits": 32, "kv_usage": 0.5})
+    metrics.sync_counters(load)
+    assert value(metrics, "headroom_num_preemptions_total") == 9
+    assert value(metrics, "headroom_prefix_cache_hits_total") == 32
 
 
 def test_finished_counts_requests_by_finish_reason(metrics: ReplicaMetrics):
@@ -214,7 +236,7 @@ def test_each_latency_goes_into_its_own_histogram(metrics: ReplicaMetrics, obser
 def test_two_engines_in_one_process_get_separate_registries():
     first = ReplicaMetrics(replica_id="replica-0", model="tiny-llama")
     second = ReplicaMetrics(replica_id="replica-0", model="tiny-llama")
-    first.sync_counters(EngineCounterTotals(num_preemptions=7))
+    first.sync_counters(Totals(preemptions_total=7))
     assert first.registry is not second.registry
     assert value(second, "headroom_num_preemptions_total") == 0
 
@@ -231,7 +253,7 @@ def test_metrics_register_in_a_given_registry():
 
 
 def test_http_endpoint_serves_every_replica_metric_with_its_labels(metrics: ReplicaMetrics):
-    metrics.sync_counters(EngineCounterTotals(num_preemptions=2))
+    metrics.sync_counters(Totals(preemptions_total=2))
     server, thread = metrics.start_http_server(port=0, addr="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
