@@ -1,0 +1,136 @@
+"""Tokenizer loading and round trips, and the incremental detokenizer's stream of text deltas."""
+
+import json
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica.builtin_model import BOS_TOKEN_ID, EOS_TOKEN_ID, build_byte_level_tokenizer, ensure_builtin_model
+from replica.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLoadError
+
+MULTI_BYTE_TEXTS = ["plain ascii", "héllo wörld", "你好，世界", "emoji 👋🏽 and 👨‍👩‍👧", "mixed: 日本語 ∑ x² 🚀!"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_builtin_model(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer.from_pretrained(model_dir)
+
+
+def stream(tokenizer, token_ids, chunk_size=1):
+    """The deltas an IncrementalDetokenizer yields for token_ids fed chunk_size at a time, then flush()."""
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add_tokens(token_ids[i : i + chunk_size]) for i in range(0, len(token_ids), chunk_size)]
+    return deltas + [detokenizer.flush()]
+
+
+@pytest.mark.parametrize("text", MULTI_BYTE_TEXTS)
+def test_encode_decode_round_trips_multi_byte_text(tokenizer, text):
+    token_ids = tokenizer.encode(text)
+    assert token_ids[0] == BOS_TOKEN_ID
+    assert len(token_ids) == 1 + len(text.encode("utf-8"))  # one token per byte
+    assert tokenizer.decode(token_ids) == text
+
+
+def test_encode_adds_bos_exactly_once(tokenizer):
+    assert tokenizer.encode("hi") == [BOS_TOKEN_ID, ord("h"), ord("i")]
+    assert tokenizer.encode("hi", add_special_tokens=False) == [ord("h"), ord("i")]
+
+
+def test_config_add_bos_token_adds_bos_when_the_tokenizer_json_does_not(model_dir, tmp_path):
+    bare_dir = tmp_path / "model"
+    shutil.copytree(model_dir, bare_dir)
+    tokenizer_json = json.loads((bare_dir / "tokenizer.json").read_text())
+    tokenizer_json["post_processor"] = None
+    (bare_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    assert Tokenizer.from_pretrained(bare_dir).encode("hi") == [BOS_TOKEN_ID, ord("h"), ord("i")]
+
+
+def test_decode_skips_special_tokens_unless_asked(tokenizer):
+    token_ids = [BOS_TOKEN_ID, ord("o"), ord("k"), EOS_TOKEN_ID]
+    assert tokenizer.decode(token_ids) == "ok"
+    assert tokenizer.decode(token_ids, skip_special_tokens=False) == "<s>ok</s>"
+
+
+def test_special_token_ids_and_vocab_size_come_from_the_directory(tokenizer):
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.vocab_size) == (256, 257, 320)
+
+
+def test_missing_tokenizer_raises_an_error_naming_the_file(tmp_path):
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json does not exist"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_without_tokenizer_json_falls_back_to_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    build_byte_level_tokenizer().model.save(str(tmp_path))  # GPT-2 style vocab.json + merges.txt
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    tokenizer = Tokenizer.from_pretrained(tmp_path)
+    assert tokenizer.encode("é👋") == list("é👋".encode("utf-8"))
+    assert tokenizer.decode(tokenizer.encode("é👋")) == "é👋"
+
+
+def test_chat_template_fallback_format(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert tokenizer.apply_chat_template(messages) == "<s><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+
+
+def test_chat_template_in_the_directory_is_rendered_by_transformers(model_dir, tmp_path):
+    pytest.importorskip("transformers")
+    chat_dir = tmp_path / "chat-model"
+    shutil.copytree(model_dir, chat_dir)
+    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    prompt = Tokenizer.from_pretrained(chat_dir).apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert prompt == "<s>[user] Hi!\n[assistant] "
+
+
+@pytest.mark.parametrize("text", MULTI_BYTE_TEXTS)
+def test_incremental_deltas_never_split_a_character(tokenizer, text):
+    deltas = stream(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == text
+
+
+def test_a_multi_byte_character_is_held_back_until_its_last_byte(tokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    euro_byte_tokens = list("€".encode("utf-8"))
+    assert [detokenizer.add_tokens([token_id]) for token_id in euro_byte_tokens] == ["", "", "€"]
+
+
+def test_flush_releases_an_incomplete_trailing_character(tokenizer):
+    token_ids = [ord("a")] + list("€".encode("utf-8"))[:2]  # cut off mid-character, e.g. by max_tokens
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert [detokenizer.add_tokens([token_id]) for token_id in token_ids] == ["a", "", ""]
+    assert detokenizer.flush() == tokenizer.decode(token_ids)[1:] == "\ufffd"
+
+
+def test_special_tokens_are_kept_when_not_skipped(tokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert detokenizer.add_tokens([ord("o"), ord("k"), EOS_TOKEN_ID]) == "ok</s>"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=40).filter(lambda text: "\ufffd" not in text), chunk_size=st.integers(1, 5))
+def test_deltas_of_valid_text_concatenate_to_the_full_decode(tokenizer, text, chunk_size):
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas = stream(tokenizer, token_ids, chunk_size)
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == tokenizer.decode(token_ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(token_ids=st.lists(st.integers(0, 319), max_size=40), chunk_size=st.integers(1, 5))
+def test_deltas_of_any_token_stream_concatenate_to_the_full_decode(tokenizer, token_ids, chunk_size):
+    # What a random-weight model emits: invalid UTF-8 and special tokens included.
+    assert "".join(stream(tokenizer, token_ids, chunk_size)) == tokenizer.decode(token_ids)
