@@ -57,7 +57,7 @@ class Sampler:
                 generator = self._generator(like.device)
                 generator.manual_seed(_row_seed(row_params.seed, step_index))
                 noise[row].exponential_(generator=generator)
-        # exponential_ can return exactly 0, whose log would let a masked token win.
+        # exponential_ can return exactly 0; its log (-inf) would turn a masked -inf score into NaN.
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -95,13 +95,14 @@ def _apply_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[flo
     ranks = torch.arange(scaled.shape[-1], device=device).unsqueeze(0)
     outside = ranks >= torch.tensor(top_ks, device=device).unsqueeze(1)
 
-    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
-    sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # The nucleus is the shortest prefix holding top_p of the mass: keep a token while the
-    # mass ranked above it is still short of top_p. Rows with top_p = 1 are exempt, since
-    # rounding can push the running sum to 1 before the tail ends.
-    outside |= (mass_before >= top_p) & (top_p < 1.0)
+    if any(p < 1.0 for p in top_ps):
+        top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # The nucleus is the shortest prefix holding top_p of the mass: keep a token while
+        # the mass ranked above it is still short of top_p. Rows with top_p = 1 are exempt,
+        # since rounding can push the running sum to 1 before the tail ends.
+        outside |= (mass_before >= top_p) & (top_p < 1.0)
 
     filtered_sorted = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, sorted_token_ids, filtered_sorted)

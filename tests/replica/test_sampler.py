@@ -148,7 +148,8 @@ def test_logprobs_are_the_raw_log_softmax_of_the_sampled_token():
 
 
 def test_logprobs_are_none_for_rows_that_did_not_ask():
-    output = Sampler().sample(random_logits(3), [SamplingParams(logprobs=flag) for flag in (True, False, True)], [0] * 3)
+    params = [SamplingParams(logprobs=flag) for flag in (True, False, True)]
+    output = Sampler().sample(random_logits(3), params, [0] * 3)
     assert [logprob is None for logprob in output.logprobs] == [False, True, False]
 
 
