@@ -1,0 +1,144 @@
+"""The model's shape and numerics, parsed once from a Hugging Face `config.json`.
+
+Accepts both rope spellings: `rope_theta`/`rope_scaling` (transformers < 5) and
+`rope_parameters` (transformers 5). Anything the model cannot run is rejected here by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_REQUIRED_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+class ModelConfigError(ValueError):
+    """A config.json this model implementation cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else {"rope_type": "linear" | "llama3", plus that type's parameters}.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections
+    o_proj_bias: bool  # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not
+    mlp_bias: bool
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # config.json may give one id or a list
+    sliding_window: int | None  # Mistral v0.1; attention here is full, so contexts stop at the window
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context this implementation reproduces exactly (full attention == a window it fits in)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @classmethod
+    def from_hf_config(cls, raw: dict[str, Any]) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((name for name in architectures if name in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ModelConfigError(
+                f"unsupported architecture {', '.join(architectures) or '(none given)'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported; only 'silu' (SwiGLU) is")
+
+        num_attention_heads = _required(raw, "num_attention_heads")
+        num_key_value_heads = raw.get("num_key_value_heads") or num_attention_heads
+        if num_attention_heads % num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({num_key_value_heads})"
+            )
+        hidden_size = _required(raw, "hidden_size")
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = True if is_qwen2 else bool(raw.get("attention_bias", False))
+        rope_theta, rope_scaling = _parse_rope(raw)
+        eos = raw.get("eos_token_id")
+        sliding_window = raw.get("sliding_window")
+        if is_qwen2 and not raw.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2 writes a window it does not use
+        return cls(
+            architecture=architecture,
+            vocab_size=_required(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_required(raw, "intermediate_size"),
+            num_hidden_layers=_required(raw, "num_hidden_layers"),
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=raw.get("head_dim") or hidden_size // num_attention_heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", field="torch_dtype"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            sliding_window=sliding_window,
+        )
+
+
+def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES_BY_NAME:
+        raise ModelConfigError(f"{field} {name!r} is not one of {', '.join(DTYPES_BY_NAME)}")
+    return DTYPES_BY_NAME[name]
+
+
+def _required(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ModelConfigError(f"config.json has no {key!r}")
+    return raw[key]
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either the transformers 5 or the older spelling."""
+    if isinstance(raw.get("rope_parameters"), dict):
+        params = dict(raw["rope_parameters"])
+        rope_theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    else:
+        params = dict(raw.get("rope_scaling") or {})
+        rope_theta = raw.get("rope_theta", 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelConfigError("partial_rotary_factor other than 1.0 is not supported")
+    missing = [key for key in _REQUIRED_ROPE_KEYS[rope_type] if key not in params]
+    if missing:
+        raise ModelConfigError(f"rope type {rope_type!r} needs {', '.join(missing)}")
+    if rope_type == "default":
+        return float(rope_theta), None
+    return float(rope_theta), {"rope_type": rope_type, **{key: params[key] for key in _REQUIRED_ROPE_KEYS[rope_type]}}

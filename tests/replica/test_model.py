@@ -1,0 +1,278 @@
+"""The Llama-family model and its loader against Hugging Face transformers on tiny random checkpoints.
+
+Each checkpoint is written with save_pretrained; our logits through the paged KV path must
+equal HF's forward logits, however the tokens are split into steps.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from replica.attention import AttentionMetadata, allocate_kv_cache
+from replica.model import ModelConfig, ModelConfigError, ModelLoadError, load_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+PROMPT_LEN = 13
+LOGITS_TOLERANCE = 1e-4
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+CHECKPOINT_CONFIGS = {
+    "llama3": lambda: transformers.LlamaConfig(
+        **TINY_SHAPE, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    ),
+    "qwen2_tied": lambda: transformers.Qwen2Config(**TINY_SHAPE, tie_word_embeddings=True),
+    "mistral": lambda: transformers.MistralConfig(**TINY_SHAPE, head_dim=16),
+}
+
+
+def _randomize(hf_model) -> None:
+    """HF initialises biases to 0 and norms to 1; random values make every weight's mapping matter."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINT_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(checkpoint dir, HF model) for each architecture."""
+    torch.manual_seed(0)
+    hf_config = CHECKPOINT_CONFIGS[request.param]()
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    _randomize(hf_model)
+    model_dir = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir, hf_model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE)).eval()
+    model_dir = tmp_path_factory.mktemp("llama")
+    hf_model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedRunner:
+    """A minimal model runner: sequences in shuffled cache blocks, stepped with any token split."""
+
+    def __init__(self, model, cfg: ModelConfig, seed: int = 0):
+        self.model, self.cfg = model, cfg
+        self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads,
+                                           cfg.head_dim, torch.float32, "cpu")
+        self.free_blocks = list(range(1, NUM_BLOCKS))  # block 0 is the reserved null block
+        random.Random(seed).shuffle(self.free_blocks)
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    def step(self, new_tokens: dict[str, list[int]], layer_hook=None) -> dict[str, torch.Tensor]:
+        """Run each sequence's next tokens in one forward pass; return each one's last-position logits."""
+        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        for seq_id, token_ids in new_tokens.items():
+            start = self.num_computed.setdefault(seq_id, 0)
+            table = self.block_tables.setdefault(seq_id, [])
+            for position in range(start, start + len(token_ids)):
+                if position // BLOCK_SIZE == len(table):
+                    table.append(self.free_blocks.pop())
+                slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+                positions.append(position)
+            input_ids += token_ids
+            query_lens.append(len(token_ids))
+            seq_lens.append(start + len(token_ids))
+            self.num_computed[seq_id] = start + len(token_ids)
+        max_blocks = max(len(self.block_tables[seq_id]) for seq_id in new_tokens)
+        block_tables = torch.zeros(len(new_tokens), max_blocks, dtype=torch.int32)
+        for row, seq_id in enumerate(new_tokens):
+            block_tables[row, : len(self.block_tables[seq_id])] = torch.tensor(self.block_tables[seq_id])
+        query_start_loc = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta, layer_hook)
+            logits = self.model.compute_logits(hidden[query_start_loc[1:].long() - 1])
+        return dict(zip(new_tokens, logits))
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, TINY_SHAPE["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_one_prefill_through_the_paged_cache_matches_hf_logits_at_every_position(checkpoint):
+    model_dir, hf_model = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    prompt = _prompt(PROMPT_LEN, seed=1)
+    runner = PagedRunner(model, cfg)
+    positions = torch.arange(PROMPT_LEN)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, PROMPT_LEN], dtype=torch.int32),
+        seq_lens=torch.tensor([PROMPT_LEN], dtype=torch.int32),
+        block_tables=torch.tensor([[5, 2, 9, 7]], dtype=torch.int32),
+        slot_mapping=torch.tensor([[5, 2, 9, 7][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(13)]),
+        max_query_len=PROMPT_LEN,
+        max_seq_len=PROMPT_LEN,
+    )
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor(prompt), positions, runner.kv_caches, meta))
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=LOGITS_TOLERANCE, rtol=0)
+
+
+def test_two_prefill_chunks_then_decodes_match_hf_logits(checkpoint):
+    model_dir, hf_model = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    tokens = _prompt(PROMPT_LEN + 2, seed=2)  # the prompt, then two "sampled" tokens fed back
+    expected = hf_logits(hf_model, tokens)
+    runner = PagedRunner(model, cfg)
+
+    steps = [tokens[:5], tokens[5:PROMPT_LEN], [tokens[PROMPT_LEN]], [tokens[PROMPT_LEN + 1]]]
+    num_done = 0
+    for step_tokens in steps:
+        num_done += len(step_tokens)
+        logits = runner.step({"seq": step_tokens})["seq"]
+        torch.testing.assert_close(logits, expected[num_done - 1], atol=LOGITS_TOLERANCE, rtol=0)
+
+
+def test_prefill_chunk_and_decode_of_two_sequences_share_one_forward_pass(checkpoint):
+    model_dir, hf_model = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    first, second = _prompt(9, seed=3), _prompt(11, seed=4)
+    runner = PagedRunner(model, cfg)
+    runner.step({"first": first[:8]})
+    logits = runner.step({"second": second[:6], "first": first[8:]})
+    torch.testing.assert_close(logits["first"], hf_logits(hf_model, first)[-1], atol=LOGITS_TOLERANCE, rtol=0)
+    torch.testing.assert_close(logits["second"], hf_logits(hf_model, second[:6])[-1], atol=LOGITS_TOLERANCE, rtol=0)
+    logits = runner.step({"second": second[6:]})
+    torch.testing.assert_close(logits["second"], hf_logits(hf_model, second)[-1], atol=LOGITS_TOLERANCE, rtol=0)
+
+
+def test_tied_checkpoint_shares_the_embedding_with_lm_head(checkpoint):
+    model_dir, _ = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == cfg.tie_word_embeddings
+
+
+def test_sharded_checkpoint_loads_the_same_weights(llama_dir, tmp_path):
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    sharded, _ = load_model(tmp_path, attention_backend="torch")
+    single, _ = load_model(llama_dir, attention_backend="torch")
+    for (name, sharded_param), single_param in zip(sharded.named_parameters(), single.parameters()):
+        assert torch.equal(sharded_param, single_param), name
+
+
+def test_dtype_override_casts_weights_and_logits_stay_float32(llama_dir):
+    model, cfg = load_model(llama_dir, dtype="float16", attention_backend="torch")
+    assert cfg.dtype == torch.float32  # the config keeps the checkpoint's own dtype
+    assert {param.dtype for param in model.parameters()} == {torch.float16}
+    assert model.compute_logits(torch.zeros(1, cfg.hidden_size, dtype=torch.float16)).dtype == torch.float32
+
+
+def test_layer_hook_runs_before_each_layer_and_can_abort_the_pass(llama_dir):
+    model, cfg = load_model(llama_dir, attention_backend="torch")
+    runner = PagedRunner(model, cfg)
+    seen = []
+    runner.step({"seq": [1, 2, 3]}, layer_hook=seen.append)
+    assert seen == [0, 1]
+
+    class Abort(Exception):
+        pass
+
+    def abort_at_layer_1(layer_idx):
+        if layer_idx == 1:
+            raise Abort
+
+    with pytest.raises(Abort):
+        runner.step({"seq": [4]}, layer_hook=abort_at_layer_1)
+
+
+def _edit_config(model_dir, **changes):
+    config_path = model_dir / "config.json"
+    raw = json.loads(config_path.read_text())
+    raw.update(changes)
+    config_path.write_text(json.dumps(raw))
+
+
+@pytest.fixture
+def llama_copy(llama_dir, tmp_path):
+    for source in llama_dir.iterdir():
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    return tmp_path
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_missing_config_json_is_named(llama_copy):
+    (llama_copy / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing config.json"):
+        load_model(llama_copy)
+
+
+def test_missing_weights_file_is_named(llama_copy):
+    (llama_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="missing weights.*model.safetensors"):
+        load_model(llama_copy)
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(llama_copy):
+    _edit_config(llama_copy, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
+        load_model(llama_copy)
+
+
+def test_shape_mismatch_names_the_tensor_and_both_shapes(llama_copy):
+    _edit_config(llama_copy, intermediate_size=100)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\].*\[100, 64\]"):
+        load_model(llama_copy)
+
+
+def test_missing_tensor_is_named(llama_copy):
+    weights = load_file(llama_copy / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, llama_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(llama_copy)
+
+
+def test_unsupported_rope_type_is_named(llama_copy):
+    _edit_config(llama_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="rope type 'yarn'.*default, linear, llama3"):
+        load_model(llama_copy)
+
+
+def test_pre_v5_rope_spelling_parses_like_rope_parameters():
+    shape = dict(architectures=["LlamaForCausalLM"], **TINY_SHAPE, eos_token_id=[7, 9])
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    old = ModelConfig.from_hf_config({**shape, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama3}})
+    new = ModelConfig.from_hf_config({**shape, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    assert old == new
+    assert old.rope_theta == 5e5 and old.rope_scaling == {"rope_type": "llama3", **llama3}
+    assert old.eos_token_ids == (7, 9) and old.head_dim == 16
+
+
+def test_heads_that_do_not_group_evenly_are_rejected():
+    with pytest.raises(ModelConfigError, match="num_attention_heads \\(4\\).*num_key_value_heads \\(3\\)"):
+        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **TINY_SHAPE, "num_key_value_heads": 3})
