@@ -174,6 +174,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
             num_seqs, key_cache.shape[1],
+            # One set of cache strides serves both caches: allocate_kv_cache makes them alike.
             *query.stride(), *output.stride(), *key_cache.stride(),
             meta.block_tables.stride(0),
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),

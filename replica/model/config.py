@@ -130,10 +130,12 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         params = dict(raw.get("rope_scaling") or {})
         rope_theta = raw.get("rope_theta", 10000.0)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    legacy_rope_type = params.pop("type", None)  # the pre-4.45 spelling of rope_type
+    rope_type = params.pop("rope_type", None) or legacy_rope_type or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ModelConfigError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelConfigError("partial_rotary_factor other than 1.0 is not supported")
     missing = [key for key in _REQUIRED_ROPE_KEYS[rope_type] if key not in params]

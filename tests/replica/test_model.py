@@ -121,18 +121,20 @@ def test_one_prefill_through_the_paged_cache_matches_hf_logits_at_every_position
     model_dir, hf_model = checkpoint
     model, cfg = load_model(model_dir, attention_backend="torch")
     prompt = _prompt(PROMPT_LEN, seed=1)
-    runner = PagedRunner(model, cfg)
+    block_ids = [5, 2, 9, 7]  # out of order on purpose: the cache is paged, not contiguous
     positions = torch.arange(PROMPT_LEN)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, PROMPT_LEN], dtype=torch.int32),
         seq_lens=torch.tensor([PROMPT_LEN], dtype=torch.int32),
-        block_tables=torch.tensor([[5, 2, 9, 7]], dtype=torch.int32),
-        slot_mapping=torch.tensor([[5, 2, 9, 7][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(13)]),
+        block_tables=torch.tensor([block_ids], dtype=torch.int32),
+        slot_mapping=torch.tensor([block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]),
         max_query_len=PROMPT_LEN,
         max_seq_len=PROMPT_LEN,
     )
+    kv_caches = allocate_kv_cache(cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads,
+                                  cfg.head_dim, torch.float32, "cpu")
     with torch.inference_mode():
-        logits = model.compute_logits(model(torch.tensor(prompt), positions, runner.kv_caches, meta))
+        logits = model.compute_logits(model(torch.tensor(prompt), positions, kv_caches, meta))
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=LOGITS_TOLERANCE, rtol=0)
 
@@ -239,13 +241,15 @@ def test_missing_weights_file_is_named(llama_copy):
 
 def test_unsupported_architecture_names_it_and_the_supported_ones(llama_copy):
     _edit_config(llama_copy, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
+    supported = "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"
+    with pytest.raises(ModelLoadError, match=f"GPT2LMHeadModel.*{supported}"):
         load_model(llama_copy)
 
 
 def test_shape_mismatch_names_the_tensor_and_both_shapes(llama_copy):
     _edit_config(llama_copy, intermediate_size=100)
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\].*\[100, 64\]"):
+    expected_message = r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\].*\[100, 64\]"
+    with pytest.raises(ModelLoadError, match=expected_message):
         load_model(llama_copy)
 
 
