@@ -92,7 +92,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (some have several)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value is served first (vLLM's convention)
     ttft_deadline: Optional[float] = None  # absolute, on the engine's clock
@@ -107,7 +107,9 @@ class Request:
     # when the prefix-cache hit tells how many of them really must be recomputed.
     num_computed_tokens_lost: int = 0
     first_token_time: Optional[float] = None
-    admitted_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    admitted_time: Optional[float] = None  # latest admission to running
+    first_admitted_time: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -137,7 +139,7 @@ class Request:
     def check_stop(self, token_id: int) -> Optional[RequestStatus]:
         """The finished status the just-appended token puts this request in, if any."""
         params = self.sampling_params
-        if not params.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id:
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

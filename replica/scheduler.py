@@ -273,6 +273,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.num_cached_tokens = num_hit_tokens
             request.admitted_time = now
+            if request.first_admitted_time is None:
+                request.first_admitted_time = now
             self.running.append(request)
             scheduled.append(
                 ScheduledRequest(
@@ -305,9 +307,10 @@ class Scheduler:
                 continue  # mid-prefill chunk, or aborted while the step ran
             token_id = sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
+            now = now if now is not None else self.clock()
             if request.first_token_time is None:
-                now = now if now is not None else self.clock()
                 request.first_token_time = now
+            request.last_token_time = now
             finished = request.check_stop(token_id)
             if finished is not None:
                 self._finish(request, finished)

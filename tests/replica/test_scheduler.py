@@ -260,8 +260,8 @@ def test_abort_frees_blocks_at_once_and_leaves_others_running():
 def test_stop_token_and_eos_finish_a_request():
     scheduler = make_scheduler(max_num_batched_tokens=64)
     first_token = reference_outputs([make_request("x", [7, 7, 7], 1)])["x"][0]
-    eos = make_request("eos", [7, 7, 7], 10, eos_token_id=first_token, ignore_eos=False)
-    ignored = make_request("ignored", [7, 7, 7], 10, eos_token_id=first_token, ignore_eos=True)
+    eos = make_request("eos", [7, 7, 7], 10, eos_token_ids=(first_token,), ignore_eos=False)
+    ignored = make_request("ignored", [7, 7, 7], 10, eos_token_ids=(first_token,), ignore_eos=True)
     stop = make_request("stop", [7, 7, 7], 10)
     stop.sampling_params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(first_token,))
     run_to_completion(scheduler, [eos, ignored, stop])
