@@ -30,7 +30,18 @@ class TorchAttentionBackend(AttentionBackend):
         # One host sync for the whole batch rather than one per sequence.
         query_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
+        decode_rows = [i for i in range(len(seq_lens)) if query_starts[i + 1] - query_starts[i] == 1]
+        if len(decode_rows) > 1:
+            # Single-token queries (decodes) share one padded attention call: per-call overhead,
+            # not arithmetic, dominates small decode batches on a CPU.
+            self._batched_decode(query, key_cache, value_cache, meta, scale, output,
+                                 decode_rows, [query_starts[i] for i in decode_rows], [seq_lens[i] for i in decode_rows])
+            batched = set(decode_rows)
+        else:
+            batched = set()
         for seq_idx, seq_len in enumerate(seq_lens):
+            if seq_idx in batched:
+                continue
             query_start, query_end = query_starts[seq_idx], query_starts[seq_idx + 1]
             query_len = query_end - query_start
             if query_len == 0:
@@ -50,6 +61,30 @@ class TorchAttentionBackend(AttentionBackend):
             )
             output[query_start:query_end] = seq_output.transpose(0, 1)
         return output
+
+    @staticmethod
+    def _batched_decode(query, key_cache, value_cache, meta, scale, output, rows, query_rows, seq_lens) -> None:
+        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        max_len = max(seq_lens)
+        num_blocks = -(-max_len // block_size)
+        device = query.device
+        row_index = torch.tensor(rows, device=device)
+        block_ids = meta.block_tables[row_index, :num_blocks].long()  # [batch, blocks]; padding -> null block
+        keys = key_cache[block_ids].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
+        values = value_cache[block_ids].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
+        lengths = torch.tensor(seq_lens, device=device)
+        valid = torch.arange(max_len, device=device)[None, :] < lengths[:, None]  # [batch, max_len]
+        token_index = torch.tensor(query_rows, device=device)
+        decode_query = query[token_index].unsqueeze(2)  # [batch, heads, 1, head_dim]
+        attended = F.scaled_dot_product_attention(
+            decode_query,
+            keys.transpose(1, 2).to(query.dtype),
+            values.transpose(1, 2).to(query.dtype),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        output[token_index] = attended.squeeze(2)
 
 
 def _causal_offset_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
