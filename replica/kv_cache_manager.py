@@ -105,6 +105,11 @@ class KVCacheManager:
         num_held = (len(req_blocks) if req_blocks else 0) + len(new_computed_blocks)
         num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held)
+        if num_new_blocks == 0 and req_blocks and not new_computed_blocks and num_tokens_to_fit is None:
+            # The common decode step: the tokens fit in blocks the request already holds.
+            if self.enable_caching:
+                self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
+            return []
         num_blocks_to_fit = num_new_blocks
         if num_tokens_to_fit is not None:
             num_blocks_to_fit = max(num_new_blocks, cdiv(num_tokens_to_fit, self.block_size) - num_held)
