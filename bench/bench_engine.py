@@ -1,0 +1,123 @@
+"""Engine throughput against HF transformers on the same checkpoint and workload, one run:
+continuous batching (headroom) vs static batching (HF batched generate()).
+
+    python bench/bench_engine.py [--model builtin|PATH] [--requests 64] [--hf-batch-size 16] [--quick]
+
+Workload: prompt lengths 16-512 and output lengths 16-256 drawn from a fixed seed; outputs
+are forced to their length (ignore_eos / min_new_tokens). HF pads each batch and runs it to
+its longest output; only each request's own tokens count as useful output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+
+def workload(num_requests: int, vocab_size: int, seed: int = 0, max_prompt: int = 512, max_output: int = 256):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(16, max_prompt))], rng.randint(16, max_output))
+            for _ in range(num_requests)]
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def run_headroom(model_dir: str, requests, device: str, dtype: str) -> dict:
+    from replica.config import make_engine_config
+    from replica.engine import LLMEngine
+    from replica.request import SamplingParams
+
+    max_len = max(len(p) + n for p, n in requests)
+    config = make_engine_config(max_model_len=max(max_len, 1024), num_kv_blocks=4096, max_num_seqs=len(requests),
+                                max_num_batched_tokens=2048)
+    engine = LLMEngine(config, model_dir, device=device, dtype=dtype)
+    engine.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    handles = []
+    for index, (prompt, num_out) in enumerate(requests):
+        request = engine.make_request(f"bench-{index}", prompt,
+                                      SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True))
+        engine.add_request(request, detokenize=False)
+        handles.append(request)
+    finish_times = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finish_times[output.request_id] = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    useful = sum(n for _, n in requests)
+    assert all(len(r.output_token_ids) == n for r, (_, n) in zip(handles, requests))
+    return dict(elapsed=elapsed, tokens_per_s=useful / elapsed, latencies=list(finish_times.values()),
+                preemptions=engine.scheduler.counters.preemptions)
+
+
+def run_hf(model_dir: str, requests, batch_size: int, device: str, dtype: str) -> dict:
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    warm = torch.tensor([requests[0][0][:16]], device=device)
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    start = time.perf_counter()
+    latencies = []
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first:first + batch_size]
+        width = max(len(p) for p, _ in batch)
+        # Left padding, as HF recommends for batched decoder-only generation.
+        input_ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+        longest = max(n for _, n in batch)
+        with torch.inference_mode():
+            model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=0)
+        batch_done = time.perf_counter() - start
+        latencies += [batch_done] * len(batch)  # static batching: everyone waits for the batch
+    elapsed = time.perf_counter() - start
+    return dict(elapsed=elapsed, tokens_per_s=sum(n for _, n in requests) / elapsed, latencies=latencies)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quick", action="store_true", help="16 short requests (smoke run)")
+    args = parser.parse_args()
+
+    from replica.builtin_model import resolve_model_path
+
+    model_dir = str(resolve_model_path(args.model))
+    import json
+    import pathlib
+
+    vocab_size = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
+    if args.quick:
+        requests = workload(16, vocab_size, max_prompt=64, max_output=32)
+    else:
+        requests = workload(args.requests, vocab_size)
+    torch.manual_seed(0)
+    print(f"model={args.model} device={args.device} dtype={args.dtype} requests={len(requests)} "
+          f"prompt tokens={sum(len(p) for p, _ in requests)} output tokens={sum(n for _, n in requests)} "
+          f"torch threads={torch.get_num_threads()}")
+    ours = run_headroom(model_dir, requests, args.device, args.dtype)
+    theirs = run_hf(model_dir, requests, args.hf_batch_size, args.device, args.dtype)
+    print(f"{'engine':>22} {'output tok/s':>13} {'wall s':>8} {'latency p50 s':>14} {'p99 s':>8}")
+    for name, result in (("headroom (continuous)", ours), (f"HF generate (batch {args.hf_batch_size})", theirs)):
+        print(f"{name:>22} {result['tokens_per_s']:>13.1f} {result['elapsed']:>8.1f} "
+              f"{statistics.median(result['latencies']):>14.2f} {percentile(result['latencies'], 99):>8.2f}")
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    print(f"throughput ratio headroom / HF = {ratio:.2f}x (target >= 3x: {'MET' if ratio >= 3 else 'MISSED'}); "
+          f"headroom preemptions: {ours['preemptions']}")
+
+
+if __name__ == "__main__":
+    main()
