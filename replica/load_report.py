@@ -1,0 +1,77 @@
+"""Builds the ReplicaLoad proto the router scores replicas with, from the engine's
+SchedulerLoad snapshot, its StepStats and a smoothed preemption rate. GetLoad, WatchLoad
+and the Prometheus gauges all read their load from here, so they never disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable
+
+from protos.headroom_pb2 import ReplicaLoad
+from replica.engine import StepStats
+from replica.preemption_rate import PreemptionRateEstimator
+from replica.scheduler import SchedulerLoad
+
+# A WatchLoad subscriber gets a snapshot at once when free blocks move by more than this
+# fraction of the pool: a router scoring on stale headroom would herd requests onto it.
+FREE_BLOCKS_CHANGE_FRACTION = 0.05
+
+
+def is_significant_change(previous: SchedulerLoad, current: SchedulerLoad) -> bool:
+    """Whether the router should hear about `current` now rather than at the next interval."""
+    if current.preemptions_total != previous.preemptions_total:
+        return True
+    if current.num_running != previous.num_running or current.num_waiting != previous.num_waiting:
+        return True
+    moved_blocks = abs(current.kv_blocks_free - previous.kv_blocks_free)
+    return moved_blocks > FREE_BLOCKS_CHANGE_FRACTION * max(current.kv_blocks_total, 1)
+
+
+class LoadReportBuilder:
+    """One replica's ReplicaLoad snapshots: numbered by a shared sequence, stamped in Unix
+    seconds, with the preemption rate observed from every snapshot's counter."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        step_stats: StepStats,
+        *,
+        rate_estimator: PreemptionRateEstimator | None = None,
+        monotonic_clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        self.replica_id = replica_id
+        self.step_stats = step_stats
+        self.rate_estimator = rate_estimator or PreemptionRateEstimator()
+        self._monotonic_clock = monotonic_clock
+        self._wall_clock = wall_clock
+        self._seq = itertools.count(1)
+
+    def build(self, load: SchedulerLoad) -> ReplicaLoad:
+        """The ReplicaLoad for `load`; call from one event loop (the estimator is not thread-safe)."""
+        now = self._monotonic_clock()
+        # Observing here (not only on a timer) keeps the rate consistent with the
+        # preemptions_total sent beside it.
+        self.rate_estimator.observe(load.preemptions_total, now)
+        return ReplicaLoad(
+            replica_id=self.replica_id,
+            seq=next(self._seq),
+            timestamp=self._wall_clock(),
+            kv_blocks_total=load.kv_blocks_total,
+            kv_blocks_free=load.kv_blocks_free,
+            block_size=load.block_size,
+            kv_usage=load.kv_usage,
+            headroom_tokens=load.headroom_tokens,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            waiting_prefill_tokens=load.waiting_prefill_tokens,
+            preemptions_total=load.preemptions_total,
+            preemption_rate=self.rate_estimator.rate(now),
+            preemption_rate_per_running=self.rate_estimator.rate_per_running(now, load.num_running),
+            recomputed_tokens_total=load.recomputed_tokens_total,
+            step_time_ms=self.step_stats.step_time_s * 1000.0,
+            generation_tokens_per_s=self.step_stats.generation_tokens_per_s,
+            max_num_seqs=load.max_num_seqs,
+        )
