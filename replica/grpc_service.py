@@ -1,0 +1,218 @@
+"""The replica's gRPC servicers: Generation (streaming Generate, Tokenize, GetModelInfo) and
+LoadReporter (GetLoad, WatchLoad) over one AsyncEngine. Requests are validated here, at the
+edge, and every engine error maps to one gRPC status whose message names the proto field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Callable, Optional
+
+import grpc
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from replica.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
+from replica.engine import RequestOutput
+from replica.load_report import LoadReportBuilder, is_significant_change
+from replica.metrics import ReplicaMetrics
+from replica.request import InvalidRequestError, Request, SamplingParams
+from replica.scheduler import QueueFullError
+
+FINISH_REASON_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+# The engine names fields after its own types; clients know the proto's field paths.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
+PROTO_FIELD_FOR_ENGINE_FIELD = {
+    "prompt": "prompt",
+    "prompt_token_ids": "token_ids",
+    "request_id": "request_id",
+    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
+}
+DEFAULT_WATCH_INTERVAL_MS = 100
+# WatchLoad streams check for server shutdown at least this often, whatever interval the
+# client asked for, so stop() ends them cleanly instead of cancelling them.
+WATCH_STOP_CHECK_S = 0.1
+
+
+def invalid_argument_message(error: InvalidRequestError) -> str:
+    """The error's message with the engine's field name replaced by the proto field path."""
+    detail = str(error).removeprefix(f"{error.field}: ")
+    return f"{PROTO_FIELD_FOR_ENGINE_FIELD.get(error.field, error.field)}: {detail}"
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics):
+        self.engine = engine
+        self.replica_id = replica_id
+        self.model_id = model_id
+        self.metrics = metrics
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            stream = self._add_request(request)
+        except InvalidRequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
+        except QueueFullError as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except EngineShutdownError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+
+        timings = StreamTimings(self.metrics, stream.request, self.engine.engine.clock)
+        failure: Optional[tuple[grpc.StatusCode, str]] = None
+        try:
+            # grpc.aio also cancels this task when the client's deadline passes; the
+            # timeout makes the status DEADLINE_EXCEEDED even if that races our writes.
+            async with asyncio.timeout(context.time_remaining()):
+                async for output in stream:
+                    timings.observe(output)
+                    await context.write(self._response(output))
+        except TimeoutError:
+            failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
+        except EngineStepError as error:
+            timings.abandoned()  # the engine already aborted the request
+            failure = (grpc.StatusCode.INTERNAL, str(error))
+        finally:
+            # Runs on client cancellation too (grpc.aio cancels this task): the request
+            # must not keep its KV blocks once nobody reads its stream.
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+                timings.abandoned()
+        if failure is not None:
+            await context.abort(*failure)
+
+    def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
+        prompt_token_ids = self._prompt_token_ids(request)
+        ttft_deadline = None
+        if request.HasField("ttft_deadline_ms"):
+            if not (math.isfinite(request.ttft_deadline_ms) and request.ttft_deadline_ms > 0):
+                raise InvalidRequestError("ttft_deadline_ms", f"must be > 0, got {request.ttft_deadline_ms}")
+            ttft_deadline = self.engine.engine.clock() + request.ttft_deadline_ms / 1000.0
+        return self.engine.add_request(
+            prompt_token_ids,
+            self._sampling_params(request.sampling, num_prompt_tokens=len(prompt_token_ids)),
+            request_id=request.request_id or None,
+            # The proto runs higher priorities first (what clients expect); the engine,
+            # like vLLM, serves lower values first.
+            priority=-request.priority,
+            ttft_deadline=ttft_deadline,
+        )
+
+    def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
+        prompt_kind = request.WhichOneof("prompt")
+        if prompt_kind is None:
+            raise InvalidRequestError("prompt", "set exactly one of text or token_ids")
+        if prompt_kind == "token_ids":
+            return list(request.token_ids.ids)
+        if not request.text:  # checked before encoding, which may add a BOS to empty text
+            raise InvalidRequestError("prompt", "must not be empty")
+        return self.engine.engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+
+    def _sampling_params(self, sampling: pb.SamplingParams, *, num_prompt_tokens: int) -> SamplingParams:
+        defaults = SamplingParams()
+        max_model_len = self.engine.engine.config.max_model_len
+        return SamplingParams(
+            # Unset means "up to the context length", as the proto documents.
+            max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else max_model_len - num_prompt_tokens,
+            temperature=sampling.temperature if sampling.HasField("temperature") else defaults.temperature,
+            top_p=sampling.top_p if sampling.HasField("top_p") else defaults.top_p,
+            top_k=sampling.top_k if sampling.top_k != 0 else defaults.top_k,
+            min_p=sampling.min_p,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=sampling.logprobs,
+        )
+
+    def _response(self, output: RequestOutput) -> pb.GenerateResponse:
+        return pb.GenerateResponse(
+            request_id=output.request_id,
+            token_ids=output.new_token_ids,
+            text=output.text,
+            finish_reason=FINISH_REASON_TO_PROTO[output.finish_reason],
+            usage=pb.Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=output.num_output_tokens,
+                cached_prompt_tokens=output.num_cached_tokens,
+            ),
+            replica_id=self.replica_id,
+            logprobs=output.logprobs or (),
+        )
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        token_ids = self.engine.engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=token_ids)
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        engine = self.engine.engine
+        eos_token_ids = engine.eos_token_ids
+        return pb.ModelInfo(
+            model_id=self.model_id,
+            max_model_len=engine.config.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            block_size=engine.config.block_size,
+            eos_token_id=eos_token_ids[0] if eos_token_ids else -1,
+        )
+
+
+class StreamTimings:
+    """Observes one request's latency histograms as its outputs reach the servicer, on the
+    engine's clock, so they include the time a token waits to be streamed."""
+
+    def __init__(self, metrics: ReplicaMetrics, request: Request, clock: Callable[[], float]):
+        self.metrics = metrics
+        self.request = request
+        self.clock = clock
+        self._last_token_time: Optional[float] = None
+
+    def observe(self, output: RequestOutput) -> None:
+        now = self.clock()
+        arrival_time = self.request.arrival_time
+        if output.new_token_ids:
+            if self._last_token_time is None:
+                self.metrics.observe_ttft(now - arrival_time)
+                if self.request.first_admitted_time is not None:
+                    self.metrics.observe_queue_time(self.request.first_admitted_time - arrival_time)
+            else:
+                self.metrics.observe_itl(now - self._last_token_time)
+            self._last_token_time = now
+        if output.finish_reason is not None:
+            if output.finish_reason != "abort":
+                self.metrics.observe_e2e(now - arrival_time)
+            self.metrics.finished(output.finish_reason)
+
+    def abandoned(self) -> None:
+        """The stream ended before its last output (cancelled, deadline, engine error)."""
+        self.metrics.finished("abort")
+
+
+class LoadReporterServicer(pb_grpc.LoadReporterServicer):
+    def __init__(self, engine: AsyncEngine, load_reports: LoadReportBuilder, stopping: asyncio.Event):
+        self.engine = engine
+        self.load_reports = load_reports
+        self.stopping = stopping
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.ReplicaLoad:
+        return self.load_reports.build(self.engine.load())
+
+    async def WatchLoad(self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
+        max_interval_s = (request.max_interval_ms or DEFAULT_WATCH_INTERVAL_MS) / 1000.0
+        version = self.engine.load_version
+        sent_load = self.engine.load()
+        await context.write(self.load_reports.build(sent_load))
+        sent_at = time.monotonic()
+        while not self.stopping.is_set():
+            until_due_s = max_interval_s - (time.monotonic() - sent_at)
+            if until_due_s > 0:
+                version = await self.engine.wait_for_load(version, timeout=min(until_due_s, WATCH_STOP_CHECK_S))
+            load = self.engine.load()
+            due = time.monotonic() - sent_at >= max_interval_s
+            if due or is_significant_change(sent_load, load):
+                await context.write(self.load_reports.build(load))
+                sent_load, sent_at = load, time.monotonic()

@@ -1,0 +1,97 @@
+"""ReplicaServer: one AsyncEngine as a grpc.aio service without Ray: Generation and
+LoadReporter, standard health checking and reflection, Prometheus metrics kept in step with
+every load the engine publishes, and a graceful stop that lets in-flight streams end cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from replica.async_engine import AsyncEngine
+from replica.grpc_service import GenerationServicer, LoadReporterServicer
+from replica.load_report import LoadReportBuilder
+from replica.metrics import ReplicaMetrics
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Generation", "LoadReporter"))
+# Without new loads (an idle engine) the gauges are still refreshed this often, so the
+# smoothed preemption rate visibly decays to zero.
+IDLE_METRICS_REFRESH_S = 1.0
+# After the engine has finished or aborted every request, handlers only need this long
+# to write their last message.
+FINAL_WRITES_GRACE_S = 1.0
+
+
+class ReplicaServer:
+    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics):
+        self.engine = engine
+        self.replica_id = replica_id
+        self.model_id = model_id
+        self.metrics = metrics
+        self.load_reports = LoadReportBuilder(replica_id, engine.engine.stats)
+        self.port: Optional[int] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._health: Optional[health.aio.HealthServicer] = None
+        self._stopping: Optional[asyncio.Event] = None
+        self._metrics_task: Optional[asyncio.Task] = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Start the engine loop and serve on host:port (0 picks a free port); returns the port."""
+        self.engine.start()
+        self._stopping = asyncio.Event()
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.engine, self.replica_id, self.model_id, self.metrics), server
+        )
+        pb_grpc.add_LoadReporterServicer_to_server(
+            LoadReporterServicer(self.engine, self.load_reports, self._stopping), server
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for service in ("",) + SERVICE_NAMES:  # "" is the whole server, as health clients ask by default
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        self._metrics_task = asyncio.get_running_loop().create_task(self._sync_metrics(), name="replica-metrics")
+        logger.info("replica %s serving %s on %s:%d", self.replica_id, self.model_id, host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Report NOT_SERVING, refuse new requests (UNAVAILABLE), let in-flight streams finish
+        for up to grace_s, end the rest with finish reason ABORT, then close the server."""
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        self._stopping.set()
+        await self.engine.shutdown(grace_s)
+        await self._server.stop(FINAL_WRITES_GRACE_S)
+        self._metrics_task.cancel()
+        try:
+            await self._metrics_task
+        except asyncio.CancelledError:
+            pass
+        self._server = None
+        logger.info("replica %s stopped", self.replica_id)
+
+    async def _sync_metrics(self) -> None:
+        """Advance the Prometheus counters and gauges after every load the engine publishes."""
+        version = self.engine.load_version
+        while True:
+            version = await self.engine.wait_for_load(version, timeout=IDLE_METRICS_REFRESH_S)
+            load = self.engine.load()
+            self.metrics.sync_counters(load)
+            self.metrics.set_load(self.load_reports.build(load))
