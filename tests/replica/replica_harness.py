@@ -1,0 +1,99 @@
+"""A real ReplicaServer on loopback for tests: its event loop runs in a background thread, so
+one server can outlive many tests while each test drives its gRPC client with asyncio.run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from typing import Any, Callable, Coroutine
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from replica.async_engine import AsyncEngine
+from replica.config import make_engine_config
+from replica.engine import LLMEngine
+from replica.metrics import ReplicaMetrics
+from replica.server import ReplicaServer
+
+REPLICA_ID = "test-replica"
+MODEL_ID = "builtin"
+
+
+class RunningReplica:
+    def __init__(self, **engine_config: Any):
+        self.engine = LLMEngine(make_engine_config(**engine_config), "builtin")
+        self.metrics = ReplicaMetrics(REPLICA_ID, MODEL_ID)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="replica-loop", daemon=True)
+        self._thread.start()
+        self.port = self.call(self._start())
+        self.address = f"127.0.0.1:{self.port}"
+        self._metrics_http, _ = self.metrics.start_http_server(0, "127.0.0.1")
+        self.metrics_url = f"http://127.0.0.1:{self._metrics_http.server_port}/metrics"
+
+    async def _start(self) -> int:
+        self.async_engine = AsyncEngine(self.engine)
+        self.server = ReplicaServer(self.async_engine, REPLICA_ID, MODEL_ID, self.metrics)
+        return await self.server.start("127.0.0.1", 0)
+
+    def call(self, coro: Coroutine, timeout: float = 60.0) -> Any:
+        """Run a coroutine on the server's loop (where the engine may be inspected) and wait."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_loop(self, function: Callable[[], Any]) -> Any:
+        async def run() -> Any:
+            return function()
+
+        return self.call(run())
+
+    def stop_in_background(self, grace_s: float):
+        """Start a graceful stop; returns a concurrent.futures.Future of its completion."""
+        return asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop)
+
+    def close(self) -> None:
+        self.call(self.server.stop(1.0))
+        self._metrics_http.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+    def scrape(self) -> dict[tuple[str, tuple], float]:
+        """Every sample on /metrics, keyed by (sample name, sorted labels)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def wait_until_idle(self, timeout: float = 30.0) -> pb.ReplicaLoad:
+        """Poll GetLoad until nothing runs or waits; returns that load."""
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.LoadReporterStub(channel)
+            while True:
+                load = stub.GetLoad(pb.LoadRequest())
+                if load.num_running == 0 and load.num_waiting == 0:
+                    return load
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica still busy: {load}")
+                time.sleep(0.02)
+
+    def health_status(self, service: str = "") -> int:
+        with grpc.insecure_channel(self.address) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
+async def collect_stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, **call_kwargs) -> list[pb.GenerateResponse]:
+    return [response async for response in stub.Generate(request, **call_kwargs)]
+
+
+def sampling(**fields: Any) -> pb.SamplingParams:
+    return pb.SamplingParams(**fields)

@@ -1,0 +1,370 @@
+"""The replica as a gRPC service, specified against a real grpc.aio server on loopback with
+the built-in model: streaming, error statuses, cancellation, load reports, metrics, health."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from replica.metrics import REPLICA_METRIC_NAMES
+from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, sampling
+
+MAX_MODEL_LEN = 256
+BLOCK_SIZE = 16
+ROOMY_BLOCKS = 129  # 128 usable: 50 mid-length streams still preempt now and then
+CRAMPED_BLOCKS = 24  # 23 usable: two long sequences fill it
+
+
+@pytest.fixture(scope="module")
+def replica():
+    running = RunningReplica(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def fresh_replica():
+    """A replica of its own, for tests that stop it or fill its queue."""
+    replicas = []
+
+    def make(**engine_config):
+        config = dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
+        replicas.append(RunningReplica(**{**config, **engine_config}))
+        return replicas[-1]
+
+    yield make
+    for running in replicas:
+        running.close()
+
+
+def generation_stub(channel) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(channel)
+
+
+# ---- Generate ---------------------------------------------------------------------------
+def test_streamed_text_deltas_concatenate_to_the_decoded_output(replica):
+    prompt = "The quick brown fox"
+    request = pb.GenerateRequest(request_id="fox-1", text=prompt, add_special_tokens=True,
+                                 sampling=sampling(max_tokens=24, ignore_eos=True, logprobs=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            return await collect_stream(generation_stub(channel), request)
+
+    responses = asyncio.run(run())
+    tokenizer = replica.engine.tokenizer
+    output_ids = [token_id for response in responses for token_id in response.token_ids]
+    assert len(output_ids) == 24
+    assert "".join(response.text for response in responses) == tokenizer.decode(output_ids)
+    assert all(response.request_id == "fox-1" and response.replica_id == REPLICA_ID for response in responses)
+    assert [response.finish_reason for response in responses[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(responses) - 1)
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    usage = responses[-1].usage
+    assert usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=True))
+    assert usage.completion_tokens == 24
+    assert [response.usage.completion_tokens for response in responses] == sorted(
+        response.usage.completion_tokens for response in responses)
+    assert sum(len(response.logprobs) for response in responses) == 24
+
+
+def test_token_id_prompt_with_greedy_sampling_is_deterministic(replica):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8, 9]),
+                                 sampling=sampling(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            return await asyncio.gather(collect_stream(stub, request), collect_stream(stub, request))
+
+    first, second = asyncio.run(run())
+    ids = lambda responses: [t for response in responses for t in response.token_ids]  # noqa: E731
+    assert ids(first) == ids(second)
+    assert first[-1].usage.prompt_tokens == 5 and first[-1].usage.completion_tokens == 10
+
+
+TOO_LONG_PROMPT = [1] * MAX_MODEL_LEN
+BAD_REQUESTS = {
+    "neither_text_nor_token_ids": (pb.GenerateRequest(sampling=sampling(max_tokens=4)), "prompt"),
+    "empty_text": (pb.GenerateRequest(text="", sampling=sampling(max_tokens=4)), "prompt"),
+    "empty_token_ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]), sampling=sampling(max_tokens=4)), "prompt"),
+    "prompt_longer_than_max_model_len": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=TOO_LONG_PROMPT), sampling=sampling(max_tokens=4)), "prompt"),
+    "max_tokens_zero": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=0)), "sampling.max_tokens"),
+    "max_tokens_past_max_model_len": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=MAX_MODEL_LEN)), "sampling.max_tokens"),
+    "negative_temperature": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, temperature=-0.5)), "sampling.temperature"),
+    "top_p_zero": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, top_p=0.0)), "sampling.top_p"),
+    "top_p_above_one": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, top_p=1.5)), "sampling.top_p"),
+    "top_k_below_minus_one": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, top_k=-2)), "sampling.top_k"),
+    "token_id_past_vocabulary": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 320]), sampling=sampling(max_tokens=4)), "token_ids"),
+    "negative_token_id": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1, 2]), sampling=sampling(max_tokens=4)), "token_ids"),
+    "stop_token_id_past_vocabulary": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, stop_token_ids=[9999])), "sampling.stop_token_ids"),
+    "negative_ttft_deadline": (
+        pb.GenerateRequest(text="hi", ttft_deadline_ms=-1.0, sampling=sampling(max_tokens=4)), "ttft_deadline_ms"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_naming_the_field_and_leaves_other_streams_alone(replica, case):
+    bad_request, field = BAD_REQUESTS[case]
+    good_request = pb.GenerateRequest(text="steady", sampling=sampling(max_tokens=32, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            good = asyncio.ensure_future(collect_stream(stub, good_request))
+            await asyncio.sleep(0.01)  # the good stream is in flight when the bad one arrives
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await collect_stream(stub, bad_request)
+            return raised.value, await good
+
+    error, good_responses = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith(f"{field}: "), error.details()
+    assert good_responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert good_responses[-1].usage.completion_tokens == 32
+
+
+def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
+    replica = fresh_replica(max_num_seqs=1, max_waiting_requests=1)
+    long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            load_stub = pb_grpc.LoadReporterStub(channel)
+            running = asyncio.ensure_future(collect_stream(stub, long_request))
+            queued = asyncio.ensure_future(collect_stream(stub, long_request))
+            while (await load_stub.GetLoad(pb.LoadRequest())).num_waiting < 1:
+                await asyncio.sleep(0.005)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await collect_stream(stub, long_request)
+            running.cancel()
+            queued.cancel()
+            return raised.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waiting queue is full" in error.details()
+
+
+def test_client_deadline_is_deadline_exceeded_and_frees_the_request(replica):
+    request = pb.GenerateRequest(text="slow", sampling=sampling(max_tokens=200, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await collect_stream(generation_stub(channel), request, timeout=0.1)
+            return raised.value
+
+    assert asyncio.run(run()).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    load = replica.wait_until_idle()
+    assert load.kv_blocks_free == load.kv_blocks_total
+
+
+def test_cancelling_half_of_50_streams_frees_every_block_once_the_rest_finish(replica):
+    rng = random.Random(0)
+    requests = [
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(rng.randrange(4, 60))]),
+                           sampling=sampling(max_tokens=rng.randrange(10, 60), ignore_eos=True))
+        for _ in range(50)
+    ]
+
+    async def collect_stream_of(call):
+        return [response async for response in call]
+
+    async def cancel_after_first_response(call):
+        async for _ in call:
+            call.cancel()
+        return "cancelled"
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            calls = [stub.Generate(request) for request in requests]
+            finishing = [collect_stream_of(call) for call in calls[1::2]]
+            cancelling = [cancel_after_first_response(call) for call in calls[0::2]]
+            return await asyncio.gather(*finishing, *cancelling, return_exceptions=True)
+
+    results = asyncio.run(run())
+    finished, cancelled = results[:25], results[25:]
+    assert all(responses[-1].finish_reason == pb.FINISH_REASON_LENGTH for responses in finished)
+    assert all(isinstance(result, asyncio.CancelledError) or result == "cancelled" for result in cancelled)
+    load = replica.wait_until_idle()
+    assert load.kv_blocks_free == load.kv_blocks_total == ROOMY_BLOCKS - 1
+    scheduler = replica.engine.scheduler
+    assert replica.on_loop(lambda: (scheduler.kv_cache.num_free_blocks, scheduler.has_unfinished_requests())) == (
+        ROOMY_BLOCKS - 1, False)
+
+
+# ---- load reports and metrics -----------------------------------------------------------
+def test_watch_load_tracks_preemptions_and_headroom_under_a_cramped_pool(fresh_replica):
+    replica = fresh_replica(num_kv_blocks=CRAMPED_BLOCKS)
+    rng = random.Random(1)
+    requests = [
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[rng.randrange(256) for _ in range(30)]),
+                           sampling=sampling(max_tokens=120, ignore_eos=True))
+        for _ in range(8)
+    ]
+    full_headroom = (CRAMPED_BLOCKS - 1) * BLOCK_SIZE
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            watch = pb_grpc.LoadReporterStub(channel).WatchLoad(pb.WatchLoadRequest(max_interval_ms=50))
+            loads = [await watch.read()]
+            stub = generation_stub(channel)
+            generating = asyncio.gather(*(collect_stream(stub, request) for request in requests))
+            while not (generating.done() and loads[-1].num_running == 0 and loads[-1].num_waiting == 0):
+                loads.append(await watch.read())
+            watch.cancel()
+            return loads, await generating
+
+    loads, streams = asyncio.run(run())
+    assert all(responses[-1].usage.completion_tokens == 120 for responses in streams)
+    engine_preemptions = replica.on_loop(lambda: replica.engine.scheduler.counters.preemptions)
+    assert engine_preemptions > 0
+    assert loads[-1].preemptions_total == engine_preemptions
+    assert max(load.preemption_rate for load in loads) > 0
+    assert [load.seq for load in loads] == sorted(set(load.seq for load in loads))
+    assert loads[0].headroom_tokens == full_headroom
+    assert min(load.headroom_tokens for load in loads) < full_headroom / 2
+    assert loads[-1].headroom_tokens == full_headroom and loads[-1].kv_blocks_free == CRAMPED_BLOCKS - 1
+    prometheus_key = ("headroom_num_preemptions_total", (("model", MODEL_ID), ("replica", REPLICA_ID)))
+    deadline = time.monotonic() + 5
+    while replica.scrape()[prometheus_key] != engine_preemptions and time.monotonic() < deadline:
+        time.sleep(0.05)  # the metrics task syncs right after the engine publishes its last load
+    assert replica.scrape()[prometheus_key] == engine_preemptions
+
+
+def test_watch_load_pushes_at_least_every_max_interval_while_idle(replica):
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            watch = pb_grpc.LoadReporterStub(channel).WatchLoad(pb.WatchLoadRequest(max_interval_ms=50))
+            started = time.monotonic()
+            loads = [await watch.read() for _ in range(6)]
+            watch.cancel()
+            return loads, time.monotonic() - started
+
+    loads, elapsed_s = asyncio.run(run())
+    assert elapsed_s < 1.0  # 5 intervals of 50 ms, with slack for a busy machine
+    assert all(later.seq > earlier.seq for earlier, later in zip(loads, loads[1:]))
+    assert all(load.replica_id == REPLICA_ID and load.kv_blocks_total == ROOMY_BLOCKS - 1 for load in loads)
+
+
+def test_get_load_agrees_with_the_engine_when_idle(replica):
+    replica.wait_until_idle()
+    with grpc.insecure_channel(replica.address) as channel:
+        load = pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest())
+    engine_load = replica.on_loop(replica.async_engine.load)
+    assert (load.kv_blocks_free, load.preemptions_total, load.max_num_seqs) == (
+        engine_load.kv_blocks_free, engine_load.preemptions_total, engine_load.max_num_seqs)
+    assert abs(load.timestamp - time.time()) < 5
+
+
+def test_metrics_endpoint_parses_and_carries_every_replica_metric(replica):
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            return await collect_stream(generation_stub(channel),
+                                        pb.GenerateRequest(text="count me", sampling=sampling(max_tokens=5, ignore_eos=True)))
+
+    asyncio.run(run())
+    labels = (("model", MODEL_ID), ("replica", REPLICA_ID))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        samples = replica.scrape()
+        if samples.get(("headroom_generation_tokens_total", labels), 0) >= 5:
+            break
+        time.sleep(0.05)
+    sample_names = {name for name, _ in samples}
+    for name in REPLICA_METRIC_NAMES:
+        assert name in sample_names or f"{name}_bucket" in sample_names, name
+    assert samples[("headroom_time_to_first_token_seconds_count", labels)] >= 1
+    assert samples[("headroom_inter_token_latency_seconds_count", labels)] >= 4
+    assert samples[("headroom_request_success_total", (("finish_reason", "length"),) + labels)] >= 1
+
+
+# ---- unary RPCs and health --------------------------------------------------------------
+def test_tokenize_and_model_info_match_the_engine(replica):
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = generation_stub(channel)
+        tokens = stub.Tokenize(pb.TokenizeRequest(text="héllo", add_special_tokens=True)).token_ids
+        info = stub.GetModelInfo(pb.ModelInfoRequest())
+    assert list(tokens) == replica.engine.tokenizer.encode("héllo", add_special_tokens=True)
+    assert (info.model_id, info.max_model_len, info.vocab_size, info.block_size, info.eos_token_id) == (
+        MODEL_ID, MAX_MODEL_LEN, 320, BLOCK_SIZE, 257)
+
+
+def test_health_is_serving_for_the_server_and_each_service(replica):
+    for service in ("", "headroom.v1.Generation", "headroom.v1.LoadReporter"):
+        assert replica.health_status(service) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_graceful_shutdown_reports_not_serving_refuses_new_work_and_finishes_in_flight(fresh_replica):
+    replica = fresh_replica()
+    in_flight = pb.GenerateRequest(text="finish me", sampling=sampling(max_tokens=150, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            call = stub.Generate(in_flight)
+            responses = [await call.read()]
+            stopping = replica.stop_in_background(grace_s=30)
+            health = await _health_status_when_not_serving(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect_stream(stub, pb.GenerateRequest(text="late", sampling=sampling(max_tokens=2)))
+            responses += await read_to_end(call)
+            await asyncio.wrap_future(stopping)
+            return health, refused.value, responses, await call.code()
+
+    health, refused, responses, code = asyncio.run(run())
+    assert health == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH and responses[-1].usage.completion_tokens == 150
+    assert code == grpc.StatusCode.OK
+
+
+def test_shutdown_past_its_grace_ends_in_flight_streams_with_abort(fresh_replica):
+    replica = fresh_replica()
+    request = pb.GenerateRequest(text="cut me off", sampling=sampling(max_tokens=200, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            call = generation_stub(channel).Generate(request)
+            responses = [await call.read()]
+            await asyncio.wrap_future(replica.stop_in_background(grace_s=0))
+            responses += await read_to_end(call)
+            return responses, await call.code()
+
+    responses, code = asyncio.run(run())
+    assert code == grpc.StatusCode.OK
+    assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert responses[-1].usage.completion_tokens < 200
+
+
+async def read_to_end(call) -> list[pb.GenerateResponse]:
+    """The rest of a stream already read with call.read() (grpc.aio forbids mixing in iteration)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+async def _health_status_when_not_serving(channel, timeout: float = 10.0) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while True:
+        status = (await stub.Check(health_pb2.HealthCheckRequest())).status
+        if status != health_pb2.HealthCheckResponse.SERVING or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.005)
