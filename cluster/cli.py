@@ -1,0 +1,35 @@
+"""The `headroom` command: one argparse subcommand per module, each registering its own flags
+and a `run(args, parser) -> exit status`, so this file stays a table of contents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from cluster import replica_command
+
+# name -> (module with add_arguments(parser) and run(args, parser), one-line help)
+SUBCOMMANDS = {
+    "replica": (replica_command, "serve one engine over gRPC without Ray"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headroom", description="LLM serving that routes on KV headroom.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(subparser)
+        subparser.set_defaults(run=module.run, subparser=subparser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args, args.subparser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

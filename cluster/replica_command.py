@@ -1,0 +1,67 @@
+"""`headroom replica`: one engine served over gRPC without Ray, until SIGINT or SIGTERM,
+with optional Prometheus /metrics; a graceful stop lets in-flight streams end cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+
+from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
+from replica.async_engine import AsyncEngine
+from replica.config import ConfigError
+from replica.engine import LLMEngine
+from replica.metrics import ReplicaMetrics
+from replica.server import ReplicaServer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="builtin", help='local Hugging Face model directory, or "builtin"')
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port (same host); off when unset")
+    parser.add_argument("--replica-id", default=None, help="id in load reports and metric labels (default: HOST-PID)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="model dtype, e.g. float16 (default: the checkpoint's)")
+    parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton (default: %(default)s)")
+    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                        help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
+    add_engine_config_arguments(parser)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        engine = LLMEngine(config, args.model, device=args.device, dtype=args.dtype,
+                           attention_backend=args.attention_backend)
+    except (ConfigError, FileNotFoundError) as error:
+        parser.error(str(error))  # exits 2
+    replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    asyncio.run(_serve(engine, replica_id, args))
+    return 0
+
+
+async def _serve(engine: LLMEngine, replica_id: str, args: argparse.Namespace) -> None:
+    metrics = ReplicaMetrics(replica_id, args.model)
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_server, _ = metrics.start_http_server(args.metrics_port, args.host)
+        print(f"metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
+    server = ReplicaServer(AsyncEngine(engine), replica_id, args.model, metrics)
+    port = await server.start(args.host, args.port)
+    # Printed (not only logged) so a parent process using --port 0 can read the port.
+    print(f"listening on {args.host}:{port}", flush=True)
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop_requested.set)
+    await stop_requested.wait()
+    await server.stop(args.shutdown_grace_s)
+    if metrics_server is not None:
+        metrics_server.shutdown()
