@@ -1,0 +1,65 @@
+"""Herd avoidance: what this router has sent to each replica that the replica's latest load
+snapshot cannot show yet. Policies add it to the snapshot, so a burst between two snapshots
+spreads out instead of landing on the replica that looked best at the last one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InflightCounts:
+    """Requests, and the KV blocks of their full sequences, sent since a replica's snapshot."""
+
+    requests: int = 0
+    blocks: int = 0
+
+
+class InflightTracker:
+    """Per replica, the sends newer than the replica's latest snapshot.
+
+    A snapshot with a higher `seq` than any seen covers every send made at or before the
+    moment it was taken (`ReplicaLoad.timestamp`), so those are forgotten; sends after it
+    stay counted. With snapshots that arrive at once this is "reset on each new snapshot";
+    with delayed ones it keeps counting what the old snapshot still misses. Times are
+    Unix seconds on the router's clock (virtual seconds in the simulation); clock skew
+    between hosts only matters when it approaches the report interval (100 ms).
+    """
+
+    # A replica that never reports would otherwise accumulate sends forever; policies stop
+    # trusting its snapshot after a second anyway, so a minute of history is plenty.
+    FORGET_AFTER_S = 60.0
+
+    def __init__(self) -> None:
+        self._sends: dict[str, deque[tuple[float, int]]] = {}  # replica -> (sent_at, blocks)
+        self._latest_seq: dict[str, int] = {}
+
+    def record_sent(self, replica_id: str, blocks: int, now: float) -> None:
+        sends = self._sends.setdefault(replica_id, deque())
+        sends.append((now, blocks))
+        while sends[0][0] < now - self.FORGET_AFTER_S:
+            sends.popleft()
+
+    def observe_snapshot(self, replica_id: str, seq: int, taken_at: float) -> bool:
+        """Forget the sends the snapshot covers. Returns False (and changes nothing) for a
+        snapshot no newer than one already seen: a reordered or duplicated report."""
+        if seq <= self._latest_seq.get(replica_id, -1):
+            return False
+        self._latest_seq[replica_id] = seq
+        sends = self._sends.get(replica_id)
+        while sends and sends[0][0] <= taken_at:
+            sends.popleft()
+        return True
+
+    def counts(self, replica_id: str) -> InflightCounts:
+        sends = self._sends.get(replica_id)
+        if not sends:
+            return InflightCounts()
+        return InflightCounts(requests=len(sends), blocks=sum(blocks for _, blocks in sends))
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Drops a dead or removed replica's bookkeeping; a new replica under the same id starts afresh."""
+        self._sends.pop(replica_id, None)
+        self._latest_seq.pop(replica_id, None)

@@ -1,0 +1,288 @@
+"""Replica scoring policies behind one interface: `rank(request, replicas)` returns replica
+ids, best first. `headroom` is ours; `round_robin`, `pow2` and `least_loaded` are faithful
+baselines. Stale or missing stats fall back to queue length, never to an error.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from protos.headroom_pb2 import ReplicaLoad
+from router.inflight import InflightCounts
+
+# Snapshots arrive every <= 100 ms; one older than a second means the stream is broken or
+# the replica is stuck, and its numbers no longer describe it.
+DEFAULT_STALENESS_S = 1.0
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What the router knows of a request before it runs: its token counts and priority."""
+
+    prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """The full sequence the replica must eventually hold: prompt plus every output token."""
+        return self.prompt_tokens + self.max_tokens
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-self.num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica as the router sees it when a request arrives."""
+
+    replica_id: str
+    load: Optional[ReplicaLoad]  # the latest snapshot; None until the first one arrives
+    load_age_s: float  # how old `load` is (ignored when it is None)
+    queue_len: int  # Ray Serve's own count of requests in flight to this replica
+    inflight_since_snapshot: InflightCounts = field(default_factory=InflightCounts)
+
+    def has_fresh_load(self, staleness_s: float) -> bool:
+        return self.load is not None and self.load_age_s <= staleness_s
+
+
+class RoutingPolicy(abc.ABC):
+    """Ranks replicas for one request; the caller sends it to the first that accepts."""
+
+    name: str
+
+    @abc.abstractmethod
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]: ...
+
+
+def rank_by_queue_len(replicas: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaView]:
+    """Shortest queue first, equal queues in random order: Ray Serve's choice without stats."""
+    shuffled = list(replicas)
+    rng.shuffle(shuffled)
+    return sorted(shuffled, key=lambda view: view.queue_len)  # stable: the shuffle breaks ties
+
+
+def merge_stale_by_queue_len(
+    fresh_ranked: list[ReplicaView], stale: Sequence[ReplicaView], rng: random.Random
+) -> list[str]:
+    """Slots replicas without fresh stats into a ranking of fresh ones, on queue length alone.
+
+    A stale replica goes ahead of the next fresh one only when its queue is shorter, so a
+    replica whose stream broke keeps serving while it is visibly less busy, and never
+    wins on numbers it no longer reports.
+    """
+    stale_ranked = rank_by_queue_len(stale, rng)
+    merged: list[str] = []
+    i = j = 0
+    while i < len(fresh_ranked) or j < len(stale_ranked):
+        take_stale = j < len(stale_ranked) and (
+            i == len(fresh_ranked) or stale_ranked[j].queue_len < fresh_ranked[i].queue_len
+        )
+        if take_stale:
+            merged.append(stale_ranked[j].replica_id)
+            j += 1
+        else:
+            merged.append(fresh_ranked[i].replica_id)
+            i += 1
+    return merged
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each request to the next replica in id order, whatever the load."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
+        ids = sorted(view.replica_id for view in replicas)
+        if not ids:
+            return []
+        start = self._next % len(ids)
+        self._next += 1
+        return ids[start:] + ids[:start]
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    """Ray Serve's default (PowerOfTwoChoicesRequestRouter, 2.60): sample two replicas
+    uniformly, take the one with the strictly shorter queue, else the first sampled.
+    The rest follow in random order, for the caller's retries."""
+
+    name = "pow2"
+
+    def __init__(self, rng: Optional[random.Random] = None) -> None:
+        self.rng = rng or random.Random()
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
+        order = list(replicas)
+        self.rng.shuffle(order)
+        if len(order) >= 2 and order[1].queue_len < order[0].queue_len:
+            order[0], order[1] = order[1], order[0]
+        return [view.replica_id for view in order]
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """The Gateway API inference extension's default scorers (as llm-d configures them):
+    queue scorer weight 2 plus KV-cache-utilization scorer weight 2, highest total wins,
+    exact ties at random (its max-score picker shuffles first).
+
+    Followed: gateway-api-inference-extension pkg/epp/scheduling/framework/plugins/scorer/
+    queue.go (score = (max_waiting - waiting) / (max_waiting - min_waiting) over the
+    candidates, 1.0 when all are equal) and kvcache_utilization.go (score = 1 - KV usage),
+    both from the scraped metrics (vllm:num_requests_waiting, vllm:kv_cache_usage_perc),
+    here ReplicaLoad.num_waiting and kv_usage. GIE itself has no queue-length fallback;
+    replicas with stale stats get ours, like every policy here.
+    """
+
+    name = "least_loaded"
+
+    def __init__(
+        self,
+        queue_weight: float = 2.0,
+        kv_cache_weight: float = 2.0,
+        staleness_s: float = DEFAULT_STALENESS_S,
+        rng: Optional[random.Random] = None,
+    ) -> None:
+        self.queue_weight = queue_weight
+        self.kv_cache_weight = kv_cache_weight
+        self.staleness_s = staleness_s
+        self.rng = rng or random.Random()
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
+        fresh = [view for view in replicas if view.has_fresh_load(self.staleness_s)]
+        stale = [view for view in replicas if not view.has_fresh_load(self.staleness_s)]
+        if fresh:
+            waiting = [view.load.num_waiting for view in fresh]
+            min_waiting, max_waiting = min(waiting), max(waiting)
+
+            def score(view: ReplicaView) -> float:
+                if max_waiting == min_waiting:
+                    queue_score = 1.0
+                else:
+                    queue_score = (max_waiting - view.load.num_waiting) / (max_waiting - min_waiting)
+                kv_score = 1.0 - view.load.kv_usage
+                return self.queue_weight * queue_score + self.kv_cache_weight * kv_score
+
+            self.rng.shuffle(fresh)
+            fresh.sort(key=score, reverse=True)
+        return merge_stale_by_queue_len(fresh, stale, self.rng)
+
+
+@dataclass(frozen=True)
+class HeadroomScore:
+    """Why a replica ranks where it does, in fractions of that replica's KV pool."""
+
+    replica_id: str
+    fits: bool  # the request's full sequence fits in the headroom left after what is queued
+    headroom_after: float  # pool fraction still free after the queued work and this request
+    backlog: float  # pool fraction of tokens queued ahead of this request
+    preemption_risk: float  # chance this request is preempted at least once, at the recent rate
+    score: float
+    inflight_requests: int
+
+
+class HeadroomPolicy(RoutingPolicy):
+    """Ours: send the request where its whole sequence fits and it is least likely to be
+    preempted or to queue.
+
+    Every term is a fraction of the replica's KV pool (tokens / pool tokens), so replicas of
+    different sizes compare fairly and the weights are dimensionless:
+
+    - headroom_after (reward, weight 1, the unit): free tokens minus the queued work that
+      will claim memory before this request (the waiting queue's tokens and what this
+      router sent since the snapshot) minus this request's own prompt + max_tokens. A
+      replica where that is negative is filtered out: the request would only fit by
+      preempting someone. If none fits, the least bad still gets it, never an error.
+    - backlog (penalty, `backlog_weight` = 1): the same queued tokens again, now as time
+      rather than memory: they must be prefilled before this request's first token, and
+      TTFT is what users wait on. Weight 1 makes a queued token cost twice a used one.
+    - preemption_risk (penalty, `preemption_weight` = 1): 1 - exp(-rate * lifetime), with
+      rate the replica's smoothed preemptions per running request per second and lifetime
+      this request's decode time there (max_tokens x the replica's step time): the chance
+      it is preempted at least once if the replica keeps thrashing as it has. Weight 1 puts
+      a certain preemption on a par with a replica whose whole pool is queued work: either
+      way the request waits for a pool's worth of work to drain (and after a preemption
+      also recomputes what it had).
+
+    Near-ties (scores within `tie_epsilon` = 0.02 of a pool, about one chat request)
+    go to the replica this router sent the fewest requests since its snapshot, then at
+    random, so a burst spreads out and many routers reading the same snapshots do not
+    all pick the same replica.
+    """
+
+    name = "headroom"
+
+    def __init__(
+        self,
+        backlog_weight: float = 1.0,
+        preemption_weight: float = 1.0,
+        tie_epsilon: float = 0.02,
+        staleness_s: float = DEFAULT_STALENESS_S,
+        rng: Optional[random.Random] = None,
+    ) -> None:
+        self.backlog_weight = backlog_weight
+        self.preemption_weight = preemption_weight
+        self.tie_epsilon = tie_epsilon
+        self.staleness_s = staleness_s
+        self.rng = rng or random.Random()
+
+    def score(self, request: RoutingRequest, view: ReplicaView) -> HeadroomScore:
+        """The replica's score for this request; `view` must carry a snapshot."""
+        load = view.load
+        block_size = load.block_size
+        pool_tokens = max(load.kv_blocks_total * block_size, 1)
+        inflight = view.inflight_since_snapshot
+        queued_tokens = load.waiting_prefill_tokens + inflight.blocks * block_size
+        own_tokens = request.num_blocks(block_size) * block_size
+        free_after_tokens = load.headroom_tokens - queued_tokens - own_tokens
+        headroom_after = free_after_tokens / pool_tokens
+        backlog = queued_tokens / pool_tokens
+        lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
+        preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
+        score = headroom_after - self.backlog_weight * backlog - self.preemption_weight * preemption_risk
+        return HeadroomScore(
+            view.replica_id, free_after_tokens >= 0, headroom_after, backlog, preemption_risk, score,
+            inflight.requests,
+        )
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
+        fresh = [view for view in replicas if view.has_fresh_load(self.staleness_s)]
+        stale = [view for view in replicas if not view.has_fresh_load(self.staleness_s)]
+        scores = {view.replica_id: self.score(request, view) for view in fresh}
+        fitting = [view for view in fresh if scores[view.replica_id].fits]
+        not_fitting = [view for view in fresh if not scores[view.replica_id].fits]
+        ranked = self._rank_with_ties(fitting, scores) + self._rank_with_ties(not_fitting, scores)
+        return merge_stale_by_queue_len(ranked, stale, self.rng)
+
+    def _rank_with_ties(self, views: list[ReplicaView], scores: dict[str, HeadroomScore]) -> list[ReplicaView]:
+        """Best score first; the near-tie group at the top is reordered by fewest requests
+        sent since the snapshot, then at random."""
+        remaining = sorted(views, key=lambda view: scores[view.replica_id].score, reverse=True)
+        if not remaining:
+            return []
+        best = scores[remaining[0].replica_id].score
+        ties = [view for view in remaining if best - scores[view.replica_id].score <= self.tie_epsilon]
+        rest = remaining[len(ties) :]
+        self.rng.shuffle(ties)
+        ties.sort(key=lambda view: scores[view.replica_id].inflight_requests)
+        return ties + rest
+
+
+POLICIES: dict[str, Callable[[random.Random], RoutingPolicy]] = {
+    "headroom": lambda rng: HeadroomPolicy(rng=rng),
+    "round_robin": lambda rng: RoundRobinPolicy(),
+    "pow2": lambda rng: PowerOfTwoPolicy(rng=rng),
+    "least_loaded": lambda rng: LeastLoadedPolicy(rng=rng),
+}
+
+
+def make_policy(name: str, rng: Optional[random.Random] = None) -> RoutingPolicy:
+    """The policy registered under `name`, with its default knobs."""
+    if name not in POLICIES:
+        raise ValueError(f"policy: unknown {name!r}; expected one of {sorted(POLICIES)}")
+    return POLICIES[name](rng or random.Random())
