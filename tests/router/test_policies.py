@@ -1,0 +1,231 @@
+"""Routing policies as specifications: the headroom policy's fit filter, preemption penalty,
+herd avoidance and stale-stat fallback, and the baselines doing what their sources do."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from protos.headroom_pb2 import ReplicaLoad
+from router.inflight import InflightCounts, InflightTracker
+from router.policies import (
+    HeadroomPolicy,
+    LeastLoadedPolicy,
+    PowerOfTwoPolicy,
+    ReplicaView,
+    RoundRobinPolicy,
+    RoutingRequest,
+    make_policy,
+)
+
+BLOCK_SIZE = 16
+POOL_BLOCKS = 1000  # 16,000 tokens
+
+
+def make_load(replica_id: str, free_blocks: int = POOL_BLOCKS, seq: int = 1, **fields) -> ReplicaLoad:
+    fields.setdefault("step_time_ms", 20.0)
+    return ReplicaLoad(
+        replica_id=replica_id, seq=seq, kv_blocks_total=POOL_BLOCKS, kv_blocks_free=free_blocks,
+        block_size=BLOCK_SIZE, kv_usage=1 - free_blocks / POOL_BLOCKS, headroom_tokens=free_blocks * BLOCK_SIZE,
+        **fields,
+    )
+
+
+def view(replica_id: str, load: ReplicaLoad | None = None, age_s: float = 0.05, queue_len: int = 0,
+         inflight: InflightCounts = InflightCounts()) -> ReplicaView:
+    return ReplicaView(replica_id, load, age_s, queue_len, inflight)
+
+
+def headroom_policy(seed: int = 0) -> HeadroomPolicy:
+    return HeadroomPolicy(rng=random.Random(seed))
+
+
+def test_replica_where_the_full_sequence_does_not_fit_ranks_after_one_where_it_does():
+    # 4,000 prompt + 1,000 output tokens need 313 blocks; "roomy" has 400 free, "tight" 300.
+    # On headroom alone "tight" would not lose by much, but it cannot hold the sequence.
+    request = RoutingRequest(prompt_tokens=4000, max_tokens=1000)
+    replicas = [view("tight", make_load("tight", free_blocks=300)), view("roomy", make_load("roomy", free_blocks=400))]
+    for seed in range(20):
+        assert headroom_policy(seed).rank(request, replicas) == ["roomy", "tight"]
+
+
+def test_fit_counts_max_tokens_not_just_the_prompt():
+    # The prompt alone (200 blocks) fits both; prompt + max_tokens (325 blocks) only "b".
+    request = RoutingRequest(prompt_tokens=3200, max_tokens=2000)
+    policy = headroom_policy()
+    a = policy.score(request, view("a", make_load("a", free_blocks=300)))
+    b = policy.score(request, view("b", make_load("b", free_blocks=330)))
+    assert not a.fits and b.fits
+
+
+def test_fit_subtracts_waiting_backlog_and_blocks_sent_since_the_snapshot():
+    request = RoutingRequest(prompt_tokens=1600, max_tokens=16)  # 101 blocks
+    policy = headroom_policy()
+    free = make_load("r", free_blocks=200)
+    assert policy.score(request, view("r", free)).fits
+    backlog = make_load("r", free_blocks=200, waiting_prefill_tokens=100 * BLOCK_SIZE)
+    assert not policy.score(request, view("r", backlog)).fits
+    assert not policy.score(request, view("r", free, inflight=InflightCounts(requests=1, blocks=100))).fits
+
+
+def test_when_nothing_fits_the_least_bad_replica_still_gets_the_request():
+    request = RoutingRequest(prompt_tokens=15000, max_tokens=900)  # 994 blocks
+    replicas = [view("fuller", make_load("fuller", free_blocks=100)), view("emptier", make_load("emptier", free_blocks=600))]
+    assert headroom_policy().rank(request, replicas) == ["emptier", "fuller"]
+
+
+def test_higher_preemption_rate_ranks_lower_at_equal_headroom():
+    request = RoutingRequest(prompt_tokens=500, max_tokens=500)
+    replicas = [
+        view("thrashing", make_load("thrashing", free_blocks=500, num_running=10, preemption_rate=5.0,
+                                    preemption_rate_per_running=0.5)),
+        view("calm", make_load("calm", free_blocks=500, num_running=10, preemption_rate=0.0)),
+        view("mild", make_load("mild", free_blocks=500, num_running=10, preemption_rate=0.5,
+                               preemption_rate_per_running=0.05)),
+    ]
+    for seed in range(20):
+        assert headroom_policy(seed).rank(request, replicas) == ["calm", "mild", "thrashing"]
+
+
+def test_preemption_penalty_outweighs_a_modest_headroom_advantage():
+    # 20% more headroom does not make up for a replica that preempts every running request
+    # about once every two seconds: this 500-token decode (10 s at 20 ms/step) would
+    # almost surely be preempted there.
+    request = RoutingRequest(prompt_tokens=500, max_tokens=500)
+    thrashing = make_load("thrashing", free_blocks=700, num_running=10, preemption_rate=5.0,
+                          preemption_rate_per_running=0.5)
+    calm = make_load("calm", free_blocks=500, num_running=10)
+    assert headroom_policy().rank(request, [view("thrashing", thrashing), view("calm", calm)])[0] == "calm"
+
+
+def test_waiting_prefill_backlog_ranks_lower_at_equal_headroom():
+    request = RoutingRequest(prompt_tokens=100, max_tokens=100)
+    replicas = [
+        view("queued", make_load("queued", free_blocks=800, waiting_prefill_tokens=3000)),
+        view("idle", make_load("idle", free_blocks=800)),
+    ]
+    assert headroom_policy().rank(request, replicas) == ["idle", "queued"]
+
+
+@pytest.mark.parametrize("num_replicas", [2, 4, 8])
+def test_burst_of_2r_requests_without_a_new_snapshot_spreads_evenly(num_replicas):
+    # Identical snapshots, no update during the burst: only the router's own bookkeeping
+    # tells the replicas apart. Each must get 1/R of the burst, within 10% of the burst.
+    ids = [f"replica-{i}" for i in range(num_replicas)]
+    loads = {replica_id: make_load(replica_id, free_blocks=900) for replica_id in ids}
+    burst = 2 * num_replicas
+    for seed in range(10):
+        policy = headroom_policy(seed)
+        tracker = InflightTracker()
+        for replica_id in ids:
+            tracker.observe_snapshot(replica_id, seq=1, taken_at=0.0)
+        request = RoutingRequest(prompt_tokens=50, max_tokens=20)  # tiny: its blocks alone barely move the score
+        chosen = collections.Counter()
+        for i in range(burst):
+            views = [view(r, loads[r], inflight=tracker.counts(r)) for r in ids]
+            target = policy.rank(request, views)[0]
+            tracker.record_sent(target, request.num_blocks(BLOCK_SIZE), now=0.01 + i * 1e-3)
+            chosen[target] += 1
+        for replica_id in ids:
+            assert abs(chosen[replica_id] / burst - 1 / num_replicas) <= 0.10, chosen
+
+
+def test_a_newer_snapshot_forgets_the_sends_it_covers_and_keeps_later_ones():
+    tracker = InflightTracker()
+    tracker.record_sent("r", blocks=10, now=1.0)
+    tracker.record_sent("r", blocks=20, now=2.0)
+    assert tracker.counts("r") == InflightCounts(requests=2, blocks=30)
+    assert tracker.observe_snapshot("r", seq=5, taken_at=1.5)  # taken after the first send only
+    assert tracker.counts("r") == InflightCounts(requests=1, blocks=20)
+    assert not tracker.observe_snapshot("r", seq=4, taken_at=3.0)  # reordered: older seq, ignored
+    assert tracker.counts("r") == InflightCounts(requests=1, blocks=20)
+    assert tracker.observe_snapshot("r", seq=6, taken_at=3.0)
+    assert tracker.counts("r") == InflightCounts()
+
+
+def test_removed_replica_starts_afresh():
+    tracker = InflightTracker()
+    tracker.observe_snapshot("r", seq=9, taken_at=0.0)
+    tracker.record_sent("r", blocks=10, now=1.0)
+    tracker.remove_replica("r")
+    assert tracker.counts("r") == InflightCounts()
+    assert tracker.observe_snapshot("r", seq=1, taken_at=2.0)  # a restarted replica counts from 1 again
+
+
+@pytest.mark.parametrize("policy_name", ["headroom", "least_loaded"])
+def test_stale_and_missing_stats_fall_back_to_queue_length(policy_name):
+    request = RoutingRequest(prompt_tokens=100, max_tokens=100)
+    # The stale snapshots claim the opposite of the queues: they must be ignored.
+    replicas = [
+        view("busy", make_load("busy", free_blocks=1000), age_s=5.0, queue_len=9),
+        view("missing", None, age_s=float("inf"), queue_len=1),
+        view("middle", make_load("middle", free_blocks=10), age_s=1.5, queue_len=4),
+    ]
+    for seed in range(10):
+        assert make_policy(policy_name, random.Random(seed)).rank(request, replicas) == ["missing", "middle", "busy"]
+
+
+def test_stale_replica_goes_ahead_of_fresh_ones_only_with_a_shorter_queue():
+    request = RoutingRequest(prompt_tokens=100, max_tokens=100)
+    replicas = [
+        view("fresh-best", make_load("fresh-best", free_blocks=900), queue_len=3),
+        view("fresh-worse", make_load("fresh-worse", free_blocks=300), queue_len=2),
+        view("stale-short", None, age_s=float("inf"), queue_len=1),
+        view("stale-long", make_load("stale-long"), age_s=2.0, queue_len=8),
+    ]
+    assert headroom_policy().rank(request, replicas) == ["stale-short", "fresh-best", "fresh-worse", "stale-long"]
+
+
+def test_round_robin_cycles_through_replicas_in_id_order_whatever_the_load():
+    policy = RoundRobinPolicy()
+    replicas = [view("b", queue_len=100), view("a", queue_len=0), view("c", queue_len=5)]
+    request = RoutingRequest(prompt_tokens=10, max_tokens=10)
+    firsts = [policy.rank(request, replicas)[0] for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert policy.rank(request, replicas) == ["a", "b", "c"]
+
+
+def test_pow2_takes_the_shorter_queue_of_two_sampled_replicas():
+    request = RoutingRequest(prompt_tokens=10, max_tokens=10)
+    replicas = [view("longest", queue_len=9), view("middle", queue_len=5), view("shortest", queue_len=1)]
+    policy = PowerOfTwoPolicy(rng=random.Random(0))
+    firsts = collections.Counter(policy.rank(request, replicas)[0] for _ in range(3000))
+    # The longest queue never wins a pair; the shortest wins both pairs it is in (2 of 3),
+    # the middle one the pair without the shortest (1 of 3).
+    assert firsts["longest"] == 0
+    assert firsts["shortest"] / 3000 == pytest.approx(2 / 3, abs=0.03)
+    assert firsts["middle"] / 3000 == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_pow2_ignores_load_reports():
+    request = RoutingRequest(prompt_tokens=10, max_tokens=10)
+    replicas = [view("a", make_load("a", free_blocks=1), queue_len=0), view("b", make_load("b"), queue_len=3)]
+    assert all(PowerOfTwoPolicy(random.Random(s)).rank(request, replicas)[0] == "a" for s in range(10))
+
+
+def test_least_loaded_sums_normalised_queue_and_kv_scores_with_weight_2_each():
+    request = RoutingRequest(prompt_tokens=10, max_tokens=10)
+    # queue scores (max - waiting)/(max - min): a 1.0, b 0.5, c 0.0; kv scores 1 - usage:
+    # a 0.2, b 0.9, c 1.0. Totals x2: a 2.4, b 2.8, c 2.0.
+    replicas = [
+        view("a", make_load("a", free_blocks=200, num_waiting=0)),
+        view("b", make_load("b", free_blocks=900, num_waiting=4)),
+        view("c", make_load("c", free_blocks=1000, num_waiting=8)),
+    ]
+    assert LeastLoadedPolicy(rng=random.Random(0)).rank(request, replicas) == ["b", "a", "c"]
+
+
+def test_least_loaded_with_equal_queues_ranks_on_kv_usage_alone():
+    request = RoutingRequest(prompt_tokens=10, max_tokens=10)
+    replicas = [
+        view("full", make_load("full", free_blocks=100, num_waiting=3)),
+        view("empty", make_load("empty", free_blocks=1000, num_waiting=3)),
+    ]
+    assert LeastLoadedPolicy(rng=random.Random(0)).rank(request, replicas) == ["empty", "full"]
+
+
+def test_unknown_policy_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="policy: unknown 'fastest'"):
+        make_policy("fastest")
