@@ -137,6 +137,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Forget the block's prefix-cache entry, if it has one: its KV was never written."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible when no block is in use."""
         if self.num_free_blocks != self.num_usable_blocks:

@@ -1,7 +1,8 @@
 """Typed configuration of one replica's engine, validated once where it enters.
 
 Defaults follow vLLM where it has one: block size 16, chunked prefill on, prefix caching
-on, FCFS, watermark 0, and our full-sequence admission check on.
+on, FCFS, watermark 0, and our full-sequence admission check on. The `slo_*` knobs tune
+the TTFT-SLO policy (replica/slo.py) and are inert under the other policies.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SchedulingPolicy = Literal["fcfs", "priority"]
+SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
 
 
@@ -48,6 +49,30 @@ class EngineConfig(BaseModel):
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."
     )
+    default_ttft_slo_ms: Optional[float] = Field(
+        None, gt=0, description="TTFT SLO of requests that name none; None leaves them without a deadline."
+    )
+    slo_predictor_per_token_ms: float = Field(
+        0.05, ge=0, description="Starting slope of the TTFT predictor (ms per prompt token), until it is fitted."
+    )
+    slo_predictor_base_ms: float = Field(
+        20.0, ge=0, description="Starting intercept of the TTFT predictor (ms), until it is fitted."
+    )
+    slo_predictor_window: int = Field(
+        64, ge=2, description="Measured prefills the TTFT predictor's least-squares fit covers."
+    )
+    slo_preemption_margin: float = Field(
+        1.2, ge=1.0, description="How many times more urgent than a running prefill a waiter must be to abort it."
+    )
+    slo_aggressive: bool = Field(
+        False, description="Compare the waiter with the least urgent running prefill instead of the most urgent."
+    )
+    slo_abort_max_layer_fraction: float = Field(
+        0.9, ge=0.0, le=1.0, description="A forward pass past this fraction of its layers refuses to abort."
+    )
+    slo_monitor_interval_ms: float = Field(
+        2.0, gt=0, description="How often the SLO monitor thread re-evaluates the preemption gate."
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "EngineConfig":
@@ -75,7 +100,11 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_victim_policy(self) -> VictimPolicy:
-        return self.victim_policy or self.scheduling_policy
+        # Under "slo", memory pressure still preempts the most recently admitted: the SLO
+        # preemption of running prefills is a separate mechanism (replica/slo_monitor.py).
+        if self.victim_policy is not None:
+            return self.victim_policy
+        return "fcfs" if self.scheduling_policy == "slo" else self.scheduling_policy
 
     @property
     def watermark_blocks(self) -> int:

@@ -144,6 +144,36 @@ class KVCacheManager:
             self.pool.cache_block(req_blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
+    def forget_unwritten_blocks(self, requests: Sequence[Request]) -> None:
+        """Undo the prefix-cache side of an aborted forward pass, once each request's
+        num_computed_tokens is rolled back to what the pass started from.
+
+        allocate_slots registered the pass's full blocks before it ran; their KV was never
+        written, so their cache entries are forgotten. A request admitted in the same pass
+        may have taken a hit on one of them: its computed tokens are rewound to just before
+        the first such block, so it computes that KV itself."""
+        block_size = self.block_size
+        unwritten_ids = set()
+        for request in requests:
+            request_id = request.request_id
+            blocks = self.req_to_blocks.get(request_id, [])
+            num_written_blocks = request.num_computed_tokens // block_size
+            num_registered = self.num_cached_blocks.get(request_id, 0)
+            for block in blocks[num_written_blocks:num_registered]:
+                self.pool.uncache_block(block)
+                unwritten_ids.add(block.block_id)
+            if num_registered > num_written_blocks:
+                self.num_cached_blocks[request_id] = num_written_blocks
+        if not unwritten_ids:
+            return
+        for request in requests:
+            blocks = self.req_to_blocks.get(request.request_id, [])
+            for index in range(request.num_computed_tokens // block_size):
+                if blocks[index].block_id in unwritten_ids:
+                    request.num_computed_tokens = index * block_size
+                    self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], index)
+                    break
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)

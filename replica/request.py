@@ -101,7 +101,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # for memory
+    num_slo_preemptions: int = 0  # forward passes aborted to let a more urgent request in
     num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
     # Computed tokens thrown away by the latest preemption; settled on re-admission,
     # when the prefix-cache hit tells how many of them really must be recomputed.

@@ -1,13 +1,15 @@
-"""Waiting queues: FCFS (a deque; preempted requests go back to the front) and priority
+"""Waiting queues: FCFS (a deque; preempted requests go back to the front), priority
 (a heap on (priority, arrival time), where a preempted request's early arrival puts it back
-ahead of later arrivals of its priority)."""
+ahead of later arrivals of its priority) and SLO (by urgency, which moves with the clock).
+
+`reorder()` tells a queue that time has moved; only the SLO queue's order depends on it."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from replica.request import Request
 
@@ -37,6 +39,9 @@ class FCFSQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
 
+    def reorder(self) -> None:
+        pass
+
 
 class PriorityQueue:
     def __init__(self) -> None:
@@ -64,6 +69,56 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         return (entry[3] for entry in sorted(self._heap))
 
+    def reorder(self) -> None:
+        pass
 
-def make_waiting_queue(policy: str):
+
+class SLOQueue:
+    """Most urgent first (replica.slo.urgency), ties by arrival. Urgency moves with the clock,
+    so the order is recomputed by `reorder()`, once per step: O(n log n) over the waiting
+    requests, which is cheap next to a forward pass."""
+
+    def __init__(self, urgency_of: Callable[[Request, float], float], clock: Callable[[], float]):
+        self._urgency_of = urgency_of
+        self._clock = clock
+        self._requests: list[Request] = []
+        self._sorted = True
+
+    def add(self, request: Request) -> None:
+        self._requests.append(request)
+        self._sorted = False
+
+    add_front = add  # ordering is by urgency; a preempted request keeps its deadline
+
+    def reorder(self) -> None:
+        self._sorted = False
+
+    def _ordered(self) -> list[Request]:
+        if not self._sorted:
+            now = self._clock()
+            self._requests.sort(key=lambda r: (-self._urgency_of(r, now), r.arrival_time))
+            self._sorted = True
+        return self._requests
+
+    def peek(self) -> Request:
+        return self._ordered()[0]
+
+    def pop(self) -> Request:
+        return self._ordered().pop(0)
+
+    def remove(self, request: Request) -> None:
+        self._requests.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._ordered())
+
+
+def make_waiting_queue(policy: str, urgency_of: Optional[Callable[[Request, float], float]] = None,
+                       clock: Optional[Callable[[], float]] = None):
+    """urgency_of(request, now) and clock: required for the "slo" policy."""
+    if policy == "slo":
+        return SLOQueue(urgency_of, clock)
     return PriorityQueue() if policy == "priority" else FCFSQueue()

@@ -4,13 +4,15 @@ requests first and waiting ones next.
 There is no prefill phase and no decode phase. Each request's `num_computed_tokens` chases
 its `num_tokens`; a step gives each request a slice of the budget, so long prompts are
 prefilled in chunks that ride along with decodes. When blocks run out, a victim is
-preempted and later recomputed from scratch (its output tokens are kept).
+preempted and later recomputed from scratch (its output tokens are kept). Under the "slo"
+policy a step's forward pass may also be aborted (`abort_step`) to let an urgent request in.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from replica.config import EngineConfig
@@ -18,6 +20,11 @@ from replica.kv_cache_manager import KVCacheManager
 from replica.preemption import VICTIM_POLICIES
 from replica.request import InvalidRequestError, Request, RequestStatus, validate_prompt
 from replica.request_queue import make_waiting_queue
+from replica.slo import SLOView, StepSnapshot, TTFTPredictor, ttft_deadline, urgency
+
+# Waiters an SLO snapshot carries, most urgent first: the gate needs only the most urgent
+# rescuable one, and a few more cover those that turn doomed while the pass runs.
+SLO_SNAPSHOT_WAITERS = 8
 
 
 class QueueFullError(RuntimeError):
@@ -81,6 +88,10 @@ class SchedulerLoad:
     prompt_tokens_total: int
     generation_tokens_total: int
     max_num_seqs: int
+    slo_preemptions_total: int = 0
+    slo_discarded_layers_total: int = 0
+    ttft_predictor_per_token_s: float = 0.0
+    ttft_predictor_base_s: float = 0.0
 
 
 @dataclass
@@ -91,6 +102,8 @@ class SchedulerCounters:
     generation_tokens: int = 0
     steps: int = 0
     scheduled_tokens: int = 0
+    slo_preemptions: int = 0  # forward passes aborted to let an urgent request in, one victim each
+    slo_discarded_layers: int = 0  # decoder layers those aborted passes had already run
 
 
 class Scheduler:
@@ -105,13 +118,15 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.clock = clock
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.ttft_predictor = TTFTPredictor.from_config(config)
+        self.waiting = make_waiting_queue(config.scheduling_policy, self._urgency, clock)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]
         self.counters = SchedulerCounters()
         self.waiting_prefill_tokens = 0  # sum of num_tokens over the waiting queue
         self._finished_req_ids: list[str] = []
+        self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
 
     # ---- requests in and out -------------------------------------------------------
@@ -129,6 +144,8 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         request.status = RequestStatus.WAITING
+        if request.ttft_deadline is None:
+            request.ttft_deadline = ttft_deadline(request.arrival_time, self.config.default_ttft_slo_ms)
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self.waiting_prefill_tokens += request.num_tokens
@@ -213,6 +230,7 @@ class Scheduler:
         # 2. Waiting requests, unless this step had to preempt: admitting now would only
         # take back the memory the preemption just freed.
         if not preempted:
+            self.waiting.reorder()
             token_budget = self._admit_waiting(token_budget, scheduled)
 
         for entry in scheduled:
@@ -225,11 +243,12 @@ class Scheduler:
         self.counters.steps += 1
         self.counters.scheduled_tokens += num_scheduled_tokens
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        slo_preempted_ids, self._slo_preempted_req_ids = self._slo_preempted_req_ids, []
         return SchedulerOutput(
             step_id=self._step_id,
             scheduled=scheduled,
             num_scheduled_tokens=num_scheduled_tokens,
-            preempted_req_ids=[r.request_id for r in preempted],
+            preempted_req_ids=slo_preempted_ids + [r.request_id for r in preempted],
             finished_req_ids=finished_ids,
         )
 
@@ -286,14 +305,55 @@ class Scheduler:
 
     def _preempt(self, running_index: int) -> None:
         request = self.running.pop(running_index)
+        request.num_preemptions += 1
+        self.counters.preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Free a request taken off `running` and put it back at the front of the waiting
+        queue, to be recomputed (its output tokens are kept)."""
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens_lost = request.num_computed_tokens
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.counters.preemptions += 1
         self.waiting.add_front(request)
         self.waiting_prefill_tokens += request.num_tokens
+
+    # ---- SLO preemption ----------------------------------------------------------------
+    def _urgency(self, request: Request, now: float) -> float:
+        num_tokens_to_compute = request.num_tokens - request.num_computed_tokens
+        return urgency(request.ttft_deadline, now, self.ttft_predictor.predict(num_tokens_to_compute))
+
+    def slo_snapshot(self, output: SchedulerOutput) -> StepSnapshot:
+        """What the SLO monitor needs of the step about to run: its requests still before
+        their first token, and the most urgent waiters still before theirs."""
+        prefills = tuple(SLOView.of(entry.request, entry.start_pos)
+                         for entry in output.scheduled if entry.request.num_output_tokens == 0)
+        waiters = (SLOView.of(r) for r in self.waiting if r.num_output_tokens == 0)
+        return StepSnapshot(output.step_id, prefills, tuple(itertools.islice(waiters, SLO_SNAPSHOT_WAITERS)))
+
+    def abort_step(self, output: SchedulerOutput, victim_request_id: str, num_discarded_layers: int) -> None:
+        """Undo a step whose forward pass was abandoned between layers, and preempt the victim.
+
+        Every scheduled request goes back to the computed tokens it started the step with
+        (nothing was sampled, so decodes lose only time); prefix-cache entries registered
+        for the pass's unwritten KV are forgotten; blocks the step gave non-victims stay
+        theirs (they are needed again next step). The victim's blocks are returned and it
+        waits to be recomputed; the next SchedulerOutput lists it as preempted.
+        """
+        for entry in output.scheduled:
+            entry.request.num_computed_tokens = entry.start_pos
+            entry.samples = False
+        self.kv_cache.forget_unwritten_blocks([entry.request for entry in output.scheduled])
+        self.counters.slo_preemptions += 1
+        self.counters.slo_discarded_layers += num_discarded_layers
+        victim = self.requests.get(victim_request_id)
+        if victim is None or victim.status != RequestStatus.RUNNING:
+            return  # it left while the pass ran; the rollback alone keeps the step consistent
+        self.running.remove(victim)
+        victim.num_slo_preemptions += 1
+        self._requeue(victim)
+        self._slo_preempted_req_ids.append(victim_request_id)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[TokenUpdate]:
         """Append the sampled tokens of the requests that caught up this step and finish the
@@ -310,6 +370,9 @@ class Scheduler:
             now = now if now is not None else self.clock()
             if request.first_token_time is None:
                 request.first_token_time = now
+                # Admission to first token, over the prompt tokens the prefix cache did not cover.
+                self.ttft_predictor.observe(request.num_prompt_tokens - request.num_cached_tokens,
+                                            now - request.admitted_time)
             request.last_token_time = now
             finished = request.check_stop(token_id)
             if finished is not None:
@@ -340,6 +403,10 @@ class Scheduler:
             prompt_tokens_total=self.counters.prompt_tokens,
             generation_tokens_total=self.counters.generation_tokens,
             max_num_seqs=self.config.max_num_seqs,
+            slo_preemptions_total=self.counters.slo_preemptions,
+            slo_discarded_layers_total=self.counters.slo_discarded_layers,
+            ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
+            ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,
         )
 
     def check_invariants(self) -> None:
