@@ -1,0 +1,285 @@
+"""The cluster's one typed configuration tree: what each Serve application serves (model,
+engine knobs, replicas and resources, router policy, ports), validated once at load time
+with errors naming the dotted field path, and its mapping onto Ray Serve's own options.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from replica.attention import ATTENTION_BACKEND_NAMES
+from replica.builtin_model import BUILTIN_MODEL_NAME
+from replica.config import ConfigError, EngineConfig
+from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
+
+# The Serve application every headroom app is built by; `args` is a ClusterConfig.
+APP_IMPORT_PATH = "cluster.app:build_app"
+# Registers headroom.v1.Generation on Serve's gRPC proxy.
+GRPC_SERVICER_FUNCTION = "protos.headroom_pb2_grpc.add_GenerationServicer_to_server"
+
+RoutingPolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+AttentionBackendName = Literal[ATTENTION_BACKEND_NAMES]  # type: ignore[valid-type]
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos, and a typo silently falling back to a default is the worst kind.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve's autoscaling bounds and target, under the same names as Serve's."""
+
+    # At least one: a replica's cold start loads the model, which a request should never wait for.
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas kept running.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas the autoscaler may start.")
+    # Serve's default (2) suits one-request-at-a-time models; a continuous batch runs tens of
+    # requests at once, and scaling out at 2 would start a replica for every other request.
+    target_ongoing_requests: float = Field(
+        32.0, gt=0, description="Requests in flight per replica the autoscaler aims for."
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "AutoscalingConfig":
+        if self.max_replicas < self.min_replicas:
+            raise ConfigError(f"max_replicas: {self.max_replicas} is below min_replicas {self.min_replicas}")
+        return self
+
+
+class ReplicasConfig(_Strict):
+    """How many engine replicas run, and what each one reserves from Ray."""
+
+    num_replicas: int = Field(2, ge=1, description="Fixed replica count; exclusive with autoscaling.")
+    autoscaling: Optional[AutoscalingConfig] = Field(
+        None, description="Let Serve scale between bounds instead of a fixed num_replicas."
+    )
+    num_cpus: Optional[float] = Field(None, ge=0, description="CPUs each replica reserves; None = 1.")
+    num_gpus: Optional[float] = Field(
+        None, ge=0, description="GPUs each replica reserves; None = 1 when the cluster has GPUs, else 0."
+    )
+
+    @model_validator(mode="after")
+    def _fixed_or_autoscaled(self) -> "ReplicasConfig":
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ConfigError("num_replicas: set either num_replicas or autoscaling, not both")
+        return self
+
+
+def policy_knobs(policy: str) -> tuple[str, ...]:
+    """The tuning parameters a routing policy's constructor takes (staleness_s has its own field)."""
+    policy_class = next(cls for cls in RoutingPolicy.__subclasses__() if cls.name == policy)
+    parameters = inspect.signature(policy_class.__init__).parameters
+    return tuple(name for name in parameters if name not in ("self", "rng", "staleness_s"))
+
+
+class RouterConfig(_Strict):
+    """Which routing policy picks the replica for each request, and its knobs."""
+
+    policy: RoutingPolicyName = Field("headroom", description="Routing policy name, see router/policies.py.")
+    staleness_s: float = Field(
+        DEFAULT_STALENESS_S, gt=0, description="A load snapshot older than this falls back to queue length."
+    )
+    knobs: dict[str, float] = Field(
+        default_factory=dict, description="Constructor parameters of the policy, e.g. preemption_weight."
+    )
+
+    @model_validator(mode="after")
+    def _knobs_belong_to_policy(self) -> "RouterConfig":
+        allowed = policy_knobs(self.policy)
+        for knob in self.knobs:
+            if knob not in allowed:
+                raise ConfigError(
+                    f"knobs.{knob}: not a knob of policy {self.policy!r}; it takes {list(allowed) or 'none'}"
+                )
+        return self
+
+
+class PortsConfig(_Strict):
+    """Where clients and Prometheus reach the cluster."""
+
+    http: int = Field(8000, ge=1, le=65535, description="Serve's HTTP proxy (OpenAI-compatible API).")
+    grpc: int = Field(9000, ge=1, le=65535, description="Serve's gRPC proxy (headroom.v1.Generation).")
+    # Replicas are separate processes, so co-located ones cannot share one port; counting up
+    # from a fixed base keeps the ports predictable for Prometheus' scrape config.
+    metrics: int = Field(
+        9100, ge=1, le=65535,
+        description="Each replica's Prometheus /metrics; replicas sharing a node count up from it.",
+    )
+
+
+class ClusterConfig(_Strict):
+    """One served model: a Ray Serve application whose `args` this is."""
+
+    model: str = Field(BUILTIN_MODEL_NAME, description='"builtin", or a local Hugging Face model directory.')
+    model_id: Optional[str] = Field(
+        None, min_length=1, description="Name clients ask for; None = the model directory's name."
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    device: Device = Field("auto", description="auto = cuda when the replica has a GPU, else cpu.")
+    dtype: Dtype = Field("auto", description="Weights and KV cache dtype; auto keeps the checkpoint's.")
+    attention_backend: AttentionBackendName = Field(
+        "auto", description="auto = Triton on CUDA, the torch reference elsewhere."
+    )
+    kv_cache_memory_fraction: Optional[float] = Field(
+        None, gt=0, le=1,
+        description="GPU only: size the KV pool from this fraction of free memory instead of "
+        "engine.num_kv_blocks.",
+    )
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    ports: PortsConfig = Field(default_factory=PortsConfig)
+
+    @property
+    def served_model_id(self) -> str:
+        return self.model_id or Path(self.model).name
+
+
+def resolve_num_gpus(replicas: ReplicasConfig, cluster_gpus: float) -> float:
+    """GPUs per replica: as configured, else one when the cluster has any (never a fraction:
+    one engine per device owns its memory)."""
+    if replicas.num_gpus is not None:
+        return replicas.num_gpus
+    return 1.0 if cluster_gpus > 0 else 0.0
+
+
+def resolve_device(config: ClusterConfig, num_gpus: float) -> str:
+    if config.device != "auto":
+        return config.device
+    return "cuda" if num_gpus > 0 else "cpu"
+
+
+def serve_deployment_options(config: ClusterConfig, cluster_gpus: float) -> dict[str, Any]:
+    """Options for `serve.deployment(...)` / `.options(...)` of the LLMReplica deployment.
+
+    cluster_gpus: GPUs the Ray cluster has (`ray.cluster_resources().get("GPU", 0)`),
+    which decides the automatic GPU reservation.
+    """
+    replicas = config.replicas
+    options: dict[str, Any] = {
+        "ray_actor_options": {
+            "num_cpus": 1.0 if replicas.num_cpus is None else replicas.num_cpus,
+            "num_gpus": resolve_num_gpus(replicas, cluster_gpus),
+        },
+        # Serve's default of 5 would cap a continuous batch at 5 requests; the engine bounds
+        # itself (max_num_seqs running, max_waiting_requests queued, beyond that it refuses).
+        "max_ongoing_requests": config.engine.max_num_seqs + config.engine.max_waiting_requests,
+    }
+    if replicas.autoscaling is not None:
+        options["autoscaling_config"] = replicas.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = replicas.num_replicas
+    return options
+
+
+class HTTPOptions(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(PortsConfig.model_fields["http"].default, ge=1, le=65535)
+
+
+class GRPCOptions(_Strict):
+    port: int = Field(PortsConfig.model_fields["grpc"].default, ge=1, le=65535)
+    grpc_servicer_functions: list[str] = Field(default_factory=lambda: [GRPC_SERVICER_FUNCTION])
+
+
+class ServeApplication(_Strict):
+    """One entry of a Serve config's `applications`, with `args` typed as ClusterConfig."""
+
+    name: str = Field(..., min_length=1)
+    route_prefix: Optional[str] = Field("/", description="HTTP path prefix; distinct per application.")
+    # Only headroom's application takes these args.
+    import_path: Literal[APP_IMPORT_PATH] = APP_IMPORT_PATH  # type: ignore[valid-type]
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    args: ClusterConfig = Field(default_factory=ClusterConfig)
+
+
+class ServeAppsConfig(_Strict):
+    """A Ray Serve config file (`serve run`, serveConfigV2) whose applications are headroom
+    models: one application per model, sharing Serve's HTTP and gRPC proxies."""
+
+    proxy_location: Literal["EveryNode", "HeadOnly", "Disabled"] = "EveryNode"
+    http_options: HTTPOptions = Field(default_factory=HTTPOptions)
+    grpc_options: GRPCOptions = Field(default_factory=GRPCOptions)
+    applications: list[ServeApplication] = Field(..., min_length=1)
+
+    @model_validator(mode="after")
+    def _applications_agree(self) -> "ServeAppsConfig":
+        names: set[str] = set()
+        prefixes: set[str] = set()
+        for index, app in enumerate(self.applications):
+            where = f"applications[{index}]"
+            if app.name in names:
+                raise ConfigError(f"{where}.name: {app.name!r} is used by an earlier application")
+            names.add(app.name)
+            if app.route_prefix is not None:
+                if app.route_prefix in prefixes:
+                    raise ConfigError(f"{where}.route_prefix: {app.route_prefix!r} is used by an earlier application")
+                prefixes.add(app.route_prefix)
+            # Serve runs one HTTP and one gRPC proxy for all applications: a port in an
+            # application's args that disagrees with them would be silently ignored.
+            for proxy, options in (("http", self.http_options), ("grpc", self.grpc_options)):
+                app_port = getattr(app.args.ports, proxy)
+                if app_port != options.port:
+                    raise ConfigError(
+                        f"{where}.args.ports.{proxy}: {app_port} differs from {proxy}_options.port "
+                        f"{options.port}; Serve's proxies serve every application on one port"
+                    )
+        return self
+
+
+def load_config(source: Union[str, Path, Mapping[str, Any]]) -> ServeAppsConfig:
+    """Loads a Serve config (with `applications`) or one bare ClusterConfig from a YAML path
+    or an already parsed mapping; a bare ClusterConfig becomes the only application.
+
+    Raises ConfigError naming the dotted path of the first bad field,
+    e.g. `applications[0].args.engine.max_model_len: ...`.
+    """
+    document = _read_yaml(source) if isinstance(source, (str, Path)) else source
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(document).__name__}")
+    try:
+        if "applications" in document:
+            return ServeAppsConfig.model_validate(document)
+        cluster = ClusterConfig.model_validate(document)
+    except ValidationError as error:
+        raise _config_error(error) from None
+    return ServeAppsConfig(
+        http_options=HTTPOptions(port=cluster.ports.http),
+        grpc_options=GRPCOptions(port=cluster.ports.grpc),
+        applications=[ServeApplication(name=cluster.served_model_id, args=cluster)],
+    )
+
+
+def _read_yaml(path: Union[str, Path]) -> Any:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return yaml.safe_load(file)
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config: {path} is not valid YAML: {error}") from None
+
+
+def _config_error(error: ValidationError) -> ConfigError:
+    """One ConfigError for pydantic's first error, prefixed with its dotted path; a
+    ConfigError raised by a model validator already names the field inside that model."""
+    first = error.errors()[0]
+    path = _dotted_path(first["loc"])
+    raised = first.get("ctx", {}).get("error")
+    if isinstance(raised, ConfigError):
+        message = str(raised)
+        # Validators of the top-level model already name the full path.
+        return ConfigError(f"{path}.{message}" if path else message)
+    return ConfigError(f"{path or 'config'}: {first['msg']}")
+
+
+def _dotted_path(loc: tuple[Union[str, int], ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
