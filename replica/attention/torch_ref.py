@@ -73,18 +73,23 @@ class TorchAttentionBackend(AttentionBackend):
         keys = key_cache[block_ids].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
         values = value_cache[block_ids].reshape(len(rows), -1, num_kv_heads, head_dim)[:, :max_len]
         lengths = torch.tensor(seq_lens, device=device)
-        valid = torch.arange(max_len, device=device)[None, :] < lengths[:, None]  # [batch, max_len]
+        padding = torch.arange(max_len, device=device)[None, :] >= lengths[:, None]  # [batch, max_len]
+        # An additive float mask: the CPU kernel takes a faster path than with a boolean one.
+        attn_mask = torch.zeros(len(rows), 1, 1, max_len, dtype=query.dtype, device=device)
+        attn_mask.masked_fill_(padding[:, None, None, :], float("-inf"))
         token_index = torch.tensor(query_rows, device=device)
-        decode_query = query[token_index].unsqueeze(2)  # [batch, heads, 1, head_dim]
+        num_q_heads = query.shape[1]
+        # A decode's query heads that share a kv head attend to the same keys, so they can ride
+        # as that kv head's query rows: plain attention, no K/V repetition for GQA.
+        grouped_query = query[token_index].view(len(rows), num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         attended = F.scaled_dot_product_attention(
-            decode_query,
+            grouped_query,
             keys.transpose(1, 2).to(query.dtype),
             values.transpose(1, 2).to(query.dtype),
-            attn_mask=valid[:, None, None, :],
+            attn_mask=attn_mask,
             scale=scale,
-            enable_gqa=True,
         )
-        output[token_index] = attended.squeeze(2)
+        output[token_index] = attended.reshape(len(rows), num_q_heads, head_dim)
 
 
 def _causal_offset_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:

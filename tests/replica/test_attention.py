@@ -111,6 +111,13 @@ def test_torch_reference_matches_dense_causal_attention_on_mixed_gqa_batch():
     torch.testing.assert_close(output.double(), batch.dense_causal_attention(), atol=1e-5, rtol=1e-5)
 
 
+def test_torch_reference_batches_decodes_of_different_lengths_exactly():
+    # All four are single-token queries, so they share one padded call; padding must not leak in.
+    batch = PagedBatch(DECODE_BATCH, num_q_heads=8, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    output = TorchAttentionBackend().forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+    torch.testing.assert_close(output.double(), batch.dense_causal_attention(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_attention_matches_reference_on_mixed_gqa_batch(dtype):
     batch = PagedBatch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
