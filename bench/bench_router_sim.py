@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from replica.preemption_rate import PreemptionRateEstimator
 from replica.request import Request, SamplingParams
 from replica.scheduler import Scheduler, SchedulerOutput
 from router.inflight import InflightTracker
-from router.policies import ReplicaView, RoutingRequest, make_policy
+from router.policies import ReplicaView, RoutingPolicy, RoutingRequest, make_policy
 
 TRACE_ATTRIBUTION = (
     "Azure Public Dataset, Azure LLM inference trace 2023, Patel et al., Splitwise, ISCA 2024 (CC-BY 4.0)"
@@ -39,6 +39,7 @@ TRACE_ATTRIBUTION = (
 DEFAULT_TRACE = "/work/shared/traces/azure_llm_2023_conv.csv"
 BASELINES = ("round_robin", "pow2", "least_loaded")
 POLICY_NAMES = ("headroom",) + BASELINES
+ORACLE = "oracle"  # a reference row at the target point, see CommittedMemoryOracle
 WORKLOADS = ("chat", "mixed_long", "long_output", "azure_trace")
 LOADS = (0.50, 0.70, 0.85, 0.95)
 # Goodput SLO, from the issue.
@@ -203,6 +204,25 @@ class SimReplica:
         )
 
 
+class CommittedMemoryOracle(RoutingPolicy):
+    """Reference only, not deployable: reads every replica's exact committed KV demand
+    (prompt + max_tokens of each live request) straight from its scheduler, which no
+    ReplicaLoad field carries, and picks the least committed. It bounds what better load
+    reports could buy."""
+
+    name = "oracle"
+
+    def __init__(self, replicas: list[SimReplica]):
+        self.schedulers = {replica.replica_id: replica.scheduler for replica in replicas}
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
+        def committed_tokens(view: ReplicaView) -> int:
+            live = self.schedulers[view.replica_id].requests.values()
+            return sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in live)
+
+        return [view.replica_id for view in sorted(replicas, key=committed_tokens)]
+
+
 class ClusterSim:
     """Events on one heap: arrivals, step completions, load reports taken and delivered."""
 
@@ -217,9 +237,9 @@ class ClusterSim:
 
     def run(self, policy_name: str, workload: list[WorkloadRequest]) -> RunStats:
         rng = random.Random(f"{self.seed}:{policy_name}")
-        policy = make_policy(policy_name, rng)
         feed_rng = random.Random(f"{self.seed}:feed")  # same drops for every policy
         replicas = [SimReplica(f"replica-{i}", self.config) for i in range(self.num_replicas)]
+        policy = CommittedMemoryOracle(replicas) if policy_name == ORACLE else make_policy(policy_name, rng)
         latest_load: list[Optional[ReplicaLoad]] = [None] * self.num_replicas
         inflight = InflightTracker()
         events: list[tuple] = []
@@ -443,7 +463,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small runs for a smoke test (seconds)")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--requests", type=int, default=None,
-                        help="requests per run (default 1500; 120 with --quick); long_output runs use 40%%")
+                        help="requests per run (default 3000; 120 with --quick); long_output runs use 40%%")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="Azure LLM 2023 conversation trace CSV")
     parser.add_argument("--plot", default="bench/out/router_sim.png")
@@ -459,7 +479,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="KV pool per replica incl. the null block (default: 3072 x 16 = 49k tokens)")
     args = parser.parse_args(argv)
     if args.requests is None:
-        args.requests = 120 if args.quick else 1500
+        args.requests = 120 if args.quick else 3000
     if args.requests < 20:
         parser.error("--requests: need at least 20 for percentiles to mean anything")
     args.workloads = args.workloads.split(",")
@@ -521,9 +541,16 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
 
     focus = ("mixed_long", 0.85)
     stale_results: dict = {}
+    oracle: Optional[RunStats] = None
     if focus[0] in args.workloads:
         shapes, gaps, saturation = saturation_by_workload[focus[0]]
         workload_requests = arrivals(shapes, gaps, focus[1] * saturation)
+        oracle = ClusterSim(config, args.replicas, cost, fresh, args.seed).run(ORACLE, workload_requests)
+        print(f"\nReference, not deployable ({ORACLE}: exact committed KV per replica, read from the schedulers):",
+              file=out)
+        print("| workload | load | " + METRIC_HEADER, file=out)
+        print("|---" * 9 + "|", file=out)
+        print(format_row(focus[0], focus[1], ORACLE, oracle), file=out)
         print(f"\n## Stale stats: {focus[0]} at {focus[1]:.0%} load", file=out)
         print("round_robin and pow2 read no load reports, so their rows above hold under every condition.", file=out)
         print("| workload | load | condition | " + METRIC_HEADER, file=out)
@@ -544,7 +571,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         save_plot(results, args.workloads, args.loads, args.plot)
         print(f"\nplot: {args.plot}", file=out)
     print(f"wall time {time.perf_counter() - started:.0f} s", file=out)
-    return {"results": results, "stale": stale_results}
+    return {"results": results, "stale": stale_results, "oracle": oracle}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
