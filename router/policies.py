@@ -273,16 +273,17 @@ class HeadroomPolicy(RoutingPolicy):
         return ties + rest
 
 
-POLICIES: dict[str, Callable[[random.Random], RoutingPolicy]] = {
-    "headroom": lambda rng: HeadroomPolicy(rng=rng),
-    "round_robin": lambda rng: RoundRobinPolicy(),
-    "pow2": lambda rng: PowerOfTwoPolicy(rng=rng),
-    "least_loaded": lambda rng: LeastLoadedPolicy(rng=rng),
+POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
+    "headroom": lambda rng, **knobs: HeadroomPolicy(rng=rng, **knobs),
+    "round_robin": lambda rng, **knobs: RoundRobinPolicy(**knobs),
+    "pow2": lambda rng, **knobs: PowerOfTwoPolicy(rng=rng, **knobs),
+    "least_loaded": lambda rng, **knobs: LeastLoadedPolicy(rng=rng, **knobs),
 }
 
 
-def make_policy(name: str, rng: Optional[random.Random] = None) -> RoutingPolicy:
-    """The policy registered under `name`, with its default knobs."""
+def make_policy(name: str, rng: Optional[random.Random] = None, **knobs: float) -> RoutingPolicy:
+    """The policy registered under `name`; `knobs` override its constructor's defaults
+    (cluster.config.RouterConfig validates them against the constructor)."""
     if name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; expected one of {sorted(POLICIES)}")
-    return POLICIES[name](rng or random.Random())
+    return POLICIES[name](rng or random.Random(), **knobs)
