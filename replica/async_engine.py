@@ -19,6 +19,7 @@ from typing import AsyncIterator, Optional, Sequence
 from replica.engine import LLMEngine, RequestOutput
 from replica.request import Request, SamplingParams
 from replica.scheduler import QueueFullError, SchedulerLoad
+from replica.slo import SLOView
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.engine.shutdown()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
@@ -114,15 +116,17 @@ class AsyncEngine:
         priority: int = 0,
         ttft_deadline: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        ttft_slo_ms: Optional[float] = None,
     ) -> RequestStream:
         """Validate and queue a request. Raises InvalidRequestError (naming the field),
-        QueueFullError or EngineShutdownError before anything is queued."""
+        QueueFullError or EngineShutdownError before anything is queued. ttft_slo_ms: the
+        request's TTFT SLO (see LLMEngine.make_request)."""
         if not self._accepting:
             raise EngineShutdownError("the replica is shutting down")
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         engine = self.engine
         request = engine.make_request(request_id, prompt_token_ids, sampling_params, priority=priority,
-                                      ttft_deadline=ttft_deadline, cache_salt=cache_salt)
+                                      ttft_deadline=ttft_deadline, cache_salt=cache_salt, ttft_slo_ms=ttft_slo_ms)
         if request_id in self._streams:
             from replica.request import InvalidRequestError
 
@@ -134,6 +138,7 @@ class AsyncEngine:
         stream = RequestStream(request)
         self._streams[request_id] = stream
         self._pending_adds.append(stream)
+        self._publish_arrivals()
         self._wakeup.set()
         return stream
 
@@ -175,10 +180,18 @@ class AsyncEngine:
         async with self._load_changed:
             self._load_changed.notify_all()
 
+    def _publish_arrivals(self) -> None:
+        # The SLO monitor must see requests that arrive while a forward pass runs: they
+        # reach the scheduler only after it, and may be the reason to abort it.
+        monitor = self.engine.slo_monitor
+        if monitor is not None:
+            monitor.publish_arrivals(tuple(SLOView.of(stream.request) for stream in self._pending_adds))
+
     # ---- the loop ----------------------------------------------------------------------
     def _apply_pending(self) -> None:
         engine = self.engine
         adds, self._pending_adds = self._pending_adds, []
+        self._publish_arrivals()
         for stream in adds:
             if stream.request_id in self._pending_aborts:
                 continue  # aborted before it was ever queued

@@ -1,6 +1,7 @@
 """LLMEngine: one replica's synchronous engine. add_request / step / abort_request over the
 scheduler, the model runner and the tokenizer; every step returns the token and text deltas
-of the requests that advanced, with finish reasons and usage counts."""
+of the requests that advanced, with finish reasons and usage counts. Under the "slo" policy
+an SLO monitor thread may have a step's forward pass abandoned between decoder layers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from replica.config import ConfigError, EngineConfig
 from replica.model import load_model
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams
-from replica.scheduler import Scheduler, SchedulerLoad
+from replica.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
+from replica.slo import ttft_deadline as _ttft_deadline
+from replica.slo_monitor import SLOMonitor
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,15 @@ class StepStats:
             self.step_time_s += smoothing * (elapsed_s - self.step_time_s)
             self.generation_tokens_per_s += smoothing * (tokens_per_s - self.generation_tokens_per_s)
         self.steps += 1
+
+
+class _StepAborted(Exception):
+    """Raised from the layer hook to abandon a forward pass the SLO monitor ordered aborted."""
+
+    def __init__(self, victim_request_id: str, num_layers_done: int):
+        super().__init__(victim_request_id, num_layers_done)
+        self.victim_request_id = victim_request_id
+        self.num_layers_done = num_layers_done
 
 
 def default_device() -> torch.device:
@@ -99,6 +111,12 @@ class LLMEngine:
         self.clock = clock
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = StepStats()
+        self.slo_monitor: Optional[SLOMonitor] = None
+        if config.scheduling_policy == "slo":
+            self.slo_monitor = SLOMonitor(config, self.scheduler.ttft_predictor, clock)
+            self.slo_monitor.start()
+        # Stubbornness: a pass that has run more layers than this refuses to abort.
+        self.max_abort_layer = int(config.slo_abort_max_layer_fraction * self.model_config.num_hidden_layers)
         logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens",
                     self.model_name, self.device, config.num_kv_blocks, config.block_size)
 
@@ -120,11 +138,17 @@ class LLMEngine:
         ttft_deadline: Optional[float] = None,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        ttft_slo_ms: Optional[float] = None,
     ) -> Request:
+        """ttft_slo_ms sets the TTFT deadline relative to arrival (an explicit ttft_deadline,
+        absolute on the engine clock, wins); without either, config.default_ttft_slo_ms applies."""
+        arrival_time = self.clock() if arrival_time is None else arrival_time
+        if ttft_deadline is None:
+            slo_ms = ttft_slo_ms if ttft_slo_ms is not None else self.config.default_ttft_slo_ms
+            ttft_deadline = _ttft_deadline(arrival_time, slo_ms)
         return Request(
             request_id, list(prompt_token_ids), sampling_params, eos_token_ids=self.eos_token_ids,
-            arrival_time=self.clock() if arrival_time is None else arrival_time, priority=priority,
-            ttft_deadline=ttft_deadline, cache_salt=cache_salt,
+            arrival_time=arrival_time, priority=priority, ttft_deadline=ttft_deadline, cache_salt=cache_salt,
         )
 
     def add_request(self, request: Request, detokenize: bool = True) -> None:
@@ -144,11 +168,29 @@ class LLMEngine:
     def load(self) -> SchedulerLoad:
         return self.scheduler.load()
 
+    def shutdown(self) -> None:
+        """Stop the SLO monitor thread, if any."""
+        if self.slo_monitor is not None:
+            self.slo_monitor.stop()
+
     # ---- the step --------------------------------------------------------------------
     def step(self, layer_hook: Optional[Callable[[int], None]] = None) -> list[RequestOutput]:
+        """One engine step. layer_hook(i), if given, runs before decoder layer i (tests use
+        it to slow a layer down). An SLO-aborted step returns no outputs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output, layer_hook)
+        monitor = self.slo_monitor
+        if monitor is None or scheduler_output.is_empty:
+            runner_output = self.runner.execute(scheduler_output, layer_hook)
+        else:
+            monitor.publish_step(self.scheduler.slo_snapshot(scheduler_output))
+            try:
+                runner_output = self.runner.execute(scheduler_output, self._abortable(scheduler_output, layer_hook))
+            except _StepAborted as aborted:
+                self.scheduler.abort_step(scheduler_output, aborted.victim_request_id, aborted.num_layers_done)
+                return []
+            finally:
+                monitor.publish_step(None)
         updates = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
         outputs = []
         for update in updates:
@@ -174,6 +216,23 @@ class LLMEngine:
         if not scheduler_output.is_empty:
             self.stats.observe(time.perf_counter() - start, len(updates))
         return outputs
+
+    def _abortable(self, scheduler_output: SchedulerOutput,
+                   layer_hook: Optional[Callable[[int], None]]) -> Callable[[int], None]:
+        """The layer hook of an SLO step: abandon the pass at this layer boundary when the
+        monitor's order names this very step, unless the pass is past its stubbornness limit."""
+        monitor = self.slo_monitor
+        step_id = scheduler_output.step_id
+        max_abort_layer = self.max_abort_layer
+
+        def hook(layer_index: int) -> None:
+            order = monitor.abort_order  # one read of an immutable order; no lock
+            if order is not None and order.step_id == step_id and layer_index <= max_abort_layer:
+                raise _StepAborted(order.victim_request_id, layer_index)
+            if layer_hook is not None:
+                layer_hook(layer_index)
+
+        return hook
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (offline batch use and tests); returns output token ids."""

@@ -97,6 +97,19 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         "vllm:request_success_total",
         REPLICA_LABELS + ("finish_reason",),
     ),
+    "headroom_slo_preemptions_total": MetricSpec(
+        "counter",
+        "Forward passes aborted between decoder layers to let a request with a nearer TTFT deadline in "
+        "(scheduling policy slo); each preempted one running prefill.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_slo_discarded_layers_total": MetricSpec(
+        "counter",
+        "Decoder layers the aborted forward passes had already run: the work SLO preemption throws away.",
+        None,
+        REPLICA_LABELS,
+    ),
     # Replica: gauges.
     "headroom_kv_cache_usage_ratio": MetricSpec(
         "gauge",
@@ -132,6 +145,18 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     "headroom_preemption_rate": MetricSpec(
         "gauge",
         "Preemptions per second, exponentially smoothed: the rate the router scores replicas with.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_slo_ttft_predictor_per_token_seconds": MetricSpec(
+        "gauge",
+        "Slope a of the TTFT predictor a * prompt_tokens + c, fitted online from measured prefills.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_slo_ttft_predictor_base_seconds": MetricSpec(
+        "gauge",
+        "Intercept c of the TTFT predictor a * prompt_tokens + c, fitted online from measured prefills.",
         None,
         REPLICA_LABELS,
     ),
@@ -209,6 +234,22 @@ COUNTER_FOR_TOTAL = {
 }
 
 
+class SLOTotals(Protocol):
+    """The SLO scheduler's totals and predictor; replica.scheduler.SchedulerLoad has these fields."""
+
+    slo_preemptions_total: int
+    slo_discarded_layers_total: int
+    ttft_predictor_per_token_s: float
+    ttft_predictor_base_s: float
+
+
+# Which counter follows which SLOTotals field.
+SLO_COUNTER_FOR_TOTAL = {
+    "slo_preemptions_total": "headroom_slo_preemptions_total",
+    "slo_discarded_layers_total": "headroom_slo_discarded_layers_total",
+}
+
+
 def create_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
     """Creates the prometheus_client metric METRIC_NAMES describes under `name`."""
     spec = METRIC_NAMES[name]
@@ -233,6 +274,10 @@ class ReplicaMetrics:
         labels = (replica_id, model)
         self._counters = {total: metrics[name].labels(*labels) for total, name in COUNTER_FOR_TOTAL.items()}
         self._synced_totals = dict.fromkeys(COUNTER_FOR_TOTAL, 0)
+        self._slo_counters = {total: metrics[name].labels(*labels) for total, name in SLO_COUNTER_FOR_TOTAL.items()}
+        self._synced_slo_totals = dict.fromkeys(SLO_COUNTER_FOR_TOTAL, 0)
+        self._ttft_predictor_per_token = metrics["headroom_slo_ttft_predictor_per_token_seconds"].labels(*labels)
+        self._ttft_predictor_base = metrics["headroom_slo_ttft_predictor_base_seconds"].labels(*labels)
         request_success = metrics["headroom_request_success_total"]
         self._request_success = {reason: request_success.labels(*labels, reason) for reason in FINISH_REASONS}
         self._kv_cache_usage_ratio = metrics["headroom_kv_cache_usage_ratio"].labels(*labels)
@@ -254,16 +299,14 @@ class ReplicaMetrics:
         A total below the last synced one is a bug (counters never go back), so it raises
         before any counter moves.
         """
-        new_totals = {name: getattr(totals, name) for name in COUNTER_FOR_TOTAL}
-        for name, total in new_totals.items():
-            synced = self._synced_totals[name]
-            if total < synced:
-                raise ValueError(f"engine total {name} went backwards from {synced} to {total}")
-        for name, total in new_totals.items():
-            delta = total - self._synced_totals[name]
-            if delta:
-                self._counters[name].inc(delta)
-        self._synced_totals = new_totals
+        self._synced_totals = _advance(self._counters, self._synced_totals, totals)
+
+    def sync_slo(self, totals: SLOTotals) -> None:
+        """Like sync_counters, for the SLO counters, and sets the TTFT predictor gauges; pass
+        `scheduler.load()` after each step (they stay at 0 unless the policy is "slo")."""
+        self._synced_slo_totals = _advance(self._slo_counters, self._synced_slo_totals, totals)
+        self._ttft_predictor_per_token.set(totals.ttft_predictor_per_token_s)
+        self._ttft_predictor_base.set(totals.ttft_predictor_base_s)
 
     def set_load(self, load: ReplicaLoad) -> None:
         """Sets the gauges from the load snapshot the router sees, so the two always agree."""
@@ -300,3 +343,18 @@ class ReplicaMetrics:
         """
         return prometheus_client.start_http_server(port, addr, registry=self.registry)
 
+
+
+def _advance(counters: dict, synced_totals: dict[str, int], totals: object) -> dict[str, int]:
+    """Increments each counter by its total's delta since the last sync; returns the new
+    synced totals. Raises, before any counter moves, if a total went backwards."""
+    new_totals = {name: getattr(totals, name) for name in synced_totals}
+    for name, total in new_totals.items():
+        synced = synced_totals[name]
+        if total < synced:
+            raise ValueError(f"engine total {name} went backwards from {synced} to {total}")
+    for name, total in new_totals.items():
+        delta = total - synced_totals[name]
+        if delta:
+            counters[name].inc(delta)
+    return new_totals

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from sched_harness import FAKE_VOCAB, fake_next_token, make_request, reference_outputs
 
 from replica.config import ConfigError, make_engine_config
+from replica.metrics import ReplicaMetrics
 from replica.request import InvalidRequestError, RequestStatus
 from replica.scheduler import Scheduler, SchedulerOutput
 from replica.slo import (
@@ -202,6 +203,20 @@ def test_scheduler_feeds_the_predictor_admission_to_first_token():
     assert scheduler.ttft_predictor.coefficients.per_token_s == pytest.approx(0.001)
     assert scheduler.ttft_predictor.coefficients.base_s == pytest.approx(0.01)
     assert scheduler.load().ttft_predictor_per_token_s == pytest.approx(0.001)
+
+
+def test_slo_totals_and_predictor_coefficients_are_exported_as_metrics():
+    scheduler = slo_scheduler(FakeClock(), slo_predictor_per_token_ms=0.25, slo_predictor_base_ms=30.0)
+    scheduler.counters.slo_preemptions, scheduler.counters.slo_discarded_layers = 3, 40
+    metrics = ReplicaMetrics(replica_id="r0", model="m")
+    metrics.sync_slo(scheduler.load())
+    metrics.sync_slo(scheduler.load())  # counters follow totals: syncing twice adds nothing
+    labels = {"replica": "r0", "model": "m"}
+    sample = metrics.registry.get_sample_value
+    assert sample("headroom_slo_preemptions_total", labels) == 3
+    assert sample("headroom_slo_discarded_layers_total", labels) == 40
+    assert sample("headroom_slo_ttft_predictor_per_token_seconds", labels) == pytest.approx(0.00025)
+    assert sample("headroom_slo_ttft_predictor_base_seconds", labels) == pytest.approx(0.03)
 
 
 # ---- the monitor -------------------------------------------------------------------------
