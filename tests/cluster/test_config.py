@@ -1,0 +1,144 @@
+"""The cluster config tree: defaults follow the design, every bad field fails at load time
+with its dotted path, deploy/serve_config.yaml is valid for both our schema and Ray Serve's,
+and the config maps onto Serve's deployment options."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import (
+    APP_IMPORT_PATH,
+    GRPC_SERVICER_FUNCTION,
+    ClusterConfig,
+    RouterConfig,
+    ServeAppsConfig,
+    load_config,
+    policy_knobs,
+    serve_deployment_options,
+)
+from replica.config import ConfigError, EngineConfig
+from router.policies import POLICIES
+
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+
+
+def app_document(**args) -> dict:
+    return {"applications": [{"name": "builtin", "args": args}]}
+
+
+def test_defaults_serve_two_builtin_replicas_on_the_headroom_router():
+    config = ClusterConfig()
+    assert config.model == "builtin" and config.served_model_id == "builtin"
+    assert config.engine == EngineConfig()
+    assert config.replicas.num_replicas == 2 and config.replicas.autoscaling is None
+    assert config.router.policy == "headroom" and config.router.staleness_s == 1.0
+    assert (config.ports.http, config.ports.grpc, config.ports.metrics) == (8000, 9000, 9100)
+
+
+def test_model_id_defaults_to_the_model_directory_name():
+    assert ClusterConfig(model="/models/Qwen2-0.5B/").served_model_id == "Qwen2-0.5B"
+    assert ClusterConfig(model="/models/Qwen2-0.5B", model_id="qwen").served_model_id == "qwen"
+
+
+def test_router_policy_names_are_the_router_registry():
+    assert set(typing.get_args(RouterConfig.model_fields["policy"].annotation)) == set(POLICIES)
+
+
+@pytest.mark.parametrize("document, message", [
+    (app_document(engine={"max_model_len": 0}), "applications[0].args.engine.max_model_len: "),
+    (app_document(engine={"max_model_len": 4096, "num_kv_blocks": 8}), "applications[0].args.engine.num_kv_blocks: "),
+    (app_document(engine={"watermark": 1.5}), "applications[0].args.engine.watermark: "),
+    (app_document(engine={"max_model_lenn": 4096}), "applications[0].args.engine.max_model_lenn: Extra inputs"),
+    (app_document(replicas={"num_replicas": 0}), "applications[0].args.replicas.num_replicas: "),
+    (app_document(replicas={"num_replicas": 3, "autoscaling": {}}), "applications[0].args.replicas.num_replicas: "),
+    (app_document(replicas={"autoscaling": {"min_replicas": 4, "max_replicas": 2}}),
+     "applications[0].args.replicas.autoscaling.max_replicas: "),
+    (app_document(router={"policy": "random"}), "applications[0].args.router.policy: "),
+    (app_document(router={"policy": "pow2", "knobs": {"preemption_weight": 2}}),
+     "applications[0].args.router.knobs.preemption_weight: "),
+    (app_document(device="tpu"), "applications[0].args.device: "),
+    (app_document(ports={"http": 8001}), "applications[0].args.ports.http: 8001 differs from http_options.port 8000"),
+    ({"applications": [{"name": "a"}, {"name": "a", "route_prefix": "/b"}]}, "applications[1].name: "),
+    ({"applications": [{"name": "a"}, {"name": "b"}]}, "applications[1].route_prefix: "),
+    ({"applications": [{"name": "a", "import_path": "my.app:app"}]}, "applications[0].import_path: "),
+    ({"applications": []}, "applications: "),
+    ({"engine": {"block_size": 0}}, "engine.block_size: "),
+])
+def test_bad_field_raises_config_error_naming_its_dotted_path(document, message):
+    with pytest.raises(ConfigError) as raised:
+        load_config(document)
+    assert str(raised.value).startswith(message)
+
+
+def test_router_knobs_are_the_policy_constructor_parameters():
+    assert policy_knobs("headroom") == ("backlog_weight", "preemption_weight", "tie_epsilon")
+    config = load_config(app_document(router={"policy": "least_loaded", "knobs": {"kv_cache_weight": 3}}))
+    assert config.applications[0].args.router.knobs == {"kv_cache_weight": 3.0}
+
+
+def test_bare_cluster_config_becomes_the_only_application_with_its_ports():
+    config = load_config({"model_id": "tiny", "ports": {"http": 8080, "grpc": 9090}})
+    assert [app.name for app in config.applications] == ["tiny"]
+    assert (config.http_options.port, config.grpc_options.port) == (8080, 9090)
+    assert config.applications[0].import_path == APP_IMPORT_PATH
+
+
+def test_unreadable_and_malformed_yaml_files_raise_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("applications: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    a_list = tmp_path / "list.yaml"
+    a_list.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(a_list)
+
+
+def test_deploy_serve_config_validates_against_our_schema():
+    config = load_config(SERVE_CONFIG)
+    app = config.applications[0]
+    assert app.import_path == APP_IMPORT_PATH
+    assert config.grpc_options.port == 9000 and config.grpc_options.grpc_servicer_functions == [GRPC_SERVICER_FUNCTION]
+    assert config.http_options.port == 8000
+    assert app.args.router.policy == "headroom"
+
+
+def test_deploy_serve_config_validates_against_ray_serves_schema():
+    ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
+
+
+def test_our_defaults_are_a_valid_ray_serve_config():
+    config = ServeAppsConfig(applications=[{"name": "builtin"}])
+    ServeDeploySchema.model_validate(config.model_dump(mode="json"))
+
+
+def test_fixed_replicas_map_to_num_replicas_and_auto_resources():
+    on_cpus = serve_deployment_options(ClusterConfig(), cluster_gpus=0)
+    assert on_cpus["num_replicas"] == 2 and "autoscaling_config" not in on_cpus
+    assert on_cpus["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    on_gpus = serve_deployment_options(ClusterConfig(), cluster_gpus=8)
+    assert on_gpus["ray_actor_options"]["num_gpus"] == 1.0
+
+
+def test_explicit_resources_win_over_auto():
+    config = ClusterConfig(replicas={"num_cpus": 4, "num_gpus": 0})
+    assert serve_deployment_options(config, cluster_gpus=8)["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 0.0}
+
+
+def test_autoscaling_maps_to_serves_autoscaling_config():
+    config = ClusterConfig(replicas={"autoscaling": {"min_replicas": 1, "max_replicas": 6, "target_ongoing_requests": 64}})
+    options = serve_deployment_options(config, cluster_gpus=0)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 6, "target_ongoing_requests": 64.0}
+
+
+def test_max_ongoing_requests_admits_what_the_engine_can_hold():
+    config = ClusterConfig(engine={"max_num_seqs": 32, "max_waiting_requests": 100})
+    assert serve_deployment_options(config, cluster_gpus=0)["max_ongoing_requests"] == 132
