@@ -1,0 +1,167 @@
+"""The Grafana dashboard and the alert rules: the dashboard opens on preemptions per replica,
+and every metric either queries is one METRIC_NAMES lists and a live replica exports (router
+metrics: listed); promtool accepts the rules, the scrape config and every dashboard query."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from replica.builtin_model import default_cache_dir
+from replica.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES, ROUTER_METRIC_PREFIX
+from tests.replica.replica_harness import RunningReplica
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana_dashboard.json"
+ALERTS = DEPLOY / "alerts.yml"
+SERIES_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_queries(node=None) -> list[str]:
+    """Every PromQL string in the dashboard: panel targets' `expr` and template variables' queries."""
+    node = dashboard() if node is None else node
+    if isinstance(node, dict):
+        found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        if isinstance(node.get("definition"), str):
+            found.append(node["definition"])
+        return found + [query for value in node.values() for query in dashboard_queries(value)]
+    if isinstance(node, list):
+        return [query for value in node for query in dashboard_queries(value)]
+    return []
+
+
+def alert_expressions() -> list[str]:
+    return [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def metric_of(series: str) -> str:
+    """The metric a series belongs to: a histogram's _bucket, _sum and _count series name it."""
+    for suffix in SERIES_SUFFIXES:
+        if series.endswith(suffix):
+            return series.removesuffix(suffix)
+    return series
+
+
+def metric_names(query: str) -> set[str]:
+    return {metric_of(series) for series in re.findall(r"headroom_\w+", query)}
+
+
+def queried_metric_names() -> set[str]:
+    return {name for query in dashboard_queries() + alert_expressions() for name in metric_names(query)}
+
+
+def rows_with_panels() -> list[tuple[str, list[dict]]]:
+    rows: list[tuple[str, list[dict]]] = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            rows.append((panel["title"], []))
+        else:
+            rows[-1][1].append(panel)
+    return rows
+
+
+def test_first_row_is_preemptions_recompute_kv_usage_and_headroom_per_replica():
+    first_row = rows_with_panels()[0][1]
+    expected = [
+        ("rate(headroom_num_preemptions_total", "Preemptions per second"),
+        ("rate(headroom_recomputed_tokens_total", "Recomputed tokens"),
+        ("headroom_kv_cache_usage_ratio", "KV cache usage"),
+        ("headroom_kv_headroom_tokens", "KV headroom"),
+    ]
+    assert len(first_row) == len(expected)
+    for panel, (query_part, title_part) in zip(first_row, expected):
+        (target,) = panel["targets"]
+        assert query_part in target["expr"] and title_part in panel["title"]
+        assert "by (replica)" in target["expr"] and target["legendFormat"] == "{{replica}}"
+        assert panel["gridPos"]["y"] == 1
+
+
+def test_later_rows_hold_latency_quantiles_queue_depth_and_router_decisions():
+    later_queries = [target["expr"] for _, panels in rows_with_panels()[1:] for panel in panels
+                     for target in panel["targets"]]
+    for histogram in ("headroom_time_to_first_token_seconds", "headroom_inter_token_latency_seconds"):
+        assert any(q.startswith("histogram_quantile(0.99") and f"{histogram}_bucket" in q for q in later_queries)
+    assert any("headroom_num_requests_running" in q for q in later_queries)
+    assert any("headroom_num_requests_waiting" in q for q in later_queries)
+    assert any("rate(headroom_router_decisions_total" in q and "replica" in q for q in later_queries)
+
+
+def test_alert_rules_cover_sustained_preemptions_full_kv_cache_and_replica_down():
+    rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+    assert "rate(headroom_num_preemptions_total[5m])" in rules["HeadroomSustainedPreemptions"]["expr"]
+    assert rules["HeadroomSustainedPreemptions"]["for"] == "10m"
+    assert rules["HeadroomKVCacheNearlyFull"]["expr"].endswith("headroom_kv_cache_usage_ratio) > 0.95")
+    assert rules["HeadroomKVCacheNearlyFull"]["for"] == "5m"
+    assert rules["HeadroomReplicaDown"]["expr"] == 'up{job="headroom-replica"} == 0'
+
+
+def test_every_queried_metric_is_in_metric_names():
+    queried = queried_metric_names()
+    assert queried, "no headroom_ metric found in the dashboard or alert rules"
+    assert queried <= set(METRIC_NAMES), f"not in replica.metrics.METRIC_NAMES: {sorted(queried - set(METRIC_NAMES))}"
+
+
+def test_every_queried_replica_metric_is_on_a_live_replicas_metrics_endpoint():
+    running = RunningReplica(max_model_len=128, block_size=16, num_kv_blocks=64)
+    try:
+        scraped = {series for (series, _labels) in running.scrape()}
+    finally:
+        running.close()
+    exported = {metric_of(series) for series in scraped}
+    replica_queried = queried_metric_names() & set(REPLICA_METRIC_NAMES)
+    assert replica_queried, "the dashboard queries no replica metric"
+    assert replica_queried <= exported, f"not on a live /metrics: {sorted(replica_queried - exported)}"
+    # The router's metrics live in the router's process, not on a replica's endpoint.
+    router_queried = queried_metric_names() - set(REPLICA_METRIC_NAMES)
+    assert all(name.startswith(ROUTER_METRIC_PREFIX) for name in router_queried)
+
+
+def promtool() -> str:
+    """promtool from PATH, else from the headroom cache (tools/promtool); skips without it."""
+    found = shutil.which("promtool")
+    cached = default_cache_dir() / "tools" / "promtool"
+    if found is None and os.access(cached, os.X_OK):
+        found = str(cached)
+    if found is None:
+        pytest.skip("promtool not installed")
+    return found
+
+
+def run_promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_promtool_accepts_the_alert_rules():
+    checked = run_promtool("check", "rules", str(ALERTS))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_promtool_accepts_the_scrape_config():
+    checked = run_promtool("check", "config", str(DEPLOY / "prometheus.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path):
+    # promtool parses PromQL only inside rule files: each panel query becomes a recording
+    # rule, with Grafana's variables replaced by values they take.
+    grafana_variables = {"$__rate_interval": "1m", "$model": ".*"}
+    rules = []
+    for index, query in enumerate(q for q in dashboard_queries() if not q.startswith("label_values(")):
+        for variable, value in grafana_variables.items():
+            query = query.replace(variable, value)
+        rules.append({"record": f"dashboard:query_{index}", "expr": query})
+    rule_file = tmp_path / "dashboard_rules.yml"
+    rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    checked = run_promtool("check", "rules", str(rule_file))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
