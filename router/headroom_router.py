@@ -1,0 +1,162 @@
+"""HeadroomRouter: the Ray-free core of the Ray Serve request router. It keeps one load
+subscription per replica, turns the snapshots into ReplicaViews, asks the routing policy for
+a ranking and counts what it sends between snapshots (herd avoidance).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from router.inflight import InflightCounts, InflightTracker
+from router.load_subscriber import Backoff, LoadSubscriber
+from router.metrics import RouterMetrics
+from router.policies import DEFAULT_STALENESS_S, ReplicaView, RoutingRequest, make_policy
+
+# The convention by which a request's size reaches the router: callers of the LLMReplica
+# deployment pass `routing=RoutingRequest(prompt_tokens, max_tokens, priority)` as a keyword
+# argument (Ray Serve hands the router the call's args and kwargs, not the request's tokens).
+ROUTING_KWARG = "routing"
+# A call without the hint is routed as a short chat turn: size unknown, so load decides;
+# 16 is the engine's (and OpenAI completions') default max_tokens.
+UNSIZED_REQUEST = RoutingRequest(prompt_tokens=0, max_tokens=16)
+# Policies that score ReplicaLoad snapshots; with no fresh snapshot at all they have nothing
+# to go on and the router falls back to Ray Serve's queue-length choice. The others
+# (round_robin, pow2) never read loads and always rank.
+LOAD_BASED_POLICIES = frozenset({"headroom", "least_loaded"})
+# A choice the router made but Ray Serve has not confirmed (the replica may still reject
+# it, or the caller cancel) counts against its replica for at most this long.
+TENTATIVE_SEND_TTL_S = 5.0
+
+
+def routing_request_of(kwargs: Mapping[str, Any]) -> RoutingRequest:
+    """The request's size as its caller declared it under ROUTING_KWARG, else UNSIZED_REQUEST."""
+    hint = kwargs.get(ROUTING_KWARG)
+    return hint if isinstance(hint, RoutingRequest) else UNSIZED_REQUEST
+
+
+@dataclass(frozen=True)
+class TentativeSend:
+    replica_id: str
+    blocks: int
+    chosen_at: float  # on the router's monotonic clock
+
+
+class HeadroomRouter:
+    """One router instance's state. Call it from one event loop (the subscriptions run there)."""
+
+    def __init__(
+        self,
+        policy: str = "headroom",
+        *,
+        staleness_s: float = DEFAULT_STALENESS_S,
+        knobs: Optional[Mapping[str, float]] = None,
+        rng: Optional[random.Random] = None,
+        backoff: Backoff = Backoff(),
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        knobs = dict(knobs or {})
+        if policy in LOAD_BASED_POLICIES:
+            knobs["staleness_s"] = staleness_s
+        self.policy = make_policy(policy, rng, **knobs)
+        self.staleness_s = staleness_s
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.loads = LoadSubscriber(backoff=backoff, clock=clock)
+        self.inflight = InflightTracker()
+        self.metrics = RouterMetrics(self.policy.name)
+        self._tentative: dict[str, TentativeSend] = {}  # request key -> the router's first choice
+
+    # ---- the replica set -------------------------------------------------------------
+    def sync_replicas(self, endpoints: Mapping[str, Optional[str]]) -> None:
+        """The replicas Ray Serve routes to now, each with the load endpoint it announced
+        (None until it has): subscribe to new ones, drop the ones that are gone."""
+        for replica_id, endpoint in endpoints.items():
+            if endpoint:
+                self.loads.subscribe(replica_id, endpoint)
+        for replica_id in self.loads.replica_ids - set(endpoints):
+            self.remove_replica(replica_id)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget a dead or removed replica: its stream, its bookkeeping, its metric series."""
+        self.loads.unsubscribe(replica_id)
+        self.inflight.remove_replica(replica_id)
+        self.metrics.remove_replica(replica_id)
+        for key in [key for key, send in self._tentative.items() if send.replica_id == replica_id]:
+            del self._tentative[key]
+
+    # ---- routing -----------------------------------------------------------------------
+    def rank(self, request: RoutingRequest, queue_lens: Mapping[str, int], request_key: str) -> Optional[list[str]]:
+        """Replica ids for `request`, best first, among those in `queue_lens` (Ray Serve's
+        count of requests in flight to each). None when the policy reads loads and no
+        replica has a fresh one: the caller then uses Ray Serve's own queue-length choice.
+
+        The first choice counts against its replica at once (until `routed` confirms or
+        replaces it), so concurrent choices made before any confirmation spread out.
+        """
+        # A retry re-ranks from scratch: its own earlier choice must not count against it.
+        self._tentative.pop(request_key, None)
+        self._expire_tentative()
+        views = [self._view(replica_id, queue_len) for replica_id, queue_len in queue_lens.items()]
+        for view in views:
+            if view.load is not None:
+                self.metrics.observe_load_age(view.replica_id, view.load_age_s)
+        if self.policy.name in LOAD_BASED_POLICIES and not any(
+            view.has_fresh_load(self.staleness_s) for view in views
+        ):
+            return None
+        ranked = self.policy.rank(request, views)
+        if ranked:
+            self._tentative[request_key] = TentativeSend(
+                ranked[0], self._blocks_of(request, ranked[0]), self.clock()
+            )
+        return ranked
+
+    def routed(self, request: RoutingRequest, request_key: str, replica_id: str) -> None:
+        """Ray Serve sent the request to `replica_id` and the replica accepted it."""
+        self._tentative.pop(request_key, None)
+        self.inflight.record_sent(replica_id, self._blocks_of(request, replica_id), self.wall_clock())
+        self.metrics.decided(replica_id)
+
+    def abandoned(self, request_key: str) -> None:
+        """The request will not be sent after all (cancelled, or it finished)."""
+        self._tentative.pop(request_key, None)
+
+    def _view(self, replica_id: str, queue_len: int) -> ReplicaView:
+        subscription = self.loads.get(replica_id)
+        load = subscription.load if subscription is not None else None
+        if load is not None:
+            # Sends the snapshot already covers stop counting; a repeat does nothing.
+            self.inflight.observe_snapshot(replica_id, load.seq, load.timestamp)
+        return ReplicaView(
+            replica_id=replica_id,
+            load=load,
+            load_age_s=subscription.age_s() if load is not None else 0.0,
+            queue_len=queue_len,
+            inflight_since_snapshot=self._inflight_counts(replica_id),
+        )
+
+    def _inflight_counts(self, replica_id: str) -> InflightCounts:
+        confirmed = self.inflight.counts(replica_id)
+        tentative = [send for send in self._tentative.values() if send.replica_id == replica_id]
+        return InflightCounts(
+            requests=confirmed.requests + len(tentative),
+            blocks=confirmed.blocks + sum(send.blocks for send in tentative),
+        )
+
+    def _expire_tentative(self) -> None:
+        expired_before = self.clock() - TENTATIVE_SEND_TTL_S
+        for key in [key for key, send in self._tentative.items() if send.chosen_at < expired_before]:
+            del self._tentative[key]
+
+    def _blocks_of(self, request: RoutingRequest, replica_id: str) -> int:
+        subscription = self.loads.get(replica_id)
+        if subscription is None or subscription.load is None:
+            return 0  # no block size known yet; the request still counts
+        return request.num_blocks(subscription.load.block_size)
+
+    async def close(self) -> None:
+        await self.loads.close()

@@ -1,0 +1,192 @@
+"""Load subscriptions and the Ray-free router core against a real ReplicaServer on loopback:
+snapshots arrive, age grows while the replica is down, the stream resumes after a restart,
+stale loads fall back to Ray Serve's choice, and a burst spreads before any snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from typing import Callable, Optional
+
+from replica.async_engine import AsyncEngine
+from replica.config import make_engine_config
+from replica.engine import LLMEngine
+from replica.metrics import ReplicaMetrics
+from replica.server import ReplicaServer
+from router.headroom_router import ROUTING_KWARG, UNSIZED_REQUEST, HeadroomRouter, routing_request_of
+from router.load_subscriber import Backoff, LoadSubscriber
+from router.policies import RoutingRequest
+
+ENGINE_CONFIG = dict(num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def start_replica(port: int) -> ReplicaServer:
+    engine = AsyncEngine(LLMEngine(make_engine_config(**ENGINE_CONFIG), "builtin", device="cpu"))
+    server = ReplicaServer(engine, "replica-under-test", "builtin", ReplicaMetrics("replica-under-test", "builtin"))
+    await server.start("127.0.0.1", port)
+    return server
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_backoff_doubles_up_to_its_cap_with_at_least_half_of_each_delay_fixed():
+    backoff = Backoff(initial_s=0.05, multiplier=2.0, max_s=2.0)
+    rng = random.Random(7)
+    for attempt in range(12):
+        nominal = min(0.05 * 2**attempt, 2.0)
+        delays = [backoff.delay_s(attempt, rng) for _ in range(50)]
+        assert all(nominal / 2 <= delay <= nominal for delay in delays)
+        assert max(delays) - min(delays) > nominal / 10  # jittered, not fixed
+    assert backoff.delay_s(10_000, rng) <= 2.0  # no overflow far into an outage
+
+
+def test_subscription_streams_fresh_snapshots_at_the_report_interval():
+    async def scenario() -> None:
+        server = await start_replica(0)
+        subscriber = LoadSubscriber()
+        try:
+            subscriber.subscribe("r0", f"127.0.0.1:{server.port}")
+            subscription = subscriber.get("r0")
+            await eventually(lambda: subscription.load is not None)
+            first_seq = subscription.load.seq
+            await asyncio.sleep(0.35)
+            # An idle replica still reports every 100 ms, so a live stream never looks stale.
+            assert subscription.load.seq >= first_seq + 2
+            assert subscription.age_s() < 0.2
+            assert subscription.load.kv_blocks_total == ENGINE_CONFIG["num_kv_blocks"] - 1
+        finally:
+            await subscriber.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_subscription_ages_while_the_replica_is_down_and_resumes_after_it_restarts():
+    async def scenario() -> None:
+        port = free_port()
+        server = await start_replica(port)
+        subscriber = LoadSubscriber(backoff=Backoff(initial_s=0.05, max_s=0.2))
+        try:
+            subscriber.subscribe("r0", f"127.0.0.1:{port}")
+            subscription = subscriber.get("r0")
+            await eventually(lambda: subscription.load is not None)
+            await server.stop(0.5)
+            stopped_at = time.monotonic()
+            await asyncio.sleep(0.6)
+            # The last snapshot is kept, ageing, while reconnects keep failing.
+            assert subscription.age_s() >= time.monotonic() - stopped_at - 0.15
+            assert subscription.age_s() > 0.5
+            assert subscription.failed_attempts >= 2
+            assert subscription.connects == 1
+
+            server = await start_replica(port)
+            await eventually(lambda: subscription.connects == 2)
+            await eventually(lambda: subscription.age_s() < 0.15)
+            assert subscription.failed_attempts == 0
+            assert subscription.load.seq <= 3  # numbered by the new server
+        finally:
+            await subscriber.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_retain_drops_the_subscriptions_of_replicas_that_are_gone():
+    async def scenario() -> None:
+        server = await start_replica(0)
+        subscriber = LoadSubscriber()
+        try:
+            endpoint = f"127.0.0.1:{server.port}"
+            subscriber.subscribe("kept", endpoint)
+            subscriber.subscribe("gone", endpoint)
+            gone = subscriber.get("gone")
+            await eventually(lambda: gone.load is not None)
+            subscriber.retain({"kept"})
+            assert subscriber.replica_ids == {"kept"}
+            await asyncio.sleep(0.3)
+            assert gone.age_s() > 0.25  # its stream was closed, nothing arrives any more
+        finally:
+            await subscriber.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_stale_loads_fall_back_to_ray_serves_choice_and_fresh_ones_rank():
+    async def scenario() -> None:
+        port = free_port()
+        server: Optional[ReplicaServer] = await start_replica(port)
+        router = HeadroomRouter("headroom", staleness_s=0.3)
+        request = RoutingRequest(prompt_tokens=40, max_tokens=60)
+        try:
+            router.sync_replicas({"r0": f"127.0.0.1:{port}", "r1": None})
+            await eventually(lambda: router.loads.get("r0").load is not None)
+            # r1 has not announced an endpoint: it ranks by queue length beside r0.
+            assert sorted(router.rank(request, {"r0": 3, "r1": 0}, "a")) == ["r0", "r1"]
+            await server.stop(0.5)
+            server = None
+            await asyncio.sleep(0.45)
+            assert router.rank(request, {"r0": 3, "r1": 0}, "b") is None
+        finally:
+            await router.close()
+            if server is not None:
+                await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_with_no_new_snapshot_spreads_over_equally_loaded_replicas():
+    async def scenario() -> None:
+        server = await start_replica(0)
+        router = HeadroomRouter("headroom", rng=random.Random(3))
+        try:
+            endpoint = f"127.0.0.1:{server.port}"
+            # Two replica ids reading one server see identical loads: only the router's own
+            # count of what it chose can tell them apart.
+            router.sync_replicas({"r0": endpoint, "r1": endpoint})
+            await eventually(lambda: all(router.loads.get(r).load is not None for r in ("r0", "r1")))
+            request = RoutingRequest(prompt_tokens=100, max_tokens=100)
+            firsts = [router.rank(request, {"r0": 0, "r1": 0}, f"burst-{i}")[0] for i in range(8)]
+            assert firsts.count("r0") == firsts.count("r1") == 4
+        finally:
+            await router.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_routed_requests_count_as_decisions_per_policy_and_replica():
+    async def scenario() -> None:
+        router = HeadroomRouter("pow2")
+        request = RoutingRequest(prompt_tokens=10, max_tokens=10)
+        router.routed(request, "a", "r0")
+        router.routed(request, "b", "r0")
+        router.routed(request, "c", "r1")
+        assert (router.metrics.decisions("r0"), router.metrics.decisions("r1")) == (2.0, 1.0)
+        assert router.metrics.registry.get_sample_value(
+            "headroom_router_decisions_total", {"policy": "pow2", "replica": "r0"}
+        ) == 2.0
+        await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_requests_without_a_routing_hint_are_routed_as_short_chat_turns():
+    hint = RoutingRequest(prompt_tokens=500, max_tokens=20)
+    assert routing_request_of({ROUTING_KWARG: hint}) is hint
+    assert routing_request_of({}) is UNSIZED_REQUEST
+    assert routing_request_of({ROUTING_KWARG: {"prompt_tokens": 5}}) is UNSIZED_REQUEST
