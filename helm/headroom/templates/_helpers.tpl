@@ -1,0 +1,42 @@
+{{- define "headroom.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-qualified name; the release name alone when it already contains the chart's. */}}
+{{- define "headroom.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "headroom.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "headroom.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "headroom.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "headroom.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "headroom.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The replica /metrics port: every application's args.ports.metrics must agree, since
+     the pod exposes and the PodMonitor scrapes one port. */}}
+{{- define "headroom.metricsPort" -}}
+{{- $ports := list }}
+{{- range .Values.serve.applications }}
+{{- $ports = append $ports (((.args | default dict).ports | default dict).metrics | default 9100 | int) }}
+{{- end }}
+{{- $ports = uniq $ports }}
+{{- if ne (len $ports) 1 }}
+{{- fail (printf "serve.applications[].args.ports.metrics: all applications must use one port, got %v" $ports) }}
+{{- end }}
+{{- first $ports }}
+{{- end }}

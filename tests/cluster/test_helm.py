@@ -1,0 +1,215 @@
+"""The Helm chart: lints and renders for the CPU defaults and values-gpu.yaml; core
+manifests, and the pod templates and Service inside the RayService, pass kubernetes-validate;
+serveConfigV2 is our config schema; dashboard and rules are deploy/'s, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.config import PortsConfig, load_config
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "headroom"
+GPU_VALUES = CHART / "values-gpu.yaml"
+# Custom resources, which kubernetes-validate has no schema for; their core parts are
+# validated on their own below.
+CRD_KINDS = {("ray.io/v1", "RayService"), ("monitoring.coreos.com/v1", "PodMonitor"),
+             ("monitoring.coreos.com/v1", "PrometheusRule")}
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest known.
+KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
+VALUES_FILES = {"cpu-defaults": None, "gpu": GPU_VALUES}
+
+
+def values_of(values_file: Path | None) -> dict[str, Any] | None:
+    return None if values_file is None else helm.values_from_yaml(values_file.read_text())
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every manifest `helm template` renders, parsed."""
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values, name="hr", namespace="serving", is_install=True)
+    return [document for path, text in rendered.items() if not path.endswith("NOTES.txt")
+            for document in yaml.safe_load_all(text) if document]
+
+
+def only(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [document for document in documents if document["kind"] == kind]
+
+
+def rayservice(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = only(documents, "RayService")
+    return found
+
+
+def pod_templates(service: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = service["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]] + [group["template"] for group in cluster["workerGroupSpecs"]]
+
+
+def worker_container(service: dict[str, Any]) -> dict[str, Any]:
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    return container
+
+
+def container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {port["name"]: port["containerPort"] for port in container["ports"]}
+
+
+@pytest.fixture(scope="module", params=list(VALUES_FILES), ids=list(VALUES_FILES))
+def values_file(request) -> Path | None:
+    return VALUES_FILES[request.param]
+
+
+@pytest.fixture(scope="module")
+def documents(values_file) -> list[dict[str, Any]]:
+    return render(values_of(values_file))
+
+
+def test_helm_lint_finds_no_warnings_or_errors(values_file):
+    report = helm.lint(CHART, values_of(values_file), strict=True)
+    problems = [message for message in report["messages"] if message["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+def test_renders_one_rayservice_two_podmonitors_a_rule_and_a_dashboard(documents):
+    kinds = sorted((document["apiVersion"], document["kind"]) for document in documents)
+    assert kinds == [("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PodMonitor"),
+                     ("monitoring.coreos.com/v1", "PrometheusRule"), ("ray.io/v1", "RayService"),
+                     ("v1", "ConfigMap")]
+
+
+@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
+def test_core_manifests_pass_kubernetes_validate(documents, kubernetes_version):
+    core = [document for document in documents if (document["apiVersion"], document["kind"]) not in CRD_KINDS]
+    assert core
+    for document in core:
+        kubernetes_validate.validate(document, kubernetes_version, strict=True)
+
+
+@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
+def test_rayservice_pod_templates_and_serve_service_pass_kubernetes_validate(documents, kubernetes_version):
+    service = rayservice(documents)
+    for template in pod_templates(service):
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        kubernetes_validate.validate(pod_template, kubernetes_version, strict=True)
+    serve_service = {"apiVersion": "v1", "kind": "Service", **service["spec"]["serveService"]}
+    kubernetes_validate.validate(serve_service, kubernetes_version, strict=True)
+
+
+def test_serve_config_v2_is_our_config_schema_and_the_values(documents, values_file):
+    serve_config = yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"])
+    config = load_config(serve_config)
+    with helm.Chart.load(CHART) as chart:
+        assert serve_config == chart.merge_values(values_of(values_file))["serve"]
+    assert config.grpc_options.port == 9000 and config.http_options.port == 8000
+
+
+def test_gpu_values_give_each_worker_pod_and_replica_one_gpu():
+    service = rayservice(render(values_of(GPU_VALUES)))
+    resources = worker_container(service)["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1 and resources["requests"]["nvidia.com/gpu"] == 1
+    args = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args
+    assert args.replicas.num_gpus == 1 and args.device == "cuda"
+
+
+def test_cpu_defaults_request_no_gpu():
+    resources = worker_container(rayservice(render()))["resources"]
+    assert "nvidia.com/gpu" not in resources["limits"] and "nvidia.com/gpu" not in resources["requests"]
+
+
+def test_grpc_port_is_exposed_as_serve_grpc_with_http_as_serve(documents):
+    service = rayservice(documents)
+    (head,) = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert {"serve": 8000, "serve-grpc": 9000}.items() <= container_ports(head).items()
+    serve_ports = {port["name"]: port["port"] for port in service["spec"]["serveService"]["spec"]["ports"]}
+    assert serve_ports == {"serve": 8000, "serve-grpc": 9000}
+
+
+def test_container_port_names_are_what_the_api_server_accepts(documents):
+    # IANA service names (at most 15 characters): the API server checks this, the schema cannot.
+    for template in pod_templates(rayservice(documents)):
+        for container in template["spec"]["containers"]:
+            for name in container_ports(container):
+                assert re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", name) and re.search("[a-z]", name), name
+
+
+def test_podmonitor_scrapes_the_replica_metrics_port_as_the_alerts_job(documents):
+    service = rayservice(documents)
+    replicas_monitor = next(m for m in only(documents, "PodMonitor") if m["metadata"]["name"].endswith("-replicas"))
+    (endpoint,) = replicas_monitor["spec"]["podMetricsEndpoints"]
+    worker_labels = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
+    assert replicas_monitor["spec"]["selector"]["matchLabels"].items() <= worker_labels.items()
+    metrics_port = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args.ports.metrics
+    assert container_ports(worker_container(service))[endpoint["port"]] == metrics_port
+    # deploy/prometheus.yml, this PodMonitor and the HeadroomReplicaDown rule share one job name.
+    (job,) = [relabel["replacement"] for relabel in endpoint["relabelings"] if relabel["targetLabel"] == "job"]
+    scrape_jobs = [job["job_name"] for job in yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]]
+    assert job in scrape_jobs
+    assert f'up{{job="{job}"}}' in (REPO / "deploy" / "alerts.yml").read_text()
+
+
+def test_worker_metrics_port_defaults_to_the_config_default():
+    values = {"serve": {"applications": [{"name": "builtin", "import_path": "cluster.app:build_app", "args": {}}]}}
+    assert container_ports(worker_container(rayservice(render(values))))["replica-metrics"] == PortsConfig().metrics
+
+
+def test_applications_with_different_metrics_ports_fail_to_render():
+    values = {"serve": {"applications": [{"name": "a", "route_prefix": "/a", "args": {"ports": {"metrics": 9100}}},
+                                         {"name": "b", "route_prefix": "/b", "args": {"ports": {"metrics": 9200}}}]}}
+    with pytest.raises(helm.HelmError, match=r"serve.applications\[\].args.ports.metrics"):
+        render(values)
+
+
+def test_dashboard_configmap_is_deploys_dashboard_for_grafanas_sidecar(documents):
+    deployed = REPO / "deploy" / "grafana_dashboard.json"
+    assert (CHART / "dashboards" / "grafana_dashboard.json").read_bytes() == deployed.read_bytes()
+    (configmap,) = only(documents, "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (dashboard_json,) = configmap["data"].values()
+    assert json.loads(dashboard_json) == json.loads(deployed.read_text())
+
+
+def test_prometheus_rule_is_deploys_alert_rules(documents):
+    deployed = REPO / "deploy" / "alerts.yml"
+    assert (CHART / "rules" / "alerts.yml").read_bytes() == deployed.read_bytes()
+    (rule,) = only(documents, "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load(deployed.read_text())
+
+
+def test_monitoring_can_be_switched_off():
+    off = {"monitoring": {"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
+                          "dashboard": {"enabled": False}}}
+    assert [document["kind"] for document in render(off)] == ["RayService"]
+
+
+# Maps whose keys are free-form (Kubernetes or Ray fields) or are documented by a schema of
+# their own (`serve`: cluster.config) are documented as one value.
+DOCUMENTED_AS_ONE_VALUE = {"serve", "resources", "rayStartParams", "labels", "annotations"}
+
+
+def value_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key not in DOCUMENTED_AS_ONE_VALUE:
+            paths += value_paths(value, f"{path}.")
+        else:
+            paths.append(path)
+    return paths
+
+
+def test_readme_documents_every_value():
+    readme = (CHART / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    undocumented = [path for path in value_paths(values) if f"| `{path}` |" not in readme]
+    assert undocumented == []
