@@ -1,0 +1,181 @@
+"""The LLMReplica Ray Serve deployment: one AsyncEngine per replica, streaming generations to
+Serve callers, with a ReplicaServer beside it whose WatchLoad stream feeds the routers. The
+replica announces that endpoint through `record_routing_stats`; HeadroomRequestRouter routes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping, Optional
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
+from replica.async_engine import AsyncEngine
+from replica.config import make_engine_config
+from replica.engine import LLMEngine
+from replica.metrics import ReplicaMetrics
+from replica.request import InvalidRequestError, SamplingParams
+from replica.server import ReplicaServer
+from router.headroom_router import ROUTING_KWARG
+from router.policies import RoutingRequest
+from router.serve_router import LOAD_ENDPOINT_STAT, REPLICA_ID_STAT
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENT_NAME = "LLMReplica"
+REQUEST_ROUTER_CLASS = "router.serve_router:HeadroomRequestRouter"
+# Routing stats never change after start-up, so the controller only needs to ask soon
+# after a replica starts; asking often would be wasted actor calls.
+ROUTING_STATS_PERIOD_S = 30.0
+# A text prompt's token count is unknown until the replica tokenizes it; the router only
+# needs an estimate. Byte-level BPE tokenizers average about 4 bytes of English per token.
+ESTIMATED_BYTES_PER_TOKEN = 4
+# On stop, in-flight requests may finish for this long before they are aborted.
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as a Serve caller sends it: exactly one of `prompt` (text, tokenized
+    by the replica) and `prompt_token_ids`."""
+
+    prompt: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Lower values are served first, as in the engine (and vLLM).
+    priority: int = 0
+    request_id: Optional[str] = None
+
+    def routing_request(self) -> RoutingRequest:
+        """The size the router needs, passed as the call's `routing` keyword argument."""
+        if self.prompt_token_ids is not None:
+            prompt_tokens = len(self.prompt_token_ids)
+        else:
+            prompt_tokens = -(-len((self.prompt or "").encode()) // ESTIMATED_BYTES_PER_TOKEN)
+        return RoutingRequest(prompt_tokens, self.sampling.max_tokens, self.priority)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """What one engine step added to a request's output, and who served it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # detokenized delta; the deltas concatenate to the full output text
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" on the last chunk
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    replica_id: str
+
+
+class LLMReplica:
+    """One engine replica. `engine_overrides_by_rank` replaces EngineConfig fields for the
+    replica of that rank (0-based), e.g. a deliberately tiny KV pool on replica 0 to show
+    the router steering around it."""
+
+    async def __init__(
+        self,
+        config: ClusterConfig,
+        engine_overrides_by_rank: Optional[Mapping[int, Mapping[str, object]]] = None,
+    ):
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        overrides = dict((engine_overrides_by_rank or {}).get(context.rank.rank, {}))
+        engine_config = make_engine_config(**{**config.engine.model_dump(), **overrides})
+        engine = LLMEngine(
+            engine_config,
+            config.model,
+            device=resolve_device(config, num_gpus=len(ray.get_gpu_ids())),
+            dtype=None if config.dtype == "auto" else config.dtype,
+            attention_backend=config.attention_backend,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+        )
+        self.engine = AsyncEngine(engine)
+        self.tokenizer = engine.tokenizer
+        self.server = ReplicaServer(
+            self.engine, self.replica_id, config.served_model_id, ReplicaMetrics(self.replica_id, config.served_model_id)
+        )
+        host = _node_ip()
+        port = await self.server.start(host, 0)
+        self.load_endpoint = f"{host}:{port}"
+        logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
+
+    def record_routing_stats(self) -> dict[str, str]:
+        return {LOAD_ENDPOINT_STAT: self.load_endpoint, REPLICA_ID_STAT: self.replica_id}
+
+    async def generate(
+        self, request: GenerationRequest, routing: Optional[RoutingRequest] = None
+    ) -> AsyncIterator[GenerationChunk]:
+        """Streams the request's outputs (call with `handle.options(stream=True)`); `routing`
+        is for the router, which reads it from the call before it reaches here."""
+        if (request.prompt is None) == (request.prompt_token_ids is None):
+            raise InvalidRequestError("prompt", "set exactly one of prompt and prompt_token_ids")
+        prompt_token_ids = (
+            request.prompt_token_ids
+            if request.prompt_token_ids is not None
+            else self.tokenizer.encode(request.prompt)
+        )
+        async for output in self.engine.generate(
+            prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority
+        ):
+            yield GenerationChunk(
+                request_id=output.request_id,
+                token_ids=output.new_token_ids,
+                text=output.text,
+                finish_reason=output.finish_reason,
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=output.num_output_tokens,
+                cached_prompt_tokens=output.num_cached_tokens,
+                replica_id=self.replica_id,
+            )
+
+    async def __del__(self) -> None:
+        # Serve awaits this on graceful shutdown; it lets in-flight streams end cleanly.
+        await self.server.stop(SHUTDOWN_GRACE_S)
+
+
+def _node_ip() -> str:
+    """This node's address, so routers on other nodes reach the load endpoint."""
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # no usable address (e.g. an offline machine): same-node routers still can
+        return "127.0.0.1"
+
+
+def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.Deployment:
+    """The LLMReplica deployment with replicas, resources and router taken from `config`.
+    cluster_gpus: GPUs the Ray cluster has (`ray.cluster_resources().get("GPU", 0)`)."""
+    router = config.router
+    return serve.deployment(LLMReplica).options(
+        name=DEPLOYMENT_NAME,
+        request_router_config=RequestRouterConfig(
+            request_router_class=REQUEST_ROUTER_CLASS,
+            request_router_kwargs={"policy": router.policy, "staleness_s": router.staleness_s, "knobs": dict(router.knobs)},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
+        **serve_deployment_options(config, cluster_gpus),
+    )
+
+
+def build_llm_replica(
+    config: ClusterConfig,
+    *,
+    cluster_gpus: Optional[float] = None,
+    engine_overrides_by_rank: Optional[Mapping[int, Mapping[str, object]]] = None,
+) -> serve.Application:
+    """The bound LLMReplica application (needs a connected Ray to count GPUs when
+    cluster_gpus is None)."""
+    if cluster_gpus is None:
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+    return llm_replica_deployment(config, cluster_gpus).bind(config, engine_overrides_by_rank)
+
+
+def generate_stream(handle: DeploymentHandle, request: GenerationRequest) -> DeploymentResponseGenerator:
+    """Calls LLMReplica.generate through `handle`, routed on the request's size."""
+    return handle.options(stream=True).generate.remote(request, **{ROUTING_KWARG: request.routing_request()})

@@ -1,0 +1,88 @@
+"""HeadroomRequestRouter: the Ray Serve 2.60 RequestRouter that routes LLMReplica calls with
+HeadroomRouter. Ray Serve builds one in every proxy and handle-holding process, so all its
+state lives in the instance; replicas announce their WatchLoad endpoint in routing stats.
+
+Configure it on the deployment with
+`RequestRouterConfig(request_router_class="router.serve_router:HeadroomRequestRouter",
+request_router_kwargs={"policy": "headroom", "staleness_s": 1.0, "knobs": {...}})`;
+Ray Serve passes the kwargs to `initialize_state`. Callers declare each request's size with
+the `routing=RoutingRequest(...)` keyword argument (router.headroom_router.ROUTING_KWARG).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Mapping, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router.headroom_router import HeadroomRouter, routing_request_of
+from router.policies import DEFAULT_STALENESS_S
+
+logger = logging.getLogger(__name__)
+
+# The routing-stats keys a replica announces (LLMReplica.record_routing_stats). They must
+# never change while the replica lives: a changed dict is broadcast to every router.
+LOAD_ENDPOINT_STAT = "load_endpoint"
+REPLICA_ID_STAT = "replica_id"
+
+
+class HeadroomRequestRouter(RequestRouter):
+    """Ranks replicas with the configured policy (headroom by default; the baselines for
+    benchmarks) and returns one replica per rank, so Ray Serve tries them in that order and
+    still enforces max_ongoing_requests. Without fresh loads it returns every candidate as
+    one rank, which is Ray Serve's own choice: the shortest queue among them."""
+
+    def initialize_state(
+        self,
+        policy: str = "headroom",
+        staleness_s: float = DEFAULT_STALENESS_S,
+        knobs: Optional[Mapping[str, float]] = None,
+    ) -> None:
+        self.headroom = HeadroomRouter(policy, staleness_s=staleness_s, knobs=knobs)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        try:
+            by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+            queue_len_cache = self.replica_queue_len_cache
+            # An unknown queue length counts as empty, as Ray Serve's own availability check has it.
+            queue_lens = {
+                replica_id: queue_len_cache.get(replica.replica_id) or 0 for replica_id, replica in by_id.items()
+            }
+            ranked = self.headroom.rank(
+                routing_request_of(pending_request.kwargs), queue_lens, pending_request.metadata.internal_request_id
+            )
+        except Exception:  # a routing bug must cost the request its best replica, never its answer
+            logger.exception("headroom routing failed; falling back to Ray Serve's queue-length choice")
+            ranked = None
+        if ranked is None:
+            return [candidate_replicas]
+        return [[by_id[replica_id]] for replica_id in ranked]
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.headroom.sync_replicas(
+            {replica.replica_id.unique_id: replica.routing_stats.get(LOAD_ENDPOINT_STAT) for replica in replicas}
+        )
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.headroom.remove_replica(replica_id.unique_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        # Called only once the replica accepted the request (Ray Serve's rejection protocol,
+        # on everywhere but Ray Client); there the tentative choice expires on its own.
+        self.headroom.routed(
+            routing_request_of(pending_request.kwargs),
+            pending_request.metadata.internal_request_id,
+            replica_id.unique_id,
+        )
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.headroom.abandoned(internal_request_id)
