@@ -1,6 +1,6 @@
 """The Grafana dashboard and the alert rules: the dashboard opens on preemptions per replica,
-and every metric either queries is one METRIC_NAMES lists and a live replica exports (router
-metrics: listed); promtool accepts the rules, the scrape config and every dashboard query."""
+and every metric either queries is in METRIC_NAMES and exported by a live replica or a
+router; promtool accepts the rules, the scrape config and every dashboard query."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import prometheus_client
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from replica.builtin_model import default_cache_dir
-from replica.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES, ROUTER_METRIC_PREFIX
+from replica.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES
+from router.metrics import RouterMetrics
 from tests.replica.replica_harness import RunningReplica
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -122,9 +125,19 @@ def test_every_queried_replica_metric_is_on_a_live_replicas_metrics_endpoint():
     replica_queried = queried_metric_names() & set(REPLICA_METRIC_NAMES)
     assert replica_queried, "the dashboard queries no replica metric"
     assert replica_queried <= exported, f"not on a live /metrics: {sorted(replica_queried - exported)}"
-    # The router's metrics live in the router's process, not on a replica's endpoint.
+
+
+def test_every_queried_router_metric_is_in_a_routers_exposition():
     router_queried = queried_metric_names() - set(REPLICA_METRIC_NAMES)
-    assert all(name.startswith(ROUTER_METRIC_PREFIX) for name in router_queried)
+    assert router_queried, "the dashboard queries no router metric"
+    metrics = RouterMetrics("headroom")
+    # Labelled series appear once used: one decision and one scored load.
+    metrics.decided("replica-0")
+    metrics.observe_load_age("replica-0", 0.05)
+    exposition = prometheus_client.generate_latest(metrics.registry).decode()
+    exported = {metric_of(sample.name) for family in text_string_to_metric_families(exposition)
+                for sample in family.samples}
+    assert router_queried <= exported, f"not in a router's exposition: {sorted(router_queried - exported)}"
 
 
 def promtool() -> str:
