@@ -35,6 +35,9 @@ ROUTING_STATS_PERIOD_S = 30.0
 # A text prompt's token count is unknown until the replica tokenizes it; the router only
 # needs an estimate. Byte-level BPE tokenizers average about 4 bytes of English per token.
 ESTIMATED_BYTES_PER_TOKEN = 4
+# Co-located replicas count up from ports.metrics; more replicas than this on one node
+# would be a configuration mistake.
+METRICS_PORT_SEARCH = 64
 # On stop, in-flight requests may finish for this long before they are aborted.
 SHUTDOWN_GRACE_S = 5.0
 
@@ -98,12 +101,12 @@ class LLMReplica:
         )
         self.engine = AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
-        self.server = ReplicaServer(
-            self.engine, self.replica_id, config.served_model_id, ReplicaMetrics(self.replica_id, config.served_model_id)
-        )
+        metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
+        self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics)
         host = _node_ip()
         port = await self.server.start(host, 0)
         self.load_endpoint = f"{host}:{port}"
+        self.metrics_http = _serve_metrics(metrics, host, config.ports.metrics)
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
 
     def record_routing_stats(self) -> dict[str, str]:
@@ -138,6 +141,7 @@ class LLMReplica:
     async def __del__(self) -> None:
         # Serve awaits this on graceful shutdown; it lets in-flight streams end cleanly.
         await self.server.stop(SHUTDOWN_GRACE_S)
+        self.metrics_http.shutdown()
 
 
 def _node_ip() -> str:
@@ -146,6 +150,19 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # no usable address (e.g. an offline machine): same-node routers still can
         return "127.0.0.1"
+
+
+def _serve_metrics(metrics: ReplicaMetrics, host: str, base_port: int):
+    """Serves /metrics on the first free port from `base_port` up: replicas sharing a node
+    take consecutive ports, which Prometheus' scrape config can list."""
+    for port in range(base_port, min(base_port + METRICS_PORT_SEARCH, 65536)):
+        try:
+            server, _ = metrics.start_http_server(port, host)
+        except OSError:  # taken by a co-located replica (or anything else)
+            continue
+        logger.info("replica %s metrics on http://%s:%d/metrics", metrics.replica_id, host, port)
+        return server
+    raise RuntimeError(f"ports.metrics: no free port in {base_port}..{base_port + METRICS_PORT_SEARCH - 1}")
 
 
 def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.Deployment:

@@ -9,8 +9,10 @@ import asyncio
 import collections
 import os
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
@@ -30,6 +32,8 @@ ROOMY_BLOCKS = 256  # 255 usable: room for ~30 test requests at once
 TINY_BLOCKS = 10
 MAX_MODEL_LEN = 128
 # 40 prompt + 88 output tokens = 128 tokens = 8 blocks: fits the tiny pool only when idle.
+# Away from the default (9100), which a real cluster on this machine may hold.
+METRICS_BASE_PORT = 29100
 REQUEST = GenerationRequest(
     prompt_token_ids=list(range(100, 140)),
     sampling=SamplingParams(max_tokens=88, temperature=0.0, ignore_eos=True),
@@ -56,6 +60,7 @@ def cluster():
                 # Generous, so a snapshot delayed on a busy shared machine never sends a
                 # request down the stale-load fallback these tests do not exercise.
                 "router": {"staleness_s": 5.0},
+                "ports": {"metrics": METRICS_BASE_PORT},
             }
         )
         app = build_llm_replica(config, engine_overrides_by_rank={0: {"num_kv_blocks": TINY_BLOCKS}})
@@ -119,6 +124,22 @@ def test_router_steers_new_requests_away_from_the_replica_with_a_tiny_kv_pool(cl
     assert all(tokens == 88 and reason == "length" for _, tokens, reason in results)
     assert router.metrics.decisions(roomy) - decisions_before == 24
     assert router.metrics.decisions(tiny) <= 1  # at most the warm-up request
+
+
+def test_each_replica_serves_its_metrics_on_consecutive_ports_from_the_base(cluster):
+    router = wait_for_fresh_loads(cluster, num_replicas=2)
+    node_ip = ray.util.get_node_ip_address()
+    replicas_seen = set()
+    for port in range(METRICS_BASE_PORT, METRICS_BASE_PORT + 8):
+        try:
+            with urllib.request.urlopen(f"http://{node_ip}:{port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:  # nothing there (or not ours)
+            continue
+        for family in text_string_to_metric_families(text):
+            if family.name == "headroom_kv_free_blocks":
+                replicas_seen.update(sample.labels["replica"] for sample in family.samples)
+    assert replicas_seen == router.loads.replica_ids
 
 
 def test_routing_continues_to_the_survivor_when_a_replica_is_killed(cluster):
