@@ -343,7 +343,6 @@ class Scheduler:
         """
         for entry in output.scheduled:
             entry.request.num_computed_tokens = entry.start_pos
-            entry.samples = False
         self.kv_cache.forget_unwritten_blocks([entry.request for entry in output.scheduled])
         self.counters.slo_preemptions += 1
         self.counters.slo_discarded_layers += num_discarded_layers
