@@ -15,11 +15,12 @@ import grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
-from replica.engine import RequestOutput
+from replica.engine import LLMEngine, RequestOutput
 from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.metrics import ReplicaMetrics
 from replica.request import InvalidRequestError, Request, SamplingParams
 from replica.scheduler import QueueFullError
+from replica.tokenizer import Tokenizer
 
 FINISH_REASON_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -45,6 +46,63 @@ def invalid_argument_message(error: InvalidRequestError) -> str:
     """The error's message with the engine's field name replaced by the proto field path."""
     detail = str(error).removeprefix(f"{error.field}: ")
     return f"{PROTO_FIELD_FOR_ENGINE_FIELD.get(error.field, error.field)}: {detail}"
+
+
+# The proto -> engine mapping of a GenerateRequest, shared by this servicer and the cluster's
+# ingress (which serves the same service through Ray Serve's gRPC proxy).
+def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    prompt_kind = request.WhichOneof("prompt")
+    if prompt_kind is None:
+        raise InvalidRequestError("prompt", "set exactly one of text or token_ids")
+    if prompt_kind == "token_ids":
+        return list(request.token_ids.ids)
+    if not request.text:  # checked before encoding, which may add a BOS to empty text
+        raise InvalidRequestError("prompt", "must not be empty")
+    return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+
+
+def sampling_params_from_proto(
+    sampling: pb.SamplingParams, *, max_model_len: int, num_prompt_tokens: int
+) -> SamplingParams:
+    defaults = SamplingParams()
+    return SamplingParams(
+        # Unset means "up to the context length", as the proto documents.
+        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else max_model_len - num_prompt_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else defaults.temperature,
+        top_p=sampling.top_p if sampling.HasField("top_p") else defaults.top_p,
+        top_k=sampling.top_k if sampling.top_k != 0 else defaults.top_k,
+        min_p=sampling.min_p,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs,
+    )
+
+
+def ttft_deadline_ms_from_proto(request: pb.GenerateRequest) -> Optional[float]:
+    """The TTFT deadline relative to arrival; the engine turns it into a time on its own clock."""
+    if not request.HasField("ttft_deadline_ms"):
+        return None
+    if not (math.isfinite(request.ttft_deadline_ms) and request.ttft_deadline_ms > 0):
+        raise InvalidRequestError("ttft_deadline_ms", f"must be > 0, got {request.ttft_deadline_ms}")
+    return request.ttft_deadline_ms
+
+
+def engine_priority(proto_priority: int) -> int:
+    # The proto runs higher priorities first (what clients expect); the engine, like vLLM,
+    # serves lower values first.
+    return -proto_priority
+
+
+def model_info_proto(engine: LLMEngine, model_id: str) -> pb.ModelInfo:
+    eos_token_ids = engine.eos_token_ids
+    return pb.ModelInfo(
+        model_id=model_id,
+        max_model_len=engine.config.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        block_size=engine.config.block_size,
+        eos_token_id=eos_token_ids[0] if eos_token_ids else -1,
+    )
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -88,46 +146,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(*failure)
 
     def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
-        prompt_token_ids = self._prompt_token_ids(request)
-        ttft_deadline = None
-        if request.HasField("ttft_deadline_ms"):
-            if not (math.isfinite(request.ttft_deadline_ms) and request.ttft_deadline_ms > 0):
-                raise InvalidRequestError("ttft_deadline_ms", f"must be > 0, got {request.ttft_deadline_ms}")
-            ttft_deadline = self.engine.engine.clock() + request.ttft_deadline_ms / 1000.0
+        engine = self.engine.engine
+        prompt_token_ids = prompt_token_ids_from_proto(request, engine.tokenizer)
+        ttft_deadline_ms = ttft_deadline_ms_from_proto(request)
         return self.engine.add_request(
             prompt_token_ids,
-            self._sampling_params(request.sampling, num_prompt_tokens=len(prompt_token_ids)),
+            sampling_params_from_proto(
+                request.sampling, max_model_len=engine.config.max_model_len, num_prompt_tokens=len(prompt_token_ids)
+            ),
             request_id=request.request_id or None,
-            # The proto runs higher priorities first (what clients expect); the engine,
-            # like vLLM, serves lower values first.
-            priority=-request.priority,
-            ttft_deadline=ttft_deadline,
-        )
-
-    def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
-        prompt_kind = request.WhichOneof("prompt")
-        if prompt_kind is None:
-            raise InvalidRequestError("prompt", "set exactly one of text or token_ids")
-        if prompt_kind == "token_ids":
-            return list(request.token_ids.ids)
-        if not request.text:  # checked before encoding, which may add a BOS to empty text
-            raise InvalidRequestError("prompt", "must not be empty")
-        return self.engine.engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-
-    def _sampling_params(self, sampling: pb.SamplingParams, *, num_prompt_tokens: int) -> SamplingParams:
-        defaults = SamplingParams()
-        max_model_len = self.engine.engine.config.max_model_len
-        return SamplingParams(
-            # Unset means "up to the context length", as the proto documents.
-            max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else max_model_len - num_prompt_tokens,
-            temperature=sampling.temperature if sampling.HasField("temperature") else defaults.temperature,
-            top_p=sampling.top_p if sampling.HasField("top_p") else defaults.top_p,
-            top_k=sampling.top_k if sampling.top_k != 0 else defaults.top_k,
-            min_p=sampling.min_p,
-            seed=sampling.seed if sampling.HasField("seed") else None,
-            stop_token_ids=tuple(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos,
-            logprobs=sampling.logprobs,
+            priority=engine_priority(request.priority),
+            ttft_deadline=None if ttft_deadline_ms is None else engine.clock() + ttft_deadline_ms / 1000.0,
         )
 
     def _response(self, output: RequestOutput) -> pb.GenerateResponse:
@@ -150,15 +179,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        engine = self.engine.engine
-        eos_token_ids = engine.eos_token_ids
-        return pb.ModelInfo(
-            model_id=self.model_id,
-            max_model_len=engine.config.max_model_len,
-            vocab_size=engine.model_config.vocab_size,
-            block_size=engine.config.block_size,
-            eos_token_id=eos_token_ids[0] if eos_token_ids else -1,
-        )
+        return model_info_proto(self.engine.engine, self.model_id)
 
 
 class StreamTimings:

@@ -43,6 +43,12 @@ class InvalidRequestError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):
+        # Crosses process boundaries intact (a Ray Serve replica raises it to the ingress);
+        # the default would call __init__ with the one formatted string.
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)
