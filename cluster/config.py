@@ -111,6 +111,11 @@ class PortsConfig(_Strict):
         9100, ge=1, le=65535,
         description="Each replica's Prometheus /metrics; replicas sharing a node count up from it.",
     )
+    # Routers live inside the ingress processes (one per application), not the replicas.
+    router_metrics: int = Field(
+        9200, ge=1, le=65535,
+        description="Each ingress' router /metrics (headroom_router_*); ingresses sharing a node count up from it.",
+    )
 
 
 class ClusterConfig(_Strict):

@@ -6,8 +6,10 @@ replica announces that endpoint through `record_routing_stats`; HeadroomRequestR
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping, Optional
+from typing import AsyncIterator, Callable, Mapping, Optional
+from wsgiref.simple_server import WSGIServer
 
 import ray
 from ray import serve
@@ -15,9 +17,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
+from protos import headroom_pb2 as pb
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
 from replica.engine import LLMEngine
+from replica.grpc_service import model_info_proto
 from replica.metrics import ReplicaMetrics
 from replica.request import InvalidRequestError, SamplingParams
 from replica.server import ReplicaServer
@@ -35,8 +39,8 @@ ROUTING_STATS_PERIOD_S = 30.0
 # A text prompt's token count is unknown until the replica tokenizes it; the router only
 # needs an estimate. Byte-level BPE tokenizers average about 4 bytes of English per token.
 ESTIMATED_BYTES_PER_TOKEN = 4
-# Co-located replicas count up from ports.metrics; more replicas than this on one node
-# would be a configuration mistake.
+# Co-located replicas (ingresses) count up from ports.metrics (ports.router_metrics); more
+# than this on one node would be a configuration mistake.
 METRICS_PORT_SEARCH = 64
 # On stop, in-flight requests may finish for this long before they are aborted.
 SHUTDOWN_GRACE_S = 5.0
@@ -53,6 +57,8 @@ class GenerationRequest:
     # Lower values are served first, as in the engine (and vLLM).
     priority: int = 0
     request_id: Optional[str] = None
+    # Relative to arrival: each replica's engine keeps its own clock.
+    ttft_deadline_ms: Optional[float] = None
 
     def routing_request(self) -> RoutingRequest:
         """The size the router needs, passed as the call's `routing` keyword argument."""
@@ -75,6 +81,7 @@ class GenerationChunk:
     completion_tokens: int
     cached_prompt_tokens: int
     replica_id: str
+    logprobs: Optional[list[float]] = None  # one per token id, when the request asked
 
 
 class LLMReplica:
@@ -101,12 +108,13 @@ class LLMReplica:
         )
         self.engine = AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
+        self.model_id = config.served_model_id
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
         self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics)
-        host = _node_ip()
+        host = node_ip()
         port = await self.server.start(host, 0)
         self.load_endpoint = f"{host}:{port}"
-        self.metrics_http = _serve_metrics(metrics, host, config.ports.metrics)
+        self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
 
     def record_routing_stats(self) -> dict[str, str]:
@@ -124,8 +132,12 @@ class LLMReplica:
             if request.prompt_token_ids is not None
             else self.tokenizer.encode(request.prompt)
         )
+        ttft_deadline = (
+            None if request.ttft_deadline_ms is None else self.engine.engine.clock() + request.ttft_deadline_ms / 1000.0
+        )
         async for output in self.engine.generate(
-            prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority
+            prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority,
+            ttft_deadline=ttft_deadline,
         ):
             yield GenerationChunk(
                 request_id=output.request_id,
@@ -136,7 +148,11 @@ class LLMReplica:
                 completion_tokens=output.num_output_tokens,
                 cached_prompt_tokens=output.num_cached_tokens,
                 replica_id=self.replica_id,
+                logprobs=output.logprobs,
             )
+
+    def model_info(self) -> pb.ModelInfo:
+        return model_info_proto(self.engine.engine, self.model_id)
 
     async def __del__(self) -> None:
         # Serve awaits this on graceful shutdown; it lets in-flight streams end cleanly.
@@ -144,7 +160,7 @@ class LLMReplica:
         self.metrics_http.shutdown()
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
     """This node's address, so routers on other nodes reach the load endpoint."""
     try:
         return ray.util.get_node_ip_address()
@@ -152,17 +168,20 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
-def _serve_metrics(metrics: ReplicaMetrics, host: str, base_port: int):
-    """Serves /metrics on the first free port from `base_port` up: replicas sharing a node
-    take consecutive ports, which Prometheus' scrape config can list."""
+def serve_metrics_on_free_port(
+    start_http_server: Callable[[int, str], tuple[WSGIServer, threading.Thread]], host: str, base_port: int, config_field: str
+) -> WSGIServer:
+    """Serves /metrics on the first free port from `base_port` up: processes sharing a node
+    take consecutive ports, which Prometheus' scrape config can list. `config_field` names the
+    config field of `base_port` for the error."""
     for port in range(base_port, min(base_port + METRICS_PORT_SEARCH, 65536)):
         try:
-            server, _ = metrics.start_http_server(port, host)
+            server, _ = start_http_server(port, host)
         except OSError:  # taken by a co-located replica (or anything else)
             continue
-        logger.info("replica %s metrics on http://%s:%d/metrics", metrics.replica_id, host, port)
+        logger.info("metrics on http://%s:%d/metrics", host, port)
         return server
-    raise RuntimeError(f"ports.metrics: no free port in {base_port}..{base_port + METRICS_PORT_SEARCH - 1}")
+    raise RuntimeError(f"{config_field}: no free port in {base_port}..{base_port + METRICS_PORT_SEARCH - 1}")
 
 
 def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.Deployment:

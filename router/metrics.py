@@ -1,12 +1,56 @@
 """The router's Prometheus metrics: decisions per policy and replica, and the age of the load
-snapshot each decision scored. Names and help come from replica.metrics.METRIC_NAMES.
+snapshot each decision scored; one /metrics per process serves every router in it. Names and
+help come from replica.metrics.METRIC_NAMES.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from typing import Iterator
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from replica.metrics import create_metric
+
+
+class _ProcessRouters:
+    """A collector over the registries of every live RouterMetrics in this process. Ray Serve
+    creates routers lazily, inside handles, so they cannot be handed to an exporter; they
+    enlist here instead. A process holds one router per deployment it calls and replica ids
+    are unique, so routers in one process never share a series."""
+
+    def __init__(self) -> None:
+        self._registries: "weakref.WeakSet[CollectorRegistry]" = weakref.WeakSet()
+
+    def add(self, registry: CollectorRegistry) -> None:
+        self._registries.add(registry)
+
+    def collect(self) -> Iterator[Metric]:
+        # One family per name: an exposition may describe a metric only once.
+        families: dict[str, Metric] = {}
+        for registry in list(self._registries):
+            for family in registry.collect():  # fresh objects on every collect
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+
+_PROCESS_ROUTERS = _ProcessRouters()
+# auto_describe=False: the set of routers (and so of names) changes after registration.
+PROCESS_ROUTER_REGISTRY = CollectorRegistry(auto_describe=False)
+PROCESS_ROUTER_REGISTRY.register(_PROCESS_ROUTERS)
+
+
+def start_http_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
+    """Serves every router of this process (present and future) on http://addr:port/metrics
+    from a daemon thread; `server.shutdown()` stops it."""
+    return prometheus_client.start_http_server(port, addr, registry=PROCESS_ROUTER_REGISTRY)
 
 
 class RouterMetrics:
@@ -19,6 +63,7 @@ class RouterMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._decisions = create_metric("headroom_router_decisions_total", self.registry)
         self._load_age = create_metric("headroom_router_load_age_seconds", self.registry)
+        _PROCESS_ROUTERS.add(self.registry)
 
     def decided(self, replica_id: str) -> None:
         self._decisions.labels(self.policy, replica_id).inc()
