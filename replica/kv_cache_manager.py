@@ -29,6 +29,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading full blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Sum of len(req_to_blocks[r]) over requests: a block shared by k requests counts k
+        # times, because each of them would need it again on its own. Kept incrementally so
+        # the scheduler's committed-KV figure is O(1) to report.
+        self.num_request_blocks = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up, on each admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -44,8 +48,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def headroom_tokens(self) -> int:
-        return self.pool.num_free_blocks * self.block_size
+    def headroom_tokens(self, reserved_blocks: int = 0) -> int:
+        """Room for new work in tokens: free blocks beyond `reserved_blocks` (the admission
+        watermark in force). Negative when running requests have grown into the reserve."""
+        return (self.pool.num_free_blocks - reserved_blocks) * self.block_size
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
@@ -127,6 +133,7 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        self.num_request_blocks += len(new_computed_blocks) + num_new_blocks
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
         return new_blocks
@@ -178,6 +185,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
+            self.num_request_blocks -= len(blocks)
             self.pool.free_blocks(reversed(blocks))
 
     # ---- preemption cost ---------------------------------------------------------------

@@ -64,6 +64,7 @@ class LoadReportBuilder:
             block_size=load.block_size,
             kv_usage=load.kv_usage,
             headroom_tokens=load.headroom_tokens,
+            kv_committed_tokens=load.kv_committed_tokens,
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             waiting_prefill_tokens=load.waiting_prefill_tokens,

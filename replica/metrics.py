@@ -125,8 +125,15 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_kv_headroom_tokens": MetricSpec(
         "gauge",
-        "KV cache room in tokens for admitting new work: free blocks beyond the watermark reserve, "
-        "times block size.",
+        "KV cache room in tokens for admitting new work: free blocks beyond the watermark reserve "
+        "(which applies while anything runs), times block size.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_committed_tokens": MetricSpec(
+        "gauge",
+        "KV cache tokens the live requests (running and waiting) will still claim beyond the blocks "
+        "they hold if each runs to max_tokens: memory already promised that free blocks do not show.",
         None,
         REPLICA_LABELS,
     ),
@@ -283,6 +290,7 @@ class ReplicaMetrics:
         self._kv_cache_usage_ratio = metrics["headroom_kv_cache_usage_ratio"].labels(*labels)
         self._kv_free_blocks = metrics["headroom_kv_free_blocks"].labels(*labels)
         self._kv_headroom_tokens = metrics["headroom_kv_headroom_tokens"].labels(*labels)
+        self._kv_committed_tokens = metrics["headroom_kv_committed_tokens"].labels(*labels)
         self._num_requests_running = metrics["headroom_num_requests_running"].labels(*labels)
         self._num_requests_waiting = metrics["headroom_num_requests_waiting"].labels(*labels)
         self._preemption_rate = metrics["headroom_preemption_rate"].labels(*labels)
@@ -313,6 +321,7 @@ class ReplicaMetrics:
         self._kv_cache_usage_ratio.set(load.kv_usage)
         self._kv_free_blocks.set(load.kv_blocks_free)
         self._kv_headroom_tokens.set(load.headroom_tokens)
+        self._kv_committed_tokens.set(load.kv_committed_tokens)
         self._num_requests_running.set(load.num_running)
         self._num_requests_waiting.set(load.num_waiting)
         self._preemption_rate.set(load.preemption_rate)

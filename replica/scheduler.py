@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from replica.config import EngineConfig
-from replica.kv_cache_manager import KVCacheManager
+from replica.kv_cache_manager import KVCacheManager, cdiv
 from replica.preemption import VICTIM_POLICIES
 from replica.request import InvalidRequestError, Request, RequestStatus, validate_prompt
 from replica.request_queue import make_waiting_queue
@@ -78,6 +78,10 @@ class SchedulerLoad:
     block_size: int
     kv_usage: float
     headroom_tokens: int
+    # KV tokens (whole blocks) the live requests, running and waiting, will still claim
+    # beyond the blocks they hold if each runs to max_tokens: memory already promised that
+    # free blocks do not show.
+    kv_committed_tokens: int
     num_running: int
     num_waiting: int
     waiting_prefill_tokens: int
@@ -125,6 +129,9 @@ class Scheduler:
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]
         self.counters = SchedulerCounters()
         self.waiting_prefill_tokens = 0  # sum of num_tokens over the waiting queue
+        # Sum over live requests of the blocks each holds once it has run to max_tokens;
+        # minus the blocks they hold now, it is the committed KV growth load() reports.
+        self.num_final_blocks = 0
         self._finished_req_ids: list[str] = []
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
@@ -149,6 +156,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self.waiting_prefill_tokens += request.num_tokens
+        self.num_final_blocks += self._final_blocks(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -167,11 +175,22 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_cache.free(request)
+        self.num_final_blocks -= self._final_blocks(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def _final_blocks(self, request: Request) -> int:
+        """Blocks the request holds when it has run to max_tokens (EOS may end it sooner)."""
+        return cdiv(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.block_size)
+
+    def _admission_reserve_blocks(self) -> int:
+        # The watermark is a reserve only admissions must leave free, and only while
+        # something runs: running requests can then grow into it before anyone has to be
+        # preempted, while an idle engine can still admit a request that needs it all.
+        return self.config.watermark_blocks if self.running else 0
 
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -267,16 +286,12 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break  # it waits whole, and nothing behind it skips ahead
                 num_new_tokens = token_budget
-            # The watermark is a reserve only admissions must leave free, and only while
-            # something runs: running requests can then grow into it before anyone has to
-            # be preempted, while an idle engine can still admit a request that needs it all.
-            reserved_blocks = config.watermark_blocks if self.running else 0
             new_blocks = kv_cache.allocate_slots(
                 request,
                 num_new_tokens,
                 hit_blocks,
                 num_hit_tokens,
-                reserved_blocks=reserved_blocks,
+                reserved_blocks=self._admission_reserve_blocks(),
                 num_tokens_to_fit=request.num_tokens if config.reserve_full_sequence else None,
             )
             if new_blocks is None:
@@ -391,7 +406,10 @@ class Scheduler:
             kv_blocks_free=kv_cache.num_free_blocks,
             block_size=self.config.block_size,
             kv_usage=kv_cache.usage(),
-            headroom_tokens=kv_cache.headroom_tokens(),
+            # What an admission may still take now, so the router's fit filter and the
+            # replica's own admission check agree.
+            headroom_tokens=kv_cache.headroom_tokens(self._admission_reserve_blocks()),
+            kv_committed_tokens=(self.num_final_blocks - kv_cache.num_request_blocks) * kv_cache.block_size,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             waiting_prefill_tokens=self.waiting_prefill_tokens,
@@ -431,3 +449,9 @@ class Scheduler:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} has {holders.get(block.block_id, 0)} holders"
             assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{block} free-queue membership is wrong"
         assert len(free_ids) == kv_cache.num_free_blocks
+        # The committed-KV figure load() reports, recomputed from scratch.
+        held = {request_id: len(blocks) for request_id, blocks in kv_cache.req_to_blocks.items()}
+        growth = [self._final_blocks(r) - held.get(r.request_id, 0) for r in self.requests.values()]
+        assert all(blocks >= 0 for blocks in growth), "a request holds more blocks than it can ever fill"
+        assert kv_cache.num_request_blocks == sum(held.values())
+        assert self.num_final_blocks - kv_cache.num_request_blocks == sum(growth)

@@ -12,7 +12,7 @@ from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.scheduler import SchedulerLoad
 
 IDLE = SchedulerLoad(
-    kv_blocks_total=100, kv_blocks_free=100, block_size=16, kv_usage=0.0, headroom_tokens=1600,
+    kv_blocks_total=100, kv_blocks_free=100, block_size=16, kv_usage=0.0, headroom_tokens=1600, kv_committed_tokens=0,
     num_running=0, num_waiting=0, waiting_prefill_tokens=0, preemptions_total=0, recomputed_tokens_total=0,
     prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens_total=0, generation_tokens_total=0, max_num_seqs=8,
 )
@@ -35,10 +35,11 @@ def test_snapshots_are_numbered_stamped_and_carry_the_engine_load():
     builder = LoadReportBuilder("r1", StepStats(step_time_s=0.004, generation_tokens_per_s=250.0),
                                 monotonic_clock=lambda: now[0], wall_clock=lambda: 1_700_000_000.0)
     first = builder.build(IDLE)
-    second = builder.build(dataclasses.replace(IDLE, num_running=3, kv_blocks_free=40))
+    second = builder.build(dataclasses.replace(IDLE, num_running=3, kv_blocks_free=40, kv_committed_tokens=480))
     assert (first.seq, second.seq) == (1, 2)
     assert first.replica_id == "r1" and first.timestamp == 1_700_000_000.0
     assert second.num_running == 3 and second.kv_blocks_free == 40 and second.max_num_seqs == 8
+    assert second.kv_committed_tokens == 480
     assert second.step_time_ms == pytest.approx(4.0) and second.generation_tokens_per_s == 250.0
 
 

@@ -191,6 +191,7 @@ def test_set_load_mirrors_the_replica_load_snapshot(metrics: ReplicaMetrics):
         kv_blocks_free=250,
         kv_usage=0.75,
         headroom_tokens=3200,
+        kv_committed_tokens=1600,
         num_running=12,
         num_waiting=4,
         preemption_rate=0.5,
@@ -199,6 +200,7 @@ def test_set_load_mirrors_the_replica_load_snapshot(metrics: ReplicaMetrics):
     assert value(metrics, "headroom_kv_cache_usage_ratio") == 0.75
     assert value(metrics, "headroom_kv_free_blocks") == 250
     assert value(metrics, "headroom_kv_headroom_tokens") == 3200
+    assert value(metrics, "headroom_kv_committed_tokens") == 1600
     assert value(metrics, "headroom_num_requests_running") == 12
     assert value(metrics, "headroom_num_requests_waiting") == 4
     assert value(metrics, "headroom_preemption_rate") == 0.5

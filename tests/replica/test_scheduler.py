@@ -340,3 +340,42 @@ def test_load_snapshot_tracks_admission_and_release():
     run_to_completion(scheduler, [])
     done = scheduler.load()
     assert done.kv_blocks_free == 32 and done.num_running == 0 and done.generation_tokens_total == 8
+
+
+def test_committed_tokens_are_the_growth_live_requests_are_owed_up_to_max_tokens():
+    scheduler = make_scheduler(block_size=4, num_kv_blocks=33, max_model_len=64, max_num_batched_tokens=8)
+    assert scheduler.load().kv_committed_tokens == 0
+    scheduler.add_request(make_request("a", list(range(20)), 4))  # 24 tokens at the end: 6 blocks
+    scheduler.add_request(make_request("b", list(range(5)), 4))  # 9 tokens: 3 blocks
+    assert scheduler.load().kv_committed_tokens == (6 + 3) * 4  # waiting requests owe everything
+    run_step(scheduler)  # "a" takes an 8-token chunk: 2 blocks held, 4 still owed
+    load = scheduler.load()
+    assert load.kv_committed_tokens == (4 + 3) * 4
+    # Free blocks alone overstate the room: 30 are free, but 7 of them are already promised.
+    assert load.headroom_tokens - load.kv_committed_tokens == (30 - 7) * 4
+    run_to_completion(scheduler, [])
+    assert scheduler.load().kv_committed_tokens == 0
+
+
+def test_committed_tokens_survive_preemption_and_abort():
+    # Two 8 + 20 token sequences (7 blocks each) in 8 usable blocks: they preempt each other.
+    scheduler = make_scheduler(block_size=4, num_kv_blocks=9, max_model_len=32, max_num_batched_tokens=64)
+    for request in two_long_decodes():
+        scheduler.add_request(request)
+    while scheduler.counters.preemptions == 0:
+        run_step(scheduler)  # run_step checks the invariants, committed tokens included
+    load = scheduler.load()
+    # Whatever was preempted, the two still end at 14 blocks; they hold what is not free.
+    assert load.kv_committed_tokens == (14 - (8 - load.kv_blocks_free)) * 4
+    scheduler.abort_request("a")
+    scheduler.abort_request("b")
+    scheduler.check_invariants()
+    assert scheduler.load().kv_committed_tokens == 0
+
+
+def test_headroom_leaves_out_the_watermark_only_while_something_runs():
+    scheduler = make_scheduler(block_size=4, num_kv_blocks=11, max_model_len=40, max_num_batched_tokens=64, watermark=0.2)
+    assert scheduler.load().headroom_tokens == 10 * 4  # idle: an admission may take the whole pool
+    scheduler.add_request(make_request("first", list(range(12)), 20))
+    run_step(scheduler)  # its 12-token prompt: 3 blocks held, 7 free, 2 of them the admission reserve
+    assert scheduler.load().headroom_tokens == (7 - 2) * 4
