@@ -294,6 +294,21 @@ def test_metrics_endpoint_parses_and_carries_every_replica_metric(replica):
     assert samples[("headroom_request_success_total", (("finish_reason", "length"),) + labels)] >= 1
 
 
+def test_slo_metrics_follow_the_engine(fresh_replica):
+    # Predictor gauges start at the configured line, not 0, so seeing them proves the sync.
+    replica = fresh_replica(scheduling_policy="slo", slo_predictor_per_token_ms=0.25, slo_predictor_base_ms=30.0)
+    labels = (("model", MODEL_ID), ("replica", REPLICA_ID))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        samples = replica.scrape()  # the metrics task syncs at least once a second while idle
+        if samples[("headroom_slo_ttft_predictor_base_seconds", labels)] > 0:
+            break
+        time.sleep(0.05)
+    assert samples[("headroom_slo_ttft_predictor_per_token_seconds", labels)] == pytest.approx(0.00025)
+    assert samples[("headroom_slo_ttft_predictor_base_seconds", labels)] == pytest.approx(0.03)
+    assert samples[("headroom_slo_preemptions_total", labels)] == 0
+
+
 # ---- unary RPCs and health --------------------------------------------------------------
 def test_tokenize_and_model_info_match_the_engine(replica):
     with grpc.insecure_channel(replica.address) as channel:
