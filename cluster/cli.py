@@ -8,10 +8,14 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from cluster import replica_command
+from cluster import bench_command, generate_command, replica_command, serve_command, status_command
 
 # name -> (module with add_arguments(parser) and run(args, parser), one-line help)
 SUBCOMMANDS = {
+    "serve": (serve_command, "run the cluster on a local Ray (the built-in model by default) until Ctrl-C"),
+    "generate": (generate_command, "stream one prompt's generation from a running cluster over gRPC"),
+    "status": (status_command, "show every replica of a running cluster with its live load"),
+    "bench": (bench_command, "drive load against a running cluster and summarize latency and preemptions"),
     "replica": (replica_command, "serve one engine over gRPC without Ray"),
 }
 

@@ -42,7 +42,11 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag_for(name), **kwargs)
 
 
+def engine_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields given on the command line (unvalidated)."""
+    return {name: getattr(args, name) for name in EngineConfig.model_fields if getattr(args, name) is not None}
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the parsed flags; raises ConfigError naming the bad field."""
-    overrides = {name: getattr(args, name) for name in EngineConfig.model_fields if getattr(args, name) is not None}
-    return make_engine_config(**overrides)
+    return make_engine_config(**engine_overrides_from_args(args))

@@ -1,0 +1,211 @@
+"""`headroom bench`: drives load against a running cluster over gRPC (closed loop at a fixed
+concurrency, or open loop replaying a trace's arrivals and sizes) with a progress bar, then
+prints latency (TTFT, ITL), throughput and the preemptions the replicas counted meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import itertools
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cluster import status_command
+from cluster.generate_command import add_target_arguments, call_metadata
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    arrival_s: float  # offset from the start; 0 for every request of a closed-loop run
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ttft_s: Optional[float] = None
+    inter_token_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: Optional[str] = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    parser.add_argument("--requests", type=int, default=64, help="requests to send (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="most requests in flight at once (default: %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length without a trace (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output length without a trace (default: %(default)s)")
+    parser.add_argument("--trace", default=None,
+                        help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens (the Azure LLM trace format): "
+                             "replay its arrivals and sizes, clipped to the model's context length")
+    parser.add_argument("--trace-scale", type=float, default=1.0,
+                        help="replay the trace this many times faster (default: %(default)s)")
+    parser.add_argument("--address", default="auto",
+                        help="Ray cluster address for the replicas' preemption counters (default: %(default)s)")
+
+
+def read_trace(path: str, num_requests: int, speedup: float) -> list[BenchRequest]:
+    """The trace's first requests at their recorded offsets, divided by `speedup`."""
+    if not Path(path).is_file():
+        raise ValueError(f"--trace: {path} is not a file")
+    requests, start = [], None
+    with open(path, newline="") as trace:
+        for row in itertools.islice(csv.DictReader(trace), num_requests):
+            # Seven fractional digits: more than datetime parses; the 100 ns digit is noise here.
+            stamp = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+            start = stamp if start is None else start
+            requests.append(BenchRequest((stamp - start) / speedup, max(1, int(row["ContextTokens"])),
+                                         max(1, int(row["GeneratedTokens"]))))
+    return requests
+
+
+def fit_to_context(request: BenchRequest, max_model_len: int) -> BenchRequest:
+    """Shrinks a request (output first, keeping at least one token) to the model's context."""
+    prompt_tokens = min(request.prompt_tokens, max_model_len - 1)
+    return BenchRequest(request.arrival_s, prompt_tokens, min(request.max_tokens, max_model_len - prompt_tokens))
+
+
+def prompt_ids(index: int, length: int, vocab_size: int) -> list[int]:
+    # The first tokens encode the index, so no two prompts share a prefix-cache block.
+    usable = min(vocab_size, 256)  # plain byte-range ids exist in every vocabulary we load
+    head = [1 + index % (usable - 1), 1 + (index // (usable - 1)) % (usable - 1)]
+    return (head + [(index * 7 + position) % usable for position in range(length)])[:length]
+
+
+async def run_load(target: str, application: Optional[str], requests: list[BenchRequest], concurrency: int,
+                   vocab_size: int, progress: Progress) -> tuple[list[RequestResult], float]:
+    """Sends every request (at its arrival offset, at most `concurrency` at once); returns
+    the results and the wall time of the run."""
+    task = progress.add_task("requests", total=len(requests))
+    slots = asyncio.Semaphore(concurrency)
+    metadata = call_metadata(application)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        started = time.monotonic()
+
+        async def one(index: int, request: BenchRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, started + request.arrival_s - time.monotonic()))
+            async with slots:
+                result = await _generate(stub, metadata, index, request, vocab_size)
+            progress.advance(task)
+            return result
+
+        results = await asyncio.gather(*(one(index, request) for index, request in enumerate(requests)))
+        return list(results), time.monotonic() - started
+
+
+async def _generate(stub, metadata, index: int, request: BenchRequest, vocab_size: int) -> RequestResult:
+    proto = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt_ids(index, request.prompt_tokens, vocab_size)),
+        sampling=pb.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    result = RequestResult()
+    sent = last = time.monotonic()
+    try:
+        async for response in stub.Generate(proto, timeout=REQUEST_TIMEOUT_S, metadata=metadata):
+            if not response.token_ids:
+                continue
+            now = time.monotonic()
+            if result.ttft_s is None:
+                result.ttft_s = now - sent
+            else:  # a response may carry several tokens: spread its gap over them
+                result.inter_token_s += [(now - last) / len(response.token_ids)] * len(response.token_ids)
+            last = now
+            result.output_tokens += len(response.token_ids)
+    except grpc.RpcError as error:
+        result.error = error.code().name
+    return result
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def preemptions_total() -> Optional[int]:
+    """Preemptions the running replicas have counted, or None without a reachable cluster."""
+    try:
+        statuses = status_command.replica_statuses()
+    except Exception:
+        return None
+    loads = [status.load for status in statuses if status.load is not None]
+    return sum(load.preemptions_total for load in loads) if loads else None
+
+
+def summary_table(results: list[RequestResult], wall_s: float, preemptions: Optional[int]) -> Table:
+    completed = [result for result in results if result.error is None]
+    ttfts = [result.ttft_s for result in completed if result.ttft_s is not None]
+    itls = [gap for result in completed for gap in result.inter_token_s]
+    output_tokens = sum(result.output_tokens for result in completed)
+    errors = sorted({result.error for result in results if result.error is not None})
+    table = Table(title="headroom bench", show_header=False)
+    rows = [
+        ("requests", f"{len(completed)} completed, {len(results) - len(completed)} failed"
+                     + (f" ({', '.join(errors)})" if errors else "")),
+        ("duration", f"{wall_s:.1f} s"),
+        ("throughput", f"{len(completed) / wall_s:.2f} req/s, {output_tokens / wall_s:.1f} output tok/s"),
+        ("TTFT p50 / p99", f"{percentile(ttfts, 0.5) * 1e3:.0f} / {percentile(ttfts, 0.99) * 1e3:.0f} ms"),
+        ("ITL mean / p99", f"{(statistics.fmean(itls) if itls else math.nan) * 1e3:.1f} / "
+                           f"{percentile(itls, 0.99) * 1e3:.1f} ms"),
+        ("preemptions", "n/a (no Ray cluster reachable)" if preemptions is None else str(preemptions)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.requests < 1 or args.concurrency < 1 or args.trace_scale <= 0:
+        parser.error("--requests and --concurrency must be >= 1, --trace-scale > 0")
+    try:
+        if args.trace is not None:
+            requests = read_trace(args.trace, args.requests, args.trace_scale)
+        else:
+            requests = [BenchRequest(0.0, args.prompt_tokens, args.max_tokens)] * args.requests
+    except (ValueError, KeyError) as error:
+        parser.error(f"--trace: {error}")
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            info = pb_grpc.GenerationStub(channel).GetModelInfo(
+                pb.ModelInfoRequest(), timeout=30, metadata=call_metadata(args.application)
+            )
+        except grpc.RpcError as error:
+            print(f"headroom bench: {args.target}: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    requests = [fit_to_context(request, info.max_model_len) for request in requests]
+    try:
+        status_command.connect(args.address)
+    except Exception:  # latency and throughput still mean something without the counters
+        pass
+    preemptions_before = preemptions_total()
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        results, wall_s = asyncio.run(
+            run_load(args.target, args.application, requests, args.concurrency, info.vocab_size, progress)
+        )
+    preemptions_after = preemptions_total()
+    preemptions = (None if preemptions_before is None or preemptions_after is None
+                   else preemptions_after - preemptions_before)
+    console.print(summary_table(results, wall_s, preemptions))
+    return 0 if all(result.error is None for result in results) else 1

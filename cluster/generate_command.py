@@ -1,0 +1,55 @@
+"""`headroom generate`: one prompt through the cluster's gRPC endpoint (Serve's proxy, or a
+single `headroom replica`), its text streamed to stdout as it is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="prompt text")
+    add_target_arguments(parser)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
+    parser.add_argument("--seed", type=int, default=None, help="sampler seed, for reproducible output")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default: %(default)s)")
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a gRPC client command sends its requests (shared with `headroom bench`)."""
+    parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC address host:port (default: %(default)s)")
+    parser.add_argument("--application", default=None,
+                        help="Serve application (model) to call; needed when the cluster serves several")
+
+
+def call_metadata(application: str | None) -> tuple[tuple[str, str], ...]:
+    # Serve's gRPC proxy picks the application from this metadata key.
+    return (("application", application),) if application else ()
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens)
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = pb.GenerateRequest(text=args.prompt, sampling=sampling)
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            for response in pb_grpc.GenerationStub(channel).Generate(
+                request, timeout=args.timeout_s, metadata=call_metadata(args.application)
+            ):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+        except grpc.RpcError as error:
+            print(f"\nheadroom generate: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,115 @@
+"""`headroom status`: every engine replica of a running cluster with its live load (KV headroom
+and usage, preemption rate, running and waiting requests), read from the load endpoint each
+replica announces to the routers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+import ray
+from ray.serve._private.constants import SERVE_NAMESPACE
+from ray.serve.context import _get_global_client
+from ray.serve.exceptions import RayServeException
+from rich.console import Console
+from rich.table import Table
+
+from cluster.deployment import DEPLOYMENT_NAME
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from router.serve_router import LOAD_ENDPOINT_STAT
+
+LOAD_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    application: str
+    replica_id: str
+    node_ip: str
+    load_endpoint: Optional[str]
+    load: Optional[pb.ReplicaLoad]  # None when the replica could not be reached
+    error: Optional[str] = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="auto", help="Ray cluster address (default: %(default)s, the local one)")
+
+
+def connect(address: str) -> None:
+    """Joins a running Ray cluster as a driver (a no-op when already connected)."""
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as `headroom serve` starts it
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+
+
+def replica_statuses() -> list[ReplicaStatus]:
+    """Every running LLMReplica of every application, with its load now (needs Ray connected
+    and Serve running). The endpoints come from the replicas' own routing stats: the one
+    place they are announced."""
+    details = _get_global_client().get_serve_details()
+    statuses = []
+    for app_name, application in sorted(details.get("applications", {}).items()):
+        deployment = application.get("deployments", {}).get(DEPLOYMENT_NAME)
+        if deployment is None:
+            continue
+        for replica in deployment.get("replicas", []):
+            if replica.get("state") != "RUNNING":
+                continue
+            statuses.append(_status_of(app_name, replica))
+    return statuses
+
+
+def _status_of(app_name: str, replica: dict) -> ReplicaStatus:
+    replica_id, node_ip = replica["replica_id"], replica.get("node_ip") or "?"
+    try:
+        actor = ray.get_actor(replica["actor_name"], namespace=SERVE_NAMESPACE)
+        endpoint = ray.get(actor.record_routing_stats.remote(), timeout=LOAD_TIMEOUT_S).get(LOAD_ENDPOINT_STAT)
+    except Exception as error:  # the replica died between the listing and now
+        return ReplicaStatus(app_name, replica_id, node_ip, None, None, f"unreachable: {error}")
+    if endpoint is None:
+        return ReplicaStatus(app_name, replica_id, node_ip, None, None, "no load endpoint announced yet")
+    try:
+        with grpc.insecure_channel(endpoint) as channel:
+            load = pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest(), timeout=LOAD_TIMEOUT_S)
+    except grpc.RpcError as error:
+        return ReplicaStatus(app_name, replica_id, node_ip, endpoint, None, f"{error.code().name}: {error.details()}")
+    return ReplicaStatus(app_name, replica_id, node_ip, endpoint, load)
+
+
+def status_table(statuses: list[ReplicaStatus]) -> Table:
+    table = Table(title="headroom replicas")
+    for column in ("application", "replica", "node"):
+        table.add_column(column, no_wrap=True)
+    for column in ("KV headroom (tokens)", "KV usage", "preemptions/s", "running", "waiting"):
+        table.add_column(column, justify="right")
+    for status in statuses:
+        load = status.load
+        if load is None:
+            table.add_row(status.application, status.replica_id, status.node_ip, status.error or "?", "", "", "", "")
+            continue
+        table.add_row(
+            status.application, status.replica_id, status.node_ip, str(load.headroom_tokens),
+            f"{load.kv_usage:.1%}", f"{load.preemption_rate:.2f}", str(load.num_running), str(load.num_waiting),
+        )
+    return table
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        connect(args.address)
+        statuses = replica_statuses()
+    except (ConnectionError, RuntimeError, RayServeException) as error:
+        print(f"headroom status: no running cluster at {args.address}: {error}", file=sys.stderr)
+        return 1
+    if not statuses:
+        print("headroom status: Serve runs no LLMReplica", file=sys.stderr)
+        return 1
+    # Piped output gets room for the whole table rather than rich's 80 columns.
+    Console(width=None if sys.stdout.isatty() else 160).print(status_table(statuses))
+    return 0
