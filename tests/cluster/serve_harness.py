@@ -1,0 +1,111 @@
+"""Helpers for the live Ray Serve tests: a small CPU config of the built-in model (ports chosen
+per test module, away from the defaults a real cluster on this machine may hold), gRPC and
+OpenAI-over-HTTP clients, and Ray started the way `headroom serve` starts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import grpc
+import requests
+
+from cluster.config import ServeAppsConfig, load_config
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+
+APP_NAME = "builtin"
+# Small enough to start in seconds on two shared cores, big enough for a few dozen requests.
+ENGINE = {
+    "block_size": 16,
+    "num_kv_blocks": 256,
+    "max_model_len": 256,
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 16,
+    "max_waiting_requests": 64,
+}
+GRPC_TIMEOUT_S = 120.0  # every call is bounded: a hang fails the test instead of stalling it
+
+
+def enable_local_ray() -> None:
+    # As `headroom serve` does: a loopback-only test cluster needs no token auth.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num_cpus: float = 1,
+                 proxy_location: str = "EveryNode") -> ServeAppsConfig:
+    """One application on two CPU replicas; HTTP, gRPC, replica and router metrics on
+    base_port, +1, +10 and +20."""
+    ports = {"http": base_port, "grpc": base_port + 1, "metrics": base_port + 10, "router_metrics": base_port + 20}
+    return load_config({
+        "proxy_location": proxy_location,
+        "http_options": {"host": "127.0.0.1", "port": ports["http"]},
+        "grpc_options": {"port": ports["grpc"]},
+        "applications": [{
+            "name": APP_NAME,
+            "route_prefix": "/",
+            "args": {
+                "engine": {**ENGINE, **(engine or {})},
+                "replicas": {"num_replicas": 2, "num_cpus": num_cpus},
+                # Generous, so a snapshot delayed on a busy shared machine never sends a
+                # request down the stale-load fallback.
+                "router": {"staleness_s": 5.0},
+                "ports": ports,
+            },
+        }],
+    })
+
+
+def grpc_target(config: ServeAppsConfig) -> str:
+    return f"127.0.0.1:{config.grpc_options.port}"
+
+
+def http_base(config: ServeAppsConfig) -> str:
+    return f"http://127.0.0.1:{config.http_options.port}"
+
+
+def generate_request(max_tokens: int, *, prompt: str = "hello", **sampling: Any) -> pb.GenerateRequest:
+    sampling = {"temperature": 0.0, "ignore_eos": True, **sampling}
+    return pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+@dataclass
+class StreamResult:
+    """What a client saw of one Generate stream."""
+
+    responses: list[pb.GenerateResponse] = field(default_factory=list)
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    details: str = ""
+
+    @property
+    def replica_id(self) -> Optional[str]:
+        return self.responses[0].replica_id if self.responses else None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(response.token_ids) for response in self.responses)
+
+
+def stream_generate(channel: grpc.Channel, request: pb.GenerateRequest, on_response=None) -> StreamResult:
+    result = StreamResult()
+    try:
+        for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=GRPC_TIMEOUT_S):
+            result.responses.append(response)
+            if on_response is not None:
+                on_response(result)
+    except grpc.RpcError as error:
+        result.code, result.details = error.code(), error.details()
+    return result
+
+
+def sse_events(response: requests.Response) -> list[Any]:
+    """The `data:` payloads of an SSE response, JSON-decoded except the final `[DONE]`."""
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -1,0 +1,188 @@
+"""The whole cluster on this machine, started as `headroom serve` starts it: two CPU replicas
+of the built-in model behind Serve's gRPC and HTTP proxies. Clients stream over gRPC and over
+the OpenAI API (SSE), bad input fails naming the field, the router spreads requests over both
+replicas, `headroom status` shows both replicas' load and the router's metrics are scraped.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import urllib.request
+
+import grpc
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from cluster import status_command  # noqa: E402
+from cluster.cli import main  # noqa: E402
+from cluster.serve_command import start_applications  # noqa: E402
+from protos import headroom_pb2 as pb  # noqa: E402
+from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
+from tests.cluster.serve_harness import (  # noqa: E402
+    APP_NAME, ENGINE, enable_local_ray, generate_request, grpc_target, http_base, small_config, sse_events,
+    stream_generate,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG = small_config(28400)
+HTTP = http_base(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    enable_local_ray()
+    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
+    try:
+        start_applications(CONFIG)
+        yield CONFIG
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def channel(cluster):
+    with grpc.insecure_channel(grpc_target(cluster)) as channel:
+        yield channel
+
+
+# ---- gRPC through Serve's proxy ----------------------------------------------------------
+def test_generate_streams_every_token_through_serves_grpc_proxy(channel):
+    result = stream_generate(channel, generate_request(12))
+    assert result.code == grpc.StatusCode.OK, result.details
+    assert len(result.responses) >= 2  # streamed, not one reply at the end
+    last = result.responses[-1]
+    assert result.num_tokens == 12 and last.usage.completion_tokens == 12
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert result.replica_id and all(response.replica_id == result.replica_id for response in result.responses)
+
+
+@pytest.mark.parametrize("request_, field", [
+    (generate_request(8, temperature=-1.0), "sampling.temperature"),
+    (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)), "prompt"),
+    (generate_request(ENGINE["max_model_len"]), "sampling.max_tokens"),
+    # Checked by the replica, not the ingress: the field survives the trip back through Ray.
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[99_999]), sampling=pb.SamplingParams(max_tokens=4)), "token_ids"),
+])
+def test_bad_generate_request_is_invalid_argument_naming_the_field(channel, request_, field):
+    result = stream_generate(channel, request_)
+    assert result.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert result.details.startswith(f"{field}: "), result.details
+
+
+def test_tokenize_and_model_info_answer_through_the_proxy(channel):
+    stub = pb_grpc.GenerationStub(channel)
+    assert list(stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=30).token_ids) == [ord("h"), ord("i")]
+    info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+    assert (info.model_id, info.max_model_len, info.block_size) == (APP_NAME, ENGINE["max_model_len"], 16)
+
+
+def test_requests_spread_over_both_replicas(channel):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        results = list(pool.map(lambda _: stream_generate(channel, generate_request(24)), range(12)))
+    assert all(result.code == grpc.StatusCode.OK and result.num_tokens == 24 for result in results)
+    served = collections.Counter(result.replica_id for result in results)
+    assert len(served) == 2, served
+
+
+# ---- OpenAI-compatible HTTP API ----------------------------------------------------------
+def test_models_lists_the_served_model(cluster):
+    body = requests.get(f"{HTTP}/v1/models", timeout=30).json()
+    assert [model["id"] for model in body["data"]] == [APP_NAME]
+
+
+def test_completion_streams_sse_chunks_ending_with_done_and_matches_the_non_streaming_text(cluster):
+    body = {"model": APP_NAME, "prompt": "hello", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with requests.post(f"{HTTP}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = events[:-1]
+    assert all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    streamed_text = "".join(chunk["choices"][0]["text"] for chunk in chunks)
+
+    whole = requests.post(f"{HTTP}/v1/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["text"] == streamed_text  # greedy: the same tokens either way
+    assert whole["usage"]["completion_tokens"] == 10 and whole["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_completion_streams_role_then_content_and_answers_whole(cluster):
+    body = {"model": APP_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    with requests.post(f"{HTTP}/v1/chat/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}},
+                       stream=True, timeout=60) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["usage"]["completion_tokens"] == 6  # the usage chunk comes last
+
+    whole = requests.post(f"{HTTP}/v1/chat/completions", json=body, timeout=60).json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
+    assert whole["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": ENGINE["max_model_len"]}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, "messages"),
+    ("/v1/completions", {"prompt": [99_999], "max_tokens": 4}, "prompt"),  # rejected by the replica
+])
+def test_bad_openai_request_is_400_in_openais_error_shape(cluster, path, body, param):
+    response = requests.post(f"{HTTP}{path}", json={"model": APP_NAME, **body}, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"].startswith(f"{param}")
+
+
+def test_unknown_model_is_404_model_not_found(cluster):
+    response = requests.post(f"{HTTP}/v1/completions", json={"model": "gpt-4", "prompt": "hi"}, timeout=60)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+# ---- the CLI against the running cluster ------------------------------------------------
+def test_headroom_status_shows_both_replicas_live_load(cluster, channel, capsys):
+    statuses = status_command.replica_statuses()
+    assert len(statuses) == 2 and all(status.load is not None for status in statuses)
+    assert {status.load.replica_id for status in statuses} == {status.replica_id for status in statuses}
+    assert all(status.load.kv_blocks_total == ENGINE["num_kv_blocks"] - 1 for status in statuses)
+
+    assert main(["status"]) == 0
+    table = capsys.readouterr().out
+    for status in statuses:
+        assert status.replica_id in table and str(status.load.headroom_tokens) in table
+
+
+def test_headroom_generate_streams_the_text_to_stdout(cluster, capsys):
+    assert main(["generate", "hello", "--target", grpc_target(cluster), "--max-tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
+def test_headroom_bench_completes_every_request_and_counts_preemptions(cluster, capsys):
+    assert main(["bench", "--target", grpc_target(cluster), "--requests", "8", "--concurrency", "4",
+                 "--prompt-tokens", "16", "--max-tokens", "8"]) == 0
+    summary = capsys.readouterr().out
+    assert "8 completed, 0 failed" in summary and "TTFT p50 / p99" in summary
+    assert "preemptions" in summary and "n/a" not in summary
+
+
+def test_router_metrics_are_served_from_the_ingress(cluster, channel):
+    stream_generate(channel, generate_request(4))
+    port = cluster.applications[0].args.ports.router_metrics
+    url = f"http://{ray.util.get_node_ip_address()}:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+    decided_for = {sample.labels["replica"] for sample in families["headroom_router_decisions"].samples
+                   if sample.name == "headroom_router_decisions_total"}
+    assert decided_for == {status.replica_id for status in status_command.replica_statuses()}
