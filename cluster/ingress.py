@@ -38,6 +38,7 @@ from router import metrics as router_metrics
 logger = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT_NAME = "Ingress"
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 # How Ray reports a replica that died (killed, crashed, its node lost) under a call.
 REPLICA_LOST_ERRORS = (RayActorError, WorkerCrashedError, NodeDiedError, ReplicaUnavailableError)
 # Tries per request while no token has been streamed: the router drops a dead replica
@@ -126,8 +127,13 @@ def _abort(grpc_context: RayServegRPCContext, code: grpc.StatusCode, details: st
 @serve.deployment(
     name=INGRESS_DEPLOYMENT_NAME,
     max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-    # It relays bytes; a whole CPU reserved for it could keep an engine replica from starting.
-    ray_actor_options={"num_cpus": 0},
+    ray_actor_options={
+        # It relays bytes; a whole CPU reserved for it could keep an engine replica from starting.
+        "num_cpus": 0,
+        # On the head node (Ray's built-in head resource), beside Serve's controller: one
+        # known place to scrape its router's metrics (ports.router_metrics) from.
+        "resources": {HEAD_NODE_RESOURCE: 0.001},
+    },
 )
 @serve.ingress(api)
 class Ingress:

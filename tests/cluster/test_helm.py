@@ -81,11 +81,10 @@ def test_helm_lint_finds_no_warnings_or_errors(values_file):
     assert report["errors"] == [] and problems == [], report
 
 
-def test_renders_one_rayservice_two_podmonitors_a_rule_and_a_dashboard(documents):
+def test_renders_one_rayservice_three_podmonitors_a_rule_and_a_dashboard(documents):
     kinds = sorted((document["apiVersion"], document["kind"]) for document in documents)
-    assert kinds == [("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PodMonitor"),
-                     ("monitoring.coreos.com/v1", "PrometheusRule"), ("ray.io/v1", "RayService"),
-                     ("v1", "ConfigMap")]
+    assert kinds == [("monitoring.coreos.com/v1", "PodMonitor")] * 3 + [
+        ("monitoring.coreos.com/v1", "PrometheusRule"), ("ray.io/v1", "RayService"), ("v1", "ConfigMap")]
 
 
 @pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
@@ -156,6 +155,20 @@ def test_podmonitor_scrapes_the_replica_metrics_port_as_the_alerts_job(documents
     scrape_jobs = [job["job_name"] for job in yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]]
     assert job in scrape_jobs
     assert f'up{{job="{job}"}}' in (REPO / "deploy" / "alerts.yml").read_text()
+
+
+def test_router_podmonitor_scrapes_the_heads_router_metrics_port_as_the_scrape_configs_job(documents):
+    service = rayservice(documents)
+    router_monitor = next(m for m in only(documents, "PodMonitor") if m["metadata"]["name"].endswith("-router"))
+    (endpoint,) = router_monitor["spec"]["podMetricsEndpoints"]
+    head_template = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert router_monitor["spec"]["selector"]["matchLabels"].items() <= head_template["metadata"]["labels"].items()
+    (head,) = head_template["spec"]["containers"]
+    args = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args
+    assert container_ports(head)[endpoint["port"]] == args.ports.router_metrics
+    (job,) = [relabel["replacement"] for relabel in endpoint["relabelings"] if relabel["targetLabel"] == "job"]
+    scrape_jobs = [job["job_name"] for job in yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]]
+    assert job in scrape_jobs
 
 
 def test_worker_metrics_port_defaults_to_the_config_default():

@@ -40,3 +40,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- first $ports }}
 {{- end }}
+
+{{/* The router /metrics port on the head pod, where each application's ingress runs: the
+     first application's args.ports.router_metrics (later ones count up from it). */}}
+{{- define "headroom.routerMetricsPort" -}}
+{{- (((first .Values.serve.applications).args | default dict).ports | default dict).router_metrics | default 9200 | int }}
+{{- end }}
