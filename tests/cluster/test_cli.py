@@ -1,5 +1,5 @@
 """The `headroom` CLI: engine flags come from EngineConfig and bad values exit 2 naming the
-field; `headroom replica` serves gRPC until SIGINT and then exits 0."""
+field; `headroom replica` and `headroom serve` serve gRPC until SIGINT and then exit 0."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from cluster.cli import build_parser, main
+from cluster.serve_command import serve_config_from_args
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.config import EngineConfig
@@ -57,6 +59,72 @@ def test_replica_serves_generate_until_sigint_then_exits_0():
         assert responses[-1].usage.completion_tokens == 3 and responses[-1].replica_id == "cli-replica"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# ---- headroom serve ----------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "0"], "error: engine.max_model_len:"),
+    (["--replicas", "0"], "error: replicas.num_replicas:"),
+    (["--model", "/nonexistent/model"], "error: model '/nonexistent/model': no config.json"),
+])
+def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_with_a_bad_config_file_exits_2_naming_the_fields_path(tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text((REPO_ROOT / "deploy" / "serve_config.yaml").read_text().replace("staleness_s: 1.0", "staleness_s: -1"))
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(config)])
+    assert exited.value.code == 2
+    assert "error: applications[0].args.router.staleness_s:" in capsys.readouterr().err
+
+
+def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
+    document = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.yaml").read_text())
+    second = {**document["applications"][0], "name": "second", "route_prefix": "/second"}
+    document["applications"].append(second)
+    config_file = tmp_path / "two_models.yaml"
+    config_file.write_text(yaml.safe_dump(document))
+    args = build_parser().parse_args(["serve", "--config", str(config_file), "--replicas", "3",
+                                      "--max-num-seqs", "8", "--grpc-port", "9500"])
+    config = serve_config_from_args(args)
+    assert [app.name for app in config.applications] == ["builtin", "second"]
+    for app in config.applications:
+        assert app.args.replicas.num_replicas == 3 and app.args.engine.max_num_seqs == 8
+        assert app.args.engine.max_model_len == 2048  # from the file, untouched
+        assert app.args.ports.grpc == config.grpc_options.port == 9500
+
+
+@pytest.mark.timeout(240)
+def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--num-cpus", "2",
+         "--http-port", "28300", "--grpc-port", "28301", "--max-model-len", "128", "--num-kv-blocks", "32"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    try:
+        printed = []
+        for line in process.stdout:  # endpoints are printed once every application runs
+            printed.append(line)
+            if line.startswith("serving;"):
+                break
+        text = "".join(printed)
+        assert re.search(r"HTTP  http://\S+:28300/v1", text) and re.search(r"gRPC  \S+:28301", text), text
+        with grpc.insecure_channel("127.0.0.1:28301") as channel:
+            responses = list(pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)), timeout=60))
+        assert responses[-1].usage.completion_tokens == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 0
     finally:
         if process.poll() is None:
             process.kill()
