@@ -178,8 +178,8 @@ class HeadroomScore:
     """Why a replica ranks where it does, in fractions of that replica's KV pool."""
 
     replica_id: str
-    fits: bool  # the request's full sequence fits in the headroom left after what is queued
-    headroom_after: float  # pool fraction still free after the queued work and this request
+    fits: bool  # the request's full sequence fits in the room nobody has been promised yet
+    headroom_after: float  # pool fraction still unpromised once this request is admitted too
     backlog: float  # pool fraction of tokens queued ahead of this request
     preemption_risk: float  # chance this request is preempted at least once, at the recent rate
     score: float
@@ -193,14 +193,19 @@ class HeadroomPolicy(RoutingPolicy):
     Every term is a fraction of the replica's KV pool (tokens / pool tokens), so replicas of
     different sizes compare fairly and the weights are dimensionless:
 
-    - headroom_after (reward, weight 1, the unit): free tokens minus the queued work that
-      will claim memory before this request (the waiting queue's tokens and what this
-      router sent since the snapshot) minus this request's own prompt + max_tokens. A
-      replica where that is negative is filtered out: the request would only fit by
-      preempting someone. If none fits, the least bad still gets it, never an error.
-    - backlog (penalty, `backlog_weight` = 1): the same queued tokens again, now as time
-      rather than memory: they must be prefilled before this request's first token, and
-      TTFT is what users wait on. Weight 1 makes a queued token cost twice a used one.
+    - headroom_after (reward, weight 1, the unit): the room nobody has been promised yet,
+      after this request. That is free tokens (beyond the admission watermark), minus the
+      growth the replica's live requests are already owed (`kv_committed_tokens`: running
+      and waiting requests run to max_tokens), minus the full sequences this router sent
+      since the snapshot, minus this request's own prompt + max_tokens. Free blocks alone
+      make a replica that has just admitted long-output requests look roomy until they
+      grow into each other. A replica where the result is negative is filtered out: the
+      request would fit only if someone is preempted, or finishes early. If none fits, the
+      least bad still gets it, never an error.
+    - backlog (penalty, `backlog_weight` = 1): the tokens queued ahead of this request (the
+      waiting queue's and what this router sent since the snapshot), as time rather than
+      memory: they must be prefilled before this request's first token, and TTFT is what
+      users wait on.
     - preemption_risk (penalty, `preemption_weight` = 1): 1 - exp(-rate * lifetime), with
       rate the replica's smoothed preemptions per running request per second and lifetime
       this request's decode time there (max_tokens x the replica's step time): the chance
@@ -237,11 +242,11 @@ class HeadroomPolicy(RoutingPolicy):
         block_size = load.block_size
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
         inflight = view.inflight_since_snapshot
-        queued_tokens = load.waiting_prefill_tokens + inflight.blocks * block_size
+        inflight_tokens = inflight.blocks * block_size  # full sequences, like kv_committed_tokens
         own_tokens = request.num_blocks(block_size) * block_size
-        free_after_tokens = load.headroom_tokens - queued_tokens - own_tokens
+        free_after_tokens = load.headroom_tokens - load.kv_committed_tokens - inflight_tokens - own_tokens
         headroom_after = free_after_tokens / pool_tokens
-        backlog = queued_tokens / pool_tokens
+        backlog = (load.waiting_prefill_tokens + inflight_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
         preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
         score = headroom_after - self.backlog_weight * backlog - self.preemption_weight * preemption_risk

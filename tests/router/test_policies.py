@@ -60,14 +60,27 @@ def test_fit_counts_max_tokens_not_just_the_prompt():
     assert not a.fits and b.fits
 
 
-def test_fit_subtracts_waiting_backlog_and_blocks_sent_since_the_snapshot():
+def test_fit_subtracts_committed_growth_and_blocks_sent_since_the_snapshot():
     request = RoutingRequest(prompt_tokens=1600, max_tokens=16)  # 101 blocks
     policy = headroom_policy()
     free = make_load("r", free_blocks=200)
     assert policy.score(request, view("r", free)).fits
-    backlog = make_load("r", free_blocks=200, waiting_prefill_tokens=100 * BLOCK_SIZE)
-    assert not policy.score(request, view("r", backlog)).fits
+    committed = make_load("r", free_blocks=200, kv_committed_tokens=100 * BLOCK_SIZE)
+    assert not policy.score(request, view("r", committed)).fits
     assert not policy.score(request, view("r", free, inflight=InflightCounts(requests=1, blocks=100))).fits
+
+
+def test_free_blocks_already_promised_to_running_requests_do_not_count_as_room():
+    # "promised" has 800 free blocks, but its live requests will still grow by 600 of them
+    # (say, long outputs just admitted); "settled" has 500 free and owes nothing. On free
+    # blocks alone "promised" wins; it would preempt someone once its requests grow.
+    request = RoutingRequest(prompt_tokens=1000, max_tokens=1000)  # 125 blocks: fits both on free blocks
+    replicas = [
+        view("promised", make_load("promised", free_blocks=800, num_running=20, kv_committed_tokens=600 * BLOCK_SIZE)),
+        view("settled", make_load("settled", free_blocks=500, num_running=20)),
+    ]
+    for seed in range(20):
+        assert headroom_policy(seed).rank(request, replicas) == ["settled", "promised"]
 
 
 def test_when_nothing_fits_the_least_bad_replica_still_gets_the_request():
