@@ -2,7 +2,11 @@
 KV cache managers) step on virtual timelines under a step-time cost model, and each policy
 routes from the ReplicaLoad snapshots it would really see (every 100 ms, optionally late or lost).
 
-    python bench/bench_router_sim.py [--quick] [--trace PATH] [--plot PATH]
+    python bench/bench_router_sim.py [--quick] [--seeds N] [--trace PATH] [--plot PATH]
+
+The tables run one seed; the target point (mixed_long at 85% load) is rerun over --seeds
+workload seeds and the targets are checked on the means, since one seed's preemption count
+is small-number statistics.
 
 Trace replay: Azure Public Dataset, Azure LLM inference trace 2023 (conversation), Patel et
 al., "Splitwise", ISCA 2024; CC-BY 4.0. Read from --trace, never copied into the repository.
@@ -27,7 +31,8 @@ import numpy as np
 
 from protos.headroom_pb2 import ReplicaLoad
 from replica.config import EngineConfig, make_engine_config
-from replica.preemption_rate import PreemptionRateEstimator
+from replica.engine import StepStats
+from replica.load_report import LoadReportBuilder
 from replica.request import Request, SamplingParams
 from replica.scheduler import Scheduler, SchedulerOutput
 from router.inflight import InflightTracker
@@ -46,6 +51,8 @@ LOADS = (0.50, 0.70, 0.85, 0.95)
 TTFT_SLO_S = 2.0
 TPOT_SLO_S = 0.100
 REPORT_INTERVAL_S = 0.100  # WatchLoad's default max_interval_ms
+FOCUS = ("mixed_long", 0.85)  # the issue's target point
+LATE_STATS = "headroom, stats 500 ms late"  # the stale-stats target's run, in the per-seed results
 WARMUP_FRACTION = 0.10  # the first arrivals find an empty cluster; their latencies are not counted
 FAKE_TOKEN_ID = 7  # the model is not simulated: every step samples this token (ignore_eos)
 
@@ -161,47 +168,23 @@ def make_request(index: int, spec: WorkloadRequest) -> Request:
 
 # ---- the cluster -------------------------------------------------------------------------
 class SimReplica:
-    """One engine on its own virtual timeline, and the ReplicaLoad reports it publishes."""
+    """One engine on its own virtual timeline, and the ReplicaLoad reports it publishes:
+    built by the replica's own LoadReportBuilder, on the virtual clock."""
 
     def __init__(self, replica_id: str, config: EngineConfig):
         self.replica_id = replica_id
         self.now = 0.0
         self.scheduler = Scheduler(config, clock=lambda: self.now)
-        self.preemption_rate = PreemptionRateEstimator()
+        self.step_stats = StepStats()  # observed after every step, as LLMEngine does
+        self.load_reports = LoadReportBuilder(
+            replica_id, self.step_stats, monotonic_clock=lambda: self.now, wall_clock=lambda: self.now
+        )
         self.busy = False
-        self.seq = 0
-        self.last_step_ms = 0.0
-        self._last_report = (0.0, 0)  # (time, generation tokens total) at the previous report
 
     def report(self, now: float) -> ReplicaLoad:
         """What this replica's WatchLoad stream would send at `now`."""
-        load = self.scheduler.load()
-        self.preemption_rate.observe(load.preemptions_total, now)
-        self.seq += 1
-        last_time, last_generated = self._last_report
-        elapsed = now - last_time
-        tokens_per_s = (load.generation_tokens_total - last_generated) / elapsed if elapsed > 0 else 0.0
-        self._last_report = (now, load.generation_tokens_total)
-        return ReplicaLoad(
-            replica_id=self.replica_id,
-            seq=self.seq,
-            timestamp=now,
-            kv_blocks_total=load.kv_blocks_total,
-            kv_blocks_free=load.kv_blocks_free,
-            block_size=load.block_size,
-            kv_usage=load.kv_usage,
-            headroom_tokens=load.headroom_tokens,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            waiting_prefill_tokens=load.waiting_prefill_tokens,
-            preemptions_total=load.preemptions_total,
-            preemption_rate=self.preemption_rate.rate(now),
-            preemption_rate_per_running=self.preemption_rate.rate_per_running(now, load.num_running),
-            recomputed_tokens_total=load.recomputed_tokens_total,
-            step_time_ms=self.last_step_ms,
-            generation_tokens_per_s=tokens_per_s,
-            max_num_seqs=load.max_num_seqs,
-        )
+        self.now = now
+        return self.load_reports.build(self.scheduler.load())
 
 
 class CommittedMemoryOracle(RoutingPolicy):
@@ -255,9 +238,8 @@ class ClusterSim:
                 output = replica.scheduler.schedule()
                 if not output.is_empty:
                     step_s = self.cost.step_time_s(output)
-                    replica.last_step_ms = step_s * 1000.0
                     replica.busy = True
-                    push(now + step_s, self.STEP_DONE, index, output)
+                    push(now + step_s, self.STEP_DONE, index, output, step_s)
                     return
                 if not replica.scheduler.has_unfinished_requests():
                     break
@@ -299,7 +281,7 @@ class ClusterSim:
                 if not replicas[target].busy:
                     start_step(target, now)
             elif kind == self.STEP_DONE:
-                index, output = payload
+                index, output, step_s = payload
                 replica = replicas[index]
                 replica.now = now
                 for entry in output.scheduled:
@@ -310,10 +292,10 @@ class ClusterSim:
                 for update in replica.scheduler.update(output, sampled):
                     if update.finished is not None:
                         num_unfinished -= 1
+                replica.step_stats.observe(step_s, len(sampled))
                 start_step(index, now)
             elif kind == self.REPORT:
                 (index,) = payload
-                replicas[index].now = now
                 load = replicas[index].report(now)
                 if feed_rng.random() >= self.feed.drop_fraction:
                     push(now + self.feed.delay_s, self.DELIVER, index, load)
@@ -400,34 +382,52 @@ def ratio(ours: float, theirs: float) -> float:
     return ours / theirs
 
 
-def check_targets(results: dict, stale_results: dict, focus: tuple[str, float]) -> list[str]:
+def mean_spread(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+# The focus-point metrics the targets compare, and whether lower is better.
+TARGET_METRICS = {"preemptions_per_1k": True, "ttft_p99_s": True, "goodput_rps": False}
+
+
+def check_targets(results: dict, per_seed: dict[str, list[RunStats]]) -> list[str]:
+    """The issue's targets. Focus-point ones compare means over seeds (each baseline's mean;
+    the best of those is the reference) and quote the range of the per-seed ratios."""
     lines = []
-    ours = results[(*focus, "headroom")]
-    baselines = [results[(*focus, name)] for name in BASELINES]
-    workload, load = focus
-    lines.append(f"Targets (issue 5), on {workload} at {load:.0%} load:")
-    best_preempt = min(b.preemptions_per_1k for b in baselines)
-    lines.append(target_line(
-        f"preemptions/1k {ours.preemptions_per_1k:.1f} vs best baseline {best_preempt:.1f}",
-        ratio(ours.preemptions_per_1k, best_preempt), 0.5, True))
-    best_ttft = min(b.ttft_p99_s for b in baselines)
-    lines.append(target_line(
-        f"p99 TTFT {ours.ttft_p99_s:.3f} s vs best baseline {best_ttft:.3f} s", ratio(ours.ttft_p99_s, best_ttft), 0.7, True))
-    best_goodput = max(b.goodput_rps for b in baselines)
-    lines.append(target_line(
-        f"goodput {ours.goodput_rps:.2f} vs best baseline {best_goodput:.2f} req/s",
-        ratio(ours.goodput_rps, best_goodput), 1.15, False))
-    delayed = stale_results.get((StatsFeed(delay_s=0.5).label, "headroom"))
-    if delayed is not None:
-        lines.append(target_line(
-            f"p99 TTFT with stats 500 ms late {delayed.ttft_p99_s:.3f} s vs fresh {ours.ttft_p99_s:.3f} s",
-            ratio(delayed.ttft_p99_s, ours.ttft_p99_s), 1.10, True))
+    workload, load = FOCUS
+    num_seeds = len(per_seed["headroom"])
+    lines.append(f"Targets (issue 5), on {workload} at {load:.0%} load (means over {num_seeds} seed(s)):")
+
+    def compare(metric: str, limit: float, label: str, fmt: str, unit: str) -> str:
+        lower_is_better = TARGET_METRICS[metric]
+        pick = min if lower_is_better else max
+        means = {name: mean_spread([getattr(s, metric) for s in per_seed[name]])[0] for name in BASELINES}
+        best = pick(means, key=means.get)
+        ours = mean_spread([getattr(s, metric) for s in per_seed["headroom"]])[0]
+        per_seed_ratios = [
+            ratio(getattr(mine, metric), pick(getattr(per_seed[name][i], metric) for name in BASELINES))
+            for i, mine in enumerate(per_seed["headroom"])
+        ]
+        spread = f", per seed {min(per_seed_ratios):.2f}-{max(per_seed_ratios):.2f}x" if num_seeds > 1 else ""
+        return target_line(f"{label} {ours:{fmt}}{unit} vs best baseline {means[best]:{fmt}}{unit} ({best}){spread}",
+                           ratio(ours, means[best]), limit, lower_is_better)
+
+    lines.append(compare("preemptions_per_1k", 0.5, "preemptions/1k", ".1f", ""))
+    lines.append(compare("ttft_p99_s", 0.7, "p99 TTFT", ".3f", " s"))
+    lines.append(compare("goodput_rps", 1.15, "goodput", ".2f", " req/s"))
+    if LATE_STATS in per_seed:
+        late = mean_spread([s.ttft_p99_s for s in per_seed[LATE_STATS]])[0]
+        fresh = mean_spread([s.ttft_p99_s for s in per_seed["headroom"]])[0]
+        lines.append(target_line(f"p99 TTFT with stats 500 ms late {late:.3f} s vs fresh {fresh:.3f} s",
+                                 ratio(late, fresh), 1.10, True))
     worst = max(
         ((ratio(results[(w, l, "headroom")].ttft_p99_s, results[(w, l, "pow2")].ttft_p99_s), w, l)
          for (w, l, p) in results if p == "headroom"),
     )
-    lines.append(target_line(f"worst p99 TTFT vs pow2 over every workload and load ({worst[1]} at {worst[2]:.0%})",
-                             worst[0], 1.05, True))
+    lines.append(target_line(
+        f"worst p99 TTFT vs pow2 over every workload and load, one seed ({worst[1]} at {worst[2]:.0%})",
+        worst[0], 1.05, True))
     return lines
 
 
@@ -464,7 +464,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per run (default 3000; 120 with --quick); long_output runs use 40%%")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tables; the first of --seeds")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="workload seeds run at the target point (default 5; 1 with --quick)")
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="Azure LLM 2023 conversation trace CSV")
     parser.add_argument("--plot", default="bench/out/router_sim.png")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -480,6 +482,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.requests is None:
         args.requests = 120 if args.quick else 3000
+    if args.seeds is None:
+        args.seeds = 1 if args.quick else 5
+    if args.seeds < 1:
+        parser.error("--seeds: need at least 1")
     if args.requests < 20:
         parser.error("--requests: need at least 20 for percentiles to mean anything")
     args.workloads = args.workloads.split(",")
@@ -504,8 +510,9 @@ def requests_for(workload: str, num_requests: int) -> int:
 
 
 def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
-    """Runs every workload x load x policy, the stale-stats runs, prints the report; returns
-    {"results": {(workload, load, policy): RunStats}, "stale": {(condition, policy): RunStats}}."""
+    """Runs every workload x load x policy, the stale-stats runs and the target point over
+    seeds, prints the report; returns {"results": {(workload, load, policy): RunStats},
+    "stale": {(condition, policy): RunStats}, "seeds": {policy: [RunStats per seed]}}."""
     started = time.perf_counter()
     config = engine_config(args.num_kv_blocks)
     cost = CostModel(args.fixed_ms, args.per_batched_token_ms, args.per_kv_token_read_ms)
@@ -539,19 +546,13 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
                 print(format_row(workload, load, policy, stats), file=out, flush=True)
         saturation_by_workload[workload] = (shapes, gaps, saturation)
 
-    focus = ("mixed_long", 0.85)
     stale_results: dict = {}
-    oracle: Optional[RunStats] = None
-    if focus[0] in args.workloads:
-        shapes, gaps, saturation = saturation_by_workload[focus[0]]
-        workload_requests = arrivals(shapes, gaps, focus[1] * saturation)
-        oracle = ClusterSim(config, args.replicas, cost, fresh, args.seed).run(ORACLE, workload_requests)
-        print(f"\nReference, not deployable ({ORACLE}: exact committed KV per replica, read from the schedulers):",
-              file=out)
-        print("| workload | load | " + METRIC_HEADER, file=out)
-        print("|---" * 9 + "|", file=out)
-        print(format_row(focus[0], focus[1], ORACLE, oracle), file=out)
-        print(f"\n## Stale stats: {focus[0]} at {focus[1]:.0%} load", file=out)
+    per_seed: dict[str, list[RunStats]] = {}
+    workload, load = FOCUS
+    if workload in args.workloads:
+        shapes, gaps, saturation = saturation_by_workload[workload]
+        workload_requests = arrivals(shapes, gaps, load * saturation)
+        print(f"\n## Stale stats: {workload} at {load:.0%} load", file=out)
         print("round_robin and pow2 read no load reports, so their rows above hold under every condition.", file=out)
         print("| workload | load | condition | " + METRIC_HEADER, file=out)
         print("|---" * 10 + "|", file=out)
@@ -559,19 +560,63 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
             for policy in ("headroom", "least_loaded"):
                 stats = ClusterSim(config, args.replicas, cost, feed, args.seed).run(policy, workload_requests)
                 stale_results[(feed.label, policy)] = stats
-                print(format_row(focus[0], focus[1], policy, stats, feed.label), file=out, flush=True)
+                print(format_row(workload, load, policy, stats, feed.label), file=out, flush=True)
+        per_seed = run_seeds(args, config, cost, results, stale_results, out)
 
     print("", file=out)
-    if (*focus, "headroom") in results:
-        for line in check_targets(results, stale_results, focus):
+    if per_seed:
+        for line in check_targets(results, per_seed):
             print(line, file=out)
     else:
-        print(f"Targets need {focus[0]} at {focus[1]:.0%} load in the run; not checked.", file=out)
+        print(f"Targets need the {workload} workload in the run; not checked.", file=out)
     if args.plot:
         save_plot(results, args.workloads, args.loads, args.plot)
         print(f"\nplot: {args.plot}", file=out)
     print(f"wall time {time.perf_counter() - started:.0f} s", file=out)
-    return {"results": results, "stale": stale_results, "oracle": oracle}
+    return {"results": results, "stale": stale_results, "seeds": per_seed}
+
+
+def run_seeds(args: argparse.Namespace, config: EngineConfig, cost: CostModel, results: dict, stale_results: dict,
+              out) -> dict[str, list[RunStats]]:
+    """Every policy, the oracle and headroom with 500 ms late stats at the target point, once
+    per seed (each seed draws its own requests, gaps and saturation); prints mean and spread.
+    The tables' seed reuses their runs. Returns {policy or LATE_STATS: [RunStats per seed]}."""
+    workload, load = FOCUS
+    late = StatsFeed(delay_s=0.5)
+    runs = {name: [] for name in POLICY_NAMES + (ORACLE, LATE_STATS)}
+    saturations, ceilings = [], []
+    for seed in range(args.seed, args.seed + args.seeds):
+        shapes, gaps = workload_shapes(workload, requests_for(workload, args.requests), seed, args.trace)
+        saturation = measure_saturation_rps(config, cost, shapes, args.replicas)
+        saturations.append(saturation)
+        workload_requests = arrivals(shapes, gaps, load * saturation)
+        measured = workload_requests[int(len(workload_requests) * WARMUP_FRACTION):]
+        # Goodput counts requests over this window, so no policy can beat every request's rate.
+        ceilings.append(len(measured) / (measured[-1].arrival_s - measured[0].arrival_s))
+        for name in runs:
+            reused = results.get((workload, load, name)) if name != LATE_STATS else stale_results.get((late.label, "headroom"))
+            if seed == args.seed and reused is not None:
+                runs[name].append(reused)
+                continue
+            feed = late if name == LATE_STATS else StatsFeed()
+            policy = "headroom" if name == LATE_STATS else name
+            runs[name].append(ClusterSim(config, args.replicas, cost, feed, seed).run(policy, workload_requests))
+
+    print(f"\n## Seeds: {workload} at {load:.0%} load, seeds {args.seed}-{args.seed + args.seeds - 1}", file=out)
+    print(f"Mean ± sample standard deviation over {args.seeds} seed(s); saturation per seed "
+          + ", ".join(f"{rps:.2f}" for rps in saturations) + " req/s; goodput ceiling (every measured request "
+          "good) " + ", ".join(f"{rps:.2f}" for rps in ceilings) + " req/s. "
+          f"{ORACLE}: reference, not deployable (least exact committed KV, read from the schedulers).", file=out)
+    print("| policy | TTFT p50 s | TTFT p99 s | preempt/1k req | recomputed | goodput req/s |", file=out)
+    print("|---" * 6 + "|", file=out)
+    for name, stats in runs.items():
+        cells = [name]
+        for metric, scale, fmt in (("ttft_p50_s", 1, ".3f"), ("ttft_p99_s", 1, ".3f"), ("preemptions_per_1k", 1, ".1f"),
+                                   ("recomputed_fraction", 100, ".2f"), ("goodput_rps", 1, ".2f")):
+            mean, spread = mean_spread([getattr(s, metric) * scale for s in stats])
+            cells.append(f"{mean:{fmt}} ± {spread:{fmt}}" + ("%" if scale == 100 else ""))
+        print("| " + " | ".join(cells) + " |", file=out, flush=True)
+    return runs
 
 
 def main(argv: Optional[list[str]] = None) -> None:
