@@ -7,7 +7,7 @@ router. A replica lost before a request's first token is retried on another one.
 # runtime, from the copy of the class Serve's ingress pickles, where names may not resolve.
 import logging
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -164,10 +164,12 @@ class Ingress:
                 # The replica raised it (a field it validates, a full queue): the cause is the answer.
                 raise error.cause from None
             except REPLICA_LOST_ERRORS as error:
+                # Ray's message spans lines of actor details; the class says what happened.
+                lost = type(error).__name__
                 if streamed:
-                    raise ReplicaLostError(f"the replica serving this request was lost mid-stream: {error}") from None
+                    raise ReplicaLostError(f"the replica serving this request was lost mid-stream ({lost})") from None
                 if attempt == MAX_ATTEMPTS:
-                    raise ReplicaLostError(f"replicas were lost on {attempt} tries: {error}") from None
+                    raise ReplicaLostError(f"replicas were lost on {attempt} tries ({lost})") from None
                 logger.warning("replica lost before the first token (try %d); retrying elsewhere: %s", attempt, error)
 
     def _generation_request(self, prompt_token_ids: list[int], **fields: Any) -> GenerationRequest:
@@ -244,7 +246,9 @@ class Ingress:
 
         return await self._complete(body, "chat", prompt_token_ids, max_tokens, CHAT_PARAM_FOR_FIELD)
 
-    async def _complete(self, body, kind, prompt_token_ids, max_tokens, param_for_field: dict[str, str]):
+    async def _complete(self, body: Union[CompletionRequest, ChatCompletionRequest], kind: str,
+                        prompt_token_ids: Callable[[], list[int]], max_tokens: Callable[[int], int],
+                        param_for_field: dict[str, str]):
         if body.model != self.model_id:
             return JSONResponse(
                 error_body(f"model: this endpoint serves {self.model_id!r}, not {body.model!r}", "model",

@@ -35,7 +35,7 @@ class _OpenAIRequest(BaseModel):
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
-    priority: int = 0
+    priority: int = 0  # vLLM's sense, which is the engine's: lower runs first
 
     def check_supported(self) -> None:
         if self.n != 1:
