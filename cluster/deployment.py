@@ -57,7 +57,9 @@ class GenerationRequest:
     # Lower values are served first, as in the engine (and vLLM).
     priority: int = 0
     request_id: Optional[str] = None
-    # Relative to arrival: each replica's engine keeps its own clock.
+    # Relative to arrival (each replica's engine keeps its own clock): the TTFT the scheduler
+    # aims for, and the hard deadline past which a request without a first token is aborted.
+    ttft_slo_ms: Optional[float] = None
     ttft_deadline_ms: Optional[float] = None
 
     def routing_request(self) -> RoutingRequest:
@@ -132,12 +134,10 @@ class LLMReplica:
             if request.prompt_token_ids is not None
             else self.tokenizer.encode(request.prompt)
         )
-        ttft_deadline = (
-            None if request.ttft_deadline_ms is None else self.engine.engine.clock() + request.ttft_deadline_ms / 1000.0
-        )
         async for output in self.engine.generate(
             prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority,
-            ttft_deadline=ttft_deadline,
+            ttft_slo_ms=request.ttft_slo_ms,
+            first_token_timeout_s=None if request.ttft_deadline_ms is None else request.ttft_deadline_ms / 1000.0,
         ):
             yield GenerationChunk(
                 request_id=output.request_id,

@@ -25,10 +25,11 @@ from cluster.openai_api import (
     SSE_DONE, ChatCompletionRequest, CompletionBodies, CompletionRequest, error_body, invalid_request_body, sse,
 )
 from protos import headroom_pb2 as pb
+from replica.async_engine import FirstTokenDeadlineExceeded
 from replica.builtin_model import resolve_model_path
 from replica.grpc_service import (
     FINISH_REASON_TO_PROTO, engine_priority, invalid_argument_message, prompt_token_ids_from_proto,
-    sampling_params_from_proto, ttft_deadline_ms_from_proto,
+    sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.request import InvalidRequestError, validate_prompt
 from replica.scheduler import QueueFullError
@@ -94,6 +95,8 @@ def _http_error(error: Exception, param_for_field: dict[str, str]) -> tuple[int,
         return 429, error_body(str(error), None, "queue_full", "rate_limit_error")
     if isinstance(error, ReplicaLostError):
         return 503, error_body(str(error), None, "replica_unavailable", "server_error")
+    if isinstance(error, FirstTokenDeadlineExceeded):
+        return 504, error_body(str(error), None, "ttft_deadline_exceeded", "server_error")
     logger.exception("request failed")
     return 500, error_body(f"internal error: {error}", None, "internal_error", "server_error")
 
@@ -184,6 +187,7 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             prompt_token_ids = prompt_token_ids_from_proto(request, self.tokenizer)
+            ttft = ttft_targets_from_proto(request)
             generation = self._generation_request(
                 prompt_token_ids,
                 sampling=sampling_params_from_proto(
@@ -191,7 +195,8 @@ class Ingress:
                 ),
                 priority=engine_priority(request.priority),
                 request_id=request.request_id or None,
-                ttft_deadline_ms=ttft_deadline_ms_from_proto(request),
+                ttft_slo_ms=ttft.slo_ms,
+                ttft_deadline_ms=ttft.deadline_ms,
             )
             async for chunk in self.stream(generation):
                 yield _generate_response(chunk)
@@ -201,6 +206,8 @@ class Ingress:
             _abort(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), error)
         except ReplicaLostError as error:
             _abort(grpc_context, grpc.StatusCode.UNAVAILABLE, str(error), error)
+        except FirstTokenDeadlineExceeded as error:
+            _abort(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, f"ttft_deadline_ms: {error}", error)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext) -> pb.TokenizeResponse:
         return pb.TokenizeResponse(

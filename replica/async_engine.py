@@ -32,13 +32,23 @@ class EngineStepError(RuntimeError):
     """The model failed while running this request's step."""
 
 
-class RequestStream:
-    """Async iterator over one request's outputs; ends after the output with a finish reason."""
+class FirstTokenDeadlineExceeded(RuntimeError):
+    """No first token within the request's hard TTFT deadline; its stream ends with this."""
 
-    def __init__(self, request: Request):
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the output with a finish reason.
+
+    With `first_token_timeout_s`, waiting for the first output longer than that (from the
+    stream's creation) raises FirstTokenDeadlineExceeded; the caller aborts the request."""
+
+    def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None):
         self.request = request
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self._first_token_by = (
+            None if first_token_timeout_s is None else asyncio.get_running_loop().time() + first_token_timeout_s
+        )
 
     @property
     def request_id(self) -> str:
@@ -53,7 +63,18 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if self._first_token_by is None:
+            item = await self._queue.get()
+        else:
+            remaining = self._first_token_by - asyncio.get_running_loop().time()
+            try:
+                item = await asyncio.wait_for(self._queue.get(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                # Not `finished`: the request is still live, and callers abort unfinished streams.
+                raise FirstTokenDeadlineExceeded(
+                    f"no first token within the TTFT deadline of {self.request.request_id!r}"
+                ) from None
+            self._first_token_by = None  # the deadline is met once anything arrives
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -117,10 +138,12 @@ class AsyncEngine:
         ttft_deadline: Optional[float] = None,
         cache_salt: Optional[str] = None,
         ttft_slo_ms: Optional[float] = None,
+        first_token_timeout_s: Optional[float] = None,
     ) -> RequestStream:
         """Validate and queue a request. Raises InvalidRequestError (naming the field),
         QueueFullError or EngineShutdownError before anything is queued. ttft_slo_ms: the
-        request's TTFT SLO (see LLMEngine.make_request)."""
+        request's TTFT SLO (see LLMEngine.make_request), a scheduling target; the hard
+        first_token_timeout_s ends the stream with FirstTokenDeadlineExceeded instead."""
         if not self._accepting:
             raise EngineShutdownError("the replica is shutting down")
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
@@ -135,7 +158,7 @@ class AsyncEngine:
         bound = engine.config.max_waiting_requests
         if self._load.num_waiting + len(self._pending_adds) >= bound:
             raise QueueFullError(f"waiting queue is full ({bound} requests)")
-        stream = RequestStream(request)
+        stream = RequestStream(request, first_token_timeout_s)
         self._streams[request_id] = stream
         self._pending_adds.append(stream)
         self._publish_arrivals()

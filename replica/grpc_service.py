@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
+from replica.async_engine import (
+    AsyncEngine, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
+)
 from replica.engine import LLMEngine, RequestOutput
 from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.metrics import ReplicaMetrics
@@ -79,13 +82,32 @@ def sampling_params_from_proto(
     )
 
 
-def ttft_deadline_ms_from_proto(request: pb.GenerateRequest) -> Optional[float]:
-    """The TTFT deadline relative to arrival; the engine turns it into a time on its own clock."""
-    if not request.HasField("ttft_deadline_ms"):
+def _positive_ms(request: pb.GenerateRequest, field_name: str) -> Optional[float]:
+    if not request.HasField(field_name):
         return None
-    if not (math.isfinite(request.ttft_deadline_ms) and request.ttft_deadline_ms > 0):
-        raise InvalidRequestError("ttft_deadline_ms", f"must be > 0, got {request.ttft_deadline_ms}")
-    return request.ttft_deadline_ms
+    value = getattr(request, field_name)
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidRequestError(field_name, f"must be > 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class TTFTTargets:
+    """A request's time-to-first-token targets, in ms from arrival."""
+
+    slo_ms: Optional[float]  # what the scheduler aims for (the `slo` policy orders by it)
+    deadline_ms: Optional[float]  # past it without a first token, the request is aborted
+
+    @property
+    def first_token_timeout_s(self) -> Optional[float]:
+        return None if self.deadline_ms is None else self.deadline_ms / 1000.0
+
+
+def ttft_targets_from_proto(request: pb.GenerateRequest) -> TTFTTargets:
+    slo_ms = _positive_ms(request, "ttft_slo_ms")
+    deadline_ms = _positive_ms(request, "ttft_deadline_ms")
+    # A hard deadline is a target too: without an explicit SLO the scheduler aims for it.
+    return TTFTTargets(slo_ms=slo_ms if slo_ms is not None else deadline_ms, deadline_ms=deadline_ms)
 
 
 def engine_priority(proto_priority: int) -> int:
@@ -133,6 +155,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     await context.write(self._response(output))
         except TimeoutError:
             failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
+        except FirstTokenDeadlineExceeded:
+            failure = (grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"ttft_deadline_ms: no first token within {request.ttft_deadline_ms} ms")
         except EngineStepError as error:
             timings.abandoned()  # the engine already aborted the request
             failure = (grpc.StatusCode.INTERNAL, str(error))
@@ -148,7 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
         engine = self.engine.engine
         prompt_token_ids = prompt_token_ids_from_proto(request, engine.tokenizer)
-        ttft_deadline_ms = ttft_deadline_ms_from_proto(request)
+        ttft = ttft_targets_from_proto(request)
         return self.engine.add_request(
             prompt_token_ids,
             sampling_params_from_proto(
@@ -156,7 +181,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ),
             request_id=request.request_id or None,
             priority=engine_priority(request.priority),
-            ttft_deadline=None if ttft_deadline_ms is None else engine.clock() + ttft_deadline_ms / 1000.0,
+            ttft_slo_ms=ttft.slo_ms,
+            first_token_timeout_s=ttft.first_token_timeout_s,
         )
 
     def _response(self, output: RequestOutput) -> pb.GenerateResponse:

@@ -112,6 +112,7 @@ BAD_REQUESTS = {
         pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, stop_token_ids=[9999])), "sampling.stop_token_ids"),
     "negative_ttft_deadline": (
         pb.GenerateRequest(text="hi", ttft_deadline_ms=-1.0, sampling=sampling(max_tokens=4)), "ttft_deadline_ms"),
+    "zero_ttft_slo": (pb.GenerateRequest(text="hi", ttft_slo_ms=0.0, sampling=sampling(max_tokens=4)), "ttft_slo_ms"),
 }
 
 
@@ -171,6 +172,46 @@ def test_client_deadline_is_deadline_exceeded_and_frees_the_request(replica):
     assert asyncio.run(run()).code() == grpc.StatusCode.DEADLINE_EXCEEDED
     load = replica.wait_until_idle()
     assert load.kv_blocks_free == load.kv_blocks_total
+
+
+def test_missed_ttft_deadline_is_deadline_exceeded_and_frees_the_request(fresh_replica):
+    replica = fresh_replica(max_num_seqs=1)  # one runs; the next waits behind it
+    long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=120, ignore_eos=True))
+    hurried = pb.GenerateRequest(request_id="hurried", text="now", ttft_deadline_ms=50.0,
+                                 sampling=sampling(max_tokens=8, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            running = asyncio.ensure_future(collect_stream(stub, long_request))
+            while not replica.engine.scheduler.running:
+                await asyncio.sleep(0.002)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await collect_stream(stub, hurried)
+            return raised.value, await running
+
+    error, long_responses = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.details().startswith("ttft_deadline_ms: "), error.details()
+    assert long_responses[-1].usage.completion_tokens == 120  # the running request was not disturbed
+    load = replica.wait_until_idle()
+    assert load.kv_blocks_free == load.kv_blocks_total and load.num_waiting == 0
+
+
+def test_ttft_slo_sets_the_requests_deadline_for_the_scheduler(fresh_replica):
+    replica = fresh_replica(scheduling_policy="slo")
+    request = pb.GenerateRequest(request_id="slo", text="aim", ttft_slo_ms=1500.0,
+                                 sampling=sampling(max_tokens=60, ignore_eos=True))
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            call = generation_stub(channel).Generate(request)
+            await call.read()  # the first token: the request is live in the engine now
+            live = replica.engine.scheduler.requests["slo"]
+            call.cancel()
+            return live.ttft_deadline - live.arrival_time
+
+    assert asyncio.run(run()) == pytest.approx(1.5)
 
 
 def test_cancelling_half_of_50_streams_frees_every_block_once_the_rest_finish(replica):
