@@ -1,37 +1,43 @@
 """The `headroom` command: one argparse subcommand per module, each registering its own flags
 and a `run(args, parser) -> exit status`, so this file stays a table of contents.
+
+Only the chosen command's module is imported: `headroom replica` never pays for Ray.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
-from cluster import bench_command, generate_command, replica_command, serve_command, status_command
-
 # name -> (module with add_arguments(parser) and run(args, parser), one-line help)
 SUBCOMMANDS = {
-    "serve": (serve_command, "run the cluster on a local Ray (the built-in model by default) until Ctrl-C"),
-    "generate": (generate_command, "stream one prompt's generation from a running cluster over gRPC"),
-    "status": (status_command, "show every replica of a running cluster with its live load"),
-    "bench": (bench_command, "drive load against a running cluster and summarize latency and preemptions"),
-    "replica": (replica_command, "serve one engine over gRPC without Ray"),
+    "serve": ("cluster.serve_command", "run the cluster on a local Ray (the built-in model by default) until Ctrl-C"),
+    "generate": ("cluster.generate_command", "stream one prompt's generation from a running cluster over gRPC"),
+    "status": ("cluster.status_command", "show every replica of a running cluster with its live load"),
+    "bench": ("cluster.bench_command", "drive load against a running cluster and summarize latency and preemptions"),
+    "replica": ("cluster.replica_command", "serve one engine over gRPC without Ray"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser, with flags for `command` only (every command's when None)."""
     parser = argparse.ArgumentParser(prog="headroom", description="LLM serving that routes on KV headroom.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(subparser)
-        subparser.set_defaults(run=module.run, subparser=subparser)
+        if command is None or name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(subparser)
+            subparser.set_defaults(run=module.run, subparser=subparser)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     return args.run(args, args.subparser)
 
 
