@@ -15,7 +15,6 @@ al., "Splitwise", ISCA 2024; CC-BY 4.0. Read from --trace, never copied into the
 from __future__ import annotations
 
 import argparse
-import csv
 import heapq
 import itertools
 import math
@@ -23,12 +22,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.config import EngineConfig, make_engine_config
 from replica.engine import StepStats
@@ -41,7 +40,6 @@ from router.policies import ReplicaView, RoutingPolicy, RoutingRequest, make_pol
 TRACE_ATTRIBUTION = (
     "Azure Public Dataset, Azure LLM inference trace 2023, Patel et al., Splitwise, ISCA 2024 (CC-BY 4.0)"
 )
-DEFAULT_TRACE = "/work/shared/traces/azure_llm_2023_conv.csv"
 BASELINES = ("round_robin", "pow2", "least_loaded")
 POLICY_NAMES = ("headroom",) + BASELINES
 ORACLE = "oracle"  # a reference row at the target point, see CommittedMemoryOracle
@@ -116,7 +114,7 @@ def workload_shapes(name: str, num_requests: int, seed: int, trace_path: str) ->
     """
     rng = random.Random(f"{seed}:{name}")
     if name == "azure_trace":
-        return read_trace(trace_path, num_requests)
+        return trace_shapes(trace_path, num_requests)
     shapes = []
     for _ in range(num_requests):
         if name == "chat":
@@ -134,20 +132,16 @@ def workload_shapes(name: str, num_requests: int, seed: int, trace_path: str) ->
     return shapes, gaps
 
 
-def read_trace(trace_path: str, num_requests: int) -> tuple[list[tuple[int, int]], list[float]]:
+def trace_shapes(trace_path: str, num_requests: int) -> tuple[list[tuple[int, int]], list[float]]:
     """The trace's first requests: their sizes, and their real inter-arrival gaps scaled to mean 1 s."""
-    path = Path(trace_path)
-    if not path.is_file():
-        raise SystemExit(f"--trace: {trace_path} is not a file (columns TIMESTAMP, ContextTokens, GeneratedTokens)")
-    shapes, stamps = [], []
-    with path.open(newline="") as trace:
-        for row in itertools.islice(csv.DictReader(trace), num_requests):
-            shapes.append((max(1, int(row["ContextTokens"])), max(1, int(row["GeneratedTokens"]))))
-            # Seven fractional digits: more than datetime parses; the 100 ns digit is noise here.
-            stamps.append(datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp())
+    try:
+        requests = read_trace(trace_path, num_requests)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    stamps = [request.arrival_s for request in requests]
     gaps = [0.0] + [max(0.0, later - earlier) for earlier, later in zip(stamps, stamps[1:])]
     mean_gap = sum(gaps) / max(len(gaps) - 1, 1)
-    return shapes, [gap / mean_gap for gap in gaps]
+    return [(r.prompt_tokens, r.output_tokens) for r in requests], [gap / mean_gap for gap in gaps]
 
 
 def arrivals(shapes: list[tuple[int, int]], gaps: list[float], rate_rps: float) -> list[WorkloadRequest]:
@@ -467,7 +461,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the tables; the first of --seeds")
     parser.add_argument("--seeds", type=int, default=None,
                         help="workload seeds run at the target point (default 5; 1 with --quick)")
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Azure LLM 2023 conversation trace CSV")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE_PATH), help="Azure LLM 2023 conversation trace CSV")
     parser.add_argument("--plot", default="bench/out/router_sim.png")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loads", default=",".join(str(load) for load in LOADS),

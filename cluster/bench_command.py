@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import itertools
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -25,6 +21,7 @@ from rich.table import Table
 
 from cluster import status_command
 from cluster.generate_command import add_target_arguments, call_metadata
+from cluster.trace import read_trace
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 
@@ -62,19 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ray cluster address for the replicas' preemption counters (default: %(default)s)")
 
 
-def read_trace(path: str, num_requests: int, speedup: float) -> list[BenchRequest]:
+def trace_requests(path: str, num_requests: int, speedup: float) -> list[BenchRequest]:
     """The trace's first requests at their recorded offsets, divided by `speedup`."""
-    if not Path(path).is_file():
-        raise ValueError(f"--trace: {path} is not a file")
-    requests, start = [], None
-    with open(path, newline="") as trace:
-        for row in itertools.islice(csv.DictReader(trace), num_requests):
-            # Seven fractional digits: more than datetime parses; the 100 ns digit is noise here.
-            stamp = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
-            start = stamp if start is None else start
-            requests.append(BenchRequest((stamp - start) / speedup, max(1, int(row["ContextTokens"])),
-                                         max(1, int(row["GeneratedTokens"]))))
-    return requests
+    return [BenchRequest(request.arrival_s / speedup, request.prompt_tokens, request.output_tokens)
+            for request in read_trace(path, num_requests)]
 
 
 def fit_to_context(request: BenchRequest, max_model_len: int) -> BenchRequest:
@@ -179,7 +167,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--requests and --concurrency must be >= 1, --trace-scale > 0")
     try:
         if args.trace is not None:
-            requests = read_trace(args.trace, args.requests, args.trace_scale)
+            requests = trace_requests(args.trace, args.requests, args.trace_scale)
         else:
             requests = [BenchRequest(0.0, args.prompt_tokens, args.max_tokens)] * args.requests
     except (ValueError, KeyError) as error:
