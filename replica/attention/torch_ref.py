@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from replica.attention.base import AttentionBackend, AttentionMetadata
 
 
+DECODE_GROUP_SIZE = 16
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -31,14 +34,17 @@ class TorchAttentionBackend(AttentionBackend):
         query_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         decode_rows = [i for i in range(len(seq_lens)) if query_starts[i + 1] - query_starts[i] == 1]
+        batched = set()
         if len(decode_rows) > 1:
-            # Single-token queries (decodes) share one padded attention call: per-call overhead,
-            # not arithmetic, dominates small decode batches on a CPU.
-            self._batched_decode(query, key_cache, value_cache, meta, scale, output,
-                                 decode_rows, [query_starts[i] for i in decode_rows], [seq_lens[i] for i in decode_rows])
+            # Single-token queries (decodes) share padded attention calls: per-call overhead
+            # dominates small decode batches on a CPU. Sorted by context length and split into
+            # groups, the padding that is gathered and attended for nothing stays small.
+            decode_rows.sort(key=lambda i: seq_lens[i])
+            for first in range(0, len(decode_rows), DECODE_GROUP_SIZE):
+                group = decode_rows[first:first + DECODE_GROUP_SIZE]
+                self._batched_decode(query, key_cache, value_cache, meta, scale, output,
+                                     group, [query_starts[i] for i in group], [seq_lens[i] for i in group])
             batched = set(decode_rows)
-        else:
-            batched = set()
         for seq_idx, seq_len in enumerate(seq_lens):
             if seq_idx in batched:
                 continue
