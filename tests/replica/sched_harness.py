@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from hypothesis import strategies as st
+
 from replica.config import make_engine_config
 from replica.request import Request, SamplingParams
 from replica.scheduler import Scheduler, SchedulerOutput
@@ -15,6 +17,18 @@ FAKE_VOCAB = 1000
 
 def fake_next_token(token_ids: list[int]) -> int:
     return hash(tuple(token_ids)) % FAKE_VOCAB
+
+
+# Prompts in property tests start with one of these, so the prefix cache gets hits.
+SHARED_PREFIXES = [[7] * 8, list(range(20, 36)), []]
+
+
+def draw_prompt(draw, max_model_len: int) -> tuple[list[int], int]:
+    """(prompt, max_tokens) for a hypothesis-drawn request that fits max_model_len."""
+    prefix = draw(st.sampled_from(SHARED_PREFIXES))
+    suffix = draw(st.lists(st.integers(0, 999), min_size=1, max_size=20))
+    prompt = (prefix + suffix)[: max_model_len - 2]
+    return prompt, draw(st.integers(1, max_model_len - len(prompt)))
 
 
 def make_scheduler(**overrides) -> Scheduler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
-from sched_harness import make_request, make_scheduler, reference_outputs, run_step
+from sched_harness import draw_prompt, make_request, make_scheduler, reference_outputs, run_step
 
 from replica.request import RequestStatus
 
@@ -33,14 +33,9 @@ def scenarios(draw):
         watermark=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
         reserve_full_sequence=draw(st.booleans()),
     )
-    # Prompts draw from a few shared prefixes so the prefix cache gets hits.
-    prefixes = [[7] * 8, list(range(20, 36)), []]
     requests = []
     for i in range(draw(st.integers(1, 10))):
-        prefix = draw(st.sampled_from(prefixes))
-        suffix = draw(st.lists(st.integers(0, 999), min_size=1, max_size=20))
-        prompt = (prefix + suffix)[: MAX_MODEL_LEN - 2]
-        max_tokens = draw(st.integers(1, MAX_MODEL_LEN - len(prompt)))
+        prompt, max_tokens = draw_prompt(draw, MAX_MODEL_LEN)
         arrival_step = draw(st.integers(0, 15))
         abort_step = draw(st.one_of(st.none(), st.integers(0, 40)))
         requests.append((f"r{i}", prompt, max_tokens, draw(st.integers(0, 3)), arrival_step, abort_step))

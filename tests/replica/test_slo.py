@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
-from sched_harness import FAKE_VOCAB, fake_next_token, make_request, reference_outputs
+from sched_harness import FAKE_VOCAB, draw_prompt, fake_next_token, make_request, reference_outputs
 
 from replica.config import ConfigError, make_engine_config
 from replica.metrics import ReplicaMetrics
@@ -403,13 +403,9 @@ def abort_scenarios(draw):
         slo_predictor_per_token_ms=draw(st.sampled_from([0.0, 10.0])),
         slo_predictor_base_ms=0.0,
     )
-    prefixes = [[7] * 8, list(range(20, 36)), []]  # shared prefixes: the prefix cache gets hits
     requests = []
     for i in range(draw(st.integers(1, 10))):
-        prefix = draw(st.sampled_from(prefixes))
-        suffix = draw(st.lists(st.integers(0, 999), min_size=1, max_size=20))
-        prompt = (prefix + suffix)[: MAX_MODEL_LEN - 2]
-        max_tokens = draw(st.integers(1, MAX_MODEL_LEN - len(prompt)))
+        prompt, max_tokens = draw_prompt(draw, MAX_MODEL_LEN)
         arrival_step = draw(st.integers(0, 15))
         slo_steps = draw(st.one_of(st.none(), st.integers(1, 40)))
         cancel_step = draw(st.one_of(st.none(), st.integers(0, 60)))
