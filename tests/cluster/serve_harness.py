@@ -5,6 +5,7 @@ OpenAI-over-HTTP clients, and Ray started the way `headroom serve` starts it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -33,6 +34,24 @@ GRPC_TIMEOUT_S = 120.0  # every call is bounded: a hang fails the test instead o
 def enable_local_ray() -> None:
     # As `headroom serve` does: a loopback-only test cluster needs no token auth.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@contextlib.contextmanager
+def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
+    """Ray and the applications as `headroom serve` starts them, torn down on exit."""
+    import ray
+    from ray import serve
+
+    from cluster.serve_command import start_applications
+
+    enable_local_ray()
+    ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
+    try:
+        start_applications(config)
+        yield config
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num_cpus: float = 1,

@@ -16,15 +16,14 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
 
 from cluster import status_command  # noqa: E402
 from cluster.cli import main  # noqa: E402
-from cluster.serve_command import start_applications  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
-    APP_NAME, ENGINE, enable_local_ray, generate_request, grpc_target, http_base, small_config, sse_events,
+    local_cluster,
+    APP_NAME, ENGINE, generate_request, grpc_target, http_base, small_config, sse_events,
     stream_generate,
 )
 
@@ -36,14 +35,8 @@ HTTP = http_base(CONFIG)
 
 @pytest.fixture(scope="module")
 def cluster():
-    enable_local_ray()
-    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
-    try:
-        start_applications(CONFIG)
-        yield CONFIG
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_cluster(CONFIG) as config:
+        yield config
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,14 @@ import grpc
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
 
 from cluster import status_command  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME, GenerationChunk  # noqa: E402
 from cluster.ingress import ReplicaLostError, _sse_stream  # noqa: E402
 from cluster.openai_api import CompletionBodies  # noqa: E402
-from cluster.serve_command import start_applications  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
-    APP_NAME, GRPC_TIMEOUT_S, StreamResult, enable_local_ray, generate_request, grpc_target, small_config,
+    local_cluster,
+    APP_NAME, GRPC_TIMEOUT_S, StreamResult, generate_request, grpc_target, small_config,
     stream_generate,
 )
 
@@ -37,14 +36,8 @@ LONG_MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def cluster():
-    enable_local_ray()
-    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
-    try:
-        start_applications(CONFIG)
-        yield CONFIG
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_cluster(CONFIG) as config:
+        yield config
 
 
 def replica_with_running_and_waiting(deadline_s: float) -> status_command.ReplicaStatus:
