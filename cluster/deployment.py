@@ -20,7 +20,7 @@ from cluster.config import ClusterConfig, resolve_device, serve_deployment_optio
 from protos import headroom_pb2 as pb
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
+from replica.engine import LLMEngine, RequestOutput
 from replica.grpc_service import model_info_proto
 from replica.metrics import ReplicaMetrics
 from replica.request import InvalidRequestError, SamplingParams
@@ -71,19 +71,11 @@ class GenerationRequest:
         return RoutingRequest(prompt_tokens, self.sampling.max_tokens, self.priority)
 
 
-@dataclass(frozen=True)
-class GenerationChunk:
-    """What one engine step added to a request's output, and who served it."""
+@dataclass
+class GenerationChunk(RequestOutput):
+    """What one engine step added to a request's output, and the replica that served it."""
 
-    request_id: str
-    token_ids: list[int]
-    text: str  # detokenized delta; the deltas concatenate to the full output text
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" on the last chunk
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    replica_id: str
-    logprobs: Optional[list[float]] = None  # one per token id, when the request asked
+    replica_id: str = ""
 
 
 class LLMReplica:
@@ -139,17 +131,7 @@ class LLMReplica:
             ttft_slo_ms=request.ttft_slo_ms,
             first_token_timeout_s=None if request.ttft_deadline_ms is None else request.ttft_deadline_ms / 1000.0,
         ):
-            yield GenerationChunk(
-                request_id=output.request_id,
-                token_ids=output.new_token_ids,
-                text=output.text,
-                finish_reason=output.finish_reason,
-                prompt_tokens=output.num_prompt_tokens,
-                completion_tokens=output.num_output_tokens,
-                cached_prompt_tokens=output.num_cached_tokens,
-                replica_id=self.replica_id,
-                logprobs=output.logprobs,
-            )
+            yield GenerationChunk(**vars(output), replica_id=self.replica_id)
 
     def model_info(self) -> pb.ModelInfo:
         return model_info_proto(self.engine.engine, self.model_id)

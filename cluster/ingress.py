@@ -28,7 +28,7 @@ from protos import headroom_pb2 as pb
 from replica.async_engine import FirstTokenDeadlineExceeded
 from replica.builtin_model import resolve_model_path
 from replica.grpc_service import (
-    FINISH_REASON_TO_PROTO, engine_priority, invalid_argument_message, prompt_token_ids_from_proto,
+    engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
     sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.request import InvalidRequestError, validate_prompt
@@ -99,22 +99,6 @@ def _http_error(error: Exception, param_for_field: dict[str, str]) -> tuple[int,
         return 504, error_body(str(error), None, "ttft_deadline_exceeded", "server_error")
     logger.exception("request failed")
     return 500, error_body(f"internal error: {error}", None, "internal_error", "server_error")
-
-
-def _generate_response(chunk: GenerationChunk) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        request_id=chunk.request_id,
-        token_ids=chunk.token_ids,
-        text=chunk.text,
-        finish_reason=FINISH_REASON_TO_PROTO[chunk.finish_reason],
-        usage=pb.Usage(
-            prompt_tokens=chunk.prompt_tokens,
-            completion_tokens=chunk.completion_tokens,
-            cached_prompt_tokens=chunk.cached_prompt_tokens,
-        ),
-        replica_id=chunk.replica_id,
-        logprobs=chunk.logprobs or (),
-    )
 
 
 def _abort(grpc_context: RayServegRPCContext, code: grpc.StatusCode, details: str, error: Exception) -> None:
@@ -199,7 +183,7 @@ class Ingress:
                 ttft_deadline_ms=ttft.deadline_ms,
             )
             async for chunk in self.stream(generation):
-                yield _generate_response(chunk)
+                yield generate_response(chunk, chunk.replica_id)
         except InvalidRequestError as error:
             _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error), error)
         except QueueFullError as error:

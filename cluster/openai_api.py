@@ -101,10 +101,10 @@ def sse(body: dict[str, Any]) -> str:
 
 def usage(chunk: GenerationChunk) -> dict[str, Any]:
     return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": chunk.cached_prompt_tokens},
+        "prompt_tokens": chunk.num_prompt_tokens,
+        "completion_tokens": chunk.num_output_tokens,
+        "total_tokens": chunk.num_prompt_tokens + chunk.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": chunk.num_cached_tokens},
     }
 
 

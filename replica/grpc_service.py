@@ -110,6 +110,23 @@ def ttft_targets_from_proto(request: pb.GenerateRequest) -> TTFTTargets:
     return TTFTTargets(slo_ms=slo_ms if slo_ms is not None else deadline_ms, deadline_ms=deadline_ms)
 
 
+def generate_response(output: RequestOutput, replica_id: str) -> pb.GenerateResponse:
+    """One engine output as a Generate response; the replica and the cluster ingress both send these."""
+    return pb.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        text=output.text,
+        finish_reason=FINISH_REASON_TO_PROTO[output.finish_reason],
+        usage=pb.Usage(
+            prompt_tokens=output.num_prompt_tokens,
+            completion_tokens=output.num_output_tokens,
+            cached_prompt_tokens=output.num_cached_tokens,
+        ),
+        replica_id=replica_id,
+        logprobs=output.logprobs or (),
+    )
+
+
 def engine_priority(proto_priority: int) -> int:
     # The proto runs higher priorities first (what clients expect); the engine, like vLLM,
     # serves lower values first.
@@ -152,7 +169,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async with asyncio.timeout(context.time_remaining()):
                 async for output in stream:
                     timings.observe(output)
-                    await context.write(self._response(output))
+                    await context.write(generate_response(output, self.replica_id))
         except TimeoutError:
             failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
         except FirstTokenDeadlineExceeded:
@@ -185,20 +202,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             first_token_timeout_s=ttft.first_token_timeout_s,
         )
 
-    def _response(self, output: RequestOutput) -> pb.GenerateResponse:
-        return pb.GenerateResponse(
-            request_id=output.request_id,
-            token_ids=output.new_token_ids,
-            text=output.text,
-            finish_reason=FINISH_REASON_TO_PROTO[output.finish_reason],
-            usage=pb.Usage(
-                prompt_tokens=output.num_prompt_tokens,
-                completion_tokens=output.num_output_tokens,
-                cached_prompt_tokens=output.num_cached_tokens,
-            ),
-            replica_id=self.replica_id,
-            logprobs=output.logprobs or (),
-        )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         token_ids = self.engine.engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)

@@ -93,7 +93,7 @@ def test_killed_replica_retries_unstarted_requests_and_cuts_started_streams_with
 
 def test_sse_stream_cut_by_a_lost_replica_ends_with_an_error_event_then_done():
     async def chunks():
-        yield GenerationChunk("r1", [5], "a", None, 3, 1, 0, "replica-a")
+        yield GenerationChunk("r1", [5], "a", None, 3, 1, 0, replica_id="replica-a")
         raise ReplicaLostError("the replica serving this request was lost mid-stream")
 
     async def collect() -> list[str]:
