@@ -68,11 +68,10 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Block 0 is never handed out: block tables are padded with it.
         self.null_block = self.blocks[NULL_BLOCK_ID]
@@ -140,12 +139,3 @@ class BlockPool:
     def uncache_block(self, block: KVBlock) -> None:
         """Forget the block's prefix-cache entry, if it has one: its KV was never written."""
         self._evict(block)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Only possible when no block is in use."""
-        if self.num_free_blocks != self.num_usable_blocks:
-            return False
-        for block in self.blocks[1:]:
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True

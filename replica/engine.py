@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from replica.builtin_model import resolve_model_path
-from replica.config import ConfigError, EngineConfig
+from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.model import load_model
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams
@@ -125,7 +125,7 @@ class LLMEngine:
         dtype = next(self.model.parameters()).dtype
         per_block = ModelRunner.kv_cache_bytes_per_block(self.model_config, config.block_size, dtype)
         num_blocks = int(free_bytes * fraction) // per_block
-        return EngineConfig(**{**config.model_dump(), "num_kv_blocks": num_blocks})
+        return make_engine_config(**{**config.model_dump(), "num_kv_blocks": num_blocks})
 
     # ---- requests --------------------------------------------------------------------
     def make_request(

@@ -15,9 +15,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...], cache_salt: Optional[str]) -> tuple:
-    """Key of one full block in the prefix cache. It chains the parent's hash, so equal keys
-    mean equal whole prefixes; the salt (first block only) keeps tenants' caches apart. The
-    token tuple is part of the key, so a dict lookup compares tokens, not just hashes."""
+    """Key of one full block in the prefix cache. It chains the parent key's 64-bit hash, so
+    equal keys mean equal block tokens and equal prefixes (up to a collision of that hash);
+    the salt (first block only) keeps tenants' caches apart. The block's own tokens are part
+    of the key, so a dict lookup compares them exactly."""
     return (parent_hash, token_ids, cache_salt)
 
 
@@ -25,7 +26,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading full blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}

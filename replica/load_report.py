@@ -38,13 +38,12 @@ class LoadReportBuilder:
         replica_id: str,
         step_stats: StepStats,
         *,
-        rate_estimator: PreemptionRateEstimator | None = None,
         monotonic_clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
         self.replica_id = replica_id
         self.step_stats = step_stats
-        self.rate_estimator = rate_estimator or PreemptionRateEstimator()
+        self.rate_estimator = PreemptionRateEstimator()
         self._monotonic_clock = monotonic_clock
         self._wall_clock = wall_clock
         self._seq = itertools.count(1)

@@ -219,7 +219,7 @@ REPLICA_METRIC_NAMES = tuple(name for name in METRIC_NAMES if not name.startswit
 class CounterTotals(Protocol):
     """The engine's monotonically increasing totals since it started.
 
-    replica.scheduler.SchedulerLoad has exactly these fields.
+    replica.scheduler.SchedulerLoad has these fields (among others).
     """
 
     preemptions_total: int

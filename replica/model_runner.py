@@ -31,7 +31,6 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
                  device: torch.device):
         self.model = model
-        self.model_config = model_config
         self.block_size = block_size
         self.device = device
         dtype = next(model.parameters()).dtype
@@ -73,8 +72,6 @@ class ModelRunner:
             token_positions = np.arange(start, start + count, dtype=np.int64)
             input_ids.append(np.asarray(entry.token_ids, dtype=np.int64))
             positions.append(token_positions)
-            slots.append(np.asarray(table, dtype=np.int64)[token_positions // block_size] * block_size
-                         + token_positions % block_size)
             query_lens.append(count)
             seq_lens.append(start + count)
             tables.append(table)
@@ -83,6 +80,9 @@ class ModelRunner:
         block_table_array = np.zeros((len(tables), max_blocks), dtype=np.int32)  # 0 = the null block
         for row, table in enumerate(tables):
             block_table_array[row, : len(table)] = table
+            token_positions = positions[row]
+            slots.append(block_table_array[row, token_positions // block_size].astype(np.int64) * block_size
+                         + token_positions % block_size)
         query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
 

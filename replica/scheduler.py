@@ -104,7 +104,6 @@ class SchedulerCounters:
     recomputed_tokens: int = 0  # computed tokens thrown away by preemption and computed again
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    steps: int = 0
     scheduled_tokens: int = 0
     slo_preemptions: int = 0  # forward passes aborted to let an urgent request in, one victim each
     slo_discarded_layers: int = 0  # decoder layers those aborted passes had already run
@@ -259,7 +258,6 @@ class Scheduler:
 
         self._step_id += 1
         num_scheduled_tokens = config.max_num_batched_tokens - token_budget
-        self.counters.steps += 1
         self.counters.scheduled_tokens += num_scheduled_tokens
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
         slo_preempted_ids, self._slo_preempted_req_ids = self._slo_preempted_req_ids, []

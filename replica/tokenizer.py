@@ -31,6 +31,10 @@ class Tokenizer:
         # tokenizer.json post-processor; others put it in both, so add it only when missing.
         self._add_bos_token = bool(tokenizer_config.get("add_bos_token")) and self.bos_token_id is not None
         self._transformers_tokenizer = None  # loaded lazily, only to render chat templates
+        # Looked up once: chat requests ask on every call.
+        self._has_chat_template = "chat_template" in tokenizer_config or any(
+            (model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
@@ -62,7 +66,7 @@ class Tokenizer:
         Either way the text already holds its special tokens: encode it with
         add_special_tokens=False.
         """
-        if self._has_chat_template():
+        if self._has_chat_template:
             return self._load_transformers_tokenizer().apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=True
             )
@@ -75,11 +79,6 @@ class Tokenizer:
         if isinstance(token, dict):  # serialized AddedToken: {"content": "<s>", ...}
             token = token.get("content")
         return self._fast_tokenizer.token_to_id(token) if isinstance(token, str) else None
-
-    def _has_chat_template(self) -> bool:
-        return "chat_template" in self._tokenizer_config or any(
-            (self._model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES
-        )
 
     def _load_transformers_tokenizer(self):
         if self._transformers_tokenizer is None:

@@ -1,7 +1,8 @@
 """Pure-torch paged attention: the reference the Triton kernels are tested against, and the CPU backend.
 
-One scaled_dot_product_attention call per sequence over that sequence's gathered cache blocks;
-simple enough to read as the specification of the contract in base.py.
+One scaled_dot_product_attention call per prefill sequence over its gathered cache blocks;
+single-token decodes share padded calls in groups of DECODE_GROUP_SIZE, sorted by context
+length. Simple enough to read as the specification of the contract in base.py.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
         tile_rows = _DECODE_TILE_ROWS if meta.max_query_len == 1 else _PREFILL_TILE_ROWS
         tile_rows = max(tile_rows, triton.next_power_of_2(queries_per_kv))
         tile_tokens = tile_rows // queries_per_kv
-        num_seqs = meta.seq_lens.shape[0]
+        num_seqs = meta.num_seqs
         grid = (num_tokens // tile_tokens + num_seqs, num_kv_heads)
         _paged_attention_kernel[grid](
             query, key_cache, value_cache, output,

@@ -45,7 +45,6 @@ class ModelConfig:
     o_proj_bias: bool  # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not
     mlp_bias: bool
     dtype: torch.dtype
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config.json may give one id or a list
     sliding_window: int | None  # Mistral v0.1; attention here is full, so contexts stop at the window
 
@@ -102,7 +101,6 @@ class ModelConfig:
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", field="torch_dtype"),
-            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             sliding_window=sliding_window,
         )
