@@ -224,7 +224,9 @@ class LoadReporterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchLoad(self, request, context):
-        """A snapshot whenever the load changes, and at least every max_interval_ms.
+        """A snapshot at once, then whenever the load changes significantly (a preemption, a
+        change in running or waiting counts, free blocks moving by more than 5% of the pool)
+        and at least every max_interval_ms.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

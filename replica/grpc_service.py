@@ -34,9 +34,7 @@ FINISH_REASON_TO_PROTO = {
 # The engine names fields after its own types; clients know the proto's field paths.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
 PROTO_FIELD_FOR_ENGINE_FIELD = {
-    "prompt": "prompt",
     "prompt_token_ids": "token_ids",
-    "request_id": "request_id",
     **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
 }
 DEFAULT_WATCH_INTERVAL_MS = 100
@@ -178,6 +176,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except EngineStepError as error:
             timings.abandoned()  # the engine already aborted the request
             failure = (grpc.StatusCode.INTERNAL, str(error))
+        except QueueFullError as error:  # the queue filled between validation and queueing
+            timings.abandoned()
+            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         finally:
             # Runs on client cancellation too (grpc.aio cancels this task): the request
             # must not keep its KV blocks once nobody reads its stream.

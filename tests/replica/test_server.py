@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.metrics import REPLICA_METRIC_NAMES
+from replica.scheduler import QueueFullError
 from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, sampling
 
 MAX_MODEL_LEN = 256
@@ -158,6 +159,29 @@ def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
     error = asyncio.run(run())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "waiting queue is full" in error.details()
+
+
+def test_queue_filling_after_validation_is_still_resource_exhausted(fresh_replica):
+    # Validation reads the last published load; the scheduler can still refuse when the
+    # request is queued between steps. The client must see the same status either way.
+    replica = fresh_replica()
+    scheduler = replica.engine.scheduler
+
+    def refuse(request):
+        raise QueueFullError("waiting queue is full (1 requests)")
+
+    scheduler.add_request = refuse
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await collect_stream(generation_stub(channel), pb.GenerateRequest(text="x", sampling=sampling(max_tokens=4)))
+            return raised.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting queue is full" in error.details()
+    del scheduler.add_request
+    assert replica.wait_until_idle().kv_blocks_free == scheduler.kv_cache.num_usable_blocks
 
 
 def test_client_deadline_is_deadline_exceeded_and_frees_the_request(replica):
