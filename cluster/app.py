@@ -5,7 +5,7 @@ bad config fails at start with the field's dotted path.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from ray import serve
 
@@ -19,6 +19,5 @@ def build_app(args: Mapping[str, Any]) -> serve.Application:
     return build_app_from_config(load_config(dict(args)).applications[0].args)
 
 
-def build_app_from_config(config: ClusterConfig, *, cluster_gpus: Optional[float] = None) -> serve.Application:
-    """cluster_gpus: GPUs the Ray cluster has; None asks the connected Ray."""
-    return Ingress.bind(build_llm_replica(config, cluster_gpus=cluster_gpus), config)
+def build_app_from_config(config: ClusterConfig) -> serve.Application:
+    return Ingress.bind(build_llm_replica(config), config)

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from cluster import status_command
 from cluster.generate_command import add_target_arguments, call_metadata
+from cluster.stats import percentile
 from cluster.trace import read_trace
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
@@ -121,13 +122,6 @@ async def _generate(stub, metadata, index: int, request: BenchRequest, vocab_siz
     except grpc.RpcError as error:
         result.error = error.code().name
     return result
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def preemptions_total() -> Optional[int]:

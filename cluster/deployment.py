@@ -21,9 +21,9 @@ from protos import headroom_pb2 as pb
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
 from replica.engine import LLMEngine, RequestOutput
-from replica.grpc_service import model_info_proto
+from replica.grpc_service import TTFTTargets, model_info_proto
 from replica.metrics import ReplicaMetrics
-from replica.request import InvalidRequestError, SamplingParams
+from replica.request import SamplingParams
 from replica.server import ReplicaServer
 from router.headroom_router import ROUTING_KWARG
 from router.policies import RoutingRequest
@@ -36,9 +36,6 @@ REQUEST_ROUTER_CLASS = "router.serve_router:HeadroomRequestRouter"
 # Routing stats never change after start-up, so the controller only needs to ask soon
 # after a replica starts; asking often would be wasted actor calls.
 ROUTING_STATS_PERIOD_S = 30.0
-# A text prompt's token count is unknown until the replica tokenizes it; the router only
-# needs an estimate. Byte-level BPE tokenizers average about 4 bytes of English per token.
-ESTIMATED_BYTES_PER_TOKEN = 4
 # Co-located replicas (ingresses) count up from ports.metrics (ports.router_metrics); more
 # than this on one node would be a configuration mistake.
 METRICS_PORT_SEARCH = 64
@@ -48,27 +45,20 @@ SHUTDOWN_GRACE_S = 5.0
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation, as a Serve caller sends it: exactly one of `prompt` (text, tokenized
-    by the replica) and `prompt_token_ids`."""
+    """One generation, as a Serve caller sends it. The prompt comes tokenized (the ingress
+    tokenizes at the edge), so the router knows its exact size."""
 
-    prompt: Optional[str] = None
-    prompt_token_ids: Optional[list[int]] = None
+    prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Lower values are served first, as in the engine (and vLLM).
     priority: int = 0
     request_id: Optional[str] = None
-    # Relative to arrival (each replica's engine keeps its own clock): the TTFT the scheduler
-    # aims for, and the hard deadline past which a request without a first token is aborted.
-    ttft_slo_ms: Optional[float] = None
-    ttft_deadline_ms: Optional[float] = None
+    # Relative to arrival: each replica's engine keeps its own clock.
+    ttft: TTFTTargets = TTFTTargets(slo_ms=None, deadline_ms=None)
 
     def routing_request(self) -> RoutingRequest:
         """The size the router needs, passed as the call's `routing` keyword argument."""
-        if self.prompt_token_ids is not None:
-            prompt_tokens = len(self.prompt_token_ids)
-        else:
-            prompt_tokens = -(-len((self.prompt or "").encode()) // ESTIMATED_BYTES_PER_TOKEN)
-        return RoutingRequest(prompt_tokens, self.sampling.max_tokens, self.priority)
+        return RoutingRequest(len(self.prompt_token_ids), self.sampling.max_tokens, self.priority)
 
 
 @dataclass
@@ -101,7 +91,6 @@ class LLMReplica:
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         )
         self.engine = AsyncEngine(engine)
-        self.tokenizer = engine.tokenizer
         self.model_id = config.served_model_id
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
         self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics)
@@ -119,17 +108,9 @@ class LLMReplica:
     ) -> AsyncIterator[GenerationChunk]:
         """Streams the request's outputs (call with `handle.options(stream=True)`); `routing`
         is for the router, which reads it from the call before it reaches here."""
-        if (request.prompt is None) == (request.prompt_token_ids is None):
-            raise InvalidRequestError("prompt", "set exactly one of prompt and prompt_token_ids")
-        prompt_token_ids = (
-            request.prompt_token_ids
-            if request.prompt_token_ids is not None
-            else self.tokenizer.encode(request.prompt)
-        )
         async for output in self.engine.generate(
-            prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority,
-            ttft_slo_ms=request.ttft_slo_ms,
-            first_token_timeout_s=None if request.ttft_deadline_ms is None else request.ttft_deadline_ms / 1000.0,
+            request.prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority,
+            ttft_slo_ms=request.ttft.slo_ms, first_token_timeout_s=request.ttft.first_token_timeout_s,
         ):
             yield GenerationChunk(**vars(output), replica_id=self.replica_id)
 
@@ -184,13 +165,10 @@ def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.
 def build_llm_replica(
     config: ClusterConfig,
     *,
-    cluster_gpus: Optional[float] = None,
     engine_overrides_by_rank: Optional[Mapping[int, Mapping[str, object]]] = None,
 ) -> serve.Application:
-    """The bound LLMReplica application (needs a connected Ray to count GPUs when
-    cluster_gpus is None)."""
-    if cluster_gpus is None:
-        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+    """The bound LLMReplica application (needs a connected Ray, to count its GPUs)."""
+    cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
     return llm_replica_deployment(config, cluster_gpus).bind(config, engine_overrides_by_rank)
 
 

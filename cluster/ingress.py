@@ -171,7 +171,6 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             prompt_token_ids = prompt_token_ids_from_proto(request, self.tokenizer)
-            ttft = ttft_targets_from_proto(request)
             generation = self._generation_request(
                 prompt_token_ids,
                 sampling=sampling_params_from_proto(
@@ -179,8 +178,7 @@ class Ingress:
                 ),
                 priority=engine_priority(request.priority),
                 request_id=request.request_id or None,
-                ttft_slo_ms=ttft.slo_ms,
-                ttft_deadline_ms=ttft.deadline_ms,
+                ttft=ttft_targets_from_proto(request),
             )
             async for chunk in self.stream(generation):
                 yield generate_response(chunk, chunk.replica_id)

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import ray
 from ray import serve
@@ -77,7 +77,7 @@ def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
-def start_applications(config: ServeAppsConfig, *, cluster_gpus: Optional[float] = None) -> dict[str, DeploymentHandle]:
+def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
     """Starts Serve's proxies and every application on the connected Ray cluster; returns
     each application's ingress handle once all of them are running."""
     serve.start(
@@ -89,7 +89,7 @@ def start_applications(config: ServeAppsConfig, *, cluster_gpus: Optional[float]
     )
     return {
         app.name: serve.run(
-            build_app_from_config(app.args, cluster_gpus=cluster_gpus), name=app.name, route_prefix=app.route_prefix
+            build_app_from_config(app.args), name=app.name, route_prefix=app.route_prefix
         )
         for app in config.applications
     }
@@ -116,8 +116,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = serve_config_from_args(args)
-        for app in config.applications:
+        for index, app in enumerate(config.applications):
             resolve_model_path(app.args.model)  # a missing model fails here, not in every replica
+            if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
+                raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
+                                  "use `serve run` for runtime environments")
     except (ConfigError, FileNotFoundError) as error:
         parser.error(str(error))  # exits 2
     # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.

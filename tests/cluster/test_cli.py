@@ -87,6 +87,17 @@ def test_serve_with_a_bad_config_file_exits_2_naming_the_fields_path(tmp_path, c
     assert "error: applications[0].args.router.staleness_s:" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_runtime_env_it_would_not_apply(tmp_path, capsys):
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.yaml").read_text())
+    config["applications"][0]["runtime_env"] = {"env_vars": {"X": "1"}}
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(config_file)])
+    assert exited.value.code == 2
+    assert "error: applications[0].runtime_env: not supported by headroom serve" in capsys.readouterr().err
+
+
 def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
     document = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.yaml").read_text())
     second = {**document["applications"][0], "name": "second", "route_prefix": "/second"}
