@@ -17,16 +17,13 @@ import time
 
 import torch
 
+from cluster.stats import percentile
+
 
 def workload(num_requests: int, vocab_size: int, seed: int = 0, max_prompt: int = 512, max_output: int = 256):
     rng = random.Random(seed)
     return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(16, max_prompt))], rng.randint(16, max_output))
             for _ in range(num_requests)]
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def run_headroom(model_dir: str, requests, device: str, dtype: str) -> dict:
@@ -113,7 +110,7 @@ def main() -> None:
     print(f"{'engine':>22} {'output tok/s':>13} {'wall s':>8} {'latency p50 s':>14} {'p99 s':>8}")
     for name, result in (("headroom (continuous)", ours), (f"HF generate (batch {args.hf_batch_size})", theirs)):
         print(f"{name:>22} {result['tokens_per_s']:>13.1f} {result['elapsed']:>8.1f} "
-              f"{statistics.median(result['latencies']):>14.2f} {percentile(result['latencies'], 99):>8.2f}")
+              f"{statistics.median(result['latencies']):>14.2f} {percentile(result['latencies'], 0.99):>8.2f}")
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
     print(f"throughput ratio headroom / HF = {ratio:.2f}x (target >= 3x: {'MET' if ratio >= 3 else 'MISSED'}); "
           f"headroom preemptions: {ours['preemptions']}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.stats import percentile
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
@@ -41,11 +42,6 @@ class Latencies:
     def record(self, start: float, token_times: list[float]) -> None:
         self.ttft_ms.append((token_times[0] - start) * 1000)
         self.inter_token_ms += [(later - earlier) * 1000 for earlier, later in zip(token_times, token_times[1:])]
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 async def in_process(engine: AsyncEngine, prompt: list[int], latencies: Latencies) -> None:

@@ -31,6 +31,7 @@ from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.config import EngineConfig, make_engine_config
 from replica.engine import StepStats
+from replica.grpc_service import DEFAULT_WATCH_INTERVAL_MS
 from replica.load_report import LoadReportBuilder
 from replica.request import Request, SamplingParams
 from replica.scheduler import Scheduler, SchedulerOutput
@@ -48,7 +49,7 @@ LOADS = (0.50, 0.70, 0.85, 0.95)
 # Goodput SLO, from the issue.
 TTFT_SLO_S = 2.0
 TPOT_SLO_S = 0.100
-REPORT_INTERVAL_S = 0.100  # WatchLoad's default max_interval_ms
+REPORT_INTERVAL_S = DEFAULT_WATCH_INTERVAL_MS / 1000  # what WatchLoad pushes by default
 FOCUS = ("mixed_long", 0.85)  # the issue's target point
 LATE_STATS = "headroom, stats 500 ms late"  # the stale-stats target's run, in the per-seed results
 WARMUP_FRACTION = 0.10  # the first arrivals find an empty cluster; their latencies are not counted
@@ -183,8 +184,9 @@ class SimReplica:
 
 class CommittedMemoryOracle(RoutingPolicy):
     """Reference only, not deployable: reads every replica's exact committed KV demand
-    (prompt + max_tokens of each live request) straight from its scheduler, which no
-    ReplicaLoad field carries, and picks the least committed. It bounds what better load
+    (prompt + max_tokens of each live request) exactly, instantly and in tokens, straight from
+    its scheduler (ReplicaLoad.kv_committed_tokens carries it in whole blocks, up to a report
+    interval late), and picks the least committed. It bounds what better load
     reports could buy."""
 
     name = "oracle"

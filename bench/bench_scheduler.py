@@ -29,8 +29,9 @@ def _step(scheduler: Scheduler) -> None:
     scheduler.update(output, {s.request.request_id: 7 for s in output.scheduled if s.samples})
 
 
-def measure_overhead(num_running: int, mix: str, steps: int, rng: random.Random) -> float:
-    """Mean microseconds of one schedule() + update() with `num_running` live requests."""
+def measure_overhead(num_running: int, mix: str, steps: int, rng: random.Random) -> tuple[float, float]:
+    """(mean microseconds of one schedule() + update(), mean running requests) with up to
+    `num_running` live requests."""
     prefill_heavy = mix == "prefill-heavy"
     # prefill-heavy: 512-token prompts with 16 outputs keep chunks in every step;
     # decode-heavy: requests that never finish within the measured steps.

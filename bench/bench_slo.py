@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_router_sim import CostModel  # noqa: E402  (the router benchmark's step-time model)
+from bench_router_sim import FAKE_TOKEN_ID, CostModel  # noqa: E402  (the router benchmark's step-time model)
 
 from replica.config import EngineConfig, make_engine_config  # noqa: E402
 from replica.request import Request, SamplingParams  # noqa: E402
@@ -28,7 +28,6 @@ from replica.slo import SLOView  # noqa: E402
 from replica.slo_monitor import SLOMonitor  # noqa: E402
 
 POLICIES = ("fcfs", "priority", "slo")
-FAKE_TOKEN_ID = 7  # the model is not simulated: every step samples this token (ignore_eos)
 NUM_LAYERS = 32  # an 8B-class model: the abort lands on one of 32 layer boundaries
 
 

@@ -143,12 +143,6 @@ class LoadSubscriber:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def retain(self, replica_ids: set[str]) -> None:
-        """Unsubscribe every replica not in `replica_ids`."""
-        for replica_id in list(self._subscriptions):
-            if replica_id not in replica_ids:
-                self.unsubscribe(replica_id)
-
     def get(self, replica_id: str) -> Optional[LoadSubscription]:
         return self._subscriptions.get(replica_id)
 

@@ -105,27 +105,6 @@ def test_subscription_ages_while_the_replica_is_down_and_resumes_after_it_restar
     asyncio.run(scenario())
 
 
-def test_retain_drops_the_subscriptions_of_replicas_that_are_gone():
-    async def scenario() -> None:
-        server = await start_replica(0)
-        subscriber = LoadSubscriber()
-        try:
-            endpoint = f"127.0.0.1:{server.port}"
-            subscriber.subscribe("kept", endpoint)
-            subscriber.subscribe("gone", endpoint)
-            gone = subscriber.get("gone")
-            await eventually(lambda: gone.load is not None)
-            subscriber.retain({"kept"})
-            assert subscriber.replica_ids == {"kept"}
-            await asyncio.sleep(0.3)
-            assert gone.age_s() > 0.25  # its stream was closed, nothing arrives any more
-        finally:
-            await subscriber.close()
-            await server.stop(0.5)
-
-    asyncio.run(scenario())
-
-
 def test_stale_loads_fall_back_to_ray_serves_choice_and_fresh_ones_rank():
     async def scenario() -> None:
         port = free_port()
