@@ -197,7 +197,6 @@ class Scheduler:
         kv_cache = self.kv_cache
         running = self.running
         token_budget = config.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
         scheduled_ids: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
@@ -206,14 +205,10 @@ class Scheduler:
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            if num_new_tokens > token_budget:
-                if not config.enable_chunked_prefill:
-                    index += 1  # it runs whole or not at all; a later, smaller one may fit
-                    continue
-                num_new_tokens = token_budget
+            num_new_tokens = self._step_tokens(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens is None:
+                index += 1  # it runs whole or not at all; a later, smaller one may fit
+                continue
 
             # Preempt until the allocation succeeds. Two exits: blocks were found, or the
             # request itself was the victim (nothing left to take from), which ends the
@@ -269,21 +264,26 @@ class Scheduler:
             finished_req_ids=finished_ids,
         )
 
+    def _step_tokens(self, num_remaining: int, token_budget: int) -> Optional[int]:
+        """Tokens a request with `num_remaining` uncomputed tokens runs this step: at most the
+        long-prefill threshold and the budget left. None when it does not fit the budget and
+        chunked prefill is off (a prompt then runs whole or not at all)."""
+        threshold = self.config.long_prefill_token_threshold
+        num_tokens = threshold if 0 < threshold < num_remaining else num_remaining
+        if num_tokens <= token_budget:
+            return num_tokens
+        return token_budget if self.config.enable_chunked_prefill else None
+
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
         config = self.config
         kv_cache = self.kv_cache
-        threshold = config.long_prefill_token_threshold
         now = self.clock()
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_hit_tokens
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            if num_new_tokens > token_budget:
-                if not config.enable_chunked_prefill:
-                    break  # it waits whole, and nothing behind it skips ahead
-                num_new_tokens = token_budget
+            num_new_tokens = self._step_tokens(request.num_tokens - num_hit_tokens, token_budget)
+            if num_new_tokens is None:
+                break  # it waits whole, and nothing behind it skips ahead
             new_blocks = kv_cache.allocate_slots(
                 request,
                 num_new_tokens,
