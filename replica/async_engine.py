@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional, Sequence
 
 from replica.engine import LLMEngine, RequestOutput
-from replica.request import Request, SamplingParams
+from replica.request import InvalidRequestError, Request, SamplingParams
 from replica.scheduler import QueueFullError, SchedulerLoad
 from replica.slo import SLOView
 
@@ -151,8 +151,6 @@ class AsyncEngine:
         request = engine.make_request(request_id, prompt_token_ids, sampling_params, priority=priority,
                                       ttft_deadline=ttft_deadline, cache_salt=cache_salt, ttft_slo_ms=ttft_slo_ms)
         if request_id in self._streams:
-            from replica.request import InvalidRequestError
-
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         engine.scheduler.validate_request(request)
         bound = engine.config.max_waiting_requests
@@ -229,8 +227,7 @@ class AsyncEngine:
             request = engine.abort_request(request_id)
             if stream is not None:
                 source = request or stream.request
-                stream.put(RequestOutput(request_id, [], "", "abort", source.num_prompt_tokens,
-                                         source.num_output_tokens, source.num_cached_tokens))
+                stream.put(RequestOutput.of(source, [], "", "abort"))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -42,6 +42,13 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int], text: str, finish_reason: Optional[str],
+           logprobs: Optional[list[float]] = None) -> "RequestOutput":
+        """A delta of `request`, with its usage counts as they stand now."""
+        return cls(request.request_id, new_token_ids, text, finish_reason, request.num_prompt_tokens,
+                   request.num_output_tokens, request.num_cached_tokens, logprobs)
+
 
 @dataclass
 class StepStats:
@@ -203,15 +210,10 @@ class LLMEngine:
                     text += detokenizer.flush()
                     del self.detokenizers[request.request_id]
             logprob = runner_output.logprobs.get(request.request_id)
-            outputs.append(RequestOutput(
-                request_id=request.request_id,
-                new_token_ids=[update.token_id],
-                text=text,
-                finish_reason=update.finished.finish_reason if update.finished is not None else None,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=request.num_output_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                logprobs=[logprob] if logprob is not None else None,
+            outputs.append(RequestOutput.of(
+                request, [update.token_id], text,
+                update.finished.finish_reason if update.finished is not None else None,
+                [logprob] if logprob is not None else None,
             ))
         if not scheduler_output.is_empty:
             self.stats.observe(time.perf_counter() - start, len(updates))
