@@ -50,6 +50,14 @@ class ReplicaView:
         return self.load is not None and self.load_age_s <= staleness_s
 
 
+def split_by_freshness(replicas: Sequence[ReplicaView], staleness_s: float) -> tuple[list[ReplicaView], list[ReplicaView]]:
+    """(replicas with a snapshot no older than staleness_s, the rest), in one pass."""
+    fresh, stale = [], []
+    for view in replicas:
+        (fresh if view.has_fresh_load(staleness_s) else stale).append(view)
+    return fresh, stale
+
+
 class RoutingPolicy(abc.ABC):
     """Ranks replicas for one request; the caller sends it to the first that accepts."""
 
@@ -154,8 +162,7 @@ class LeastLoadedPolicy(RoutingPolicy):
         self.rng = rng or random.Random()
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
-        fresh = [view for view in replicas if view.has_fresh_load(self.staleness_s)]
-        stale = [view for view in replicas if not view.has_fresh_load(self.staleness_s)]
+        fresh, stale = split_by_freshness(replicas, self.staleness_s)
         if fresh:
             waiting = [view.load.num_waiting for view in fresh]
             min_waiting, max_waiting = min(waiting), max(waiting)
@@ -256,8 +263,7 @@ class HeadroomPolicy(RoutingPolicy):
         )
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
-        fresh = [view for view in replicas if view.has_fresh_load(self.staleness_s)]
-        stale = [view for view in replicas if not view.has_fresh_load(self.staleness_s)]
+        fresh, stale = split_by_freshness(replicas, self.staleness_s)
         scores = {view.replica_id: self.score(request, view) for view in fresh}
         fitting = [view for view in fresh if scores[view.replica_id].fits]
         not_fitting = [view for view in fresh if not scores[view.replica_id].fits]
