@@ -8,12 +8,14 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import itertools  # noqa: E402
 import random  # noqa: E402
 
 import torch  # noqa: E402
 import triton.runtime.interpreter as triton_interpreter  # noqa: E402
 
 from replica.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
+from replica.attention.torch_ref import dense_causal_attention  # noqa: E402
 
 
 def _index_scalars_under_numpy_2_4(patch_lang_tensor):
@@ -99,17 +101,8 @@ class PagedBatch:
 
     def dense_causal_attention(self) -> torch.Tensor:
         """Attention of the real sequences computed in float64 from the unpaged K/V, one sequence at a time."""
-        outputs = []
-        query_start = 0
-        for (cached, new), keys, values in zip(self.seq_specs, self.keys, self.values):
-            query = self.query[query_start : query_start + new].double()
-            query_start += new
-            queries_per_kv = self.num_q_heads // keys.shape[1]
-            keys = keys.double().repeat_interleave(queries_per_kv, dim=1)
-            values = values.double().repeat_interleave(queries_per_kv, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.scale
-            query_positions = torch.arange(cached, cached + new)
-            visible = torch.arange(cached + new)[None, :] <= query_positions[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
-        return torch.cat(outputs)
+        query_starts = [0, *itertools.accumulate(new for _, new in self.seq_specs)]
+        return torch.cat([
+            dense_causal_attention(self.query[start:end], keys, values, self.scale)
+            for start, end, keys, values in zip(query_starts, query_starts[1:], self.keys, self.values)
+        ])
