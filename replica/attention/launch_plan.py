@@ -89,7 +89,7 @@ class AttentionPlan:
 
 def padded_head_dim(head_dim: int) -> int:
     """The power of two (at least 16, tl.dot's minimum) the kernels pad head_dim to."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+    return max(16, _next_power_of_2(head_dim))
 
 
 def config_for(configs: Mapping[int, KernelConfig], head_dim: int) -> KernelConfig:
@@ -128,7 +128,7 @@ def plan_attention(
     num_segments = 1
     if splittable:
         # Programs the single pass would keep busy: one per query tile per kv head.
-        busy_programs = num_seqs * -(-max_query_len // tile_tokens) * num_kv_heads
+        busy_programs = max(1, num_seqs * -(-max_query_len // tile_tokens) * num_kv_heads)
         for_occupancy = (num_sms * tuning.split_programs_per_sm) // busy_programs
         for_length = -(-max_seq_len // tuning.segment_min_keys)
         num_segments = max(1, min(for_occupancy, for_length, tuning.max_segments))

@@ -3,26 +3,14 @@
 The figures mean nothing on a CPU; this keeps the one-command GPU benchmark from rotting.
 """
 
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_bench_module():
-    spec = importlib.util.spec_from_file_location("bench_attention", REPO / "bench" / "bench_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+from bench import bench_attention as bench  # bench/ is a namespace package under the repository root
 
 
 def test_attention_bench_smoke_reports_every_section_with_float64_checked_outputs():
-    bench = load_bench_module()
     out = io.StringIO()
 
     report = bench.run(bench.parse_args(["--smoke"]), out=out)
