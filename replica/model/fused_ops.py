@@ -5,6 +5,7 @@ and the CPU path; Triton kernels (triton_ops.py) and torch.compile of the refere
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -77,6 +78,13 @@ class CompiledFusedOps(FusedOps):
             setattr(self, op_name, torch.compile(getattr(FusedOps, op_name), fullgraph=True, dynamic=None))
 
 
+@functools.cache
+def _compiled_ops() -> CompiledFusedOps:
+    """One per process: each torch.compile wrapper compiles its own code, so a second model (or engine)
+    in the process would otherwise pay the compilations again."""
+    return CompiledFusedOps()
+
+
 def get_fused_ops(name: str, device: torch.device | str) -> FusedOps:
     """The ops called `name`; "auto" picks Triton on CUDA and the torch reference elsewhere."""
     if name not in FUSED_OPS_NAMES:
@@ -90,7 +98,7 @@ def get_fused_ops(name: str, device: torch.device | str) -> FusedOps:
 
         ops: FusedOps = TritonFusedOps()
     elif name == "compile":
-        ops = CompiledFusedOps()
+        ops = _compiled_ops()
     else:
         ops = FusedOps()
     logger.info("fused ops: %s on %s", ops.name, device)
