@@ -1,6 +1,8 @@
 """A replica killed under load: requests it had queued but not started are retried on the
 other replica and complete; streams it had started end with UNAVAILABLE; every call ends
-within its bound and the survivor keeps serving. Plus the SSE framing of a cut HTTP stream.
+within its bound and the survivor keeps serving. The same when only a replica's engine-core
+process dies (and Serve replaces the replica); clients that leave free their blocks at once.
+Plus the SSE framing of a cut HTTP stream.
 """
 
 from __future__ import annotations
@@ -8,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
+import signal
 import time
 
 import grpc
 import pytest
+import requests
 
 ray = pytest.importorskip("ray")
 
@@ -19,9 +24,11 @@ from cluster import status_command  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME, GenerationChunk  # noqa: E402
 from cluster.ingress import ReplicaLostError, _sse_stream  # noqa: E402
 from cluster.openai_api import CompletionBodies  # noqa: E402
+from protos import headroom_pb2 as pb  # noqa: E402
+from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
     local_cluster,
-    APP_NAME, GRPC_TIMEOUT_S, StreamResult, generate_request, grpc_target, small_config,
+    APP_NAME, GRPC_TIMEOUT_S, StreamResult, generate_request, grpc_target, http_base, small_config,
     stream_generate,
 )
 
@@ -105,3 +112,113 @@ def test_sse_stream_cut_by_a_lost_replica_ends_with_an_error_event_then_done():
     assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "a"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == "replica_unavailable" and "lost" in error["message"]
+
+
+# ---- the engine core behind a Serve replica ------------------------------------------------
+def live_replicas(count: int, deadline_s: float = 120) -> list[status_command.ReplicaStatus]:
+    """Wait until `count` replicas serve a load (Serve may still be replacing a killed one)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        statuses = [status for status in status_command.replica_statuses() if status.load is not None]
+        if len(statuses) == count:
+            return statuses
+        assert time.monotonic() < deadline, f"{len(statuses)} live replicas, not {count}"
+        time.sleep(0.2)
+
+
+def engine_core_pid(status: status_command.ReplicaStatus) -> int:
+    """The engine-core process of the replica whose front listens on its load endpoint (this
+    machine runs the whole local cluster)."""
+    front_pid = _pid_listening_on(int(status.load_endpoint.rsplit(":", 1)[1]))
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline, open(f"/proc/{pid}/status") as proc_status:
+                if b"replica.serving.core_process" in cmdline.read() and f"PPid:\t{front_pid}\n" in proc_status.read():
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no engine core under the front {front_pid}")
+
+
+def _pid_listening_on(port: int) -> int:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as sockets:
+            for line in sockets.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def test_cancelled_disconnected_and_late_requests_through_serve_free_their_blocks_at_once(cluster):
+    live_replicas(2)
+    long = generate_request(LONG_MAX_TOKENS)  # tens of seconds of decoding on this CPU
+
+    async def run():
+        async with grpc.aio.insecure_channel(grpc_target(cluster)) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            cancelled = stub.Generate(long, timeout=GRPC_TIMEOUT_S)
+            await cancelled.read()  # streaming: the request holds KV blocks on a replica now
+            sse = requests.post(f"{http_base(cluster)}/v1/completions", stream=True, timeout=GRPC_TIMEOUT_S, json={
+                "model": APP_NAME, "prompt": "hello", "max_tokens": LONG_MAX_TOKENS, "stream": True,
+                "ignore_eos": True})
+            next(line for line in sse.iter_lines() if line)  # its first chunk
+            # A prefill takes longer than 1 ms on this CPU: the deadline fires in the replica.
+            late = stub.Generate(pb.GenerateRequest(text="late", ttft_deadline_ms=1.0, sampling=pb.SamplingParams(
+                max_tokens=LONG_MAX_TOKENS, ignore_eos=True)), timeout=GRPC_TIMEOUT_S)
+            with pytest.raises(grpc.aio.AioRpcError) as missed:
+                await late.read()
+            busy = [status.load for status in status_command.replica_statuses()]
+            cancelled.cancel()
+            sse.close()
+            return missed.value.code(), busy, time.monotonic()
+
+    missed_code, busy, cut_at = asyncio.run(run())
+    assert missed_code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sum(load.num_running for load in busy) >= 2  # the probe: both streams were live when cut
+    # A few steps, not the tens of seconds the streams had left: every front sent its abort.
+    while any(status.load.num_running or status.load.num_waiting or status.load.kv_blocks_free
+              != status.load.kv_blocks_total for status in live_replicas(2)):
+        assert time.monotonic() - cut_at < 10, "a replica still holds requests its clients left"
+        time.sleep(0.1)
+
+
+def test_a_killed_engine_core_cuts_its_started_streams_with_unavailable_and_serve_replaces_the_replica(cluster):
+    live_replicas(2)
+    with grpc.insecure_channel(grpc_target(cluster)) as channel, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=NUM_STREAMS) as pool:
+        started: dict[int, StreamResult] = {}
+        streams = [pool.submit(stream_generate, channel, generate_request(LONG_MAX_TOKENS),
+                               lambda result: started.__setitem__(id(result), result))
+                   for _ in range(NUM_STREAMS)]
+        victim = replica_with_running_and_waiting(deadline_s=60)
+        deadline = time.monotonic() + 10
+        while sum(result.replica_id == victim.replica_id for result in list(started.values())) < victim.load.num_running:
+            assert time.monotonic() < deadline, "the victim's running streams never reached the client"
+            time.sleep(0.01)
+        core_pid = engine_core_pid(victim)
+        os.kill(core_pid, signal.SIGKILL)
+        done, not_done = concurrent.futures.wait(streams, timeout=GRPC_TIMEOUT_S + 30)
+        assert not not_done, f"{len(not_done)} requests hung"
+        results = [stream.result() for stream in streams]
+
+    # The probe: the core really is gone (reaped by its front), not merely silent.
+    assert not os.path.exists(f"/proc/{core_pid}") or "State:\tZ" in open(f"/proc/{core_pid}/status").read()
+    cut = [result for result in results if any(r.replica_id == victim.replica_id for r in result.responses)]
+    assert len(cut) >= victim.load.num_running
+    for result in cut:
+        assert result.code == grpc.StatusCode.UNAVAILABLE, (result.code, result.details)
+        assert "lost" in result.details and "EngineDeadError" in result.details
+    for result in results:
+        if result not in cut:  # the victim's queued requests were retried on the survivor
+            assert result.code == grpc.StatusCode.OK and result.num_tokens == LONG_MAX_TOKENS, result.details
+    # Serve's health check fails on the dead core and a new replica takes the victim's place.
+    replicas = live_replicas(2)
+    assert victim.replica_id not in {status.replica_id for status in replicas}
