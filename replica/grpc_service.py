@@ -265,6 +265,8 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
     async def WatchLoad(self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
         max_interval_s = (request.max_interval_ms or DEFAULT_WATCH_INTERVAL_MS) / 1000.0
         await self._abort_if_core_dead(context)
+        if self.stopping.is_set():  # a new watch would end at once: tell the router to look elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down")
         version = self.engine.load_version
         sent_load = self.engine.load()
         await context.write(self.load_reports.build(sent_load))
