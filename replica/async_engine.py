@@ -128,6 +128,7 @@ class AsyncEngine:
         self._load: Optional[SchedulerLoad] = None
         self._load_arrived = asyncio.Event()
         self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
+        self._kv_event_listeners: list[Callable[[list], None]] = []
 
     @classmethod
     async def launch(cls, config: EngineConfig, model: str = "builtin", **options) -> "AsyncEngine":
@@ -171,6 +172,10 @@ class AsyncEngine:
     def on_dead(self, listener: Callable[[EngineDeadError], None]) -> None:
         """Call `listener` once if the core process dies (health reporting)."""
         self._dead_listeners.append(listener)
+
+    def on_kv_events(self, listener: Callable[[list], None]) -> None:
+        """Call `listener` with each step's KV events (in order), as the core's engine drained them."""
+        self._kv_event_listeners.append(listener)
 
     async def shutdown(self, grace_period_s: float = 5.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to the grace period, abort
@@ -265,6 +270,9 @@ class AsyncEngine:
         self.stats.step_time_s = step.step_time_s
         self.stats.generation_tokens_per_s = step.generation_tokens_per_s
         self.stats.steps += 1
+        if step.kv_events:
+            for listener in self._kv_event_listeners:
+                listener(step.kv_events)
         self._load = load_from_wire(step.load)
         self.load_version += 1
         # Wake every waiter once; later waiters wait on a fresh event.

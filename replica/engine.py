@@ -163,23 +163,12 @@ class LLMEngine:
         return make_engine_config(**{**config.model_dump(), "num_kv_blocks": num_blocks})
 
     # ---- requests --------------------------------------------------------------------
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        *,
-        priority: int = 0,
-        ttft_deadline: Optional[float] = None,
-        arrival_time: Optional[float] = None,
-        cache_salt: Optional[str] = None,
-        ttft_slo_ms: Optional[float] = None,
-    ) -> Request:
-        """A request for this engine; see the module's make_request."""
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     **options) -> Request:
+        """A request for this engine; options (priority, ttft_deadline, arrival_time,
+        cache_salt, ttft_slo_ms) as in the module's make_request."""
         return make_request(request_id, prompt_token_ids, sampling_params, config=self.config,
-                            eos_token_ids=self.eos_token_ids, clock=self.clock, priority=priority,
-                            ttft_deadline=ttft_deadline, arrival_time=arrival_time, cache_salt=cache_salt,
-                            ttft_slo_ms=ttft_slo_ms)
+                            eos_token_ids=self.eos_token_ids, clock=self.clock, **options)
 
     def add_request(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError."""

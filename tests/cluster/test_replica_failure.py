@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from typing import Callable
 
 import grpc
 import pytest
@@ -58,7 +59,10 @@ def replica_with_running_and_waiting(deadline_s: float) -> status_command.Replic
     raise AssertionError("no replica had running and waiting requests at once")
 
 
-def test_killed_replica_retries_unstarted_requests_and_cuts_started_streams_with_unavailable(cluster):
+def kill_under_load(cluster, kill: Callable[[status_command.ReplicaStatus], None]) -> tuple[
+        status_command.ReplicaStatus, list[StreamResult]]:
+    """Start NUM_STREAMS long streams, `kill` a replica that runs some and queues others once
+    its running streams have reached the client, and return it with every stream's result."""
     with grpc.insecure_channel(grpc_target(cluster)) as channel, \
             concurrent.futures.ThreadPoolExecutor(max_workers=NUM_STREAMS) as pool:
         started: dict[int, StreamResult] = {}  # streams with a response so far, live
@@ -75,27 +79,38 @@ def test_killed_replica_retries_unstarted_requests_and_cuts_started_streams_with
         while sum(result.replica_id == victim.replica_id for result in list(started.values())) < victim.load.num_running:
             assert time.monotonic() < deadline, "the victim's running streams never reached the client"
             time.sleep(0.01)
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim.replica_id}",
-                               namespace="serve"), no_restart=True)
+        kill(victim)
         done, not_done = concurrent.futures.wait(streams, timeout=GRPC_TIMEOUT_S + 30)
         assert not not_done, f"{len(not_done)} requests hung"
-        results = [stream.result() for stream in streams]
+        return victim, [stream.result() for stream in streams]
 
-        cut = [result for result in results if any(r.replica_id == victim.replica_id for r in result.responses)]
-        untouched = [result for result in results if result not in cut]
-        # The victim's running requests had streamed tokens: they cannot be replayed elsewhere.
-        assert len(cut) >= victim.load.num_running
-        for result in cut:
-            assert result.code == grpc.StatusCode.UNAVAILABLE, (result.code, result.details)
-            assert "lost" in result.details and 0 < result.num_tokens < LONG_MAX_TOKENS
-        # Everything else completed, the victim's queued requests included (retried elsewhere).
-        assert len(untouched) == NUM_STREAMS - len(cut) >= victim.load.num_waiting
-        for result in untouched:
-            assert result.code == grpc.StatusCode.OK, (result.code, result.details)
-            assert result.num_tokens == LONG_MAX_TOKENS and result.replica_id != victim.replica_id
 
+def assert_started_streams_cut_and_queued_ones_retried(victim: status_command.ReplicaStatus,
+                                                       results: list[StreamResult], lost: str = "") -> None:
+    cut = [result for result in results if any(r.replica_id == victim.replica_id for r in result.responses)]
+    untouched = [result for result in results if result not in cut]
+    # The victim's running requests had streamed tokens: they cannot be replayed elsewhere.
+    assert len(cut) >= victim.load.num_running
+    for result in cut:
+        assert result.code == grpc.StatusCode.UNAVAILABLE, (result.code, result.details)
+        assert "lost" in result.details and lost in result.details and 0 < result.num_tokens < LONG_MAX_TOKENS
+    # Everything else completed, the victim's queued requests included (retried elsewhere).
+    assert len(untouched) == NUM_STREAMS - len(cut) >= victim.load.num_waiting
+    for result in untouched:
+        assert result.code == grpc.StatusCode.OK, (result.code, result.details)
+        assert result.num_tokens == LONG_MAX_TOKENS and result.replica_id != victim.replica_id
+
+
+def test_killed_replica_retries_unstarted_requests_and_cuts_started_streams_with_unavailable(cluster):
+    def kill_actor(victim: status_command.ReplicaStatus) -> None:
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim.replica_id}",
+                               namespace="serve"), no_restart=True)
+
+    victim, results = kill_under_load(cluster, kill_actor)
+    assert_started_streams_cut_and_queued_ones_retried(victim, results)
+    with grpc.insecure_channel(grpc_target(cluster)) as channel:
         survivor_result = stream_generate(channel, generate_request(8))
-        assert survivor_result.code == grpc.StatusCode.OK and survivor_result.replica_id != victim.replica_id
+    assert survivor_result.code == grpc.StatusCode.OK and survivor_result.replica_id != victim.replica_id
 
 
 def test_sse_stream_cut_by_a_lost_replica_ends_with_an_error_event_then_done():
@@ -169,20 +184,21 @@ def test_cancelled_disconnected_and_late_requests_through_serve_free_their_block
             sse = requests.post(f"{http_base(cluster)}/v1/completions", stream=True, timeout=GRPC_TIMEOUT_S, json={
                 "model": APP_NAME, "prompt": "hello", "max_tokens": LONG_MAX_TOKENS, "stream": True,
                 "ignore_eos": True})
-            next(line for line in sse.iter_lines() if line)  # its first chunk
+            first_event = next(line for line in sse.iter_lines() if line)
+            assert sse.status_code == 200 and json.loads(first_event.removeprefix(b"data: "))["choices"], first_event
             # A prefill takes longer than 1 ms on this CPU: the deadline fires in the replica.
             late = stub.Generate(pb.GenerateRequest(text="late", ttft_deadline_ms=1.0, sampling=pb.SamplingParams(
                 max_tokens=LONG_MAX_TOKENS, ignore_eos=True)), timeout=GRPC_TIMEOUT_S)
             with pytest.raises(grpc.aio.AioRpcError) as missed:
                 await late.read()
-            busy = [status.load for status in status_command.replica_statuses()]
+            busy = [status.load for status in live_replicas(2)]
             cancelled.cancel()
             sse.close()
             return missed.value.code(), busy, time.monotonic()
 
     missed_code, busy, cut_at = asyncio.run(run())
     assert missed_code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert sum(load.num_running for load in busy) >= 2  # the probe: both streams were live when cut
+    assert sum(load.num_running for load in busy) >= 2, busy  # the probe: both streams were live when cut
     # A few steps, not the tens of seconds the streams had left: every front sent its abort.
     while any(status.load.num_running or status.load.num_waiting or status.load.kv_blocks_free
               != status.load.kv_blocks_total for status in live_replicas(2)):
@@ -192,33 +208,16 @@ def test_cancelled_disconnected_and_late_requests_through_serve_free_their_block
 
 def test_a_killed_engine_core_cuts_its_started_streams_with_unavailable_and_serve_replaces_the_replica(cluster):
     live_replicas(2)
-    with grpc.insecure_channel(grpc_target(cluster)) as channel, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=NUM_STREAMS) as pool:
-        started: dict[int, StreamResult] = {}
-        streams = [pool.submit(stream_generate, channel, generate_request(LONG_MAX_TOKENS),
-                               lambda result: started.__setitem__(id(result), result))
-                   for _ in range(NUM_STREAMS)]
-        victim = replica_with_running_and_waiting(deadline_s=60)
-        deadline = time.monotonic() + 10
-        while sum(result.replica_id == victim.replica_id for result in list(started.values())) < victim.load.num_running:
-            assert time.monotonic() < deadline, "the victim's running streams never reached the client"
-            time.sleep(0.01)
-        core_pid = engine_core_pid(victim)
-        os.kill(core_pid, signal.SIGKILL)
-        done, not_done = concurrent.futures.wait(streams, timeout=GRPC_TIMEOUT_S + 30)
-        assert not not_done, f"{len(not_done)} requests hung"
-        results = [stream.result() for stream in streams]
+    killed = []
 
+    def kill_engine_core(victim: status_command.ReplicaStatus) -> None:
+        killed.append(engine_core_pid(victim))
+        os.kill(killed[0], signal.SIGKILL)
+
+    victim, results = kill_under_load(cluster, kill_engine_core)
     # The probe: the core really is gone (reaped by its front), not merely silent.
-    assert not os.path.exists(f"/proc/{core_pid}") or "State:\tZ" in open(f"/proc/{core_pid}/status").read()
-    cut = [result for result in results if any(r.replica_id == victim.replica_id for r in result.responses)]
-    assert len(cut) >= victim.load.num_running
-    for result in cut:
-        assert result.code == grpc.StatusCode.UNAVAILABLE, (result.code, result.details)
-        assert "lost" in result.details and "EngineDeadError" in result.details
-    for result in results:
-        if result not in cut:  # the victim's queued requests were retried on the survivor
-            assert result.code == grpc.StatusCode.OK and result.num_tokens == LONG_MAX_TOKENS, result.details
+    assert not os.path.exists(f"/proc/{killed[0]}") or "State:\tZ" in open(f"/proc/{killed[0]}/status").read()
+    assert_started_streams_cut_and_queued_ones_retried(victim, results, lost="EngineDeadError")
     # Serve's health check fails on the dead core and a new replica takes the victim's place.
     replicas = live_replicas(2)
     assert victim.replica_id not in {status.replica_id for status in replicas}
