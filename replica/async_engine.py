@@ -149,7 +149,7 @@ class AsyncEngine:
         ready = await self.core.start(self.spec)
         self._engine = ServedEngine(self.spec.model, tokenizer, ready.config, ready.model_config,
                                     ready.eos_token_ids, ready.device, time.monotonic, self.stats)
-        self._processor = OutputProcessor(tokenizer)
+        self._processor = OutputProcessor(tokenizer, self._abort_in_core)
         self._load = load_from_wire(ready.load)
         self._accepting = True
         logger.info("engine core %d ready: %s on %s", self.core.pid, self.spec.model, ready.device)
@@ -233,7 +233,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """End the request's stream now (finish reason "abort") and have the core free its
         blocks before its next step. Unknown or finished ids are ignored."""
-        if self._processor is not None and self._processor.finish(request_id, "abort") and self.dead is None:
+        if self._processor is not None:
+            self._processor.finish(request_id, "abort")
+
+    def _abort_in_core(self, request_id: str) -> None:
+        if self.dead is None:  # a dead core holds nothing any more
             self.core.abort(request_id)
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,

@@ -29,8 +29,10 @@ class _Live:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, abort_in_core: Callable[[str], None]):
+        """abort_in_core(request_id): tell the core to drop a request the front ended early."""
         self.tokenizer = tokenizer
+        self.abort_in_core = abort_in_core
         self._live: dict[str, _Live] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -64,14 +66,14 @@ class OutputProcessor:
                 del live[request_id]
             state.stream.put(RequestOutput.of(request, new_token_ids, text, finish_reason, logprobs))
 
-    def finish(self, request_id: str, finish_reason: str) -> bool:
-        """End a request on the front's side (the caller tells the core to abort it);
-        False if it had already ended."""
+    def finish(self, request_id: str, finish_reason: str) -> None:
+        """End a live request on the front's side now (an abort; a stop string matched here
+        would end it as "stop" the same way) and have the core drop it before its next step."""
         state = self._live.pop(request_id, None)
         if state is None:
-            return False
+            return  # already ended
         state.stream.put(RequestOutput.of(state.stream.request, [], "", finish_reason))
-        return True
+        self.abort_in_core(request_id)
 
     def fail(self, request_id: str, error: BaseException) -> None:
         state = self._live.pop(request_id, None)
