@@ -146,10 +146,12 @@ def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
         async with grpc.aio.insecure_channel(replica.address) as channel:
             stub = generation_stub(channel)
             load_stub = pb_grpc.LoadReporterStub(channel)
+            # One at a time: two adds the core takes in before one step would both count as
+            # waiting, and the second would already be refused.
             running = asyncio.ensure_future(collect_stream(stub, long_request))
+            await until(lambda load: load.num_running == 1, load_stub)
             queued = asyncio.ensure_future(collect_stream(stub, long_request))
-            while (await load_stub.GetLoad(pb.LoadRequest())).num_waiting < 1:
-                await asyncio.sleep(0.005)
+            await until(lambda load: load.num_waiting == 1, load_stub)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await collect_stream(stub, long_request)
             running.cancel()
@@ -162,9 +164,9 @@ def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
 
 
 def test_queue_filling_after_validation_is_still_resource_exhausted(fresh_replica):
-    # The front checks the bound against the core's last load plus the adds in flight; the
-    # core's scheduler can still refuse when it takes the request in (here: another front's
-    # worth of adds raced in). The client must see the same status either way.
+    # The front checks the bound against the core's last load; the core's scheduler can
+    # still refuse when it takes the request in (a burst within one step, or a stale load).
+    # The client must see the same status either way.
     replica = fresh_replica(max_num_seqs=1, max_waiting_requests=2)
     front = replica.async_engine
     long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
@@ -172,9 +174,11 @@ def test_queue_filling_after_validation_is_still_resource_exhausted(fresh_replic
     async def run():
         async with grpc.aio.insecure_channel(replica.address) as channel:
             stub = generation_stub(channel)
-            running = [asyncio.ensure_future(collect_stream(stub, long_request)) for _ in range(3)]
-            while (await pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest())).num_waiting < 2:
-                await asyncio.sleep(0.005)
+            load_stub = pb_grpc.LoadReporterStub(channel)
+            running = [asyncio.ensure_future(collect_stream(stub, long_request))]
+            await until(lambda load: load.num_running == 1, load_stub)
+            running += [asyncio.ensure_future(collect_stream(stub, long_request)) for _ in range(2)]
+            await until(lambda load: load.num_waiting == 2, load_stub)
             # Blind the front to the full queue, as a stale load would.
             replica.on_loop(lambda: setattr(front, "_load", dataclasses.replace(front.load(), num_waiting=0)))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -434,6 +438,14 @@ def test_shutdown_past_its_grace_ends_in_flight_streams_with_abort(fresh_replica
     assert code == grpc.StatusCode.OK
     assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT
     assert responses[-1].usage.completion_tokens < 200
+
+
+async def until(condition, load_stub: pb_grpc.LoadReporterStub, timeout_s: float = 60.0) -> None:
+    """Poll GetLoad until `condition(load)` holds; fail (not hang) after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(await load_stub.GetLoad(pb.LoadRequest())):
+        assert time.monotonic() < deadline, "the replica never reached the expected load"
+        await asyncio.sleep(0.005)
 
 
 async def read_to_end(call) -> list[pb.GenerateResponse]:
