@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 short requests (smoke run)")
     args = parser.parse_args()
 
-    from replica.builtin_model import resolve_model_path
+    from replica.model.registry import resolve_model_path
 
     model_dir = str(resolve_model_path(args.model))
     import json

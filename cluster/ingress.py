@@ -26,7 +26,7 @@ from cluster.openai_api import (
 )
 from protos import headroom_pb2 as pb
 from replica.async_engine import FirstTokenDeadlineExceeded
-from replica.builtin_model import resolve_model_path
+from replica.model.registry import resolve_model_path
 from replica.grpc_service import (
     engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
     sampling_params_from_proto, ttft_targets_from_proto,

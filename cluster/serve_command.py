@@ -21,7 +21,7 @@ from cluster.app import build_app_from_config
 from cluster.config import ServeAppsConfig, load_config
 from cluster.deployment import node_ip
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
-from replica.builtin_model import resolve_model_path
+from replica.model.registry import resolve_model_path
 from replica.config import ConfigError
 from router.policies import POLICIES
 

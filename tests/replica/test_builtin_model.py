@@ -9,13 +9,13 @@ from safetensors.torch import load_file
 from replica.builtin_model import (
     BOS_TOKEN_ID,
     BUILTIN_MODEL_DIRNAME,
-    CACHE_DIR_ENV_VAR,
     EOS_TOKEN_ID,
     MODEL_CONFIG,
     VOCAB_SIZE,
     ensure_builtin_model,
-    resolve_model_path,
 )
+from replica.model.cache import CACHE_DIR_ENV_VAR
+from replica.model.registry import resolve_model_path
 from replica.tokenizer import Tokenizer
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
