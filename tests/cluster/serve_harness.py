@@ -67,6 +67,7 @@ def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num
             "name": APP_NAME,
             "route_prefix": "/",
             "args": {
+                "model": "builtin",
                 "engine": {**ENGINE, **(engine or {})},
                 "replicas": {"num_replicas": 2, "num_cpus": num_cpus},
                 # Generous, so a snapshot delayed on a busy shared machine never sends a
