@@ -160,8 +160,9 @@ def hf_config_from_gguf(metadata: dict[str, Any], reader: GGUFReader, gguf_path:
         # Both spellings: transformers < 5 reads rope_theta/rope_scaling, 5 reads rope_parameters.
         "rope_theta": rope_theta,
         "rope_scaling": _rope_scaling(metadata, gguf_path),
-        "attention_bias": False,
-        "mlp_bias": False,
+        # Hugging Face's Llama has biases on all four attention projections or none (same for the MLP).
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_gate.bias" in tensor_names,
         # llama.cpp writes no output.weight when the model ties it to the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "float32",
@@ -197,9 +198,10 @@ def hf_weights_from_gguf(reader: GGUFReader, config: dict[str, Any], gguf_path: 
         name = _hf_tensor_name(tensor.name, gguf_path)
         # A copy: F32 tensors dequantize to a read-only view of the mapped file.
         weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        if name.endswith("self_attn.q_proj.weight"):
+        # llama.cpp permutes q/k biases as it permutes their weights.
+        if ".self_attn.q_proj." in name:
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif ".self_attn.k_proj." in name:
             weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
         weights[name] = weight
     return weights

@@ -78,6 +78,18 @@ def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_serve_offline_without_the_default_model_exits_2_naming_the_alternatives(tmp_path):
+    offline_index = tmp_path / "offline"  # pip finds nothing here, and reaches no index
+    offline_index.mkdir()
+    env = {**os.environ, "HEADROOM_CACHE_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(offline_index)}
+    finished = subprocess.run([sys.executable, "-m", "cluster.cli", "serve"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert finished.returncode == 2
+    assert "error: model 'smollm2-135m'" in finished.stderr and "`--model builtin`" in finished.stderr
+    assert "ray" not in finished.stdout.lower()  # refused before any cluster started
+
+
 def test_serve_with_a_bad_config_file_exits_2_naming_the_fields_path(tmp_path, capsys):
     config = tmp_path / "serve.yaml"
     config.write_text((REPO_ROOT / "deploy" / "serve_config.yaml").read_text().replace("staleness_s: 1.0", "staleness_s: -1"))
