@@ -104,22 +104,24 @@ def profile_headroom(engine, requests) -> None:
     stats = pstats.Stats(profiler).stats
     total = sum(timing[2] for timing in stats.values())  # every function's own time adds up to the run
 
-    def seconds(path: str, *names: str, outermost: bool = False) -> float:
-        found = 0.0
-        for (filename, _, function), (_, _, _, cumulative, callers) in stats.items():
-            if function in names and filename.endswith(path):
-                # outermost: the model's own forward, not each layer's forward it calls
-                if not (outermost and any(caller[0].endswith(path) for caller in callers)):
-                    found += cumulative
-        return found
+    def seconds(*functions) -> float:
+        """Cumulative seconds of these functions (found by their code objects, as cProfile keys them)."""
+        keys = {(f.__code__.co_filename, f.__code__.co_firstlineno, f.__code__.co_name) for f in functions}
+        return sum(timing[3] for key, timing in stats.items() if key in keys)
 
-    gemms = seconds("~", "<built-in method torch._C._nn.linear>")
-    lm_head = seconds("replica/model/llama.py", "compute_logits")
-    attention = seconds("replica/attention/torch_ref.py", "forward", "write_kv")
-    model = seconds("replica/model/llama.py", "forward", outermost=True)
-    sampler = seconds("replica/sampler.py", "sample")
-    runner = seconds("replica/model_runner.py", "execute")
-    scheduler = seconds("replica/scheduler.py", "schedule", "update")
+    from replica.model.llama import LlamaForCausalLM
+    from replica.model_runner import ModelRunner
+    from replica.scheduler import Scheduler
+
+    backend = type(engine.model.model.layers[0].self_attn.attn_backend)
+    gemms = sum(timing[3] for (filename, _, name), timing in stats.items()
+                if filename == "~" and name == "<built-in method torch._C._nn.linear>")
+    lm_head = seconds(LlamaForCausalLM.compute_logits)
+    attention = seconds(backend.forward, backend.write_kv)
+    model = seconds(LlamaForCausalLM.forward)
+    sampler = seconds(type(engine.runner.sampler).sample)
+    runner = seconds(ModelRunner.execute)
+    scheduler = seconds(Scheduler.schedule, Scheduler.update)
     parts = [
         ("GEMMs (q/k/v/o, MLP)", gemms - lm_head),
         ("lm_head (logits of sampling rows)", lm_head),

@@ -18,12 +18,12 @@ from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import (
     AsyncEngine, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
 )
+from replica.chat_template import ChatTemplateError
 from replica.engine import LLMEngine, RequestOutput
 from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.metrics import ReplicaMetrics
 from replica.request import InvalidRequestError, Request, SamplingParams
 from replica.scheduler import QueueFullError
-from replica.chat_template import ChatTemplateError
 from replica.tokenizer import Tokenizer
 
 FINISH_REASON_TO_PROTO = {

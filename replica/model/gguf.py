@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -24,7 +23,6 @@ from replica.model.cache import build_once, default_cache_dir, report_progress
 from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
 from replica.model.loader import ModelLoadError
 
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 _T = GGMLQuantizationType

@@ -1,5 +1,6 @@
 """GGUF conversion on small synthetic files written by the `gguf` package's own writer: every
-supported tensor type dequantizes to what `gguf` says, llama.cpp's q/k permutation is undone,
+supported tensor type converts exactly as transformers' own GGUF loader converts it (llama.cpp's
+q/k permutation undone),
 the config and tokenizer come from the metadata, the conversion is cached, and a truncated
 file, another architecture or an unsupported quantization is an error naming it."""
 
@@ -14,11 +15,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from gguf_files import (
-    CHAT_TEMPLATE, SHAPE, gguf_name, hf_llama_weights, llama_cpp_permute, tokenizer_vocab, write_llama_gguf,
+    CHAT_TEMPLATE, SHAPE, hf_llama_weights, llama_cpp_permute, tokenizer_vocab, write_llama_gguf,
 )
 from replica.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, convert_gguf, unpermute_rotary_rows
 from replica.model.gguf_tokenizer import GGUFTokenizerError
@@ -115,20 +115,18 @@ KNOWN_GOOD_ENCODINGS = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
-@pytest.mark.parametrize("weight_type", KNOWN_GOOD_ENCODINGS + K_QUANTS, ids=lambda t: t.name)
-def test_each_supported_type_dequantizes_to_what_gguf_reads_back(tmp_path, weight_type):
+@pytest.mark.parametrize("weight_type", [T.F32] + KNOWN_GOOD_ENCODINGS + K_QUANTS, ids=lambda t: t.name)
+def test_each_supported_type_converts_exactly_as_transformers_own_gguf_loading(tmp_path, weight_type):
+    """transformers dequantizes and un-permutes GGUF weights with its own code: an independent oracle."""
     gguf_path = write_llama_gguf(tmp_path / f"tiny-{weight_type.name}.gguf", weight_type=weight_type)
     converted = load_file(convert_gguf(gguf_path, tmp_path / "cache") / "model.safetensors")
-    stored = {tensor.name: tensor for tensor in GGUFReader(gguf_path).tensors}
+    assert {tensor.tensor_type for tensor in GGUFReader(gguf_path).tensors} == {weight_type, T.F32}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=gguf_path.name, dtype=torch.float32).state_dict()
     original = hf_llama_weights(len(tokenizer_vocab()[0]))
+    assert set(converted) == set(reference) - {"lm_head.weight"}  # tied: lm_head is the embedding
     for hf_name, weight in converted.items():
-        tensor = stored[gguf_name(hf_name)]
-        assert tensor.tensor_type == (weight_type if weight.ndim == 2 else T.F32)
-        reference = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = SHAPE["heads"] if "q_proj" in hf_name else SHAPE["kv_heads"]
-            reference = unpermute_rotary_rows(reference, heads)
-        assert torch.equal(converted[hf_name], reference), hf_name
+        assert torch.equal(weight, reference[hf_name]), hf_name
         if weight_type in KNOWN_GOOD_ENCODINGS:  # real quantized weights: close to the originals
             error = (weight - original[hf_name]).norm() / original[hf_name].norm()
             assert error < 0.2, (hf_name, error)
