@@ -1,6 +1,7 @@
 """The tokenizer a GGUF file describes in its metadata (llama.cpp's `tokenizer.ggml.*` keys),
 rebuilt with the `tokenizers` library as the tokenizer.json + tokenizer_config.json pair a
-Hugging Face checkpoint ships: vocabulary, merges, special tokens, BOS/EOS, chat template.
+Hugging Face checkpoint ships: byte-level BPE ("gpt2": SmolLM2, Llama 3) or SentencePiece BPE
+("llama": Llama 2, Mistral), vocabulary, merges, special tokens, BOS/EOS.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ _GPT2_PRE_TOKENIZERS = ("default", "gpt-2", "gpt2")
 _SMOLLM_PRE_TOKENIZERS = ("smollm",)  # GPT-2's regex after splitting every digit apart
 _LLAMA3_PRE_TOKENIZERS = ("llama3", "llama-v3", "llama-bpe")
 SUPPORTED_PRE_TOKENIZERS = _GPT2_PRE_TOKENIZERS + _SMOLLM_PRE_TOKENIZERS + _LLAMA3_PRE_TOKENIZERS
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+SENTENCEPIECE_SPACE = "\u2581"  # "▁", how SentencePiece spells a space inside tokens
 
 
 class GGUFTokenizerError(ModelLoadError):
@@ -39,8 +41,10 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any]) -> Tokenizer:
     if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:
         raise GGUFTokenizerError(
             f"tokenizer.ggml.model {tokenizer_model!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE)"
+            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE, SentencePiece BPE)"
         )
+    if tokenizer_model == "llama":
+        return _sentencepiece_tokenizer(metadata)
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     spelled_tokens = [_byte_level_spelling(token) for token in tokens]
@@ -52,10 +56,46 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre_tokenizer_name)
     tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(_added_tokens(tokens, token_types, TOKEN_TYPE_CONTROL, special=True, byte_level=True))
+    tokenizer.add_tokens(_added_tokens(tokens, token_types, TOKEN_TYPE_USER_DEFINED, special=False, byte_level=True))
+    tokenizer.post_processor = _special_token_template(metadata, tokens)
+    return tokenizer
+
+
+def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
+    """SentencePiece BPE as Hugging Face's Llama tokenizer runs it: "▁" for spaces (one prepended
+    to the text), unknown characters as their UTF-8 byte tokens, merges by the merged token's score."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = _merges_from_scores(vocab, dict(zip(tokens, metadata["tokenizer.ggml.scores"])))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SENTENCEPIECE_SPACE, prepend_scheme="first" if add_prefix_space else "never", split=False)
+    steps = [decoders.Replace(SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))  # the space the pre-tokenizer prepended
+    tokenizer.decoder = decoders.Sequence(steps)
     tokenizer.add_special_tokens(_added_tokens(tokens, token_types, TOKEN_TYPE_CONTROL, special=True))
     tokenizer.add_tokens(_added_tokens(tokens, token_types, TOKEN_TYPE_USER_DEFINED, special=False))
     tokenizer.post_processor = _special_token_template(metadata, tokens)
     return tokenizer
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a token into two tokens,
+    best merged token first (transformers' generate_merges, so both build the same tokenizer)."""
+    merges = []
+    for merged, score in scores.items():
+        splits = [(merged[:cut], merged[cut:], score) for cut in range(1, len(merged))
+                  if merged[:cut] in vocab and merged[cut:] in vocab]
+        merges.extend(sorted(splits, key=lambda split: (vocab[split[0]], vocab[split[1]])))
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def tokenizer_config_from_gguf_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +117,9 @@ def tokenizer_config_from_gguf_metadata(metadata: dict[str, Any]) -> dict[str, A
 
 
 def _adds_bos(metadata: dict[str, Any]) -> bool:
-    return bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and "tokenizer.ggml.bos_token_id" in metadata
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    default = metadata.get("tokenizer.ggml.model") == "llama"
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", default)) and "tokenizer.ggml.bos_token_id" in metadata
 
 
 def _byte_level_pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
@@ -106,13 +148,14 @@ def _byte_level_spelling(token: str) -> str:
     return "".join(_BYTE_SYMBOLS[byte] for byte in token.encode("utf-8"))
 
 
-def _added_tokens(tokens: list[str], token_types: list[int], wanted_type: int, *, special: bool) -> list[AddedToken]:
-    # A control token outside the byte alphabet cannot be a real byte-level token (a
-    # mislabel); adding it would grow the vocabulary past the model's, so it is left out.
+def _added_tokens(tokens: list[str], token_types: list[int], wanted_type: int, *, special: bool,
+                  byte_level: bool = False) -> list[AddedToken]:
+    # In a byte-level vocabulary a control token outside the byte alphabet cannot be real (a
+    # llama.cpp mislabel); adding it would grow the vocabulary past the model's, so it is left out.
     return [
         AddedToken(token, special=special, normalized=False)
         for token, token_type in zip(tokens, token_types)
-        if token_type == wanted_type and set(token) <= _BYTE_ALPHABET
+        if token_type == wanted_type and (not byte_level or set(token) <= _BYTE_ALPHABET)
     ]
 
 

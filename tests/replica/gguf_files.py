@@ -32,6 +32,20 @@ def tokenizer_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+SPM_PIECES = ["▁", "t", "h", "e", "a", "n", "d", "i", "s", "o", "r", "▁t", "he", "▁the", "▁a", "nd", "▁and",
+              "in", "▁in", "is", "▁is", "or", "er", "▁s", "it", "▁it", "on", "▁on", "x", "y", "z"]
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """Llama 2's layout: <unk>, <s>, </s>, the 256 byte tokens <0x00>..<0xFF>, then scored pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)] + SPM_PIECES
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256 + [
+        TokenType.NORMAL] * len(SPM_PIECES)
+    # Longer pieces score higher, so they merge first (as in a trained vocabulary); ties broken by order.
+    scores = [0.0] * 259 + [len(piece) - index / 100 for index, piece in enumerate(SPM_PIECES)]
+    return tokens, types, scores
+
+
 def hf_llama_weights(vocab_size: int, seed: int = 0, attention_bias: bool = False) -> dict[str, torch.Tensor]:
     """Random float32 weights under Hugging Face's Llama names (tied embeddings: no lm_head)."""
     generator = torch.Generator().manual_seed(seed)
@@ -84,13 +98,17 @@ def gguf_name(hf_name: str) -> str:
 
 def write_llama_gguf(path: Path, *, weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
                      architecture: str = "llama", pre_tokenizer: str = "smollm", tokenizer_model: str = "gpt2",
-                     weights: Optional[dict[str, torch.Tensor]] = None,
+                     weights: Optional[dict[str, torch.Tensor]] = None, add_bos: Optional[bool] = False,
                      raw_tensors: Optional[dict[str, tuple[np.ndarray, GGMLQuantizationType]]] = None) -> Path:
     """A llama GGUF whose 2-D weights are stored as weight_type (norms stay F32, as llama.cpp keeps them).
 
-    raw_tensors adds tensors exactly as given (bytes and type), e.g. a type we must refuse.
+    raw_tensors adds tensors exactly as given (bytes and type), e.g. a type we must refuse;
+    add_bos None leaves tokenizer.ggml.add_bos_token out (older files), so the default applies.
     """
-    tokens, token_types = tokenizer_vocab()
+    if tokenizer_model == "llama":
+        tokens, token_types, scores = sentencepiece_vocab()
+    else:
+        (tokens, token_types), scores = tokenizer_vocab(), None
     weights = weights if weights is not None else hf_llama_weights(len(tokens))
     writer = GGUFWriter(str(path), arch=architecture)
     writer.add_name("tiny-test-llama")
@@ -108,11 +126,15 @@ def write_llama_gguf(path: Path, *, weight_type: GGMLQuantizationType = GGMLQuan
     writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    writer.add_token_merges(MERGES)
+    if scores is None:
+        writer.add_token_merges(MERGES)
+    else:
+        writer.add_token_scores(scores)  # SentencePiece files carry scores, not merges
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
     for hf_name, weight in weights.items():
         array = weight.numpy()

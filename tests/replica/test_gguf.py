@@ -111,6 +111,22 @@ def test_tokenizer_equals_transformers_gguf_tokenizer_for_each_pre_tokenizer(tmp
         assert ours.decode(expected, skip_special_tokens=False) == reference.decode(expected), text
 
 
+SPM_TEXTS = ["the and is it", "  in the  end", "Ünïcödé 😀 unknown characters fall back to bytes",
+             "<s>the</s> and", "x\ny\tz"]
+
+
+def test_a_sentencepiece_tokenizer_equals_transformers_gguf_tokenizer(tmp_path):
+    gguf_path = write_llama_gguf(tmp_path / "spm.gguf", tokenizer_model="llama", pre_tokenizer="default", add_bos=None)
+    ours = Tokenizer.from_pretrained(convert_gguf(gguf_path, tmp_path / "cache"))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf_path.name)
+    for text in SPM_TEXTS:
+        expected = reference.encode(text)
+        assert expected[0] == 1  # BOS: llama.cpp adds it to SentencePiece vocabularies by default
+        assert ours.encode(text) == expected, text
+        assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=True), text
+        assert ours.decode(expected, skip_special_tokens=False) == reference.decode(expected), text
+
+
 KNOWN_GOOD_ENCODINGS = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
@@ -189,7 +205,7 @@ def test_a_tensor_a_llama_has_no_place_for_is_an_error_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("tokenizer_model, pre_tokenizer, message", [
-    ("llama", "default", "tokenizer.ggml.model 'llama' is not supported"),
+    ("t5", "default", "tokenizer.ggml.model 't5' is not supported"),
     ("gpt2", "deepseek-coder", "tokenizer.ggml.pre 'deepseek-coder' is not supported"),
 ])
 def test_an_unsupported_tokenizer_is_an_error_naming_it(tmp_path, tokenizer_model, pre_tokenizer, message):
