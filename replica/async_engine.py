@@ -18,10 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Sequence
 
-from replica.builtin_model import resolve_model_path
 from replica.config import EngineConfig
 from replica.engine import RequestOutput, StepStats, make_request
 from replica.model import ModelConfig
+from replica.model.registry import resolve_model_path
 from replica.request import InvalidRequestError, Request, SamplingParams, validate_request
 from replica.scheduler import QueueFullError, SchedulerLoad
 from replica.serving.core_client import EngineCoreClient, EngineDeadError

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from replica.builtin_model import resolve_model_path
+from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.model import load_model
 from replica.model_runner import ModelRunner

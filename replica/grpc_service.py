@@ -19,6 +19,7 @@ from replica.async_engine import (
     AsyncEngine, EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
     ServedEngine,
 )
+from replica.chat_template import ChatTemplateError
 from replica.engine import LLMEngine, RequestOutput
 from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.metrics import ReplicaMetrics
@@ -55,12 +56,30 @@ def invalid_argument_message(error: InvalidRequestError) -> str:
 def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
-        raise InvalidRequestError("prompt", "set exactly one of text or token_ids")
+        raise InvalidRequestError("prompt", "set exactly one of text, token_ids or chat")
     if prompt_kind == "token_ids":
         return list(request.token_ids.ids)
+    if prompt_kind == "chat":
+        messages = [{"role": message.role, "content": message.content} for message in request.chat.messages]
+        return chat_prompt_token_ids(tokenizer, messages, field="chat.messages")
     if not request.text:  # checked before encoding, which may add a BOS to empty text
         raise InvalidRequestError("prompt", "must not be empty")
     return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+
+
+def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str) -> list[int]:
+    """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI `messages`)."""
+    if not messages:
+        raise InvalidRequestError(field, "must hold at least one message")
+    empty_role = next((index for index, message in enumerate(messages) if not message["role"]), None)
+    if empty_role is not None:
+        raise InvalidRequestError(f"{field}[{empty_role}].role", "must not be empty")
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except ChatTemplateError as error:
+        raise InvalidRequestError(field, str(error)) from error
+    # The rendered template already holds its special tokens.
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def sampling_params_from_proto(

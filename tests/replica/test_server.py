@@ -90,6 +90,26 @@ def test_token_id_prompt_with_greedy_sampling_is_deterministic(replica):
     assert first[-1].usage.prompt_tokens == 5 and first[-1].usage.completion_tokens == 10
 
 
+def test_a_chat_prompt_is_the_models_chat_template_rendered_and_tokenized_on_the_replica(replica):
+    messages = [pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi!")]
+    params = sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
+    chat_request = pb.GenerateRequest(chat=pb.ChatMessages(messages=messages), sampling=params)
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            # The built-in model has no template: the fallback format, spelled out here.
+            rendered = "<s><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+            tokenized = await stub.Tokenize(pb.TokenizeRequest(text=rendered))
+            text_request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokenized.token_ids), sampling=params)
+            return await collect_stream(stub, chat_request), await collect_stream(stub, text_request), tokenized
+
+    chat, plain, tokenized = asyncio.run(run())
+    assert chat[-1].usage.prompt_tokens == len(tokenized.token_ids)
+    ids = lambda responses: [t for response in responses for t in response.token_ids]  # noqa: E731
+    assert ids(chat) == ids(plain)
+
+
 TOO_LONG_PROMPT = [1] * MAX_MODEL_LEN
 BAD_REQUESTS = {
     "neither_text_nor_token_ids": (pb.GenerateRequest(sampling=sampling(max_tokens=4)), "prompt"),
@@ -114,6 +134,11 @@ BAD_REQUESTS = {
     "negative_ttft_deadline": (
         pb.GenerateRequest(text="hi", ttft_deadline_ms=-1.0, sampling=sampling(max_tokens=4)), "ttft_deadline_ms"),
     "zero_ttft_slo": (pb.GenerateRequest(text="hi", ttft_slo_ms=0.0, sampling=sampling(max_tokens=4)), "ttft_slo_ms"),
+    "chat_without_messages": (
+        pb.GenerateRequest(chat=pb.ChatMessages(), sampling=sampling(max_tokens=4)), "chat.messages"),
+    "chat_message_without_role": (
+        pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(content="hi")]),
+                           sampling=sampling(max_tokens=4)), "chat.messages[0].role"),
 }
 
 
