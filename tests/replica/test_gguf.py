@@ -22,7 +22,7 @@ from gguf_files import (
 )
 from replica.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, convert_gguf, unpermute_rotary_rows
 from replica.model.gguf_tokenizer import GGUFTokenizerError
-from replica.model.loader import load_model
+from replica.model.loader import checkpoint_layout, load_model
 from replica.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -81,9 +81,12 @@ def test_config_comes_from_the_metadata(f32_dir):
 def test_the_converted_directory_loads_in_the_engines_loader_and_in_transformers(f32_dir):
     model, config = load_model(f32_dir, dtype="float32")
     reference = transformers.AutoModelForCausalLM.from_pretrained(f32_dir, dtype=torch.float32)
-    ours, theirs = model.state_dict(), reference.state_dict()
-    for name, weight in ours.items():
-        assert torch.equal(weight, theirs[name]), name
+    theirs = reference.state_dict()
+    # Merged projections (qkv_proj, gate_up_proj) are HF's shards stacked along dim 0, in layout order.
+    layout = checkpoint_layout(model)
+    for name, weight in model.named_parameters():
+        shards = [theirs[source] for source, _ in layout[name]]
+        assert torch.equal(weight, torch.cat(shards, dim=0)), name
     assert config.tie_word_embeddings
 
 
