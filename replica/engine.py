@@ -15,11 +15,13 @@ import torch
 from replica.builtin_model import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.model import load_model
+from replica.logits_processors import TopLogprobs
 from replica.model_runner import ModelRunner
-from replica.request import Request, SamplingParams
+from replica.request import Request, RequestStatus, SamplingParams, StopReason
 from replica.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
 from replica.slo import ttft_deadline as _ttft_deadline
 from replica.slo_monitor import SLOMonitor
+from replica.stop_strings import StopStringMatcher
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,12 +33,17 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text: str  # detokenized delta; concatenated deltas equal the decode of all output tokens
+    # Detokenized delta; concatenated deltas equal the decode of all output tokens, except
+    # that a matched stop string (and anything after it) is left out.
+    text: str
     finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[TopLogprobs]] = None  # per new token, when asked for
+    # On the last output: the stop string or stop token id that ended it (None for EOS).
+    stop_reason: Optional[StopReason] = None
 
     @property
     def finished(self) -> bool:
@@ -44,10 +51,12 @@ class RequestOutput:
 
     @classmethod
     def of(cls, request: Request, new_token_ids: list[int], text: str, finish_reason: Optional[str],
-           logprobs: Optional[list[float]] = None) -> "RequestOutput":
+           logprobs: Optional[list[float]] = None,
+           top_logprobs: Optional[list[TopLogprobs]] = None) -> "RequestOutput":
         """A delta of `request`, with its usage counts as they stand now."""
         return cls(request.request_id, new_token_ids, text, finish_reason, request.num_prompt_tokens,
-                   request.num_output_tokens, request.num_cached_tokens, logprobs)
+                   request.num_output_tokens, request.num_cached_tokens, logprobs, top_logprobs,
+                   request.stop_reason if finish_reason is not None else None)
 
 
 @dataclass
@@ -117,6 +126,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, config.num_kv_blocks, config.block_size, self.device)
         self.clock = clock
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stop_matchers: dict[str, StopStringMatcher] = {}
         self.stats = StepStats()
         self.slo_monitor: Optional[SLOMonitor] = None
         if config.scheduling_policy == "slo":
@@ -161,12 +171,16 @@ class LLMEngine:
     def add_request(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError."""
         self.scheduler.add_request(request)
-        if detokenize:
+        params = request.sampling_params
+        if detokenize or params.stop:  # stop strings are matched on the text
             self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        if params.stop:
+            self.stop_matchers[request.request_id] = StopStringMatcher(params.stop, params.include_stop_str_in_output)
 
     def abort_request(self, request_id: str) -> Optional[Request]:
         """Abort and free the request's KV blocks now."""
         self.detokenizers.pop(request_id, None)
+        self.stop_matchers.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -202,22 +216,43 @@ class LLMEngine:
         outputs = []
         for update in updates:
             request = update.request
-            detokenizer = self.detokenizers.get(request.request_id)
-            text = ""
-            if detokenizer is not None:
-                text = detokenizer.add_tokens([update.token_id])
-                if update.finished is not None:
-                    text += detokenizer.flush()
-                    del self.detokenizers[request.request_id]
+            text, finished = self._text_delta(request, update.token_id, update.finished)
             logprob = runner_output.logprobs.get(request.request_id)
+            top = runner_output.top_logprobs.get(request.request_id)
             outputs.append(RequestOutput.of(
-                request, [update.token_id], text,
-                update.finished.finish_reason if update.finished is not None else None,
-                [logprob] if logprob is not None else None,
+                request, [update.token_id], text, finished.finish_reason if finished is not None else None,
+                [logprob] if logprob is not None else None, [top] if top is not None else None,
             ))
         if not scheduler_output.is_empty:
             self.stats.observe(time.perf_counter() - start, len(updates))
         return outputs
+
+    def _text_delta(self, request: Request, token_id: int,
+                    finished: Optional[RequestStatus]) -> tuple[str, Optional[RequestStatus]]:
+        """The text one new token releases and the request's finished status after it: a
+        stop string in the text finishes the request here (its blocks are freed at once)."""
+        request_id = request.request_id
+        detokenizer = self.detokenizers.get(request_id)
+        if detokenizer is None:
+            return "", finished
+        matcher = self.stop_matchers.get(request_id)
+        text = detokenizer.add_tokens([token_id])
+        if finished is not None:  # the last token: nothing more will complete a character
+            text += detokenizer.flush()
+        if matcher is not None:
+            match = matcher.feed(text)
+            text = match.text
+            if match.stop is not None:
+                request.stop_reason = match.stop
+                if finished is None:
+                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+                finished = RequestStatus.FINISHED_STOPPED
+            elif finished is not None:
+                text += matcher.flush()
+        if finished is not None:
+            del self.detokenizers[request_id]
+            self.stop_matchers.pop(request_id, None)
+        return text, finished
 
     def _abortable(self, scheduler_output: SchedulerOutput,
                    layer_hook: Optional[Callable[[int], None]]) -> Callable[[int], None]:

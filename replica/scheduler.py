@@ -160,6 +160,11 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> Optional[Request]:
         """Finish a live request as aborted and free its blocks at once. Unknown ids are ignored."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Optional[Request]:
+        """Finish a live request with `status` (a stop string the front matched, or an abort)
+        and free its blocks at once. Unknown ids are ignored."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -168,7 +173,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
             self.waiting_prefill_tokens -= request.num_tokens
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
