@@ -4,7 +4,9 @@ each request gets a stream of RequestOutput deltas.
 
 Requests are validated at once, in the caller's task; adds and aborts are applied between
 steps (the engine is never touched by two threads at once). Abandoning a stream aborts
-its request, which frees its KV blocks at the next step boundary.
+its request, which frees its KV blocks at the next step boundary. Every output and failure
+reaches its stream through one place (`_dispatch`), where an optional RequestObserver
+(the request metrics) sees it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import itertools
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional, Protocol, Sequence
 
 from replica.engine import LLMEngine, RequestOutput
 from replica.request import InvalidRequestError, Request, SamplingParams
@@ -34,6 +36,14 @@ class EngineStepError(RuntimeError):
 
 class FirstTokenDeadlineExceeded(RuntimeError):
     """No first token within the request's hard TTFT deadline; its stream ends with this."""
+
+
+class RequestObserver(Protocol):
+    """Sees every request's outputs as they are dispatched (replica.request_metrics.RequestMetrics)."""
+
+    def on_output(self, request: Request, output: RequestOutput) -> None: ...
+
+    def on_failed(self, request: Request) -> None: ...
 
 
 class RequestStream:
@@ -97,6 +107,7 @@ class AsyncEngine:
         self.load_version = 0  # bumped each time a new load snapshot is published
         self._load: SchedulerLoad = engine.load()
         self._load_changed = asyncio.Condition()
+        self.request_observer: Optional[RequestObserver] = None
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -220,14 +231,24 @@ class AsyncEngine:
                 engine.add_request(stream.request)
             except Exception as error:  # raced past validation (e.g. queue filled meanwhile)
                 self._streams.pop(stream.request_id, None)
-                stream.put(error)
+                self._dispatch(stream, error)
         aborts, self._pending_aborts = self._pending_aborts, set()
         for request_id in aborts:
             stream = self._streams.pop(request_id, None)
             request = engine.abort_request(request_id)
             if stream is not None:
                 source = request or stream.request
-                stream.put(RequestOutput.of(source, [], "", "abort"))
+                self._dispatch(stream, RequestOutput.of(source, [], "", "abort"))
+
+    def _dispatch(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        """Hands an output (or the error that ends it) to the request's stream."""
+        observer = self.request_observer
+        if observer is not None:
+            if isinstance(item, BaseException):
+                observer.on_failed(stream.request)
+            else:
+                observer.on_output(stream.request, item)
+        stream.put(item)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -246,7 +267,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting in-flight requests")
                 for request_id, stream in list(self._streams.items()):
                     engine.abort_request(request_id)
-                    stream.put(EngineStepError(f"engine step failed: {error}"))
+                    self._dispatch(stream, EngineStepError(f"engine step failed: {error}"))
                 self._streams.clear()
                 await self._publish_load()
                 continue
@@ -254,7 +275,7 @@ class AsyncEngine:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
                     continue
-                stream.put(output)
+                self._dispatch(stream, output)
                 if output.finished:
                     del self._streams[output.request_id]
             await self._publish_load()

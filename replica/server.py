@@ -1,6 +1,7 @@
 """ReplicaServer: one AsyncEngine as a grpc.aio service without Ray: Generation and
-LoadReporter, standard health checking and reflection, Prometheus metrics kept in step with
-every load the engine publishes, and a graceful stop that lets in-flight streams end cleanly.
+LoadReporter, standard health checking and reflection (v1 and v1alpha), Prometheus metrics
+kept in step with every load the engine publishes and every output it streams, and a
+graceful stop that lets in-flight streams end cleanly.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from typing import Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
+from replica.grpc_reflection import enable_reflection
 from replica.grpc_service import GenerationServicer, LoadReporterServicer
 from replica.load_report import LoadReportBuilder
 from replica.metrics import ReplicaMetrics
+from replica.request_limits import RequestLimits
+from replica.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +35,16 @@ FINAL_WRITES_GRACE_S = 1.0
 
 
 class ReplicaServer:
-    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics):
+    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics,
+                 limits: RequestLimits = RequestLimits()):
         self.engine = engine
         self.replica_id = replica_id
         self.model_id = model_id
         self.metrics = metrics
+        self.limits = limits
+        # Every front that streams from this engine (this server's Generate, a Serve
+        # deployment's generate) then feeds the same latency histograms.
+        engine.request_observer = RequestMetrics(metrics, engine.engine.clock)
         self.load_reports = LoadReportBuilder(replica_id, engine.engine.stats)
         self.port: Optional[int] = None
         self._server: Optional[grpc.aio.Server] = None
@@ -50,7 +58,7 @@ class ReplicaServer:
         self._stopping = asyncio.Event()
         server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.replica_id, self.model_id, self.metrics), server
+            GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
         )
         pb_grpc.add_LoadReporterServicer_to_server(
             LoadReporterServicer(self.engine, self.load_reports, self._stopping), server
@@ -59,9 +67,7 @@ class ReplicaServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         for service in ("",) + SERVICE_NAMES:  # "" is the whole server, as health clients ask by default
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        reflection.enable_server_reflection(
-            SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection(SERVICE_NAMES + (health.SERVICE_NAME,), server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.port = server.add_insecure_port(address)
         await server.start()
