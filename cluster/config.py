@@ -20,10 +20,10 @@ from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
 
 # The Serve application every headroom app is built by; `args` is a ClusterConfig.
 APP_IMPORT_PATH = "cluster.app:build_app"
-# Register headroom.v1.Generation on Serve's gRPC proxy (routed to the applications), and
-# the health and reflection v1 services the proxy answers itself.
+# Register headroom.v1.Generation on Serve's gRPC proxy (routed to the applications,
+# cancel-safe), and the health and reflection v1 services the proxy answers itself.
 GRPC_SERVICER_FUNCTIONS = (
-    "protos.headroom_pb2_grpc.add_GenerationServicer_to_server",
+    "cluster.grpc_proxy.add_generation_to_server",
     "cluster.grpc_proxy.add_health_and_reflection_to_server",
 )
 # Where the cluster writes Prometheus' file-based discovery targets (deploy/prometheus.yml).
@@ -125,6 +125,12 @@ class PortsConfig(_Strict):
         9200, ge=1, le=65535,
         description="Each ingress' router /metrics (headroom_router_*); ingresses sharing a node count up from it.",
     )
+    bind_address: Optional[str] = Field(
+        None, min_length=1,
+        description="Address the replicas' load and metrics endpoints and the routers' metrics listen on; "
+        "null = the Ray node's IP, which routers and Prometheus on other nodes reach (headroom serve sets "
+        "127.0.0.1 when its HTTP host is loopback).",
+    )
 
 
 class LimitsConfig(_Strict):
@@ -132,7 +138,9 @@ class LimitsConfig(_Strict):
 
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=1024,
-        description="Largest HTTP body (413 beyond) or gRPC request message (INVALID_ARGUMENT beyond), in bytes.",
+        description="Largest HTTP body (413 beyond) or gRPC request message (INVALID_ARGUMENT beyond), in bytes; "
+        "Serve's gRPC proxy, shared by every application, bounds messages by the largest application's "
+        "(env HEADROOM_PROXY_MAX_REQUEST_BYTES, which headroom serve sets; the default elsewhere).",
     )
     max_prompt_chars: int = Field(
         DEFAULT_MAX_PROMPT_CHARS, ge=1,

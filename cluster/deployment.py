@@ -6,14 +6,17 @@ HeadroomRequestRouter routes; `running_replicas` lists them from Serve's control
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Mapping, Optional
 from wsgiref.simple_server import WSGIServer
 
 import ray
 from ray import serve
+from ray.serve import context as serve_context
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.config import RequestRouterConfig
 from ray.serve.context import _get_global_client
@@ -104,7 +107,7 @@ class LLMReplica:
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
         self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics,
                                     config.limits.request_limits())
-        host = node_ip()
+        host = bind_address(config)
         port = await self.server.start(host, 0)
         self.load_endpoint = f"{host}:{port}"
         self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
@@ -152,6 +155,11 @@ def routing_stats(replica: dict) -> dict[str, str]:
     """What one replica (an entry of Serve's details) announces; blocks on the replica."""
     actor = ray.get_actor(replica["actor_name"], namespace=SERVE_NAMESPACE)
     return ray.get(actor.record_routing_stats.remote(), timeout=LIST_TIMEOUT_S)
+
+
+def bind_address(config: ClusterConfig) -> str:
+    """Where this process' endpoints listen (and are announced): ports.bind_address, else the node's IP."""
+    return config.ports.bind_address or node_ip()
 
 
 def node_ip() -> str:
@@ -204,5 +212,15 @@ def build_llm_replica(
 
 
 def generate_stream(handle: DeploymentHandle, request: GenerationRequest) -> DeploymentResponseGenerator:
-    """Calls LLMReplica.generate through `handle`, routed on the request's size."""
-    return handle.options(stream=True).generate.remote(request, **{ROUTING_KWARG: request.routing_request()})
+    """Calls LLMReplica.generate through `handle`, routed on the request's size.
+
+    A call made while serving a request inherits that request's internal id, by which Serve's
+    router keys the calls it has yet to place: two concurrent calls of one request (the
+    choices of n > 1) would collide and one would never be placed. Each call gets an id of
+    its own (Ray Serve 2.60's request context)."""
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        return handle.options(stream=True).generate.remote(request, **{ROUTING_KWARG: request.routing_request()})
+    finally:
+        serve_context._serve_request_context.reset(token)

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
 from cluster.deployment import (
-    METRICS_ENDPOINT_STAT, GenerationChunk, GenerationRequest, generate_stream, node_ip, routing_stats,
+    METRICS_ENDPOINT_STAT, GenerationChunk, GenerationRequest, bind_address, generate_stream, routing_stats,
     running_replicas, serve_metrics_on_free_port,
 )
 from cluster.openai_api import (
@@ -179,7 +179,7 @@ class Ingress:
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
         self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False))
         self._model_info: Optional[pb.ModelInfo] = None
-        host = node_ip()
+        host = bind_address(config)
         self.router_metrics_http = serve_metrics_on_free_port(
             router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics"
         )

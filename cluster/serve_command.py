@@ -1,8 +1,8 @@
 """`headroom serve`: a local Ray cluster running every application of a Serve config (one
 application on the built-in model by default) behind Serve's HTTP and gRPC proxies, until
 SIGINT or SIGTERM; then Serve and Ray shut down cleanly. It binds to loopback unless asked:
-with a loopback HTTP host, the Ray node itself is on 127.0.0.1, so every endpoint the cluster
-opens (replica load and metrics, router metrics) is too.
+with a loopback HTTP host, the endpoints the cluster opens itself (replica load and metrics,
+router metrics) listen on 127.0.0.1 too.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.app import build_app_from_config
 from cluster.config import DEFAULT_HTTP_HOST, ServeAppsConfig, load_config
 from cluster.deployment import node_ip
+from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from replica.builtin_model import resolve_model_path
 from replica.config import ConfigError
@@ -112,13 +113,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def with_local_binds(config: ServeAppsConfig) -> ServeAppsConfig:
+    """`config` for a one-machine cluster: when the HTTP API binds to loopback, so does every
+    endpoint the applications open (an application's explicit ports.bind_address wins)."""
+    if not is_loopback(config.http_options.host):
+        return config
+    document = config.model_dump(exclude_unset=True)
+    for application in document["applications"]:
+        ports = application.setdefault("args", {}).setdefault("ports", {})
+        ports.setdefault("bind_address", "127.0.0.1")
+    return load_config(document)
+
+
 def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_options: Any) -> None:
-    """Starts the local Ray node `headroom serve` runs on: on 127.0.0.1 when the HTTP API
-    binds to loopback, so the endpoints replicas and routers open are not on the network."""
+    """Starts the local Ray node `headroom serve` runs on."""
     # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if is_loopback(config.http_options.host):
-        ray_options["_node_ip_address"] = "127.0.0.1"
+    # Serve's gRPC proxy (its processes inherit this environment) bounds messages for every
+    # application at once: by the largest application's limit.
+    os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))
+    # Serve binds its gRPC proxy to every interface: on loopback it then answers local clients only.
+    os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback(config.http_options.host) else "0"
     ray.init(include_dashboard=False, num_cpus=num_cpus, **ray_options)
 
 
@@ -140,16 +155,17 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
         if args.monitoring.targets_dir is not None:
             lines.append(f"  Prometheus targets  {args.monitoring.targets_dir}/{app.name}-*.json (file_sd, "
                          "kept current; deploy/prometheus.yml reads them)")
-    # Ray Serve 2.60 has no bind address for its gRPC proxy: say so rather than imply loopback.
-    lines.append(f"note: Serve's gRPC proxy listens on every interface (port {grpc_port}); "
-                 "Ray Serve offers no bind address for it")
+    if is_loopback(config.http_options.host):
+        # Ray Serve 2.60 has no bind address for its gRPC proxy: say what happens instead.
+        lines.append(f"note: Serve's gRPC proxy listens on every interface (port {grpc_port}) "
+                     "and refuses clients that are not on this machine")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = serve_config_from_args(args)
+        config = with_local_binds(serve_config_from_args(args))
         for index, app in enumerate(config.applications):
             resolve_model_path(app.args.model)  # a missing model fails here, not in every replica
             if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
@@ -163,7 +179,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         signal.signal(signum, lambda *_: stop_requested.set())
     try:
         start_applications(config)
-        print(endpoints_text(config, node_ip()), flush=True)
+        host = config.applications[0].args.ports.bind_address or node_ip()
+        print(endpoints_text(config, host), flush=True)
         print("serving; Ctrl-C stops", flush=True)
         while not stop_requested.wait(0.5):
             pass

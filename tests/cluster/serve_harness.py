@@ -43,8 +43,9 @@ def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
     import ray
     from ray import serve
 
-    from cluster.serve_command import init_local_ray, start_applications
+    from cluster.serve_command import init_local_ray, start_applications, with_local_binds
 
+    config = with_local_binds(config)
     init_local_ray(config, num_cpus, log_to_driver=False)
     try:
         start_applications(config)
