@@ -29,6 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.grpc_reflection import V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME, add_v1_reflection
@@ -160,6 +161,7 @@ def add_generation_to_server(servicer: object, server: grpc.aio.Server) -> None:
     if factory is None or mark_local is None:
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         return
+    log_client_errors_in_one_line()  # this is the proxy's process
     from ray.serve._private.proxy_request_response import gRPCStreamingType
 
     def routed(method: str, streaming_type: gRPCStreamingType) -> Callable:

@@ -23,17 +23,24 @@ class ClientRefusal(Exception):
 CLIENT_ERRORS = (InvalidRequestError, QueueFullError, ClientRefusal)
 
 
+# How Serve's gRPC proxy words a call that ended with the status the application set: the
+# message carries the whole remote traceback, ending in the one line that says what happened.
+STATUS_SET_BY_APPLICATION = "gRPCStatusError"
+
+
 def client_error(error: BaseException | None) -> BaseException | None:
-    """The client error behind `error` (Serve wraps a gRPC one in gRPCStatusError), or None."""
-    for _ in range(3):
+    """The client error behind `error` (Serve wraps a gRPC one in gRPCStatusError, Ray a
+    remote one in RayTaskError), or None."""
+    for _ in range(4):
         if error is None or isinstance(error, CLIENT_ERRORS):
             return error
-        error = getattr(error, "original_exception", None) or error.__cause__
+        error = getattr(error, "original_exception", None) or getattr(error, "cause", None) or error.__cause__
     return None
 
 
 class ClientErrorLogFilter(logging.Filter):
-    """Rewrites a record carrying a client error into one INFO line naming it."""
+    """Rewrites a record carrying a client error into one INFO line naming it, and the
+    proxy's report of a status the application set into that report's last line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = client_error(record.exc_info[1]) if record.exc_info else None
@@ -41,6 +48,9 @@ class ClientErrorLogFilter(logging.Filter):
             record.msg, record.args = "request refused: %s: %s", (type(error).__name__, error)
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        elif isinstance(record.msg, str) and "\n" in record.msg and STATUS_SET_BY_APPLICATION in record.msg:
+            record.msg, record.args = "request ended with the status its application set: %s", (
+                record.msg.strip().splitlines()[-1],)
         return True
 
 

@@ -92,6 +92,30 @@ def test_token_id_prompt_with_greedy_sampling_is_deterministic(replica):
     assert first[-1].usage.prompt_tokens == 5 and first[-1].usage.completion_tokens == 10
 
 
+def test_stop_string_and_top_logprobs_come_back_in_the_responses(replica):
+    def generate(**fields) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(text="hello", sampling=sampling(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                                     **fields))
+
+        async def run():
+            async with grpc.aio.insecure_channel(replica.address) as channel:
+                return await collect_stream(generation_stub(channel), request)
+
+        return asyncio.run(run())
+
+    full = generate(top_logprobs=3)
+    text = "".join(response.text for response in full)
+    assert all(len(response.top_logprobs) == len(response.token_ids) for response in full)
+    assert all(len(top.token_ids) == 3 and top.token_ids[0] == token_id
+               for response in full for top, token_id in zip(response.top_logprobs, response.token_ids))
+    cut = next(start for start in range(2, len(text) - 2)
+               if text.index(text[start:start + 2]) == start and "\ufffd" not in text[start:start + 2])
+    stopped = generate(stop=[text[cut:cut + 2]])
+    assert "".join(response.text for response in stopped) == text[:cut]
+    assert stopped[-1].finish_reason == pb.FINISH_REASON_STOP and stopped[-1].stop_string == text[cut:cut + 2]
+    assert replica.wait_until_idle().kv_blocks_free == ROOMY_BLOCKS - 1
+
+
 TOO_LONG_PROMPT = [1] * MAX_MODEL_LEN
 BAD_REQUESTS = {
     "neither_text_nor_token_ids": (pb.GenerateRequest(sampling=sampling(max_tokens=4)), "prompt"),
