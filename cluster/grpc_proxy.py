@@ -33,7 +33,6 @@ from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.grpc_reflection import V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME, add_v1_reflection
-from replica.grpc_service import invalid_argument_message
 from replica.request import InvalidRequestError
 from replica.request_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 
@@ -76,8 +75,8 @@ async def parsed(raw: bytes, message_type: type, limits: RequestLimits, context:
     try:
         limits.check_request_bytes(len(raw))
         return message_type.FromString(raw)
-    except InvalidRequestError as error:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
+    except InvalidRequestError as error:  # names `request`, the same in the proto as in the engine
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     except DecodeError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {message_type.__name__}: {error}")
 
