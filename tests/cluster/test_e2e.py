@@ -39,12 +39,6 @@ def cluster():
         yield config
 
 
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(grpc_target(cluster)) as channel:
-        yield channel
-
-
 # ---- gRPC through Serve's proxy ----------------------------------------------------------
 def test_generate_streams_every_token_through_serves_grpc_proxy(channel):
     result = stream_generate(channel, generate_request(12))

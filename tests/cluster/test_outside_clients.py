@@ -65,12 +65,6 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(grpc_target(cluster)) as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
 def client(cluster):
     return openai.OpenAI(base_url=f"{HTTP}/v1", api_key="unused", max_retries=0, timeout=120)
 
