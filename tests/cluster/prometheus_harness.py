@@ -9,6 +9,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -25,10 +26,36 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*"}
 
 
 def prometheus_binary() -> Optional[str]:
-    """prometheus from PATH, else from the headroom cache (tools/prometheus)."""
+    """prometheus from PATH, else from the headroom cache (tools/prometheus), else fetched
+    into that cache from Debian's package where apt can reach it; None if none of them."""
     found = shutil.which("prometheus")
     cached = default_cache_dir() / "tools" / "prometheus"
-    return found or (str(cached) if cached.is_file() else None)
+    if found or cached.is_file():
+        return found or str(cached)
+    return _fetch_from_debian(cached)
+
+
+def _fetch_from_debian(target: Path) -> Optional[str]:
+    """`apt-get download prometheus` and `dpkg -x` it: no root install, no apt state changed."""
+    if not (shutil.which("apt-get") and shutil.which("dpkg")):
+        return None
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            subprocess.run(["apt-get", "download", "-q", "prometheus"], cwd=workdir, check=True,
+                           capture_output=True, timeout=180)
+            package = next(Path(workdir).glob("prometheus_*.deb"))
+            subprocess.run(["dpkg", "-x", str(package), str(Path(workdir) / "root")], check=True,
+                           capture_output=True, timeout=180)
+        except (subprocess.SubprocessError, StopIteration, OSError):
+            return None
+        binary = Path(workdir) / "root" / "usr" / "bin" / "prometheus"
+        if not binary.is_file():
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_suffix(".partial")
+        shutil.copy2(binary, staged)
+        staged.replace(target)  # atomic: a concurrent test never sees half a binary
+    return str(target)
 
 
 def scrape_config_for(targets_dir: str) -> dict[str, Any]:
