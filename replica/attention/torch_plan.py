@@ -1,8 +1,8 @@
 """The torch backend's per-step attention plan: everything that depends on the step's metadata, not the layer.
 
-The host read of query starts and lengths, the length-sorted decode groups with their cache slots
-and padding masks, each other sequence's slots and causal mask: built by the first layer of a
-forward pass and reused by the rest, which are left with the K/V gathers and the attention math.
+The host read of query starts and lengths, the length-sorted decode groups with their block indices
+and padding masks, each other sequence's blocks and causal mask, the gather buffers: built by the
+first layer of a forward pass and reused by the rest, left with the K/V gathers and the attention math.
 """
 
 from __future__ import annotations

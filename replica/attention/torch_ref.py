@@ -1,6 +1,6 @@
 """Pure-torch paged attention: the reference the Triton kernels are tested against, and the CPU backend.
 
-One scaled_dot_product_attention call per prefill sequence over its gathered cache slots;
+One scaled_dot_product_attention call per prefill sequence over its gathered cache blocks;
 single-token decodes share padded calls in groups sorted by context length. What each call reads
 is planned once per forward pass (torch_plan.py); `dense_causal_attention` is the float64 ground
 truth both backends are measured against.
@@ -13,10 +13,8 @@ import torch.nn.functional as F
 
 from replica.attention.base import AttentionBackend, AttentionMetadata
 from replica.attention.torch_plan import (
-    DECODE_GROUP_SIZE, DecodeGroup, PerPassCache, SequenceAttention, TorchAttentionPlan, causal_offset_mask,
+    DecodeGroup, PerPassCache, SequenceAttention, TorchAttentionPlan, causal_offset_mask,
 )
-
-__all__ = ["DECODE_GROUP_SIZE", "TorchAttentionBackend", "dense_causal_attention"]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -59,7 +57,8 @@ def _gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, buffer: torch
     return gathered.view(-1, *cache.shape[2:])
 
 
-def _attend_decode_group(query, key_cache, value_cache, plan, group: DecodeGroup, scale: float, output) -> None:
+def _attend_decode_group(query, key_cache, value_cache, plan: TorchAttentionPlan, group: DecodeGroup, scale: float,
+                         output) -> None:
     num_kv_heads, head_dim = key_cache.shape[2:]
     rows, num_q_heads = group.num_rows, query.shape[1]
     keys = _gather_blocks(key_cache, group.block_index, plan.key_blocks).view(rows, -1, num_kv_heads, head_dim)
@@ -77,7 +76,7 @@ def _attend_decode_group(query, key_cache, value_cache, plan, group: DecodeGroup
     output[group.token_index] = attended.reshape(rows, num_q_heads, head_dim)
 
 
-def _attend_sequence(query, key_cache, value_cache, plan, sequence: SequenceAttention, scale: float,
+def _attend_sequence(query, key_cache, value_cache, plan: TorchAttentionPlan, sequence: SequenceAttention, scale: float,
                      output) -> None:
     keys = _gather_blocks(key_cache, sequence.block_index, plan.key_blocks)[:sequence.seq_len]
     values = _gather_blocks(value_cache, sequence.block_index, plan.value_blocks)[:sequence.seq_len]
