@@ -1,0 +1,135 @@
+"""The torch backend's per-step attention plan: everything that depends on the step's metadata, not the layer.
+
+The host read of query starts and lengths, the length-sorted decode groups with their block indices
+and padding masks, each other sequence's blocks and causal mask, the gather buffers: built by the
+first layer of a forward pass and reused by the rest, left with the K/V gathers and the attention math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replica.attention.base import AttentionMetadata
+
+DECODE_GROUP_SIZE = 16
+
+
+class PerPassCache:
+    """A value derived from one forward pass's inputs by its first layer and reused by the others.
+
+    A pass is recognised by the identity of the object the value derives from (and an equal
+    `key` of the shapes it was built for); a layer's cache seen a second time means a new pass
+    over the same object (buffers refilled in place between steps), so the value is rebuilt
+    rather than served stale.
+    """
+
+    def __init__(self):
+        self._source = None
+        self._key: tuple = ()
+        self._layers_served: set[int] = set()
+        self._value = None
+
+    def get(self, source, key: tuple, layer_cache: torch.Tensor, build):
+        layer = id(layer_cache)
+        if source is not self._source or key != self._key or layer in self._layers_served:
+            self._value, self._source, self._key, self._layers_served = build(), source, key, set()
+        self._layers_served.add(layer)
+        return self._value
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token queries that share one padded attention call."""
+
+    token_index: torch.Tensor  # long [rows]: each decode's query row
+    block_index: torch.Tensor  # long [rows * blocks]: each row's first `blocks` table entries (0 = null block)
+    max_len: int
+    attn_mask: torch.Tensor  # [rows, 1, 1, max_len] additive: -inf on each row's padding
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_index.shape[0]
+
+
+@dataclass(frozen=True)
+class SequenceAttention:
+    """One sequence attended on its own: a prefill chunk, or a decode with no other decode to share a call."""
+
+    query_start: int
+    query_end: int
+    seq_len: int
+    block_index: torch.Tensor  # long [blocks]: the blocks holding its context
+    causal_mask: torch.Tensor | None  # bool [query_len, seq_len]; None for a single newest token
+
+
+@dataclass(frozen=True)
+class TorchAttentionPlan:
+    decode_groups: tuple[DecodeGroup, ...]
+    sequences: tuple[SequenceAttention, ...]
+    # Where every layer gathers its K and V blocks: flat buffers of the step's largest gather,
+    # reused call after call (a fresh multi-megabyte tensor per call costs more in page faults
+    # than the copy itself).
+    key_blocks: torch.Tensor
+    value_blocks: torch.Tensor
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, key_cache: torch.Tensor, mask_dtype: torch.dtype) -> TorchAttentionPlan:
+        block_size = key_cache.shape[1]
+        # One host sync for the whole step rather than one per sequence (and per layer).
+        query_starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        query_lens = [end - start for start, end in zip(query_starts, query_starts[1:])]
+        device = meta.block_tables.device
+        decode_rows = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+        if len(decode_rows) < 2:
+            decode_rows = []
+        # Single-token queries (decodes) share padded attention calls: per-call overhead
+        # dominates small decode batches on a CPU. Sorted by context length and split into
+        # groups, the padding that is gathered and attended for nothing stays small.
+        decode_rows.sort(key=lambda i: seq_lens[i])
+        groups = tuple(
+            _decode_group(meta.block_tables, decode_rows[first:first + DECODE_GROUP_SIZE], query_starts, seq_lens,
+                          block_size, mask_dtype)
+            for first in range(0, len(decode_rows), DECODE_GROUP_SIZE)
+        )
+        grouped = set(decode_rows)
+        sequences = tuple(
+            SequenceAttention(
+                query_starts[i], query_starts[i + 1], seq_lens[i],
+                meta.block_tables[i, :-(-seq_lens[i] // block_size)].long(),
+                causal_offset_mask(query_lens[i], seq_lens[i], device),
+            )
+            for i in range(len(seq_lens)) if i not in grouped and query_lens[i] > 0
+        )
+        most_blocks = max((part.block_index.numel() for part in (*groups, *sequences)), default=0)
+        buffer_size = most_blocks * key_cache[0].numel()
+        return cls(groups, sequences, key_cache.new_empty(buffer_size), key_cache.new_empty(buffer_size))
+
+
+def _decode_group(block_tables, rows, query_starts, seq_lens, block_size, mask_dtype) -> DecodeGroup:
+    device = block_tables.device
+    lengths = [seq_lens[i] for i in rows]
+    max_len = max(lengths)
+    row_index = torch.tensor(rows, device=device)
+    padding = torch.arange(max_len, device=device)[None, :] >= torch.tensor(lengths, device=device)[:, None]
+    # An additive float mask: the CPU kernel takes a faster path than with a boolean one.
+    attn_mask = torch.zeros(len(rows), 1, 1, max_len, dtype=mask_dtype, device=device)
+    attn_mask.masked_fill_(padding[:, None, None, :], float("-inf"))
+    return DecodeGroup(
+        token_index=torch.tensor([query_starts[i] for i in rows], device=device),
+        # Padded table entries point at the null block; the mask hides whatever a row reads past its length.
+        block_index=block_tables[row_index, :-(-max_len // block_size)].long().view(-1),
+        max_len=max_len,
+        attn_mask=attn_mask,
+    )
+
+
+def causal_offset_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean [query_len, seq_len] mask: the queries are the last query_len positions of the context."""
+    if query_len == 1:
+        return None  # a single newest token sees the whole context
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+    key_positions = torch.arange(seq_len, device=device)
+    return key_positions[None, :] <= query_positions[:, None]

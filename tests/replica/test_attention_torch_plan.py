@@ -1,0 +1,83 @@
+"""The torch backend plans each forward pass once: layers share the plan, a new pass gets a new one.
+
+A pass is recognised by its metadata object; a layer seen again starts a new pass even when the
+same metadata object was refilled in place (persistent buffers), so no layer reads a stale plan.
+"""
+
+from attention_harness import PagedBatch  # noqa: F401  (sets TRITON_INTERPRET before any Triton import)
+
+import torch
+
+from replica.attention import allocate_kv_cache
+from replica.attention.torch_plan import TorchAttentionPlan
+from replica.attention.torch_ref import TorchAttentionBackend
+
+DECODES = [(12, 1), (3, 1), (0, 1), (17, 1)]
+# Same row count and block-table width as DECODES (block size 4), other lengths and blocks.
+OTHER_DECODES = [(14, 1), (2, 1), (5, 1), (16, 1)]
+MIXED = [(0, 7), (9, 6), (12, 1), (3, 1), (5, 1)]
+
+
+def layer_caches(batch: PagedBatch, num_layers: int):
+    """num_layers caches, each a copy of the batch's: every layer must attend to the same answer."""
+    caches = allocate_kv_cache(num_layers, *batch.key_cache.shape[:2], *batch.key_cache.shape[2:],
+                               batch.key_cache.dtype, "cpu")
+    for key_cache, value_cache in caches:
+        key_cache.copy_(batch.key_cache)
+        value_cache.copy_(batch.value_cache)
+    return caches
+
+
+def count_builds(monkeypatch) -> list:
+    builds = []
+    build = TorchAttentionPlan.build.__func__
+
+    def counting_build(cls, *args):
+        builds.append(args)
+        return build(cls, *args)
+
+    monkeypatch.setattr(TorchAttentionPlan, "build", classmethod(counting_build))
+    return builds
+
+
+def test_every_layer_of_a_pass_attends_with_the_plan_its_first_layer_built(monkeypatch):
+    builds = count_builds(monkeypatch)
+    batch = PagedBatch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    expected = batch.dense_causal_attention()
+    backend = TorchAttentionBackend()
+    for key_cache, value_cache in layer_caches(batch, num_layers=3):
+        output = backend.forward(batch.query, key_cache, value_cache, batch.meta, batch.scale)
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+    assert len(builds) == 1
+
+
+def test_metadata_refilled_in_place_for_the_next_pass_is_planned_anew(monkeypatch):
+    builds = count_builds(monkeypatch)
+    first = PagedBatch(DECODES, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    second = PagedBatch(OTHER_DECODES, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=5)
+    backend = TorchAttentionBackend()
+    backend.forward(first.query, first.key_cache, first.value_cache, first.meta, first.scale)
+
+    # The next step reuses the same metadata object and cache, refilled in place.
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        getattr(first.meta, name).copy_(getattr(second.meta, name))
+    first.meta.max_seq_len = second.meta.max_seq_len
+    first.key_cache.copy_(second.key_cache)
+    first.value_cache.copy_(second.value_cache)
+    output = backend.forward(second.query, first.key_cache, first.value_cache, first.meta, second.scale)
+
+    assert len(builds) == 2
+    torch.testing.assert_close(output.double(), second.dense_causal_attention(), atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_finds_padding_slots_again_when_a_pass_refills_the_slot_mapping():
+    [(key_cache, value_cache)] = allocate_kv_cache(1, 4, 4, 1, 2, torch.float32, "cpu")
+    slot_mapping = torch.tensor([3, 5], dtype=torch.int64)
+    backend = TorchAttentionBackend()
+    backend.write_kv(torch.ones(2, 1, 2), torch.ones(2, 1, 2), key_cache, value_cache, slot_mapping)
+
+    slot_mapping.copy_(torch.tensor([9, -1]))  # the next pass: its second token is padding
+    backend.write_kv(torch.full((2, 1, 2), 2.0), torch.full((2, 1, 2), 2.0), key_cache, value_cache, slot_mapping)
+
+    written = key_cache.view(-1, 2)[:, 0]
+    assert written.tolist() == [0, 0, 0, 1, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0]
