@@ -14,6 +14,7 @@ import torch
 
 from replica.builtin_model import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
+from replica.kv_events import KVEvent
 from replica.model import load_model
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams
@@ -174,6 +175,12 @@ class LLMEngine:
 
     def load(self) -> SchedulerLoad:
         return self.scheduler.load()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix-cache events (blocks stored / removed) since the previous call, oldest
+        first: plain tuples, so a front in another process can receive them as a message.
+        Call once after each step; the replica numbers and streams them (replica/kv_event_log.py)."""
+        return self.scheduler.kv_cache.take_kv_events()
 
     def shutdown(self) -> None:
         """Stop the SLO monitor thread, if any."""

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from protos.block_hash import extend_block_hashes
 from replica.block_pool import BlockPool, KVBlock
+from replica.kv_events import KVEvent
 from replica.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...], cache_salt: Optional[str]) -> tuple:
-    """Key of one full block in the prefix cache. It chains the parent key's 64-bit hash, so
-    equal keys mean equal block tokens and equal prefixes (up to a collision of that hash);
-    the salt (first block only) keeps tenants' caches apart. The block's own tokens are part
-    of the key, so a dict lookup compares them exactly."""
-    return (parent_hash, token_ids, cache_salt)
 
 
 class KVCacheManager:
@@ -58,17 +52,11 @@ class KVCacheManager:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     # ---- prefix caching ----------------------------------------------------------------
-    def _update_block_hashes(self, request: Request) -> list:
-        hashes = request.block_hashes
-        block_size = self.block_size
-        num_full = request.num_tokens // block_size
-        tokens = request.all_token_ids
-        while len(hashes) < num_full:
-            i = len(hashes)
-            parent = hash(hashes[-1]) if hashes else None
-            salt = request.cache_salt if i == 0 else None
-            hashes.append(hash_block(parent, tuple(tokens[i * block_size : (i + 1) * block_size]), salt))
-        return hashes
+    def _update_block_hashes(self, request: Request) -> list[bytes]:
+        # Stable chain hashes (protos/block_hash.py): the keys KV events publish and the
+        # router recomputes from prompts. Each one names its whole prefix, and a dict lookup
+        # by it is exact up to a 128-bit blake2b collision.
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, as blocks and tokens. At least one token is
@@ -89,6 +77,14 @@ class KVCacheManager:
         if self.enable_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache blocks stored and removed since the previous call, in order."""
+        return self.pool.take_events()
+
+    def kv_snapshot_events(self) -> list[KVEvent]:
+        """Events that rebuild the prefix cache's current index from scratch."""
+        return self.pool.snapshot_events()
 
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(
@@ -149,7 +145,7 @@ class KVCacheManager:
             return
         hashes = self._update_block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_block(req_blocks[i], hashes[i])
+            self.pool.cache_block(req_blocks[i], hashes[i], hashes[i - 1] if i else None)
         self.num_cached_blocks[request.request_id] = num_full
 
     def forget_unwritten_blocks(self, requests: Sequence[Request]) -> None:

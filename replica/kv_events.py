@@ -1,0 +1,33 @@
+"""KV cache events: what the prefix cache gained and lost, in the order it happened. The
+block pool records them, the engine hands them out once per step (`take_kv_events`) as plain
+tuples that can cross a process boundary, and the replica streams them to routers.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Optional
+
+
+class KVEventKind(enum.IntEnum):
+    # Values match protos/headroom.proto's KVEventKind.
+    BLOCK_STORED = 1  # a full block is now findable in the prefix cache under its hash
+    BLOCK_REMOVED = 2  # that hash is gone (its block was reused for other tokens)
+    ALL_BLOCKS_CLEARED = 3  # forget every hash; the events after it rebuild the cache's state
+
+
+class KVEvent(NamedTuple):
+    kind: KVEventKind
+    block_hash: bytes = b""
+    parent_hash: Optional[bytes] = None  # BLOCK_STORED only; None for a sequence's first block
+
+
+def stored(block_hash: bytes, parent_hash: Optional[bytes]) -> KVEvent:
+    return KVEvent(KVEventKind.BLOCK_STORED, block_hash, parent_hash)
+
+
+def removed(block_hash: bytes) -> KVEvent:
+    return KVEvent(KVEventKind.BLOCK_REMOVED, block_hash)
+
+
+ALL_BLOCKS_CLEARED = KVEvent(KVEventKind.ALL_BLOCKS_CLEARED)
