@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional, Sequence
 
 from replica.engine import LLMEngine, RequestOutput
+from replica.kv_event_log import KVEventLog
 from replica.request import InvalidRequestError, Request, SamplingParams
 from replica.scheduler import QueueFullError, SchedulerLoad
 from replica.slo import SLOView
@@ -97,6 +98,7 @@ class AsyncEngine:
         self.load_version = 0  # bumped each time a new load snapshot is published
         self._load: SchedulerLoad = engine.load()
         self._load_changed = asyncio.Condition()
+        self.kv_events = KVEventLog()  # the prefix cache's changes, numbered, for WatchKVEvents
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -196,6 +198,8 @@ class AsyncEngine:
         return self.load_version
 
     async def _publish_load(self) -> None:
+        # KV events hook: the step's prefix-cache events go out with its load.
+        self.kv_events.publish(self.engine.take_kv_events())
         self._load = self.engine.load()
         self.load_version += 1
         async with self._load_changed:
