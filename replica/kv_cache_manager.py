@@ -100,25 +100,24 @@ class KVCacheManager:
         nothing) when memory is short.
 
         new_computed_blocks / num_new_computed_tokens: prefix-cache hits taken on admission.
-        reserved_blocks: free blocks this allocation must leave untouched (the watermark).
+        reserved_blocks: free blocks this allocation must leave untouched (the watermark, and
+            under the reserve admission modes the growth running requests are owed).
         num_tokens_to_fit: the allocation succeeds only if this many tokens in total would fit
-            (the full-sequence admission check); only the scheduled tokens are allocated.
+            (the full-sequence admission check, or a request's whole final size); only the
+            scheduled tokens are allocated.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
-        num_held = (len(req_blocks) if req_blocks else 0) + len(new_computed_blocks)
         num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held)
-        if num_new_blocks == 0 and req_blocks and not new_computed_blocks and num_tokens_to_fit is None:
-            # The common decode step: the tokens fit in blocks the request already holds.
-            if self.enable_caching:
-                self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
-            return []
-        num_blocks_to_fit = num_new_blocks
-        if num_tokens_to_fit is not None:
-            num_blocks_to_fit = max(num_new_blocks, cdiv(num_tokens_to_fit, self.block_size) - num_held)
-        # Hits sitting in the free queue stop being free once taken.
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_blocks_to_fit + num_revived + reserved_blocks > self.pool.num_free_blocks:
+        if req_blocks and not new_computed_blocks and num_tokens_to_fit is None:
+            if cdiv(num_total_tokens, self.block_size) <= len(req_blocks):
+                # The common decode step: the tokens fit in blocks the request already holds.
+                if self.enable_caching:
+                    self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
+                return []
+        num_new_blocks, num_blocks_needed = self._blocks_needed(
+            request, num_new_tokens, new_computed_blocks, num_new_computed_tokens, num_tokens_to_fit
+        )
+        if num_blocks_needed + reserved_blocks > self.pool.num_free_blocks:
             return None
 
         if req_blocks is None:
@@ -134,6 +133,41 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
         return new_blocks
+
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_new_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        num_tokens_to_fit: Optional[int] = None,
+    ) -> bool:
+        """Whether allocate_slots with these arguments would succeed; changes nothing."""
+        _, num_blocks_needed = self._blocks_needed(
+            request, num_new_tokens, new_computed_blocks, num_new_computed_tokens, num_tokens_to_fit
+        )
+        return num_blocks_needed + reserved_blocks <= self.pool.num_free_blocks
+
+    def _blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock],
+        num_new_computed_tokens: int,
+        num_tokens_to_fit: Optional[int],
+    ) -> tuple[int, int]:
+        """(blocks to allocate now, free blocks the allocation needs to succeed)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        num_held = (len(req_blocks) if req_blocks else 0) + len(new_computed_blocks)
+        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held)
+        num_blocks_to_fit = num_new_blocks
+        if num_tokens_to_fit is not None:
+            num_blocks_to_fit = max(num_new_blocks, cdiv(num_tokens_to_fit, self.block_size) - num_held)
+        # Hits sitting in the free queue stop being free once taken.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        return num_new_blocks, num_blocks_to_fit + num_revived
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_known_tokens: int) -> None:
         # Registered now, before this step's forward pass writes them: a request that hits

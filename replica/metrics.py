@@ -97,6 +97,14 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         "vllm:request_success_total",
         REPLICA_LABELS + ("finish_reason",),
     ),
+    "headroom_admissions_held_total": MetricSpec(
+        "counter",
+        "Requests the admission mode held back at the head of the waiting queue although memory for "
+        "their prompt was free: admitting them would have promised more KV than the pool holds "
+        "(admission_mode reserve_max_tokens or reserve_expected; 0 under optimistic).",
+        None,
+        REPLICA_LABELS,
+    ),
     "headroom_slo_preemptions_total": MetricSpec(
         "counter",
         "Forward passes aborted between decoder layers to let a request with a nearer TTFT deadline in "
@@ -228,6 +236,7 @@ class CounterTotals(Protocol):
     generation_tokens_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    admissions_held_total: int
 
 
 # Which counter follows which CounterTotals field.
@@ -238,6 +247,7 @@ COUNTER_FOR_TOTAL = {
     "generation_tokens_total": "headroom_generation_tokens_total",
     "prefix_cache_queries": "headroom_prefix_cache_queries_total",
     "prefix_cache_hits": "headroom_prefix_cache_hits_total",
+    "admissions_held_total": "headroom_admissions_held_total",
 }
 
 

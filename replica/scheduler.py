@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from replica.admission import GrowthLedger
 from replica.config import EngineConfig
 from replica.kv_cache_manager import KVCacheManager, cdiv
 from replica.preemption import VICTIM_POLICIES
@@ -79,8 +80,8 @@ class SchedulerLoad:
     kv_usage: float
     headroom_tokens: int
     # KV tokens (whole blocks) the live requests, running and waiting, will still claim
-    # beyond the blocks they hold if each runs to max_tokens: memory already promised that
-    # free blocks do not show.
+    # beyond the blocks they hold if each runs to max_tokens (to its expected length under
+    # admission_mode reserve_expected): memory already promised that free blocks do not show.
     kv_committed_tokens: int
     num_running: int
     num_waiting: int
@@ -94,6 +95,7 @@ class SchedulerLoad:
     max_num_seqs: int
     slo_preemptions_total: int = 0
     slo_discarded_layers_total: int = 0
+    admissions_held_total: int = 0
     ttft_predictor_per_token_s: float = 0.0
     ttft_predictor_base_s: float = 0.0
 
@@ -107,6 +109,9 @@ class SchedulerCounters:
     scheduled_tokens: int = 0
     slo_preemptions: int = 0  # forward passes aborted to let an urgent request in, one victim each
     slo_discarded_layers: int = 0  # decoder layers those aborted passes had already run
+    # Requests the admission mode's growth reserve held back while memory for their prompt
+    # was free (each counted once per wait at the head of the queue).
+    admissions_held: int = 0
 
 
 class Scheduler:
@@ -128,9 +133,10 @@ class Scheduler:
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]
         self.counters = SchedulerCounters()
         self.waiting_prefill_tokens = 0  # sum of num_tokens over the waiting queue
-        # Sum over live requests of the blocks each holds once it has run to max_tokens;
-        # minus the blocks they hold now, it is the committed KV growth load() reports.
-        self.num_final_blocks = 0
+        # The blocks each live request will hold when it ends; minus the blocks they hold
+        # now, the committed KV growth load() reports and the reserve modes admit against.
+        self.growth = GrowthLedger(config.admission_mode, config.block_size)
+        self._held_request_id: Optional[str] = None  # the head of the queue the reserve holds back
         self._finished_req_ids: list[str] = []
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
@@ -155,7 +161,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self.waiting_prefill_tokens += request.num_tokens
-        self.num_final_blocks += self._final_blocks(request)
+        self.growth.add(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -172,18 +178,16 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.growth.remove(request, was_running=request.status == RequestStatus.RUNNING)
+        if status != RequestStatus.FINISHED_ABORTED:  # an abort says nothing about length
+            self.growth.observe_finished(request.num_output_tokens, status == RequestStatus.FINISHED_LENGTH)
         request.status = status
         self.kv_cache.free(request)
-        self.num_final_blocks -= self._final_blocks(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def _final_blocks(self, request: Request) -> int:
-        """Blocks the request holds when it has run to max_tokens (EOS may end it sooner)."""
-        return cdiv(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.block_size)
 
     def _admission_reserve_blocks(self) -> int:
         # The watermark is a reserve only admissions must leave free, and only while
@@ -277,6 +281,7 @@ class Scheduler:
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
         config = self.config
         kv_cache = self.kv_cache
+        growth = self.growth
         now = self.clock()
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
@@ -284,15 +289,19 @@ class Scheduler:
             num_new_tokens = self._step_tokens(request.num_tokens - num_hit_tokens, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
+            reserved_blocks = self._admission_reserve_blocks()
+            num_tokens_to_fit = request.num_tokens if config.reserve_full_sequence else None
+            if growth.reserves_growth:
+                # Its whole final size must fit beside what running requests are still owed.
+                reserved_blocks += growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
+                num_tokens_to_fit = growth.final_tokens(request)
             new_blocks = kv_cache.allocate_slots(
-                request,
-                num_new_tokens,
-                hit_blocks,
-                num_hit_tokens,
-                reserved_blocks=self._admission_reserve_blocks(),
-                num_tokens_to_fit=request.num_tokens if config.reserve_full_sequence else None,
+                request, num_new_tokens, hit_blocks, num_hit_tokens,
+                reserved_blocks=reserved_blocks, num_tokens_to_fit=num_tokens_to_fit,
             )
             if new_blocks is None:
+                if growth.reserves_growth:
+                    self._count_held_admission(request, num_new_tokens, hit_blocks, num_hit_tokens)
                 break  # head-of-line: later requests do not overtake
 
             self.waiting.pop()
@@ -308,6 +317,7 @@ class Scheduler:
             if request.first_admitted_time is None:
                 request.first_admitted_time = now
             self.running.append(request)
+            growth.admitted(request)
             scheduled.append(
                 ScheduledRequest(
                     request, num_new_tokens, num_hit_tokens, kv_cache.get_block_ids(request.request_id), True
@@ -315,6 +325,19 @@ class Scheduler:
             )
             token_budget -= num_new_tokens
         return token_budget
+
+    def _count_held_admission(self, request: Request, num_new_tokens: int, hit_blocks, num_hit_tokens: int) -> None:
+        """Count the head request once if only the growth reserve keeps it waiting: the
+        optimistic check (watermark, full prompt) would have admitted it."""
+        if request.request_id == self._held_request_id:
+            return
+        fits_today = self.kv_cache.can_allocate(
+            request, num_new_tokens, hit_blocks, num_hit_tokens, reserved_blocks=self._admission_reserve_blocks(),
+            num_tokens_to_fit=request.num_tokens if self.config.reserve_full_sequence else None,
+        )
+        if fits_today:
+            self._held_request_id = request.request_id
+            self.counters.admissions_held += 1
 
     def _preempt(self, running_index: int) -> None:
         request = self.running.pop(running_index)
@@ -326,6 +349,7 @@ class Scheduler:
         """Free a request taken off `running` and put it back at the front of the waiting
         queue, to be recomputed (its output tokens are kept)."""
         self.kv_cache.free(request)
+        self.growth.left_running(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens_lost = request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -373,6 +397,8 @@ class Scheduler:
         updates = []
         any_finished = False
         now = None
+        growth = self.growth
+        tracks_output = growth.tracks_output
         for entry in output.scheduled:
             request = entry.request
             if not entry.samples or request.status != RequestStatus.RUNNING:
@@ -390,6 +416,8 @@ class Scheduler:
             if finished is not None:
                 self._finish(request, finished)
                 any_finished = True
+            elif tracks_output:
+                growth.output_grew(request)
             updates.append(TokenUpdate(request, token_id, finished))
         self.counters.generation_tokens += len(updates)
         if any_finished:
@@ -407,7 +435,7 @@ class Scheduler:
             # What an admission may still take now, so the router's fit filter and the
             # replica's own admission check agree.
             headroom_tokens=kv_cache.headroom_tokens(self._admission_reserve_blocks()),
-            kv_committed_tokens=(self.num_final_blocks - kv_cache.num_request_blocks) * kv_cache.block_size,
+            kv_committed_tokens=self.growth.growth_blocks(kv_cache.num_request_blocks) * kv_cache.block_size,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             waiting_prefill_tokens=self.waiting_prefill_tokens,
@@ -420,6 +448,7 @@ class Scheduler:
             max_num_seqs=self.config.max_num_seqs,
             slo_preemptions_total=self.counters.slo_preemptions,
             slo_discarded_layers_total=self.counters.slo_discarded_layers,
+            admissions_held_total=self.counters.admissions_held,
             ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
             ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,
         )
@@ -449,7 +478,9 @@ class Scheduler:
         assert len(free_ids) == kv_cache.num_free_blocks
         # The committed-KV figure load() reports, recomputed from scratch.
         held = {request_id: len(blocks) for request_id, blocks in kv_cache.req_to_blocks.items()}
-        growth = [self._final_blocks(r) - held.get(r.request_id, 0) for r in self.requests.values()]
-        assert all(blocks >= 0 for blocks in growth), "a request holds more blocks than it can ever fill"
+        final = {r.request_id: cdiv(self.growth.final_tokens(r), kv_cache.block_size) for r in self.requests.values()}
+        assert all(final[r] >= held.get(r, 0) for r in final), "a request holds more blocks than its final estimate"
+        assert all(self.growth.final_tokens(r) >= r.num_tokens for r in self.requests.values())
         assert kv_cache.num_request_blocks == sum(held.values())
-        assert self.num_final_blocks - kv_cache.num_request_blocks == sum(growth)
+        assert (self.growth.live_final_blocks, self.growth.running_final_blocks) == (
+            sum(final.values()), sum(final[r.request_id] for r in self.running))
