@@ -211,6 +211,33 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         None,
         ("policy", "replica"),
     ),
+    "headroom_router_prefix_hit_tokens_total": MetricSpec(
+        "counter",
+        "Prompt tokens of routed requests that the chosen replica's prefix cache held when the router chose "
+        "it, per the router's index of that replica's KV events.",
+        None,
+        ("policy", "replica"),
+    ),
+    "headroom_router_prefix_spills_total": MetricSpec(
+        "counter",
+        "Requests sent to this replica although another one cached more of their prompt: a hot prefix "
+        "spreading to more replicas as its holder loads.",
+        None,
+        ("policy", "replica"),
+    ),
+    "headroom_router_cached_blocks": MetricSpec(
+        "gauge",
+        "Prefix-cache blocks of the replica in the router's index, rebuilt from its KV events.",
+        None,
+        ("replica",),
+    ),
+    "headroom_router_kv_event_resyncs_total": MetricSpec(
+        "counter",
+        "Times the router rebuilt a replica's cache index from a new snapshot (after a broken stream or "
+        "missed events).",
+        None,
+        ("replica",),
+    ),
     "headroom_router_load_age_seconds": MetricSpec(
         "histogram",
         "Age of a replica's ReplicaLoad snapshot when the router scored that replica.",
