@@ -2,7 +2,9 @@
 (prompt plus max_tokens, or plus its expected output length), summed over live and over
 running requests.
 
-The committed KV a replica reports is the live sum minus the blocks they hold now. Under
+The committed KV a replica reports is the live sum minus the blocks they hold now, and minus
+the cached prefix blocks waiting requests will share with running ones (found when they
+joined the queue: those are never allocated again). Under
 the reserve modes a waiting request is admitted only if its own final blocks fit beside the
 growth the running requests are still owed, so the replica stops taking work it cannot
 finish without preempting; the optimistic mode (vLLM's) admits whatever fits today.
@@ -32,6 +34,8 @@ class GrowthLedger:
         self._final_tokens: dict[str, int] = {}
         self.live_final_blocks = 0
         self.running_final_blocks = 0
+        self._waiting_shared: dict[str, int] = {}  # per waiting request, cached blocks in use by others
+        self.waiting_shared_blocks = 0
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -47,16 +51,27 @@ class GrowthLedger:
         return self._final_tokens[request.request_id]
 
     # ---- a request's life ----------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, shared_blocks: int) -> None:
+        """A new waiting request; `shared_blocks`: cached blocks of its prefix other requests hold."""
         num_tokens = self._final_tokens[request.request_id] = self._estimate(request)
         self.live_final_blocks += self._blocks(num_tokens)
+        self._wait(request, shared_blocks)
+
+    def _wait(self, request: Request, shared_blocks: int) -> None:
+        self._waiting_shared[request.request_id] = shared_blocks
+        self.waiting_shared_blocks += shared_blocks
+
+    def _stop_waiting(self, request: Request) -> None:
+        self.waiting_shared_blocks -= self._waiting_shared.pop(request.request_id)
 
     def admitted(self, request: Request) -> None:
+        self._stop_waiting(request)
         self.running_final_blocks += self._blocks(self._final_tokens[request.request_id])
 
-    def left_running(self, request: Request) -> None:
+    def left_running(self, request: Request, shared_blocks: int) -> None:
         """Preempted (or its pass aborted): it holds nothing and is owed nothing until re-admitted."""
         self.running_final_blocks -= self._blocks(self._final_tokens[request.request_id])
+        self._wait(request, shared_blocks)
 
     def output_grew(self, request: Request) -> None:
         """Called with each new output token of a running request (reserve_expected only): one
@@ -74,6 +89,13 @@ class GrowthLedger:
         self.live_final_blocks -= blocks
         if was_running:
             self.running_final_blocks -= blocks
+        else:
+            self._stop_waiting(request)
+
+    def expected_new_output(self, max_model_len: int) -> int:
+        """The output length a new request is expected to reach (reserve_expected; else 0):
+        the estimate for max_tokens as large as the context allows."""
+        return self.output_lengths.expected_final(0, max_model_len) if self.tracks_output else 0
 
     def observe_finished(self, num_output_tokens: int, hit_max_tokens: bool) -> None:
         self.output_lengths.observe(num_output_tokens, hit_max_tokens)
@@ -81,6 +103,8 @@ class GrowthLedger:
     # ---- what it adds up to --------------------------------------------------------------
     def growth_blocks(self, held_blocks: int, running_only: bool = False) -> int:
         """Blocks the live (or only the running) requests will still claim beyond the
-        `held_blocks` they hold (only running requests hold blocks)."""
-        final = self.running_final_blocks if running_only else self.live_final_blocks
-        return final - held_blocks
+        `held_blocks` they hold (only running requests hold blocks) and, for waiting ones,
+        beyond the cached blocks they will share."""
+        if running_only:
+            return self.running_final_blocks - held_blocks
+        return self.live_final_blocks - held_blocks - self.waiting_shared_blocks

@@ -96,6 +96,7 @@ class SchedulerLoad:
     slo_preemptions_total: int = 0
     slo_discarded_layers_total: int = 0
     admissions_held_total: int = 0
+    expected_output_tokens: int = 0  # of a new request, under reserve_expected admission; else 0
     ttft_predictor_per_token_s: float = 0.0
     ttft_predictor_base_s: float = 0.0
 
@@ -132,7 +133,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every live request
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]
         self.counters = SchedulerCounters()
-        self.waiting_prefill_tokens = 0  # sum of num_tokens over the waiting queue
+        # Tokens the waiting requests must compute: their length less the prefix-cache hit
+        # each had when it joined the queue (`_waiting_hit_tokens`).
+        self.waiting_prefill_tokens = 0
+        self._waiting_hit_tokens: dict[str, int] = {}
         # The blocks each live request will hold when it ends; minus the blocks they hold
         # now, the committed KV growth load() reports and the reserve modes admit against.
         self.growth = GrowthLedger(config.admission_mode, config.block_size)
@@ -160,8 +164,7 @@ class Scheduler:
             request.ttft_deadline = ttft_deadline(request.arrival_time, self.config.default_ttft_slo_ms)
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        self.waiting_prefill_tokens += request.num_tokens
-        self.growth.add(request)
+        self.growth.add(request, self._count_waiting(request))
         self.counters.prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -173,7 +176,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-            self.waiting_prefill_tokens -= request.num_tokens
+            self._uncount_waiting(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
@@ -188,6 +191,18 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def _count_waiting(self, request: Request) -> int:
+        """Add a request joining the waiting queue to the prefill backlog, net of the prefix
+        it finds cached now; returns how many of those cached blocks other requests hold
+        (memory it will share rather than claim)."""
+        hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+        self._waiting_hit_tokens[request.request_id] = num_hit_tokens
+        self.waiting_prefill_tokens += request.num_tokens - num_hit_tokens
+        return sum(1 for block in hit_blocks if block.ref_cnt > 0)
+
+    def _uncount_waiting(self, request: Request) -> None:
+        self.waiting_prefill_tokens -= request.num_tokens - self._waiting_hit_tokens.pop(request.request_id)
 
     def _admission_reserve_blocks(self) -> int:
         # The watermark is a reserve only admissions must leave free, and only while
@@ -305,7 +320,7 @@ class Scheduler:
                 break  # head-of-line: later requests do not overtake
 
             self.waiting.pop()
-            self.waiting_prefill_tokens -= request.num_tokens
+            self._uncount_waiting(request)
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             if request.num_computed_tokens_lost:
                 self.counters.recomputed_tokens += max(0, request.num_computed_tokens_lost - num_hit_tokens)
@@ -349,12 +364,11 @@ class Scheduler:
         """Free a request taken off `running` and put it back at the front of the waiting
         queue, to be recomputed (its output tokens are kept)."""
         self.kv_cache.free(request)
-        self.growth.left_running(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens_lost = request.num_computed_tokens
         request.num_computed_tokens = 0
         self.waiting.add_front(request)
-        self.waiting_prefill_tokens += request.num_tokens
+        self.growth.left_running(request, self._count_waiting(request))
 
     # ---- SLO preemption ----------------------------------------------------------------
     def _urgency(self, request: Request, now: float) -> float:
@@ -449,6 +463,7 @@ class Scheduler:
             slo_preemptions_total=self.counters.slo_preemptions,
             slo_discarded_layers_total=self.counters.slo_discarded_layers,
             admissions_held_total=self.counters.admissions_held,
+            expected_output_tokens=self.growth.expected_new_output(self.config.max_model_len),
             ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
             ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,
         )
@@ -464,7 +479,7 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
-        assert self.waiting_prefill_tokens == sum(r.num_tokens for r in waiting)
+        assert self.waiting_prefill_tokens == sum(r.num_tokens - self._waiting_hit_tokens[r.request_id] for r in waiting)
         kv_cache = self.kv_cache
         assert set(kv_cache.req_to_blocks) <= running_ids, "a request outside running holds blocks"
         holders: dict[int, int] = {}

@@ -32,17 +32,22 @@ class ReplicaCache:
             return False
         self.seq = batch.seq
         self.block_size = batch.block_size
+        self.apply_events((event.kind, event.block_hash) for event in batch.events)
+        return True
+
+    def apply_events(self, events: Iterable[tuple[int, bytes]]) -> None:
+        """(kind, block hash) pairs in order; kinds are the proto's KVEventKind values (the
+        router simulation feeds the engine's own events through here)."""
         hashes = self.hashes
-        for event in batch.events:
-            if event.kind == pb.KV_EVENT_BLOCK_STORED:
-                hashes[event.block_hash] = None
-            elif event.kind == pb.KV_EVENT_BLOCK_REMOVED:
-                hashes.pop(event.block_hash, None)
-            elif event.kind == pb.KV_EVENT_ALL_BLOCKS_CLEARED:
+        for kind, block_hash in events:
+            if kind == pb.KV_EVENT_BLOCK_STORED:
+                hashes[block_hash] = None
+            elif kind == pb.KV_EVENT_BLOCK_REMOVED:
+                hashes.pop(block_hash, None)
+            elif kind == pb.KV_EVENT_ALL_BLOCKS_CLEARED:
                 hashes.clear()
         while len(hashes) > self.max_blocks:
             del hashes[next(iter(hashes))]
-        return True
 
     def leading_blocks(self, prefix_hashes: Sequence[bytes]) -> int:
         """How many of the prompt's leading blocks this replica holds."""

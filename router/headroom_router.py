@@ -43,7 +43,7 @@ def routing_request_of(kwargs: Mapping[str, Any]) -> RoutingRequest:
 @dataclass(frozen=True)
 class TentativeSend:
     replica_id: str
-    blocks: int
+    send: InflightCounts
     chosen_at: float  # on the router's monotonic clock
 
 
@@ -123,15 +123,14 @@ class HeadroomRouter:
             return None
         ranked = self.policy.rank(request, views)
         if ranked:
-            self._tentative[request_key] = TentativeSend(
-                ranked[0], self._blocks_of(request, ranked[0]), self.clock()
-            )
+            self._tentative[request_key] = TentativeSend(ranked[0], self._send_of(request, ranked[0]), self.clock())
         return ranked
 
     def routed(self, request: RoutingRequest, request_key: str, replica_id: str) -> None:
         """Ray Serve sent the request to `replica_id` and the replica accepted it."""
         self._tentative.pop(request_key, None)
-        self.inflight.record_sent(replica_id, self._blocks_of(request, replica_id), self.wall_clock())
+        send = self._send_of(request, replica_id)
+        self.inflight.record_sent(replica_id, send.blocks, self.wall_clock(), send.prefill_tokens)
         cached = {other: self._cached_blocks(request, other) for other in self.cache_index.replica_ids()}
         cached_blocks, block_size = cached.get(replica_id, (0, 0))
         spilled = any(blocks > cached_blocks for blocks, _ in cached.values())
@@ -174,7 +173,8 @@ class HeadroomRouter:
         tentative = [send for send in self._tentative.values() if send.replica_id == replica_id]
         return InflightCounts(
             requests=confirmed.requests + len(tentative),
-            blocks=confirmed.blocks + sum(send.blocks for send in tentative),
+            blocks=confirmed.blocks + sum(tentative_send.send.blocks for tentative_send in tentative),
+            prefill_tokens=confirmed.prefill_tokens + sum(t.send.prefill_tokens for t in tentative),
         )
 
     def _expire_tentative(self) -> None:
@@ -182,11 +182,15 @@ class HeadroomRouter:
         for key in [key for key, send in self._tentative.items() if send.chosen_at < expired_before]:
             del self._tentative[key]
 
-    def _blocks_of(self, request: RoutingRequest, replica_id: str) -> int:
+    def _send_of(self, request: RoutingRequest, replica_id: str) -> InflightCounts:
+        """What sending `request` to the replica adds before its next snapshot shows it."""
         subscription = self.loads.get(replica_id)
         if subscription is None or subscription.load is None:
-            return 0  # no block size known yet; the request still counts
-        return request.num_blocks(subscription.load.block_size)
+            # No block size known yet: the request still counts, and so does its prefill.
+            return InflightCounts(1, 0, request.prompt_tokens)
+        load = subscription.load
+        cached_blocks, _ = self._cached_blocks(request, replica_id)
+        return InflightCounts.one_send(request.expected_blocks(load), request.prompt_tokens, cached_blocks, load.block_size)
 
     async def close(self) -> None:
         await self.loads.close()

@@ -101,7 +101,8 @@ class HeadroomScore:
     replica_id: str
     fits: bool  # the request's full sequence fits in the room nobody has been promised yet
     headroom_after: float  # pool fraction still unpromised once this request is admitted too
-    backlog: float  # pool fraction of prefill before this request's first token, its own included
+    backlog: float  # pool fraction of prefill queued ahead of this request
+    own_prefill: float  # pool fraction of its own prompt the replica must prefill
     preemption_risk: float  # chance this request is preempted at least once, at the recent rate
     score: float
     inflight_requests: int
@@ -115,24 +116,31 @@ class HeadroomPolicy(RoutingPolicy):
     Every term is a fraction of the replica's KV pool (tokens / pool tokens), so replicas of
     different sizes compare fairly and the weights are dimensionless:
 
-    - headroom_after (reward, weight 1, the unit): the room nobody has been promised yet,
-      after this request. That is free tokens (beyond the admission watermark), minus the
-      growth the replica's live requests are already owed (`kv_committed_tokens`: running
-      and waiting requests run to max_tokens), minus the full sequences this router sent
-      since the snapshot, minus this request's own prompt + max_tokens. Free blocks alone
-      make a replica that has just admitted long-output requests look roomy until they
-      grow into each other. A replica where the result is negative is filtered out: the
-      request would fit only if someone is preempted, or finishes early (a hard filter:
-      a cached prefix never earns an exception). If none fits, the least bad still gets
-      it, never an error. In the score (not the filter) the cached prefix of the prompt
-      is credited back: its blocks are shared, not allocated again.
-    - backlog (penalty, `backlog_weight` = 1): the prefill that must run before this
-      request's first token: the tokens queued ahead of it (the waiting queue's and what
-      this router sent since the snapshot) plus its own prompt less the prefix the
-      replica already caches (from its KV events), as time rather than memory: TTFT is
-      what users wait on. This is where a cached prefix pays, and where it stops paying
-      once its holder is loaded: a hot prefix spreads to a second replica as soon as the
-      holder's queue outweighs the prefill the second must redo.
+    - fit (hard filter): the room nobody has been promised yet must hold this request. That
+      room is free tokens (beyond the admission watermark), minus the growth the replica's
+      live requests are already owed (`kv_committed_tokens`: to max_tokens, or to expected
+      lengths under reserve_expected admission), minus what this router sent since the
+      snapshot (each send's expected size less the cached prefix it shares there); the
+      request needs its prompt plus min(max_tokens, the replica's
+      `expected_output_tokens`), less the prefix the replica caches (those blocks are
+      shared, not allocated again). Free blocks alone make a replica that has just admitted
+      long-output requests look roomy until they grow into each other. A replica without
+      the room is ranked after every one with it, whatever its cache holds: affinity never
+      sends a request where it would preempt or wait for memory. If none fits, the least
+      bad still gets it, never an error.
+    - headroom_after (reward, `headroom_weight` = 0.25): that room, left after the request.
+      Small, because the filter already keeps replicas out of trouble: past it, memory to
+      spare is worth less than the prefill a cached prefix saves.
+    - backlog (penalty, `backlog_weight` = 1): the prefill queued ahead of this request's
+      first token: the waiting queue's (net of the prefix each waiting request found
+      cached) and the prompts this router sent since the snapshot (less their cached
+      prefix), as time rather than memory: TTFT is what users wait on.
+    - own prefill (penalty, `prefill_weight` = 4): the request's prompt less the prefix the
+      replica caches (from its KV events). Heavier than the queue ahead because it delays
+      this request and every one queued behind it there, and on a replica without the
+      prefix it also duplicates a cached prefix (memory, and evictions of others'). This
+      is where a cached prefix pays and where it stops paying: a hot prefix spreads to a
+      second (third...) replica once its holder's queue outweighs 4x the prefill saved.
     - preemption_risk (penalty, `preemption_weight` = 1): 1 - exp(-rate * lifetime), with
       rate the replica's smoothed preemptions per running request per second and lifetime
       this request's decode time there (max_tokens x the replica's step time): the chance
@@ -140,6 +148,8 @@ class HeadroomPolicy(RoutingPolicy):
       a certain preemption on a par with a replica whose whole pool is queued work: either
       way the request waits for a pool's worth of work to drain (and after a preemption
       also recomputes what it had).
+
+    The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
     Near-ties (scores within `tie_epsilon` = 0.02 of a pool, about one chat request)
     go to the replica this router sent the fewest requests since its snapshot, then at
@@ -152,13 +162,17 @@ class HeadroomPolicy(RoutingPolicy):
 
     def __init__(
         self,
+        headroom_weight: float = 0.25,
         backlog_weight: float = 1.0,
+        prefill_weight: float = 4.0,
         preemption_weight: float = 1.0,
         tie_epsilon: float = 0.02,
         staleness_s: float = DEFAULT_STALENESS_S,
         rng: Optional[random.Random] = None,
     ) -> None:
+        self.headroom_weight = headroom_weight
         self.backlog_weight = backlog_weight
+        self.prefill_weight = prefill_weight
         self.preemption_weight = preemption_weight
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
@@ -171,17 +185,18 @@ class HeadroomPolicy(RoutingPolicy):
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
         inflight = view.inflight_since_snapshot
         inflight_tokens = inflight.blocks * block_size  # full sequences, like kv_committed_tokens
-        own_tokens = request.num_blocks(block_size) * block_size
         cached_tokens = min(view.cached_tokens, request.prompt_tokens)
+        own_tokens = request.expected_blocks(load) * block_size - cached_tokens
         free_after_tokens = load.headroom_tokens - load.kv_committed_tokens - inflight_tokens - own_tokens
-        headroom_after = (free_after_tokens + cached_tokens) / pool_tokens
-        prefill_ahead = load.waiting_prefill_tokens + inflight_tokens + request.prompt_tokens - cached_tokens
-        backlog = prefill_ahead / pool_tokens
+        headroom_after = free_after_tokens / pool_tokens
+        backlog = (load.waiting_prefill_tokens + inflight.prefill_tokens) / pool_tokens
+        own_prefill = (request.prompt_tokens - cached_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
         preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
-        score = headroom_after - self.backlog_weight * backlog - self.preemption_weight * preemption_risk
+        score = (self.headroom_weight * headroom_after - self.backlog_weight * backlog
+                 - self.prefill_weight * own_prefill - self.preemption_weight * preemption_risk)
         return HeadroomScore(
-            view.replica_id, free_after_tokens >= 0, headroom_after, backlog, preemption_risk, score,
+            view.replica_id, free_after_tokens >= 0, headroom_after, backlog, own_prefill, preemption_risk, score,
             inflight.requests, cached_tokens,
         )
 

@@ -38,6 +38,17 @@ class RoutingRequest:
     def num_blocks(self, block_size: int) -> int:
         return -(-self.num_tokens // block_size)
 
+    def expected_output_tokens(self, load: Optional[ReplicaLoad]) -> int:
+        """Output the replica expects of this request: max_tokens, or less where the replica
+        admits by expected length and has learned it (ReplicaLoad.expected_output_tokens)."""
+        if load is None or not load.expected_output_tokens:
+            return self.max_tokens
+        return min(self.max_tokens, load.expected_output_tokens)
+
+    def expected_blocks(self, load: ReplicaLoad) -> int:
+        """KV blocks the request is expected to hold at its end on the replica reporting `load`."""
+        return -(-(self.prompt_tokens + self.expected_output_tokens(load)) // load.block_size)
+
     def prefix_hashes(self, block_size: int) -> list[bytes]:
         """Chain hashes of the prompt blocks a replica's prefix cache could serve: full blocks,
         leaving at least one token to compute (as the replica does). Computed once per block

@@ -261,18 +261,27 @@ def test_at_equal_load_the_replica_caching_the_prefix_ranks_first():
 
 
 def test_a_hot_prefix_spills_once_its_holders_queue_outweighs_the_prefill_it_saves():
+    # The cache saves 3,200 prefill tokens there, weighted 4x (prefill_weight): that prefill
+    # would delay this request and everything queued behind it on the other replica.
     request = shared_prefix_request()
     idle = view("idle", make_load("idle", free_blocks=800))
-    # Waiting prefill on the holder below the 3,200 tokens its cache saves: it still wins.
-    light = view("holder", make_load("holder", free_blocks=800, waiting_prefill_tokens=2000), cached_blocks=200)
+    light = view("holder", make_load("holder", free_blocks=800, waiting_prefill_tokens=10_000), cached_blocks=200)
     assert headroom_policy().rank(request, [idle, light])[0] == "holder"
-    # Twice the saving queued there: a replica without the prefix gets it first sooner.
-    heavy = view("holder", make_load("holder", free_blocks=800, waiting_prefill_tokens=9000), cached_blocks=200)
+    heavy = view("holder", make_load("holder", free_blocks=800, waiting_prefill_tokens=16_000), cached_blocks=200)
     assert headroom_policy().rank(request, [idle, heavy])[0] == "idle"
 
 
 def test_a_cached_prefix_never_sends_a_request_where_it_does_not_fit():
-    request = shared_prefix_request()  # 4,000 + 200 tokens: 263 blocks
-    tight_holder = view("holder", make_load("holder", free_blocks=250), cached_blocks=200)
+    # 4,000 + 200 tokens: 263 blocks, 63 of them beyond the 200 cached on the holder.
+    request = shared_prefix_request()
+    assert headroom_policy().score(request, view("h", make_load("h", free_blocks=63), cached_blocks=200)).fits
+    tight_holder = view("holder", make_load("holder", free_blocks=62), cached_blocks=200)
     roomy = view("roomy", make_load("roomy", free_blocks=600))
     assert headroom_policy().rank(request, [tight_holder, roomy]) == ["roomy", "holder"]
+
+
+def test_a_replica_that_learned_short_outputs_needs_room_for_them_only():
+    request = RoutingRequest(prompt_tokens=1600, max_tokens=3200)  # 300 blocks to max_tokens
+    learned = make_load("learned", free_blocks=150, expected_output_tokens=400)  # 125 blocks expected
+    assert headroom_policy().score(request, view("learned", learned)).fits
+    assert not headroom_policy().score(request, view("unknown", make_load("unknown", free_blocks=150))).fits
