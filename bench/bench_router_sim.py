@@ -685,10 +685,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small runs for a smoke test")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--requests", type=int, default=None,
-                        help="requests per run (default 2000; 150 with --quick); long_output runs use 40%%")
+                        help="requests per run (default 1000; 150 with --quick); long_output runs use 40%%")
     parser.add_argument("--calibration-requests", type=int, default=None,
-                        help="requests per calibration run (default 600; 100 with --quick)")
-    parser.add_argument("--calibration-steps", type=int, default=None, help="bisection steps (default 6; 2 quick)")
+                        help="requests per calibration run (default 400; 100 with --quick)")
+    parser.add_argument("--calibration-steps", type=int, default=None, help="bisection steps (default 5; 2 quick)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tables; the first of --seeds")
     parser.add_argument("--seeds", type=int, default=None,
                         help="workload seeds run at the target points (default 5; 1 with --quick)")
@@ -706,9 +706,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="KV pool per replica incl. the null block (default: 3072 x 16 = 49k tokens)")
     args = parser.parse_args(argv)
     quick = args.quick
-    args.requests = args.requests or (150 if quick else 2000)
-    args.calibration_requests = args.calibration_requests or (100 if quick else 600)
-    args.calibration_steps = args.calibration_steps if args.calibration_steps is not None else (2 if quick else 6)
+    args.requests = args.requests or (150 if quick else 1000)
+    args.calibration_requests = args.calibration_requests or (100 if quick else 400)
+    args.calibration_steps = args.calibration_steps if args.calibration_steps is not None else (2 if quick else 5)
     args.seeds = args.seeds or (1 if quick else 5)
     if args.requests < 20 or args.calibration_requests < 20:
         parser.error("--requests / --calibration-requests: need at least 20 for percentiles to mean anything")
