@@ -4,20 +4,32 @@ running requests.
 
 The committed KV a replica reports is the live sum minus the blocks they hold now, and minus
 the cached prefix blocks waiting requests will share with running ones (found when they
-joined the queue: those are never allocated again). Under
-the reserve modes a waiting request is admitted only if its own final blocks fit beside the
-growth the running requests are still owed, so the replica stops taking work it cannot
-finish without preempting; the optimistic mode (vLLM's) admits whatever fits today.
+joined the queue: those are never allocated again). Under the reserve modes a waiting
+request is admitted only if it can run to its end beside the running requests, so the
+replica stops taking work it cannot finish without preempting; the optimistic mode
+(vLLM's) admits whatever fits today.
+
+reserve_max_tokens (mini-SGLang's) reserves the sum of every running request's growth to
+max_tokens. reserve_expected reserves the peak of the expected future instead: requests
+grow one token per step until their expected length, and each frees the blocks it computed
+itself when it ends, so a batch whose requests end at different times never needs all of
+its growth at once (`peak_growth_tokens`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Iterable, Literal
 
 from replica.output_length import OutputLengthEstimator
 from replica.request import Request
 
+if TYPE_CHECKING:
+    from replica.kv_cache_manager import KVCacheManager
+
 AdmissionMode = Literal["optimistic", "reserve_max_tokens", "reserve_expected"]
+# reserve_expected reserves each running request's growth to this quantile of the lengths
+# requests as long as it reached (its expected length stays the committed figure's unit).
+RESERVE_QUANTILE = 0.9
 
 
 class GrowthLedger:
@@ -61,6 +73,11 @@ class GrowthLedger:
         self._waiting_shared[request.request_id] = shared_blocks
         self.waiting_shared_blocks += shared_blocks
 
+    def update_shared(self, request: Request, shared_blocks: int) -> None:
+        """A waiting request's cached blocks held by running ones, as they stand now."""
+        self.waiting_shared_blocks += shared_blocks - self._waiting_shared[request.request_id]
+        self._waiting_shared[request.request_id] = shared_blocks
+
     def _stop_waiting(self, request: Request) -> None:
         self.waiting_shared_blocks -= self._waiting_shared.pop(request.request_id)
 
@@ -101,6 +118,35 @@ class GrowthLedger:
         self.output_lengths.observe(num_output_tokens, hit_max_tokens)
 
     # ---- what it adds up to --------------------------------------------------------------
+    def peak_reserve_blocks(self, running: Iterable[Request], waiting: Iterable[Request], kv_cache: "KVCacheManager") -> int:
+        """reserve_expected: blocks the running requests and the `waiting` ones (once
+        admitted) will claim beyond what they hold now at the peak of their expected future:
+        the rest of their prompts at once (less the cached blocks a waiting one shares),
+        outputs as they grow (to the end of each one's last block), minus what the ones that
+        end free (the blocks only they hold)."""
+        block_size = self.block_size
+        pending_prefill, future = 0, []
+        for request in running:
+            held = kv_cache.num_held_blocks(request)
+            pending_prefill += max(0, request.num_tokens - held * block_size)
+            future.append((self._remaining(request), (kv_cache.num_private_blocks(request) - held) * block_size
+                           + request.num_tokens))
+        kept_tokens = 0  # blocks running requests hold that waiting ones will share: not freed when they end
+        for request in waiting:
+            shared_tokens = self._waiting_shared[request.request_id] * block_size
+            kept_tokens += shared_tokens
+            pending_prefill += max(0, request.num_tokens - shared_tokens)
+            future.append((self._remaining(request), request.num_tokens - shared_tokens))
+        peak = peak_growth_tokens(future, kept_tokens, partial_tokens=block_size - 1)
+        return -(-(pending_prefill + peak) // block_size)
+
+    def _remaining(self, request: Request) -> int:
+        """Tokens it may still grow: to the RESERVE_QUANTILE of its length (a mean would be
+        outlived by half the batch), to the end of that length's last block."""
+        final_output = self.output_lengths.final_quantile(
+            request.num_output_tokens, request.sampling_params.max_tokens, RESERVE_QUANTILE)
+        return self._blocks(request.num_prompt_tokens + final_output) * self.block_size - request.num_tokens
+
     def growth_blocks(self, held_blocks: int, running_only: bool = False) -> int:
         """Blocks the live (or only the running) requests will still claim beyond the
         `held_blocks` they hold (only running requests hold blocks) and, for waiting ones,
@@ -108,3 +154,21 @@ class GrowthLedger:
         if running_only:
             return self.running_final_blocks - held_blocks
         return self.live_final_blocks - held_blocks - self.waiting_shared_blocks
+
+
+def peak_growth_tokens(requests: Iterable[tuple[int, int]], kept_tokens: int = 0, partial_tokens: int = 0) -> int:
+    """Given (remaining output tokens, tokens it frees when it ends) per request, the most
+    their memory rises above today's if each grows one token per step and ends on time:
+    max over t of t x (requests still running at t) - (freed by those ended before t).
+    The maximum sits just before some request ends, so only those instants are checked.
+    `kept_tokens` of what they would free stay held (shared by requests not counted here);
+    each request still running may hold `partial_tokens` more (a block it has just opened)."""
+    ordered = sorted(requests, reverse=True)  # longest remaining first
+    freed_total = sum(freed for _, freed in ordered)
+    peak = running = freed_by_running = 0
+    for remaining, freed in ordered:
+        running += 1
+        freed_by_running += freed
+        freed_before = max(0, freed_total - freed_by_running - kept_tokens)
+        peak = max(peak, (remaining + partial_tokens) * running - partial_tokens - freed_before)
+    return peak

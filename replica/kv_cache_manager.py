@@ -48,6 +48,23 @@ class KVCacheManager:
         watermark in force). Negative when running requests have grown into the reserve."""
         return (self.pool.num_free_blocks - reserved_blocks) * self.block_size
 
+    def num_held_blocks(self, request: Request) -> int:
+        return len(self.req_to_blocks.get(request.request_id, ()))
+
+    def num_private_blocks(self, request: Request) -> int:
+        """Blocks only this request holds: what its end would free. Shared blocks form a
+        leading prefix (others share them through prefix-cache hits), so a binary search
+        over reference counts finds where they stop."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        low, high = 0, len(blocks)  # first block with ref_cnt < 2 lies in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if blocks[middle].ref_cnt >= 2:
+                low = middle + 1
+            else:
+                high = middle
+        return len(blocks) - low
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 

@@ -5,20 +5,24 @@ finished: a window of their output lengths, of which those cut off by max_tokens
 expected_final(k, m) is E[min(N, m) | N > k] for a request that has produced k tokens with
 max_tokens m, N being its natural length: stopped requests longer than k count with
 min(length, m), cut-off ones whose cap exceeds k count as m (their natural length is at
-least their cap; for a smaller cap than m that is the cautious reading). With nothing
-learned yet the answer is m, so the estimate errs towards reserving too much.
+least their cap; for a smaller cap than m that is the cautious reading), beside two
+pseudo-requests that run to m. With nothing learned the answer is m, and with little
+learned about requests this long it stays near m: the estimate errs towards reserving too
+much.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import deque
 
 OUTPUT_LENGTH_WINDOW = 1024  # finished requests remembered
 # The sorted view that queries read is rebuilt once this fraction of the window is new:
 # the distribution moves slowly, and rebuilding per finished request would cost O(window).
 REBUILD_FRACTION = 1 / 32
+PRIOR_AT_CAP = 2
 
 
 class OutputLengthEstimator:
@@ -51,10 +55,25 @@ class OutputLengthEstimator:
         stopped, sums = self._stopped, self._stopped_sums
         above_k = bisect.bisect_right(stopped, k)
         up_to_m = max(bisect.bisect_right(stopped, m), above_k)
-        num_capped = len(self._capped) - bisect.bisect_right(self._capped, k)
+        # PRIOR_AT_CAP pseudo-requests that run to the cap keep a few long survivors from
+        # setting the estimate alone (the first requests to finish are the short ones).
+        num_capped = len(self._capped) - bisect.bisect_right(self._capped, k) + PRIOR_AT_CAP
         num_samples = len(stopped) - above_k + num_capped
-        if num_samples == 0:
-            return m
         total = sums[up_to_m] - sums[above_k] + m * (len(stopped) - up_to_m + num_capped)
         expected = -(-total // num_samples)
         return min(m, max(k + 1, expected))
+
+    def final_quantile(self, num_output_tokens: int, max_tokens: int, quantile: float) -> int:
+        """The `quantile` of min(N, max_tokens) given N > num_output_tokens: a length most
+        requests that long stay under (the same samples and pseudo-requests as expected_final)."""
+        k, m = num_output_tokens, max_tokens
+        if k + 1 >= m:
+            return m
+        self._refresh()
+        stopped = self._stopped
+        above_k = bisect.bisect_right(stopped, k)
+        num_capped = len(self._capped) - bisect.bisect_right(self._capped, k) + PRIOR_AT_CAP
+        num_stopped = len(stopped) - above_k
+        rank = math.ceil(quantile * (num_stopped + num_capped)) - 1
+        length = stopped[above_k + rank] if 0 <= rank < num_stopped else m
+        return min(m, max(k + 1, length))

@@ -306,8 +306,16 @@ class Scheduler:
                 break  # it waits whole, and nothing behind it skips ahead
             reserved_blocks = self._admission_reserve_blocks()
             num_tokens_to_fit = request.num_tokens if config.reserve_full_sequence else None
-            if growth.reserves_growth:
-                # Its whole final size must fit beside what running requests are still owed.
+            if growth.tracks_output:
+                # Its prompt must fit now, and the peak of everyone's expected growth beside it
+                # (with the blocks it is about to share counted as held by their owners too).
+                growth.update_shared(request, sum(1 for block in hit_blocks if block.ref_cnt > 0))
+                peak = growth.peak_reserve_blocks(self.running, (request,), kv_cache)
+                # Its own prompt is fitted by allocate_slots below, net of its prefix-cache hit.
+                reserved_blocks += max(0, peak - cdiv(request.num_tokens, kv_cache.block_size))
+                num_tokens_to_fit = request.num_tokens
+            elif growth.reserves_growth:
+                # Its whole final size must fit beside all that running requests are still owed.
                 reserved_blocks += growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
                 num_tokens_to_fit = growth.final_tokens(request)
             new_blocks = kv_cache.allocate_slots(
@@ -449,7 +457,7 @@ class Scheduler:
             # What an admission may still take now, so the router's fit filter and the
             # replica's own admission check agree.
             headroom_tokens=kv_cache.headroom_tokens(self._admission_reserve_blocks()),
-            kv_committed_tokens=self.growth.growth_blocks(kv_cache.num_request_blocks) * kv_cache.block_size,
+            kv_committed_tokens=self._committed_blocks() * kv_cache.block_size,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             waiting_prefill_tokens=self.waiting_prefill_tokens,
@@ -467,6 +475,14 @@ class Scheduler:
             ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
             ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,
         )
+
+    def _committed_blocks(self) -> int:
+        """KV blocks live requests will still claim: their summed growth, or under
+        reserve_expected the peak of their expected future (what admission reserves)."""
+        growth, kv_cache = self.growth, self.kv_cache
+        if growth.tracks_output:
+            return growth.peak_reserve_blocks(self.running, self.waiting, kv_cache)
+        return growth.growth_blocks(kv_cache.num_request_blocks)
 
     def check_invariants(self) -> None:
         """Assert the engine's structural invariants (for tests; O(blocks + requests))."""

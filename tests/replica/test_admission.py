@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from sched_harness import FAKE_VOCAB, make_request, make_scheduler, run_step, run_to_completion
 
+from replica.admission import peak_growth_tokens
 from replica.output_length import OutputLengthEstimator
 
 # 12 usable blocks of 4 tokens. Each request: 8-token prompt (2 blocks), 28 output tokens
@@ -24,20 +25,23 @@ def test_estimator_without_data_reserves_max_tokens():
 
 
 def test_estimator_averages_the_lengths_of_requests_still_long_enough():
+    # Beside the samples, two pseudo-requests run to the cap (PRIOR_AT_CAP).
     estimator = OutputLengthEstimator()
     for length in (10, 20, 30, 40):
         estimator.observe(length, hit_max_tokens=False)
-    assert estimator.expected_final(0, 100) == 25
-    assert estimator.expected_final(25, 100) == 35  # only 30 and 40 outlive 25 tokens
-    assert estimator.expected_final(25, 32) == 31  # capped: (30 + 32) / 2
+    assert estimator.expected_final(0, 100) == (100 + 200) // 6
+    assert estimator.expected_final(25, 100) == 68  # only 30 and 40 outlive 25 tokens: (70 + 200) / 4
+    assert estimator.expected_final(25, 32) == 32  # capped: (30 + 32 + 64) / 4
     assert estimator.expected_final(45, 100) == 100  # nobody ran that long: assume the cap
+    assert estimator.final_quantile(0, 100, 0.5) == 30  # 10 20 30 | 40 100 100
+    assert estimator.final_quantile(0, 100, 0.9) == 100
 
 
 def test_estimator_counts_requests_cut_off_at_max_tokens_as_running_to_the_cap():
     estimator = OutputLengthEstimator()
     estimator.observe(10, hit_max_tokens=False)
     estimator.observe(50, hit_max_tokens=True)  # would have gone on
-    assert estimator.expected_final(0, 200) == (10 + 200 + 1) // 2
+    assert estimator.expected_final(0, 200) == -(-(10 + 3 * 200) // 4)
 
 
 def test_optimistic_admission_takes_both_and_later_preempts():
@@ -84,7 +88,9 @@ def test_expected_length_admits_more_than_max_tokens_would_when_requests_end_ear
         return max(scheduled)
 
     assert peak_running("reserve_max_tokens") == 1
-    assert peak_running("reserve_expected") == 4
+    # 4 x 3 blocks at their ends would fill the 12; the reserve keeps a partial block's
+    # slack per running request, so three run together.
+    assert peak_running("reserve_expected") == 3
 
 
 def test_a_request_outliving_its_estimate_is_re_estimated_and_still_fits():
@@ -98,7 +104,7 @@ def test_a_request_outliving_its_estimate_is_re_estimated_and_still_fits():
         run_step(scheduler)  # check_invariants: every estimate covers the request's length
         if not long_one.is_finished:
             estimates.append(scheduler.growth.final_tokens(long_one))
-    assert estimates[0] == 8 + 1 and estimates[-1] == 8 + 28
+    assert estimates[0] == 8 + 3 and estimates[-1] == 8 + 28  # 40 one-token samples, 2 at the cap
     assert long_one.num_output_tokens == 28
 
 
@@ -113,3 +119,24 @@ def test_admission_mode_changes_timing_never_output(mode):
 
 def _copies(requests):
     return [make_request(r.request_id, r.prompt_token_ids, r.sampling_params.max_tokens) for r in requests]
+
+
+def test_staggered_endings_need_only_the_peak_of_the_growth_not_its_sum():
+    # One request grows 100 more tokens, one 10 and then frees its 500: together they never
+    # need more than 20 tokens beyond today's (both growing for 10 steps), not 110.
+    assert peak_growth_tokens([(100, 500), (10, 500)]) == 20
+    # If what the short one frees stays held by a request that shares it, the long one's
+    # growth is the peak: 100.
+    assert peak_growth_tokens([(100, 500), (10, 500)], kept_tokens=500) == 100
+    assert peak_growth_tokens([(100, 500), (10, 500)], partial_tokens=15) == (10 + 15) * 2 - 15
+
+
+def test_a_shared_prefix_is_not_what_its_first_holder_frees():
+    scheduler = make_scheduler(block_size=4, num_kv_blocks=33, max_model_len=64, max_num_batched_tokens=64)
+    first = make_request("first", list(range(16)) + [1, 2], 20)  # 4 full prompt blocks + a partial one
+    scheduler.add_request(first)
+    run_step(scheduler)
+    assert scheduler.kv_cache.num_private_blocks(first) == 5
+    scheduler.add_request(make_request("second", list(range(16)) + [3, 4], 20))  # shares 4 blocks
+    run_step(scheduler)
+    assert scheduler.kv_cache.num_private_blocks(first) == 1
