@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from replica.kv_events import ALL_BLOCKS_CLEARED, KVEvent, removed, stored
+from replica.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, stored
+
+_BLOCK_STORED, _BLOCK_REMOVED = KVEventKind.BLOCK_STORED, KVEventKind.BLOCK_REMOVED
 
 NULL_BLOCK_ID = 0
 # Events wait in the pool until the engine takes them (once per step). If nobody takes them
@@ -120,7 +122,9 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
-                self._record(removed(block.block_hash))
+                self._events.append((_BLOCK_REMOVED, block.block_hash, None))
+                if len(self._events) > self._max_pending_events:
+                    self._compact_events()
             block.block_hash = block.parent_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -148,7 +152,9 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         self.cached_blocks[block_hash] = block
-        self._record(stored(block_hash, parent_hash))
+        self._events.append((_BLOCK_STORED, block_hash, parent_hash))
+        if len(self._events) > self._max_pending_events:
+            self._compact_events()
 
     def uncache_block(self, block: KVBlock) -> None:
         """Forget the block's prefix-cache entry, if it has one: its KV was never written."""
@@ -160,10 +166,8 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
-    def _record(self, event: KVEvent) -> None:
-        self._events.append(event)
-        if len(self._events) > self._max_pending_events:
-            self._events = self.snapshot_events()
+    def _compact_events(self) -> None:
+        self._events = self.snapshot_events()
 
     def snapshot_events(self) -> list[KVEvent]:
         """Events that rebuild the index as it stands, from any state a consumer may hold."""

@@ -252,4 +252,5 @@ class LLMEngine:
             requests.append(request)
         while self.has_unfinished_requests():
             self.step()
+            self.take_kv_events()  # nobody subscribes offline: drop them as a server would send them
         return [list(r.output_token_ids) for r in requests]

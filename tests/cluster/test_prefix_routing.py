@@ -31,7 +31,7 @@ BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 65  # 64 usable: 1,024 tokens
 MAX_MODEL_LEN = 512
 METRICS_BASE_PORT = 29300  # away from the defaults and from the other live tests
-PREFIX = list(range(300, 460))  # 160 tokens: 10 full blocks
+PREFIX = [10 + (7 * i) % 300 for i in range(160)]  # 160 tokens (10 full blocks) in the built-in 320-token vocabulary
 # Two of these promise 2 x (16 + 496) = 1,024 tokens: the whole pool, to max_tokens.
 FILLER = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(20, 36))),
                             sampling=pb.SamplingParams(max_tokens=496, temperature=0.0, ignore_eos=True))

@@ -36,8 +36,8 @@ def test_a_new_subscriber_gets_a_snapshot_that_clears_then_stores_what_is_cached
     log.publish([removed(H[2])])
     (snapshot,) = log.batches_after(None)
     assert snapshot.snapshot and snapshot.seq == 2
-    assert snapshot.events[0].kind == KVEventKind.ALL_BLOCKS_CLEARED
-    assert {(e.block_hash, e.parent_hash) for e in snapshot.events[1:]} == {(H[0], None), (H[1], H[0])}
+    assert snapshot.events[0][0] == KVEventKind.ALL_BLOCKS_CLEARED
+    assert {(block_hash, parent) for _, block_hash, parent in snapshot.events[1:]} == {(H[0], None), (H[1], H[0])}
 
 
 def test_a_subscriber_behind_the_window_resyncs_from_a_snapshot():
