@@ -18,7 +18,7 @@ its growth at once (`peak_growth_tokens`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Literal
+from typing import TYPE_CHECKING, Iterable, Literal, Optional
 
 from replica.output_length import OutputLengthEstimator
 from replica.request import Request
@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     from replica.kv_cache_manager import KVCacheManager
 
 AdmissionMode = Literal["optimistic", "reserve_max_tokens", "reserve_expected"]
-# reserve_expected reserves each running request's growth to this quantile of the lengths
-# requests as long as it reached (its expected length stays the committed figure's unit).
-RESERVE_QUANTILE = 0.9
 
 
 class GrowthLedger:
@@ -118,12 +115,14 @@ class GrowthLedger:
         self.output_lengths.observe(num_output_tokens, hit_max_tokens)
 
     # ---- what it adds up to --------------------------------------------------------------
-    def peak_reserve_blocks(self, running: Iterable[Request], waiting: Iterable[Request], kv_cache: "KVCacheManager") -> int:
+    def peak_reserve_blocks(self, running: Iterable[Request], waiting: Iterable[Request], kv_cache: "KVCacheManager",
+                            candidate: Optional[Request] = None) -> int:
         """reserve_expected: blocks the running requests and the `waiting` ones (once
         admitted) will claim beyond what they hold now at the peak of their expected future:
         the rest of their prompts at once (less the cached blocks a waiting one shares),
         outputs as they grow (to the end of each one's last block), minus what the ones that
-        end free (the blocks only they hold)."""
+        end free (the blocks only they hold). A `candidate` counts like a waiting request
+        except for its prompt, which the caller fits itself."""
         block_size = self.block_size
         pending_prefill, future = 0, []
         for request in running:
@@ -137,15 +136,17 @@ class GrowthLedger:
             kept_tokens += shared_tokens
             pending_prefill += max(0, request.num_tokens - shared_tokens)
             future.append((self._remaining(request), request.num_tokens - shared_tokens))
+        if candidate is not None:
+            shared_tokens = self._waiting_shared[candidate.request_id] * block_size
+            kept_tokens += shared_tokens
+            future.append((self._remaining(candidate), candidate.num_tokens - shared_tokens))
         peak = peak_growth_tokens(future, kept_tokens, partial_tokens=block_size - 1)
         return -(-(pending_prefill + peak) // block_size)
 
     def _remaining(self, request: Request) -> int:
-        """Tokens it may still grow: to the RESERVE_QUANTILE of its length (a mean would be
-        outlived by half the batch), to the end of that length's last block."""
-        final_output = self.output_lengths.final_quantile(
-            request.num_output_tokens, request.sampling_params.max_tokens, RESERVE_QUANTILE)
-        return self._blocks(request.num_prompt_tokens + final_output) * self.block_size - request.num_tokens
+        """Tokens it may still grow beyond the blocks its tokens fill now: to its expected
+        length, to the end of that length's last block."""
+        return (self._blocks(self._final_tokens[request.request_id]) - self._blocks(request.num_tokens)) * self.block_size
 
     def growth_blocks(self, held_blocks: int, running_only: bool = False) -> int:
         """Blocks the live (or only the running) requests will still claim beyond the

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from collections import deque
 
 OUTPUT_LENGTH_WINDOW = 1024  # finished requests remembered
@@ -62,18 +61,3 @@ class OutputLengthEstimator:
         total = sums[up_to_m] - sums[above_k] + m * (len(stopped) - up_to_m + num_capped)
         expected = -(-total // num_samples)
         return min(m, max(k + 1, expected))
-
-    def final_quantile(self, num_output_tokens: int, max_tokens: int, quantile: float) -> int:
-        """The `quantile` of min(N, max_tokens) given N > num_output_tokens: a length most
-        requests that long stay under (the same samples and pseudo-requests as expected_final)."""
-        k, m = num_output_tokens, max_tokens
-        if k + 1 >= m:
-            return m
-        self._refresh()
-        stopped = self._stopped
-        above_k = bisect.bisect_right(stopped, k)
-        num_capped = len(self._capped) - bisect.bisect_right(self._capped, k) + PRIOR_AT_CAP
-        num_stopped = len(stopped) - above_k
-        rank = math.ceil(quantile * (num_stopped + num_capped)) - 1
-        length = stopped[above_k + rank] if 0 <= rank < num_stopped else m
-        return min(m, max(k + 1, length))

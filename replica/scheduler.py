@@ -310,9 +310,8 @@ class Scheduler:
                 # Its prompt must fit now, and the peak of everyone's expected growth beside it
                 # (with the blocks it is about to share counted as held by their owners too).
                 growth.update_shared(request, sum(1 for block in hit_blocks if block.ref_cnt > 0))
-                peak = growth.peak_reserve_blocks(self.running, (request,), kv_cache)
                 # Its own prompt is fitted by allocate_slots below, net of its prefix-cache hit.
-                reserved_blocks += max(0, peak - cdiv(request.num_tokens, kv_cache.block_size))
+                reserved_blocks += growth.peak_reserve_blocks(self.running, (), kv_cache, candidate=request)
                 num_tokens_to_fit = request.num_tokens
             elif growth.reserves_growth:
                 # Its whole final size must fit beside all that running requests are still owed.

@@ -33,8 +33,6 @@ def test_estimator_averages_the_lengths_of_requests_still_long_enough():
     assert estimator.expected_final(25, 100) == 68  # only 30 and 40 outlive 25 tokens: (70 + 200) / 4
     assert estimator.expected_final(25, 32) == 32  # capped: (30 + 32 + 64) / 4
     assert estimator.expected_final(45, 100) == 100  # nobody ran that long: assume the cap
-    assert estimator.final_quantile(0, 100, 0.5) == 30  # 10 20 30 | 40 100 100
-    assert estimator.final_quantile(0, 100, 0.9) == 100
 
 
 def test_estimator_counts_requests_cut_off_at_max_tokens_as_running_to_the_cap():
