@@ -1,7 +1,7 @@
 """Live Ray Serve: two CPU LLMReplicas behind HeadroomRequestRouter with its KV event index.
 A request sharing a long prefix with an earlier one lands on the replica that cached it (its
 prefix-cache hit proves it), until that replica's committed KV is full: then it receives
-nothing, even for prompts it caches, and the other replica takes them.
+nothing, even for prompts it caches, and the other replica takes them (the prefix spreads).
 """
 
 from __future__ import annotations
@@ -121,7 +121,10 @@ def test_a_shared_prefix_goes_to_its_holder_until_the_holders_committed_kv_is_fu
         assert still_full, "the fillers ended before the probes were routed; the test proves nothing"
         assert [replica_id for replica_id, _ in served] == [other] * 3
         assert router.metrics.decisions(holder) == decided_before
-        assert router.metrics.sample("headroom_router_prefix_spills_total", replica=other) >= 3
+        # The first probe spilled away from the holder; the prefix then spread with it, so the
+        # other replica served the later ones from its own cache.
+        assert router.metrics.sample("headroom_router_prefix_spills_total", replica=other) >= 1
+        assert served[-1][1] >= len(PREFIX)
 
     asyncio.run(scenario())
 
