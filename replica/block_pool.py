@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from replica.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, stored
-
-_BLOCK_STORED, _BLOCK_REMOVED = KVEventKind.BLOCK_STORED, KVEventKind.BLOCK_REMOVED
+from replica.kv_events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEvent, stored
 
 NULL_BLOCK_ID = 0
 # Events wait in the pool until the engine takes them (once per step). If nobody takes them
@@ -122,7 +120,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
-                self._events.append((_BLOCK_REMOVED, block.block_hash, None))
+                self._events.append((BLOCK_REMOVED, block.block_hash, None))
                 if len(self._events) > self._max_pending_events:
                     self._compact_events()
             block.block_hash = block.parent_hash = None
@@ -152,7 +150,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         self.cached_blocks[block_hash] = block
-        self._events.append((_BLOCK_STORED, block_hash, parent_hash))
+        self._events.append((BLOCK_STORED, block_hash, parent_hash))
         if len(self._events) > self._max_pending_events:
             self._compact_events()
 

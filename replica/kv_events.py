@@ -21,12 +21,17 @@ class KVEventKind(enum.IntEnum):
 KVEvent = tuple[int, bytes, Optional[bytes]]
 
 
+# The kinds as plain ints: events ride in the engine core's output message, where plain
+# values pickle faster than enum members (replica/serving/messages.py); they compare equal.
+BLOCK_STORED, BLOCK_REMOVED = int(KVEventKind.BLOCK_STORED), int(KVEventKind.BLOCK_REMOVED)
+
+
 def stored(block_hash: bytes, parent_hash: Optional[bytes]) -> KVEvent:
-    return (KVEventKind.BLOCK_STORED, block_hash, parent_hash)
+    return (BLOCK_STORED, block_hash, parent_hash)
 
 
 def removed(block_hash: bytes) -> KVEvent:
-    return (KVEventKind.BLOCK_REMOVED, block_hash, None)
+    return (BLOCK_REMOVED, block_hash, None)
 
 
-ALL_BLOCKS_CLEARED: KVEvent = (KVEventKind.ALL_BLOCKS_CLEARED, b"", None)
+ALL_BLOCKS_CLEARED: KVEvent = (int(KVEventKind.ALL_BLOCKS_CLEARED), b"", None)
