@@ -2,7 +2,8 @@
 frees a request's blocks within one step, a core that cannot build its engine raises the
 engine's own error, a core whose front disappears exits, and a core killed under load fails
 every open stream with UNAVAILABLE at once while the server reports NOT_SERVING; the KV
-events crossing to the front rebuild exactly the core's prefix cache."""
+events crossing to the front rebuild exactly the core's prefix cache, and the admission mode
+acts in the core while its load fields (held admissions, committed KV) reach the front."""
 
 from __future__ import annotations
 
@@ -157,3 +158,31 @@ def test_the_fronts_kv_event_mirror_equals_the_cores_prefix_cache_after_eviction
     held, mirror, kinds = asyncio.run(scenario())
     assert kinds.count(KVEventKind.BLOCK_REMOVED) > 0, "nothing was evicted: the probe proves nothing"
     assert held and mirror == held
+
+
+def test_the_admission_mode_runs_in_the_core_and_its_load_fields_reach_the_front():
+    # 4 usable blocks of 16 tokens: two 16-token prompts fit today, but not both grown to
+    # 16 + 32 tokens (3 blocks each), so reserve_max_tokens holds the second back.
+    config = make_engine_config(max_model_len=48, block_size=16, num_kv_blocks=5,
+                                admission_mode="reserve_max_tokens")
+    grow = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        front = await AsyncEngine.launch(config, "builtin", device="cpu")
+        try:
+            streams = [front.add_request(list(range(3 + 20 * i, 19 + 20 * i)), grow) for i in range(2)]
+            await streams[0].__anext__()
+            version = front.load_version
+            await front.wait_for_load(version, timeout=30)
+            while_held = front.load()
+            for stream in streams:
+                assert [output async for output in stream][-1].finish_reason == "length"
+            return front.engine.config.admission_mode, while_held, front.load()
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    mode, while_held, after = asyncio.run(scenario())
+    assert mode == "reserve_max_tokens"
+    assert while_held.num_running == 1 and while_held.num_waiting == 1
+    assert while_held.kv_committed_tokens >= 3 * 16  # growth to max_tokens: 1 block running, 3 waiting
+    assert after.admissions_held_total == 1 and after.preemptions_total == 0
