@@ -7,13 +7,14 @@ out each step, and owns the paged KV cache tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
+from replica.logits_processors import TopLogprobs
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.sampler import Sampler
 from replica.scheduler import SchedulerOutput
@@ -21,10 +22,11 @@ from replica.scheduler import SchedulerOutput
 
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token (and its logprob when asked) per request that caught up this step."""
+    """One sampled token (and its logprobs when asked) per request that caught up this step."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, Optional[float]]
+    top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # only requests that asked
 
 
 class ModelRunner:
@@ -108,7 +110,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_rows])
         requests = [entry.request for _, entry in sampling]
         sampled = self.sampler.sample(
-            logits, [r.sampling_params for r in requests], [r.num_output_tokens for r in requests]
+            logits, [r.sampling_params for r in requests], [r.num_output_tokens for r in requests], requests
         )
         ids = [r.request_id for r in requests]
-        return ModelRunnerOutput(dict(zip(ids, sampled.token_ids)), dict(zip(ids, sampled.logprobs)))
+        top_logprobs = {request_id: top for request_id, top in zip(ids, sampled.top_logprobs or ()) if top is not None}
+        return ModelRunnerOutput(dict(zip(ids, sampled.token_ids)), dict(zip(ids, sampled.logprobs)), top_logprobs)

@@ -1,4 +1,5 @@
-"""Picks one token per row of logits: greedy, or temperature with top-k / top-p / min-p.
+"""Picks one token per row of logits: greedy, or temperature with top-k / top-p / min-p,
+after the logits processors (logit_bias, penalties; replica/logits_processors.py).
 
 Seeded rows draw their noise from (seed, step_index) alone, so a seeded request's tokens do
 not depend on its batch neighbours or on being preempted and recomputed.
@@ -11,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from replica.logits_processors import TokenHistory, TopLogprobs, apply_logits_processors, gather_logprobs
 from replica.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -20,6 +22,8 @@ _MASK64 = (1 << 64) - 1
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Optional[float]]  # None for rows whose params did not ask for logprobs
+    # None when no row asked for alternatives; else per row, None where that row did not.
+    top_logprobs: Optional[list[Optional[TopLogprobs]]] = None
 
 
 class Sampler:
@@ -28,14 +32,17 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int]
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int],
+        histories: Optional[Sequence[TokenHistory]] = None,
     ) -> SamplerOutput:
-        """logits [num_rows, vocab]; step_indices[i] = tokens row i's request has generated so far."""
+        """logits [num_rows, vocab]; step_indices[i] = tokens row i's request has generated so far;
+        histories[i] = row i's prompt and output tokens (needed when a row has penalties)."""
         if not logits.shape[0] == len(params) == len(step_indices):
             raise ValueError(
                 f"{logits.shape[0]} logit rows, {len(params)} sampling params, {len(step_indices)} step indices"
             )
-        logits = logits.float()
+        raw_logits = logits.float()
+        logits = apply_logits_processors(raw_logits, params, histories)
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest id
         random_rows = [row for row, row_params in enumerate(params) if not row_params.greedy]
         if random_rows:
@@ -46,7 +53,8 @@ class Sampler:
             # Exponential race (Gumbel-max): argmax of logits - log(E), E ~ Exp(1), is a
             # draw from softmax(logits); masked tokens stay at -inf and never win.
             token_ids[row_index] = (filtered - noise.log()).argmax(dim=-1)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_sampled_logprobs(logits, token_ids, params))
+        logprobs = gather_logprobs(raw_logits, token_ids, params)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs.sampled, top_logprobs=logprobs.top)
 
     def _exponential_noise(
         self, like: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int]
@@ -106,16 +114,6 @@ def _apply_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[flo
 
     filtered_sorted = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, sorted_token_ids, filtered_sorted)
-
-
-def _sampled_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
-) -> list[Optional[float]]:
-    """vLLM's convention: log_softmax of the raw logits, before temperature or filtering."""
-    if not any(p.logprobs for p in params):
-        return [None] * len(params)
-    logprobs = logits.log_softmax(dim=-1).gather(-1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    return [logprob if p.logprobs else None for logprob, p in zip(logprobs, params)]
 
 
 def _row_seed(seed: int, step_index: int) -> int:
