@@ -27,6 +27,7 @@ def _request(request_id: str, prompt: list[int], max_tokens: int, priority: int 
 def _step(scheduler: Scheduler) -> None:
     output = scheduler.schedule()
     scheduler.update(output, {s.request.request_id: 7 for s in output.scheduled if s.samples})
+    scheduler.kv_cache.take_kv_events()  # the engine hands the step's KV events out after every step
 
 
 def measure_overhead(num_running: int, mix: str, steps: int, rng: random.Random) -> tuple[float, float]:

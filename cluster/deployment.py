@@ -75,7 +75,8 @@ class GenerationRequest:
 
     def routing_request(self) -> RoutingRequest:
         """The size the router needs, passed as the call's `routing` keyword argument."""
-        return RoutingRequest(len(self.prompt_token_ids), self.sampling.max_tokens, self.priority)
+        return RoutingRequest(len(self.prompt_token_ids), self.sampling.max_tokens, self.priority,
+                              tuple(self.prompt_token_ids))
 
 
 @dataclass

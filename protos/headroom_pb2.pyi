@@ -13,10 +13,21 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
+    KV_EVENT_BLOCK_STORED: _ClassVar[KVEventKind]
+    KV_EVENT_BLOCK_REMOVED: _ClassVar[KVEventKind]
+    KV_EVENT_ALL_BLOCKS_CLEARED: _ClassVar[KVEventKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+KV_EVENT_KIND_UNSPECIFIED: KVEventKind
+KV_EVENT_BLOCK_STORED: KVEventKind
+KV_EVENT_BLOCK_REMOVED: KVEventKind
+KV_EVENT_ALL_BLOCKS_CLEARED: KVEventKind
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -188,7 +199,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, max_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica_id", "seq", "timestamp", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens", "num_running", "num_waiting", "waiting_prefill_tokens", "preemptions_total", "preemption_rate", "preemption_rate_per_running", "recomputed_tokens_total", "step_time_ms", "generation_tokens_per_s", "max_num_seqs", "kv_committed_tokens")
+    __slots__ = ("replica_id", "seq", "timestamp", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens", "num_running", "num_waiting", "waiting_prefill_tokens", "preemptions_total", "preemption_rate", "preemption_rate_per_running", "recomputed_tokens_total", "step_time_ms", "generation_tokens_per_s", "max_num_seqs", "kv_committed_tokens", "admissions_held_total", "expected_output_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +219,8 @@ class ReplicaLoad(_message.Message):
     GENERATION_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     KV_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_HELD_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     seq: int
     timestamp: float
@@ -227,4 +240,34 @@ class ReplicaLoad(_message.Message):
     generation_tokens_per_s: float
     max_num_seqs: int
     kv_committed_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., headroom_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., preemption_rate: _Optional[float] = ..., preemption_rate_per_running: _Optional[float] = ..., recomputed_tokens_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., kv_committed_tokens: _Optional[int] = ...) -> None: ...
+    admissions_held_total: int
+    expected_output_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., headroom_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., preemption_rate: _Optional[float] = ..., preemption_rate_per_running: _Optional[float] = ..., recomputed_tokens_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., kv_committed_tokens: _Optional[int] = ..., admissions_held_total: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchKVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "block_hash", "parent_hash")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEventKind
+    block_hash: bytes
+    parent_hash: bytes
+    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("replica_id", "seq", "snapshot", "block_size", "events")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    seq: int
+    snapshot: bool
+    block_size: int
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

@@ -210,6 +210,11 @@ class LoadReporterStub:
                 request_serializer=protos_dot_headroom__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_headroom__pb2.ReplicaLoad.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/headroom.v1.LoadReporter/WatchKVEvents',
+                request_serializer=protos_dot_headroom__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_headroom__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class LoadReporterServicer:
@@ -232,6 +237,16 @@ class LoadReporterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """The prefix cache's changes, in order: first a snapshot of every cached block, then one
+        batch per engine step that stored or removed blocks, numbered consecutively. A
+        subscriber that falls too far behind gets a fresh snapshot instead of the batches it
+        missed; one that sees a gap in `seq` outside a snapshot should reconnect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoadReporterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -244,6 +259,11 @@ def add_LoadReporterServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=protos_dot_headroom__pb2.WatchLoadRequest.FromString,
                     response_serializer=protos_dot_headroom__pb2.ReplicaLoad.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=protos_dot_headroom__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=protos_dot_headroom__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +321,33 @@ class LoadReporter:
             '/headroom.v1.LoadReporter/WatchLoad',
             protos_dot_headroom__pb2.WatchLoadRequest.SerializeToString,
             protos_dot_headroom__pb2.ReplicaLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/headroom.v1.LoadReporter/WatchKVEvents',
+            protos_dot_headroom__pb2.WatchKVEventsRequest.SerializeToString,
+            protos_dot_headroom__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 
 from replica.config import EngineConfig
 from replica.engine import RequestOutput, StepStats, make_request
+from replica.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
 from replica.request import InvalidRequestError, Request, SamplingParams, validate_request
@@ -132,6 +133,9 @@ class AsyncEngine:
         self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
         self._kv_event_listeners: list[Callable[[list], None]] = []
         self._request_observer: Optional[RequestObserver] = None
+        # The prefix cache's changes as the core's engine drained them, numbered, for WatchKVEvents.
+        self.kv_events = KVEventLog()
+        self.on_kv_events(self.kv_events.publish)
 
     @classmethod
     async def launch(cls, config: EngineConfig, model: str = "builtin", **options) -> "AsyncEngine":

@@ -1,23 +1,32 @@
-"""The fixed pool of KV cache blocks: reference counts, the free queue, and the prefix-hash index.
+"""The fixed pool of KV cache blocks: reference counts, the free queue, the prefix-hash index,
+and the KV events that describe every change of that index.
 
 Freed blocks keep their hash (lazy eviction): a later request with the same prefix can
-take them back until the free queue hands them out again, least recently freed first.
+take them back until the free queue hands them out again, least recently freed first. Only
+then is the hash removed, so a BLOCK_REMOVED event means the KV is really gone.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Optional
+from typing import Iterable, Optional
+
+from replica.kv_events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEvent, stored
 
 NULL_BLOCK_ID = 0
+# Events wait in the pool until the engine takes them (once per step). If nobody takes them
+# (an offline engine, the router simulation), a backlog past this many per block is replaced
+# by the state it leads to: ALL_BLOCKS_CLEARED and one BLOCK_STORED per cached block.
+MAX_PENDING_EVENTS_PER_BLOCK = 4
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: Optional[Hashable] = None
+        self.block_hash: Optional[bytes] = None
+        self.parent_hash: Optional[bytes] = None  # the previous block's hash in its sequence
         # Links of the free queue; both None while the block is in use.
         self.prev_free: Optional[KVBlock] = None
         self.next_free: Optional[KVBlock] = None
@@ -77,7 +86,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.ref_cnt = 1
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached_blocks: dict[Hashable, KVBlock] = {}
+        self.cached_blocks: dict[bytes, KVBlock] = {}
+        self._events: list[KVEvent] = []
+        self._max_pending_events = MAX_PENDING_EVENTS_PER_BLOCK * num_blocks
 
     @property
     def num_usable_blocks(self) -> int:
@@ -90,7 +101,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: Hashable) -> Optional[KVBlock]:
+    def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
         return self.cached_blocks.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
@@ -109,7 +120,10 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
-            block.block_hash = None
+                self._events.append((BLOCK_REMOVED, block.block_hash, None))
+                if len(self._events) > self._max_pending_events:
+                    self._compact_events()
+            block.block_hash = block.parent_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-cache hits, reviving those that sat in the free queue."""
@@ -127,15 +141,32 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: Hashable) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: Optional[bytes]) -> None:
         """Register a full block under its prefix hash; the first block with a hash keeps it."""
         if block.block_hash is not None:
             return
         if block_hash in self.cached_blocks:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
         self.cached_blocks[block_hash] = block
+        self._events.append((BLOCK_STORED, block_hash, parent_hash))
+        if len(self._events) > self._max_pending_events:
+            self._compact_events()
 
     def uncache_block(self, block: KVBlock) -> None:
         """Forget the block's prefix-cache entry, if it has one: its KV was never written."""
         self._evict(block)
+
+    # ---- KV events ---------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        """The events since the previous call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def _compact_events(self) -> None:
+        self._events = self.snapshot_events()
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """Events that rebuild the index as it stands, from any state a consumer may hold."""
+        return [ALL_BLOCKS_CLEARED] + [stored(h, block.parent_hash) for h, block in self.cached_blocks.items()]

@@ -11,6 +11,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replica.admission import AdmissionMode
+
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
 
@@ -45,6 +47,12 @@ class EngineConfig(BaseModel):
     )
     reserve_full_sequence: bool = Field(
         True, description="Admit a request only if its whole prompt fits, not just its first chunk."
+    )
+    admission_mode: AdmissionMode = Field(
+        "optimistic",
+        description="optimistic (vLLM's): admit what fits now; reserve_max_tokens (mini-SGLang's): admit only if "
+        "every running request and this one could grow to max_tokens; reserve_expected: the same with each "
+        "request's expected output length, learned from finished requests and capped by max_tokens.",
     )
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."

@@ -14,6 +14,7 @@ import torch
 
 from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
+from replica.kv_events import KVEvent
 from replica.model import load_model
 from replica.logits_processors import TopLogprobs
 from replica.model_runner import ModelRunner
@@ -197,6 +198,12 @@ class LLMEngine:
     def load(self) -> SchedulerLoad:
         return self.scheduler.load()
 
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix-cache events (blocks stored / removed) since the previous call, oldest
+        first: plain tuples, so a front in another process can receive them as a message.
+        Call once after each step; the replica numbers and streams them (replica/kv_event_log.py)."""
+        return self.scheduler.kv_cache.take_kv_events()
+
     def shutdown(self) -> None:
         """Stop the SLO monitor thread, if any."""
         if self.slo_monitor is not None:
@@ -268,4 +275,5 @@ class LLMEngine:
             requests.append(request)
         while self.has_unfinished_requests():
             self.step()
+            self.take_kv_events()  # nobody subscribes offline: drop them as a server would send them
         return [list(r.output_token_ids) for r in requests]

@@ -1,6 +1,6 @@
 """The replica's gRPC servicers: Generation (streaming Generate, Tokenize, GetModelInfo) and
-LoadReporter (GetLoad, WatchLoad) over one AsyncEngine (the engine core's front). Requests are validated here, at the
-edge, and every engine error maps to one gRPC status whose message names the proto field.
+LoadReporter (GetLoad, WatchLoad, WatchKVEvents) over one AsyncEngine (the engine core's front). Requests are
+validated here, at the edge, and every engine error maps to one gRPC status whose message names the proto field.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from replica.async_engine import (
 )
 from replica.chat_template import ChatTemplateError
 from replica.engine import LLMEngine, RequestOutput
+from replica.kv_event_log import KVEventBatch
 from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.request import InvalidRequestError, SamplingParams, check_text
 from replica.request_limits import RequestLimits, encode_prompt
@@ -43,6 +44,9 @@ PROTO_FIELD_FOR_ENGINE_FIELD = {
     **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
 }
 DEFAULT_WATCH_INTERVAL_MS = 100
+# A snapshot of a large prefix cache goes out in parts of at most this many events (~40
+# bytes each), far below gRPC's default 4 MiB message limit.
+KV_EVENTS_PER_MESSAGE = 16384
 # WatchLoad streams check for server shutdown at least this often, whatever interval the
 # client asked for, so stop() ends them cleanly instead of cancelling them.
 WATCH_STOP_CHECK_S = 0.1
@@ -263,6 +267,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return model_info_proto(self.engine.engine, self.model_id)
 
 
+def kv_event_batch_protos(batch: KVEventBatch, replica_id: str, block_size: int) -> list[pb.KVEventBatch]:
+    """One KVEventBatch as messages: one for a step's events, several parts for a big snapshot."""
+    events = [pb.KVEvent(kind=int(kind), block_hash=block_hash, parent_hash=parent_hash or b"")
+              for kind, block_hash, parent_hash in batch.events]
+    return [
+        pb.KVEventBatch(replica_id=replica_id, seq=batch.seq, snapshot=batch.snapshot, block_size=block_size,
+                        events=events[start : start + KV_EVENTS_PER_MESSAGE])
+        for start in range(0, max(len(events), 1), KV_EVENTS_PER_MESSAGE)
+    ]
+
+
 class LoadReporterServicer(pb_grpc.LoadReporterServicer):
     def __init__(self, engine: AsyncEngine, load_reports: LoadReportBuilder, stopping: asyncio.Event):
         self.engine = engine
@@ -297,3 +312,17 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
             if due or is_significant_change(sent_load, load):
                 await context.write(self.load_reports.build(load))
                 sent_load, sent_at = load, time.monotonic()
+
+    async def WatchKVEvents(self, request: pb.WatchKVEventsRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._abort_if_core_dead(context)  # its cache died with it: routers must drop their index
+        log = self.engine.kv_events
+        replica_id = self.load_reports.replica_id
+        block_size = self.engine.engine.config.block_size
+        seq = None  # what this subscriber has been sent up to; None: it needs a snapshot
+        while not self.stopping.is_set():
+            await self._abort_if_core_dead(context)
+            for batch in log.batches_after(seq):
+                for message in kv_event_batch_protos(batch, replica_id, block_size):
+                    await context.write(message)
+                seq = batch.seq
+            await log.wait_for_batch(seq, timeout=WATCH_STOP_CHECK_S)

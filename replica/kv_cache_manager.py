@@ -6,20 +6,14 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from protos.block_hash import extend_block_hashes
 from replica.block_pool import BlockPool, KVBlock
+from replica.kv_events import KVEvent
 from replica.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...], cache_salt: Optional[str]) -> tuple:
-    """Key of one full block in the prefix cache. It chains the parent key's 64-bit hash, so
-    equal keys mean equal block tokens and equal prefixes (up to a collision of that hash);
-    the salt (first block only) keeps tenants' caches apart. The block's own tokens are part
-    of the key, so a dict lookup compares them exactly."""
-    return (parent_hash, token_ids, cache_salt)
 
 
 class KVCacheManager:
@@ -54,21 +48,32 @@ class KVCacheManager:
         watermark in force). Negative when running requests have grown into the reserve."""
         return (self.pool.num_free_blocks - reserved_blocks) * self.block_size
 
+    def num_held_blocks(self, request: Request) -> int:
+        return len(self.req_to_blocks.get(request.request_id, ()))
+
+    def num_private_blocks(self, request: Request) -> int:
+        """Blocks only this request holds: what its end would free. Shared blocks form a
+        leading prefix (others share them through prefix-cache hits), so a binary search
+        over reference counts finds where they stop."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        low, high = 0, len(blocks)  # first block with ref_cnt < 2 lies in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if blocks[middle].ref_cnt >= 2:
+                low = middle + 1
+            else:
+                high = middle
+        return len(blocks) - low
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     # ---- prefix caching ----------------------------------------------------------------
-    def _update_block_hashes(self, request: Request) -> list:
-        hashes = request.block_hashes
-        block_size = self.block_size
-        num_full = request.num_tokens // block_size
-        tokens = request.all_token_ids
-        while len(hashes) < num_full:
-            i = len(hashes)
-            parent = hash(hashes[-1]) if hashes else None
-            salt = request.cache_salt if i == 0 else None
-            hashes.append(hash_block(parent, tuple(tokens[i * block_size : (i + 1) * block_size]), salt))
-        return hashes
+    def _update_block_hashes(self, request: Request) -> list[bytes]:
+        # Stable chain hashes (protos/block_hash.py): the keys KV events publish and the
+        # router recomputes from prompts. Each one names its whole prefix, and a dict lookup
+        # by it is exact up to a 128-bit blake2b collision.
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, as blocks and tokens. At least one token is
@@ -90,6 +95,14 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache blocks stored and removed since the previous call, in order."""
+        return self.pool.take_events()
+
+    def kv_snapshot_events(self) -> list[KVEvent]:
+        """Events that rebuild the prefix cache's current index from scratch."""
+        return self.pool.snapshot_events()
+
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -104,25 +117,24 @@ class KVCacheManager:
         nothing) when memory is short.
 
         new_computed_blocks / num_new_computed_tokens: prefix-cache hits taken on admission.
-        reserved_blocks: free blocks this allocation must leave untouched (the watermark).
+        reserved_blocks: free blocks this allocation must leave untouched (the watermark, and
+            under the reserve admission modes the growth running requests are owed).
         num_tokens_to_fit: the allocation succeeds only if this many tokens in total would fit
-            (the full-sequence admission check); only the scheduled tokens are allocated.
+            (the full-sequence admission check, or a request's whole final size); only the
+            scheduled tokens are allocated.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
-        num_held = (len(req_blocks) if req_blocks else 0) + len(new_computed_blocks)
         num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held)
-        if num_new_blocks == 0 and req_blocks and not new_computed_blocks and num_tokens_to_fit is None:
-            # The common decode step: the tokens fit in blocks the request already holds.
-            if self.enable_caching:
-                self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
-            return []
-        num_blocks_to_fit = num_new_blocks
-        if num_tokens_to_fit is not None:
-            num_blocks_to_fit = max(num_new_blocks, cdiv(num_tokens_to_fit, self.block_size) - num_held)
-        # Hits sitting in the free queue stop being free once taken.
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_blocks_to_fit + num_revived + reserved_blocks > self.pool.num_free_blocks:
+        if req_blocks and not new_computed_blocks and num_tokens_to_fit is None:
+            if cdiv(num_total_tokens, self.block_size) <= len(req_blocks):
+                # The common decode step: the tokens fit in blocks the request already holds.
+                if self.enable_caching:
+                    self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
+                return []
+        num_new_blocks, num_blocks_needed = self._blocks_needed(
+            request, num_new_tokens, new_computed_blocks, num_new_computed_tokens, num_tokens_to_fit
+        )
+        if num_blocks_needed + reserved_blocks > self.pool.num_free_blocks:
             return None
 
         if req_blocks is None:
@@ -139,6 +151,41 @@ class KVCacheManager:
             self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
         return new_blocks
 
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_new_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        num_tokens_to_fit: Optional[int] = None,
+    ) -> bool:
+        """Whether allocate_slots with these arguments would succeed; changes nothing."""
+        _, num_blocks_needed = self._blocks_needed(
+            request, num_new_tokens, new_computed_blocks, num_new_computed_tokens, num_tokens_to_fit
+        )
+        return num_blocks_needed + reserved_blocks <= self.pool.num_free_blocks
+
+    def _blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock],
+        num_new_computed_tokens: int,
+        num_tokens_to_fit: Optional[int],
+    ) -> tuple[int, int]:
+        """(blocks to allocate now, free blocks the allocation needs to succeed)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        num_held = (len(req_blocks) if req_blocks else 0) + len(new_computed_blocks)
+        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held)
+        num_blocks_to_fit = num_new_blocks
+        if num_tokens_to_fit is not None:
+            num_blocks_to_fit = max(num_new_blocks, cdiv(num_tokens_to_fit, self.block_size) - num_held)
+        # Hits sitting in the free queue stop being free once taken.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        return num_new_blocks, num_blocks_to_fit + num_revived
+
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_known_tokens: int) -> None:
         # Registered now, before this step's forward pass writes them: a request that hits
         # them in the same step runs in the same forward pass, which writes every new K/V
@@ -149,7 +196,7 @@ class KVCacheManager:
             return
         hashes = self._update_block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_block(req_blocks[i], hashes[i])
+            self.pool.cache_block(req_blocks[i], hashes[i], hashes[i - 1] if i else None)
         self.num_cached_blocks[request.request_id] = num_full
 
     def forget_unwritten_blocks(self, requests: Sequence[Request]) -> None:

@@ -74,4 +74,6 @@ class LoadReportBuilder:
             step_time_ms=self.step_stats.step_time_s * 1000.0,
             generation_tokens_per_s=self.step_stats.generation_tokens_per_s,
             max_num_seqs=load.max_num_seqs,
+            admissions_held_total=load.admissions_held_total,
+            expected_output_tokens=load.expected_output_tokens,
         )

@@ -97,6 +97,14 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         "vllm:request_success_total",
         REPLICA_LABELS + ("finish_reason",),
     ),
+    "headroom_admissions_held_total": MetricSpec(
+        "counter",
+        "Requests the admission mode held back at the head of the waiting queue although memory for "
+        "their prompt was free: admitting them would have promised more KV than the pool holds "
+        "(admission_mode reserve_max_tokens or reserve_expected; 0 under optimistic).",
+        None,
+        REPLICA_LABELS,
+    ),
     "headroom_slo_preemptions_total": MetricSpec(
         "counter",
         "Forward passes aborted between decoder layers to let a request with a nearer TTFT deadline in "
@@ -203,6 +211,33 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         None,
         ("policy", "replica"),
     ),
+    "headroom_router_prefix_hit_tokens_total": MetricSpec(
+        "counter",
+        "Prompt tokens of routed requests that the chosen replica's prefix cache held when the router chose "
+        "it, per the router's index of that replica's KV events.",
+        None,
+        ("policy", "replica"),
+    ),
+    "headroom_router_prefix_spills_total": MetricSpec(
+        "counter",
+        "Requests sent to this replica although another one cached more of their prompt: a hot prefix "
+        "spreading to more replicas as its holder loads.",
+        None,
+        ("policy", "replica"),
+    ),
+    "headroom_router_cached_blocks": MetricSpec(
+        "gauge",
+        "Prefix-cache blocks of the replica in the router's index, rebuilt from its KV events.",
+        None,
+        ("replica",),
+    ),
+    "headroom_router_kv_event_resyncs_total": MetricSpec(
+        "counter",
+        "Times the router rebuilt a replica's cache index from a new snapshot (after a broken stream or "
+        "missed events).",
+        None,
+        ("replica",),
+    ),
     "headroom_router_load_age_seconds": MetricSpec(
         "histogram",
         "Age of a replica's ReplicaLoad snapshot when the router scored that replica.",
@@ -228,6 +263,7 @@ class CounterTotals(Protocol):
     generation_tokens_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    admissions_held_total: int
 
 
 # Which counter follows which CounterTotals field.
@@ -238,6 +274,7 @@ COUNTER_FOR_TOTAL = {
     "generation_tokens_total": "headroom_generation_tokens_total",
     "prefix_cache_queries": "headroom_prefix_cache_queries_total",
     "prefix_cache_hits": "headroom_prefix_cache_hits_total",
+    "admissions_held_total": "headroom_admissions_held_total",
 }
 
 

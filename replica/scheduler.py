@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from replica.admission import GrowthLedger
 from replica.config import EngineConfig
 from replica.kv_cache_manager import KVCacheManager, cdiv
 from replica.preemption import VICTIM_POLICIES
@@ -79,8 +80,8 @@ class SchedulerLoad:
     kv_usage: float
     headroom_tokens: int
     # KV tokens (whole blocks) the live requests, running and waiting, will still claim
-    # beyond the blocks they hold if each runs to max_tokens: memory already promised that
-    # free blocks do not show.
+    # beyond the blocks they hold if each runs to max_tokens (to its expected length under
+    # admission_mode reserve_expected): memory already promised that free blocks do not show.
     kv_committed_tokens: int
     num_running: int
     num_waiting: int
@@ -94,6 +95,8 @@ class SchedulerLoad:
     max_num_seqs: int
     slo_preemptions_total: int = 0
     slo_discarded_layers_total: int = 0
+    admissions_held_total: int = 0
+    expected_output_tokens: int = 0  # of a new request, under reserve_expected admission; else 0
     ttft_predictor_per_token_s: float = 0.0
     ttft_predictor_base_s: float = 0.0
 
@@ -107,6 +110,9 @@ class SchedulerCounters:
     scheduled_tokens: int = 0
     slo_preemptions: int = 0  # forward passes aborted to let an urgent request in, one victim each
     slo_discarded_layers: int = 0  # decoder layers those aborted passes had already run
+    # Requests the admission mode's growth reserve held back while memory for their prompt
+    # was free (each counted once per wait at the head of the queue).
+    admissions_held: int = 0
 
 
 class Scheduler:
@@ -127,10 +133,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every live request
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]
         self.counters = SchedulerCounters()
-        self.waiting_prefill_tokens = 0  # sum of num_tokens over the waiting queue
-        # Sum over live requests of the blocks each holds once it has run to max_tokens;
-        # minus the blocks they hold now, it is the committed KV growth load() reports.
-        self.num_final_blocks = 0
+        # Tokens the waiting requests must compute: their length less the prefix-cache hit
+        # each had when it joined the queue (`_waiting_hit_tokens`).
+        self.waiting_prefill_tokens = 0
+        self._waiting_hit_tokens: dict[str, int] = {}
+        # The blocks each live request will hold when it ends; minus the blocks they hold
+        # now, the committed KV growth load() reports and the reserve modes admit against.
+        self.growth = GrowthLedger(config.admission_mode, config.block_size)
+        self._held_request_id: Optional[str] = None  # the head of the queue the reserve holds back
         self._finished_req_ids: list[str] = []
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
@@ -151,8 +161,7 @@ class Scheduler:
             request.ttft_deadline = ttft_deadline(request.arrival_time, self.config.default_ttft_slo_ms)
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        self.waiting_prefill_tokens += request.num_tokens
-        self.num_final_blocks += self._final_blocks(request)
+        self.growth.add(request, self._count_waiting(request))
         self.counters.prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -164,23 +173,33 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-            self.waiting_prefill_tokens -= request.num_tokens
+            self._uncount_waiting(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.growth.remove(request, was_running=request.status == RequestStatus.RUNNING)
+        if status != RequestStatus.FINISHED_ABORTED:  # an abort says nothing about length
+            self.growth.observe_finished(request.num_output_tokens, status == RequestStatus.FINISHED_LENGTH)
         request.status = status
         self.kv_cache.free(request)
-        self.num_final_blocks -= self._final_blocks(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _final_blocks(self, request: Request) -> int:
-        """Blocks the request holds when it has run to max_tokens (EOS may end it sooner)."""
-        return cdiv(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.block_size)
+    def _count_waiting(self, request: Request) -> int:
+        """Add a request joining the waiting queue to the prefill backlog, net of the prefix
+        it finds cached now; returns how many of those cached blocks other requests hold
+        (memory it will share rather than claim)."""
+        hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+        self._waiting_hit_tokens[request.request_id] = num_hit_tokens
+        self.waiting_prefill_tokens += request.num_tokens - num_hit_tokens
+        return sum(1 for block in hit_blocks if block.ref_cnt > 0)
+
+    def _uncount_waiting(self, request: Request) -> None:
+        self.waiting_prefill_tokens -= request.num_tokens - self._waiting_hit_tokens.pop(request.request_id)
 
     def _admission_reserve_blocks(self) -> int:
         # The watermark is a reserve only admissions must leave free, and only while
@@ -274,6 +293,7 @@ class Scheduler:
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
         config = self.config
         kv_cache = self.kv_cache
+        growth = self.growth
         now = self.clock()
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
@@ -281,19 +301,30 @@ class Scheduler:
             num_new_tokens = self._step_tokens(request.num_tokens - num_hit_tokens, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
+            reserved_blocks = self._admission_reserve_blocks()
+            num_tokens_to_fit = request.num_tokens if config.reserve_full_sequence else None
+            if growth.tracks_output:
+                # Its prompt must fit now, and the peak of everyone's expected growth beside it
+                # (with the blocks it is about to share counted as held by their owners too).
+                growth.update_shared(request, sum(1 for block in hit_blocks if block.ref_cnt > 0))
+                # Its own prompt is fitted by allocate_slots below, net of its prefix-cache hit.
+                reserved_blocks += growth.peak_reserve_blocks(self.running, (), kv_cache, candidate=request)
+                num_tokens_to_fit = request.num_tokens
+            elif growth.reserves_growth:
+                # Its whole final size must fit beside all that running requests are still owed.
+                reserved_blocks += growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
+                num_tokens_to_fit = growth.final_tokens(request)
             new_blocks = kv_cache.allocate_slots(
-                request,
-                num_new_tokens,
-                hit_blocks,
-                num_hit_tokens,
-                reserved_blocks=self._admission_reserve_blocks(),
-                num_tokens_to_fit=request.num_tokens if config.reserve_full_sequence else None,
+                request, num_new_tokens, hit_blocks, num_hit_tokens,
+                reserved_blocks=reserved_blocks, num_tokens_to_fit=num_tokens_to_fit,
             )
             if new_blocks is None:
+                if growth.reserves_growth:
+                    self._count_held_admission(request, num_new_tokens, hit_blocks, num_hit_tokens)
                 break  # head-of-line: later requests do not overtake
 
             self.waiting.pop()
-            self.waiting_prefill_tokens -= request.num_tokens
+            self._uncount_waiting(request)
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             if request.num_computed_tokens_lost:
                 self.counters.recomputed_tokens += max(0, request.num_computed_tokens_lost - num_hit_tokens)
@@ -305,6 +336,7 @@ class Scheduler:
             if request.first_admitted_time is None:
                 request.first_admitted_time = now
             self.running.append(request)
+            growth.admitted(request)
             scheduled.append(
                 ScheduledRequest(
                     request, num_new_tokens, num_hit_tokens, kv_cache.get_block_ids(request.request_id), True
@@ -312,6 +344,19 @@ class Scheduler:
             )
             token_budget -= num_new_tokens
         return token_budget
+
+    def _count_held_admission(self, request: Request, num_new_tokens: int, hit_blocks, num_hit_tokens: int) -> None:
+        """Count the head request once if only the growth reserve keeps it waiting: the
+        optimistic check (watermark, full prompt) would have admitted it."""
+        if request.request_id == self._held_request_id:
+            return
+        fits_today = self.kv_cache.can_allocate(
+            request, num_new_tokens, hit_blocks, num_hit_tokens, reserved_blocks=self._admission_reserve_blocks(),
+            num_tokens_to_fit=request.num_tokens if self.config.reserve_full_sequence else None,
+        )
+        if fits_today:
+            self._held_request_id = request.request_id
+            self.counters.admissions_held += 1
 
     def _preempt(self, running_index: int) -> None:
         request = self.running.pop(running_index)
@@ -327,7 +372,7 @@ class Scheduler:
         request.num_computed_tokens_lost = request.num_computed_tokens
         request.num_computed_tokens = 0
         self.waiting.add_front(request)
-        self.waiting_prefill_tokens += request.num_tokens
+        self.growth.left_running(request, self._count_waiting(request))
 
     # ---- SLO preemption ----------------------------------------------------------------
     def _urgency(self, request: Request, now: float) -> float:
@@ -370,6 +415,8 @@ class Scheduler:
         updates = []
         any_finished = False
         now = None
+        growth = self.growth
+        tracks_output = growth.tracks_output
         for entry in output.scheduled:
             request = entry.request
             if not entry.samples or request.status != RequestStatus.RUNNING:
@@ -387,6 +434,8 @@ class Scheduler:
             if finished is not None:
                 self._finish(request, finished)
                 any_finished = True
+            elif tracks_output:
+                growth.output_grew(request)
             updates.append(TokenUpdate(request, token_id, finished))
         self.counters.generation_tokens += len(updates)
         if any_finished:
@@ -404,7 +453,7 @@ class Scheduler:
             # What an admission may still take now, so the router's fit filter and the
             # replica's own admission check agree.
             headroom_tokens=kv_cache.headroom_tokens(self._admission_reserve_blocks()),
-            kv_committed_tokens=(self.num_final_blocks - kv_cache.num_request_blocks) * kv_cache.block_size,
+            kv_committed_tokens=self._committed_blocks() * kv_cache.block_size,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             waiting_prefill_tokens=self.waiting_prefill_tokens,
@@ -417,9 +466,19 @@ class Scheduler:
             max_num_seqs=self.config.max_num_seqs,
             slo_preemptions_total=self.counters.slo_preemptions,
             slo_discarded_layers_total=self.counters.slo_discarded_layers,
+            admissions_held_total=self.counters.admissions_held,
+            expected_output_tokens=self.growth.expected_new_output(self.config.max_model_len),
             ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
             ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,
         )
+
+    def _committed_blocks(self) -> int:
+        """KV blocks live requests will still claim: their summed growth, or under
+        reserve_expected the peak of their expected future (what admission reserves)."""
+        growth, kv_cache = self.growth, self.kv_cache
+        if growth.tracks_output:
+            return growth.peak_reserve_blocks(self.running, self.waiting, kv_cache)
+        return growth.growth_blocks(kv_cache.num_request_blocks)
 
     def check_invariants(self) -> None:
         """Assert the engine's structural invariants (for tests; O(blocks + requests))."""
@@ -432,7 +491,7 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
-        assert self.waiting_prefill_tokens == sum(r.num_tokens for r in waiting)
+        assert self.waiting_prefill_tokens == sum(r.num_tokens - self._waiting_hit_tokens[r.request_id] for r in waiting)
         kv_cache = self.kv_cache
         assert set(kv_cache.req_to_blocks) <= running_ids, "a request outside running holds blocks"
         holders: dict[int, int] = {}
@@ -446,7 +505,9 @@ class Scheduler:
         assert len(free_ids) == kv_cache.num_free_blocks
         # The committed-KV figure load() reports, recomputed from scratch.
         held = {request_id: len(blocks) for request_id, blocks in kv_cache.req_to_blocks.items()}
-        growth = [self._final_blocks(r) - held.get(r.request_id, 0) for r in self.requests.values()]
-        assert all(blocks >= 0 for blocks in growth), "a request holds more blocks than it can ever fill"
+        final = {r.request_id: cdiv(self.growth.final_tokens(r), kv_cache.block_size) for r in self.requests.values()}
+        assert all(final[r] >= held.get(r, 0) for r in final), "a request holds more blocks than its final estimate"
+        assert all(self.growth.final_tokens(r) >= r.num_tokens for r in self.requests.values())
         assert kv_cache.num_request_blocks == sum(held.values())
-        assert self.num_final_blocks - kv_cache.num_request_blocks == sum(growth)
+        assert (self.growth.live_final_blocks, self.growth.running_final_blocks) == (
+            sum(final.values()), sum(final[r.request_id] for r in self.running))

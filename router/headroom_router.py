@@ -1,6 +1,7 @@
 """HeadroomRouter: the Ray-free core of the Ray Serve request router. It keeps one load
-subscription per replica, turns the snapshots into ReplicaViews, asks the routing policy for
-a ranking and counts what it sends between snapshots (herd avoidance).
+subscription per replica (and one KV event subscription, for policies that read caches),
+turns snapshots and the cache index into ReplicaViews, asks the routing policy for a
+ranking and counts what it sends between snapshots (herd avoidance).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from router.cache_index import PrefixCacheIndex
 from router.inflight import InflightCounts, InflightTracker
+from router.kv_event_subscriber import KVEventSubscriber
 from router.load_subscriber import Backoff, LoadSubscriber
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALENESS_S, ReplicaView, RoutingRequest, make_policy
@@ -25,7 +28,7 @@ UNSIZED_REQUEST = RoutingRequest(prompt_tokens=0, max_tokens=16)
 # Policies that score ReplicaLoad snapshots; with no fresh snapshot at all they have nothing
 # to go on and the router falls back to Ray Serve's queue-length choice. The others
 # (round_robin, pow2) never read loads and always rank.
-LOAD_BASED_POLICIES = frozenset({"headroom", "least_loaded"})
+LOAD_BASED_POLICIES = frozenset({"headroom", "least_loaded", "precise_prefix"})
 # A choice the router made but Ray Serve has not confirmed (the replica may still reject
 # it, or the caller cancel) counts against its replica for at most this long.
 TENTATIVE_SEND_TTL_S = 5.0
@@ -40,7 +43,7 @@ def routing_request_of(kwargs: Mapping[str, Any]) -> RoutingRequest:
 @dataclass(frozen=True)
 class TentativeSend:
     replica_id: str
-    blocks: int
+    send: InflightCounts
     chosen_at: float  # on the router's monotonic clock
 
 
@@ -68,6 +71,11 @@ class HeadroomRouter:
         self.loads = LoadSubscriber(backoff=backoff, clock=clock)
         self.inflight = InflightTracker()
         self.metrics = RouterMetrics(self.policy.name)
+        self.cache_index = PrefixCacheIndex()
+        self.kv_events: Optional[KVEventSubscriber] = None
+        if self.policy.uses_prefix_cache:
+            self.kv_events = KVEventSubscriber(self.cache_index, backoff=backoff, clock=clock,
+                                               on_resync=self.metrics.kv_event_resynced)
         self._tentative: dict[str, TentativeSend] = {}  # request key -> the router's first choice
 
     # ---- the replica set -------------------------------------------------------------
@@ -77,14 +85,19 @@ class HeadroomRouter:
         for replica_id, endpoint in endpoints.items():
             if endpoint:
                 self.loads.subscribe(replica_id, endpoint)
+                if self.kv_events is not None:
+                    self.kv_events.subscribe(replica_id, endpoint)
         for replica_id in self.loads.replica_ids - set(endpoints):
             self.remove_replica(replica_id)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a dead or removed replica: its stream, its bookkeeping, its metric series."""
         self.loads.unsubscribe(replica_id)
+        if self.kv_events is not None:
+            self.kv_events.unsubscribe(replica_id)
         self.inflight.remove_replica(replica_id)
         self.metrics.remove_replica(replica_id)
+        self.policy.forget_replica(replica_id)
         for key in [key for key, send in self._tentative.items() if send.replica_id == replica_id]:
             del self._tentative[key]
 
@@ -100,7 +113,7 @@ class HeadroomRouter:
         # A retry re-ranks from scratch: its own earlier choice must not count against it.
         self._tentative.pop(request_key, None)
         self._expire_tentative()
-        views = [self._view(replica_id, queue_len) for replica_id, queue_len in queue_lens.items()]
+        views = [self._view(request, replica_id, queue_len) for replica_id, queue_len in queue_lens.items()]
         for view in views:
             if view.load is not None:
                 self.metrics.observe_load_age(view.replica_id, view.load_age_s)
@@ -110,33 +123,49 @@ class HeadroomRouter:
             return None
         ranked = self.policy.rank(request, views)
         if ranked:
-            self._tentative[request_key] = TentativeSend(
-                ranked[0], self._blocks_of(request, ranked[0]), self.clock()
-            )
+            self._tentative[request_key] = TentativeSend(ranked[0], self._send_of(request, ranked[0]), self.clock())
         return ranked
 
     def routed(self, request: RoutingRequest, request_key: str, replica_id: str) -> None:
         """Ray Serve sent the request to `replica_id` and the replica accepted it."""
         self._tentative.pop(request_key, None)
-        self.inflight.record_sent(replica_id, self._blocks_of(request, replica_id), self.wall_clock())
-        self.metrics.decided(replica_id)
+        send = self._send_of(request, replica_id)
+        self.inflight.record_sent(replica_id, send.blocks, self.wall_clock(), send.prefill_tokens)
+        cached = {other: self._cached_blocks(request, other) for other in self.cache_index.replica_ids()}
+        cached_blocks, block_size = cached.get(replica_id, (0, 0))
+        spilled = any(blocks > cached_blocks for blocks, _ in cached.values())
+        self.metrics.decided(replica_id, cached_blocks * block_size, spilled)
+        self.policy.on_routed(request, replica_id, request_key, cached_blocks)
 
     def abandoned(self, request_key: str) -> None:
-        """The request will not be sent after all (cancelled, or it finished)."""
+        """The request will not be sent after all (cancelled), or it finished."""
         self._tentative.pop(request_key, None)
+        self.policy.on_finished(request_key)
 
-    def _view(self, replica_id: str, queue_len: int) -> ReplicaView:
+    def _cached_blocks(self, request: RoutingRequest, replica_id: str) -> tuple[int, int]:
+        """(leading prompt blocks the replica caches, its block size); (0, 0) when unknown."""
+        cache = self.cache_index.get(replica_id)
+        if cache is None or not cache.block_size or not request.prompt_token_ids:
+            return 0, 0
+        return cache.leading_blocks(request.prefix_hashes(cache.block_size)), cache.block_size
+
+    def _view(self, request: RoutingRequest, replica_id: str, queue_len: int) -> ReplicaView:
         subscription = self.loads.get(replica_id)
         load = subscription.load if subscription is not None else None
         if load is not None:
             # Sends the snapshot already covers stop counting; a repeat does nothing.
             self.inflight.observe_snapshot(replica_id, load.seq, load.timestamp)
+        cached_blocks, block_size = self._cached_blocks(request, replica_id)
+        if self.kv_events is not None:
+            self.metrics.set_cached_blocks(replica_id, self.cache_index.num_blocks(replica_id))
         return ReplicaView(
             replica_id=replica_id,
             load=load,
             load_age_s=subscription.age_s() if load is not None else 0.0,
             queue_len=queue_len,
             inflight_since_snapshot=self._inflight_counts(replica_id),
+            cached_blocks=cached_blocks,
+            cache_block_size=block_size,
         )
 
     def _inflight_counts(self, replica_id: str) -> InflightCounts:
@@ -144,7 +173,8 @@ class HeadroomRouter:
         tentative = [send for send in self._tentative.values() if send.replica_id == replica_id]
         return InflightCounts(
             requests=confirmed.requests + len(tentative),
-            blocks=confirmed.blocks + sum(send.blocks for send in tentative),
+            blocks=confirmed.blocks + sum(tentative_send.send.blocks for tentative_send in tentative),
+            prefill_tokens=confirmed.prefill_tokens + sum(t.send.prefill_tokens for t in tentative),
         )
 
     def _expire_tentative(self) -> None:
@@ -152,11 +182,17 @@ class HeadroomRouter:
         for key in [key for key, send in self._tentative.items() if send.chosen_at < expired_before]:
             del self._tentative[key]
 
-    def _blocks_of(self, request: RoutingRequest, replica_id: str) -> int:
+    def _send_of(self, request: RoutingRequest, replica_id: str) -> InflightCounts:
+        """What sending `request` to the replica adds before its next snapshot shows it."""
         subscription = self.loads.get(replica_id)
         if subscription is None or subscription.load is None:
-            return 0  # no block size known yet; the request still counts
-        return request.num_blocks(subscription.load.block_size)
+            # No block size known yet: the request still counts, and so does its prefill.
+            return InflightCounts(1, 0, request.prompt_tokens)
+        load = subscription.load
+        cached_blocks, _ = self._cached_blocks(request, replica_id)
+        return InflightCounts.one_send(request.expected_blocks(load), request.prompt_tokens, cached_blocks, load.block_size)
 
     async def close(self) -> None:
         await self.loads.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()

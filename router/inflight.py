@@ -11,10 +11,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class InflightCounts:
-    """Requests, and the KV blocks of their full sequences, sent since a replica's snapshot."""
+    """Requests sent since a replica's snapshot: the KV blocks of their full sequences (less
+    the prefix the replica caches, which they share) and the prompt tokens they must prefill."""
 
     requests: int = 0
     blocks: int = 0
+    prefill_tokens: int = 0
+
+    @classmethod
+    def one_send(cls, sequence_blocks: int, prompt_tokens: int, cached_blocks: int, block_size: int) -> "InflightCounts":
+        """One request of `sequence_blocks` (prompt + max_tokens) sent where `cached_blocks`
+        of its prompt are cached."""
+        cached_tokens = min(cached_blocks * block_size, prompt_tokens)
+        return cls(1, max(0, sequence_blocks - cached_blocks), prompt_tokens - cached_tokens)
 
 
 class InflightTracker:
@@ -33,12 +42,12 @@ class InflightTracker:
     FORGET_AFTER_S = 60.0
 
     def __init__(self) -> None:
-        self._sends: dict[str, deque[tuple[float, int]]] = {}  # replica -> (sent_at, blocks)
+        self._sends: dict[str, deque[tuple[float, int, int]]] = {}  # replica -> (sent_at, blocks, prefill)
         self._latest_seq: dict[str, int] = {}
 
-    def record_sent(self, replica_id: str, blocks: int, now: float) -> None:
+    def record_sent(self, replica_id: str, blocks: int, now: float, prefill_tokens: int = 0) -> None:
         sends = self._sends.setdefault(replica_id, deque())
-        sends.append((now, blocks))
+        sends.append((now, blocks, prefill_tokens))
         while sends[0][0] < now - self.FORGET_AFTER_S:
             sends.popleft()
 
@@ -57,7 +66,8 @@ class InflightTracker:
         sends = self._sends.get(replica_id)
         if not sends:
             return InflightCounts()
-        return InflightCounts(requests=len(sends), blocks=sum(blocks for _, blocks in sends))
+        return InflightCounts(requests=len(sends), blocks=sum(send[1] for send in sends),
+                              prefill_tokens=sum(send[2] for send in sends))
 
     def remove_replica(self, replica_id: str) -> None:
         """Drops a dead or removed replica's bookkeeping; a new replica under the same id starts afresh."""

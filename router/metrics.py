@@ -1,6 +1,7 @@
-"""The router's Prometheus metrics: decisions per policy and replica, and the age of the load
-snapshot each decision scored; one /metrics per process serves every router in it. Names and
-help come from replica.metrics.METRIC_NAMES.
+"""The router's Prometheus metrics: decisions per policy and replica, the age of the load
+snapshot each decision scored, and the prefix cache as the router sees it (predicted hits,
+spills of a hot prefix to other replicas, index size, resyncs); one /metrics per process
+serves every router in it. Names and help come from replica.metrics.METRIC_NAMES.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from replica.metrics import create_metric
+from replica.metrics import METRIC_NAMES, create_metric
 
 
 class _ProcessRouters:
@@ -63,17 +64,36 @@ class RouterMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._decisions = create_metric("headroom_router_decisions_total", self.registry)
         self._load_age = create_metric("headroom_router_load_age_seconds", self.registry)
+        self._prefix_hit_tokens = create_metric("headroom_router_prefix_hit_tokens_total", self.registry)
+        self._prefix_spills = create_metric("headroom_router_prefix_spills_total", self.registry)
+        self._cached_blocks = create_metric("headroom_router_cached_blocks", self.registry)
+        self._kv_event_resyncs = create_metric("headroom_router_kv_event_resyncs_total", self.registry)
         _PROCESS_ROUTERS.add(self.registry)
 
-    def decided(self, replica_id: str) -> None:
+    def decided(self, replica_id: str, cached_tokens: int = 0, spilled: bool = False) -> None:
+        """One request sent to `replica_id`, whose cache held `cached_tokens` of its prompt;
+        `spilled`: another replica held more of it."""
         self._decisions.labels(self.policy, replica_id).inc()
+        if cached_tokens:
+            self._prefix_hit_tokens.labels(self.policy, replica_id).inc(cached_tokens)
+        if spilled:
+            self._prefix_spills.labels(self.policy, replica_id).inc()
+
+    def set_cached_blocks(self, replica_id: str, num_blocks: int) -> None:
+        self._cached_blocks.labels(replica_id).set(num_blocks)
+
+    def kv_event_resynced(self, replica_id: str) -> None:
+        self._kv_event_resyncs.labels(replica_id).inc()
 
     def observe_load_age(self, replica_id: str, age_s: float) -> None:
         self._load_age.labels(replica_id).observe(age_s)
 
     def remove_replica(self, replica_id: str) -> None:
         """Drop a gone replica's series so dashboards stop showing it."""
-        for metric, labels in ((self._decisions, (self.policy, replica_id)), (self._load_age, (replica_id,))):
+        by_policy, by_replica = (self.policy, replica_id), (replica_id,)
+        for metric, labels in ((self._decisions, by_policy), (self._prefix_hit_tokens, by_policy),
+                               (self._prefix_spills, by_policy), (self._load_age, by_replica),
+                               (self._cached_blocks, by_replica), (self._kv_event_resyncs, by_replica)):
             try:
                 metric.remove(*labels)
             except KeyError:  # never decided for, or never scored
@@ -81,7 +101,11 @@ class RouterMetrics:
 
     def decisions(self, replica_id: str) -> float:
         """Decisions for `replica_id` so far (what a scrape would read)."""
-        value = self.registry.get_sample_value(
-            "headroom_router_decisions_total", {"policy": self.policy, "replica": replica_id}
-        )
-        return value or 0.0
+        return self.sample("headroom_router_decisions_total", replica=replica_id)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """A sample's value as a scrape would read it (0 before it exists); `policy` is implied
+        for the metrics labelled by it."""
+        if "policy" in METRIC_NAMES[name].labels:
+            labels = {"policy": self.policy, **labels}
+        return self.registry.get_sample_value(name, labels) or 0.0

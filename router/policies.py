@@ -1,102 +1,27 @@
 """Replica scoring policies behind one interface: `rank(request, replicas)` returns replica
 ids, best first. `headroom` is ours; `round_robin`, `pow2` and `least_loaded` are faithful
-baselines. Stale or missing stats fall back to queue length, never to an error.
+load-only baselines (the prefix-cache-aware ones are in router/prefix_baselines.py). Stale or
+missing stats fall back to queue length, never to an error.
 """
 
 from __future__ import annotations
 
-import abc
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from protos.headroom_pb2 import ReplicaLoad
-from router.inflight import InflightCounts
-
-# Snapshots arrive every <= 100 ms; one older than a second means the stream is broken or
-# the replica is stuck, and its numbers no longer describe it.
-DEFAULT_STALENESS_S = 1.0
-
-
-@dataclass(frozen=True)
-class RoutingRequest:
-    """What the router knows of a request before it runs: its token counts and priority."""
-
-    prompt_tokens: int
-    max_tokens: int
-    priority: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """The full sequence the replica must eventually hold: prompt plus every output token."""
-        return self.prompt_tokens + self.max_tokens
-
-    def num_blocks(self, block_size: int) -> int:
-        return -(-self.num_tokens // block_size)
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    """One replica as the router sees it when a request arrives."""
-
-    replica_id: str
-    load: Optional[ReplicaLoad]  # the latest snapshot; None until the first one arrives
-    load_age_s: float  # how old `load` is (ignored when it is None)
-    queue_len: int  # Ray Serve's own count of requests in flight to this replica
-    inflight_since_snapshot: InflightCounts = field(default_factory=InflightCounts)
-
-    def has_fresh_load(self, staleness_s: float) -> bool:
-        return self.load is not None and self.load_age_s <= staleness_s
-
-
-def split_by_freshness(replicas: Sequence[ReplicaView], staleness_s: float) -> tuple[list[ReplicaView], list[ReplicaView]]:
-    """(replicas with a snapshot no older than staleness_s, the rest), in one pass."""
-    fresh, stale = [], []
-    for view in replicas:
-        (fresh if view.has_fresh_load(staleness_s) else stale).append(view)
-    return fresh, stale
-
-
-class RoutingPolicy(abc.ABC):
-    """Ranks replicas for one request; the caller sends it to the first that accepts."""
-
-    name: str
-
-    @abc.abstractmethod
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]: ...
-
-
-def rank_by_queue_len(replicas: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaView]:
-    """Shortest queue first, equal queues in random order: Ray Serve's choice without stats."""
-    shuffled = list(replicas)
-    rng.shuffle(shuffled)
-    return sorted(shuffled, key=lambda view: view.queue_len)  # stable: the shuffle breaks ties
-
-
-def merge_stale_by_queue_len(
-    fresh_ranked: list[ReplicaView], stale: Sequence[ReplicaView], rng: random.Random
-) -> list[str]:
-    """Slots replicas without fresh stats into a ranking of fresh ones, on queue length alone.
-
-    A stale replica goes ahead of the next fresh one only when its queue is shorter, so a
-    replica whose stream broke keeps serving while it is visibly less busy, and never
-    wins on numbers it no longer reports.
-    """
-    stale_ranked = rank_by_queue_len(stale, rng)
-    merged: list[str] = []
-    i = j = 0
-    while i < len(fresh_ranked) or j < len(stale_ranked):
-        take_stale = j < len(stale_ranked) and (
-            i == len(fresh_ranked) or stale_ranked[j].queue_len < fresh_ranked[i].queue_len
-        )
-        if take_stale:
-            merged.append(stale_ranked[j].replica_id)
-            j += 1
-        else:
-            merged.append(fresh_ranked[i].replica_id)
-            i += 1
-    return merged
+from router.policy_base import (  # noqa: F401  (re-exported: callers import the views from here)
+    DEFAULT_STALENESS_S,
+    ReplicaView,
+    RoutingPolicy,
+    RoutingRequest,
+    load_scores,
+    merge_stale_by_queue_len,
+    rank_by_queue_len,
+    split_by_freshness,
+)
+from router.prefix_baselines import ApproxPrefixPolicy, DynamoPolicy, PrecisePrefixPolicy
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -163,20 +88,9 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
         fresh, stale = split_by_freshness(replicas, self.staleness_s)
-        if fresh:
-            waiting = [view.load.num_waiting for view in fresh]
-            min_waiting, max_waiting = min(waiting), max(waiting)
-
-            def score(view: ReplicaView) -> float:
-                if max_waiting == min_waiting:
-                    queue_score = 1.0
-                else:
-                    queue_score = (max_waiting - view.load.num_waiting) / (max_waiting - min_waiting)
-                kv_score = 1.0 - view.load.kv_usage
-                return self.queue_weight * queue_score + self.kv_cache_weight * kv_score
-
-            self.rng.shuffle(fresh)
-            fresh.sort(key=score, reverse=True)
+        scores = load_scores(fresh, self.queue_weight, self.kv_cache_weight)
+        self.rng.shuffle(fresh)
+        fresh.sort(key=lambda view: scores[view.replica_id], reverse=True)
         return merge_stale_by_queue_len(fresh, stale, self.rng)
 
 
@@ -187,32 +101,46 @@ class HeadroomScore:
     replica_id: str
     fits: bool  # the request's full sequence fits in the room nobody has been promised yet
     headroom_after: float  # pool fraction still unpromised once this request is admitted too
-    backlog: float  # pool fraction of tokens queued ahead of this request
+    backlog: float  # pool fraction of prefill queued ahead of this request
+    own_prefill: float  # pool fraction of its own prompt the replica must prefill
     preemption_risk: float  # chance this request is preempted at least once, at the recent rate
     score: float
     inflight_requests: int
+    cached_tokens: int = 0  # prompt tokens the replica's prefix cache would save
 
 
 class HeadroomPolicy(RoutingPolicy):
     """Ours: send the request where its whole sequence fits and it is least likely to be
-    preempted or to queue.
+    preempted or to queue, counting the prefill its prompt's cached prefix saves there.
 
     Every term is a fraction of the replica's KV pool (tokens / pool tokens), so replicas of
     different sizes compare fairly and the weights are dimensionless:
 
-    - headroom_after (reward, weight 1, the unit): the room nobody has been promised yet,
-      after this request. That is free tokens (beyond the admission watermark), minus the
-      growth the replica's live requests are already owed (`kv_committed_tokens`: running
-      and waiting requests run to max_tokens), minus the full sequences this router sent
-      since the snapshot, minus this request's own prompt + max_tokens. Free blocks alone
-      make a replica that has just admitted long-output requests look roomy until they
-      grow into each other. A replica where the result is negative is filtered out: the
-      request would fit only if someone is preempted, or finishes early. If none fits, the
-      least bad still gets it, never an error.
-    - backlog (penalty, `backlog_weight` = 1): the tokens queued ahead of this request (the
-      waiting queue's and what this router sent since the snapshot), as time rather than
-      memory: they must be prefilled before this request's first token, and TTFT is what
-      users wait on.
+    - fit (hard filter): the room nobody has been promised yet must hold this request. That
+      room is free tokens (beyond the admission watermark), minus the growth the replica's
+      live requests are already owed (`kv_committed_tokens`: to max_tokens, or to expected
+      lengths under reserve_expected admission), minus what this router sent since the
+      snapshot (each send's expected size less the cached prefix it shares there); the
+      request needs its prompt plus min(max_tokens, the replica's
+      `expected_output_tokens`), less the prefix the replica caches (those blocks are
+      shared, not allocated again). Free blocks alone make a replica that has just admitted
+      long-output requests look roomy until they grow into each other. A replica without
+      the room is ranked after every one with it, whatever its cache holds: affinity never
+      sends a request where it would preempt or wait for memory. If none fits, the least
+      bad still gets it, never an error.
+    - headroom_after (reward, `headroom_weight` = 0.25): that room, left after the request.
+      Small, because the filter already keeps replicas out of trouble: past it, memory to
+      spare is worth less than the prefill a cached prefix saves.
+    - backlog (penalty, `backlog_weight` = 1): the prefill queued ahead of this request's
+      first token: the waiting queue's (net of the prefix each waiting request found
+      cached) and the prompts this router sent since the snapshot (less their cached
+      prefix), as time rather than memory: TTFT is what users wait on.
+    - own prefill (penalty, `prefill_weight` = 4): the request's prompt less the prefix the
+      replica caches (from its KV events). Heavier than the queue ahead because it delays
+      this request and every one queued behind it there, and on a replica without the
+      prefix it also duplicates a cached prefix (memory, and evictions of others'). This
+      is where a cached prefix pays and where it stops paying: a hot prefix spreads to a
+      second (third...) replica once its holder's queue outweighs 4x the prefill saved.
     - preemption_risk (penalty, `preemption_weight` = 1): 1 - exp(-rate * lifetime), with
       rate the replica's smoothed preemptions per running request per second and lifetime
       this request's decode time there (max_tokens x the replica's step time): the chance
@@ -221,6 +149,8 @@ class HeadroomPolicy(RoutingPolicy):
       way the request waits for a pool's worth of work to drain (and after a preemption
       also recomputes what it had).
 
+    The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
+
     Near-ties (scores within `tie_epsilon` = 0.02 of a pool, about one chat request)
     go to the replica this router sent the fewest requests since its snapshot, then at
     random, so a burst spreads out and many routers reading the same snapshots do not
@@ -228,16 +158,21 @@ class HeadroomPolicy(RoutingPolicy):
     """
 
     name = "headroom"
+    uses_prefix_cache = True
 
     def __init__(
         self,
+        headroom_weight: float = 0.25,
         backlog_weight: float = 1.0,
+        prefill_weight: float = 4.0,
         preemption_weight: float = 1.0,
         tie_epsilon: float = 0.02,
         staleness_s: float = DEFAULT_STALENESS_S,
         rng: Optional[random.Random] = None,
     ) -> None:
+        self.headroom_weight = headroom_weight
         self.backlog_weight = backlog_weight
+        self.prefill_weight = prefill_weight
         self.preemption_weight = preemption_weight
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
@@ -250,16 +185,19 @@ class HeadroomPolicy(RoutingPolicy):
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
         inflight = view.inflight_since_snapshot
         inflight_tokens = inflight.blocks * block_size  # full sequences, like kv_committed_tokens
-        own_tokens = request.num_blocks(block_size) * block_size
+        cached_tokens = min(view.cached_tokens, request.prompt_tokens)
+        own_tokens = request.expected_blocks(load) * block_size - cached_tokens
         free_after_tokens = load.headroom_tokens - load.kv_committed_tokens - inflight_tokens - own_tokens
         headroom_after = free_after_tokens / pool_tokens
-        backlog = (load.waiting_prefill_tokens + inflight_tokens) / pool_tokens
+        backlog = (load.waiting_prefill_tokens + inflight.prefill_tokens) / pool_tokens
+        own_prefill = (request.prompt_tokens - cached_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
         preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
-        score = headroom_after - self.backlog_weight * backlog - self.preemption_weight * preemption_risk
+        score = (self.headroom_weight * headroom_after - self.backlog_weight * backlog
+                 - self.prefill_weight * own_prefill - self.preemption_weight * preemption_risk)
         return HeadroomScore(
-            view.replica_id, free_after_tokens >= 0, headroom_after, backlog, preemption_risk, score,
-            inflight.requests,
+            view.replica_id, free_after_tokens >= 0, headroom_after, backlog, own_prefill, preemption_risk, score,
+            inflight.requests, cached_tokens,
         )
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
@@ -289,6 +227,9 @@ POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
     "round_robin": lambda rng, **knobs: RoundRobinPolicy(**knobs),
     "pow2": lambda rng, **knobs: PowerOfTwoPolicy(rng=rng, **knobs),
     "least_loaded": lambda rng, **knobs: LeastLoadedPolicy(rng=rng, **knobs),
+    "approx_prefix": lambda rng, **knobs: ApproxPrefixPolicy(rng=rng, **knobs),
+    "precise_prefix": lambda rng, **knobs: PrecisePrefixPolicy(rng=rng, **knobs),
+    "dynamo": lambda rng, **knobs: DynamoPolicy(rng=rng, **knobs),
 }
 
 

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     # What a UtilityCall may run: read-only views of the core's state, for tests and tools.
-    UTILITIES = ("request_state", "counters", "check_invariants")
+    UTILITIES = ("request_state", "counters", "check_invariants", "cached_block_hashes")
 
     def __init__(self, engine: LLMEngine, channel: FrameSocket):
         self.engine = engine
@@ -125,8 +125,9 @@ class EngineCore:
         )))
 
     def _kv_events(self) -> list[Any]:
-        # The engine's per-step KV-event drain goes here (router-cache work); carried opaquely.
-        return []
+        # Drained with every output message, so the front's KV-event log sees each cache
+        # change once and in order (replica/kv_event_log.py numbers and streams them).
+        return self.engine.take_kv_events()
 
     # ---- utility calls -----------------------------------------------------------------
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
@@ -152,6 +153,10 @@ class EngineCore:
     def check_invariants(self) -> bool:
         self.engine.scheduler.check_invariants()
         return True
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache can hit now (what the front's KV-event mirror must hold)."""
+        return list(self.engine.scheduler.kv_cache.pool.cached_blocks)
 
     # ---- the threads -------------------------------------------------------------------
     def _take_inbox(self, block: bool) -> Optional[list[Any]]:

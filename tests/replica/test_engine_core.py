@@ -1,7 +1,9 @@
 """The engine core in its own process, specified through the front that serves it: an abort
 frees a request's blocks within one step, a core that cannot build its engine raises the
 engine's own error, a core whose front disappears exits, and a core killed under load fails
-every open stream with UNAVAILABLE at once while the server reports NOT_SERVING."""
+every open stream with UNAVAILABLE at once while the server reports NOT_SERVING; the KV
+events crossing to the front rebuild exactly the core's prefix cache, and the admission mode
+acts in the core while its load fields (held admissions, committed KV) reach the front."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine, EngineDeadError
 from replica.config import ConfigError, make_engine_config
+from replica.kv_events import KVEventKind
 from replica.request import SamplingParams
 from replica_harness import RunningReplica, sampling
 
@@ -155,3 +158,60 @@ def test_a_core_killed_under_load_fails_every_stream_with_unavailable_at_once_an
         assert replica.health_status(service) == health_pb2.HealthCheckResponse.NOT_SERVING
     assert isinstance(replica.async_engine.dead, EngineDeadError)
     assert replica.on_loop(lambda: len(replica.async_engine._processor)) == 0  # no stream left behind
+
+
+def test_the_fronts_kv_event_mirror_equals_the_cores_prefix_cache_after_eviction_and_aborts():
+    # 9 usable blocks of 16 tokens; each 64-token prompt holds 5 with its output and caches 4,
+    # so the second request already evicts (the probe below checks that it did).
+    config = make_engine_config(max_model_len=128, block_size=16, num_kv_blocks=10, max_num_seqs=2)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        front = await AsyncEngine.launch(config, "builtin", device="cpu")
+        kinds = []
+        front.on_kv_events(lambda events: kinds.extend(kind for kind, _, _ in events))
+        try:
+            for index in range(3):
+                stream = front.add_request([3 + index] * 64, short, request_id=f"r{index}")
+                if index == 1:
+                    await stream.__anext__()
+                    front.abort("r1")
+                rest = [output async for output in stream]
+                assert rest[-1].finish_reason == ("abort" if index == 1 else "length")
+            held = set(await front.core.call_utility("cached_block_hashes"))
+            mirror = {block_hash for _, block_hash, _ in front.kv_events.snapshot().events[1:]}
+            return held, mirror, kinds
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    held, mirror, kinds = asyncio.run(scenario())
+    assert kinds.count(KVEventKind.BLOCK_REMOVED) > 0, "nothing was evicted: the probe proves nothing"
+    assert held and mirror == held
+
+
+def test_the_admission_mode_runs_in_the_core_and_its_load_fields_reach_the_front():
+    # 4 usable blocks of 16 tokens: two 16-token prompts fit today, but not both grown to
+    # 16 + 32 tokens (3 blocks each), so reserve_max_tokens holds the second back.
+    config = make_engine_config(max_model_len=48, block_size=16, num_kv_blocks=5,
+                                admission_mode="reserve_max_tokens")
+    grow = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        front = await AsyncEngine.launch(config, "builtin", device="cpu")
+        try:
+            streams = [front.add_request(list(range(3 + 20 * i, 19 + 20 * i)), grow) for i in range(2)]
+            await streams[0].__anext__()
+            version = front.load_version
+            await front.wait_for_load(version, timeout=30)
+            while_held = front.load()
+            for stream in streams:
+                assert [output async for output in stream][-1].finish_reason == "length"
+            return front.engine.config.admission_mode, while_held, front.load()
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    mode, while_held, after = asyncio.run(scenario())
+    assert mode == "reserve_max_tokens"
+    assert while_held.num_running == 1 and while_held.num_waiting == 1
+    assert while_held.kv_committed_tokens >= 3 * 16  # growth to max_tokens: 1 block running, 3 waiting
+    assert after.admissions_held_total == 1 and after.preemptions_total == 0

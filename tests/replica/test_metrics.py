@@ -33,6 +33,7 @@ class Totals:
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    admissions_held_total: int = 0
 
 
 @pytest.fixture
@@ -130,6 +131,7 @@ def test_sync_counters_sets_each_counter_to_the_engine_total(metrics: ReplicaMet
             generation_tokens_total=64,
             prefix_cache_queries=1024,
             prefix_cache_hits=256,
+            admissions_held_total=7,
         )
     )
     assert value(metrics, "headroom_num_preemptions_total") == 3
@@ -138,6 +140,7 @@ def test_sync_counters_sets_each_counter_to_the_engine_total(metrics: ReplicaMet
     assert value(metrics, "headroom_generation_tokens_total") == 64
     assert value(metrics, "headroom_prefix_cache_queries_total") == 1024
     assert value(metrics, "headroom_prefix_cache_hits_total") == 256
+    assert value(metrics, "headroom_admissions_held_total") == 7
 
 
 def test_sync_counters_increments_by_the_delta_since_the_last_sync(metrics: ReplicaMetrics):

@@ -1,4 +1,4 @@
-"""Property tests: random request mixes, budgets, pool sizes, policies and aborts never break
+"""Property tests: random request mixes, budgets, pool sizes, policies, admission modes and aborts never break
 the engine's invariants, never leak a block, and never change a request's output."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def scenarios(draw):
         victim_policy=draw(st.sampled_from([None, "fcfs", "priority", "cheapest"])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
         reserve_full_sequence=draw(st.booleans()),
+        admission_mode=draw(st.sampled_from(["optimistic", "reserve_max_tokens", "reserve_expected"])),
     )
     requests = []
     for i in range(draw(st.integers(1, 10))):

@@ -34,8 +34,8 @@ def make_load(replica_id: str, free_blocks: int = POOL_BLOCKS, seq: int = 1, **f
 
 
 def view(replica_id: str, load: ReplicaLoad | None = None, age_s: float = 0.05, queue_len: int = 0,
-         inflight: InflightCounts = InflightCounts()) -> ReplicaView:
-    return ReplicaView(replica_id, load, age_s, queue_len, inflight)
+         inflight: InflightCounts = InflightCounts(), cached_blocks: int = 0) -> ReplicaView:
+    return ReplicaView(replica_id, load, age_s, queue_len, inflight, cached_blocks, BLOCK_SIZE)
 
 
 def headroom_policy(seed: int = 0) -> HeadroomPolicy:
@@ -242,3 +242,46 @@ def test_least_loaded_with_equal_queues_ranks_on_kv_usage_alone():
 def test_unknown_policy_name_is_a_clear_error():
     with pytest.raises(ValueError, match="policy: unknown 'fastest'"):
         make_policy("fastest")
+
+
+def shared_prefix_request(prefix_blocks: int = 200, query_tokens: int = 800) -> RoutingRequest:
+    tokens = tuple(range(prefix_blocks * BLOCK_SIZE)) + (7,) * query_tokens
+    return RoutingRequest(prompt_tokens=len(tokens), max_tokens=200, prompt_token_ids=tokens)
+
+
+def test_at_equal_load_the_replica_caching_the_prefix_ranks_first():
+    request = shared_prefix_request()  # 3,200 of 4,000 prompt tokens cached on "holder"
+    replicas = [view("cold", make_load("cold", free_blocks=800)),
+                view("holder", make_load("holder", free_blocks=800), cached_blocks=200)]
+    for seed in range(10):
+        ranked = headroom_policy(seed).rank(request, replicas)
+        assert ranked == ["holder", "cold"]
+    score = headroom_policy().score(request, replicas[1])
+    assert score.cached_tokens == 3200
+
+
+def test_a_hot_prefix_spills_once_its_holders_queue_outweighs_the_prefill_it_saves():
+    # The cache saves 3,200 prefill tokens there, weighted 4x (prefill_weight): that prefill
+    # would delay this request and everything queued behind it on the other replica.
+    request = shared_prefix_request()
+    idle = view("idle", make_load("idle", free_blocks=800))
+    light = view("holder", make_load("holder", free_blocks=800, waiting_prefill_tokens=10_000), cached_blocks=200)
+    assert headroom_policy().rank(request, [idle, light])[0] == "holder"
+    heavy = view("holder", make_load("holder", free_blocks=800, waiting_prefill_tokens=16_000), cached_blocks=200)
+    assert headroom_policy().rank(request, [idle, heavy])[0] == "idle"
+
+
+def test_a_cached_prefix_never_sends_a_request_where_it_does_not_fit():
+    # 4,000 + 200 tokens: 263 blocks, 63 of them beyond the 200 cached on the holder.
+    request = shared_prefix_request()
+    assert headroom_policy().score(request, view("h", make_load("h", free_blocks=63), cached_blocks=200)).fits
+    tight_holder = view("holder", make_load("holder", free_blocks=62), cached_blocks=200)
+    roomy = view("roomy", make_load("roomy", free_blocks=600))
+    assert headroom_policy().rank(request, [tight_holder, roomy]) == ["roomy", "holder"]
+
+
+def test_a_replica_that_learned_short_outputs_needs_room_for_them_only():
+    request = RoutingRequest(prompt_tokens=1600, max_tokens=3200)  # 300 blocks to max_tokens
+    learned = make_load("learned", free_blocks=150, expected_output_tokens=400)  # 125 blocks expected
+    assert headroom_policy().score(request, view("learned", learned)).fits
+    assert not headroom_policy().score(request, view("unknown", make_load("unknown", free_blocks=150))).fits

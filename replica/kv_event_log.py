@@ -1,0 +1,86 @@
+"""The replica's published KV events: each batch the engine hands out (once per step) gets the
+next sequence number; a mirror of the prefix-cache index answers snapshots without touching
+the engine; a bounded window of recent batches lets every subscriber stream from its own
+position, and one that falls out of the window resynchronizes from a fresh snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from replica.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, stored
+
+# Batches kept for subscribers that are behind; one per engine step with cache changes, so
+# about 10 s at 100 steps/s. A subscriber further behind gets a snapshot instead.
+RECENT_BATCHES = 1024
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """Events in order. A snapshot (`snapshot=True`) starts with ALL_BLOCKS_CLEARED and stores
+    every cached block: applying it gives the index as of `seq`, whatever came before."""
+
+    seq: int
+    events: tuple[KVEvent, ...]
+    snapshot: bool = False
+
+
+class KVEventLog:
+    """Single writer (the engine loop, after each step); any number of asyncio readers."""
+
+    def __init__(self, recent_batches: int = RECENT_BATCHES):
+        self.seq = 0  # of the latest batch; 0 before the first
+        self._index: dict[bytes, Optional[bytes]] = {}  # cached block hash -> parent hash
+        self._recent: deque[KVEventBatch] = deque(maxlen=recent_batches)
+        self._published = asyncio.Event()  # replaced on every publish; waiters hold the old one
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index)
+
+    def publish(self, events: Iterable[KVEvent]) -> None:
+        events = tuple(events)
+        if not events:
+            return
+        self._apply(events)
+        self.seq += 1
+        self._recent.append(KVEventBatch(self.seq, events))
+        published, self._published = self._published, asyncio.Event()
+        published.set()
+
+    def _apply(self, events: tuple[KVEvent, ...]) -> None:
+        index = self._index
+        for kind, block_hash, parent_hash in events:
+            if kind == KVEventKind.BLOCK_STORED:
+                index[block_hash] = parent_hash
+            elif kind == KVEventKind.BLOCK_REMOVED:
+                index.pop(block_hash, None)
+            else:
+                index.clear()
+
+    def snapshot(self) -> KVEventBatch:
+        events = (ALL_BLOCKS_CLEARED,) + tuple(itertools.starmap(stored, self._index.items()))
+        return KVEventBatch(self.seq, events, snapshot=True)
+
+    def batches_after(self, seq: Optional[int]) -> list[KVEventBatch]:
+        """What a subscriber that has applied everything up to `seq` needs next: the newer
+        batches in order, or one snapshot if it has nothing yet (None) or is too far behind."""
+        if seq is not None and seq >= self.seq:
+            return []
+        recent = self._recent
+        if seq is None or not recent or recent[0].seq > seq + 1:
+            return [self.snapshot()]
+        return list(itertools.islice(recent, seq + 1 - recent[0].seq, None))
+
+    async def wait_for_batch(self, after_seq: Optional[int], timeout: float) -> None:
+        """Return once a batch newer than `after_seq` exists, or after `timeout` seconds."""
+        if after_seq is None or self.seq > after_seq:
+            return
+        try:
+            await asyncio.wait_for(self._published.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass

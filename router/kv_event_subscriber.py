@@ -1,0 +1,64 @@
+"""KV event subscriptions: one WatchKVEvents stream per replica per router, feeding the
+router's PrefixCacheIndex. A gap in the batch numbers, or the stream ending, drops that
+replica's cache from the index; the next stream starts with a snapshot that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import grpc
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from router.cache_index import PrefixCacheIndex
+from router.stream_subscription import Backoff, StreamSubscription, SubscriptionSet
+
+
+class KVEventGap(Exception):
+    """A live batch did not follow the previous one: reconnect for a fresh snapshot."""
+
+
+class KVEventSubscription(StreamSubscription):
+    kind = "watch-kv-events"
+
+    def __init__(self, replica_id: str, endpoint: str, index: PrefixCacheIndex,
+                 on_resync: Optional[Callable[[str], None]] = None, **kwargs):
+        super().__init__(replica_id, endpoint, **kwargs)
+        self.index = index
+        self.on_resync = on_resync
+        self.snapshots = 0  # snapshots received: the first, then one per resync
+
+    async def _stream_once(self, channel: grpc.aio.Channel) -> None:
+        call = pb_grpc.LoadReporterStub(channel).WatchKVEvents(pb.WatchKVEventsRequest())
+        first = True
+        previous_seq = None
+        async for batch in call:
+            if first:
+                self._delivered()
+                first = False
+            if batch.snapshot and batch.seq != previous_seq:
+                self.snapshots += 1  # the first part of a new snapshot
+                if self.snapshots > 1 and self.on_resync is not None:
+                    self.on_resync(self.replica_id)
+            previous_seq = batch.seq
+            if not self.index.apply(self.replica_id, batch):
+                raise KVEventGap(f"{self.replica_id}: batch {batch.seq} after a gap")
+
+    def _disconnected(self) -> None:
+        self.index.drop(self.replica_id)
+
+
+class KVEventSubscriber(SubscriptionSet[KVEventSubscription]):
+    """All of one router's KV event subscriptions, writing into one index."""
+
+    def __init__(self, index: PrefixCacheIndex, *, backoff: Backoff = Backoff(),
+                 clock: Callable[[], float] = time.monotonic, on_resync: Optional[Callable[[str], None]] = None):
+        self.index = index
+        super().__init__(lambda replica_id, endpoint: KVEventSubscription(
+            replica_id, endpoint, index, on_resync, backoff=backoff, clock=clock))
+
+    def unsubscribe(self, replica_id: str) -> None:
+        super().unsubscribe(replica_id)
+        self.index.drop(replica_id)

@@ -1,0 +1,75 @@
+"""The router's KV event subscription against a real ReplicaServer on loopback: the index
+fills with the hashes of what the replica cached, a prompt sharing that prefix is seen as
+cached there, the index is dropped while the replica is down and rebuilt from the snapshot of
+its next stream, and the router's prefix metrics count hits and spills."""
+
+from __future__ import annotations
+
+import asyncio
+
+from protos.block_hash import block_hashes
+from replica.request import SamplingParams
+from router.headroom_router import HeadroomRouter
+from router.load_subscriber import Backoff
+from router.policies import RoutingRequest
+from test_load_subscriber import eventually, free_port, start_replica
+
+PROMPT = list(range(30, 78))  # 48 tokens: 3 full blocks
+FOLLOW_UP = tuple(PROMPT + [5, 6, 7, 8])  # shares all 3 blocks
+
+
+def follow_up() -> RoutingRequest:
+    return RoutingRequest(prompt_tokens=len(FOLLOW_UP), max_tokens=8, prompt_token_ids=FOLLOW_UP)
+
+
+def test_the_index_learns_what_the_replica_cached_and_is_rebuilt_after_a_restart():
+    async def scenario() -> None:
+        port = free_port()
+        server = await start_replica(port)
+        router = HeadroomRouter("headroom", backoff=Backoff(initial_s=0.05, max_s=0.2))
+        try:
+            router.sync_replicas({"r0": f"127.0.0.1:{port}"})
+            await eventually(lambda: router.cache_index.get("r0") is not None)  # the first snapshot
+            async for _ in server.engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0)):
+                pass
+            hashes = block_hashes(PROMPT, 16)
+            await eventually(lambda: router.cache_index.get("r0").leading_blocks(hashes) == 3)
+            await eventually(lambda: router.loads.get("r0").load is not None)
+            assert router.rank(follow_up(), {"r0": 0}, "k") == ["r0"]
+            assert router._view(follow_up(), "r0", 0).cached_tokens == 48
+
+            await server.stop(0.5)
+            await eventually(lambda: router.cache_index.get("r0") is None)  # dropped with the stream
+            server = await start_replica(port)  # a new engine: its cache is empty
+            await eventually(lambda: router.cache_index.get("r0") is not None)
+            assert router.cache_index.get("r0").leading_blocks(hashes) == 0
+            assert router.metrics.sample("headroom_router_kv_event_resyncs_total", replica="r0") == 1
+        finally:
+            await router.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
+def test_routed_requests_count_predicted_hits_and_spills_away_from_the_holder():
+    async def scenario() -> None:
+        port = free_port()
+        server = await start_replica(port)
+        router = HeadroomRouter("headroom")
+        endpoint = f"127.0.0.1:{port}"
+        try:
+            router.sync_replicas({"holder": endpoint})
+            async for _ in server.engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0)):
+                pass
+            await eventually(lambda: router.cache_index.get("holder") is not None
+                             and router.cache_index.get("holder").leading_blocks(block_hashes(PROMPT, 16)) == 3)
+            router.routed(follow_up(), "a", "holder")
+            router.routed(follow_up(), "b", "elsewhere")  # no cache there: a spill
+            assert router.metrics.sample("headroom_router_prefix_hit_tokens_total", replica="holder") == 48
+            assert router.metrics.sample("headroom_router_prefix_spills_total", replica="elsewhere") == 1
+            assert router.metrics.sample("headroom_router_prefix_spills_total", replica="holder") == 0
+        finally:
+            await router.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
