@@ -15,7 +15,7 @@ import torch
 from replica.builtin_model import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.model import load_model
-from replica.model_runner import ModelRunner
+from replica.executor import ModelRunner
 from replica.request import Request, SamplingParams
 from replica.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
 from replica.slo import ttft_deadline as _ttft_deadline

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replica.request import SamplingParams
-from replica.sampler import Sampler, SamplerOutput
+from replica.executor.sampler import Sampler, SamplerOutput
 
 VOCAB_SIZE = 64
 

@@ -15,7 +15,7 @@ import torch
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.model import LlamaForCausalLM, ModelConfig
-from replica.sampler import Sampler
+from replica.executor.sampler import Sampler
 from replica.scheduler import SchedulerOutput
 
 
