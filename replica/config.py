@@ -73,6 +73,20 @@ class EngineConfig(BaseModel):
     slo_monitor_interval_ms: float = Field(
         2.0, gt=0, description="How often the SLO monitor thread re-evaluates the preemption gate."
     )
+    gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1,
+        description="CUDA only: the fraction of the GPU's total memory this engine may use (weights, "
+        "activations and KV cache, as vLLM means it); the KV pool gets what a profiling run leaves, "
+        "instead of num_kv_blocks. None keeps num_kv_blocks.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Run every step eagerly: no CUDA graphs for decode steps (CPU runs are always eager)."
+    )
+    async_scheduling: Optional[bool] = Field(
+        None,
+        description="Schedule step N+1 while the device runs step N (outputs then lag one step); "
+        "None turns it on for CUDA and off elsewhere.",
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "EngineConfig":

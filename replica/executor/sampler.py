@@ -1,7 +1,14 @@
-"""Picks one token per row of logits: greedy, or temperature with top-k / top-p / min-p.
+"""Picks one token per row of logits on the device: greedy, or temperature with top-k /
+top-p / min-p, without a Python loop over rows and without reading a tensor on the host.
 
-Seeded rows draw their noise from (seed, step_index) alone, so a seeded request's tokens do
+Per-row parameters arrive as device tensors (`SamplingBatch`); the few facts that decide
+which operations run at all (any top-p row? any seeded row?) are host values the runner
+already knows, so a step never waits for the device. Seeded rows draw their noise from a
+counter-based hash of (seed, step, token) (counter_rng.py), so a seeded request's tokens do
 not depend on its batch neighbours or on being preempted and recomputed.
+
+Per-row extras (penalties, logit bias) plug in as more fields of SamplingBatch and one
+more step in `Sampler.sample` on the raw logits, before temperature.
 """
 
 from __future__ import annotations
@@ -9,118 +16,185 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
+from replica.executor.counter_rng import exponential_noise
 from replica.request import SamplingParams
 
-_MASK64 = (1 << 64) - 1
+
+@dataclass
+class SamplingArrays:
+    """Host arrays of per-row sampling parameters (numpy, one entry per row)."""
+
+    temperature: np.ndarray  # float32; 0 = greedy
+    top_k: np.ndarray  # int32; 0 = off
+    top_p: np.ndarray  # float32; 1 = off
+    min_p: np.ndarray  # float32; 0 = off
+    seed: np.ndarray  # int64 (the request's seed as 64 bits); meaningful where has_seed
+    has_seed: np.ndarray  # bool
+    logprobs: np.ndarray  # bool: the row asked for the sampled token's logprob
+
+    @classmethod
+    def empty(cls, num_rows: int) -> "SamplingArrays":
+        return cls(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32), np.ones(num_rows, np.float32),
+                   np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int64), np.zeros(num_rows, bool),
+                   np.zeros(num_rows, bool))
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SamplingArrays":
+        arrays = cls.empty(len(params))
+        for row, row_params in enumerate(params):
+            arrays.set_row(row, row_params, vocab_size)
+        return arrays
+
+    def take(self, rows: np.ndarray) -> "SamplingArrays":
+        """The parameters of these rows, in this order."""
+        return SamplingArrays(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+                              self.seed[rows], self.has_seed[rows], self.logprobs[rows])
+
+    def set_row(self, row: int, params: SamplingParams, vocab_size: int) -> None:
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k if 0 < params.top_k < vocab_size else 0
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.has_seed[row] = params.seed is not None
+        self.seed[row] = _as_int64(params.seed) if params.seed is not None else 0
+        self.logprobs[row] = params.logprobs
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling rows: per-row device tensors, plus host facts about the batch."""
+
+    temperature: torch.Tensor  # float32 [rows]; 0 = greedy
+    top_k: torch.Tensor  # int32 [rows]; 0 = off
+    top_p: torch.Tensor  # float32 [rows]
+    min_p: torch.Tensor  # float32 [rows]
+    seeds: torch.Tensor  # int64 [num_seeded]: the seeds of the seeded rows
+    seeded_rows: torch.Tensor  # int64 [num_seeded]: which rows those are
+    step_indices: torch.Tensor  # int64 [num_seeded]: output index each seeded row samples
+    # Host facts, known without reading the device.
+    all_greedy: bool
+    any_greedy: bool
+    max_top_k: int  # 0 when no row uses top-k
+    any_top_p: bool
+    any_min_p: bool
+    num_seeded: int
+    num_rows: int
+    any_logprobs: bool
+
+    @classmethod
+    def of(cls, arrays: SamplingArrays, step_indices: np.ndarray, device: torch.device) -> "SamplingBatch":
+        """A batch built from host arrays with plain copies (tests, the memory profile run);
+        the model runner stages the same tensors with its single per-step copy."""
+        seeded = np.flatnonzero(arrays.has_seed)
+
+        def tensor(values) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+        return cls(
+            tensor(arrays.temperature), tensor(arrays.top_k), tensor(arrays.top_p), tensor(arrays.min_p),
+            tensor(arrays.seed[seeded]), tensor(seeded.astype(np.int64)),
+            tensor(np.asarray(step_indices, dtype=np.int64)[seeded]),
+            **batch_facts(arrays),
+        )
+
+
+def batch_facts(arrays: SamplingArrays) -> dict:
+    """The host facts of SamplingBatch for rows with these parameters."""
+    greedy = arrays.temperature == 0.0
+    return dict(
+        all_greedy=bool(greedy.all()),
+        any_greedy=bool(greedy.any()),
+        max_top_k=int(arrays.top_k.max(initial=0)),
+        any_top_p=bool((arrays.top_p < 1.0).any()),
+        any_min_p=bool((arrays.min_p > 0.0).any()),
+        num_seeded=int(arrays.has_seed.sum()),
+        num_rows=len(arrays.temperature),
+        any_logprobs=bool(arrays.logprobs.any()),
+    )
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[Optional[float]]  # None for rows whose params did not ask for logprobs
+    token_ids: torch.Tensor  # int64 [rows], on the logits' device
+    logprobs: Optional[torch.Tensor]  # float32 [rows] when any row asked, else None
 
 
 class Sampler:
-    def __init__(self) -> None:
-        # One generator per device, reseeded for every seeded row: no state survives a step.
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int]
-    ) -> SamplerOutput:
-        """logits [num_rows, vocab]; step_indices[i] = tokens row i's request has generated so far."""
-        if not logits.shape[0] == len(params) == len(step_indices):
-            raise ValueError(
-                f"{logits.shape[0]} logit rows, {len(params)} sampling params, {len(step_indices)} step indices"
-            )
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [rows, vocab] -> one token id per row (and logprobs when asked)."""
+        if logits.shape[0] != batch.num_rows:
+            raise ValueError(f"{logits.shape[0]} logit rows for a sampling batch of {batch.num_rows} rows")
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest id
-        random_rows = [row for row, row_params in enumerate(params) if not row_params.greedy]
-        if random_rows:
-            row_index = torch.tensor(random_rows, device=logits.device)
-            random_params = [params[row] for row in random_rows]
-            filtered = _filtered_logits(logits[row_index], random_params)
-            noise = self._exponential_noise(filtered, random_params, [step_indices[row] for row in random_rows])
-            # Exponential race (Gumbel-max): argmax of logits - log(E), E ~ Exp(1), is a
-            # draw from softmax(logits); masked tokens stay at -inf and never win.
-            token_ids[row_index] = (filtered - noise.log()).argmax(dim=-1)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_sampled_logprobs(logits, token_ids, params))
+        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # ties go to the lowest id
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            scores = _filtered_logits(logits, batch)
+            # Exponential race (Gumbel-max): argmax of logits - log(E), E ~ Exp(1), is a draw
+            # from softmax(logits); masked tokens stay at -inf and never win.
+            scores.sub_(self._exponential_noise(scores, batch).log_())
+            token_ids = scores.argmax(dim=-1)
+            if greedy_ids is not None:
+                token_ids = torch.where(batch.temperature == 0.0, greedy_ids, token_ids)
+        logprobs = None
+        if batch.any_logprobs:
+            # vLLM's convention: log_softmax of the raw logits, before temperature or filtering.
+            logprobs = logits.log_softmax(dim=-1).gather(-1, token_ids.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(token_ids, logprobs)
 
-    def _exponential_noise(
-        self, like: torch.Tensor, params: Sequence[SamplingParams], step_indices: Sequence[int]
-    ) -> torch.Tensor:
+    @staticmethod
+    def _exponential_noise(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(like).exponential_()  # unseeded rows: the global RNG
-        for row, (row_params, step_index) in enumerate(zip(params, step_indices)):
-            if row_params.seed is not None:
-                generator = self._generator(like.device)
-                generator.manual_seed(_row_seed(row_params.seed, step_index))
-                noise[row].exponential_(generator=generator)
+        if batch.num_seeded:
+            seeded = exponential_noise(batch.seeds, batch.step_indices, like.shape[-1])
+            noise.index_copy_(0, batch.seeded_rows, seeded)
         # exponential_ can return exactly 0; its log (-inf) would turn a masked -inf score into NaN.
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-        return self._generators[device]
 
-
-def _filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with tokens outside top-k, then top-p, then min-p at -inf."""
-    device = logits.device
-    vocab_size = logits.shape[-1]
-    temperatures = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temperatures.unsqueeze(1)
-
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    top_ps = [p.top_p for p in params]
-    if any(k < vocab_size for k in top_ks) or any(p < 1.0 for p in top_ps):
-        scaled = _apply_top_k_top_p(scaled, top_ks, top_ps)
-
-    min_ps = [p.min_p for p in params]
-    if any(min_p > 0.0 for min_p in min_ps):
+def _filtered_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature-scaled logits with tokens outside top-k, then top-p, then min-p at -inf.
+    Each filter is decided per row, so a row's result never depends on its neighbours."""
+    temperature = torch.where(batch.temperature > 0.0, batch.temperature, 1.0)  # greedy rows: unused
+    scaled = logits / temperature.unsqueeze(1)
+    if batch.max_top_k:
+        scaled = _apply_top_k(scaled, batch.top_k, batch.max_top_k)
+    if batch.any_top_p:
+        scaled = _apply_top_p(scaled, batch.top_p)
+    if batch.any_min_p:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); renormalizing after
         # top-k/top-p scales every probability alike, so the ratio test is unaffected.
-        log_min_ps = torch.tensor(min_ps, device=device).log()  # log(0) = -inf: no bound
-        threshold = scaled.amax(dim=-1, keepdim=True) + log_min_ps.unsqueeze(1)
+        threshold = scaled.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)  # log(0) = -inf: no bound
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     return scaled
 
 
-def _apply_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """One descending sort serves both filters; rows with k = vocab and p = 1 pass unchanged."""
-    device = scaled.device
-    sorted_logits, sorted_token_ids = scaled.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(scaled.shape[-1], device=device).unsqueeze(0)
-    outside = ranks >= torch.tensor(top_ks, device=device).unsqueeze(1)
+def _apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k best scores (ties with the k-th are kept); rows with k = 0 pass."""
+    best = scaled.topk(max_top_k, dim=-1).values  # descending
+    kth_index = (top_k.clamp(min=1, max=max_top_k) - 1).long().unsqueeze(1)
+    threshold = best.gather(-1, kth_index)
+    threshold = threshold.masked_fill((top_k == 0).unsqueeze(1), float("-inf"))
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
 
-    if any(p < 1.0 for p in top_ps):
-        top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
-        sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # The nucleus is the shortest prefix holding top_p of the mass: keep a token while
-        # the mass ranked above it is still short of top_p. Rows with top_p = 1 are exempt,
-        # since rounding can push the running sum to 1 before the tail ends.
-        outside |= (mass_before >= top_p) & (top_p < 1.0)
 
-    filtered_sorted = sorted_logits.masked_fill(outside, float("-inf"))
+def _apply_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_scores, sorted_token_ids = scaled.sort(dim=-1, descending=True, stable=True)
+    sorted_probs = sorted_scores.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    top_p = top_p.unsqueeze(1)
+    # The nucleus is the shortest prefix holding top_p of the mass: keep a token while the
+    # mass ranked above it is still short of top_p. Rows with top_p = 1 are exempt, since
+    # rounding can push the running sum to 1 before the tail ends.
+    outside = (mass_before >= top_p) & (top_p < 1.0)
+    filtered_sorted = sorted_scores.masked_fill(outside, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, sorted_token_ids, filtered_sorted)
 
 
-def _sampled_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
-) -> list[Optional[float]]:
-    """vLLM's convention: log_softmax of the raw logits, before temperature or filtering."""
-    if not any(p.logprobs for p in params):
-        return [None] * len(params)
-    logprobs = logits.log_softmax(dim=-1).gather(-1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    return [logprob if p.logprobs else None for logprob, p in zip(logprobs, params)]
-
-
-def _row_seed(seed: int, step_index: int) -> int:
-    """A well-mixed 64-bit seed for one (request seed, step) pair: splitmix64's finalizer."""
-    mixed = ((seed & _MASK64) + (step_index + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return mixed ^ (mixed >> 31)
+def _as_int64(seed: int) -> int:
+    """Any Python int as the signed 64-bit integer with the same low 64 bits."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -1,0 +1,109 @@
+"""Sizes the KV pool on a GPU from a profiling run, as vLLM's gpu_memory_utilization does.
+
+The engine may use `gpu_memory_utilization` of the device's total memory. A profiling run
+executes the largest step the scheduler can form (max_num_batched_tokens prompt tokens,
+then logits and sampling for max_num_seqs rows with every filter on) and measures its peak
+activation memory; the KV pool gets what is left after the weights, that peak and the
+memory torch does not manage (the CUDA context, other processes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from replica.attention import AttentionMetadata, allocate_kv_cache
+from replica.config import ConfigError, EngineConfig
+from replica.executor.sampler import Sampler, SamplingArrays, SamplingBatch
+from replica.model import LlamaForCausalLM, ModelConfig
+from replica.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Every filter on and every row seeded: the sampler's most memory-hungry path.
+_WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=True)
+
+
+def kv_cache_budget_bytes(total_bytes: int, utilization: float, weights_bytes: int, peak_activation_bytes: int,
+                          non_torch_bytes: int) -> int:
+    """Bytes the KV pool may take: the engine's share of the device minus what else it needs."""
+    return int(total_bytes * utilization) - weights_bytes - peak_activation_bytes - non_torch_bytes
+
+
+def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of one block, across all layers."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
+            * model_config.head_dim * element_size)
+
+
+@torch.inference_mode()
+def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                device: torch.device) -> int:
+    """Run the largest step once on dummy inputs; returns the bytes of the scratch KV cache
+    it allocated (part of the measured peak, but not activation memory)."""
+    num_tokens, max_len, block_size = config.max_num_batched_tokens, config.max_model_len, config.block_size
+    seq_lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+    blocks_per_seq = [-(-length // block_size) for length in seq_lens]
+    table = np.zeros((len(seq_lens), max(blocks_per_seq)), dtype=np.int32)
+    next_block = 1  # block 0 is the null block
+    for row, num_blocks in enumerate(blocks_per_seq):
+        table[row, :num_blocks] = np.arange(next_block, next_block + num_blocks)
+        next_block += num_blocks
+    positions = np.concatenate([np.arange(length) for length in seq_lens])
+    rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    dtype = next(model.parameters()).dtype
+    kv_caches = allocate_kv_cache(model_config.num_hidden_layers, next_block, block_size,
+                                  model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(table).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        max_query_len=max(seq_lens),
+        max_seq_len=max(seq_lens),
+    )
+    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                   torch.from_numpy(positions).to(device), kv_caches, metadata)
+    num_rows = min(config.max_num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[:num_rows])
+    arrays = SamplingArrays.of([_WORST_CASE_SAMPLING] * num_rows, model_config.vocab_size)
+    Sampler().sample(logits, SamplingBatch.of(arrays, np.zeros(num_rows, dtype=np.int64), device))
+    return next_block * kv_cache_bytes_per_block(model_config, block_size, dtype)
+
+
+def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                          device: torch.device) -> int:
+    """KV blocks (the null block included) that fit the engine's share of the GPU."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights_bytes = torch.cuda.memory_allocated(device)
+    scratch_kv_bytes = profile_run(model, model_config, config, device)
+    torch.cuda.synchronize(device)
+    peak_activation_bytes = torch.cuda.max_memory_allocated(device) - weights_bytes - scratch_kv_bytes
+    torch.cuda.empty_cache()
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    non_torch_bytes = total_bytes - free_bytes - torch.cuda.memory_reserved(device)
+    budget = kv_cache_budget_bytes(total_bytes, config.gpu_memory_utilization, weights_bytes,
+                                   peak_activation_bytes, non_torch_bytes)
+    dtype = next(model.parameters()).dtype
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
+    num_blocks = max(budget, 0) // per_block
+    needed = -(-config.max_model_len // config.block_size) + 1
+    gib = 2**30
+    if num_blocks < needed:
+        raise ConfigError(
+            f"gpu_memory_utilization: {config.gpu_memory_utilization} of {total_bytes / gib:.1f} GiB leaves "
+            f"{max(budget, 0) / gib:.2f} GiB for the KV cache after weights ({weights_bytes / gib:.2f} GiB), "
+            f"peak activations ({peak_activation_bytes / gib:.2f} GiB) and non-torch memory "
+            f"({non_torch_bytes / gib:.2f} GiB): {num_blocks} blocks, but one max_model_len sequence needs {needed}"
+        )
+    logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (utilization %.2f of %.1f GiB; "
+                "weights %.2f GiB, peak activations %.2f GiB, non-torch %.2f GiB)", num_blocks, config.block_size,
+                num_blocks * per_block / gib, config.gpu_memory_utilization, total_bytes / gib, weights_bytes / gib,
+                peak_activation_bytes / gib, non_torch_bytes / gib)
+    return num_blocks
