@@ -10,6 +10,7 @@ memory torch does not manage (the CUDA context, other processes).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +27,38 @@ logger = logging.getLogger(__name__)
 _WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=True)
 
 
-def kv_cache_budget_bytes(total_bytes: int, utilization: float, weights_bytes: int, peak_activation_bytes: int,
-                          non_torch_bytes: int) -> int:
-    """Bytes the KV pool may take: the engine's share of the device minus what else it needs."""
-    return int(total_bytes * utilization) - weights_bytes - peak_activation_bytes - non_torch_bytes
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a profiling run measured on the device, in bytes."""
+
+    total: int
+    free: int  # after the run, with torch's cache emptied
+    reserved: int  # held by torch's allocator after the run
+    weights: int  # allocated before the run: the weights
+    peak_activations: int  # the run's peak above the weights (its scratch KV cache excluded)
+
+    @property
+    def non_torch(self) -> int:
+        """The CUDA context and other processes: used memory torch's allocator does not hold."""
+        return self.total - self.free - self.reserved
+
+    def kv_cache_bytes(self, utilization: float) -> int:
+        """The engine's share of the device minus everything else it needs."""
+        return int(self.total * utilization) - self.weights - self.peak_activations - self.non_torch
+
+    def num_kv_blocks(self, utilization: float, bytes_per_block: int, min_blocks: int) -> int:
+        """KV blocks that fit; ConfigError (naming gpu_memory_utilization) below min_blocks."""
+        budget = max(self.kv_cache_bytes(utilization), 0)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < min_blocks:
+            gib = 2**30
+            raise ConfigError(
+                f"gpu_memory_utilization: {utilization} of {self.total / gib:.1f} GiB leaves {budget / gib:.2f} GiB "
+                f"for the KV cache after weights ({self.weights / gib:.2f} GiB), peak activations "
+                f"({self.peak_activations / gib:.2f} GiB) and memory outside torch ({self.non_torch / gib:.2f} GiB): "
+                f"{num_blocks} blocks, but one max_model_len sequence needs {min_blocks}"
+            )
+        return num_blocks
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -81,29 +110,19 @@ def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, co
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    weights_bytes = torch.cuda.memory_allocated(device)
+    weights = torch.cuda.memory_allocated(device)
     scratch_kv_bytes = profile_run(model, model_config, config, device)
     torch.cuda.synchronize(device)
-    peak_activation_bytes = torch.cuda.max_memory_allocated(device) - weights_bytes - scratch_kv_bytes
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_kv_bytes
     torch.cuda.empty_cache()
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    non_torch_bytes = total_bytes - free_bytes - torch.cuda.memory_reserved(device)
-    budget = kv_cache_budget_bytes(total_bytes, config.gpu_memory_utilization, weights_bytes,
-                                   peak_activation_bytes, non_torch_bytes)
-    dtype = next(model.parameters()).dtype
-    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
-    num_blocks = max(budget, 0) // per_block
-    needed = -(-config.max_model_len // config.block_size) + 1
+    free, total = torch.cuda.mem_get_info(device)
+    profile = MemoryProfile(total, free, torch.cuda.memory_reserved(device), weights, peak)
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, next(model.parameters()).dtype)
+    num_blocks = profile.num_kv_blocks(config.gpu_memory_utilization, per_block,
+                                       min_blocks=-(-config.max_model_len // config.block_size) + 1)
     gib = 2**30
-    if num_blocks < needed:
-        raise ConfigError(
-            f"gpu_memory_utilization: {config.gpu_memory_utilization} of {total_bytes / gib:.1f} GiB leaves "
-            f"{max(budget, 0) / gib:.2f} GiB for the KV cache after weights ({weights_bytes / gib:.2f} GiB), "
-            f"peak activations ({peak_activation_bytes / gib:.2f} GiB) and non-torch memory "
-            f"({non_torch_bytes / gib:.2f} GiB): {num_blocks} blocks, but one max_model_len sequence needs {needed}"
-        )
-    logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (utilization %.2f of %.1f GiB; "
-                "weights %.2f GiB, peak activations %.2f GiB, non-torch %.2f GiB)", num_blocks, config.block_size,
-                num_blocks * per_block / gib, config.gpu_memory_utilization, total_bytes / gib, weights_bytes / gib,
-                peak_activation_bytes / gib, non_torch_bytes / gib)
+    logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (%.2f of %.1f GiB; weights %.2f GiB, "
+                "peak activations %.2f GiB, outside torch %.2f GiB)", num_blocks, config.block_size,
+                num_blocks * per_block / gib, config.gpu_memory_utilization, total / gib, weights / gib,
+                peak / gib, profile.non_torch / gib)
     return num_blocks
