@@ -1,7 +1,9 @@
-"""LLMEngine: one replica's synchronous engine. add_request / step / abort_request over the
-scheduler, the model runner and the tokenizer; every step returns the token and text deltas
-of the requests that advanced, with finish reasons and usage counts. Under the "slo" policy
-an SLO monitor thread may have a step's forward pass abandoned between decoder layers."""
+"""LLMEngine: one replica's engine. add_request / step / abort_request over the scheduler,
+the model runner and the tokenizer; every step returns the token and text deltas of the
+requests that advanced, with finish reasons and usage counts. With async scheduling (on by
+default on CUDA) a step schedules and launches the next forward pass before it waits for the
+previous one, and returns the previous one's deltas. Under the "slo" policy an SLO monitor
+thread may have a step's forward pass abandoned between decoder layers."""
 
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class StepTiming:
 
     wall_s: float = 0.0
     wait_s: float = 0.0  # blocked on the device for the completed step's tokens
+    launch_s: float = 0.0  # in the model runner preparing inputs and launching kernels
     num_seqs: int = 0  # sequences launched this step
     graph_batch_size: Optional[int] = None  # the padded size of a replayed decode graph
 
@@ -228,7 +231,7 @@ class LLMEngine:
         elapsed = time.perf_counter() - start
         self.last_step = StepTiming(
             elapsed, previous.in_flight.wait_s if previous is not None else 0.0,
-            len(scheduler_output.scheduled),
+            launched.in_flight.launch_s if launched is not None else 0.0, len(scheduler_output.scheduled),
             launched.in_flight.graph_batch_size if launched is not None else None,
         )
         if not scheduler_output.is_empty or previous is not None:

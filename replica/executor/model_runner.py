@@ -53,6 +53,7 @@ class StepInFlight:
     logprobs: Optional[torch.Tensor] = None  # host float32 [rows], when any row asked
     done: Optional[torch.cuda.Event] = None
     graph_batch_size: Optional[int] = None  # the padded size replayed, None for an eager pass
+    launch_s: float = 0.0  # host time launch() took: input preparation and kernel launches
     wait_s: float = field(default=0.0)  # host time result() spent waiting for the device
 
     def result(self) -> ModelRunnerOutput:
@@ -172,9 +173,12 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return StepInFlight([], [])
+        start = time.perf_counter()
         step = self._prepare(scheduled, graphable=layer_hook is None)
         hidden = self._forward(step, layer_hook)
-        return self._sample(step, hidden, scheduled)
+        in_flight = self._sample(step, hidden, scheduled)
+        in_flight.launch_s = time.perf_counter() - start
+        return in_flight
 
     def _prepare(self, scheduled: list[ScheduledRequest], graphable: bool) -> "_StepPlan":
         """Fill the host staging buffer for this step and send it (one copy)."""
