@@ -36,23 +36,36 @@ def run_headroom(model_dir: str, requests, device: str, dtype: str) -> dict:
                                 max_num_batched_tokens=2048)
     engine = LLMEngine(config, model_dir, device=device, dtype=dtype)
     engine.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    return run_workload(engine, requests)
+
+
+def run_workload(engine, requests, on_step=None) -> dict:
+    """Queue every request at once and step the engine until all are done; on_step(engine)
+    runs after each step (to read engine.last_step)."""
+    from replica.request import SamplingParams
+
+    preemptions_before = engine.scheduler.counters.preemptions
     start = time.perf_counter()
     handles = []
     for index, (prompt, num_out) in enumerate(requests):
-        request = engine.make_request(f"bench-{index}", prompt,
+        request = engine.make_request(f"bench-{index}-{id(requests)}", prompt,
                                       SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True))
         engine.add_request(request, detokenize=False)
         handles.append(request)
     finish_times = {}
+    steps = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finish_times[output.request_id] = time.perf_counter() - start
+        steps += 1
+        if on_step is not None:
+            on_step(engine)
     elapsed = time.perf_counter() - start
     useful = sum(n for _, n in requests)
     assert all(len(r.output_token_ids) == n for r, (_, n) in zip(handles, requests))
     return dict(elapsed=elapsed, tokens_per_s=useful / elapsed, latencies=list(finish_times.values()),
-                preemptions=engine.scheduler.counters.preemptions)
+                preemptions=engine.scheduler.counters.preemptions - preemptions_before, steps=steps)
 
 
 def run_hf(model_dir: str, requests, batch_size: int, device: str, dtype: str) -> dict:

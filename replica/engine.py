@@ -80,6 +80,7 @@ class StepTiming:
     wait_s: float = 0.0  # blocked on the device for the completed step's tokens
     launch_s: float = 0.0  # in the model runner preparing inputs and launching kernels
     num_seqs: int = 0  # sequences launched this step
+    num_tokens: int = 0  # tokens launched this step (== num_seqs for a decode-only step)
     graph_batch_size: Optional[int] = None  # the padded size of a replayed decode graph
 
     @property
@@ -232,7 +233,7 @@ class LLMEngine:
         self.last_step = StepTiming(
             elapsed, previous.in_flight.wait_s if previous is not None else 0.0,
             launched.in_flight.launch_s if launched is not None else 0.0, len(scheduler_output.scheduled),
-            launched.in_flight.graph_batch_size if launched is not None else None,
+            scheduler_output.num_scheduled_tokens, launched.in_flight.graph_batch_size if launched is not None else None,
         )
         if not scheduler_output.is_empty or previous is not None:
             self.stats.observe(elapsed, len(outputs))

@@ -75,7 +75,8 @@ def hf_outputs(checkpoint):
 
 def _engine(path, *, padded_decode: bool = False, **overrides) -> LLMEngine:
     """padded_decode: pad decode steps to the CUDA-graph ladder even where no graph runs."""
-    config = dict(block_size=4, num_kv_blocks=256, max_model_len=64, max_num_batched_tokens=256)
+    # max_num_seqs 8 (the 7 prompts fit): on CUDA, 4 decode graphs to capture per engine, not 35.
+    config = dict(block_size=4, num_kv_blocks=256, max_model_len=64, max_num_batched_tokens=256, max_num_seqs=8)
     config.update(overrides)
     engine = LLMEngine(make_engine_config(**config), str(path), device=TEST_DEVICE, dtype="float32")
     if padded_decode:
@@ -92,7 +93,7 @@ def test_greedy_matches_hf_generate_for_a_mixed_batch(checkpoint, hf_outputs):
 @pytest.mark.parametrize("async_scheduling, padded_decode", [(True, False), (False, True), (True, True)])
 def test_greedy_matches_hf_with_overlapped_steps_and_padded_decode_batches(checkpoint, hf_outputs,
                                                                            async_scheduling, padded_decode):
-    # The ladder is 1, 2, 4, 8: the 7 prompts decode together in batches padded to 8.
+    # The ladder is 1, 2, 4, 8: the 7 prompts decode together in a batch padded to 8.
     engine = _engine(checkpoint[0], padded_decode=padded_decode, async_scheduling=async_scheduling)
     steps = []
     outputs = _generate(engine, _prompts(), GREEDY, on_step=lambda: steps.append(
