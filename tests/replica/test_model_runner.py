@@ -203,3 +203,49 @@ def test_the_profile_run_executes_the_largest_step_the_scheduler_can_form(builti
     assert seen == [(100, 3)]
     # Blocks 1..3, 1..3 and 1 of the three sequences, plus the null block.
     assert scratch_bytes == 8 * kv_cache_bytes_per_block(model_config, 16, torch.float32)
+
+
+# ---- padded decode through the Triton kernel ------------------------------------------------
+def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_reference(tmp_path):
+    """Graph-style padding rows (slot -1, length 1 on the null block, max_seq_len =
+    max_model_len as the bound) through the split-KV kernel, run by Triton's interpreter."""
+    pytest.importorskip("attention_harness", reason="the Triton interpreter set-up comes with the split-KV kernel")
+    launch_plan = pytest.importorskip("replica.attention.launch_plan")
+    import transformers
+
+    from replica.builtin_model import build_byte_level_tokenizer
+    from replica.engine import LLMEngine
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=320, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():  # spread the weights so greedy argmax has clear winners
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape) * 0.3 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(tmp_path)
+    build_byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    rng = random.Random(3)
+    prompts = [_prompt(rng, length) for length in (17, 20, 23)]  # three decodes pad to a batch of 4
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    config = make_engine_config(block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=256,
+                                max_num_seqs=4, async_scheduling=True)
+    reference = LLMEngine(config, str(tmp_path), device="cpu", dtype="float32", attention_backend="torch")
+    engine = LLMEngine(config, str(tmp_path), device="cpu", dtype="float32", attention_backend="triton")
+    engine.runner.enable_decode_padding()
+    backend = next(module.attn_backend for module in engine.model.modules() if hasattr(module, "attn_backend"))
+    tiny = launch_plan.KernelConfig(key_tile=16, num_warps=4, num_stages=2)
+    backend.tuning = launch_plan.AttentionTuning(decode_configs={16: tiny, 32: tiny}, prefill_configs={16: tiny, 32: tiny},
+                                                 segment_min_keys=16)
+    backend.num_sms = 64  # plan as on a GPU: decodes split their contexts into segments
+    plans, plan = [], backend.plan
+    backend.plan = lambda *args: plans.append(plan(*args)) or plans[-1]
+    padded_sizes = set()
+    requests = [engine.make_request(f"t{index}", prompt, params) for index, prompt in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+        padded_sizes.add(engine.last_step.graph_batch_size)
+    assert [request.output_token_ids for request in requests] == reference.generate(prompts, params)
+    assert 4 in padded_sizes and any(p.num_segments > 1 for p in plans), "padded split-KV decodes must have run"
