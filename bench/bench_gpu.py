@@ -144,10 +144,25 @@ def parity_tests() -> list[tuple]:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py"]
     env = {**os.environ, "HEADROOM_TEST_DEVICE": "cuda", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    print(result.stdout[-4000:], result.stderr[-2000:], flush=True)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"exit {result.returncode}"
+    output, returncode = run_subprocess(command, env, timeout_s=300)
+    summary = output.strip().splitlines()[-1] if output.strip() else ""
+    summary = f"{summary} (exit {returncode})"
     return [("test_engine + test_slo_engine on CUDA (fp32, Triton, graphs, async)", summary, "all pass")]
+
+
+def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[str, object]:
+    """(output, exit code or "timed out ..."), printing its tail; a file keeps what a
+    command wrote before a timeout killed it."""
+    with tempfile.TemporaryFile(mode="w+") as log:
+        try:
+            returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"timed out after {timeout_s} s"
+        log.seek(0)
+        output = log.read()
+    print(output[-8000:], flush=True)
+    return output, returncode
 
 
 # ---- the checkpoint and HF's side ---------------------------------------------------------------
@@ -297,10 +312,8 @@ def _mean_ms(values) -> float:
 
 # ---- 5: the other helpers' benchmarks ------------------------------------------------------------
 def peer_benchmark(script: str) -> list[tuple]:
-    result = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick"], cwd=REPO,
-                            capture_output=True, text=True, timeout=240)
-    print(result.stdout[-6000:], result.stderr[-2000:], flush=True)
-    return [(f"{script} --quick", f"exit {result.returncode} (its table is printed above)")]
+    _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / script), "--quick"])
+    return [(f"{script} --quick", f"exit {returncode} (its table is printed above)")]
 
 
 def print_table(rows: list[Row], device_name: str) -> None:

@@ -101,7 +101,7 @@ def test_staged_inputs_of_real_steps_equal_a_plain_flattening_of_the_scheduler_o
     # A cramped pool (preemptions, re-admissions), chunked prefill, prefix-cache hits and
     # seeded rows; with capacity 2 most block-table changes take the overflow copy.
     model, model_config = builtin_model
-    config = make_engine_config(block_size=4, num_kv_blocks=20, max_model_len=64, max_num_batched_tokens=24,
+    config = make_engine_config(block_size=4, num_kv_blocks=17, max_model_len=64, max_num_batched_tokens=24,
                                 max_num_seqs=4)
     scheduler = Scheduler(config, vocab_size=model_config.vocab_size)
     runner = ModelRunner(model, model_config, config, torch.device("cpu"))
@@ -109,9 +109,9 @@ def test_staged_inputs_of_real_steps_equal_a_plain_flattening_of_the_scheduler_o
         runner.block_change_capacity = block_change_capacity
     rng = random.Random(0)
     shared = _prompt(rng, 12)
-    for index in range(7):
+    for index in range(6):
         prompt = shared + _prompt(rng, rng.randint(1, 20)) if index % 2 else _prompt(rng, rng.randint(1, 30))
-        params = SamplingParams(max_tokens=rng.randint(8, 30), seed=index if index % 3 else None, ignore_eos=True)
+        params = SamplingParams(max_tokens=rng.randint(6, 16), seed=index if index % 3 else None, ignore_eos=True)
         scheduler.add_request(Request(f"r{index}", prompt, params))
     checked_steps = 0
     while scheduler.has_unfinished_requests():
