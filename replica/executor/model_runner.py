@@ -260,15 +260,23 @@ class ModelRunner:
         changes[:staged_changes] = change_index[:staged_changes]
         changes[staged_changes:2 * staged_changes] = change_ids[:staged_changes]
         self.staged.send(self.staged.end_of("block_changes", 2 * staged_changes))
-        if num_changes > staged_changes:  # rare: many admissions with long tables in one step
-            block_tables.apply_on_device(torch.from_numpy(change_index[staged_changes:]).to(self.device),
-                                         torch.from_numpy(change_ids[staged_changes:]).to(self.device))
+        if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
+            block_tables.apply_on_device(self._to_device(change_index[staged_changes:]),
+                                         self._to_device(change_ids[staged_changes:]))
         return _StepPlan(
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()), graph_size=graph_size, num_pending=len(pending_seqs),
             num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=len(seeded),
             facts=batch_facts(sampling), wants_logprobs=sampling.logprobs.tolist(),
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A copy outside the staged buffer, still asynchronous: a pageable copy would wait
+        for the step in flight."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot
