@@ -235,15 +235,19 @@ class LLMEngine:
             launched.in_flight.launch_s if launched is not None else 0.0, len(scheduler_output.scheduled),
             scheduler_output.num_scheduled_tokens, launched.in_flight.graph_batch_size if launched is not None else None,
         )
-        if not scheduler_output.is_empty or previous is not None:
+        if launched is not None or previous is not None:
             self.stats.observe(elapsed, len(outputs))
         return outputs
 
     def _launch(self, scheduler_output: SchedulerOutput,
-                layer_hook: Optional[Callable[[int], None]]) -> Optional["_LaunchedStep"]:
-        """Queue the step on the device; None when the SLO monitor aborted its forward pass."""
+                layer_hook: Optional[Callable[[int], None]]) -> Optional[_LaunchedStep]:
+        """Queue the step on the device; None when it has nothing to run or the SLO monitor
+        aborted its forward pass."""
+        if scheduler_output.is_empty:
+            self.runner.launch(scheduler_output)  # drops the state of finished and preempted requests
+            return None
         monitor = self.slo_monitor
-        if monitor is None or scheduler_output.is_empty:
+        if monitor is None:
             return _LaunchedStep(scheduler_output, self.runner.launch(scheduler_output, layer_hook))
         snapshot = self.scheduler.slo_snapshot(scheduler_output)
         monitor.publish_step(snapshot)
@@ -259,11 +263,9 @@ class LLMEngine:
             monitor.publish_step(None)
         return _LaunchedStep(scheduler_output, in_flight)
 
-    def _complete(self, launched: "_LaunchedStep") -> list[RequestOutput]:
+    def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, append them and build the outputs."""
         runner_output = launched.in_flight.result()
-        if launched.scheduler_output.is_empty:
-            return []
         updates = self.scheduler.update(launched.scheduler_output, runner_output.sampled_token_ids)
         outputs = []
         for update in updates:
