@@ -1,12 +1,12 @@
 """gRPC overhead: time to first token and per-token latency through the replica's gRPC
-server (loopback) against calling the same AsyncEngine in-process, on one workload in one
-run (target: the gRPC path adds <= 2 ms to TTFT at p50).
+server (loopback) against calling the same AsyncEngine (the front of the engine-core process)
+directly, on one workload in one run (target: the gRPC path adds <= 2 ms to TTFT at p50).
 
     python bench/bench_grpc_overhead.py [--sequential 200] [--concurrent 32]
 
-Both paths share one engine and one event loop, and alternate request by request (batch by
-batch for the concurrent part) so drift in machine load hits both alike. The client runs in
-the server's process, so "added" counts the client's and the server's gRPC work together.
+Both paths share one engine core and one front event loop, and alternate request by request
+(batch by batch for the concurrent part) so drift in machine load hits both alike. The client
+runs in the front's process, so "added" counts the client's and the server's gRPC work together.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
 from replica.metrics import ReplicaMetrics
 from replica.request import SamplingParams
 from replica.server import ReplicaServer
+from replica.serving.messages import CoreSpec
 
 TTFT_TARGET_ADDED_MS = 2.0
 PROMPT_TOKENS = 16
@@ -62,7 +62,7 @@ async def over_grpc(stub: pb_grpc.GenerationStub, prompt: list[int], latencies: 
 def report(title: str, local: Latencies, remote: Latencies) -> float:
     """Print p50/p99 of both paths and the difference; returns the added TTFT at p50 in ms."""
     print(f"\n{title}")
-    print(f"  {'metric':<22}{'in-process':>12}{'gRPC':>12}{'added':>10}")
+    print(f"  {'metric':<22}{'AsyncEngine':>12}{'gRPC':>12}{'added':>10}")
     added_ttft_p50 = 0.0
     for name, local_values, remote_values in (("TTFT", local.ttft_ms, remote.ttft_ms),
                                               ("inter-token", local.inter_token_ms, remote.inter_token_ms)):
@@ -75,7 +75,7 @@ def report(title: str, local: Latencies, remote: Latencies) -> float:
 
 
 async def main(num_sequential: int, concurrency: int, num_batches: int) -> None:
-    engine = AsyncEngine(LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=512), "builtin"))
+    engine = AsyncEngine(CoreSpec(make_engine_config(max_model_len=256, num_kv_blocks=512), "builtin"))
     server = ReplicaServer(engine, "bench", "builtin", ReplicaMetrics("bench", "builtin"))
     port = await server.start("127.0.0.1", 0)
     rng = random.Random(0)
@@ -97,7 +97,7 @@ async def main(num_sequential: int, concurrency: int, num_batches: int) -> None:
                 await asyncio.gather(*(in_process(engine, p, concurrent_local) for p in prompts[:concurrency]))
                 await asyncio.gather(*(over_grpc(stub, p, concurrent_remote) for p in prompts[:concurrency]))
     finally:
-        await server.stop(1.0)
+        await server.stop(1.0)  # stops the engine core too
 
     print(f"workload: {PROMPT_TOKENS}-token prompts, {MAX_TOKENS} greedy tokens each, built-in model, loopback")
     added = report(f"{num_sequential} sequential requests", sequential_local, sequential_remote)

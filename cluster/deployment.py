@@ -1,6 +1,8 @@
-"""The LLMReplica Ray Serve deployment: one AsyncEngine per replica, streaming generations to
-Serve callers, with a ReplicaServer beside it whose WatchLoad stream feeds the routers. The
-replica announces that endpoint through `record_routing_stats`; HeadroomRequestRouter routes.
+"""The LLMReplica Ray Serve deployment: one AsyncEngine per replica (the front of its own
+engine-core process), streaming generations to Serve callers, with a ReplicaServer beside it
+whose WatchLoad stream feeds the routers. The replica announces that endpoint through
+`record_routing_stats`; HeadroomRequestRouter routes. If the core dies, `check_health` fails
+and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from cluster.config import ClusterConfig, resolve_device, serve_deployment_optio
 from protos import headroom_pb2 as pb
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.engine import LLMEngine, RequestOutput
+from replica.engine import RequestOutput
 from replica.grpc_service import TTFTTargets, model_info_proto
 from replica.metrics import ReplicaMetrics
 from replica.request import SamplingParams
 from replica.server import ReplicaServer
+from replica.serving.messages import CoreSpec
 from router.headroom_router import ROUTING_KWARG
 from router.policies import RoutingRequest
 from router.serve_router import LOAD_ENDPOINT_STAT, REPLICA_ID_STAT
@@ -41,6 +44,9 @@ ROUTING_STATS_PERIOD_S = 30.0
 METRICS_PORT_SEARCH = 64
 # On stop, in-flight requests may finish for this long before they are aborted.
 SHUTDOWN_GRACE_S = 5.0
+# How often Serve asks check_health (a dict lookup): a replica whose engine core died is
+# replaced within about this long instead of Serve's default 10 s.
+HEALTH_CHECK_PERIOD_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -82,22 +88,30 @@ class LLMReplica:
         self.replica_id = context.replica_id.unique_id
         overrides = dict((engine_overrides_by_rank or {}).get(context.rank.rank, {}))
         engine_config = make_engine_config(**{**config.engine.model_dump(), **overrides})
-        engine = LLMEngine(
+        self.engine = AsyncEngine(CoreSpec(
             engine_config,
             config.model,
             device=resolve_device(config, num_gpus=len(ray.get_gpu_ids())),
             dtype=None if config.dtype == "auto" else config.dtype,
             attention_backend=config.attention_backend,
-        )
-        self.engine = AsyncEngine(engine)
+        ))
         self.model_id = config.served_model_id
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
         self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics)
         host = node_ip()
-        port = await self.server.start(host, 0)
+        port = await self.server.start(host, 0)  # spawns the engine core and waits for its engine
         self.load_endpoint = f"{host}:{port}"
         self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
+
+    def check_health(self) -> None:
+        """Serve's health probe: a replica whose engine core died can serve nothing again."""
+        if self.engine.dead is not None:
+            raise RuntimeError(f"replica {self.replica_id}: {self.engine.dead}")
+
+    def engine_core_pid(self) -> int:
+        """The engine-core process's pid on this replica's node (operators, failure tests)."""
+        return self.engine.core.pid
 
     def record_routing_stats(self) -> dict[str, str]:
         return {LOAD_ENDPOINT_STAT: self.load_endpoint, REPLICA_ID_STAT: self.replica_id}
@@ -152,6 +166,7 @@ def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.
     router = config.router
     return serve.deployment(LLMReplica).options(
         name=DEPLOYMENT_NAME,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         request_router_config=RequestRouterConfig(
             request_router_class=REQUEST_ROUTER_CLASS,
             request_router_kwargs={"policy": router.policy, "staleness_s": router.staleness_s, "knobs": dict(router.knobs)},

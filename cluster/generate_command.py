@@ -1,5 +1,6 @@
-"""`headroom generate`: one prompt through the cluster's gRPC endpoint (Serve's proxy, or a
-single `headroom replica`), its text streamed to stdout as it is generated.
+"""`headroom generate`: one prompt (or, with --chat, one user message through the model's chat
+template) through the cluster's gRPC endpoint (Serve's proxy, or a single `headroom replica`),
+its text streamed to stdout as it is generated.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from protos import headroom_pb2_grpc as pb_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("prompt", help="prompt text (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the model's chat template")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     add_target_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
@@ -40,7 +44,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling.temperature = args.temperature
     if args.seed is not None:
         sampling.seed = args.seed
-    request = pb.GenerateRequest(text=args.prompt, sampling=sampling)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
+    request = pb.GenerateRequest(sampling=sampling)
+    if args.chat:
+        if args.system is not None:
+            request.chat.messages.add(role="system", content=args.system)
+        request.chat.messages.add(role="user", content=args.prompt)
+    else:
+        request.text = args.prompt
     with grpc.insecure_channel(args.target) as channel:
         try:
             for response in pb_grpc.GenerationStub(channel).Generate(

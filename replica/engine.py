@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from replica.builtin_model import resolve_model_path
+from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.model import load_model
 from replica.executor import ModelRunner
@@ -103,6 +103,34 @@ class _StepAborted(Exception):
         self.num_layers_done = num_layers_done
 
 
+def make_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    *,
+    config: EngineConfig,
+    eos_token_ids: tuple[int, ...],
+    clock: Callable[[], float],
+    priority: int = 0,
+    ttft_deadline: Optional[float] = None,
+    arrival_time: Optional[float] = None,
+    cache_salt: Optional[str] = None,
+    ttft_slo_ms: Optional[float] = None,
+) -> Request:
+    """A new request for an engine of `config`, arriving now on `clock` unless arrival_time says.
+    ttft_slo_ms sets the TTFT deadline relative to arrival (an explicit ttft_deadline, absolute
+    on the engine clock, wins); without either, config.default_ttft_slo_ms applies. The
+    replica's front builds requests with this too, before they cross to the engine core."""
+    arrival_time = clock() if arrival_time is None else arrival_time
+    if ttft_deadline is None:
+        slo_ms = ttft_slo_ms if ttft_slo_ms is not None else config.default_ttft_slo_ms
+        ttft_deadline = _ttft_deadline(arrival_time, slo_ms)
+    return Request(
+        request_id, list(prompt_token_ids), sampling_params, eos_token_ids=eos_token_ids,
+        arrival_time=arrival_time, priority=priority, ttft_deadline=ttft_deadline, cache_salt=cache_salt,
+    )
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -166,28 +194,12 @@ class LLMEngine:
                     config.num_kv_blocks * per_block / 2**30, cuda_graphs, self.async_scheduling)
 
     # ---- requests --------------------------------------------------------------------
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        *,
-        priority: int = 0,
-        ttft_deadline: Optional[float] = None,
-        arrival_time: Optional[float] = None,
-        cache_salt: Optional[str] = None,
-        ttft_slo_ms: Optional[float] = None,
-    ) -> Request:
-        """ttft_slo_ms sets the TTFT deadline relative to arrival (an explicit ttft_deadline,
-        absolute on the engine clock, wins); without either, config.default_ttft_slo_ms applies."""
-        arrival_time = self.clock() if arrival_time is None else arrival_time
-        if ttft_deadline is None:
-            slo_ms = ttft_slo_ms if ttft_slo_ms is not None else self.config.default_ttft_slo_ms
-            ttft_deadline = _ttft_deadline(arrival_time, slo_ms)
-        return Request(
-            request_id, list(prompt_token_ids), sampling_params, eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time, priority=priority, ttft_deadline=ttft_deadline, cache_salt=cache_salt,
-        )
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     **options) -> Request:
+        """A request for this engine; options (priority, ttft_deadline, arrival_time,
+        cache_salt, ttft_slo_ms) as in the module's make_request."""
+        return make_request(request_id, prompt_token_ids, sampling_params, config=self.config,
+                            eos_token_ids=self.eos_token_ids, clock=self.clock, **options)
 
     def add_request(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError."""

@@ -1,5 +1,5 @@
 """The replica's gRPC servicers: Generation (streaming Generate, Tokenize, GetModelInfo) and
-LoadReporter (GetLoad, WatchLoad) over one AsyncEngine. Requests are validated here, at the
+LoadReporter (GetLoad, WatchLoad) over one AsyncEngine (the engine core's front). Requests are validated here, at the
 edge, and every engine error maps to one gRPC status whose message names the proto field.
 """
 
@@ -16,8 +16,10 @@ import grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import (
-    AsyncEngine, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
+    AsyncEngine, EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
+    ServedEngine,
 )
+from replica.chat_template import ChatTemplateError
 from replica.engine import LLMEngine, RequestOutput
 from replica.load_report import LoadReportBuilder, is_significant_change
 from replica.metrics import ReplicaMetrics
@@ -54,12 +56,30 @@ def invalid_argument_message(error: InvalidRequestError) -> str:
 def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
-        raise InvalidRequestError("prompt", "set exactly one of text or token_ids")
+        raise InvalidRequestError("prompt", "set exactly one of text, token_ids or chat")
     if prompt_kind == "token_ids":
         return list(request.token_ids.ids)
+    if prompt_kind == "chat":
+        messages = [{"role": message.role, "content": message.content} for message in request.chat.messages]
+        return chat_prompt_token_ids(tokenizer, messages, field="chat.messages")
     if not request.text:  # checked before encoding, which may add a BOS to empty text
         raise InvalidRequestError("prompt", "must not be empty")
     return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+
+
+def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str) -> list[int]:
+    """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI `messages`)."""
+    if not messages:
+        raise InvalidRequestError(field, "must hold at least one message")
+    empty_role = next((index for index, message in enumerate(messages) if not message["role"]), None)
+    if empty_role is not None:
+        raise InvalidRequestError(f"{field}[{empty_role}].role", "must not be empty")
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except ChatTemplateError as error:
+        raise InvalidRequestError(field, str(error)) from error
+    # The rendered template already holds its special tokens.
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def sampling_params_from_proto(
@@ -131,7 +151,7 @@ def engine_priority(proto_priority: int) -> int:
     return -proto_priority
 
 
-def model_info_proto(engine: LLMEngine, model_id: str) -> pb.ModelInfo:
+def model_info_proto(engine: LLMEngine | ServedEngine, model_id: str) -> pb.ModelInfo:
     eos_token_ids = engine.eos_token_ids
     return pb.ModelInfo(
         model_id=model_id,
@@ -156,7 +176,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
         except QueueFullError as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except EngineShutdownError as error:
+        except (EngineShutdownError, EngineDeadError) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
         timings = StreamTimings(self.metrics, stream.request, self.engine.engine.clock)
@@ -176,6 +196,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except EngineStepError as error:
             timings.abandoned()  # the engine already aborted the request
             failure = (grpc.StatusCode.INTERNAL, str(error))
+        except EngineDeadError as error:  # the core process died: its requests are gone with it
+            timings.abandoned()
+            failure = (grpc.StatusCode.UNAVAILABLE, str(error))
         except QueueFullError as error:  # the queue filled between validation and queueing
             timings.abandoned()
             failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
@@ -250,15 +273,25 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
         self.stopping = stopping
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.ReplicaLoad:
+        await self._abort_if_core_dead(context)
         return self.load_reports.build(self.engine.load())
+
+    async def _abort_if_core_dead(self, context: grpc.aio.ServicerContext) -> None:
+        # A dead core's last load would look healthy forever: routers must see no load instead.
+        if self.engine.dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(self.engine.dead))
 
     async def WatchLoad(self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
         max_interval_s = (request.max_interval_ms or DEFAULT_WATCH_INTERVAL_MS) / 1000.0
+        await self._abort_if_core_dead(context)
+        if self.stopping.is_set():  # a new watch would end at once: tell the router to look elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down")
         version = self.engine.load_version
         sent_load = self.engine.load()
         await context.write(self.load_reports.build(sent_load))
         sent_at = time.monotonic()
         while not self.stopping.is_set():
+            await self._abort_if_core_dead(context)
             until_due_s = max_interval_s - (time.monotonic() - sent_at)
             if until_due_s > 0:
                 version = await self.engine.wait_for_load(version, timeout=min(until_due_s, WATCH_STOP_CHECK_S))

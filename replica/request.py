@@ -169,3 +169,10 @@ def validate_prompt(prompt_token_ids: Sequence[int], *, max_model_len: int, voca
         for token_id in prompt_token_ids:
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError("prompt_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_request(request: Request, *, max_model_len: int, vocab_size: int | None = None) -> None:
+    """Raise InvalidRequestError naming the first bad field of the prompt or sampling params."""
+    validate_prompt(request.prompt_token_ids, max_model_len=max_model_len, vocab_size=vocab_size)
+    request.sampling_params.validate(prompt_len=request.num_prompt_tokens, max_model_len=max_model_len,
+                                     vocab_size=vocab_size)

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional
 from replica.config import EngineConfig
 from replica.kv_cache_manager import KVCacheManager, cdiv
 from replica.preemption import VICTIM_POLICIES
-from replica.request import InvalidRequestError, Request, RequestStatus, validate_prompt
+from replica.request import InvalidRequestError, Request, RequestStatus, validate_request
 from replica.request_queue import make_waiting_queue
 from replica.slo import SLOView, StepSnapshot, TTFTPredictor, ttft_deadline, urgency
 
@@ -140,10 +140,7 @@ class Scheduler:
         """Raise InvalidRequestError naming the field; nothing in the engine changes."""
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        validate_prompt(request.prompt_token_ids, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size)
-        request.sampling_params.validate(
-            prompt_len=request.num_prompt_tokens, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size
-        )
+        validate_request(request, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)

@@ -1,6 +1,7 @@
-"""ReplicaServer: one AsyncEngine as a grpc.aio service without Ray: Generation and
-LoadReporter, standard health checking and reflection, Prometheus metrics kept in step with
-every load the engine publishes, and a graceful stop that lets in-flight streams end cleanly.
+"""ReplicaServer: one AsyncEngine (the front of an engine-core process) as a grpc.aio service
+without Ray: Generation and LoadReporter, standard health checking and reflection (NOT_SERVING
+once the core is gone), Prometheus metrics kept in step with every load the core publishes,
+and a graceful stop that lets in-flight streams end cleanly.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ReplicaServer:
         self.replica_id = replica_id
         self.model_id = model_id
         self.metrics = metrics
-        self.load_reports = LoadReportBuilder(replica_id, engine.engine.stats)
+        self.load_reports = LoadReportBuilder(replica_id, engine.stats)
         self.port: Optional[int] = None
         self._server: Optional[grpc.aio.Server] = None
         self._health: Optional[health.aio.HealthServicer] = None
@@ -45,8 +46,8 @@ class ReplicaServer:
         self._metrics_task: Optional[asyncio.Task] = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Start the engine loop and serve on host:port (0 picks a free port); returns the port."""
-        self.engine.start()
+        """Start the engine core (if not yet) and serve on host:port (0 picks a free port); returns the port."""
+        await self.engine.start()
         self._stopping = asyncio.Event()
         server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(
@@ -57,8 +58,8 @@ class ReplicaServer:
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for service in ("",) + SERVICE_NAMES:  # "" is the whole server, as health clients ask by default
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.engine.on_dead(self._core_died)
         reflection.enable_server_reflection(
             SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
@@ -86,6 +87,15 @@ class ReplicaServer:
             pass
         self._server = None
         logger.info("replica %s stopped", self.replica_id)
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("",) + SERVICE_NAMES:  # "" is the whole server, as health clients ask by default
+            await self._health.set(service, status)
+
+    def _core_died(self, error: Exception) -> None:
+        # Nothing here can serve again: load balancers and Serve's health check must move on.
+        logger.error("replica %s is NOT_SERVING: %s", self.replica_id, error)
+        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def _sync_metrics(self) -> None:
         """Advance the Prometheus counters and gauges after every load the engine publishes."""

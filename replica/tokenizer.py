@@ -1,5 +1,6 @@
 """Text <-> token ids for one replica, from the checkpoint's own fast tokenizer on local disk,
-and the incremental detokenizer that turns a stream of output ids into text deltas.
+its chat template, and the incremental detokenizer that turns a stream of output ids into
+text deltas.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from typing import Any, Optional, Sequence
 
 from tokenizers import Tokenizer as FastTokenizer
 
+from replica.chat_template import find_chat_template, render_chat_template
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# The special tokens a chat template may name, as transformers passes them.
+_TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class TokenizerLoadError(ValueError):
@@ -30,11 +34,7 @@ class Tokenizer:
         # Some checkpoints (Llama 2, Mistral) ask for BOS in the config rather than in the
         # tokenizer.json post-processor; others put it in both, so add it only when missing.
         self._add_bos_token = bool(tokenizer_config.get("add_bos_token")) and self.bos_token_id is not None
-        self._transformers_tokenizer = None  # loaded lazily, only to render chat templates
-        # Looked up once: chat requests ask on every call.
-        self._has_chat_template = "chat_template" in tokenizer_config or any(
-            (model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES
-        )
+        self.chat_template = find_chat_template(model_dir, tokenizer_config)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
@@ -58,38 +58,33 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._fast_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins.
 
-        With a chat template in the directory, transformers renders it. Without one the
-        fallback is BOS, then "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
-        Either way the text already holds its special tokens: encode it with
-        add_special_tokens=False.
+        The checkpoint's chat template when it has one (rendered as transformers does; a
+        conversation it refuses raises ChatTemplateError). Without one the fallback is BOS,
+        then "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n". Either way the
+        text already holds its special tokens: encode it with add_special_tokens=False.
         """
-        if self._has_chat_template:
-            return self._load_transformers_tokenizer().apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
-            )
+        if self.chat_template is not None:
+            return render_chat_template(self.chat_template, messages, **self._template_special_tokens())
         bos = self._fast_tokenizer.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         turns = "".join(f"<|{message['role']}|>\n{message['content']}\n" for message in messages)
         return f"{bos}{turns}<|assistant|>\n"
 
+    def _template_special_tokens(self) -> dict[str, str]:
+        tokens = {name: self._special_token_text(name) for name in _TEMPLATE_SPECIAL_TOKENS}
+        return {name: token for name, token in tokens.items() if token is not None}
+
     def _special_token_id(self, config_key: str) -> Optional[int]:
+        token = self._special_token_text(config_key)
+        return self._fast_tokenizer.token_to_id(token) if token is not None else None
+
+    def _special_token_text(self, config_key: str) -> Optional[str]:
         token = self._tokenizer_config.get(config_key)
         if isinstance(token, dict):  # serialized AddedToken: {"content": "<s>", ...}
             token = token.get("content")
-        return self._fast_tokenizer.token_to_id(token) if isinstance(token, str) else None
-
-    def _load_transformers_tokenizer(self):
-        if self._transformers_tokenizer is None:
-            try:
-                from transformers import AutoTokenizer
-            except ImportError as error:
-                raise TokenizerLoadError(
-                    f"{self._model_dir} has a chat template; rendering it needs transformers, which is not installed"
-                ) from error
-            self._transformers_tokenizer = AutoTokenizer.from_pretrained(self._model_dir, local_files_only=True)
-        return self._transformers_tokenizer
+        return token if isinstance(token, str) else None
 
 
 def _fast_tokenizer_via_transformers(model_dir: Path) -> FastTokenizer:

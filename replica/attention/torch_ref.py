@@ -2,7 +2,8 @@
 
 One scaled_dot_product_attention call per prefill sequence over its gathered cache blocks;
 single-token decodes share padded calls in groups of DECODE_GROUP_SIZE, sorted by context
-length. Simple enough to read as the specification of the contract in base.py.
+length. Simple enough to read as the specification of the contract in base.py;
+`dense_causal_attention` is the float64 ground truth both backends are measured against.
 """
 
 from __future__ import annotations
@@ -106,3 +107,20 @@ def _causal_offset_mask(query_len: int, seq_len: int, device: torch.device) -> t
     query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
     key_positions = torch.arange(seq_len, device=device)
     return key_positions[None, :] <= query_positions[:, None]
+
+
+def dense_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float64 attention of one sequence's newest query tokens over its whole unpaged context.
+
+    query [q_len, num_q_heads, head_dim] are the last q_len positions of keys / values
+    [seq_len, num_kv_heads, head_dim]; query head h reads kv head h // (num_q_heads // num_kv_heads).
+    """
+    query_len, seq_len = query.shape[0], keys.shape[0]
+    queries_per_kv = query.shape[1] // keys.shape[1]
+    keys = keys.double().repeat_interleave(queries_per_kv, dim=1)
+    values = values.double().repeat_interleave(queries_per_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys) * scale
+    mask = _causal_offset_mask(query_len, seq_len, query.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)

@@ -1,29 +1,33 @@
-"""Triton paged attention for mixed batches: prefill chunks and decode tokens in one launch.
+"""Triton paged attention: one kernel for mixed batches, split-KV (flash-decoding) for small decode batches.
 
 `_paged_attention_kernel` tiles each sequence's queries together with all query heads that
-share one kv head (GQA), streams that sequence's K/V through its block table and keeps an
-online softmax in fp32. `_write_kv_kernel` scatters new K/V into their cache slots.
+share one kv head (GQA), streams one key range of that sequence's K/V through its block table
+and keeps an online softmax in fp32. Single pass: the range is the whole context and the program
+writes the output. Split-KV: grid axis 2 cuts each context into segments whose programs write fp32
+partials, and `_merge_segments_kernel` combines them. `_write_kv_kernel` scatters new K/V into the cache.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from replica.attention.base import AttentionBackend, AttentionMetadata
+from replica.attention.launch_plan import DEFAULT_TUNING, AttentionPlan, AttentionTuning, padded_head_dim, plan_attention
 
-# Rows of a query tile for decode-only batches (one token per sequence): the smallest tl.dot size.
-_DECODE_TILE_ROWS = 16
-# Rows of a query tile once any sequence brings several tokens: bigger tiles reread K/V less often.
-_PREFILL_TILE_ROWS = 64
-# Keys per inner-loop step; independent of the cache block size, which only shapes the address math.
-_KEY_TILE = 32
+# Triton on a CPU runs only under TRITON_INTERPRET=1 (tests); one "SM" keeps plans small there.
+_INTERPRETER_NUM_SMS = 1
+# Padding rows never see a key; a finite floor keeps their exp2() at 0 instead of NaN.
+_NO_SCORE: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, TILE_TOKENS: tl.constexpr):
-    """Binary search for the sequence owning global query tile q_tile_idx.
+def _find_seq_idx(query_start_loc_ptr, index, num_seqs, TILE_TOKENS: tl.constexpr, BY_TOKEN: tl.constexpr):
+    """Binary search for the sequence owning `index`: a query token (BY_TOKEN) or a global query tile.
 
     Sequence i owns global tiles starting at query_start_loc[i] // TILE_TOKENS + i: enough room
     for cdiv(q_len_i, TILE_TOKENS) tiles whatever the alignment, so no search table is needed.
@@ -32,8 +36,11 @@ def _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, TILE_TOKENS: tl.con
     right = num_seqs
     while left < right:
         mid = (left + right) // 2
-        first_tile_of_mid = tl.load(query_start_loc_ptr + mid) // TILE_TOKENS + mid
-        if first_tile_of_mid <= q_tile_idx:
+        if BY_TOKEN:
+            first_of_mid = tl.load(query_start_loc_ptr + mid)
+        else:
+            first_of_mid = tl.load(query_start_loc_ptr + mid) // TILE_TOKENS + mid
+        if first_of_mid <= index:
             left = mid + 1
         else:
             right = mid
@@ -41,22 +48,37 @@ def _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, TILE_TOKENS: tl.con
 
 
 @triton.jit
+def _keys_per_segment(seq_len, NUM_SEGMENTS: tl.constexpr, KEY_TILE: tl.constexpr, SEGMENT_MIN_KEYS: tl.constexpr):
+    """Keys each segment of a sequence reads: its real length split NUM_SEGMENTS ways, on the device.
+
+    A short sequence (or any, under a graph's upper-bound max_seq_len) uses only the first
+    cdiv(seq_len, keys) segments. Whole key tiles, so segment boundaries are tile boundaries.
+    """
+    keys = tl.maximum(tl.cdiv(seq_len, NUM_SEGMENTS), SEGMENT_MIN_KEYS)
+    return tl.cdiv(keys, KEY_TILE) * KEY_TILE
+
+
+@triton.jit
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, num_seqs, block_size,
+    scale_log2, num_seqs,
     stride_q_token, stride_q_head, stride_q_dim,
     stride_o_token, stride_o_head, stride_o_dim,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_cache_dim,
     stride_block_table_seq,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    stride_partial_token, stride_partial_head, stride_partial_segment,
+    stride_stats_token, stride_stats_head, stride_stats_segment,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_TOKENS: tl.constexpr,
-    KEY_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KEY_TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEGMENT_MIN_KEYS: tl.constexpr,
 ):
     q_tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
 
-    seq_idx = _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, TILE_TOKENS)
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, TILE_TOKENS, False)
     query_start = tl.load(query_start_loc_ptr + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - query_start
     local_tile_idx = q_tile_idx - (query_start // TILE_TOKENS + seq_idx)
@@ -64,6 +86,10 @@ def _paged_attention_kernel(
         return  # spare tile: the grid is an upper bound on tiles needed
 
     seq_len = tl.load(seq_lens_ptr + seq_idx)
+    keys_per_segment = _keys_per_segment(seq_len, NUM_SEGMENTS, KEY_TILE, SEGMENT_MIN_KEYS)
+    segment_start = segment * keys_per_segment
+    if segment_start >= seq_len:
+        return  # the grid sized segments for max_seq_len; this sequence is shorter (the merge skips it)
     num_cached_before = seq_len - query_len
 
     # Row r of the tile is query token r // QUERIES_PER_KV with query head r % QUERIES_PER_KV of this kv head.
@@ -79,27 +105,27 @@ def _paged_attention_kernel(
     q_offsets = token_row[:, None] * stride_q_token + q_head[:, None] * stride_q_head + dims[None, :] * stride_q_dim
     q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
-    # Padding rows never see a key; a finite floor keeps their exp() at 0 instead of NaN.
-    running_max = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)
+    running_max = tl.full([TILE_ROWS], _NO_SCORE, dtype=tl.float32)
     running_sum = tl.zeros([TILE_ROWS], dtype=tl.float32)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM_PADDED], dtype=tl.float32)
 
     # Causality: no row of this tile looks past its last token's position.
     last_token_in_tile = tl.minimum((local_tile_idx + 1) * TILE_TOKENS, query_len) - 1
     num_visible_keys = num_cached_before + last_token_in_tile + 1
+    segment_end = tl.minimum(segment_start + keys_per_segment, num_visible_keys)
     head_offset = kv_head.to(tl.int64) * stride_cache_head
-    for key_start in range(0, num_visible_keys, KEY_TILE):
+    block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_block_table_seq
+    for key_start in range(segment_start, segment_end, KEY_TILE):
         key_position = key_start + tl.arange(0, KEY_TILE)
-        key_valid = key_position < num_visible_keys
-        block_id = tl.load(
-            block_tables_ptr + seq_idx.to(tl.int64) * stride_block_table_seq + key_position // block_size,
-            mask=key_valid, other=0,
-        ).to(tl.int64)
-        slot_offset = block_id * stride_cache_block + (key_position % block_size).to(tl.int64) * stride_cache_offset
+        key_valid = key_position < segment_end
+        block_id = tl.load(block_table_row + key_position // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot_offset = block_id * stride_cache_block + (key_position % BLOCK_SIZE).to(tl.int64) * stride_cache_offset
         kv_mask = key_valid[None, :] & dim_valid[:, None]
         k = tl.load(key_cache_ptr + head_offset + slot_offset[None, :] + dims[:, None] * stride_cache_dim,
                     mask=kv_mask, other=0.0)  # [HEAD_DIM_PADDED, KEY_TILE]
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        # ieee: fp32 caches get exact fp32 products (tf32 drifts ~1e-3 from the reference);
+        # for fp16/bf16 operands the flag changes nothing.
+        scores = tl.dot(q, k, input_precision="ieee") * scale_log2
         visible = key_valid[None, :] & (key_position[None, :] <= query_position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
@@ -109,12 +135,61 @@ def _paged_attention_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         v = tl.load(value_cache_ptr + head_offset + slot_offset[:, None] + dims[None, :] * stride_cache_dim,
                     mask=tl.trans(kv_mask), other=0.0)  # [KEY_TILE, HEAD_DIM_PADDED]
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         running_max = new_max
 
-    out = acc / running_sum[:, None]
-    o_offsets = token_row[:, None] * stride_o_token + q_head[:, None] * stride_o_head + dims[None, :] * stride_o_dim
-    tl.store(output_ptr + o_offsets, out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SEGMENTS == 1:
+        out = acc / running_sum[:, None]
+        o_offsets = token_row[:, None] * stride_o_token + q_head[:, None] * stride_o_head + dims[None, :] * stride_o_dim
+        tl.store(output_ptr + o_offsets, out.to(output_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Unnormalised: the merge rescales each segment by its max before dividing once.
+        # A row that saw no key in this segment stores (max floor, sum 0, acc 0) and weighs nothing.
+        stats_offsets = token_row * stride_stats_token + q_head * stride_stats_head + segment * stride_stats_segment
+        tl.store(partial_max_ptr + stats_offsets, running_max, mask=row_valid)
+        tl.store(partial_sum_ptr + stats_offsets, running_sum, mask=row_valid)
+        partial_offsets = (token_row[:, None] * stride_partial_token + q_head[:, None] * stride_partial_head
+                           + segment * stride_partial_segment + dims[None, :])
+        tl.store(partial_out_ptr + partial_offsets, acc, mask=store_mask)
+
+
+@triton.jit
+def _merge_segments_kernel(
+    output_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    query_start_loc_ptr, seq_lens_ptr, num_seqs,
+    stride_o_token, stride_o_head, stride_o_dim,
+    stride_partial_token, stride_partial_head, stride_partial_segment,
+    stride_stats_token, stride_stats_head, stride_stats_segment,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, KEY_TILE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, SEGMENTS_PADDED: tl.constexpr, SEGMENT_MIN_KEYS: tl.constexpr,
+):
+    """One (token, query head): the softmax over the union of its segments from their partials."""
+    token = tl.program_id(0)
+    q_head = tl.program_id(1)
+    seq_idx = _find_seq_idx(query_start_loc_ptr, token, num_seqs, 1, True)
+    if token >= tl.load(query_start_loc_ptr + seq_idx + 1):
+        return  # a row past the last sequence's queries
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    # The same split the attention kernel made, so segments it skipped are never read.
+    num_used = tl.cdiv(seq_len, _keys_per_segment(seq_len, NUM_SEGMENTS, KEY_TILE, SEGMENT_MIN_KEYS))
+
+    segments = tl.arange(0, SEGMENTS_PADDED)
+    used = segments < num_used
+    stats_offsets = token.to(tl.int64) * stride_stats_token + q_head * stride_stats_head + segments * stride_stats_segment
+    segment_max = tl.load(partial_max_ptr + stats_offsets, mask=used, other=float("-inf"))
+    segment_sum = tl.load(partial_sum_ptr + stats_offsets, mask=used, other=0.0)
+    weight = tl.where(used, tl.exp2(segment_max - tl.max(segment_max, axis=0)), 0.0)
+    total = tl.sum(segment_sum * weight, axis=0)
+
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+    partial_offsets = (token.to(tl.int64) * stride_partial_token + q_head * stride_partial_head
+                       + segments[:, None] * stride_partial_segment + dims[None, :])
+    partial = tl.load(partial_out_ptr + partial_offsets, mask=used[:, None] & dim_valid[None, :], other=0.0)
+    out = tl.sum(partial * weight[:, None], axis=0) / total
+    o_offsets = token.to(tl.int64) * stride_o_token + q_head * stride_o_head + dims * stride_o_dim
+    tl.store(output_ptr + o_offsets, out.to(output_ptr.dtype.element_ty), mask=dim_valid)
 
 
 @triton.jit
@@ -143,8 +218,89 @@ def _write_kv_kernel(
     tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclass
+class SegmentPartials:
+    """fp32 scratch of split-KV: per (token, query head, segment) the unnormalised output, max and sum."""
+
+    out: torch.Tensor  # [num_tokens, num_q_heads, num_segments, head_dim], contiguous in head_dim
+    max: torch.Tensor  # [num_tokens, num_q_heads, num_segments], log2 domain
+    sum: torch.Tensor  # [num_tokens, num_q_heads, num_segments]
+
+    @classmethod
+    def empty(cls, num_tokens, num_q_heads, num_segments, head_dim, device) -> "SegmentPartials":
+        stats_shape = (num_tokens, num_q_heads, num_segments)
+        return cls(
+            out=torch.empty(*stats_shape, head_dim, dtype=torch.float32, device=device),
+            max=torch.empty(stats_shape, dtype=torch.float32, device=device),
+            sum=torch.empty(stats_shape, dtype=torch.float32, device=device),
+        )
+
+
+def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, plan: AttentionPlan,
+                    output: torch.Tensor, partials: SegmentPartials | None = None) -> None:
+    """Attend `query` to the paged cache into `output`, launched as `plan` says (no host reads of tensors).
+
+    `partials` is split-KV's scratch; allocated here when not given (a CUDA graph pools it).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = meta.num_seqs
+    if plan.is_split and partials is None:
+        partials = SegmentPartials.empty(num_tokens, num_q_heads, plan.num_segments, head_dim, query.device)
+    # The single pass never touches the scratch; any tensor fills the pointer slots.
+    scratch = partials or SegmentPartials(output, output, output)
+    partial_strides = scratch.out.stride()[:3] if plan.is_split else (0, 0, 0)
+    stats_strides = scratch.max.stride() if plan.is_split else (0, 0, 0)
+    shared = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_head_dim(head_dim), KEY_TILE=plan.config.key_tile,
+                  NUM_SEGMENTS=plan.num_segments, SEGMENT_MIN_KEYS=plan.segment_min_keys)
+    grid = (num_tokens // plan.tile_tokens + num_seqs, num_kv_heads, plan.num_segments)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, output,
+        scratch.out, scratch.max, scratch.sum,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
+        num_seqs,
+        # One set of cache strides serves both caches: allocate_kv_cache makes them alike.
+        *query.stride(), *output.stride(), *key_cache.stride(),
+        meta.block_tables.stride(0),
+        *partial_strides, *stats_strides,
+        BLOCK_SIZE=key_cache.shape[1], QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        TILE_ROWS=plan.tile_rows, TILE_TOKENS=plan.tile_tokens, **shared,
+        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
+    )
+    if plan.is_split:
+        merge_segments(output, partials, meta, plan)
+
+
+def merge_segments(output: torch.Tensor, partials: SegmentPartials, meta: AttentionMetadata,
+                   plan: AttentionPlan) -> None:
+    """Combine split-KV partials into `output` [num_tokens, num_q_heads, head_dim]."""
+    num_tokens, num_q_heads, head_dim = output.shape
+    _merge_segments_kernel[(num_tokens, num_q_heads)](
+        output, partials.out, partials.max, partials.sum,
+        meta.query_start_loc, meta.seq_lens, meta.num_seqs,
+        *output.stride(), *partials.out.stride()[:3], *partials.max.stride(),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_head_dim(head_dim), KEY_TILE=plan.config.key_tile,
+        NUM_SEGMENTS=plan.num_segments, SEGMENTS_PADDED=triton.next_power_of_2(plan.num_segments),
+        SEGMENT_MIN_KEYS=plan.segment_min_keys,
+        num_warps=4,  # one [segments x head_dim] fp32 tile, no loop to pipeline
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+
+    def __init__(self, tuning: AttentionTuning = DEFAULT_TUNING, num_sms: int | None = None):
+        """`num_sms` overrides the device's SM count (tests plan for a GPU while interpreting on a CPU)."""
+        self.tuning = tuning
+        self.num_sms = num_sms
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         num_tokens, num_kv_heads, head_dim = key.shape
@@ -157,30 +313,15 @@ class TritonAttentionBackend(AttentionBackend):
             HEADS_PADDED=triton.next_power_of_2(num_kv_heads), HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
         )
 
+    def plan(self, query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionPlan:
+        """This call's launch, from shapes and the host-side bounds in `meta` only."""
+        num_sms = self.num_sms or _num_sms(query.device)
+        return plan_attention(meta.num_seqs, meta.max_query_len, meta.max_seq_len, query.shape[1],
+                              key_cache.shape[2], query.shape[2], num_sms, self.tuning)
+
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens, num_q_heads, head_dim = query.shape
-        num_kv_heads = key_cache.shape[2]
         output = torch.empty_like(query)
-        if num_tokens == 0:
+        if query.shape[0] == 0:
             return output
-        queries_per_kv = num_q_heads // num_kv_heads
-        tile_rows = _DECODE_TILE_ROWS if meta.max_query_len == 1 else _PREFILL_TILE_ROWS
-        tile_rows = max(tile_rows, triton.next_power_of_2(queries_per_kv))
-        tile_tokens = tile_rows // queries_per_kv
-        num_seqs = meta.num_seqs
-        grid = (num_tokens // tile_tokens + num_seqs, num_kv_heads)
-        _paged_attention_kernel[grid](
-            query, key_cache, value_cache, output,
-            meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
-            num_seqs, key_cache.shape[1],
-            # One set of cache strides serves both caches: allocate_kv_cache makes them alike.
-            *query.stride(), *output.stride(), *key_cache.stride(),
-            meta.block_tables.stride(0),
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
-            QUERIES_PER_KV=queries_per_kv, TILE_ROWS=tile_rows, TILE_TOKENS=tile_tokens,
-            KEY_TILE=_KEY_TILE,
-            # fp32 caches ask for fp32 results; tf32 would drift ~1e-3 from the reference.
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        )
+        paged_attention(query, key_cache, value_cache, meta, scale, self.plan(query, key_cache, meta), output)
         return output

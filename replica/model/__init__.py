@@ -1,7 +1,17 @@
-"""The Llama-family model, its config and its checkpoint loader."""
+"""The Llama-family model, its config, its checkpoint loader and its (fused) elementwise ops."""
 
 from replica.model.config import ModelConfig, ModelConfigError
+from replica.model.fused_ops import FUSED_OPS_NAMES, FusedOps, get_fused_ops
 from replica.model.llama import LlamaForCausalLM
 from replica.model.loader import ModelLoadError, load_model
 
-__all__ = ["LlamaForCausalLM", "ModelConfig", "ModelConfigError", "ModelLoadError", "load_model"]
+__all__ = [
+    "FUSED_OPS_NAMES",
+    "FusedOps",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "ModelConfigError",
+    "ModelLoadError",
+    "get_fused_ops",
+    "load_model",
+]

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Mistral) running attention through a paged-KV backend.
 
-Parameter names follow Hugging Face's, so a checkpoint's state dict loads without renaming;
-the numerics follow HF too (fp32 RMSNorm and RoPE frequencies), so logits match its forward.
+Parameter names follow Hugging Face's except the merged projections (qkv_proj, gate_up_proj), which
+the loader stacks from HF's tensors; elementwise ops go through FusedOps (torch reference or kernels).
+The numerics follow HF (fp32 RMSNorm and RoPE angles), so logits match its forward.
 """
 
 from __future__ import annotations
@@ -10,27 +11,37 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replica.attention.base import AttentionBackend, AttentionMetadata
 from replica.model.config import ModelConfig
+from replica.model.fused_ops import FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ops: FusedOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the model dtype, exactly as HF does.
-        input_dtype = hidden.dtype
-        hidden = hidden.float()
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hidden.to(input_dtype)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalised, residual stream): HF's `residual + hidden` then norm, in one op once a residual exists;
+        before the first layer the stream is hidden itself."""
+        if residual is None:
+            return self.ops.rms_norm(hidden, self.weight, self.eps), hidden
+        return self.ops.add_rms_norm(hidden, residual, self.weight, self.eps)
+
+
+class MergedLinear(nn.Linear):
+    """One GEMM for several projections of the same input, their weights stacked along the output
+    dimension in shard order. Shard names are the checkpoint's own (q_proj, ...): the loader stacks them."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_sizes = shard_sizes
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -57,27 +68,25 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium_freq, smoothed, scaled)
 
 
+def rope_cos_sin_table(cfg: ModelConfig) -> torch.Tensor:
+    """fp32 [max_position_embeddings, head_dim]: cos | sin of every position's angles, as HF computes them."""
+    positions = torch.arange(cfg.max_position_embeddings, dtype=torch.int64, device="cpu").float()
+    angles = positions[:, None] * rope_inverse_frequencies(cfg)[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: FusedOps):
         super().__init__()
-        # A plain attribute, not a buffer: model.to(dtype) must not round it, and the model may
-        # be built on the meta device before its weights are loaded.
-        self.inv_freq = rope_inverse_frequencies(cfg)
+        # Computed once for every position (never per step from the batch's positions), on the CPU even
+        # when the model is built on the meta device; the loader moves it to the weights' device and dtype
+        # (HF casts cos/sin to the model dtype too). Not persistent: checkpoints do not carry it.
+        self.register_buffer("cos_sin_cache", rope_cos_sin_table(cfg), persistent=False)
+        self.ops = ops
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [num_tokens, head_dim], for HF's rotate_half layout."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, heads, head_dim] by its tokens' angles (HF's rotate_half convention)."""
-    first_half, second_half = x.chunk(2, dim=-1)
-    rotated_half = torch.cat((-second_half, first_half), dim=-1)
-    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rotary(positions, query, key, self.cos_sin_cache)
 
 
 class Attention(nn.Module):
@@ -88,63 +97,81 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.attn_backend = attn_backend
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=cfg.attention_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
 
-    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions, hidden, rotary_emb: RotaryEmbedding, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        query = apply_rotary(self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        key = apply_rotary(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query, key = rotary_emb(
+            positions,
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         # The backend reads this step's keys from the cache, so they go in first.
         self.attn_backend.write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         attended = self.attn_backend.forward(query, key_cache, value_cache, attn_metadata, self.scale)
-        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(attended.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one GEMM."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: FusedOps):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            bias=cfg.mlp_bias,
+        )
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops = ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
         super().__init__()
         self.self_attn = Attention(cfg, attn_backend)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, rotary_emb: RotaryEmbedding, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, residual stream before it); the next norm adds the two.
+
+        Deferring each residual add into the following norm is what lets one kernel do both.
+        """
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary_emb, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attn_backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn_backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.rotary_emb = RotaryEmbedding(cfg, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, attn_backend)
+        self.model = LlamaModel(cfg, attn_backend, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -166,12 +193,14 @@ class LlamaForCausalLM(nn.Module):
         layer_hook(i) runs before decoder layer i; raising from it abandons the pass between layers.
         """
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, hidden.dtype)
+        residual = None
+        rotary_emb = self.model.rotary_emb
         for layer_idx, layer in enumerate(self.model.layers):
             if layer_hook is not None:
                 layer_hook(layer_idx)
-            hidden = layer(hidden, cos, sin, kv_caches[layer_idx], attn_metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, rotary_emb, kv_caches[layer_idx], attn_metadata)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the hidden states of the positions that sample."""

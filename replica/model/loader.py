@@ -1,7 +1,7 @@
 """Load a local Hugging Face checkpoint directory (config.json + safetensors) into LlamaForCausalLM.
 
-Every way a directory can be unusable raises ModelLoadError naming the file or tensor at fault,
-before any weights are trusted.
+HF's separate q/k/v and gate/up tensors are stacked into the merged projections here. Every way a
+directory can be unusable raises ModelLoadError naming the file or checkpoint tensor at fault.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from replica.attention import get_attention_backend
 from replica.model.config import ModelConfig, ModelConfigError, parse_dtype
-from replica.model.llama import LlamaForCausalLM
+from replica.model.fused_ops import get_fused_ops
+from replica.model.llama import LlamaForCausalLM, MergedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str = "auto",
+    fused_ops: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by path/config.json and fill it from the directory's safetensors.
 
     dtype: "float32" | "float16" | "bfloat16" | a torch.dtype; None or "auto" keeps the config's.
+    fused_ops: "auto" (Triton on CUDA, torch elsewhere) | "torch" | "triton" | "compile".
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -50,13 +53,18 @@ def load_model(
     device = torch.device(device)
 
     backend = get_attention_backend(attention_backend, device)
+    ops = get_fused_ops(fused_ops, device)
     # Built on the meta device: no time or memory spent on random init of weights about to be replaced.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, ops)
     checkpoint = _read_checkpoint(model_dir, device, weights_dtype)
-    expected_shapes = _check_against_model(model, checkpoint, model_dir)
-    model.load_state_dict({name: checkpoint[name] for name in expected_shapes}, strict=False, assign=True)
+    layout = checkpoint_layout(model)
+    _check_against_model(layout, checkpoint, model_dir)
+    model.load_state_dict({name: _stack(checkpoint, sources) for name, sources in layout.items()},
+                          strict=False, assign=True)
     model.tie_weights()
+    # The weights arrived on device in dtype; this moves what construction computed (the rotary table).
+    model.to(device=device, dtype=weights_dtype)
     model.requires_grad_(False)
     model.eval()
     logger.info("loaded %s from %s: %d layers, %s on %s", cfg.architecture, model_dir, cfg.num_hidden_layers,
@@ -99,12 +107,32 @@ def _read_checkpoint(model_dir: Path, device: torch.device, dtype: torch.dtype) 
     return tensors
 
 
-def _check_against_model(
-    model: LlamaForCausalLM, checkpoint: dict[str, torch.Tensor], model_dir: Path
-) -> dict[str, tuple[int, ...]]:
-    """The model's parameter shapes, after checking the checkpoint has each one in that shape."""
+# (checkpoint tensor name, shape) pairs that make up one model parameter, stacked in this order along dim 0.
+TensorSources = list[tuple[str, tuple[int, ...]]]
+
+
+def checkpoint_layout(model: LlamaForCausalLM) -> dict[str, TensorSources]:
+    """Each model parameter's checkpoint tensors: itself, or for a MergedLinear (qkv_proj, gate_up_proj)
+    its HF shards, e.g. layers.0.self_attn.qkv_proj.weight <- q_proj.weight, k_proj.weight, v_proj.weight."""
+    merged = {name: module for name, module in model.named_modules() if isinstance(module, MergedLinear)}
+    layout: dict[str, TensorSources] = {}
     # named_parameters() lists a tied lm_head once, under model.embed_tokens.weight.
-    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    for name, param in model.named_parameters():
+        module_name, _, param_kind = name.rpartition(".")
+        module = merged.get(module_name)
+        if module is None:
+            layout[name] = [(name, tuple(param.shape))]
+            continue
+        parent = module_name.rpartition(".")[0]
+        layout[name] = [(f"{parent}.{shard}.{param_kind}", (size, *param.shape[1:]))
+                        for shard, size in module.shard_sizes.items()]
+    return layout
+
+
+def _check_against_model(layout: dict[str, TensorSources], checkpoint: dict[str, torch.Tensor],
+                         model_dir: Path) -> None:
+    """Every tensor the model needs is in the checkpoint, in the shape config.json implies."""
+    expected = dict(source for sources in layout.values() for source in sources)
     missing = [name for name in expected if name not in checkpoint]
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor(s): {', '.join(missing)}")
@@ -120,4 +148,11 @@ def _check_against_model(
     if unused:
         logger.warning("%s: ignoring %d tensor(s) the model has no place for: %s", model_dir, len(unused),
                        ", ".join(unused[:8]))
-    return expected
+
+
+def _stack(checkpoint: dict[str, torch.Tensor], sources: TensorSources) -> torch.Tensor:
+    """One parameter from its checkpoint tensors; they leave the dict as they are used, so a merged
+    parameter's copy never coexists with more than its own shards."""
+    if len(sources) == 1:
+        return checkpoint.pop(sources[0][0])
+    return torch.cat([checkpoint.pop(name) for name, _ in sources], dim=0)

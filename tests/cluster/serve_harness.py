@@ -18,7 +18,7 @@ from cluster.config import ServeAppsConfig, load_config
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 
-APP_NAME = "builtin"
+APP_NAME = "builtin"  # the model, and the application serving it
 # Small enough to start in seconds on two shared cores, big enough for a few dozen requests.
 ENGINE = {
     "block_size": 16,
@@ -55,20 +55,21 @@ def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
 
 
 def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num_cpus: float = 1,
-                 proxy_location: str = "EveryNode") -> ServeAppsConfig:
-    """One application on two CPU replicas; HTTP, gRPC, replica and router metrics on
-    base_port, +1, +10 and +20."""
+                 proxy_location: str = "EveryNode", model: str = APP_NAME, num_replicas: int = 2) -> ServeAppsConfig:
+    """One application (named after its model) on CPU replicas; HTTP, gRPC, replica and router
+    metrics on base_port, +1, +10 and +20."""
     ports = {"http": base_port, "grpc": base_port + 1, "metrics": base_port + 10, "router_metrics": base_port + 20}
     return load_config({
         "proxy_location": proxy_location,
         "http_options": {"host": "127.0.0.1", "port": ports["http"]},
         "grpc_options": {"port": ports["grpc"]},
         "applications": [{
-            "name": APP_NAME,
+            "name": model,
             "route_prefix": "/",
             "args": {
+                "model": model,
                 "engine": {**ENGINE, **(engine or {})},
-                "replicas": {"num_replicas": 2, "num_cpus": num_cpus},
+                "replicas": {"num_replicas": num_replicas, "num_cpus": num_cpus},
                 # Generous, so a snapshot delayed on a busy shared machine never sends a
                 # request down the stale-load fallback.
                 "router": {"staleness_s": 5.0},

@@ -42,7 +42,7 @@ def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
 
 def test_replica_serves_generate_until_sigint_then_exits_0():
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "replica", "--port", "0", "--max-model-len", "128",
+        [sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0", "--max-model-len", "128",
          "--num-kv-blocks", "32", "--replica-id", "cli-replica"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy(),
     )
@@ -69,13 +69,25 @@ def test_replica_serves_generate_until_sigint_then_exits_0():
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "0"], "error: engine.max_model_len:"),
     (["--replicas", "0"], "error: replicas.num_replicas:"),
-    (["--model", "/nonexistent/model"], "error: model '/nonexistent/model': no config.json"),
+    (["--model", "/nonexistent/model"], "error: model '/nonexistent/model': not a known model name"),
 ])
 def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_offline_without_the_default_model_exits_2_naming_the_alternatives(tmp_path):
+    offline_index = tmp_path / "offline"  # pip finds nothing here, and reaches no index
+    offline_index.mkdir()
+    env = {**os.environ, "HEADROOM_CACHE_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(offline_index)}
+    finished = subprocess.run([sys.executable, "-m", "cluster.cli", "serve"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert finished.returncode == 2
+    assert "error: model 'smollm2-135m'" in finished.stderr and "`--model builtin`" in finished.stderr
+    assert "ray" not in finished.stdout.lower()  # refused before any cluster started
 
 
 def test_serve_with_a_bad_config_file_exits_2_naming_the_fields_path(tmp_path, capsys):
@@ -107,7 +119,7 @@ def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
     args = build_parser().parse_args(["serve", "--config", str(config_file), "--replicas", "3",
                                       "--max-num-seqs", "8", "--grpc-port", "9500"])
     config = serve_config_from_args(args)
-    assert [app.name for app in config.applications] == ["builtin", "second"]
+    assert [app.name for app in config.applications] == ["smollm2-135m", "second"]
     for app in config.applications:
         assert app.args.replicas.num_replicas == 3 and app.args.engine.max_num_seqs == 8
         assert app.args.engine.max_model_len == 2048  # from the file, untouched
@@ -118,7 +130,7 @@ def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
 def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--num-cpus", "2",
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", "builtin", "--replicas", "1", "--num-cpus", "2",
          "--http-port", "28300", "--grpc-port", "28301", "--max-model-len", "128", "--num-kv-blocks", "32"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )

@@ -31,9 +31,9 @@ def app_document(**args) -> dict:
     return {"applications": [{"name": "builtin", "args": args}]}
 
 
-def test_defaults_serve_two_builtin_replicas_on_the_headroom_router():
+def test_defaults_serve_two_smollm2_replicas_on_the_headroom_router():
     config = ClusterConfig()
-    assert config.model == "builtin" and config.served_model_id == "builtin"
+    assert config.model == "smollm2-135m" and config.served_model_id == "smollm2-135m"
     assert config.engine == EngineConfig()
     assert config.replicas.num_replicas == 2 and config.replicas.autoscaling is None
     assert config.router.policy == "headroom" and config.router.staleness_s == 1.0

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.builtin_model import default_cache_dir
+from replica.model.cache import default_cache_dir
 from replica.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES
 from router.metrics import RouterMetrics
 from tests.replica.replica_harness import RunningReplica

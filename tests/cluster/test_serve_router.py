@@ -48,6 +48,7 @@ def cluster():
         serve.start(proxy_location="Disabled")
         config = ClusterConfig.model_validate(
             {
+                "model": "builtin",
                 "engine": {
                     "block_size": BLOCK_SIZE,
                     "num_kv_blocks": ROOMY_BLOCKS,

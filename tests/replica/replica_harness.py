@@ -1,5 +1,7 @@
 """A real ReplicaServer on loopback for tests: its event loop runs in a background thread, so
 one server can outlive many tests while each test drives its gRPC client with asyncio.run.
+The engine runs in its own engine-core process, as in production; tests read its state
+through the core's utility calls and load reports.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
 from replica.metrics import ReplicaMetrics
 from replica.server import ReplicaServer
+from replica.serving.messages import CoreSpec
 
 REPLICA_ID = "test-replica"
 MODEL_ID = "builtin"
 
 
 class RunningReplica:
-    def __init__(self, **engine_config: Any):
-        self.engine = LLMEngine(make_engine_config(**engine_config), "builtin")
+    def __init__(self, engine_factory: str = CoreSpec._field_defaults["engine_factory"], **engine_config: Any):
+        self.spec = CoreSpec(make_engine_config(**engine_config), "builtin", device="cpu", engine_factory=engine_factory)
         self.metrics = ReplicaMetrics(REPLICA_ID, MODEL_ID)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="replica-loop", daemon=True)
@@ -39,13 +41,22 @@ class RunningReplica:
         self.metrics_url = f"http://127.0.0.1:{self._metrics_http.server_port}/metrics"
 
     async def _start(self) -> int:
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(self.spec)
         self.server = ReplicaServer(self.async_engine, REPLICA_ID, MODEL_ID, self.metrics)
         return await self.server.start("127.0.0.1", 0)
 
     def call(self, coro: Coroutine, timeout: float = 60.0) -> Any:
         """Run a coroutine on the server's loop (where the engine may be inspected) and wait."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def engine(self):
+        """The front's view of the engine (tokenizer, config, ...)."""
+        return self.async_engine.engine
+
+    def core_call(self, method: str, *args: Any) -> Any:
+        """One of EngineCore.UTILITIES, run in the core process between steps."""
+        return self.call(self.async_engine.core.call_utility(method, *args))
 
     def on_loop(self, function: Callable[[], Any]) -> Any:
         async def run() -> Any:

@@ -3,106 +3,19 @@
 Triton runs under TRITON_INTERPRET=1 here (set before the kernels are decorated), so shapes stay tiny.
 """
 
-import os
+from attention_harness import BLOCK_SIZE, TOLERANCE, PagedBatch  # sets TRITON_INTERPRET first
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import random  # noqa: E402
+from replica.attention import allocate_kv_cache, get_attention_backend
+from replica.attention.torch_ref import TorchAttentionBackend
+from replica.attention.triton_backend import TritonAttentionBackend
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import triton.runtime.interpreter as triton_interpreter  # noqa: E402
-
-from replica.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend  # noqa: E402
-from replica.attention.torch_ref import TorchAttentionBackend  # noqa: E402
-from replica.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-
-
-
-def _index_scalars_under_numpy_2_4(patch_lang_tensor):
-    """Triton 3.6's interpreter turns scalar tensors (1-element arrays) into loop bounds with int(),
-    which NumPy 2.4 rejects; this applies upstream's fix (triton-lang/triton#9171, PR #9172)."""
-
-    def patched(tensor, scope):
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    return patched
-
-
-triton_interpreter._patch_lang_tensor = _index_scalars_under_numpy_2_4(triton_interpreter._patch_lang_tensor)
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 32
 # (cached tokens, new tokens) per sequence: a fresh prefill, a chunk continuing on a cached
 # prefix, and decodes at a block boundary and mid-block.
 MIXED_BATCH = [(0, 7), (9, 6), (12, 1), (3, 1)]
 DECODE_BATCH = [(12, 1), (3, 1), (0, 1), (17, 1)]
-
-
-class PagedBatch:
-    """A batch with random dense K/V per sequence, scattered into shuffled cache blocks."""
-
-    def __init__(self, seq_specs, num_q_heads, num_kv_heads, head_dim, dtype, seed=0):
-        generator = torch.Generator().manual_seed(seed)
-        shuffled_block_ids = list(range(1, NUM_BLOCKS))  # block 0 is the reserved null block
-        random.Random(seed).shuffle(shuffled_block_ids)
-
-        def randn(*shape):
-            return torch.randn(*shape, generator=generator).to(dtype)
-
-        self.seq_specs = seq_specs
-        self.num_q_heads = num_q_heads
-        self.keys = [randn(cached + new, num_kv_heads, head_dim) for cached, new in seq_specs]
-        self.values = [randn(cached + new, num_kv_heads, head_dim) for cached, new in seq_specs]
-        self.query = randn(sum(new for _, new in seq_specs), num_q_heads, head_dim)
-        [(self.key_cache, self.value_cache)] = allocate_kv_cache(1, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim,
-                                                                 dtype, "cpu")
-
-        seq_lens = [cached + new for cached, new in seq_specs]
-        max_blocks = max(-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens)
-        block_tables = torch.zeros(len(seq_specs), max_blocks, dtype=torch.int32)
-        new_token_slots = []
-        for seq_idx, (cached, new) in enumerate(seq_specs):
-            seq_len = cached + new
-            blocks = [shuffled_block_ids.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
-            block_tables[seq_idx, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            slots = [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len)]
-            self.key_cache.view(-1, num_kv_heads, head_dim)[slots] = self.keys[seq_idx]
-            self.value_cache.view(-1, num_kv_heads, head_dim)[slots] = self.values[seq_idx]
-            new_token_slots += slots[cached:]
-
-        query_lens = [new for _, new in seq_specs]
-        self.meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(new_token_slots, dtype=torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        self.scale = head_dim**-0.5
-
-    def dense_causal_attention(self) -> torch.Tensor:
-        """Attention computed in float64 from the unpaged K/V, one sequence at a time."""
-        outputs = []
-        query_start = 0
-        for (cached, new), keys, values in zip(self.seq_specs, self.keys, self.values):
-            query = self.query[query_start : query_start + new].double()
-            query_start += new
-            queries_per_kv = self.num_q_heads // keys.shape[1]
-            keys = keys.double().repeat_interleave(queries_per_kv, dim=1)
-            values = values.double().repeat_interleave(queries_per_kv, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", query, keys) * self.scale
-            query_positions = torch.arange(cached, cached + new)
-            visible = torch.arange(cached + new)[None, :] <= query_positions[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
-        return torch.cat(outputs)
-
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 def test_torch_reference_matches_dense_causal_attention_on_mixed_gqa_batch():

@@ -9,13 +9,12 @@ from safetensors.torch import load_file
 from replica.builtin_model import (
     BOS_TOKEN_ID,
     BUILTIN_MODEL_DIRNAME,
-    CACHE_DIR_ENV_VAR,
     EOS_TOKEN_ID,
     MODEL_CONFIG,
     VOCAB_SIZE,
     ensure_builtin_model,
-    resolve_model_path,
 )
+from replica.model.cache import CACHE_DIR_ENV_VAR
 from replica.tokenizer import Tokenizer
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -60,20 +59,6 @@ def test_concurrent_creators_leave_one_complete_model_and_no_staging_dirs(tmp_pa
 def test_default_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV_VAR, str(tmp_path))
     assert ensure_builtin_model() == tmp_path / BUILTIN_MODEL_DIRNAME
-
-
-def test_resolve_model_path_maps_builtin_to_the_cached_model(tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_DIR_ENV_VAR, str(tmp_path))
-    assert resolve_model_path("builtin") == tmp_path / BUILTIN_MODEL_DIRNAME
-
-
-def test_resolve_model_path_accepts_a_local_model_directory(builtin_model_dir):
-    assert resolve_model_path(str(builtin_model_dir)) == builtin_model_dir
-
-
-def test_resolve_model_path_rejects_a_directory_without_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        resolve_model_path(tmp_path / "missing-model")
 
 
 def test_weights_use_hugging_face_llama_names_and_init(builtin_model_dir):

@@ -5,18 +5,16 @@ equal HF's forward logits, however the tokens are split into steps.
 """
 
 import json
-import random
 
 import pytest
 import torch
 import transformers
+from model_harness import BLOCK_SIZE, NUM_BLOCKS, PagedRunner
 from safetensors.torch import load_file, save_file
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.model import ModelConfig, ModelConfigError, ModelLoadError, load_model
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 24
 PROMPT_LEN = 13
 LOGITS_TOLERANCE = 1e-4
 
@@ -65,52 +63,6 @@ def llama_dir(tmp_path_factory):
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([token_ids])).logits[0].float()
-
-
-class PagedRunner:
-    """A minimal model runner: sequences in shuffled cache blocks, stepped with any token split."""
-
-    def __init__(self, model, cfg: ModelConfig, seed: int = 0):
-        self.model, self.cfg = model, cfg
-        self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads,
-                                           cfg.head_dim, torch.float32, "cpu")
-        self.free_blocks = list(range(1, NUM_BLOCKS))  # block 0 is the reserved null block
-        random.Random(seed).shuffle(self.free_blocks)
-        self.block_tables: dict[str, list[int]] = {}
-        self.num_computed: dict[str, int] = {}
-
-    def step(self, new_tokens: dict[str, list[int]], layer_hook=None) -> dict[str, torch.Tensor]:
-        """Run each sequence's next tokens in one forward pass; return each one's last-position logits."""
-        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        for seq_id, token_ids in new_tokens.items():
-            start = self.num_computed.setdefault(seq_id, 0)
-            table = self.block_tables.setdefault(seq_id, [])
-            for position in range(start, start + len(token_ids)):
-                if position // BLOCK_SIZE == len(table):
-                    table.append(self.free_blocks.pop())
-                slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
-                positions.append(position)
-            input_ids += token_ids
-            query_lens.append(len(token_ids))
-            seq_lens.append(start + len(token_ids))
-            self.num_computed[seq_id] = start + len(token_ids)
-        max_blocks = max(len(self.block_tables[seq_id]) for seq_id in new_tokens)
-        block_tables = torch.zeros(len(new_tokens), max_blocks, dtype=torch.int32)
-        for row, seq_id in enumerate(new_tokens):
-            block_tables[row, : len(self.block_tables[seq_id])] = torch.tensor(self.block_tables[seq_id])
-        query_start_loc = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta, layer_hook)
-            logits = self.model.compute_logits(hidden[query_start_loc[1:].long() - 1])
-        return dict(zip(new_tokens, logits))
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -183,10 +135,29 @@ def test_sharded_checkpoint_loads_the_same_weights(llama_dir, tmp_path):
         assert torch.equal(sharded_param, single_param), name
 
 
+def test_merged_projections_stack_hf_tensors_in_shard_order(checkpoint):
+    model_dir, _ = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    weights = load_file(model_dir / "model.safetensors")
+    last = cfg.num_hidden_layers - 1
+    attention, mlp = model.model.layers[last].self_attn, model.model.layers[last].mlp
+    prefix = f"model.layers.{last}"
+    kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)  # Qwen2: q/k/v biases merge too
+    for kind in kinds:
+        hf_qkv = [weights[f"{prefix}.self_attn.{name}.{kind}"] for name in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(getattr(attention.qkv_proj, kind), torch.cat(hf_qkv))
+    hf_gate_up = [weights[f"{prefix}.mlp.{name}.weight"] for name in ("gate_proj", "up_proj")]
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat(hf_gate_up))
+    assert not any(name.endswith(("q_proj.weight", "gate_proj.weight")) for name, _ in model.named_parameters())
+
+
 def test_dtype_override_casts_weights_and_logits_stay_float32(llama_dir):
     model, cfg = load_model(llama_dir, dtype="float16", attention_backend="torch")
     assert cfg.dtype == torch.float32  # the config keeps the checkpoint's own dtype
     assert {param.dtype for param in model.parameters()} == {torch.float16}
+    # The rotary table, computed in fp32 at construction, is cast like HF casts cos/sin to the model dtype.
+    assert model.model.rotary_emb.cos_sin_cache.dtype == torch.float16
+    assert model.model.rotary_emb.cos_sin_cache.shape == (cfg.max_position_embeddings, cfg.head_dim)
     assert model.compute_logits(torch.zeros(1, cfg.hidden_size, dtype=torch.float16)).dtype == torch.float32
 
 
@@ -249,6 +220,13 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(llama_copy):
 def test_shape_mismatch_names_the_tensor_and_both_shapes(llama_copy):
     _edit_config(llama_copy, intermediate_size=100)
     expected_message = r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\].*\[100, 64\]"
+    with pytest.raises(ModelLoadError, match=expected_message):
+        load_model(llama_copy)
+
+
+def test_shape_mismatch_inside_a_merged_projection_names_the_checkpoint_tensor(llama_copy):
+    _edit_config(llama_copy, num_key_value_heads=1)
+    expected_message = r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \[32, 64\].*\[16, 64\]"
     with pytest.raises(ModelLoadError, match=expected_message):
         load_model(llama_copy)
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import random
 
+import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.builtin_model import resolve_model_path
+from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, make_engine_config
 from replica.executor.block_table import BlockTables
 from replica.executor.cuda_graphs import capture_sizes, padded_batch_size
@@ -209,9 +210,9 @@ def test_the_profile_run_executes_the_largest_step_the_scheduler_can_form(builti
 def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_reference(tmp_path):
     """Graph-style padding rows (slot -1, length 1 on the null block, max_seq_len =
     max_model_len as the bound) through the split-KV kernel, run by Triton's interpreter."""
-    pytest.importorskip("attention_harness", reason="the Triton interpreter set-up comes with the split-KV kernel")
-    launch_plan = pytest.importorskip("replica.attention.launch_plan")
     import transformers
+
+    from replica.attention import launch_plan
 
     from replica.builtin_model import build_byte_level_tokenizer
     from replica.engine import LLMEngine

@@ -4,6 +4,7 @@ the built-in model: streaming, error statuses, cancellation, load reports, metri
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -14,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.metrics import REPLICA_METRIC_NAMES
-from replica.scheduler import QueueFullError
 from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, sampling
 
 MAX_MODEL_LEN = 256
@@ -90,6 +90,26 @@ def test_token_id_prompt_with_greedy_sampling_is_deterministic(replica):
     assert first[-1].usage.prompt_tokens == 5 and first[-1].usage.completion_tokens == 10
 
 
+def test_a_chat_prompt_is_the_models_chat_template_rendered_and_tokenized_on_the_replica(replica):
+    messages = [pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi!")]
+    params = sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
+    chat_request = pb.GenerateRequest(chat=pb.ChatMessages(messages=messages), sampling=params)
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            # The built-in model has no template: the fallback format, spelled out here.
+            rendered = "<s><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+            tokenized = await stub.Tokenize(pb.TokenizeRequest(text=rendered))
+            text_request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokenized.token_ids), sampling=params)
+            return await collect_stream(stub, chat_request), await collect_stream(stub, text_request), tokenized
+
+    chat, plain, tokenized = asyncio.run(run())
+    assert chat[-1].usage.prompt_tokens == len(tokenized.token_ids)
+    ids = lambda responses: [t for response in responses for t in response.token_ids]  # noqa: E731
+    assert ids(chat) == ids(plain)
+
+
 TOO_LONG_PROMPT = [1] * MAX_MODEL_LEN
 BAD_REQUESTS = {
     "neither_text_nor_token_ids": (pb.GenerateRequest(sampling=sampling(max_tokens=4)), "prompt"),
@@ -114,6 +134,11 @@ BAD_REQUESTS = {
     "negative_ttft_deadline": (
         pb.GenerateRequest(text="hi", ttft_deadline_ms=-1.0, sampling=sampling(max_tokens=4)), "ttft_deadline_ms"),
     "zero_ttft_slo": (pb.GenerateRequest(text="hi", ttft_slo_ms=0.0, sampling=sampling(max_tokens=4)), "ttft_slo_ms"),
+    "chat_without_messages": (
+        pb.GenerateRequest(chat=pb.ChatMessages(), sampling=sampling(max_tokens=4)), "chat.messages"),
+    "chat_message_without_role": (
+        pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(content="hi")]),
+                           sampling=sampling(max_tokens=4)), "chat.messages[0].role"),
 }
 
 
@@ -146,10 +171,12 @@ def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
         async with grpc.aio.insecure_channel(replica.address) as channel:
             stub = generation_stub(channel)
             load_stub = pb_grpc.LoadReporterStub(channel)
+            # One at a time: two adds the core takes in before one step would both count as
+            # waiting, and the second would already be refused.
             running = asyncio.ensure_future(collect_stream(stub, long_request))
+            await until(lambda load: load.num_running == 1, load_stub)
             queued = asyncio.ensure_future(collect_stream(stub, long_request))
-            while (await load_stub.GetLoad(pb.LoadRequest())).num_waiting < 1:
-                await asyncio.sleep(0.005)
+            await until(lambda load: load.num_waiting == 1, load_stub)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await collect_stream(stub, long_request)
             running.cancel()
@@ -162,26 +189,33 @@ def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
 
 
 def test_queue_filling_after_validation_is_still_resource_exhausted(fresh_replica):
-    # Validation reads the last published load; the scheduler can still refuse when the
-    # request is queued between steps. The client must see the same status either way.
-    replica = fresh_replica()
-    scheduler = replica.engine.scheduler
-
-    def refuse(request):
-        raise QueueFullError("waiting queue is full (1 requests)")
-
-    scheduler.add_request = refuse
+    # The front checks the bound against the core's last load; the core's scheduler can
+    # still refuse when it takes the request in (a burst within one step, or a stale load).
+    # The client must see the same status either way.
+    replica = fresh_replica(max_num_seqs=1, max_waiting_requests=2)
+    front = replica.async_engine
+    long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
 
     async def run():
         async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            load_stub = pb_grpc.LoadReporterStub(channel)
+            running = [asyncio.ensure_future(collect_stream(stub, long_request))]
+            await until(lambda load: load.num_running == 1, load_stub)
+            running += [asyncio.ensure_future(collect_stream(stub, long_request)) for _ in range(2)]
+            await until(lambda load: load.num_waiting == 2, load_stub)
+            # Blind the front to the full queue, as a stale load would.
+            replica.on_loop(lambda: setattr(front, "_load", dataclasses.replace(front.load(), num_waiting=0)))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await collect_stream(generation_stub(channel), pb.GenerateRequest(text="x", sampling=sampling(max_tokens=4)))
+                await collect_stream(stub, pb.GenerateRequest(text="x", sampling=sampling(max_tokens=4)))
+            for call in running:
+                call.cancel()
             return raised.value
 
     error = asyncio.run(run())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting queue is full" in error.details()
-    del scheduler.add_request
-    assert replica.wait_until_idle().kv_blocks_free == scheduler.kv_cache.num_usable_blocks
+    load = replica.wait_until_idle()
+    assert load.kv_blocks_free == load.kv_blocks_total
 
 
 def test_client_deadline_is_deadline_exceeded_and_frees_the_request(replica):
@@ -208,7 +242,7 @@ def test_missed_ttft_deadline_is_deadline_exceeded_and_frees_the_request(fresh_r
         async with grpc.aio.insecure_channel(replica.address) as channel:
             stub = generation_stub(channel)
             running = asyncio.ensure_future(collect_stream(stub, long_request))
-            while not replica.engine.scheduler.running:
+            while replica.async_engine.load().num_running == 0:
                 await asyncio.sleep(0.002)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await collect_stream(stub, hurried)
@@ -231,9 +265,10 @@ def test_ttft_slo_sets_the_requests_deadline_for_the_scheduler(fresh_replica):
         async with grpc.aio.insecure_channel(replica.address) as channel:
             call = generation_stub(channel).Generate(request)
             await call.read()  # the first token: the request is live in the engine now
-            live = replica.engine.scheduler.requests["slo"]
+            live = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                replica.async_engine.core.call_utility("request_state", "slo"), replica.loop))
             call.cancel()
-            return live.ttft_deadline - live.arrival_time
+            return live["ttft_deadline"] - live["arrival_time"]
 
     assert asyncio.run(run()) == pytest.approx(1.5)
 
@@ -268,9 +303,7 @@ def test_cancelling_half_of_50_streams_frees_every_block_once_the_rest_finish(re
     assert all(isinstance(result, asyncio.CancelledError) or result == "cancelled" for result in cancelled)
     load = replica.wait_until_idle()
     assert load.kv_blocks_free == load.kv_blocks_total == ROOMY_BLOCKS - 1
-    scheduler = replica.engine.scheduler
-    assert replica.on_loop(lambda: (scheduler.kv_cache.num_free_blocks, scheduler.has_unfinished_requests())) == (
-        ROOMY_BLOCKS - 1, False)
+    assert replica.core_call("check_invariants")  # in the core: no block held, no request stranded
 
 
 # ---- load reports and metrics -----------------------------------------------------------
@@ -297,7 +330,7 @@ def test_watch_load_tracks_preemptions_and_headroom_under_a_cramped_pool(fresh_r
 
     loads, streams = asyncio.run(run())
     assert all(responses[-1].usage.completion_tokens == 120 for responses in streams)
-    engine_preemptions = replica.on_loop(lambda: replica.engine.scheduler.counters.preemptions)
+    engine_preemptions = replica.core_call("counters")["preemptions"]
     assert engine_preemptions > 0
     assert loads[-1].preemptions_total == engine_preemptions
     assert max(load.preemption_rate for load in loads) > 0
@@ -430,6 +463,14 @@ def test_shutdown_past_its_grace_ends_in_flight_streams_with_abort(fresh_replica
     assert code == grpc.StatusCode.OK
     assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT
     assert responses[-1].usage.completion_tokens < 200
+
+
+async def until(condition, load_stub: pb_grpc.LoadReporterStub, timeout_s: float = 60.0) -> None:
+    """Poll GetLoad until `condition(load)` holds; fail (not hang) after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(await load_stub.GetLoad(pb.LoadRequest())):
+        assert time.monotonic() < deadline, "the replica never reached the expected load"
+        await asyncio.sleep(0.005)
 
 
 async def read_to_end(call) -> list[pb.GenerateResponse]:

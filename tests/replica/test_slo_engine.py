@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pathlib
 import random
-import threading
 import time
 
 import pytest
@@ -172,18 +172,31 @@ def test_a_pass_past_its_stubbornness_limit_refuses_to_abort():
     assert long.num_computed_tokens == 64
 
 
-def test_an_urgent_arrival_through_the_async_engine_aborts_the_pass_in_flight(unpreempted):
-    engine = make_engine("slo")
-    pass_started = threading.Event()
+PASS_STARTED_ENV = "HEADROOM_TEST_PASS_STARTED"
+
+
+def make_held_engine(config, model, **options) -> LLMEngine:
+    """Engine factory for the engine-core process: layer 0 of the first pass touches the file
+    named by $HEADROOM_TEST_PASS_STARTED (the test's signal across the process boundary) and
+    holds until the real monitor posts an order, so the race is deterministic."""
+    engine = LLMEngine(config, model, **options)
+    pass_started = pathlib.Path(os.environ[PASS_STARTED_ENV])
 
     def hook(layer_index: int) -> None:
         if layer_index == 0 and engine.scheduler.counters.slo_preemptions == 0:
-            pass_started.set()
+            pass_started.touch()
             give_up = time.monotonic() + MONITOR_PATIENCE_S
             while engine.slo_monitor.abort_order is None and time.monotonic() < give_up:
                 time.sleep(0.001)
 
-    engine.step = functools.partial(engine.step, layer_hook=hook)  # the async loop calls step()
+    engine.step = functools.partial(engine.step, layer_hook=hook)  # the core's loop calls step()
+    return engine
+
+
+def test_an_urgent_arrival_at_the_engine_core_aborts_the_pass_in_flight(unpreempted, tmp_path, monkeypatch):
+    pass_started = tmp_path / "pass-started"
+    monkeypatch.setenv(PASS_STARTED_ENV, str(pass_started))
+    config = make_engine_config(scheduling_policy="slo", max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=64)
     first_tokens: list[str] = []
 
     async def consume(stream) -> list[int]:
@@ -195,22 +208,30 @@ def test_an_urgent_arrival_through_the_async_engine_aborts_the_pass_in_flight(un
         return tokens
 
     async def scenario():
-        async_engine = AsyncEngine(engine)
-        async_engine.start()
-        long = async_engine.add_request(LONG_PROMPT, GREEDY, request_id="long", ttft_slo_ms=LONG_SLO_MS)
-        long_task = asyncio.create_task(consume(long))
-        # The request reaches the scheduler only after this pass: the monitor sees it as an arrival.
-        await asyncio.get_running_loop().run_in_executor(None, pass_started.wait, MONITOR_PATIENCE_S)
-        urgent = async_engine.add_request(URGENT_PROMPT, GREEDY, request_id="urgent", ttft_slo_ms=URGENT_SLO_MS)
-        outputs = await asyncio.gather(long_task, consume(urgent))
-        await async_engine.shutdown()
-        return outputs
+        front = await AsyncEngine.launch(config, "builtin", device="cpu",
+                                         engine_factory=f"{__name__}:make_held_engine")
+        try:
+            long = front.add_request(LONG_PROMPT, GREEDY, request_id="long", ttft_slo_ms=LONG_SLO_MS)
+            long_task = asyncio.create_task(consume(long))
+            # The urgent request reaches the core's scheduler only after this pass: the
+            # monitor sees it as an arrival, received by the core while the pass runs.
+            deadline = time.monotonic() + 60
+            while not pass_started.exists():
+                assert time.monotonic() < deadline, "the core never started the long pass"
+                await asyncio.sleep(0.002)
+            urgent = front.add_request(URGENT_PROMPT, GREEDY, request_id="urgent", ttft_slo_ms=URGENT_SLO_MS)
+            outputs = await asyncio.gather(long_task, consume(urgent))
+            counters = await front.core.call_utility("counters")
+            await front.core.call_utility("check_invariants")
+            return outputs, counters, front.load()
+        finally:
+            await front.shutdown()
 
-    long_tokens, urgent_tokens = asyncio.run(scenario())
-    assert engine.scheduler.counters.slo_preemptions == 1
+    (long_tokens, urgent_tokens), counters, load = asyncio.run(scenario())
+    assert counters["slo_preemptions"] == 1
     assert first_tokens == ["urgent", "long"]
     assert [long_tokens, urgent_tokens] == [unpreempted["long"][0], unpreempted["urgent"][0]]
-    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_usable_blocks
+    assert load.kv_blocks_free == load.kv_blocks_total
 
 
 # ---- repeated aborts with the real model: outputs and logprobs unchanged -----------------

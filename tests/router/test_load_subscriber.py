@@ -12,8 +12,8 @@ import time
 from typing import Callable, Optional
 
 from replica.async_engine import AsyncEngine
+from replica.serving.messages import CoreSpec
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
 from replica.metrics import ReplicaMetrics
 from replica.server import ReplicaServer
 from router.headroom_router import ROUTING_KWARG, UNSIZED_REQUEST, HeadroomRouter, routing_request_of
@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 async def start_replica(port: int) -> ReplicaServer:
-    engine = AsyncEngine(LLMEngine(make_engine_config(**ENGINE_CONFIG), "builtin", device="cpu"))
+    engine = AsyncEngine(CoreSpec(make_engine_config(**ENGINE_CONFIG), "builtin", device="cpu"))
     server = ReplicaServer(engine, "replica-under-test", "builtin", ReplicaMetrics("replica-under-test", "builtin"))
     await server.start("127.0.0.1", port)
     return server

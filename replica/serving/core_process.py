@@ -1,0 +1,77 @@
+"""The engine-core process: `python -m replica.serving.core_process --fd N`, started by the
+front (EngineCoreClient) with one end of a socketpair. It reads a CoreSpec, builds the
+engine, answers CoreReady (or CoreFailed with the error) and runs EngineCore until the front
+says Shutdown or goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import pickle
+import signal
+import socket
+from typing import Callable
+
+from replica.serving.channel import ChannelClosed, FrameSocket
+from replica.serving.messages import CoreFailed, CoreReady, CoreSpec, load_to_wire
+
+
+def import_callable(path: str) -> Callable:
+    """"package.module:attribute" -> the attribute."""
+    module_name, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def build_engine(spec: CoreSpec):
+    if spec.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+    factory = import_callable(spec.engine_factory)
+    return factory(spec.config, spec.model, device=spec.device, dtype=spec.dtype,
+                   attention_backend=spec.attention_backend)
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fd", type=int, required=True, help="this end of the front's socketpair")
+    args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group; the front decides when the core
+    # stops (after its graceful drain), so the core must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
+    # Not inherited by anything the engine may spawn: a grandchild holding the socket would
+    # hide this process's death from the front (it waits for EOF).
+    os.set_inheritable(args.fd, False)
+    channel = FrameSocket(socket.socket(fileno=args.fd))
+    try:
+        spec: CoreSpec = channel.recv()
+    except ChannelClosed:
+        return 1
+    try:
+        engine = build_engine(spec)
+    except Exception as error:
+        logging.getLogger(__name__).exception("engine core failed to start")
+        channel.send(CoreFailed(_picklable(error)))
+        return 1
+    channel.send(CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids), str(engine.device),
+                           load_to_wire(engine.load())))
+    from replica.serving.engine_core import EngineCore  # after the engine: its imports are the slow part anyway
+
+    EngineCore(engine, channel).run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

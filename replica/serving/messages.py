@@ -1,0 +1,150 @@
+"""The messages between a replica's front and its engine core: one NamedTuple per kind.
+
+On the wire a message is the plain tuple `(kind, *fields)`, and every nested value is a
+tuple, list, str or number too: pickling those is ~8x faster than pickling NamedTuples or
+dataclasses, which matters for the per-step output batch (bench/bench_channel.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+from replica.config import EngineConfig
+from replica.model import ModelConfig
+from replica.request import Request, SamplingParams
+from replica.scheduler import SchedulerLoad
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerLoad))
+
+
+# ---- start-up (sent once, before the loop) ---------------------------------------------
+class CoreSpec(NamedTuple):
+    """What the core process builds: LLMEngine's constructor arguments, plus process settings."""
+
+    config: EngineConfig
+    model: str
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+    attention_backend: str = "auto"
+    # torch intra-op threads in the core; None keeps torch's default (one per core).
+    torch_threads: Optional[int] = None
+    # "module:callable" taking LLMEngine's arguments; another engine class (or a test's
+    # instrumented one) plugs in here.
+    engine_factory: str = "replica.engine:LLMEngine"
+
+
+class CoreReady(NamedTuple):
+    """The core's answer once its engine is built: the facts the front validates and reports with."""
+
+    config: EngineConfig  # as resolved by the core (the KV pool may be sized from free memory)
+    model_config: ModelConfig
+    eos_token_ids: tuple[int, ...]
+    device: str
+    load: tuple  # SchedulerLoad's fields
+
+
+class CoreFailed(NamedTuple):
+    """The engine could not be built; the front re-raises `error` (e.g. ConfigError)."""
+
+    error: BaseException
+
+
+# ---- front -> core -----------------------------------------------------------------------
+class AddRequest(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: tuple  # SamplingParams' fields in declaration order
+    priority: int
+    arrival_time: float  # on CLOCK_MONOTONIC, which both processes share
+    ttft_deadline: Optional[float]
+    cache_salt: Optional[str]
+
+    @classmethod
+    def of(cls, request: Request) -> "AddRequest":
+        params = request.sampling_params
+        return cls(request.request_id, request.prompt_token_ids, tuple(getattr(params, f) for f in _SAMPLING_FIELDS),
+                   request.priority, request.arrival_time, request.ttft_deadline, request.cache_salt)
+
+    def to_request(self, eos_token_ids: tuple[int, ...]) -> Request:
+        params = SamplingParams(**dict(zip(_SAMPLING_FIELDS, self.sampling)))
+        return Request(self.request_id, list(self.prompt_token_ids), params, eos_token_ids=eos_token_ids,
+                       arrival_time=self.arrival_time, priority=self.priority, ttft_deadline=self.ttft_deadline,
+                       cache_salt=self.cache_salt)
+
+
+class AbortRequests(NamedTuple):
+    """Free these requests' blocks before the next step; unknown (already finished) ids are ignored."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(NamedTuple):
+    """Run one of EngineCore.UTILITIES between steps and answer with a UtilityResult."""
+
+    call_id: int
+    method: str
+    args: tuple
+
+
+class Shutdown(NamedTuple):
+    """Abort everything, stop the SLO monitor and exit."""
+
+
+# ---- core -> front -----------------------------------------------------------------------
+class CoreOutput(NamedTuple):
+    """What one step added to one request. Sent as a plain tuple in this field order."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str]  # "stop" | "length" once finished
+    num_cached_tokens: int
+    logprobs: Optional[list[float]]
+    first_admitted_time: Optional[float]  # with the first token only (queue-time metric)
+
+
+class StepOutputs(NamedTuple):
+    """Everything one core iteration has to say, in one message."""
+
+    outputs: list[tuple]  # CoreOutput rows
+    load: tuple  # SchedulerLoad's fields, taken after the step
+    step_time_s: float  # StepStats, smoothed
+    generation_tokens_per_s: float
+    kv_events: list[Any]  # opaque: whatever the engine's per-step KV-event drain returns
+    rejected: list[tuple[str, BaseException]]  # adds the scheduler refused (e.g. QueueFullError)
+
+
+class StepFailed(NamedTuple):
+    """A forward pass raised: these requests were aborted, the core keeps serving."""
+
+    request_ids: list[str]
+    message: str
+
+
+class UtilityResult(NamedTuple):
+    call_id: int
+    value: Any
+    error: Optional[BaseException]
+
+
+FRONT_TO_CORE = (AddRequest, AbortRequests, UtilityCall, Shutdown)
+CORE_TO_FRONT = (StepOutputs, StepFailed, UtilityResult)
+_KINDS = {kind: index for index, kind in enumerate(FRONT_TO_CORE + CORE_TO_FRONT)}
+_TYPES = FRONT_TO_CORE + CORE_TO_FRONT
+
+
+def to_wire(message: NamedTuple) -> tuple:
+    return (_KINDS[type(message)], *message)
+
+
+def from_wire(wire: tuple) -> NamedTuple:
+    return _TYPES[wire[0]]._make(wire[1:])
+
+
+def load_to_wire(load: SchedulerLoad) -> tuple:
+    return tuple(getattr(load, name) for name in _LOAD_FIELDS)
+
+
+def load_from_wire(values: tuple) -> SchedulerLoad:
+    return SchedulerLoad(*values)

