@@ -11,8 +11,11 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replica.model.fused_ops import DEFAULT_FUSED_OPS, FUSED_OPS_NAMES
+
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
+FusedOpsName = Literal[FUSED_OPS_NAMES]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -86,6 +89,11 @@ class EngineConfig(BaseModel):
         None,
         description="Schedule step N+1 while the device runs step N (outputs then lag one step); "
         "None turns it on for CUDA and off elsewhere.",
+    )
+    fused_ops: FusedOpsName = Field(
+        DEFAULT_FUSED_OPS,
+        description="RMSNorm, add + RMSNorm, rotary and SiLU-mul: auto (Triton kernels on CUDA, the torch "
+        "reference elsewhere), torch, triton or compile (torch.compile of the reference).",
     )
 
     @model_validator(mode="after")

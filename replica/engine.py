@@ -153,7 +153,7 @@ class LLMEngine:
         self.device = torch.device(device) if device else default_device()
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model, self.model_config = load_model(
-            model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend
+            model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend, fused_ops=config.fused_ops
         )
         if config.max_model_len > self.model_config.max_model_len:
             raise ConfigError(

@@ -119,6 +119,12 @@ def _generate(engine: LLMEngine, prompts, params: SamplingParams, on_step=None) 
     return [list(request.output_token_ids) for request in requests]
 
 
+def test_engine_builds_its_model_with_the_fused_ops_its_config_names(checkpoint):
+    # "compile" differs from auto's choice on every device; torch.compile only compiles on the first call.
+    engine = _engine(checkpoint[0], fused_ops="compile")
+    assert {module.ops.name for module in engine.model.modules() if hasattr(module, "ops")} == {"compile"}
+
+
 @pytest.mark.parametrize("budget, threshold", [(5, 0), (16, 7)])
 def test_greedy_matches_hf_with_chunked_prefill(checkpoint, hf_outputs, budget, threshold):
     engine = _engine(checkpoint[0], max_num_batched_tokens=budget, long_prefill_token_threshold=threshold)
