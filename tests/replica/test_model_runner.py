@@ -239,8 +239,9 @@ def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_refer
     backend.tuning = launch_plan.AttentionTuning(decode_configs={16: tiny, 32: tiny}, prefill_configs={16: tiny, 32: tiny},
                                                  segment_min_keys=16)
     backend.num_sms = 64  # plan as on a GPU: decodes split their contexts into segments
-    plans, plan = [], backend.plan
-    backend.plan = lambda *args: plans.append(plan(*args)) or plans[-1]
+    plans, plan = [], backend.plan  # (the bounds the plan saw, the plan)
+    backend.plan = lambda query, key_cache, meta: plans.append(
+        ((meta.num_seqs, meta.max_query_len, meta.max_seq_len), plan(query, key_cache, meta))) or plans[-1][1]
     padded_sizes = set()
     requests = [engine.make_request(f"t{index}", prompt, params) for index, prompt in enumerate(prompts)]
     for request in requests:
@@ -249,4 +250,9 @@ def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_refer
         engine.step()
         padded_sizes.add(engine.last_step.graph_batch_size)
     assert [request.output_token_ids for request in requests] == reference.generate(prompts, params)
-    assert 4 in padded_sizes and any(p.num_segments > 1 for p in plans), "padded split-KV decodes must have run"
+    # Padded decodes planned from the graph's pinned shape only (4 rows, query 1, max_model_len),
+    # never from the real lengths, and that shape splits the contexts.
+    padded_plans = [p for bounds, p in plans if bounds == (4, 1, 64)]
+    assert 4 in padded_sizes and padded_plans, "padded split-KV decodes must have run"
+    assert all(p.is_split for p in padded_plans) and len(set(padded_plans)) == 1
+    assert not [bounds for bounds, _ in plans if bounds[1] == 1 and bounds[2] != 64], "a decode planned from real lengths"
