@@ -21,9 +21,17 @@ SUBCOMMANDS = {
 }
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line naming it: argparse would print the usage first,
+    which for a command with a flag per engine knob runs to ~40 lines above the error."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
+
+
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser, with flags for `command` only (every command's when None)."""
-    parser = argparse.ArgumentParser(prog="headroom", description="LLM serving that routes on KV headroom.")
+    parser = OneLineErrorParser(prog="headroom", description="LLM serving that routes on KV headroom.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)

@@ -15,12 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from replica.attention import ATTENTION_BACKEND_NAMES
 from replica.config import ConfigError, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
+from replica.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
 
 # The Serve application every headroom app is built by; `args` is a ClusterConfig.
 APP_IMPORT_PATH = "cluster.app:build_app"
-# Registers headroom.v1.Generation on Serve's gRPC proxy.
-GRPC_SERVICER_FUNCTION = "protos.headroom_pb2_grpc.add_GenerationServicer_to_server"
+# Register headroom.v1.Generation on Serve's gRPC proxy (routed to the applications,
+# cancel-safe), and the health and reflection v1 services the proxy answers itself.
+GRPC_SERVICER_FUNCTIONS = (
+    "cluster.grpc_proxy.add_generation_to_server",
+    "cluster.grpc_proxy.add_health_and_reflection_to_server",
+)
+# Where the cluster writes Prometheus' file-based discovery targets (deploy/prometheus.yml).
+DEFAULT_TARGETS_DIR = "/tmp/headroom/prometheus"
+# Local binds stay on loopback unless a config or flag asks for another address.
+DEFAULT_HTTP_HOST = "127.0.0.1"
 
 RoutingPolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
@@ -116,6 +125,40 @@ class PortsConfig(_Strict):
         9200, ge=1, le=65535,
         description="Each ingress' router /metrics (headroom_router_*); ingresses sharing a node count up from it.",
     )
+    bind_address: Optional[str] = Field(
+        None, min_length=1,
+        description="Address the replicas' load and metrics endpoints and the routers' metrics listen on; "
+        "null = the Ray node's IP, which routers and Prometheus on other nodes reach (headroom serve sets "
+        "127.0.0.1 when its HTTP host is loopback).",
+    )
+
+
+class LimitsConfig(_Strict):
+    """What one client request may bring in, checked before any work is spent on it."""
+
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=1024,
+        description="Largest HTTP body (413 beyond) or gRPC request message (INVALID_ARGUMENT beyond), in bytes; "
+        "Serve's gRPC proxy, shared by every application, bounds messages by the largest application's "
+        "(env HEADROOM_PROXY_MAX_REQUEST_BYTES, which headroom serve sets; the default elsewhere).",
+    )
+    max_prompt_chars: int = Field(
+        DEFAULT_MAX_PROMPT_CHARS, ge=1,
+        description="Longest prompt text (all chat messages together), in characters, checked before tokenizing.",
+    )
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_request_bytes, self.max_prompt_chars)
+
+
+class MonitoringConfig(_Strict):
+    """How Prometheus finds the cluster's metrics endpoints."""
+
+    targets_dir: Optional[str] = Field(
+        DEFAULT_TARGETS_DIR,
+        description="Directory on the head node where each application writes Prometheus file_sd targets "
+        "(<app>-replicas.json, <app>-router.json) for its running replicas and router; null turns it off.",
+    )
 
 
 class ClusterConfig(_Strict):
@@ -138,6 +181,8 @@ class ClusterConfig(_Strict):
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     ports: PortsConfig = Field(default_factory=PortsConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 
     @property
     def served_model_id(self) -> str:
@@ -182,13 +227,14 @@ def serve_deployment_options(config: ClusterConfig, cluster_gpus: float) -> dict
 
 
 class HTTPOptions(_Strict):
-    host: str = "0.0.0.0"
+    # Serve's own default: a laptop's API is not on the network unless asked (0.0.0.0 in a pod).
+    host: str = DEFAULT_HTTP_HOST
     port: int = Field(PortsConfig.model_fields["http"].default, ge=1, le=65535)
 
 
 class GRPCOptions(_Strict):
     port: int = Field(PortsConfig.model_fields["grpc"].default, ge=1, le=65535)
-    grpc_servicer_functions: list[str] = Field(default_factory=lambda: [GRPC_SERVICER_FUNCTION])
+    grpc_servicer_functions: list[str] = Field(default_factory=lambda: list(GRPC_SERVICER_FUNCTIONS))
 
 
 class ServeApplication(_Strict):

@@ -1,24 +1,31 @@
 """The LLMReplica Ray Serve deployment: one AsyncEngine per replica (the front of its own
 engine-core process), streaming generations to Serve callers, with a ReplicaServer beside it
-whose WatchLoad stream feeds the routers. The replica announces that endpoint through
-`record_routing_stats`; HeadroomRequestRouter routes. If the core dies, `check_health` fails
-and Serve replaces the replica.
+whose WatchLoad stream feeds the routers. The replica announces that endpoint (and its
+/metrics) through `record_routing_stats`; HeadroomRequestRouter routes; `running_replicas`
+lists them from Serve's controller. If the core dies, `check_health` fails and Serve replaces
+the replica.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Mapping, Optional
 from wsgiref.simple_server import WSGIServer
 
 import ray
 from ray import serve
+from ray.serve import context as serve_context
+from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.config import RequestRouterConfig
+from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
+from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
@@ -47,6 +54,10 @@ SHUTDOWN_GRACE_S = 5.0
 # How often Serve asks check_health (a dict lookup): a replica whose engine core died is
 # replaced within about this long instead of Serve's default 10 s.
 HEALTH_CHECK_PERIOD_S = 2.0
+# The routing-stats key of a replica's Prometheus endpoint (host:port); routers ignore it.
+METRICS_ENDPOINT_STAT = "metrics_endpoint"
+# How long a call to the controller or a replica may take when listing replicas.
+LIST_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class LLMReplica:
         config: ClusterConfig,
         engine_overrides_by_rank: Optional[Mapping[int, Mapping[str, object]]] = None,
     ):
+        log_client_errors_in_one_line()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         overrides = dict((engine_overrides_by_rank or {}).get(context.rank.rank, {}))
@@ -97,11 +109,13 @@ class LLMReplica:
         ))
         self.model_id = config.served_model_id
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
-        self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics)
-        host = node_ip()
+        self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics,
+                                    config.limits.request_limits())
+        host = bind_address(config)
         port = await self.server.start(host, 0)  # spawns the engine core and waits for its engine
         self.load_endpoint = f"{host}:{port}"
         self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
+        self.metrics_endpoint = f"{host}:{self.metrics_http.server_port}"
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
 
     def check_health(self) -> None:
@@ -114,7 +128,8 @@ class LLMReplica:
         return self.engine.core.pid
 
     def record_routing_stats(self) -> dict[str, str]:
-        return {LOAD_ENDPOINT_STAT: self.load_endpoint, REPLICA_ID_STAT: self.replica_id}
+        return {LOAD_ENDPOINT_STAT: self.load_endpoint, REPLICA_ID_STAT: self.replica_id,
+                METRICS_ENDPOINT_STAT: self.metrics_endpoint}
 
     async def generate(
         self, request: GenerationRequest, routing: Optional[RoutingRequest] = None
@@ -134,6 +149,30 @@ class LLMReplica:
         # Serve awaits this on graceful shutdown; it lets in-flight streams end cleanly.
         await self.server.stop(SHUTDOWN_GRACE_S)
         self.metrics_http.shutdown()
+
+
+def running_replicas(app_name: Optional[str] = None) -> list[tuple[str, dict]]:
+    """(application, Serve's details of the replica) for every RUNNING LLMReplica, of every
+    application or of `app_name` (needs Ray connected and Serve running; blocks on the controller)."""
+    details = _get_global_client().get_serve_details()
+    replicas = []
+    for name, application in sorted(details.get("applications", {}).items()):
+        deployment = application.get("deployments", {}).get(DEPLOYMENT_NAME)
+        if deployment is None or app_name not in (None, name):
+            continue
+        replicas.extend((name, replica) for replica in deployment.get("replicas", []) if replica.get("state") == "RUNNING")
+    return replicas
+
+
+def routing_stats(replica: dict) -> dict[str, str]:
+    """What one replica (an entry of Serve's details) announces; blocks on the replica."""
+    actor = ray.get_actor(replica["actor_name"], namespace=SERVE_NAMESPACE)
+    return ray.get(actor.record_routing_stats.remote(), timeout=LIST_TIMEOUT_S)
+
+
+def bind_address(config: ClusterConfig) -> str:
+    """Where this process' endpoints listen (and are announced): ports.bind_address, else the node's IP."""
+    return config.ports.bind_address or node_ip()
 
 
 def node_ip() -> str:
@@ -187,5 +226,15 @@ def build_llm_replica(
 
 
 def generate_stream(handle: DeploymentHandle, request: GenerationRequest) -> DeploymentResponseGenerator:
-    """Calls LLMReplica.generate through `handle`, routed on the request's size."""
-    return handle.options(stream=True).generate.remote(request, **{ROUTING_KWARG: request.routing_request()})
+    """Calls LLMReplica.generate through `handle`, routed on the request's size.
+
+    A call made while serving a request inherits that request's internal id, by which Serve's
+    router keys the calls it has yet to place: two concurrent calls of one request (the
+    choices of n > 1) would collide and one would never be placed. Each call gets an id of
+    its own (Ray Serve 2.60's request context)."""
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        return handle.options(stream=True).generate.remote(request, **{ROUTING_KWARG: request.routing_request()})
+    finally:
+        serve_context._serve_request_context.reset(token)

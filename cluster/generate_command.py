@@ -1,12 +1,14 @@
 """`headroom generate`: one prompt (or, with --chat, one user message through the model's chat
 template) through the cluster's gRPC endpoint (Serve's proxy, or a single `headroom replica`),
-its text streamed to stdout as it is generated.
+its text streamed to stdout as it is generated, with control characters escaped (a model can
+emit ESC sequences that would drive the terminal) unless --raw.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import unicodedata
 
 import grpc
 
@@ -24,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed, for reproducible output")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default: %(default)s)")
+    parser.add_argument("--raw", action="store_true",
+                        help="write the text as generated, control characters included (default: escape them)")
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +35,19 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC address host:port (default: %(default)s)")
     parser.add_argument("--application", default=None,
                         help="Serve application (model) to call; needed when the cluster serves several")
+
+
+# Newlines and tabs lay text out; every other control character (ESC, backspace, carriage
+# return, C1 controls) can move the cursor, rewrite earlier output or retitle the terminal.
+KEPT_CONTROL_CHARACTERS = frozenset("\n\t")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with control characters other than newline and tab written as escapes (\\x1b)."""
+    return "".join(
+        char if char in KEPT_CONTROL_CHARACTERS or unicodedata.category(char) != "Cc" else f"\\x{ord(char):02x}"
+        for char in text
+    )
 
 
 def call_metadata(application: str | None) -> tuple[tuple[str, str], ...]:
@@ -58,7 +75,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for response in pb_grpc.GenerationStub(channel).Generate(
                 request, timeout=args.timeout_s, metadata=call_metadata(args.application)
             ):
-                sys.stdout.write(response.text)
+                sys.stdout.write(response.text if args.raw else terminal_safe(response.text))
                 sys.stdout.flush()
         except grpc.RpcError as error:
             print(f"\nheadroom generate: {error.code().name}: {error.details()}", file=sys.stderr)

@@ -1,13 +1,18 @@
 """The application's ingress: `headroom.v1.Generation` through Ray Serve's gRPC proxy and an
 OpenAI-compatible HTTP API through its HTTP proxy, both streaming from LLMReplica through the
-router. A replica lost before a request's first token is retried on another one.
+router. Requests are bounded and validated here, at the edge (sizes before parsing, prompts
+before tokenizing, long prompts tokenized off the event loop); a replica lost before a
+request's first token is retried on another one; a stream nobody reads any more is cancelled
+on its replica.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations at
 # runtime, from the copy of the class Serve's ingress pickles, where names may not resolve.
+import asyncio
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -18,12 +23,22 @@ from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCra
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
-from cluster.deployment import GenerationChunk, GenerationRequest, generate_stream, node_ip, serve_metrics_on_free_port
-from cluster.openai_api import (
-    SSE_DONE, ChatCompletionRequest, CompletionBodies, CompletionRequest, error_body, invalid_request_body, sse,
+from cluster.deployment import (
+    METRICS_ENDPOINT_STAT, GenerationChunk, GenerationRequest, bind_address, generate_stream, routing_stats,
+    running_replicas, serve_metrics_on_free_port,
 )
+from cluster.openai_api import (
+    ChatCompletionRequest, Choice, CompletionRequest, OpenAIError, choice_sampling_params, error_body,
+    invalid_request_body, parse_body,
+)
+from cluster.openai_responses import (
+    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
+)
+from cluster.prometheus_targets import PrometheusTargets
+from cluster.serve_logging import ClientRefusal, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from replica.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
 from replica.grpc_service import (
@@ -32,6 +47,7 @@ from replica.grpc_service import (
 )
 from replica.model.registry import resolve_model_path
 from replica.request import InvalidRequestError, validate_prompt
+from replica.request_limits import encode_prompt
 from replica.scheduler import QueueFullError
 from replica.tokenizer import Tokenizer
 from router import metrics as router_metrics
@@ -45,11 +61,18 @@ REPLICA_LOST_ERRORS = (RayActorError, WorkerCrashedError, NodeDiedError, Replica
 # Tries per request while no token has been streamed: the router drops a dead replica
 # from its candidates once a call to it fails, so the next try lands elsewhere.
 MAX_ATTEMPTS = 3
+# A replica whose engine core died stays a live actor until Serve's health check replaces
+# it, so Serve keeps it as a candidate; our router avoids it once its load stream has gone
+# quiet for the staleness window (1 s). The pauses before the second and third tries add up
+# past that window, so a burst of retries cannot all land on the same dead core.
+RETRY_PAUSES_S = (0.5, 1.0)
 # The ingress only relays streams; the engines bound the work they accept (and refuse
 # beyond their queues), so Serve's default limit of 5 would be the cluster's bottleneck.
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
+# Serve's gRPC proxy picks the application from this metadata key.
+APPLICATION_METADATA_KEY = "application"
 # OpenAI's body field names for the engine's field names, where they differ.
-COMPLETION_PARAM_FOR_FIELD = {"prompt_token_ids": "prompt"}
+COMPLETION_PARAM_FOR_FIELD = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}
 CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 
 api = FastAPI(title="headroom", description="OpenAI-compatible API of one headroom model")
@@ -60,28 +83,52 @@ class ReplicaLostError(RuntimeError):
     be taken back), or every try died before producing one."""
 
 
+@api.exception_handler(StarletteHTTPException)
+async def _openai_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    # Unknown paths and methods answer in OpenAI's shape too, not FastAPI's {"detail": ...}.
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(error_body(message, None, "not_found" if error.status_code == 404 else None),
+                        status_code=error.status_code)
+
+
 @api.exception_handler(RequestValidationError)
 async def _openai_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
-    location = [str(part) for part in first["loc"] if part != "body"]
-    param = ".".join(location) or None
+    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
     return JSONResponse(error_body(f"{param or 'body'}: {first['msg']}", param), status_code=400)
 
 
-async def _sse_stream(chunks: AsyncIterator[GenerationChunk], bodies: CompletionBodies, include_usage: bool,
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 before it is parsed (or even read) once past `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise OpenAIError(413, f"body: {declared} bytes exceeds the limit of {max_bytes} bytes", None,
+                          "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, f"body: more than the limit of {max_bytes} bytes", None, "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _sse_stream(chunks: AsyncIterator[tuple[Choice, GenerationChunk]], bodies: CompletionBodies,
+                      choices: list[Choice], include_usage: bool,
                       param_for_field: dict[str, str]) -> AsyncIterator[str]:
     """OpenAI's SSE framing: `data: {json}` per chunk, then `data: [DONE]`. An error after the
     response started can only be an event of its own (the status line is already sent)."""
-    first = bodies.first_chunk()
-    if first is not None:
+    for first in bodies.first_chunks([(choice.index, choice.prompt_index) for choice in choices]):
         yield sse(first)
-    last: Optional[GenerationChunk] = None
+    results = {choice.index: ChoiceResult(choice.index, choice.prompt_index) for choice in choices}
     try:
-        async for chunk in chunks:
-            last = chunk
-            yield sse(bodies.chunk(chunk))
-        if include_usage and last is not None:
-            yield sse(bodies.usage_chunk(last))
+        async for choice, chunk in chunks:
+            results[choice.index].add(chunk)
+            body = bodies.chunk(choice.index, choice.prompt_index, chunk)
+            if body is not None:
+                yield sse(body)
+        if include_usage:
+            yield sse(bodies.usage_chunk(list(results.values())))
     except Exception as error:
         yield sse(_http_error(error, param_for_field)[1])
     yield SSE_DONE
@@ -124,28 +171,67 @@ def _abort(grpc_context: RayServegRPCContext, code: grpc.StatusCode, details: st
 )
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, llm: DeploymentHandle, config: ClusterConfig):
+    async def __init__(self, llm: DeploymentHandle, config: ClusterConfig):
+        log_client_errors_in_one_line()
         self.llm = llm
+        self.app_name = serve.get_replica_context().app_name
         self.model_id = config.served_model_id
         self.max_model_len = config.engine.max_model_len
+        self.max_num_seqs = config.engine.max_num_seqs
+        self.limits = config.limits.request_limits()
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
+        self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False))
         self._model_info: Optional[pb.ModelInfo] = None
+        host = bind_address(config)
         self.router_metrics_http = serve_metrics_on_free_port(
-            router_metrics.start_http_server, node_ip(), config.ports.router_metrics, "ports.router_metrics"
+            router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics"
         )
+        self._metrics_endpoints: dict[str, str] = {}  # replica id -> its /metrics host:port
+        self.targets: Optional[PrometheusTargets] = None
+        if config.monitoring.targets_dir is not None:
+            self.targets = PrometheusTargets(Path(config.monitoring.targets_dir), self.app_name,
+                                             f"{host}:{self.router_metrics_http.server_port}",
+                                             self._replica_metrics_endpoints)
+            self.targets.start()
+
+    async def __del__(self) -> None:
+        if self.targets is not None:
+            self.targets.stop()
+        self.router_metrics_http.shutdown()
+        parent_del = getattr(super(), "__del__", None)  # Serve's ASGI wrapper shuts the app down
+        if parent_del is not None:
+            await parent_del()
+
+    async def _replica_metrics_endpoints(self) -> list[str]:
+        def listed() -> list[str]:
+            endpoints = {}
+            for _, replica in running_replicas(self.app_name):
+                replica_id = replica["replica_id"]
+                if replica_id not in self._metrics_endpoints:
+                    self._metrics_endpoints[replica_id] = routing_stats(replica)[METRICS_ENDPOINT_STAT]
+                endpoints[replica_id] = self._metrics_endpoints[replica_id]
+            self._metrics_endpoints = endpoints  # forget replicas Serve no longer runs
+            return sorted(endpoints.values())
+
+        return await asyncio.to_thread(listed)  # the controller and replica calls block
 
     # ---- streaming from the replicas ----------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """The request's chunks from one replica; raises ReplicaLostError when the stream is
-        cut by a dying replica after its first chunk (or on every try before it)."""
+        cut by a dying replica after its first chunk (or on every try before it). However
+        the caller stops reading (cancelled, closed, an error), the replica's call is
+        cancelled, so its engine aborts the request and frees its KV blocks."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             streamed = False
+            response = generate_stream(self.llm, request)
+            finished = False
             try:
-                async for chunk in generate_stream(self.llm, request):
+                async for chunk in response:
                     streamed = True
                     yield chunk
+                finished = True
                 return
             except RayTaskError as error:
                 if not isinstance(error.cause, EngineDeadError):
@@ -155,26 +241,80 @@ class Ingress:
             except REPLICA_LOST_ERRORS as error:
                 # Ray's message spans lines of actor details; the class says what happened.
                 lost = type(error).__name__
+            finally:
+                # Serve does not reliably carry a cancelled gRPC call (or a closed generator)
+                # over to the call this one made: cancel it explicitly.
+                if not finished:
+                    response.cancel()
             if streamed:
                 raise ReplicaLostError(f"the replica serving this request was lost mid-stream ({lost})") from None
             if attempt == MAX_ATTEMPTS:
                 raise ReplicaLostError(f"replicas were lost on {attempt} tries ({lost})") from None
             logger.warning("replica lost before the first token (try %d, %s); retrying elsewhere", attempt, lost)
+            await asyncio.sleep(RETRY_PAUSES_S[attempt - 1])
 
-    def _generation_request(self, prompt_token_ids: list[int], **fields: Any) -> GenerationRequest:
+    async def choice_chunks(self, choices: list[tuple[Choice, GenerationRequest]]
+                            ) -> AsyncIterator[tuple[Choice, GenerationChunk]]:
+        """Every choice's chunks as they come, tagged with their choice; the first error
+        ends them all, and so does the caller stopping (each choice's replica call is then
+        cancelled)."""
+        if len(choices) == 1:
+            choice, request = choices[0]
+            async for chunk in self.stream(request):
+                yield choice, chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(choice: Choice, request: GenerationRequest) -> None:
+            try:
+                async for chunk in self.stream(request):
+                    queue.put_nowait((choice, chunk))
+                queue.put_nowait(done)
+            except Exception as error:
+                queue.put_nowait(error)
+
+        tasks = [asyncio.create_task(pump(choice, request)) for choice, request in choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # each stream's own cleanup cancels its replica call
+
+    def _generation_request(self, prompt_token_ids: list[int], vocab_size: int, **fields: Any) -> GenerationRequest:
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, **fields)
-        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len)
-        request.sampling.validate(prompt_len=len(prompt_token_ids), max_model_len=self.max_model_len)
+        # Everything the replica would check, checked here: a refused request costs no replica.
+        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=vocab_size)
+        request.sampling.validate(prompt_len=len(prompt_token_ids), max_model_len=self.max_model_len,
+                                  vocab_size=vocab_size)
         return request
 
     # ---- gRPC: headroom.v1.Generation ---------------------------------------------------
+    def _check_application(self, grpc_context: RayServegRPCContext) -> None:
+        """Serve's proxy hands a lone application every call, whatever application it names."""
+        named = dict(grpc_context.invocation_metadata()).get(APPLICATION_METADATA_KEY)
+        if named is not None and named != self.app_name:
+            _abort(grpc_context, grpc.StatusCode.NOT_FOUND,
+                   f"application: {named!r} is not served here (this cluster serves {self.app_name!r})",
+                   ClientRefusal(f"unknown application {named!r}"))
+
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        self._check_application(grpc_context)
         try:
-            prompt_token_ids = prompt_token_ids_from_proto(request, self.tokenizer)
+            prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits)
+            info = await self.model_info()
             generation = self._generation_request(
-                prompt_token_ids,
+                prompt_token_ids, info.vocab_size,
                 sampling=sampling_params_from_proto(
                     request.sampling, max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids)
                 ),
@@ -194,11 +334,17 @@ class Ingress:
             _abort(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, f"ttft_deadline_ms: {error}", error)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse(
-            token_ids=self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-        )
+        self._check_application(grpc_context)
+        try:
+            self.limits.check_request_bytes(request.ByteSize())
+            token_ids = await encode_prompt(self.tokenizer, request.text, add_special_tokens=request.add_special_tokens,
+                                            limits=self.limits, field_name="text")
+        except InvalidRequestError as error:
+            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error), error)
+        return pb.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext) -> pb.ModelInfo:
+        self._check_application(grpc_context)
         return await self.model_info()
 
     async def model_info(self) -> pb.ModelInfo:
@@ -215,59 +361,83 @@ class Ingress:
         return {"object": "list", "data": [model]}
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        def prompt_token_ids() -> list[int]:
-            if isinstance(body.prompt, str):
-                return self.tokenizer.encode(body.prompt)
-            return list(body.prompt)
-
-        return await self._complete(body, "completion", prompt_token_ids, lambda _: body.max_tokens,
-                                    COMPLETION_PARAM_FOR_FIELD)
+    async def completions(self, request: Request):
+        return await self._complete(request, CompletionRequest)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
-        def prompt_token_ids() -> list[int]:
-            messages = [message.model_dump() for message in body.messages]
-            return chat_prompt_token_ids(self.tokenizer, messages, field="messages")
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, ChatCompletionRequest)
 
-        def max_tokens(num_prompt_tokens: int) -> int:
-            requested = body.requested_max_tokens
-            return requested if requested is not None else self.max_model_len - num_prompt_tokens
+    async def _prompts(self, body: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's token ids, and the text each of its choices opens with (echo)."""
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": message.role, "content": message.text} for message in body.messages]
+            token_ids = await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits)
+            return [token_ids], [body.echo_text]
+        token_ids, echo_texts = [], []
+        prompts = body.prompts
+        for index, prompt in enumerate(prompts):
+            field_name = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+            if isinstance(prompt, str):
+                token_ids.append(await encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens,
+                                                     limits=self.limits, field_name=field_name))
+                echo_texts.append(prompt if body.echo else "")
+            else:
+                token_ids.append(list(prompt))
+                echo_texts.append(self.tokenizer.decode(prompt) if body.echo else "")
+        return token_ids, echo_texts
 
-        return await self._complete(body, "chat", prompt_token_ids, max_tokens, CHAT_PARAM_FOR_FIELD)
+    def _max_tokens(self, body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int) -> int:
+        requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+        # Unset (chat) or null: up to the context length, as in OpenAI's and vLLM's APIs.
+        return requested if requested is not None else self.max_model_len - num_prompt_tokens
 
-    async def _complete(self, body: Union[CompletionRequest, ChatCompletionRequest], kind: str,
-                        prompt_token_ids: Callable[[], list[int]], max_tokens: Callable[[int], int],
-                        param_for_field: dict[str, str]):
-        if body.model != self.model_id:
+    async def _complete(self, http_request: Request, body_type: type):
+        chat = body_type is ChatCompletionRequest
+        try:
+            body = parse_body(await read_body(http_request, self.limits.max_request_bytes), body_type)
+        except OpenAIError as error:
+            return JSONResponse(error.body, status_code=error.status)
+        if body.model not in (None, self.model_id):
             return JSONResponse(
                 error_body(f"model: this endpoint serves {self.model_id!r}, not {body.model!r}", "model",
                            "model_not_found"),
                 status_code=404,
             )
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        param_for_field = dict(CHAT_PARAM_FOR_FIELD if chat else COMPLETION_PARAM_FOR_FIELD)
+        if chat:
+            param_for_field["max_tokens"] = body.max_tokens_param
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            body.check_supported()
-            token_ids = prompt_token_ids()
-            generation = self._generation_request(
-                token_ids, sampling=body.sampling_params(max_tokens(len(token_ids))),
-                priority=body.priority, request_id=request_id,
-            )
+            body.check_supported(self.max_num_seqs)
+            prompts, echo_texts = await self._prompts(body)
+            vocab_size = (await self.model_info()).vocab_size
+            choices = []
+            for prompt_index, token_ids in enumerate(prompts):
+                base = body.base_sampling_params(self._max_tokens(body, len(token_ids)), body.num_logprobs)
+                for candidate in range(body.num_candidates):
+                    choice = Choice(prompt_index * body.num_candidates + candidate, prompt_index, token_ids,
+                                    choice_sampling_params(base, candidate))
+                    choices.append((choice, self._generation_request(
+                        token_ids, vocab_size, sampling=choice.sampling, priority=body.priority,
+                        request_id=f"{request_id}-{choice.index}",
+                    )))
         except InvalidRequestError as error:
             return JSONResponse(invalid_request_body(error, param_for_field), status_code=400)
-        bodies = CompletionBodies(kind, request_id, self.model_id)
-        chunks = self.stream(generation)
+        bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,
+                                  body.num_logprobs, echo_texts)
+        chunks = self.choice_chunks(choices)
         if body.stream:
             return StreamingResponse(
-                _sse_stream(chunks, bodies, body.include_usage, param_for_field), media_type="text/event-stream"
+                _sse_stream(chunks, bodies, [choice for choice, _ in choices], body.include_usage, param_for_field),
+                media_type="text/event-stream",
             )
-        texts: list[str] = []
-        last: Optional[GenerationChunk] = None
+        results = {choice.index: ChoiceResult(choice.index, choice.prompt_index) for choice, _ in choices}
         try:
-            async for chunk in chunks:
-                texts.append(chunk.text)
-                last = chunk
+            async for choice, chunk in chunks:
+                results[choice.index].add(chunk)
         except Exception as error:
             status, error_json = _http_error(error, param_for_field)
             return JSONResponse(error_json, status_code=status)
-        return bodies.response("".join(texts), last)
+        generated = [results[index] for index in sorted(results)]
+        return bodies.response(generated, best_choices(generated, body.num_candidates, body.n))

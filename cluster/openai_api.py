@@ -1,87 +1,71 @@
-"""The OpenAI-compatible HTTP API's wire format: request bodies for /v1/completions and
-/v1/chat/completions (with vLLM's sampling extensions), response and SSE chunk bodies, and
-errors in OpenAI's JSON shape.
+"""The OpenAI-compatible HTTP API's requests: body parsing with errors in OpenAI's shape that
+name the parameter, the /v1/completions and /v1/chat/completions bodies (OpenAI's fields and
+vLLM's sampling extensions, with vLLM's meanings), and what each choice asks of the engine.
+A parameter the engine cannot honour (tools, response_format, images, ...) is refused by
+name, never silently ignored.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cluster.deployment import GenerationChunk
-from replica.request import InvalidRequestError, SamplingParams
+from replica.request import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
 
-SSE_DONE = "data: [DONE]\n\n"
-
-
-class _OpenAIRequest(BaseModel):
-    # OpenAI clients send fields we do not use (user, logit_bias=None, ...): ignore them, as
-    # OpenAI's own API does, rather than fail every call from a newer client.
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    # vLLM's extensions, under vLLM's names.
-    top_k: int = -1
-    min_p: float = 0.0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-    priority: int = 0  # vLLM's sense, which is the engine's: lower runs first
-
-    def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError("n", f"only 1 choice per request is supported, got {self.n}")
-        if self.stop:
-            # The engine stops on token ids; matching strings across detokenized deltas is not built.
-            raise InvalidRequestError("stop", "stop strings are not supported; use stop_token_ids")
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-        )
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+# Names an OpenAI or vLLM client may send that this server cannot honour, each with the
+# test for a value that asks for something (None, False, "" and the defaults do not).
+_ASKS = lambda value: value not in (None, False, "", [], {})  # noqa: E731
+UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_ASKS, "tool calling is not supported"),
+    "functions": (_ASKS, "function calling is not supported"),
+    "function_call": (lambda value: value not in (None, "none"), "function calling is not supported"),
+    "tool_choice": (lambda value: value not in (None, "none", "auto"), "tool calling is not supported"),
+    "response_format": (lambda value: value not in (None, {"type": "text"}),
+                        "structured output is not supported; only {\"type\": \"text\"}"),
+    "audio": (_ASKS, "audio output is not supported"),
+    "modalities": (lambda value: value not in (None, ["text"]), "only the text modality is supported"),
+    "prediction": (_ASKS, "predicted outputs are not supported"),
+    "web_search_options": (_ASKS, "web search is not supported"),
+    "reasoning_effort": (_ASKS, "reasoning effort is not supported by this model"),
+    "suffix": (_ASKS, "suffix (insertion) is not supported"),
+    "min_tokens": (lambda value: value not in (None, 0), "min_tokens is not supported"),
+    "use_beam_search": (_ASKS, "beam search is not supported"),
+    "length_penalty": (lambda value: value not in (None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "allowed_token_ids": (_ASKS, "allowed_token_ids is not supported"),
+    "bad_words": (_ASKS, "bad_words is not supported"),
+    "prompt_logprobs": (_ASKS, "prompt log-probabilities are not computed"),
+    "truncate_prompt_tokens": (_ASKS, "prompt truncation is not supported"),
+    "skip_special_tokens": (lambda value: value is False, "special tokens are always skipped in the text"),
+    "spaces_between_special_tokens": (lambda value: value is False, "not configurable"),
+    "guided_json": (_ASKS, "guided decoding is not supported"),
+    "guided_regex": (_ASKS, "guided decoding is not supported"),
+    "guided_choice": (_ASKS, "guided decoding is not supported"),
+    "guided_grammar": (_ASKS, "guided decoding is not supported"),
+    "structural_tag": (_ASKS, "guided decoding is not supported"),
+    "logits_processors": (_ASKS, "custom logits processors are not supported"),
+    "return_tokens_as_token_ids": (_ASKS, "not supported"),
+    "cache_salt": (_ASKS, "cache_salt is not supported"),
+    "chat_template": (_ASKS, "the model's own chat template is always used"),
+    "chat_template_kwargs": (_ASKS, "the model's own chat template is always used"),
+    "documents": (_ASKS, "documents (RAG templates) are not supported"),
+    "mm_processor_kwargs": (_ASKS, "multimodal input is not supported"),
+    "add_generation_prompt": (lambda value: value is False, "the generation prompt is always added"),
+    "continue_final_message": (_ASKS, "continuing the final message is not supported"),
+    "kv_transfer_params": (_ASKS, "KV transfer is not supported"),
+}
 
 
-class CompletionRequest(_OpenAIRequest):
-    prompt: Union[str, list[int]]
-    max_tokens: int = 16  # OpenAI's default for completions
+class OpenAIError(Exception):
+    """An HTTP error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
 
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatCompletionRequest(_OpenAIRequest):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    # Chat has no fixed default: unset means up to the context length, as in OpenAI's API.
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 error_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(message, param, code, error_type)
 
 
 def error_body(message: str, param: Optional[str], code: Optional[str] = None,
@@ -95,54 +79,273 @@ def invalid_request_body(error: InvalidRequestError, param_for_field: dict[str, 
     return error_body(f"{param}: {str(error).removeprefix(f'{error.field}: ')}", param)
 
 
-def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request body as `model`; raises OpenAIError (400) naming the parameter at fault."""
+    try:
+        document = json.loads(raw)  # detects UTF-8/16/32 as JSON allows; fails on other bytes
+    except UnicodeDecodeError as error:
+        raise OpenAIError(400, f"body: not UTF-8 encoded JSON (byte {error.start} is invalid)") from None
+    except json.JSONDecodeError as error:
+        raise OpenAIError(400, f"body: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
+    if not isinstance(document, dict):
+        raise OpenAIError(400, f"body: expected a JSON object, got {type(document).__name__}")
+    try:
+        return model.model_validate(document)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = param_path(first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise OpenAIError(400, f"{param or 'body'}: {message}", param) from None
 
 
-def usage(chunk: GenerationChunk) -> dict[str, Any]:
-    return {
-        "prompt_tokens": chunk.num_prompt_tokens,
-        "completion_tokens": chunk.num_output_tokens,
-        "total_tokens": chunk.num_prompt_tokens + chunk.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": chunk.num_cached_tokens},
-    }
+def param_path(loc: tuple[Union[str, int], ...]) -> str:
+    """pydantic's error location as the body path a client wrote: `messages[0].content`."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
 
 
-class CompletionBodies:
-    """Response bodies of one /v1/completions or /v1/chat/completions request."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
 
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model_id: str):
-        self.chat = kind == "chat"
-        self.request_id = request_id
-        self.model_id = model_id
-        self.created = int(time.time())
+    include_usage: bool = False
 
-    def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model_id}
 
-    def first_chunk(self) -> Optional[dict[str, Any]]:
-        """Chat streams announce the assistant's role before any content, as OpenAI's do."""
-        if not self.chat:
-            return None
-        return {**self._envelope("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+class _OpenAIRequest(BaseModel):
+    # Extra keys are kept (not validated) so that a parameter this server cannot honour is
+    # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does.
+    model_config = ConfigDict(extra="allow")
 
-    def chunk(self, chunk: GenerationChunk) -> dict[str, Any]:
-        if self.chat:
-            delta = {"content": chunk.text} if chunk.text else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
-            return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
-        return {**self._envelope("text_completion"), "choices": [choice]}
+    model: Optional[str] = None  # vLLM's: unset means the served model
+    # null means the default, as in vLLM (OpenAI's clients omit what is unset).
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = Field(1, ge=1)
+    best_of: Optional[int] = Field(None, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None  # JSON object keys: token ids as strings
+    user: Optional[str] = None
+    # vLLM's extensions, under vLLM's names and meanings.
+    top_k: Optional[int] = None  # None, 0 or -1: off
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    priority: int = 0  # vLLM's sense, which is the engine's: lower runs first
 
-    def usage_chunk(self, last: GenerationChunk) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj), "choices": [], "usage": usage(last)}
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_n_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value
 
-    def response(self, text: str, last: GenerationChunk) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": last.finish_reason}
-            return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage(last)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-        return {**self._envelope("text_completion"), "choices": [choice], "usage": usage(last)}
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to biases")
+        for key in value:
+            if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+                raise ValueError(f"key {key!r} is not a token id")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_is_strings(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return value
+        raise ValueError(f"must be a string or a list of strings, got {json.dumps(value)[:60]}")
+
+    def check_supported(self, max_choices: int) -> None:
+        """Raise InvalidRequestError naming the first parameter this server cannot honour."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_PARAMS:
+                asks, reason = UNSUPPORTED_PARAMS[name]
+                if asks(value):
+                    raise InvalidRequestError(name, reason)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "only allowed with stream: true")
+        best_of = self.best_of or self.n
+        if best_of < self.n:
+            raise InvalidRequestError("best_of", f"must be >= n ({self.n}), got {best_of}")
+        if best_of > max_choices:
+            raise InvalidRequestError("best_of" if self.best_of else "n",
+                                      f"{best_of} sequences per prompt exceeds the server's max_num_seqs ({max_choices})")
+        if self.stream and best_of > self.n:
+            raise InvalidRequestError("best_of", "cannot be streamed when best_of > n: the best are known only at the end")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated per prompt: best_of, of which the n most likely are returned."""
+        return self.best_of or self.n
+
+    def base_sampling_params(self, max_tokens: int, num_logprobs: Optional[int]) -> SamplingParams:
+        defaults = SamplingParams()
+        default = lambda value, name: getattr(defaults, name) if value is None else value  # noqa: E731
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=default(self.temperature, "temperature"),
+            top_p=default(self.top_p, "top_p"),
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            min_p=default(self.min_p, "min_p"),
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            # best_of ranks candidates by cumulative logprob, so they need theirs.
+            logprobs=num_logprobs is not None or self.num_candidates > self.n,
+            top_logprobs=num_logprobs or 0,
+            stop=self.stop_strings,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=default(self.presence_penalty, "presence_penalty"),
+            frequency_penalty=default(self.frequency_penalty, "frequency_penalty"),
+            repetition_penalty=default(self.repetition_penalty, "repetition_penalty"),
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+        )
+
+
+def choice_sampling_params(base: SamplingParams, index: int) -> SamplingParams:
+    """Candidate `index` of a prompt: vLLM's parallel sampling gives each its own seed."""
+    return base if base.seed is None or index == 0 else replace(base, seed=base.seed + index)
+
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: PromptInput
+    max_tokens: Optional[int] = 16  # OpenAI's default for completions; null: up to the context
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_special_tokens: bool = True  # vLLM's: BOS etc. on text prompts
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(v, str) for v in value):
+                return value
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                return value
+            if all(isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+                   for v in value):
+                return value
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists "
+                         "(each non-empty)")
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The batch: one entry per prompt, text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+    def check_supported(self, max_choices: int) -> None:
+        super().check_supported(max_choices)
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo", "with logprobs it needs prompt log-probabilities, which are not computed")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content_only(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of content parts")
+        for index, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part [{index}] is of type {kind!r}: this model takes text parts only")
+        return value
+
+    @property
+    def text(self) -> str:
+        """List-of-parts content joined as vLLM joins it: text parts, newline-separated."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    # Chat has no fixed default: unset means up to the context length, as in OpenAI's API.
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # vLLM's: prepend the last message's content when it is the assistant's
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self, max_choices: int) -> None:
+        super().check_supported(max_choices)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "requires logprobs: true")
+        for index, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call", "audio"):
+                if (message.model_extra or {}).get(name):
+                    raise InvalidRequestError(f"messages[{index}].{name}", "tool and function calls are not supported")
+
+    @property
+    def echo_text(self) -> str:
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else ""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sequence the engine generates for a request: its prompt and sampling params."""
+
+    index: int  # candidate position: prompt_index * num_candidates + candidate
+    prompt_index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams

@@ -1,16 +1,19 @@
 """`headroom serve`: a local Ray cluster running every application of a Serve config (one
 application on the built-in model by default) behind Serve's HTTP and gRPC proxies, until
-SIGINT or SIGTERM; then Serve and Ray shut down cleanly.
+SIGINT or SIGTERM; then Serve and Ray shut down cleanly. It binds to loopback unless asked:
+with a loopback HTTP host, the endpoints the cluster opens itself (replica load and metrics,
+router metrics) listen on 127.0.0.1 too.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import ray
 from ray import serve
@@ -18,8 +21,9 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
-from cluster.config import ServeAppsConfig, load_config
+from cluster.config import DEFAULT_HTTP_HOST, ServeAppsConfig, load_config
 from cluster.deployment import node_ip
+from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from replica.model.loader import ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
@@ -36,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              'offline), a .gguf file, or a local Hugging Face model directory')
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas per application (default: 2)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="routing policy (default: headroom)")
+    parser.add_argument("--host", default=None,
+                        help=f"address the HTTP API (and, when loopback, every cluster endpoint) binds to "
+                             f"(default: the config's http_options.host, {DEFAULT_HTTP_HOST}); 0.0.0.0 for all")
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default: 8000)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: 9000)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray cluster offers (default: all)")
@@ -47,13 +54,17 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
     application; raises ConfigError naming the dotted path of a bad field."""
     overrides = _cluster_overrides(args)
     if args.config is None:
-        return load_config(overrides)
-    document = load_config(args.config).model_dump(exclude_unset=True)
-    for application in document["applications"]:
-        application["args"] = _merged(application.get("args", {}), overrides)
+        config = load_config(overrides)
+        document = config.model_dump(exclude_unset=True)
+    else:
+        document = load_config(args.config).model_dump(exclude_unset=True)
+        for application in document["applications"]:
+            application["args"] = _merged(application.get("args", {}), overrides)
     for proxy, port in (("http", args.http_port), ("grpc", args.grpc_port)):
         if port is not None:
             document.setdefault(f"{proxy}_options", {})["port"] = port
+    if args.host is not None:
+        document.setdefault("http_options", {})["host"] = args.host
     return load_config(document)
 
 
@@ -98,6 +109,37 @@ def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
     }
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def with_local_binds(config: ServeAppsConfig) -> ServeAppsConfig:
+    """`config` for a one-machine cluster: when the HTTP API binds to loopback, so does every
+    endpoint the applications open (an application's explicit ports.bind_address wins)."""
+    if not is_loopback(config.http_options.host):
+        return config
+    document = config.model_dump(exclude_unset=True)
+    for application in document["applications"]:
+        ports = application.setdefault("args", {}).setdefault("ports", {})
+        ports.setdefault("bind_address", "127.0.0.1")
+    return load_config(document)
+
+
+def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_options: Any) -> None:
+    """Starts the local Ray node `headroom serve` runs on."""
+    # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Serve's gRPC proxy (its processes inherit this environment) bounds messages for every
+    # application at once: by the largest application's limit.
+    os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))
+    # Serve binds its gRPC proxy to every interface: on loopback it then answers local clients only.
+    os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback(config.http_options.host) else "0"
+    ray.init(include_dashboard=False, num_cpus=num_cpus, **ray_options)
+
+
 def endpoints_text(config: ServeAppsConfig, host: str) -> str:
     """Where clients and Prometheus reach each application."""
     http_port, grpc_port = config.http_options.port, config.grpc_options.port
@@ -109,16 +151,24 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
         if app.route_prefix is not None:
             lines.append(f"  HTTP  http://{host}:{http_port}{app.route_prefix.rstrip('/')}/v1  "
                          "(OpenAI API: /completions, /chat/completions, /models)")
-        lines.append(f"  gRPC  {host}:{grpc_port}  headroom.v1.Generation  (metadata application={app.name})")
+        lines.append(f"  gRPC  {host}:{grpc_port}  headroom.v1.Generation, grpc.health.v1, reflection  "
+                     f"(metadata application={app.name})")
         lines.append(f"  metrics  replicas http://{host}:{args.ports.metrics}/metrics (one port per replica "
                      f"on a node, counting up), router http://{host}:{args.ports.router_metrics}/metrics")
+        if args.monitoring.targets_dir is not None:
+            lines.append(f"  Prometheus targets  {args.monitoring.targets_dir}/{app.name}-*.json (file_sd, "
+                         "kept current; deploy/prometheus.yml reads them)")
+    if is_loopback(config.http_options.host):
+        # Ray Serve 2.60 has no bind address for its gRPC proxy: say what happens instead.
+        lines.append(f"note: Serve's gRPC proxy listens on every interface (port {grpc_port}) "
+                     "and refuses clients that are not on this machine")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = serve_config_from_args(args)
+        config = with_local_binds(serve_config_from_args(args))
         for index, app in enumerate(config.applications):
             if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
                 raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
@@ -128,15 +178,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             resolve_model_path(app.args.model)
     except (ConfigError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
-    # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, num_cpus=args.num_cpus)
+    init_local_ray(config, args.num_cpus)
     stop_requested = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(signum, lambda *_: stop_requested.set())
     try:
         start_applications(config)
-        print(endpoints_text(config, node_ip()), flush=True)
+        host = config.applications[0].args.ports.bind_address or node_ip()
+        print(endpoints_text(config, host), flush=True)
         print("serving; Ctrl-C stops", flush=True)
         while not stop_requested.wait(0.5):
             pass

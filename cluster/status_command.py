@@ -13,13 +13,11 @@ from typing import Optional
 
 import grpc
 import ray
-from ray.serve._private.constants import SERVE_NAMESPACE
-from ray.serve.context import _get_global_client
 from ray.serve.exceptions import RayServeException
 from rich.console import Console
 from rich.table import Table
 
-from cluster.deployment import DEPLOYMENT_NAME
+from cluster.deployment import routing_stats, running_replicas
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from router.serve_router import LOAD_ENDPOINT_STAT
@@ -52,24 +50,13 @@ def replica_statuses() -> list[ReplicaStatus]:
     """Every running LLMReplica of every application, with its load now (needs Ray connected
     and Serve running). The endpoints come from the replicas' own routing stats: the one
     place they are announced."""
-    details = _get_global_client().get_serve_details()
-    statuses = []
-    for app_name, application in sorted(details.get("applications", {}).items()):
-        deployment = application.get("deployments", {}).get(DEPLOYMENT_NAME)
-        if deployment is None:
-            continue
-        for replica in deployment.get("replicas", []):
-            if replica.get("state") != "RUNNING":
-                continue
-            statuses.append(_status_of(app_name, replica))
-    return statuses
+    return [_status_of(app_name, replica) for app_name, replica in running_replicas()]
 
 
 def _status_of(app_name: str, replica: dict) -> ReplicaStatus:
     replica_id, node_ip = replica["replica_id"], replica.get("node_ip") or "?"
     try:
-        actor = ray.get_actor(replica["actor_name"], namespace=SERVE_NAMESPACE)
-        endpoint = ray.get(actor.record_routing_stats.remote(), timeout=LOAD_TIMEOUT_S).get(LOAD_ENDPOINT_STAT)
+        endpoint = routing_stats(replica).get(LOAD_ENDPOINT_STAT)
     except Exception as error:  # the replica died between the listing and now
         return ReplicaStatus(app_name, replica_id, node_ip, None, None, f"unreachable: {error}")
     if endpoint is None:

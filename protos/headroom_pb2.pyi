@@ -39,7 +39,14 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "logprobs", "stop", "include_stop_str_in_output", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +56,13 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -58,7 +72,14 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    include_stop_str_in_output: bool
+    top_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "ttft_deadline_ms", "ttft_slo_ms", "add_special_tokens")
@@ -93,7 +114,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "replica_id", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "replica_id", "logprobs", "top_logprobs", "stop_string", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +122,9 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -108,7 +132,18 @@ class GenerateResponse(_message.Message):
     usage: Usage
     replica_id: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

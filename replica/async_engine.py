@@ -2,6 +2,8 @@
 process of its own (replica/serving/); this side validates requests, owns one stream of
 RequestOutput deltas per request (detokenized here), mirrors the core's load after every
 step, and turns a lost client into an abort message the core applies before its next step.
+Every output and every error that ends a stream passes one place (the OutputProcessor), where
+an optional RequestObserver (the request metrics) sees it, whoever consumes the stream.
 
 Requests are validated at once, in the caller's task, against the facts the core reported
 when it started. If the core process dies, every open stream fails with EngineDeadError at
@@ -26,7 +28,7 @@ from replica.request import InvalidRequestError, Request, SamplingParams, valida
 from replica.scheduler import QueueFullError, SchedulerLoad
 from replica.serving.core_client import EngineCoreClient, EngineDeadError
 from replica.serving.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
-from replica.serving.output_processor import OutputProcessor
+from replica.serving.output_processor import OutputProcessor, RequestObserver
 from replica.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ class AsyncEngine:
         self._load_arrived = asyncio.Event()
         self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
         self._kv_event_listeners: list[Callable[[list], None]] = []
+        self._request_observer: Optional[RequestObserver] = None
 
     @classmethod
     async def launch(cls, config: EngineConfig, model: str = "builtin", **options) -> "AsyncEngine":
@@ -149,7 +152,7 @@ class AsyncEngine:
         ready = await self.core.start(self.spec)
         self._engine = ServedEngine(self.spec.model, tokenizer, ready.config, ready.model_config,
                                     ready.eos_token_ids, ready.device, time.monotonic, self.stats)
-        self._processor = OutputProcessor(tokenizer, self._abort_in_core)
+        self._processor = OutputProcessor(tokenizer, self._abort_in_core, self._request_observer)
         self._load = load_from_wire(ready.load)
         self._accepting = True
         logger.info("engine core %d ready: %s on %s", self.core.pid, self.spec.model, ready.device)
@@ -176,6 +179,12 @@ class AsyncEngine:
     def on_kv_events(self, listener: Callable[[list], None]) -> None:
         """Call `listener` with each step's KV events (in order), as the core's engine drained them."""
         self._kv_event_listeners.append(listener)
+
+    def observe_requests(self, observer: RequestObserver) -> None:
+        """Show `observer` every request's outputs as they reach its stream (before or after start)."""
+        self._request_observer = observer
+        if self._processor is not None:
+            self._processor.observer = observer
 
     async def shutdown(self, grace_period_s: float = 5.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to the grace period, abort

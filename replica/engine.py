@@ -20,7 +20,8 @@ from replica.model import load_model
 from replica.executor import ModelRunner
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
 from replica.executor.model_runner import StepInFlight
-from replica.request import Request, SamplingParams
+from replica.logits_processors import TopLogprobs
+from replica.request import Request, SamplingParams, StopReason
 from replica.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
 from replica.slo import ttft_deadline as _ttft_deadline
 from replica.slo_monitor import SLOMonitor
@@ -35,12 +36,17 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text: str  # detokenized delta; concatenated deltas equal the decode of all output tokens
+    # Detokenized delta; concatenated deltas equal the decode of all output tokens, except
+    # that a matched stop string (and anything after it) is left out.
+    text: str
     finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[TopLogprobs]] = None  # per new token, when asked for
+    # On the last output: the stop string or stop token id that ended it (None for EOS).
+    stop_reason: Optional[StopReason] = None
 
     @property
     def finished(self) -> bool:
@@ -48,10 +54,12 @@ class RequestOutput:
 
     @classmethod
     def of(cls, request: Request, new_token_ids: list[int], text: str, finish_reason: Optional[str],
-           logprobs: Optional[list[float]] = None) -> "RequestOutput":
+           logprobs: Optional[list[float]] = None,
+           top_logprobs: Optional[list[TopLogprobs]] = None) -> "RequestOutput":
         """A delta of `request`, with its usage counts as they stand now."""
         return cls(request.request_id, new_token_ids, text, finish_reason, request.num_prompt_tokens,
-                   request.num_output_tokens, request.num_cached_tokens, logprobs)
+                   request.num_output_tokens, request.num_cached_tokens, logprobs, top_logprobs,
+                   request.stop_reason if finish_reason is not None else None)
 
 
 @dataclass
@@ -202,7 +210,9 @@ class LLMEngine:
                             eos_token_ids=self.eos_token_ids, clock=self.clock, **options)
 
     def add_request(self, request: Request, detokenize: bool = True) -> None:
-        """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError."""
+        """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError.
+        The engine stops a request on EOS, stop_token_ids or max_tokens; stop strings are
+        matched on detokenized text by the front (replica/serving/output_processor.py)."""
         self.scheduler.add_request(request)
         if detokenize:
             self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -290,10 +300,11 @@ class LLMEngine:
                     text += detokenizer.flush()
                     del self.detokenizers[request.request_id]
             logprob = runner_output.logprobs.get(request.request_id)
+            top = runner_output.top_logprobs.get(request.request_id)
             outputs.append(RequestOutput.of(
                 request, [update.token_id], text,
                 update.finished.finish_reason if update.finished is not None else None,
-                [logprob] if logprob is not None else None,
+                [logprob] if logprob is not None else None, [top] if top is not None else None,
             ))
         return outputs
 

@@ -9,7 +9,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import grpc
 
@@ -22,8 +22,8 @@ from replica.async_engine import (
 from replica.chat_template import ChatTemplateError
 from replica.engine import LLMEngine, RequestOutput
 from replica.load_report import LoadReportBuilder, is_significant_change
-from replica.metrics import ReplicaMetrics
-from replica.request import InvalidRequestError, Request, SamplingParams
+from replica.request import InvalidRequestError, SamplingParams, check_text
+from replica.request_limits import RequestLimits, encode_prompt
 from replica.scheduler import QueueFullError
 from replica.tokenizer import Tokenizer
 
@@ -34,7 +34,10 @@ FINISH_REASON_TO_PROTO = {
     "abort": pb.FINISH_REASON_ABORT,
 }
 # The engine names fields after its own types; clients know the proto's field paths.
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
+_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+)
 PROTO_FIELD_FOR_ENGINE_FIELD = {
     "prompt_token_ids": "token_ids",
     **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
@@ -53,7 +56,10 @@ def invalid_argument_message(error: InvalidRequestError) -> str:
 
 # The proto -> engine mapping of a GenerateRequest, shared by this servicer and the cluster's
 # ingress (which serves the same service through Ray Serve's gRPC proxy).
-def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer,
+                                      limits: RequestLimits) -> list[int]:
+    """The prompt's token ids; a request over `limits` fails before anything is tokenized."""
+    limits.check_request_bytes(request.ByteSize())
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
         raise InvalidRequestError("prompt", "set exactly one of text, token_ids or chat")
@@ -61,25 +67,30 @@ def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenize
         return list(request.token_ids.ids)
     if prompt_kind == "chat":
         messages = [{"role": message.role, "content": message.content} for message in request.chat.messages]
-        return chat_prompt_token_ids(tokenizer, messages, field="chat.messages")
+        return await chat_prompt_token_ids(tokenizer, messages, field="chat.messages", limits=limits)
     if not request.text:  # checked before encoding, which may add a BOS to empty text
         raise InvalidRequestError("prompt", "must not be empty")
-    return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+    return await encode_prompt(tokenizer, request.text, add_special_tokens=request.add_special_tokens,
+                               limits=limits, field_name="text")
 
 
-def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str) -> list[int]:
-    """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI `messages`)."""
+async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str,
+                                limits: RequestLimits) -> list[int]:
+    """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI
+    `messages`); the contents are checked against `limits` before anything is rendered."""
     if not messages:
         raise InvalidRequestError(field, "must hold at least one message")
-    empty_role = next((index for index, message in enumerate(messages) if not message["role"]), None)
-    if empty_role is not None:
-        raise InvalidRequestError(f"{field}[{empty_role}].role", "must not be empty")
+    for index, message in enumerate(messages):
+        if not message["role"]:
+            raise InvalidRequestError(f"{field}[{index}].role", "must not be empty")
+        check_text(f"{field}[{index}].content", message["content"])
+    limits.check_prompt_text(field, "".join(message["content"] for message in messages))
     try:
         text = tokenizer.apply_chat_template(messages)
     except ChatTemplateError as error:
         raise InvalidRequestError(field, str(error)) from error
     # The rendered template already holds its special tokens.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return await encode_prompt(tokenizer, text, add_special_tokens=False, limits=limits, field_name=field)
 
 
 def sampling_params_from_proto(
@@ -97,6 +108,14 @@ def sampling_params_from_proto(
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs,
+        stop=tuple(sampling.stop),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=(sampling.repetition_penalty if sampling.HasField("repetition_penalty")
+                            else defaults.repetition_penalty),
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
     )
 
 
@@ -142,7 +161,18 @@ def generate_response(output: RequestOutput, replica_id: str) -> pb.GenerateResp
         ),
         replica_id=replica_id,
         logprobs=output.logprobs or (),
+        top_logprobs=[pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+                      for top in output.top_logprobs or ()],
+        **_stop_reason_fields(output),
     )
+
+
+def _stop_reason_fields(output: RequestOutput) -> dict[str, object]:
+    if isinstance(output.stop_reason, str):
+        return {"stop_string": output.stop_reason}
+    if isinstance(output.stop_reason, int):
+        return {"stop_token_id": output.stop_reason}
+    return {}
 
 
 def engine_priority(proto_priority: int) -> int:
@@ -163,15 +193,15 @@ def model_info_proto(engine: LLMEngine | ServedEngine, model_id: str) -> pb.Mode
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics):
+    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, limits: RequestLimits = RequestLimits()):
         self.engine = engine
         self.replica_id = replica_id
         self.model_id = model_id
-        self.metrics = metrics
+        self.limits = limits
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            stream = self._add_request(request)
+            stream = await self._add_request(request)
         except InvalidRequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
         except QueueFullError as error:
@@ -179,41 +209,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except (EngineShutdownError, EngineDeadError) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
-        timings = StreamTimings(self.metrics, stream.request, self.engine.engine.clock)
         failure: Optional[tuple[grpc.StatusCode, str]] = None
         try:
             # grpc.aio also cancels this task when the client's deadline passes; the
             # timeout makes the status DEADLINE_EXCEEDED even if that races our writes.
             async with asyncio.timeout(context.time_remaining()):
                 async for output in stream:
-                    timings.observe(output)
                     await context.write(generate_response(output, self.replica_id))
         except TimeoutError:
             failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
         except FirstTokenDeadlineExceeded:
             failure = (grpc.StatusCode.DEADLINE_EXCEEDED,
                        f"ttft_deadline_ms: no first token within {request.ttft_deadline_ms} ms")
-        except EngineStepError as error:
-            timings.abandoned()  # the engine already aborted the request
+        except EngineStepError as error:  # the engine already aborted the request
             failure = (grpc.StatusCode.INTERNAL, str(error))
         except EngineDeadError as error:  # the core process died: its requests are gone with it
-            timings.abandoned()
             failure = (grpc.StatusCode.UNAVAILABLE, str(error))
         except QueueFullError as error:  # the queue filled between validation and queueing
-            timings.abandoned()
             failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         finally:
             # Runs on client cancellation too (grpc.aio cancels this task): the request
             # must not keep its KV blocks once nobody reads its stream.
             if not stream.finished:
                 self.engine.abort(stream.request_id)
-                timings.abandoned()
         if failure is not None:
             await context.abort(*failure)
 
-    def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
+    async def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
         engine = self.engine.engine
-        prompt_token_ids = prompt_token_ids_from_proto(request, engine.tokenizer)
+        prompt_token_ids = await prompt_token_ids_from_proto(request, engine.tokenizer, self.limits)
         ttft = ttft_targets_from_proto(request)
         return self.engine.add_request(
             prompt_token_ids,
@@ -226,44 +250,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             first_token_timeout_s=ttft.first_token_timeout_s,
         )
 
-
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        token_ids = self.engine.engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        try:
+            token_ids = await encode_prompt(self.engine.engine.tokenizer, request.text,
+                                            add_special_tokens=request.add_special_tokens, limits=self.limits,
+                                            field_name="text")
+        except InvalidRequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
         return pb.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return model_info_proto(self.engine.engine, self.model_id)
-
-
-class StreamTimings:
-    """Observes one request's latency histograms as its outputs reach the servicer, on the
-    engine's clock, so they include the time a token waits to be streamed."""
-
-    def __init__(self, metrics: ReplicaMetrics, request: Request, clock: Callable[[], float]):
-        self.metrics = metrics
-        self.request = request
-        self.clock = clock
-        self._last_token_time: Optional[float] = None
-
-    def observe(self, output: RequestOutput) -> None:
-        now = self.clock()
-        arrival_time = self.request.arrival_time
-        if output.new_token_ids:
-            if self._last_token_time is None:
-                self.metrics.observe_ttft(now - arrival_time)
-                if self.request.first_admitted_time is not None:
-                    self.metrics.observe_queue_time(self.request.first_admitted_time - arrival_time)
-            else:
-                self.metrics.observe_itl(now - self._last_token_time)
-            self._last_token_time = now
-        if output.finish_reason is not None:
-            if output.finish_reason != "abort":
-                self.metrics.observe_e2e(now - arrival_time)
-            self.metrics.finished(output.finish_reason)
-
-    def abandoned(self) -> None:
-        """The stream ended before its last output (cancelled, deadline, engine error)."""
-        self.metrics.finished("abort")
 
 
 class LoadReporterServicer(pb_grpc.LoadReporterServicer):

@@ -7,9 +7,10 @@ KV cache manager holds the blocks behind it; preemption resets it to 0 (output i
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,9 +52,23 @@ class InvalidRequestError(ValueError):
         return (type(self), (self.field, self.message))
 
 
+# Most alternatives a request may ask for per generated token (vLLM's default max_logprobs,
+# and OpenAI's top_logprobs bound): top-k over the vocabulary runs on the device every step.
+MAX_TOP_LOGPROBS = 20
+# OpenAI's bounds for the additive penalties and for one logit bias.
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 means greedy.
+
+    The penalties and logit_bias follow vLLM (and OpenAI): logit_bias is added to the raw
+    logits; presence and frequency penalties subtract per generated occurrence;
+    repetition_penalty divides positive (multiplies negative) logits of every token seen in
+    the prompt or the output. Logprobs are of the raw logits, before any of them.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -63,7 +78,16 @@ class SamplingParams:
     seed: Optional[int] = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the sampled token's log-probability
+    top_logprobs: int = 0  # this many most likely alternatives per token, with theirs
+    # Strings that end generation, matched on the detokenized text across token boundaries;
+    # the matched string is left out of the output unless include_stop_str_in_output.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -75,6 +99,11 @@ class SamplingParams:
                 f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds "
                 f"max_model_len ({max_model_len})",
             )
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            # NaN passes every comparison below, and infinities turn logits into NaN.
+            if not math.isfinite(value):
+                raise InvalidRequestError(name, f"must be a finite number, got {value}")
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -83,14 +112,59 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if vocab_size is not None:
-            for token_id in self.stop_token_ids:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            low, high = PENALTY_RANGE
+            if not low <= getattr(self, name) <= high:
+                raise InvalidRequestError(name, f"must be in [{low:g}, {high:g}], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0.0:
+            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for stop in self.stop:
+            if not stop:
+                raise InvalidRequestError("stop", "an empty stop string would end every request before its first token")
+            check_text("stop", stop)
+        self._validate_token_ids(vocab_size)
+
+    def _validate_token_ids(self, vocab_size: int | None) -> None:
+        low, high = LOGIT_BIAS_RANGE
+        for token_id, bias in self.logit_bias:
+            if not (math.isfinite(bias) and low <= bias <= high):
+                raise InvalidRequestError("logit_bias", f"bias of token {token_id} must be in [{low:g}, {high:g}], got {bias}")
+        if vocab_size is None:
+            return
+        for field_name, token_ids in (("stop_token_ids", self.stop_token_ids),
+                                      ("logit_bias", [token_id for token_id, _ in self.logit_bias])):
+            for token_id in token_ids:
                 if not 0 <= token_id < vocab_size:
-                    raise InvalidRequestError("stop_token_ids", f"{token_id} is outside [0, {vocab_size})")
+                    raise InvalidRequestError(field_name, f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """Alternatives per token when the sampled token's logprob is asked for, else None."""
+        return self.top_logprobs if self.logprobs or self.top_logprobs else None
+
+
+def check_text(field_name: str, text: str) -> None:
+    """Raise InvalidRequestError when `text` cannot be UTF-8 encoded (a lone surrogate, which
+    JSON's \\ud800 escapes can carry): tokenizers and every client downstream would choke on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            field_name, f"not valid Unicode: lone surrogate {text[error.start]!r} at index {error.start}"
+        ) from None
+
+
+StopReason = Union[str, int]  # the stop string or stop token id that ended a request
 
 
 @dataclass(eq=False)
@@ -120,6 +194,7 @@ class Request:
     last_token_time: Optional[float] = None
     admitted_time: Optional[float] = None  # latest admission to running
     first_admitted_time: Optional[float] = None
+    stop_reason: Optional[StopReason] = None  # the stop token id or string that finished it
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -152,6 +227,7 @@ class Request:
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
+            self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

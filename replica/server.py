@@ -1,7 +1,8 @@
 """ReplicaServer: one AsyncEngine (the front of an engine-core process) as a grpc.aio service
-without Ray: Generation and LoadReporter, standard health checking and reflection (NOT_SERVING
-once the core is gone), Prometheus metrics kept in step with every load the core publishes,
-and a graceful stop that lets in-flight streams end cleanly.
+without Ray: Generation and LoadReporter, standard health checking (NOT_SERVING once the core
+is gone) and reflection (v1 and v1alpha), Prometheus metrics kept in step with every load the
+core publishes and every output the front streams, and a graceful stop that lets in-flight
+streams end cleanly.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from typing import Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
+from replica.grpc_reflection import enable_reflection
 from replica.grpc_service import GenerationServicer, LoadReporterServicer
 from replica.load_report import LoadReportBuilder
 from replica.metrics import ReplicaMetrics
+from replica.request_limits import RequestLimits
+from replica.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +36,13 @@ FINAL_WRITES_GRACE_S = 1.0
 
 
 class ReplicaServer:
-    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics):
+    def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics,
+                 limits: RequestLimits = RequestLimits()):
         self.engine = engine
         self.replica_id = replica_id
         self.model_id = model_id
         self.metrics = metrics
+        self.limits = limits
         self.load_reports = LoadReportBuilder(replica_id, engine.stats)
         self.port: Optional[int] = None
         self._server: Optional[grpc.aio.Server] = None
@@ -48,10 +53,13 @@ class ReplicaServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start the engine core (if not yet) and serve on host:port (0 picks a free port); returns the port."""
         await self.engine.start()
+        # Every front that streams from this engine (this server's Generate, a Serve
+        # deployment's generate) then feeds the same latency histograms.
+        self.engine.observe_requests(RequestMetrics(self.metrics, self.engine.engine.clock))
         self._stopping = asyncio.Event()
         server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.replica_id, self.model_id, self.metrics), server
+            GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
         )
         pb_grpc.add_LoadReporterServicer_to_server(
             LoadReporterServicer(self.engine, self.load_reports, self._stopping), server
@@ -60,9 +68,7 @@ class ReplicaServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.engine.on_dead(self._core_died)
-        reflection.enable_server_reflection(
-            SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection(SERVICE_NAMES + (health.SERVICE_NAME,), server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.port = server.add_insecure_port(address)
         await server.start()

@@ -50,7 +50,10 @@ class Tokenizer:
         return self._fast_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        token_ids = self._fast_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch calls release the GIL (encode does not), so a long prompt tokenized on a
+        # worker thread does not stall the event loop that called it; the fast one skips offsets.
+        encode_batch = getattr(self._fast_tokenizer, "encode_batch_fast", self._fast_tokenizer.encode_batch)
+        token_ids = encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._add_bos_token and token_ids[:1] != [self.bos_token_id]:
             token_ids.insert(0, self.bos_token_id)
         return token_ids

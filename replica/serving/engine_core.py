@@ -111,8 +111,10 @@ class EngineCore:
         requests = self._requests
         for output in outputs:
             request = requests[output.request_id]
+            top_logprobs = output.top_logprobs
             rows.append((output.request_id, output.new_token_ids, output.finish_reason, output.num_cached_tokens,
-                         output.logprobs, request.first_admitted_time if output.num_output_tokens == 1 else None))
+                         output.logprobs, [tuple(top) for top in top_logprobs] if top_logprobs else None,
+                         output.stop_reason, request.first_admitted_time if output.num_output_tokens == 1 else None))
             if output.finish_reason is not None:
                 del requests[output.request_id]
         stats = self.engine.stats

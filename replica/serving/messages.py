@@ -101,6 +101,10 @@ class CoreOutput(NamedTuple):
     finish_reason: Optional[str]  # "stop" | "length" once finished
     num_cached_tokens: int
     logprobs: Optional[list[float]]
+    # Per new token, (token ids, logprobs) of its most likely alternatives, when asked for:
+    # plain tuples on the wire; the front rebuilds TopLogprobs.
+    top_logprobs: Optional[list[tuple[list[int], list[float]]]]
+    stop_reason: Optional[int]  # the stop token id that finished it (stop strings are the front's)
     first_admitted_time: Optional[float]  # with the first token only (queue-time metric)
 
 

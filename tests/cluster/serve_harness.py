@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -42,10 +43,10 @@ def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
     import ray
     from ray import serve
 
-    from cluster.serve_command import start_applications
+    from cluster.serve_command import init_local_ray, start_applications, with_local_binds
 
-    enable_local_ray()
-    ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
+    config = with_local_binds(config)
+    init_local_ray(config, num_cpus, log_to_driver=False)
     try:
         start_applications(config)
         yield config
@@ -55,9 +56,11 @@ def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
 
 
 def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num_cpus: float = 1,
-                 proxy_location: str = "EveryNode", model: str = APP_NAME, num_replicas: int = 2) -> ServeAppsConfig:
+                 proxy_location: str = "EveryNode", model: str = APP_NAME, num_replicas: int = 2,
+                 limits: Optional[dict[str, Any]] = None) -> ServeAppsConfig:
     """One application (named after its model) on CPU replicas; HTTP, gRPC, replica and router
-    metrics on base_port, +1, +10 and +20."""
+    metrics on base_port, +1, +10 and +20; Prometheus targets in a directory of its own (a
+    real cluster on this machine writes the default one)."""
     ports = {"http": base_port, "grpc": base_port + 1, "metrics": base_port + 10, "router_metrics": base_port + 20}
     return load_config({
         "proxy_location": proxy_location,
@@ -74,6 +77,8 @@ def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num
                 # request down the stale-load fallback.
                 "router": {"staleness_s": 5.0},
                 "ports": ports,
+                "limits": limits or {},
+                "monitoring": {"targets_dir": tempfile.mkdtemp(prefix=f"headroom-targets-{base_port}-")},
             },
         }],
     })

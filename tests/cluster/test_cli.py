@@ -152,3 +152,20 @@ def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_bad_flag_is_one_line_naming_it_not_forty_lines_of_usage(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--max-num-seqs", "many"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("headroom serve: error: argument --max-num-seqs: invalid int value")
+    assert len(lines) == 2 and "usage:" not in err
+
+
+def test_generate_escapes_control_characters_but_keeps_newlines_and_tabs():
+    from cluster.generate_command import terminal_safe
+
+    assert terminal_safe("ok\x1b]0;pwned\x07\b\r\n\tdone\x9b") == "ok\\x1b]0;pwned\\x07\\x08\\x0d\n\tdone\\x9b"
+    assert terminal_safe("héllo ✓") == "héllo ✓"

@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import (
     APP_IMPORT_PATH,
-    GRPC_SERVICER_FUNCTION,
+    GRPC_SERVICER_FUNCTIONS,
     ClusterConfig,
     RouterConfig,
     ServeAppsConfig,
@@ -105,8 +105,9 @@ def test_deploy_serve_config_validates_against_our_schema():
     config = load_config(SERVE_CONFIG)
     app = config.applications[0]
     assert app.import_path == APP_IMPORT_PATH
-    assert config.grpc_options.port == 9000 and config.grpc_options.grpc_servicer_functions == [GRPC_SERVICER_FUNCTION]
-    assert config.http_options.port == 8000
+    assert config.grpc_options.port == 9000
+    assert config.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
+    assert config.http_options.port == 8000 and config.http_options.host == "127.0.0.1"
     assert app.args.router.policy == "headroom"
 
 

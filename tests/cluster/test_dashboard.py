@@ -100,13 +100,18 @@ def test_later_rows_hold_latency_quantiles_queue_depth_and_router_decisions():
     assert any("rate(headroom_router_decisions_total" in q and "replica" in q for q in later_queries)
 
 
-def test_alert_rules_cover_sustained_preemptions_full_kv_cache_and_replica_down():
-    rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+def alert_rules() -> dict[str, dict]:
+    return {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+
+
+def test_alert_rules_cover_sustained_preemptions_full_kv_cache_and_replicas_down():
+    rules = alert_rules()
     assert "rate(headroom_num_preemptions_total[5m])" in rules["HeadroomSustainedPreemptions"]["expr"]
     assert rules["HeadroomSustainedPreemptions"]["for"] == "10m"
     assert rules["HeadroomKVCacheNearlyFull"]["expr"].endswith("headroom_kv_cache_usage_ratio) > 0.95")
     assert rules["HeadroomKVCacheNearlyFull"]["for"] == "5m"
     assert rules["HeadroomReplicaDown"]["expr"] == 'up{job="headroom-replica"} == 0'
+    assert rules["HeadroomNoReplicaUp"]["expr"] == 'absent(up{job="headroom-replica"} == 1)'
 
 
 def test_every_queried_metric_is_in_metric_names():
@@ -177,4 +182,65 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
     rule_file = tmp_path / "dashboard_rules.yml"
     rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     checked = run_promtool("check", "rules", str(rule_file))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# Two replicas as the default deployment and the Helm chart run them, for 30 minutes.
+REPLICAS = ("10.0.0.1:9100", "10.0.0.2:9100")
+
+
+def replica_series(metric: str, values: tuple[str, str]) -> list[dict]:
+    labels = 'job="headroom-replica", model="builtin"'
+    return [{"series": f'{metric}{{{labels}, instance="{instance}", replica="r{index}"}}', "values": value}
+            for index, (instance, value) in enumerate(zip(REPLICAS, values))]
+
+
+def promtool_test(tmp_path, input_series: list[dict], alert_tests: list[dict], expr_tests: list[dict]):
+    test_file = tmp_path / "alerts_test.yml"
+    test_file.write_text(yaml.safe_dump({
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": input_series, "alert_rule_test": alert_tests,
+                   "promql_expr_test": expr_tests}],
+    }))
+    return run_promtool("test", "rules", str(test_file))
+
+
+def test_no_alert_fires_on_a_healthy_two_replica_deployment(tmp_path):
+    """Both replicas up and scraped, KV 40% used, a preemption every 2 s: busy but healthy."""
+    series = (replica_series("up", ("1x30", "1x30"))
+              + replica_series("headroom_kv_cache_usage_ratio", ("0.4x30", "0.4x30"))
+              + replica_series("headroom_num_preemptions_total", ("0+30x30", "0+30x30")))
+    quiet = [{"eval_time": "25m", "alertname": name, "exp_alerts": []} for name in alert_rules()]
+    checked = promtool_test(tmp_path, series, quiet, [])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_each_alert_expression_holds_on_its_symptom(tmp_path):
+    """A replica's endpoint down, a full KV cache, 2 preemptions/s: each alert's expression
+    returns the replica (the firing itself waits out each rule's `for`)."""
+    series = (replica_series("up", ("1x30", "0x30"))
+              + replica_series("headroom_kv_cache_usage_ratio", ("0.4x30", "0.97x30"))
+              + replica_series("headroom_num_preemptions_total", ("0+30x30", "0+120x30")))
+    rules = alert_rules()
+    down = {"job": "headroom-replica", "model": "builtin", "instance": REPLICAS[1], "replica": "r1"}
+    expr_tests = [
+        {"expr": rules["HeadroomReplicaDown"]["expr"], "eval_time": "20m",
+         "exp_samples": [{"labels": "up" + "{" + ", ".join(f'{k}="{v}"' for k, v in down.items()) + "}", "value": 0}]},
+        {"expr": rules["HeadroomKVCacheNearlyFull"]["expr"], "eval_time": "20m",
+         "exp_samples": [{"labels": '{model="builtin", replica="r1"}', "value": 0.97}]},
+        {"expr": rules["HeadroomSustainedPreemptions"]["expr"], "eval_time": "20m",
+         "exp_samples": [{"labels": '{model="builtin", replica="r1"}', "value": 2}]},
+    ]
+    checked = promtool_test(tmp_path, series, [], expr_tests)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_no_replica_up_fires_when_no_replica_answers(tmp_path):
+    series = replica_series("up", ("0x30", "0x30"))
+    fired = [{"eval_time": "20m", "alertname": "HeadroomNoReplicaUp", "exp_alerts": [{
+        "exp_labels": {"severity": "critical"},
+        "exp_annotations": {key: value for key, value in alert_rules()["HeadroomNoReplicaUp"]["annotations"].items()},
+    }]}]
+    checked = promtool_test(tmp_path, series, fired, [])
     assert checked.returncode == 0, checked.stdout + checked.stderr

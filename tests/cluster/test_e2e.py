@@ -39,12 +39,6 @@ def cluster():
         yield config
 
 
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(grpc_target(cluster)) as channel:
-        yield channel
-
-
 # ---- gRPC through Serve's proxy ----------------------------------------------------------
 def test_generate_streams_every_token_through_serves_grpc_proxy(channel):
     result = stream_generate(channel, generate_request(12))
@@ -173,7 +167,7 @@ def test_headroom_bench_completes_every_request_and_counts_preemptions(cluster, 
 def test_router_metrics_are_served_from_the_ingress(cluster, channel):
     stream_generate(channel, generate_request(4))
     port = cluster.applications[0].args.ports.router_metrics
-    url = f"http://{ray.util.get_node_ip_address()}:{port}/metrics"
+    url = f"http://{cluster.applications[0].args.ports.bind_address}:{port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
     decided_for = {sample.labels["replica"] for sample in families["headroom_router_decisions"].samples

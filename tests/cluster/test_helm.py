@@ -171,6 +171,24 @@ def test_router_podmonitor_scrapes_the_heads_router_metrics_port_as_the_scrape_c
     assert job in scrape_jobs
 
 
+def test_every_pod_the_replica_podmonitor_scrapes_hosts_one_replica(documents, values_file):
+    """HeadroomReplicaDown fires on a scraped pod whose metrics port nobody serves: with the
+    chart's values each worker pod offers exactly one replica's CPUs (and GPUs), and there are
+    as many worker pods as replicas, so every scraped pod has its replica."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    if values_file is not None:
+        values = {**values, **yaml.safe_load(values_file.read_text())}
+    service = rayservice(documents)
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    apps = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications
+    assert group["replicas"] == sum(app.args.replicas.num_replicas for app in apps)
+    for app in apps:
+        assert float(group["rayStartParams"]["num-cpus"]) == app.args.replicas.num_cpus
+        assert app.args.ports.bind_address is None  # the pod IP, where the PodMonitor scrapes
+        assert app.args.monitoring.targets_dir is None
+    assert yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]["host"] == "0.0.0.0"
+
+
 def test_worker_metrics_port_defaults_to_the_config_default():
     values = {"serve": {"applications": [{"name": "builtin", "import_path": "cluster.app:build_app", "args": {}}]}}
     assert container_ports(worker_container(rayservice(render(values))))["replica-metrics"] == PortsConfig().metrics

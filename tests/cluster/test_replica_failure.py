@@ -24,9 +24,11 @@ ray = pytest.importorskip("ray")
 from cluster import status_command  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME, GenerationChunk  # noqa: E402
 from cluster.ingress import ReplicaLostError, _sse_stream  # noqa: E402
-from cluster.openai_api import CompletionBodies  # noqa: E402
+from cluster.openai_api import Choice  # noqa: E402
+from cluster.openai_responses import CompletionBodies, TokenText  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
+from replica.request import SamplingParams  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
     local_cluster,
     APP_NAME, GRPC_TIMEOUT_S, StreamResult, generate_request, grpc_target, http_base, small_config,
@@ -114,13 +116,15 @@ def test_killed_replica_retries_unstarted_requests_and_cuts_started_streams_with
 
 
 def test_sse_stream_cut_by_a_lost_replica_ends_with_an_error_event_then_done():
+    choice = Choice(0, 0, [1, 2, 3], SamplingParams())
+
     async def chunks():
-        yield GenerationChunk("r1", [5], "a", None, 3, 1, 0, replica_id="replica-a")
+        yield choice, GenerationChunk("r1", [5], "a", None, 3, 1, 0, replica_id="replica-a")
         raise ReplicaLostError("the replica serving this request was lost mid-stream")
 
     async def collect() -> list[str]:
-        bodies = CompletionBodies("completion", "cmpl-1", APP_NAME)
-        return [event async for event in _sse_stream(chunks(), bodies, False, {})]
+        bodies = CompletionBodies("completion", "cmpl-1", APP_NAME, TokenText(lambda ids: "a"), None, [""])
+        return [event async for event in _sse_stream(chunks(), bodies, [choice], False, {})]
 
     events = asyncio.run(collect())
     assert events[-1] == "data: [DONE]\n\n"

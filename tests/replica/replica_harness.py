@@ -21,6 +21,7 @@ from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
 from replica.metrics import ReplicaMetrics
+from replica.request_limits import RequestLimits
 from replica.server import ReplicaServer
 from replica.serving.messages import CoreSpec
 
@@ -29,8 +30,10 @@ MODEL_ID = "builtin"
 
 
 class RunningReplica:
-    def __init__(self, engine_factory: str = CoreSpec._field_defaults["engine_factory"], **engine_config: Any):
+    def __init__(self, engine_factory: str = CoreSpec._field_defaults["engine_factory"],
+                 limits: RequestLimits = RequestLimits(), **engine_config: Any):
         self.spec = CoreSpec(make_engine_config(**engine_config), "builtin", device="cpu", engine_factory=engine_factory)
+        self.limits = limits
         self.metrics = ReplicaMetrics(REPLICA_ID, MODEL_ID)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="replica-loop", daemon=True)
@@ -42,7 +45,7 @@ class RunningReplica:
 
     async def _start(self) -> int:
         self.async_engine = AsyncEngine(self.spec)
-        self.server = ReplicaServer(self.async_engine, REPLICA_ID, MODEL_ID, self.metrics)
+        self.server = ReplicaServer(self.async_engine, REPLICA_ID, MODEL_ID, self.metrics, self.limits)
         return await self.server.start("127.0.0.1", 0)
 
     def call(self, coro: Coroutine, timeout: float = 60.0) -> Any:
@@ -108,3 +111,24 @@ async def collect_stream(stub: pb_grpc.GenerationStub, request: pb.GenerateReque
 
 def sampling(**fields: Any) -> pb.SamplingParams:
     return pb.SamplingParams(**fields)
+
+
+def reflect(channel: grpc.Channel, version: str, symbol: str, metadata=()) -> tuple[list[str], list]:
+    """What a reflection client (grpcurl) learns over `version` ("v1" or "v1alpha"): the
+    listed service names and the file descriptors that define `symbol`. v1 and v1alpha
+    messages are the same on the wire, so v1alpha's classes speak both."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)]
+    listed, described = list(call(iter(requests), timeout=30, metadata=metadata))
+    services = [service.name for service in listed.list_services_response.service]
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in described.file_descriptor_response.file_descriptor_proto]
+    return services, files

@@ -222,3 +222,47 @@ def test_streamed_text_deltas_concatenate_to_the_full_decode():
             finish = output.finish_reason
     assert finish in ("stop", "length")
     assert text == engine.tokenizer.decode(request.output_token_ids)
+
+
+def _run_to_completion(engine: LLMEngine, prompt: str, params: SamplingParams):
+    request = engine.make_request(f"r-{id(params)}", engine.tokenizer.encode(prompt), params)
+    engine.add_request(request)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return request, outputs
+
+
+@pytest.fixture(scope="module")
+def builtin_engine() -> LLMEngine:
+    return LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64), "builtin", device="cpu")
+
+
+def test_stop_token_id_is_reported_as_the_stop_reason(builtin_engine):
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    request, _ = _run_to_completion(builtin_engine, "abc", greedy)
+    stop_token = request.output_token_ids[3]
+    _, outputs = _run_to_completion(builtin_engine, "abc", SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)))
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop_token
+
+
+def test_top_logprobs_come_with_every_token_and_rank_the_greedy_choice_first(builtin_engine):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=4)
+    request, outputs = _run_to_completion(builtin_engine, "hi", params)
+    tops = [top for output in outputs for top in output.top_logprobs]
+    assert len(tops) == 6 and all(len(top.token_ids) == 4 for top in tops)
+    assert [top.token_ids[0] for top in tops] == request.output_token_ids
+    assert all(top.logprobs == sorted(top.logprobs, reverse=True) for top in tops)
+    logprobs = [logprob for output in outputs for logprob in output.logprobs]
+    assert logprobs == pytest.approx([top.logprobs[0] for top in tops])
+
+
+def test_repetition_penalty_changes_greedy_output_and_penalty_free_requests_do_not_change(builtin_engine):
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first, _ = _run_to_completion(builtin_engine, "la la la la", plain)
+    penalized, _ = _run_to_completion(builtin_engine, "la la la la", SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.0))
+    again, _ = _run_to_completion(builtin_engine, "la la la la", plain)
+    assert penalized.output_token_ids != first.output_token_ids
+    assert again.output_token_ids == first.output_token_ids

@@ -57,6 +57,35 @@ def test_an_abort_frees_the_requests_blocks_before_the_cores_next_step():
     assert rest[-1].finish_reason == "abort"  # the stream ended at once, on the front's side
 
 
+def test_a_stop_string_matched_in_the_front_ends_the_stream_and_the_core_drops_the_request():
+    async def scenario():
+        front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
+        try:
+            prompt = front.engine.tokenizer.encode("hello")
+            full = [output async for output in front.generate(prompt, SamplingParams(
+                max_tokens=40, temperature=0.0, ignore_eos=True))]
+            text = "".join(output.text for output in full)
+            # Three characters (three tokens of the byte-level vocabulary) first seen past the start.
+            cut = next(start for start in range(2, len(text) - 3)
+                       if text.index(text[start:start + 3]) == start and "\ufffd" not in text[start:start + 3])
+            stopped = [output async for output in front.generate(prompt, SamplingParams(
+                max_tokens=200, temperature=0.0, ignore_eos=True, stop=(text[cut:cut + 3],)), request_id="stopped")]
+            version = front.load_version
+            await front.wait_for_load(version, timeout=30)
+            await front.wait_for_load(version + 1, timeout=30)
+            state = await front.core.call_utility("request_state", "stopped")
+            return text, cut, stopped, state, front.load()
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    text, cut, stopped, state, load = asyncio.run(scenario())
+    assert "".join(output.text for output in stopped) == text[:cut]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == text[cut:cut + 3]
+    assert stopped[-1].num_output_tokens < 40
+    # The probe: the core dropped it at once instead of generating on to max_tokens.
+    assert state is None and load.num_running == 0
+
+
 def test_a_core_that_cannot_build_its_engine_raises_the_engines_error_naming_the_field():
     config = make_engine_config(max_model_len=1 << 20, num_kv_blocks=(1 << 16) + 1)  # past the model's context
 

@@ -15,7 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.metrics import REPLICA_METRIC_NAMES
-from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, sampling
+from replica.request import SamplingParams
+from replica.request_limits import RequestLimits
+from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling
 
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -110,6 +112,30 @@ def test_a_chat_prompt_is_the_models_chat_template_rendered_and_tokenized_on_the
     assert ids(chat) == ids(plain)
 
 
+def test_stop_string_and_top_logprobs_come_back_in_the_responses(replica):
+    def generate(**fields) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(text="hello", sampling=sampling(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                                     **fields))
+
+        async def run():
+            async with grpc.aio.insecure_channel(replica.address) as channel:
+                return await collect_stream(generation_stub(channel), request)
+
+        return asyncio.run(run())
+
+    full = generate(top_logprobs=3)
+    text = "".join(response.text for response in full)
+    assert all(len(response.top_logprobs) == len(response.token_ids) for response in full)
+    assert all(len(top.token_ids) == 3 and top.token_ids[0] == token_id
+               for response in full for top, token_id in zip(response.top_logprobs, response.token_ids))
+    cut = next(start for start in range(2, len(text) - 2)
+               if text.index(text[start:start + 2]) == start and "\ufffd" not in text[start:start + 2])
+    stopped = generate(stop=[text[cut:cut + 2]])
+    assert "".join(response.text for response in stopped) == text[:cut]
+    assert stopped[-1].finish_reason == pb.FINISH_REASON_STOP and stopped[-1].stop_string == text[cut:cut + 2]
+    assert replica.wait_until_idle().kv_blocks_free == ROOMY_BLOCKS - 1
+
+
 TOO_LONG_PROMPT = [1] * MAX_MODEL_LEN
 BAD_REQUESTS = {
     "neither_text_nor_token_ids": (pb.GenerateRequest(sampling=sampling(max_tokens=4)), "prompt"),
@@ -139,6 +165,26 @@ BAD_REQUESTS = {
     "chat_message_without_role": (
         pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(content="hi")]),
                            sampling=sampling(max_tokens=4)), "chat.messages[0].role"),
+    # NaN passes every range check written as a comparison; infinities make logits NaN.
+    "nan_temperature": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, temperature=float("nan"))), "sampling.temperature"),
+    "infinite_temperature": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, temperature=float("inf"))), "sampling.temperature"),
+    "nan_top_p": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, top_p=float("nan"))), "sampling.top_p"),
+    "presence_penalty_above_two": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, presence_penalty=2.5)), "sampling.presence_penalty"),
+    "nan_frequency_penalty": (pb.GenerateRequest(text="hi", sampling=sampling(
+        max_tokens=4, frequency_penalty=float("nan"))), "sampling.frequency_penalty"),
+    "zero_repetition_penalty": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, repetition_penalty=0.0)),
+        "sampling.repetition_penalty"),
+    "top_logprobs_above_20": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, top_logprobs=21)), "sampling.top_logprobs"),
+    "empty_stop_string": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, stop=["ok", ""])), "sampling.stop"),
+    "logit_bias_past_vocabulary": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, logit_bias={999: 1.0})), "sampling.logit_bias"),
+    "logit_bias_above_100": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, logit_bias={5: 101.0})), "sampling.logit_bias"),
 }
 
 
@@ -306,6 +352,45 @@ def test_cancelling_half_of_50_streams_frees_every_block_once_the_rest_finish(re
     assert replica.core_call("check_invariants")  # in the core: no block held, no request stranded
 
 
+def test_text_over_the_character_limit_is_refused_before_tokenizing(fresh_replica):
+    replica = fresh_replica(limits=RequestLimits(max_prompt_chars=1000))
+    with grpc.insecure_channel(replica.address) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            list(generation_stub(channel).Generate(pb.GenerateRequest(text="x" * 1001, sampling=sampling(max_tokens=2))))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("text: 1001 characters exceeds the limit of 1000")
+        with pytest.raises(grpc.RpcError) as raised:
+            generation_stub(channel).Tokenize(pb.TokenizeRequest(text="x" * 1001))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_long_prompt_being_tokenized_does_not_stall_other_calls(replica):
+    """The replica tokenizes 300k characters (about a second of a core) on a worker thread
+    before it can tell the prompt is too long for the context, while small calls keep answering."""
+    long_text = "lorem ipsum " * 25_000
+
+    async def run():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stub = generation_stub(channel)
+            await stub.Tokenize(pb.TokenizeRequest(text="warm up"))
+            big = asyncio.ensure_future(collect_stream(stub, pb.GenerateRequest(
+                text=long_text, sampling=sampling(max_tokens=4))))
+            started = time.perf_counter()
+            round_trips = []
+            while not big.done():
+                sent = time.perf_counter()
+                await stub.Tokenize(pb.TokenizeRequest(text="small"))
+                round_trips.append(time.perf_counter() - sent)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await big
+            return time.perf_counter() - started, round_trips, raised.value
+
+    big_s, round_trips, error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("prompt: ")
+    assert big_s > 0.2 and len(round_trips) >= 3, (big_s, round_trips)  # long enough to stall, if it could
+    assert max(round_trips) < 0.1, round_trips
+
+
 # ---- load reports and metrics -----------------------------------------------------------
 def test_watch_load_tracks_preemptions_and_headroom_under_a_cramped_pool(fresh_replica):
     replica = fresh_replica(num_kv_blocks=CRAMPED_BLOCKS)
@@ -392,6 +477,29 @@ def test_metrics_endpoint_parses_and_carries_every_replica_metric(replica):
     assert samples[("headroom_request_success_total", (("finish_reason", "length"),) + labels)] >= 1
 
 
+def test_latency_histograms_fill_when_a_caller_streams_from_the_engine_directly(replica):
+    """The Ray Serve deployment streams from AsyncEngine.generate, not through this server's
+    Generate: the histograms must be recorded on that path too."""
+    labels = (("model", MODEL_ID), ("replica", REPLICA_ID))
+    before = replica.scrape()
+
+    async def consume():
+        prompt = replica.engine.tokenizer.encode("direct")
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        return [output async for output in replica.async_engine.generate(prompt, params)]
+
+    outputs = replica.call(consume())
+    assert outputs[-1].finish_reason == "length"
+    after = replica.scrape()
+    grew = lambda name: after[(name, labels)] - before.get((name, labels), 0)  # noqa: E731
+    assert grew("headroom_time_to_first_token_seconds_count") == 1
+    assert grew("headroom_inter_token_latency_seconds_count") == 5
+    assert grew("headroom_e2e_request_latency_seconds_count") == 1
+    assert grew("headroom_request_queue_time_seconds_count") == 1
+    finished_length = ("headroom_request_success_total", (("finish_reason", "length"),) + labels)
+    assert after[finished_length] - before.get(finished_length, 0) == 1
+
+
 def test_slo_metrics_follow_the_engine(fresh_replica):
     # Predictor gauges start at the configured line, not 0, so seeing them proves the sync.
     replica = fresh_replica(scheduling_policy="slo", slo_predictor_per_token_ms=0.25, slo_predictor_base_ms=30.0)
@@ -421,6 +529,15 @@ def test_tokenize_and_model_info_match_the_engine(replica):
 def test_health_is_serving_for_the_server_and_each_service(replica):
     for service in ("", "headroom.v1.Generation", "headroom.v1.LoadReporter"):
         assert replica.health_status(service) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_and_describes_the_services_in_both_protocol_versions(replica, version):
+    with grpc.insecure_channel(replica.address) as channel:
+        services, files = reflect(channel, version, "headroom.v1.Generation")
+    assert {"headroom.v1.Generation", "headroom.v1.LoadReporter", "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
+    assert any(file.package == "headroom.v1" and file.service[0].name == "Generation" for file in files)
 
 
 def test_graceful_shutdown_reports_not_serving_refuses_new_work_and_finishes_in_flight(fresh_replica):

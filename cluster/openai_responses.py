@@ -1,0 +1,211 @@
+"""The OpenAI-compatible HTTP API's responses: completion and chat bodies, SSE chunks (never an
+empty delta mid-stream), log-probabilities in each API's own shape, usage over every choice,
+and best_of's choice of the n most likely candidates.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional
+
+from cluster.deployment import GenerationChunk
+
+SSE_DONE = "data: [DONE]\n\n"
+# JSON has no -inf; vLLM reports log-probabilities below this as this.
+MIN_LOGPROB = -9999.0
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+class TokenText:
+    """Token id -> the text a logprobs entry shows for it (special tokens included), cached:
+    a vocabulary is small and the same tokens recur."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._decode([token_id])
+        return text
+
+
+@dataclass
+class ChoiceResult:
+    """What one choice has generated so far."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[str | int] = None
+    last: Optional[GenerationChunk] = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.new_token_ids)
+        self.logprobs.extend(chunk.logprobs or ())
+        self.top_logprobs.extend((list(top.token_ids), list(top.logprobs)) for top in chunk.top_logprobs or ())
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+        self.last = chunk
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
+
+def best_choices(results: list[ChoiceResult], num_candidates: int, n: int) -> list[ChoiceResult]:
+    """best_of: per prompt, the n candidates with the highest cumulative log-probability (as
+    vLLM ranked them), re-indexed prompt_index * n + rank."""
+    if num_candidates == n:
+        return results
+    chosen = []
+    for prompt_index in sorted({result.prompt_index for result in results}):
+        candidates = [result for result in results if result.prompt_index == prompt_index]
+        ranked = sorted(candidates, key=lambda result: result.cumulative_logprob, reverse=True)[:n]
+        for rank, result in enumerate(ranked):
+            result.index = prompt_index * n + rank
+            chosen.append(result)
+    return chosen
+
+
+def usage(results: list[ChoiceResult]) -> dict[str, Any]:
+    """Prompt tokens once per prompt, completion tokens over every generated sequence."""
+    first_of_prompt = {result.prompt_index: result.last for result in reversed(results) if result.last is not None}
+    prompt_tokens = sum(last.num_prompt_tokens for last in first_of_prompt.values())
+    completion_tokens = sum(result.last.num_output_tokens for result in results if result.last is not None)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in first_of_prompt.values())},
+    }
+
+
+class CompletionBodies:
+    """Response bodies of one /v1/completions or /v1/chat/completions request.
+
+    num_logprobs: None when the client asked for no log-probabilities, else the number of
+    alternatives per token. echo_texts: per prompt, text that opens each of its choices."""
+
+    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model_id: str, token_text: TokenText,
+                 num_logprobs: Optional[int], echo_texts: list[str]):
+        self.chat = kind == "chat"
+        self.request_id = request_id
+        self.model_id = model_id
+        self.token_text = token_text
+        self.num_logprobs = num_logprobs
+        self.echo_texts = echo_texts
+        self.created = int(time.time())
+        self._text_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
+        self._pending: dict[int, ChoiceResult] = {}  # streamed tokens whose text is not out yet
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model_id}
+
+    # ---- streaming ----------------------------------------------------------------------
+    def first_chunks(self, choice_indices: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        """Chat streams announce the assistant's role (and echoed text) before any content,
+        as OpenAI's do; completions with echo send the prompt text first."""
+        chunks = []
+        for index, prompt_index in choice_indices:
+            echo = self.echo_texts[prompt_index]
+            if self.chat:
+                delta = {"role": "assistant", "content": echo}
+                chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
+            elif echo:
+                self._text_offsets[index] = len(echo)
+                chunks.append(self._chunk({"index": index, "text": echo, "logprobs": None, "finish_reason": None}))
+        return chunks
+
+    def chunk(self, index: int, prompt_index: int, chunk: GenerationChunk) -> Optional[dict[str, Any]]:
+        """The SSE body for one engine output of choice `index`, or None when it carries
+        nothing to show yet (its tokens' text is held back: they go out with the next one)."""
+        pending = self._pending.setdefault(index, ChoiceResult(index, prompt_index))
+        pending.add(chunk)
+        if not chunk.text and chunk.finish_reason is None:
+            return None
+        del self._pending[index]
+        logprobs = self._logprobs(pending, self._text_offsets.get(index, 0))
+        if not self.chat and pending.token_ids:
+            self._text_offsets[index] = self._text_offsets.get(index, 0) + sum(
+                len(self.token_text(token_id)) for token_id in pending.token_ids)
+        if self.chat:
+            delta = {"content": chunk.text} if chunk.text else {}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        else:
+            choice = {"index": index, "text": chunk.text, "logprobs": logprobs}
+        choice.update(finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason)
+        return self._chunk(choice)
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {**self._envelope(self._chunk_object), "choices": [choice]}
+
+    def usage_chunk(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        return {**self._envelope(self._chunk_object), "choices": [], "usage": usage(results)}
+
+    # ---- whole responses ----------------------------------------------------------------
+    def response(self, results: list[ChoiceResult], chosen: list[ChoiceResult]) -> dict[str, Any]:
+        """`chosen` the choices returned (best_of may drop some), `results` every one generated."""
+        choices = []
+        for result in sorted(chosen, key=lambda result: result.index):
+            echo = self.echo_texts[result.prompt_index]
+            logprobs = self._logprobs(result, len(echo))
+            if self.chat:
+                message = {"role": "assistant", "content": echo + result.text}
+                choice = {"index": result.index, "message": message, "logprobs": logprobs}
+            else:
+                choice = {"index": result.index, "text": echo + result.text, "logprobs": logprobs}
+            choice.update(finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+            choices.append(choice)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj), "choices": choices, "usage": usage(results)}
+
+    # ---- log-probabilities --------------------------------------------------------------
+    def _logprobs(self, result: ChoiceResult, text_offset: int) -> Optional[dict[str, Any]]:
+        if self.num_logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_logprob(token_id, logprob, top) for token_id, logprob, top
+                                in zip(result.token_ids, result.logprobs, self._tops(result))]}
+        return self._completion_logprobs(result, text_offset)
+
+    def _tops(self, result: ChoiceResult) -> list[tuple[list[int], list[float]]]:
+        return result.top_logprobs or [([], [])] * len(result.token_ids)
+
+    def _chat_logprob(self, token_id: int, logprob: float, top: tuple[list[int], list[float]]) -> dict[str, Any]:
+        entry = self._token_entry(token_id, logprob)
+        entry["top_logprobs"] = [self._token_entry(top_id, top_logprob) for top_id, top_logprob in zip(*top)]
+        return entry
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.token_text(token_id)
+        return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
+
+    def _completion_logprobs(self, result: ChoiceResult, text_offset: int) -> dict[str, Any]:
+        tokens, offsets, top_dicts = [], [], []
+        for token_id, logprob, (top_ids, top_values) in zip(result.token_ids, result.logprobs, self._tops(result)):
+            token = self.token_text(token_id)
+            tokens.append(token)
+            offsets.append(text_offset)
+            text_offset += len(token)
+            # OpenAI: the top alternatives, and always the sampled token too.
+            top = {self.token_text(top_id): max(value, MIN_LOGPROB) for top_id, value in zip(top_ids, top_values)}
+            top.setdefault(token, max(logprob, MIN_LOGPROB))
+            top_dicts.append(top)
+        return {"tokens": tokens, "token_logprobs": [max(value, MIN_LOGPROB) for value in result.logprobs],
+                "top_logprobs": top_dicts, "text_offset": offsets}

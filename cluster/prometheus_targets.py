@@ -1,0 +1,72 @@
+"""Prometheus file-based service discovery written by the cluster itself: each application's
+ingress (on the head node) keeps `<dir>/<app>-replicas.json` listing the /metrics endpoint of
+every running replica of its application, and `<dir>/<app>-router.json` its own router's, so
+deploy/prometheus.yml follows the replicas Serve really runs (added, replaced, scaled away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+# Prometheus re-reads a changed file at once (and every refresh_interval anyway); a replica
+# Serve replaced is out of the file within this long.
+REFRESH_S = 5.0
+
+
+def replicas_file(directory: Path, app_name: str) -> Path:
+    return directory / f"{app_name}-replicas.json"
+
+
+def router_file(directory: Path, app_name: str) -> Path:
+    return directory / f"{app_name}-router.json"
+
+
+def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> None:
+    """Writes one file_sd file atomically (Prometheus never reads half of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    groups = [{"targets": sorted(targets), "labels": labels}] if targets else []
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(groups, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+class PrometheusTargets:
+    """Keeps one application's two target files current until stopped, then removes them."""
+
+    def __init__(self, directory: Path, app_name: str, router_endpoint: str,
+                 replica_endpoints: Callable[[], Awaitable[list[str]]]):
+        self.directory = Path(directory)
+        self.app_name = app_name
+        self.router_endpoint = router_endpoint
+        self.replica_endpoints = replica_endpoints
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        labels = {"application": self.app_name}
+        write_targets(router_file(self.directory, self.app_name), [self.router_endpoint], labels)
+        self._task = asyncio.get_running_loop().create_task(self._refresh(labels), name="prometheus-targets")
+
+    async def _refresh(self, labels: dict[str, str]) -> None:
+        written: list[str] | None = None
+        while True:
+            try:
+                endpoints = await self.replica_endpoints()
+                if endpoints != written:
+                    write_targets(replicas_file(self.directory, self.app_name), endpoints, labels)
+                    written = endpoints
+            except Exception as error:  # a controller hiccup: keep the last file, try again
+                logger.warning("could not refresh Prometheus targets of %s: %s", self.app_name, error)
+            await asyncio.sleep(REFRESH_S)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for path in (replicas_file(self.directory, self.app_name), router_file(self.directory, self.app_name)):
+            path.unlink(missing_ok=True)

@@ -1,0 +1,61 @@
+"""One log line, not a traceback, for a request refused for the client's own fault. Ray Serve
+logs every exception a deployment method raises with its traceback at ERROR; for an invalid
+field or a full queue that is ~40 lines of noise per bad request, on every replica it crossed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from replica.request import InvalidRequestError
+from replica.scheduler import QueueFullError
+
+# Ray Serve's logger (ray.serve._private.constants.SERVE_LOGGER_NAME), where it logs
+# "Request failed." with the exception of a failed call.
+SERVE_LOGGER_NAME = "ray.serve"
+
+
+class ClientRefusal(Exception):
+    """A request refused for the client's own fault that is not an engine field error (an
+    unknown application); logged like one."""
+
+
+CLIENT_ERRORS = (InvalidRequestError, QueueFullError, ClientRefusal)
+
+
+# How Serve's gRPC proxy words a call that ended with the status the application set: the
+# message carries the whole remote traceback, ending in the one line that says what happened.
+STATUS_SET_BY_APPLICATION = "gRPCStatusError"
+
+
+def client_error(error: BaseException | None) -> BaseException | None:
+    """The client error behind `error` (Serve wraps a gRPC one in gRPCStatusError, Ray a
+    remote one in RayTaskError), or None."""
+    for _ in range(4):
+        if error is None or isinstance(error, CLIENT_ERRORS):
+            return error
+        error = getattr(error, "original_exception", None) or getattr(error, "cause", None) or error.__cause__
+    return None
+
+
+class ClientErrorLogFilter(logging.Filter):
+    """Rewrites a record carrying a client error into one INFO line naming it, and the
+    proxy's report of a status the application set into that report's last line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = client_error(record.exc_info[1]) if record.exc_info else None
+        if error is not None:
+            record.msg, record.args = "request refused: %s: %s", (type(error).__name__, error)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        elif isinstance(record.msg, str) and "\n" in record.msg and STATUS_SET_BY_APPLICATION in record.msg:
+            record.msg, record.args = "request ended with the status its application set: %s", (
+                record.msg.strip().splitlines()[-1],)
+        return True
+
+
+def log_client_errors_in_one_line() -> None:
+    """Installs the filter on Serve's logger in this process (once)."""
+    logger = logging.getLogger(SERVE_LOGGER_NAME)
+    if not any(isinstance(existing, ClientErrorLogFilter) for existing in logger.filters):
+        logger.addFilter(ClientErrorLogFilter())

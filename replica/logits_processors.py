@@ -1,0 +1,129 @@
+"""What happens to a batch of logits between the model and the sampler, as tensor functions:
+logit_bias, then presence / frequency / repetition penalties, and the log-probabilities
+(the sampled token's and the top k) a request asks for. Rows that ask for nothing pass
+untouched, and nothing is computed unless some row asks: one bincount builds every row's
+token counts, one topk serves every row's alternatives, with no per-row loop over tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple, Optional, Protocol, Sequence
+
+import torch
+
+from replica.request import SamplingParams
+
+
+class TokenHistory(Protocol):
+    """The tokens a penalty looks at; replica.request.Request has both fields."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+class TopLogprobs(NamedTuple):
+    """The most likely tokens at one position, most likely first, with their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Logprobs(NamedTuple):
+    """Per row: the sampled token's log-probability (None where not asked for) and, when any
+    row asked for alternatives, each row's top tokens (None where it asked for none)."""
+
+    sampled: list[Optional[float]]
+    top: Optional[list[Optional[TopLogprobs]]]
+
+
+def apply_logits_processors(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Optional[Sequence[TokenHistory]]
+) -> torch.Tensor:
+    """logit_bias, then the penalties, in vLLM's order; returns `logits` itself when no row
+    asks for either (so callers may keep using it as the raw logits), a new tensor otherwise."""
+    logits = _apply_logit_bias(logits, params)
+    rows = [row for row, row_params in enumerate(params) if row_params.has_penalties]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("penalties need each row's token history")
+    return _apply_penalties(logits, rows, params, histories)
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    entries = [(row, token_id, bias) for row, row_params in enumerate(params) for token_id, bias in row_params.logit_bias]
+    if not entries:
+        return logits
+    rows, token_ids, biases = zip(*entries)
+    device = logits.device
+    biased = logits.clone()
+    biased.index_put_(
+        (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
+        torch.tensor(biases, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )
+    return biased
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                     histories: Sequence[TokenHistory]) -> torch.Tensor:
+    device = logits.device
+    vocab_size = logits.shape[-1]
+    row_index = torch.tensor(rows, device=device)
+    penalized = logits[row_index]
+    output_counts = token_counts([histories[row].output_token_ids for row in rows], vocab_size, device)
+
+    repetition = torch.tensor([params[row].repetition_penalty for row in rows], device=device).unsqueeze(1)
+    if bool((repetition != 1.0).any()):
+        # vLLM's (and CTRL's) rule: a token seen in the prompt or the output has its logit
+        # moved toward zero's side of less likely: divided when positive, multiplied when not.
+        prompt_counts = token_counts([histories[row].prompt_token_ids for row in rows], vocab_size, device)
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+        penalized = torch.where(seen, scaled, penalized)
+
+    # OpenAI's rule, on generated tokens only: frequency per occurrence, presence once.
+    frequency = torch.tensor([params[row].frequency_penalty for row in rows], device=device).unsqueeze(1)
+    presence = torch.tensor([params[row].presence_penalty for row in rows], device=device).unsqueeze(1)
+    penalized = penalized - frequency * output_counts - presence * (output_counts > 0).to(penalized.dtype)
+
+    result = logits.clone()
+    result[row_index] = penalized.to(logits.dtype)
+    return result
+
+
+def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(sequences), vocab_size] float counts of each token id in each sequence, from one
+    bincount over (row * vocab_size + token id)."""
+    lengths = torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long)
+    flat_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
+    row_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
+    keys = (row_of_token * vocab_size + flat_ids).to(device)
+    counts = torch.bincount(keys, minlength=len(sequences) * vocab_size)
+    return counts.view(len(sequences), vocab_size).float()
+
+
+def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]) -> Logprobs:
+    """vLLM's convention: log_softmax of the raw logits, before bias, penalties, temperature
+    or filtering. One topk on the device serves every row's alternatives; one transfer each
+    brings the sampled and the top log-probabilities back."""
+    asks = [row_params.num_logprobs for row_params in params]
+    rows = [row for row, num in enumerate(asks) if num is not None]
+    if not rows:
+        return Logprobs([None] * len(params), None)
+    row_index = torch.tensor(rows, device=raw_logits.device)
+    logprobs = raw_logits[row_index].log_softmax(dim=-1)
+    sampled_values = logprobs.gather(-1, token_ids[row_index].unsqueeze(1)).squeeze(1).tolist()
+    sampled: list[Optional[float]] = [None] * len(params)
+    for row, value in zip(rows, sampled_values):
+        sampled[row] = value
+    max_top = max(asks[row] for row in rows)
+    if max_top == 0:
+        return Logprobs(sampled, None)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1)
+    top: list[Optional[TopLogprobs]] = [None] * len(params)
+    for row, ids, values in zip(rows, top_ids.tolist(), top_values.tolist()):
+        if asks[row]:
+            top[row] = TopLogprobs(ids[: asks[row]], values[: asks[row]])
+    return Logprobs(sampled, top)

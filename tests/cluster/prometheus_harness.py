@@ -1,0 +1,126 @@
+"""A real Prometheus (the `prometheus` binary, e.g. Debian's package) scraping a live cluster
+with deploy/prometheus.yml and deploy/alerts.yml, for tests that evaluate the dashboard's
+queries and the alert rules the way an operator's Prometheus would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import requests
+import yaml
+
+from replica.model.cache import default_cache_dir
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SCRAPE_INTERVAL_S = 1
+# The dashboard's Grafana variables, as a dashboard showing every model would set them.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*"}
+
+
+def prometheus_binary() -> Optional[str]:
+    """prometheus from PATH, else from the headroom cache (tools/prometheus)."""
+    found = shutil.which("prometheus")
+    cached = default_cache_dir() / "tools" / "prometheus"
+    return found or (str(cached) if cached.is_file() else None)
+
+
+def scrape_config_for(targets_dir: str) -> dict[str, Any]:
+    """deploy/prometheus.yml as it would run beside this cluster: its headroom jobs reading
+    `targets_dir` (the cluster's file_sd directory), scraping every second; Ray's own job,
+    which is not headroom's to test, left out."""
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval=f"{SCRAPE_INTERVAL_S}s", evaluation_interval=f"{SCRAPE_INTERVAL_S}s")
+    config["rule_files"] = [str(DEPLOY / "alerts.yml")]
+    jobs = []
+    for job in config["scrape_configs"]:
+        if not job["job_name"].startswith("headroom-"):
+            continue
+        for sd in job["file_sd_configs"]:
+            sd["files"] = [str(Path(targets_dir) / Path(pattern).name) for pattern in sd["files"]]
+            sd["refresh_interval"] = "1s"
+        jobs.append(job)
+    config["scrape_configs"] = jobs
+    return config
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Prometheus:
+    def __init__(self, url: str):
+        self.url = url
+
+    def query(self, expr: str, at: Optional[float] = None) -> list[dict]:
+        params = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        body = requests.get(f"{self.url}/api/v1/query", params=params, timeout=10).json()
+        assert body["status"] == "success", (expr, body)
+        return body["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step_s: int = 1) -> list[dict]:
+        """Every series over [start, end], as a dashboard panel over that time range draws it."""
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s}s"}
+        body = requests.get(f"{self.url}/api/v1/query_range", params=params, timeout=10).json()
+        assert body["status"] == "success", (expr, body)
+        return body["data"]["result"]
+
+    def active_targets(self) -> list[dict]:
+        return requests.get(f"{self.url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+
+    def wait_for_targets(self, job: str, count: int, timeout_s: float = 30.0) -> list[dict]:
+        """The job's targets once `count` of them are up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            targets = [target for target in self.active_targets() if target["labels"]["job"] == job]
+            if sum(target["health"] == "up" for target in targets) >= count:
+                return targets
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{job}: {count} targets never up: {targets}")
+            time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_prometheus(config: dict[str, Any], work_dir: Path) -> Iterator[Prometheus]:
+    binary = prometheus_binary()
+    assert binary is not None
+    config_file = work_dir / "prometheus.yml"
+    config_file.write_text(yaml.safe_dump(config))
+    address = f"127.0.0.1:{_free_port()}"
+    process = subprocess.Popen(
+        [binary, f"--config.file={config_file}", f"--storage.tsdb.path={work_dir / 'data'}",
+         f"--web.listen-address={address}"],
+        stdout=subprocess.DEVNULL, stderr=open(work_dir / "prometheus.log", "w"),
+    )
+    prometheus = Prometheus(f"http://{address}")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"{prometheus.url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"prometheus did not start: {(work_dir / 'prometheus.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield prometheus
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def with_grafana_variables(query: str) -> str:
+    for variable, value in GRAFANA_VARIABLES.items():
+        query = query.replace(variable, value)
+    return query

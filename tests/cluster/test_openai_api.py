@@ -1,0 +1,152 @@
+"""The OpenAI wire format without a cluster: bodies parse with errors that name the parameter,
+what cannot be honoured is refused by name, choices get vLLM's seeds, streams never carry an
+empty delta mid-stream, logprobs take each API's shape and best_of keeps the likeliest."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from cluster.deployment import GenerationChunk
+from cluster.openai_api import (
+    ChatCompletionRequest, CompletionRequest, OpenAIError, choice_sampling_params, parse_body,
+)
+from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
+from cluster.serve_logging import ClientErrorLogFilter
+from replica.logits_processors import TopLogprobs
+from replica.request import InvalidRequestError
+
+
+def parsed(model, **fields):
+    return parse_body(json.dumps({"model": "m", **fields}).encode(), model)
+
+
+def refused(model, raw: bytes) -> OpenAIError:
+    with pytest.raises(OpenAIError) as raised:
+        parse_body(raw, model)
+    return raised.value
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "hi", "stop": 123}, "stop"),
+    ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "n": 0}, "n"),
+])
+def test_completion_body_errors_name_the_parameter_not_a_pydantic_location(fields, param):
+    error = refused(CompletionRequest, json.dumps({"model": "m", **fields}).encode())
+    assert error.status == 400 and error.body["error"]["param"] == param
+    assert error.body["error"]["message"].startswith(f"{param}: ")
+
+
+def test_chat_body_errors_name_the_message_and_field():
+    body = {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}]}
+    assert refused(ChatCompletionRequest, json.dumps(body).encode()).body["error"]["param"] == "messages[1].role"
+    image = {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    error = refused(ChatCompletionRequest, json.dumps(image).encode()).body["error"]
+    assert error["param"] == "messages[0].content" and "text parts only" in error["message"]
+
+
+def test_malformed_and_non_utf8_bodies_are_400_about_the_body():
+    assert refused(CompletionRequest, b'{"model": "m", "prompt":').body["error"]["message"].startswith(
+        "body: invalid JSON at line 1")
+    assert refused(CompletionRequest, b'{"model": "\xff"}').body["error"]["message"].startswith("body: not UTF-8")
+    assert refused(CompletionRequest, b"[1]").body["error"]["param"] is None
+
+
+def test_unhonourable_parameters_are_refused_by_name_and_neutral_values_pass():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for fields, param in (({"tools": [{"type": "function"}]}, "tools"),
+                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(InvalidRequestError) as raised:
+            parsed(ChatCompletionRequest, **chat, **fields).check_supported(max_choices=8)
+        assert raised.value.field == param
+    neutral = parsed(ChatCompletionRequest, **chat, tools=[], tool_choice="none", response_format={"type": "text"},
+                     user="u", metadata={"a": "b"}, parallel_tool_calls=True)
+    neutral.check_supported(max_choices=8)
+
+
+def test_list_of_parts_content_is_its_text_parts_joined():
+    request = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}])
+    assert request.messages[0].text == "one\ntwo"
+
+
+def test_batched_prompts_and_best_of_rules():
+    assert parsed(CompletionRequest, prompt=["a", "b"]).prompts == ["a", "b"]
+    assert parsed(CompletionRequest, prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]
+    assert parsed(CompletionRequest, prompt=[1, 2]).prompts == [[1, 2]]
+    for fields, param in (({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
+                          ({"n": 9}, "n"), ({"echo": True, "logprobs": 1}, "echo")):
+        with pytest.raises(InvalidRequestError) as raised:
+            parsed(CompletionRequest, prompt="p", **fields).check_supported(max_choices=8)
+        assert raised.value.field == param
+
+
+def test_each_choice_gets_vllms_seed_and_best_of_candidates_their_logprobs():
+    request = parsed(CompletionRequest, prompt="p", seed=10, n=1, best_of=3)
+    base = request.base_sampling_params(max_tokens=4, num_logprobs=request.num_logprobs)
+    assert base.logprobs  # ranking candidates needs them, asked for or not
+    assert [choice_sampling_params(base, index).seed for index in range(3)] == [10, 11, 12]
+    unseeded = parsed(CompletionRequest, prompt="p", n=2).base_sampling_params(4, None)
+    assert choice_sampling_params(unseeded, 1) is unseeded and not unseeded.logprobs
+
+
+def chunk(text: str, token_ids: list[int], finish: str | None = None, logprobs=None, top=None) -> GenerationChunk:
+    return GenerationChunk("r", token_ids, text, finish, 3, len(token_ids), 0, logprobs, top,
+                           "STOP" if finish == "stop" else None)
+
+
+def bodies(kind: str, num_logprobs=None, echo=("",)) -> CompletionBodies:
+    return CompletionBodies(kind, "id", "m", TokenText(lambda ids: "".join(chr(65 + i) for i in ids)),
+                            num_logprobs, list(echo))
+
+
+def test_chat_stream_never_sends_an_empty_delta_mid_stream_and_keeps_held_tokens_logprobs():
+    stream = bodies("chat", num_logprobs=0)
+    assert stream.chunk(0, 0, chunk("", [1], logprobs=[-1.0])) is None  # text held back
+    sent = stream.chunk(0, 0, chunk("BC", [2], logprobs=[-2.0]))
+    assert sent["choices"][0]["delta"] == {"content": "BC"}
+    assert [entry["token"] for entry in sent["choices"][0]["logprobs"]["content"]] == ["B", "C"]
+    last = stream.chunk(0, 0, chunk("", [3], "stop", logprobs=[-3.0]))
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+    assert last["choices"][0]["stop_reason"] == "STOP"
+
+
+def test_completion_logprobs_have_tokens_offsets_and_top_dicts_with_the_sampled_token():
+    result = ChoiceResult(0, 0)
+    result.add(chunk("BD", [1, 3], "length", logprobs=[-0.5, -2.0],
+                     top=[TopLogprobs([1, 2], [-0.5, -1.0]), TopLogprobs([2, 4], [-0.1, -1.5])]))
+    body = bodies("completion", num_logprobs=2, echo=("xy",)).response([result], [result])
+    choice = body["choices"][0]
+    assert choice["text"] == "xyBD"
+    assert choice["logprobs"]["tokens"] == ["B", "D"] and choice["logprobs"]["text_offset"] == [2, 3]
+    assert choice["logprobs"]["top_logprobs"][1] == {"C": -0.1, "E": -1.5, "D": -2.0}  # top 2 and the sampled
+
+
+def test_best_of_keeps_the_n_candidates_with_the_highest_cumulative_logprob_per_prompt():
+    results = []
+    for index, (prompt_index, logprob) in enumerate([(0, -3.0), (0, -1.0), (1, -5.0), (1, -4.0)]):
+        result = ChoiceResult(index, prompt_index)
+        result.add(chunk("x", [1], "length", logprobs=[logprob]))
+        results.append(result)
+    chosen = best_choices(results, num_candidates=2, n=1)
+    assert [(result.index, result.cumulative_logprob) for result in chosen] == [(0, -1.0), (1, -4.0)]
+    assert usage(results)["completion_tokens"] == 4  # every candidate generated
+
+
+def test_client_errors_through_serve_log_one_line():
+    record = logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", None,
+                               (InvalidRequestError, InvalidRequestError("max_tokens", "must be >= 1"), None))
+    assert ClientErrorLogFilter().filter(record)
+    assert record.levelno == logging.INFO and record.exc_info is None
+    assert record.getMessage() == "request refused: InvalidRequestError: max_tokens: must be >= 1"
+    proxy = logging.LogRecord("ray.serve", logging.WARNING, __file__, 1,
+                              "Request failed: Traceback ...\n  File x\nray.serve.exceptions.gRPCStatusError: prompt: bad",
+                              None, None)
+    ClientErrorLogFilter().filter(proxy)
+    assert "\n" not in proxy.getMessage() and proxy.getMessage().endswith("gRPCStatusError: prompt: bad")

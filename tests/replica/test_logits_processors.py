@@ -1,0 +1,127 @@
+"""Logits processors: logit_bias and the penalties change exactly the rows that ask, by
+OpenAI's and vLLM's formulas (checked against a per-row reference written the slow way);
+logprobs are of the raw logits, and the top-k alternatives are torch's topk of them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replica.logits_processors import apply_logits_processors, gather_logprobs, token_counts
+from replica.request import SamplingParams
+from replica.executor.sampler import Sampler, SamplingBatch
+
+VOCAB_SIZE = 32
+
+
+class History:
+    def __init__(self, prompt_token_ids, output_token_ids):
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids = output_token_ids
+
+
+def random_logits(num_rows: int) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB_SIZE, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def reference_penalties(row: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+    """The formulas, one token at a time."""
+    row = row.clone()
+    for token in set(history.prompt_token_ids) | set(history.output_token_ids):
+        value = row[token].item()
+        row[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    for token in set(history.output_token_ids):
+        count = history.output_token_ids.count(token)
+        row[token] -= params.frequency_penalty * count + params.presence_penalty
+    return row
+
+
+def test_token_counts_count_every_occurrence_per_row():
+    counts = token_counts([[1, 1, 5], [], [31]], VOCAB_SIZE, torch.device("cpu"))
+    assert counts.shape == (3, VOCAB_SIZE)
+    assert counts[0, 1] == 2 and counts[0, 5] == 1 and counts[0].sum() == 3
+    assert counts[1].sum() == 0 and counts[2, 31] == 1
+
+
+def test_rows_without_bias_or_penalties_return_the_same_tensor():
+    logits = random_logits(3)
+    assert apply_logits_processors(logits, [SamplingParams()] * 3, None) is logits
+
+
+def test_penalties_match_the_per_token_reference_and_leave_other_rows_alone():
+    logits = random_logits(4)
+    params = [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=1.5, repetition_penalty=1.3),
+        SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.5, repetition_penalty=0.8),
+    ]
+    histories = [History([1, 2], [3, 3, 4]), History([5], [6]), History([7, 7], [8, 9, 9, 9]), History([], [0, 0])]
+    processed = apply_logits_processors(logits, params, histories)
+    assert torch.equal(processed[1], logits[1])
+    for row in (0, 2, 3):
+        assert torch.allclose(processed[row], reference_penalties(logits[row], params[row], histories[row]))
+
+
+def test_logit_bias_adds_to_the_listed_tokens_only():
+    logits = torch.zeros(2, VOCAB_SIZE)
+    params = [SamplingParams(logit_bias=((3, 100.0), (5, -100.0))), SamplingParams()]
+    processed = apply_logits_processors(logits, params, None)
+    assert processed[0, 3] == 100.0 and processed[0, 5] == -100.0 and processed[0].abs().sum() == 200.0
+    assert torch.equal(processed[1], logits[1]) and logits.abs().sum() == 0  # the input is not modified
+
+
+def sample(logits, params, step_indices, histories=None):
+    return Sampler().sample(logits, SamplingBatch.of_params(params, step_indices, VOCAB_SIZE, logits.device, histories))
+
+
+def test_logit_bias_of_100_forces_the_greedy_token():
+    logits = random_logits(1)
+    params = [SamplingParams(temperature=0.0, logit_bias=((17, 100.0),))]
+    assert sample(logits, params, [0]).token_ids.tolist() == [17]
+
+
+def test_frequency_penalty_steers_greedy_away_from_a_repeated_token():
+    logits = torch.zeros(1, VOCAB_SIZE)
+    logits[0, 4], logits[0, 9] = 2.0, 1.0
+    history = [History([], [4, 4])]
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [greedy], [2], history).token_ids.tolist() == [4]
+    penalized = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    assert sample(logits, [penalized], [2], history).token_ids.tolist() == [9]
+
+
+def test_penalties_without_histories_are_refused():
+    with pytest.raises(ValueError, match="history"):
+        apply_logits_processors(random_logits(1), [SamplingParams(presence_penalty=1.0)], None)
+
+
+def test_logprobs_are_of_the_raw_logits_and_top_k_is_torch_topk():
+    logits = random_logits(3)
+    params = [SamplingParams(logprobs=True, top_logprobs=5, logit_bias=((0, 50.0),)),
+              SamplingParams(),
+              SamplingParams(logprobs=True)]
+    token_ids = torch.tensor([2, 3, 4])
+    logprobs = gather_logprobs(logits, token_ids, params)
+    raw = logits.log_softmax(dim=-1)
+    assert logprobs.sampled[0] == pytest.approx(raw[0, 2].item(), abs=1e-5)
+    assert logprobs.sampled[1] is None
+    assert logprobs.sampled[2] == pytest.approx(raw[2, 4].item(), abs=1e-5)
+    values, ids = raw[0].topk(5)
+    top = logprobs.top[0]
+    assert top.token_ids == ids.tolist() and top.logprobs == pytest.approx(values.tolist(), abs=1e-5)
+    assert logprobs.top[1] is None and logprobs.top[2] is None
+    assert math.isclose(sum(math.exp(v) for v in raw[0].tolist()), 1.0, rel_tol=1e-4)
+
+
+def test_sampler_returns_top_logprobs_only_when_a_row_asks():
+    logits = random_logits(2)
+    plain = sample(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+    assert plain.top_logprobs is None
+    asked = sample(logits, [SamplingParams(temperature=0.0, top_logprobs=3), SamplingParams()], [0, 0])
+    # On the device, one [rows, 3] topk; the runner keeps each row's first k (none for row 1).
+    assert asked.top_token_ids.shape == (2, 3)
+    # Greedy: the sampled token is the most likely one.
+    assert asked.top_token_ids[0, 0].item() == asked.token_ids[0].item()

@@ -1,0 +1,132 @@
+"""The front's output processor, fed CoreOutput rows as the core sends them: stop strings are
+matched here on the detokenized text across token boundaries, end the stream as "stop"
+without the string and tell the core to drop the request; what the core reports (a stop
+token id, top logprobs) reaches the outputs; the request observer sees every output and
+every failure. The byte-level built-in tokenizer makes one token per byte."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from replica.engine import RequestOutput
+from replica.logits_processors import TopLogprobs
+from replica.model.registry import resolve_model_path
+from replica.request import Request, SamplingParams
+from replica.serving.output_processor import OutputProcessor
+from replica.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(resolve_model_path("builtin"))
+
+
+class CollectingStream:
+    """A request's stream that keeps what it is given."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.items: list[RequestOutput | BaseException] = []
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+
+    @property
+    def text(self) -> str:
+        return "".join(item.text for item in self.items if isinstance(item, RequestOutput))
+
+
+class RecordingObserver:
+    def __init__(self):
+        self.seen: list[tuple[str, Optional[str]]] = []
+
+    def on_output(self, request: Request, output: RequestOutput) -> None:
+        self.seen.append((request.request_id, output.finish_reason))
+
+    def on_failed(self, request: Request) -> None:
+        self.seen.append((request.request_id, "failed"))
+
+
+class Harness:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.aborted_in_core: list[str] = []
+        self.observer = RecordingObserver()
+        self.processor = OutputProcessor(tokenizer, self.aborted_in_core.append, self.observer)
+
+    def track(self, request_id: str, **sampling) -> CollectingStream:
+        stream = CollectingStream(Request(request_id, [1, 2, 3], SamplingParams(max_tokens=100, **sampling)))
+        self.processor.track(stream)
+        return stream
+
+    def generate(self, request_id: str, text: str, *, finish_last: Optional[str] = None) -> None:
+        """The core streams `text` one token per step; the last row finishes as `finish_last`."""
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        for index, token_id in enumerate(token_ids):
+            finish = finish_last if index == len(token_ids) - 1 else None
+            self.processor.process([(request_id, [token_id], finish, 0, None, None, None, None)])
+
+
+@pytest.fixture
+def harness(tokenizer) -> Harness:
+    return Harness(tokenizer)
+
+
+def test_a_stop_string_split_across_tokens_ends_the_stream_as_stop_without_it_and_drops_the_request_in_the_core(
+        harness):
+    stream = harness.track("r", stop=("END",))
+    harness.generate("r", "one two END three four")
+    assert stream.text == "one two "
+    last = stream.items[-1]
+    assert last.finish_reason == "stop" and last.stop_reason == "END"
+    assert last.num_output_tokens == len("one two END")  # the core's rows after the hit were dropped
+    assert harness.aborted_in_core == ["r"]
+    assert "r" not in harness.processor
+
+
+def test_a_multibyte_stop_string_matches_across_the_tokens_of_one_character(harness):
+    stream = harness.track("r", stop=("€",))
+    harness.generate("r", "price: 5€ each")
+    assert stream.text == "price: 5" and stream.items[-1].stop_reason == "€"
+
+
+def test_include_stop_str_in_output_keeps_the_string(harness):
+    stream = harness.track("r", stop=("\n\n",), include_stop_str_in_output=True)
+    harness.generate("r", "first\n\nsecond")
+    assert stream.text == "first\n\n" and stream.items[-1].finish_reason == "stop"
+
+
+def test_text_held_back_as_a_possible_stop_comes_out_when_the_core_finishes_the_request(harness):
+    stream = harness.track("r", stop=("ENX",))
+    harness.generate("r", "ends in EN", finish_last="length")
+    assert stream.text == "ends in EN"
+    assert stream.items[-1].finish_reason == "length" and stream.items[-1].stop_reason is None
+    assert harness.aborted_in_core == []  # the core had finished it itself
+
+
+def test_no_text_is_held_back_without_stop_strings(harness):
+    stream = harness.track("r")
+    harness.generate("r", "E")
+    assert stream.text == "E" and stream.items[-1].finish_reason is None
+
+
+def test_the_cores_stop_token_id_and_top_logprobs_reach_the_output(harness):
+    stream = harness.track("r", stop_token_ids=(7,), top_logprobs=2)
+    harness.processor.process([("r", [5], None, 0, [-0.5], [([5, 9], [-0.5, -1.5])], None, 11.0)])
+    harness.processor.process([("r", [7], "stop", 0, [-0.1], [([7, 5], [-0.1, -2.0])], 7, None)])
+    first, last = stream.items
+    assert first.top_logprobs == [TopLogprobs([5, 9], [-0.5, -1.5])] and first.stop_reason is None
+    assert last.finish_reason == "stop" and last.stop_reason == 7
+    assert stream.request.first_admitted_time == 11.0
+
+
+def test_the_observer_sees_every_output_abort_and_failure(harness):
+    harness.track("done")
+    harness.track("aborted")
+    harness.track("failed")
+    harness.generate("done", "ab", finish_last="length")
+    harness.processor.finish("aborted", "abort")
+    harness.processor.fail_all(lambda: RuntimeError("core died"))
+    assert harness.observer.seen == [("done", None), ("done", "length"), ("aborted", "abort"), ("failed", "failed")]
