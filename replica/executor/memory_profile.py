@@ -17,14 +17,15 @@ import torch
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import ConfigError, EngineConfig
-from replica.executor.sampler import Sampler, SamplingArrays, SamplingBatch
+from replica.executor.sampler import Sampler, SamplingBatch
 from replica.model import LlamaForCausalLM, ModelConfig
-from replica.request import SamplingParams
+from replica.request import MAX_TOP_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Every filter on and every row seeded: the sampler's most memory-hungry path.
-_WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=True)
+_WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=True,
+                                      top_logprobs=MAX_TOP_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
                    torch.from_numpy(positions).to(device), kv_caches, metadata)
     num_rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:num_rows])
-    arrays = SamplingArrays.of([_WORST_CASE_SAMPLING] * num_rows, model_config.vocab_size)
-    Sampler().sample(logits, SamplingBatch.of(arrays, np.zeros(num_rows, dtype=np.int64), device))
+    Sampler().sample(logits, SamplingBatch.of_params([_WORST_CASE_SAMPLING] * num_rows, [0] * num_rows,
+                                                     model_config.vocab_size, device))
     return next_block * kv_cache_bytes_per_block(model_config, block_size, dtype)
 
 

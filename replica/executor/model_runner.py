@@ -27,9 +27,11 @@ from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import EngineConfig
 from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
 from replica.executor.request_rows import RequestRows
-from replica.executor.sampler import Sampler, SamplingBatch, batch_facts
+from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch, batch_facts
 from replica.executor.staging import StagedField, StagedInputs
+from replica.logits_processors import TopLogprobs
 from replica.model import LlamaForCausalLM, ModelConfig
+from replica.request import MAX_TOP_LOGPROBS
 from replica.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,10 +39,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token (and its logprob when asked) per request that caught up this step."""
+    """One sampled token (and its logprobs when asked) per request that caught up this step."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, Optional[float]]
+    top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # only requests that asked
 
 
 @dataclass
@@ -51,6 +54,9 @@ class StepInFlight:
     wants_logprobs: list[bool]
     token_ids: Optional[torch.Tensor] = None  # host (pinned on CUDA) int64 [rows]
     logprobs: Optional[torch.Tensor] = None  # host float32 [rows], when any row asked
+    num_top_logprobs: Optional[list[int]] = None  # alternatives each row asked for, when any did
+    top_token_ids: Optional[torch.Tensor] = None  # host int64 [rows, max asked]
+    top_logprobs: Optional[torch.Tensor] = None  # host float32 [rows, max asked]
     done: Optional[torch.cuda.Event] = None
     graph_batch_size: Optional[int] = None  # the padded size replayed, None for an eager pass
     launch_s: float = 0.0  # host time launch() took: input preparation and kernel launches
@@ -69,7 +75,16 @@ class StepInFlight:
             dict(zip(self.request_ids, token_ids)),
             {request_id: logprob if wanted else None
              for request_id, logprob, wanted in zip(self.request_ids, logprobs, self.wants_logprobs)},
+            self._top_logprobs(),
         )
+
+    def _top_logprobs(self) -> dict[str, TopLogprobs]:
+        if self.num_top_logprobs is None:
+            return {}
+        return {request_id: TopLogprobs(ids[:count], values[:count])
+                for request_id, count, ids, values in zip(self.request_ids, self.num_top_logprobs,
+                                                          self.top_token_ids.tolist(), self.top_logprobs.tolist())
+                if count}
 
 
 class ModelRunner:
@@ -106,6 +121,11 @@ class ModelRunner:
                                 for _ in range(2)]
         self._host_logprobs = [torch.zeros(self.max_num_seqs, dtype=torch.float32, pin_memory=on_cuda)
                                for _ in range(2)]
+        # Flat, so that [rows, k] is a contiguous view whatever k: the target of one async copy.
+        self._host_top_token_ids = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.int64,
+                                                pin_memory=on_cuda) for _ in range(2)]
+        self._host_top_logprobs = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.float32,
+                                               pin_memory=on_cuda) for _ in range(2)]
         self._num_launched = 0
         self.decode_sizes: list[int] = []
         self.graphs: Optional[DecodeGraphs] = None
@@ -199,7 +219,8 @@ class ModelRunner:
         token_lists = [entry.request.all_token_ids for entry in scheduled]
         # A token the host does not have yet (a position past the request's known tokens)
         # is the one the previous, still running, step samples: overlapped scheduling.
-        pending = starts >= np.fromiter(map(len, token_lists), np.int64, num_seqs)
+        known_lens = np.fromiter(map(len, token_lists), np.int64, num_seqs)
+        pending = starts >= known_lens
         seq_lens = starts + query_lens
         max_query_len = int(query_lens.max())
         decode_only = max_query_len == 1
@@ -263,11 +284,18 @@ class ModelRunner:
         if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
             block_tables.apply_on_device(self._to_device(change_index[staged_changes:]),
                                          self._to_device(change_ids[staged_changes:]))
+        facts = batch_facts(sampling)
+        processed_rows = None
+        if sampling.processed.any():  # logit_bias or penalties: only such batches build this
+            # A sampling sequence runs past its known tokens by the one still being sampled.
+            processed_rows = np.where(seq_lens[sampling_seqs] > known_lens[sampling_seqs], sample_rows, -1)
         return _StepPlan(
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()), graph_size=graph_size, num_pending=len(pending_seqs),
             num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=len(seeded),
-            facts=batch_facts(sampling), wants_logprobs=sampling.logprobs.tolist(),
+            facts=facts, wants_logprobs=sampling.logprobs.tolist(),
+            num_top_logprobs=sampling.top_logprobs.tolist() if facts["max_top_logprobs"] else None,
+            pending_rows_of_samples=processed_rows,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -348,6 +376,7 @@ class ModelRunner:
             seeded_rows=device_views["seeded_rows"][:step.num_seeded],
             step_indices=device_views["seed_steps"][:step.num_seeded],
             **step.facts,
+            processors=self._logits_processing(step, scheduled),
         )
         sampled = self.sampler.sample(logits, batch)
         self.last_token_by_row.index_copy_(0, device_views["sample_rows"][:num_samples], sampled.token_ids)
@@ -361,14 +390,36 @@ class ModelRunner:
         if sampled.logprobs is not None:
             host_logprobs = self._host_logprobs[slot][:num_samples]
             host_logprobs.copy_(sampled.logprobs, non_blocking=True)
+        host_top_token_ids = host_top_logprobs = None
+        if sampled.top_token_ids is not None:
+            shape = sampled.top_token_ids.shape
+            host_top_token_ids = self._host_top_token_ids[slot][:shape.numel()].view(shape)
+            host_top_token_ids.copy_(sampled.top_token_ids, non_blocking=True)
+            host_top_logprobs = self._host_top_logprobs[slot][:shape.numel()].view(shape)
+            host_top_logprobs.copy_(sampled.top_logprobs, non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
         return StepInFlight(
             [scheduled[index].request.request_id for index in step.sampling_seqs.tolist()],
-            step.wants_logprobs, host_token_ids, host_logprobs, done, step.graph_size,
+            step.wants_logprobs, host_token_ids, host_logprobs, step.num_top_logprobs, host_top_token_ids,
+            host_top_logprobs, done, step.graph_size,
         )
+
+    def _logits_processing(self, step: "_StepPlan", scheduled: list[ScheduledRequest]) -> Optional[LogitsProcessing]:
+        """logit_bias and penalties of a batch where some row has them: the rows' parameters and
+        token histories, and (async scheduling) the output token each history still lacks,
+        read on the device from the rows' latest samples."""
+        if step.pending_rows_of_samples is None:
+            return None
+        requests = [scheduled[index].request for index in step.sampling_seqs.tolist()]
+        pending_token_ids = None
+        pending_rows = step.pending_rows_of_samples
+        if (pending_rows >= 0).any():
+            rows = self._to_device(pending_rows)
+            pending_token_ids = torch.where(rows >= 0, self.last_token_by_row.index_select(0, rows.clamp(min=0)), -1)
+        return LogitsProcessing([request.sampling_params for request in requests], requests, pending_token_ids)
 
 
 @dataclass
@@ -386,3 +437,7 @@ class _StepPlan:
     num_seeded: int
     facts: dict
     wants_logprobs: list[bool]
+    num_top_logprobs: Optional[list[int]]  # per sampling row, when any asks for alternatives
+    # Per sampling row when some row has logit_bias or penalties: the row whose latest sample
+    # its history lacks (still in flight), -1 where the host has every token.
+    pending_rows_of_samples: Optional[np.ndarray]

@@ -7,8 +7,10 @@ already knows, so a step never waits for the device. Seeded rows draw their nois
 counter-based hash of (seed, step, token) (counter_rng.py), so a seeded request's tokens do
 not depend on its batch neighbours or on being preempted and recomputed.
 
-Per-row extras (penalties, logit bias) plug in as more fields of SamplingBatch and one
-more step in `Sampler.sample` on the raw logits, before temperature.
+logit_bias and the penalties (replica/logits_processors.py) run only when a row of the batch
+asks (`SamplingBatch.processors`), on the logits before temperature; top logprobs come out as
+device tensors of the rows' alternatives, copied back with the sampled ids, so a step with no
+extras costs what it did before and a step with some never waits for the device either.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from replica.executor.counter_rng import exponential_noise
+from replica.logits_processors import TokenHistory, apply_logits_processors
 from replica.request import SamplingParams
 
 
@@ -33,13 +36,15 @@ class SamplingArrays:
     min_p: np.ndarray  # float32; 0 = off
     seed: np.ndarray  # int64 (the request's seed as 64 bits); meaningful where has_seed
     has_seed: np.ndarray  # bool
-    logprobs: np.ndarray  # bool: the row asked for the sampled token's logprob
+    logprobs: np.ndarray  # bool: the row asked for the sampled token's logprob (or alternatives)
+    top_logprobs: np.ndarray  # int32: alternatives per token the row asked for; 0 = none
+    processed: np.ndarray  # bool: the row has logit_bias or penalties (logits_processors.py)
 
     @classmethod
     def empty(cls, num_rows: int) -> "SamplingArrays":
         return cls(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32), np.ones(num_rows, np.float32),
                    np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int64), np.zeros(num_rows, bool),
-                   np.zeros(num_rows, bool))
+                   np.zeros(num_rows, bool), np.zeros(num_rows, np.int32), np.zeros(num_rows, bool))
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SamplingArrays":
@@ -51,7 +56,8 @@ class SamplingArrays:
     def take(self, rows: np.ndarray) -> "SamplingArrays":
         """The parameters of these rows, in this order."""
         return SamplingArrays(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                              self.seed[rows], self.has_seed[rows], self.logprobs[rows])
+                              self.seed[rows], self.has_seed[rows], self.logprobs[rows], self.top_logprobs[rows],
+                              self.processed[rows])
 
     def set_row(self, row: int, params: SamplingParams, vocab_size: int) -> None:
         self.temperature[row] = params.temperature
@@ -60,7 +66,21 @@ class SamplingArrays:
         self.min_p[row] = params.min_p
         self.has_seed[row] = params.seed is not None
         self.seed[row] = _as_int64(params.seed) if params.seed is not None else 0
-        self.logprobs[row] = params.logprobs
+        self.logprobs[row] = params.num_logprobs is not None
+        self.top_logprobs[row] = params.top_logprobs
+        self.processed[row] = bool(params.logit_bias) or params.has_penalties
+
+
+@dataclass
+class LogitsProcessing:
+    """What logit_bias and the penalties need, built only for a batch where some row asks:
+    every row's parameters and token history (host), and each row's latest output token that
+    its history does not hold yet because the step that samples it is still in flight
+    (async scheduling): int64 [rows] on the device, -1 where none."""
+
+    params: Sequence[SamplingParams]
+    histories: Optional[Sequence[TokenHistory]]
+    pending_token_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -83,9 +103,12 @@ class SamplingBatch:
     num_seeded: int
     num_rows: int
     any_logprobs: bool
+    max_top_logprobs: int  # 0 when no row asks for alternatives
+    processors: Optional[LogitsProcessing] = None  # None when no row has logit_bias or penalties
 
     @classmethod
-    def of(cls, arrays: SamplingArrays, step_indices: np.ndarray, device: torch.device) -> "SamplingBatch":
+    def of(cls, arrays: SamplingArrays, step_indices: np.ndarray, device: torch.device,
+           processors: Optional[LogitsProcessing] = None) -> "SamplingBatch":
         """A batch built from host arrays with plain copies (tests, the memory profile run);
         the model runner stages the same tensors with its single per-step copy."""
         seeded = np.flatnonzero(arrays.has_seed)
@@ -97,8 +120,18 @@ class SamplingBatch:
             tensor(arrays.temperature), tensor(arrays.top_k), tensor(arrays.top_p), tensor(arrays.min_p),
             tensor(arrays.seed[seeded]), tensor(seeded.astype(np.int64)),
             tensor(np.asarray(step_indices, dtype=np.int64)[seeded]),
-            **batch_facts(arrays),
+            **batch_facts(arrays), processors=processors,
         )
+
+
+    @classmethod
+    def of_params(cls, params: Sequence[SamplingParams], step_indices: Sequence[int], vocab_size: int,
+                  device: torch.device, histories: Optional[Sequence[TokenHistory]] = None) -> "SamplingBatch":
+        """A batch of rows with these parameters (tests, the memory profile run); histories are
+        the rows' tokens, which penalties need."""
+        arrays = SamplingArrays.of(params, vocab_size)
+        processors = LogitsProcessing(params, histories) if arrays.processed.any() else None
+        return cls.of(arrays, np.asarray(step_indices, dtype=np.int64), device, processors)
 
 
 def batch_facts(arrays: SamplingArrays) -> dict:
@@ -113,6 +146,7 @@ def batch_facts(arrays: SamplingArrays) -> dict:
         num_seeded=int(arrays.has_seed.sum()),
         num_rows=len(arrays.temperature),
         any_logprobs=bool(arrays.logprobs.any()),
+        max_top_logprobs=int(arrays.top_logprobs.max(initial=0)),
     )
 
 
@@ -120,6 +154,10 @@ def batch_facts(arrays: SamplingArrays) -> dict:
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [rows], on the logits' device
     logprobs: Optional[torch.Tensor]  # float32 [rows] when any row asked, else None
+    # [rows, max_top_logprobs], most likely first, when any row asked for alternatives; a row
+    # that asked for k keeps its first k.
+    top_token_ids: Optional[torch.Tensor] = None  # int64
+    top_logprobs: Optional[torch.Tensor] = None  # float32
 
 
 class Sampler:
@@ -127,7 +165,11 @@ class Sampler:
         """logits [rows, vocab] -> one token id per row (and logprobs when asked)."""
         if logits.shape[0] != batch.num_rows:
             raise ValueError(f"{logits.shape[0]} logit rows for a sampling batch of {batch.num_rows} rows")
-        logits = logits.float()
+        raw_logits = logits = logits.float()
+        if batch.processors is not None:
+            processors = batch.processors
+            logits = apply_logits_processors(raw_logits, processors.params, processors.histories,
+                                             processors.pending_token_ids)
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # ties go to the lowest id
         if batch.all_greedy:
             token_ids = greedy_ids
@@ -139,11 +181,16 @@ class Sampler:
             token_ids = scores.argmax(dim=-1)
             if greedy_ids is not None:
                 token_ids = torch.where(batch.temperature == 0.0, greedy_ids, token_ids)
-        logprobs = None
-        if batch.any_logprobs:
-            # vLLM's convention: log_softmax of the raw logits, before temperature or filtering.
-            logprobs = logits.log_softmax(dim=-1).gather(-1, token_ids.unsqueeze(1)).squeeze(1)
-        return SamplerOutput(token_ids, logprobs)
+        if not batch.any_logprobs:
+            return SamplerOutput(token_ids, None)
+        # vLLM's convention: log_softmax of the raw logits, before bias, penalties, temperature
+        # or filtering. One topk serves every row's alternatives.
+        all_logprobs = raw_logits.log_softmax(dim=-1)
+        logprobs = all_logprobs.gather(-1, token_ids.unsqueeze(1)).squeeze(1)
+        if not batch.max_top_logprobs:
+            return SamplerOutput(token_ids, logprobs)
+        top_logprobs, top_token_ids = all_logprobs.topk(batch.max_top_logprobs, dim=-1)
+        return SamplerOutput(token_ids, logprobs, top_token_ids, top_logprobs)
 
     @staticmethod
     def _exponential_noise(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Sampler: greedy is argmax, filters bound what can be drawn, seeds make draws reproducible
-whatever the batch, and a whole batch is sampled on the device without reading it back."""
+whatever the batch, and a whole batch is sampled on the device without reading it back;
+logit_bias and penalties (logits_processors.py) count a token still in flight as history,
+and top logprobs come out as device tensors."""
 
 import math
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from replica.executor.counter_rng import exponential_noise
-from replica.executor.sampler import Sampler, SamplerOutput, SamplingArrays, SamplingBatch
+from replica.executor.sampler import LogitsProcessing, Sampler, SamplerOutput, SamplingArrays, SamplingBatch
+from replica.logits_processors import apply_logits_processors
 from replica.request import SamplingParams
 
 VOCAB_SIZE = 64
@@ -29,8 +32,7 @@ def logits_from_probs(probs: list[float], num_rows: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> SamplerOutput:
-    batch = SamplingBatch.of(SamplingArrays.of(params, logits.shape[-1]), np.array(step_indices), logits.device)
-    return Sampler().sample(logits, batch)
+    return Sampler().sample(logits, SamplingBatch.of_params(params, step_indices, logits.shape[-1], logits.device))
 
 
 def sample_ids(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> list[int]:
@@ -181,6 +183,51 @@ def test_a_whole_mixed_batch_samples_without_reading_a_tensor_on_the_host():
     batch = SamplingBatch.of(arrays, np.arange(4), "meta")
     output = Sampler().sample(torch.empty(4, VOCAB_SIZE, device="meta"), batch)
     assert output.token_ids.shape == (4,) and output.logprobs.shape == (4,)
+    assert output.top_token_ids is None
+    # Rows that ask for logit_bias and alternatives add work, still without a host read.
+    params[1] = SamplingParams(temperature=0.8, logit_bias=((3, 5.0),), top_logprobs=4)
+    output = Sampler().sample(torch.empty(4, VOCAB_SIZE, device="meta"),
+                              SamplingBatch.of_params(params, range(4), VOCAB_SIZE, "meta"))
+    assert output.top_token_ids.shape == output.top_logprobs.shape == (4, 4)
+
+
+class History:
+    def __init__(self, prompt_token_ids, output_token_ids):
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids = output_token_ids
+
+
+def test_penalties_count_an_output_token_still_in_flight_as_history():
+    # Async scheduling: the token sampled by the step in flight is on the device only.
+    logits = random_logits(3, seed=5)
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    known = [History([1, 2], [7, 9]), History([3], []), History([4], [8])]
+    with_pending = [History([1, 2], [7, 9, 9]), History([3], []), History([4], [8])]
+    arrays = SamplingArrays.of(params, VOCAB_SIZE)
+
+    def processed_logits(histories, pending):
+        return apply_logits_processors(logits, params, histories, pending)
+
+    pending = torch.tensor([9, -1, -1])
+    assert torch.equal(processed_logits(known, pending), processed_logits(with_pending, None))
+    batch = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(params, known, pending))
+    expected = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(params, with_pending))
+    assert torch.equal(Sampler().sample(logits, batch).token_ids, Sampler().sample(logits, expected).token_ids)
+
+
+def test_top_logprobs_are_the_raw_logits_best_and_only_computed_when_a_row_asks():
+    logits = random_logits(3, seed=2)
+    assert sample(logits, [SamplingParams(temperature=0.0, logprobs=True)] * 3, [0] * 3).top_token_ids is None
+    params = [SamplingParams(temperature=0.0, top_logprobs=3, logit_bias=((0, 50.0),)), SamplingParams(),
+              SamplingParams(temperature=0.0, top_logprobs=2)]
+    output = sample(logits, params, [0] * 3)
+    values, ids = logits.log_softmax(dim=-1).topk(3, dim=-1)  # of the raw logits: before the bias
+    assert torch.equal(output.top_token_ids, ids) and torch.allclose(output.top_logprobs, values)
+    assert output.token_ids[0].item() == 0  # the bias did move the sample
+    assert output.token_ids[2].item() == output.top_token_ids[2, 0].item()  # greedy: the best alternative
+    assert output.logprobs[2].item() == pytest.approx(values[2, 0].item(), abs=1e-6)
 
 
 def test_top_k_of_the_whole_vocabulary_or_more_is_off():
