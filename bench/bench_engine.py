@@ -44,26 +44,33 @@ def make_engine(model_dir: str, requests, device: str, dtype: str):
     return engine
 
 
-def run_headroom(engine, requests) -> dict:
+def run_workload(engine, requests, on_step=None) -> dict:
+    """Queue every request at once and step the engine until all are done; on_step(engine)
+    runs after each step (to read engine.last_step)."""
     from replica.request import SamplingParams
 
+    preemptions_before = engine.scheduler.counters.preemptions
     start = time.perf_counter()
     handles = []
     for index, (prompt, num_out) in enumerate(requests):
-        request = engine.make_request(f"bench-{index}", prompt,
+        request = engine.make_request(f"bench-{index}-{id(requests)}", prompt,
                                       SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True))
         engine.add_request(request, detokenize=False)
         handles.append(request)
     finish_times = {}
+    steps = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finish_times[output.request_id] = time.perf_counter() - start
+        steps += 1
+        if on_step is not None:
+            on_step(engine)
     elapsed = time.perf_counter() - start
     useful = sum(n for _, n in requests)
     assert all(len(r.output_token_ids) == n for r, (_, n) in zip(handles, requests))
     return dict(elapsed=elapsed, tokens_per_s=useful / elapsed, latencies=list(finish_times.values()),
-                preemptions=engine.scheduler.counters.preemptions)
+                preemptions=engine.scheduler.counters.preemptions - preemptions_before, steps=steps)
 
 
 def run_hf(model_dir: str, requests, batch_size: int, device: str, dtype: str) -> dict:
@@ -99,7 +106,7 @@ def profile_headroom(engine, requests) -> None:
     and attention (norms, rotary, SiLU, embedding lookups)."""
     profiler = cProfile.Profile()
     profiler.enable()
-    run_headroom(engine, requests)
+    run_workload(engine, requests)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     total = sum(timing[2] for timing in stats.values())  # every function's own time adds up to the run
@@ -110,7 +117,8 @@ def profile_headroom(engine, requests) -> None:
         return sum(timing[3] for key, timing in stats.items() if key in keys)
 
     from replica.model.llama import LlamaForCausalLM
-    from replica.model_runner import ModelRunner
+    from replica.executor import ModelRunner
+    from replica.executor.model_runner import StepInFlight
     from replica.scheduler import Scheduler
 
     backend = type(engine.model.model.layers[0].self_attn.attn_backend)
@@ -120,7 +128,7 @@ def profile_headroom(engine, requests) -> None:
     attention = seconds(backend.forward, backend.write_kv)
     model = seconds(LlamaForCausalLM.forward)
     sampler = seconds(type(engine.runner.sampler).sample)
-    runner = seconds(ModelRunner.execute)
+    runner = seconds(ModelRunner.launch, StepInFlight.result)
     scheduler = seconds(Scheduler.schedule, Scheduler.update)
     parts = [
         ("GEMMs (q/k/v/o, MLP)", gemms - lm_head),
@@ -167,7 +175,7 @@ def main() -> None:
           f"prompt tokens={sum(len(p) for p, _ in requests)} output tokens={sum(n for _, n in requests)} "
           f"torch threads={torch.get_num_threads()}")
     engine = make_engine(model_dir, requests, args.device, args.dtype)
-    ours = run_headroom(engine, requests)
+    ours = run_workload(engine, requests)
     hf_runs = {size: run_hf(model_dir, requests, size, args.device, args.dtype) for size in hf_batch_sizes}
     print(f"{'engine':>22} {'output tok/s':>13} {'wall s':>8} {'latency p50 s':>14} {'p99 s':>8}")
     rows = [("headroom (continuous)", ours)] + [(f"HF generate (batch {size})", run) for size, run in hf_runs.items()]

@@ -178,11 +178,6 @@ class ClusterConfig(_Strict):
     attention_backend: AttentionBackendName = Field(
         "auto", description="auto = Triton on CUDA, the torch reference elsewhere."
     )
-    kv_cache_memory_fraction: Optional[float] = Field(
-        None, gt=0, le=1,
-        description="GPU only: size the KV pool from this fraction of free memory instead of "
-        "engine.num_kv_blocks.",
-    )
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     ports: PortsConfig = Field(default_factory=PortsConfig)

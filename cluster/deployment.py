@@ -107,7 +107,6 @@ class LLMReplica:
             device=resolve_device(config, num_gpus=len(ray.get_gpu_ids())),
             dtype=None if config.dtype == "auto" else config.dtype,
             attention_backend=config.attention_backend,
-            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         ))
         self.model_id = config.served_model_id
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)

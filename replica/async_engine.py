@@ -140,7 +140,7 @@ class AsyncEngine:
     @classmethod
     async def launch(cls, config: EngineConfig, model: str = "builtin", **options) -> "AsyncEngine":
         """Spawn a core for LLMEngine(config, model, **options) and wait until it serves;
-        options: device, dtype, attention_backend, kv_cache_memory_fraction, torch_threads,
+        options: device, dtype, attention_backend, torch_threads,
         engine_factory (CoreSpec's fields). Raises the engine's build errors (ConfigError...)."""
         engine = cls(CoreSpec(config, str(model), **options))
         await engine.start()

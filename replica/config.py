@@ -12,9 +12,11 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.admission import AdmissionMode
+from replica.model.fused_ops import DEFAULT_FUSED_OPS, FUSED_OPS_NAMES
 
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
+FusedOpsName = Literal[FUSED_OPS_NAMES]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -80,6 +82,25 @@ class EngineConfig(BaseModel):
     )
     slo_monitor_interval_ms: float = Field(
         2.0, gt=0, description="How often the SLO monitor thread re-evaluates the preemption gate."
+    )
+    gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1,
+        description="CUDA only: the fraction of the GPU's total memory this engine may use (weights, "
+        "activations and KV cache, as vLLM means it); the KV pool gets what a profiling run leaves, "
+        "instead of num_kv_blocks. None keeps num_kv_blocks.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Run every step eagerly: no CUDA graphs for decode steps (CPU runs are always eager)."
+    )
+    async_scheduling: Optional[bool] = Field(
+        None,
+        description="Schedule step N+1 while the device runs step N (outputs then lag one step); "
+        "None turns it on for CUDA and off elsewhere.",
+    )
+    fused_ops: FusedOpsName = Field(
+        DEFAULT_FUSED_OPS,
+        description="RMSNorm, add + RMSNorm, rotary and SiLU-mul: auto (Triton kernels on CUDA, the torch "
+        "reference elsewhere), torch, triton or compile (torch.compile of the reference).",
     )
 
     @model_validator(mode="after")

@@ -1,7 +1,9 @@
-"""LLMEngine: one replica's synchronous engine. add_request / step / abort_request over the
-scheduler, the model runner and the tokenizer; every step returns the token and text deltas
-of the requests that advanced, with finish reasons and usage counts. Under the "slo" policy
-an SLO monitor thread may have a step's forward pass abandoned between decoder layers."""
+"""LLMEngine: one replica's engine. add_request / step / abort_request over the scheduler,
+the model runner and the tokenizer; every step returns the token and text deltas of the
+requests that advanced, with finish reasons and usage counts. With async scheduling (on by
+default on CUDA) a step schedules and launches the next forward pass before it waits for the
+previous one, and returns the previous one's deltas. Under the "slo" policy an SLO monitor
+thread may have a step's forward pass abandoned between decoder layers."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.kv_events import KVEvent
 from replica.model import load_model
+from replica.executor import ModelRunner
+from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
+from replica.executor.model_runner import StepInFlight
 from replica.logits_processors import TopLogprobs
-from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, StopReason
 from replica.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
 from replica.slo import ttft_deadline as _ttft_deadline
@@ -77,6 +81,28 @@ class StepStats:
         self.steps += 1
 
 
+@dataclass
+class StepTiming:
+    """Where the latest step's wall time went (benchmarks read it after each step)."""
+
+    wall_s: float = 0.0
+    wait_s: float = 0.0  # blocked on the device for the completed step's tokens
+    launch_s: float = 0.0  # in the model runner preparing inputs and launching kernels
+    num_seqs: int = 0  # sequences launched this step
+    num_tokens: int = 0  # tokens launched this step (== num_seqs for a decode-only step)
+    graph_batch_size: Optional[int] = None  # the padded size of a replayed decode graph
+
+    @property
+    def host_s(self) -> float:
+        return self.wall_s - self.wait_s
+
+
+@dataclass
+class _LaunchedStep:
+    scheduler_output: SchedulerOutput
+    in_flight: StepInFlight
+
+
 class _StepAborted(Exception):
     """Raised from the layer hook to abandon a forward pass the SLO monitor ordered aborted."""
 
@@ -127,31 +153,41 @@ class LLMEngine:
         device: Optional[str] = None,
         dtype: Optional[str] = None,
         attention_backend: str = "auto",
-        kv_cache_memory_fraction: Optional[float] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """model: a local Hugging Face directory, or "builtin" for the offline default.
-        kv_cache_memory_fraction (GPU only): size the KV pool from this fraction of the free
-        device memory after loading the weights, instead of config.num_kv_blocks."""
+        """model: a local Hugging Face directory, or "builtin" for the offline default. On
+        CUDA with config.gpu_memory_utilization set, a profiling run sizes the KV pool."""
         model_dir = resolve_model_path(model)
         self.model_name = str(model)
         self.device = torch.device(device) if device else default_device()
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.model, self.model_config = load_model(
-            model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend
+            model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend, fused_ops=config.fused_ops
         )
         if config.max_model_len > self.model_config.max_model_len:
             raise ConfigError(
                 f"max_model_len: {config.max_model_len} exceeds the model's {self.model_config.max_model_len}"
             )
-        if kv_cache_memory_fraction is not None and self.device.type == "cuda":
-            config = self._size_kv_pool(config, kv_cache_memory_fraction)
+        on_cuda = self.device.type == "cuda"
+        if config.gpu_memory_utilization is not None and on_cuda:
+            config = make_engine_config(**{**config.model_dump(), "num_kv_blocks": profile_num_kv_blocks(
+                self.model, self.model_config, config, self.device)})
         self.config = config
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
         self.scheduler = Scheduler(config, vocab_size=self.model_config.vocab_size, clock=clock)
-        self.runner = ModelRunner(self.model, self.model_config, config.num_kv_blocks, config.block_size, self.device)
+        # Graph capture needs a forward pass that never waits for the host: the Triton
+        # backend's; the torch reference reads sequence lengths on the host.
+        graph_safe_backend = attention_backend in ("auto", "triton")
+        cuda_graphs = on_cuda and not config.enforce_eager and graph_safe_backend
+        if on_cuda and not config.enforce_eager and not graph_safe_backend:
+            logger.warning("attention backend %r cannot be captured in CUDA graphs; every step runs eagerly",
+                           attention_backend)
+        self.runner = ModelRunner(self.model, self.model_config, config, self.device, cuda_graphs=cuda_graphs)
+        self.async_scheduling = on_cuda if config.async_scheduling is None else config.async_scheduling
+        self._in_flight: Optional[_LaunchedStep] = None  # the step launched but not yet updated (overlap)
+        self.last_step = StepTiming()
         self.clock = clock
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = StepStats()
@@ -161,15 +197,10 @@ class LLMEngine:
             self.slo_monitor.start()
         # Stubbornness: a pass that has run more layers than this refuses to abort.
         self.max_abort_layer = int(config.slo_abort_max_layer_fraction * self.model_config.num_hidden_layers)
-        logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens",
-                    self.model_name, self.device, config.num_kv_blocks, config.block_size)
-
-    def _size_kv_pool(self, config: EngineConfig, fraction: float) -> EngineConfig:
-        free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        dtype = next(self.model.parameters()).dtype
-        per_block = ModelRunner.kv_cache_bytes_per_block(self.model_config, config.block_size, dtype)
-        num_blocks = int(free_bytes * fraction) // per_block
-        return make_engine_config(**{**config.model_dump(), "num_kv_blocks": num_blocks})
+        per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.runner.dtype)
+        logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens (%.2f GiB) cuda_graphs=%s "
+                    "async_scheduling=%s", self.model_name, self.device, config.num_kv_blocks, config.block_size,
+                    config.num_kv_blocks * per_block / 2**30, cuda_graphs, self.async_scheduling)
 
     # ---- requests --------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -212,22 +243,59 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------
     def step(self, layer_hook: Optional[Callable[[int], None]] = None) -> list[RequestOutput]:
         """One engine step. layer_hook(i), if given, runs before decoder layer i (tests use
-        it to slow a layer down). An SLO-aborted step returns no outputs."""
+        it to slow a layer down); steps with a hook run eagerly. An SLO-aborted step yields
+        no outputs. With async scheduling the step launches the next forward pass before
+        it waits for the previous one, and returns the previous one's outputs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        monitor = self.slo_monitor
-        if monitor is None or scheduler_output.is_empty:
-            runner_output = self.runner.execute(scheduler_output, layer_hook)
+        launched = self._launch(scheduler_output, layer_hook)
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, launched
         else:
-            monitor.publish_step(self.scheduler.slo_snapshot(scheduler_output))
-            try:
-                runner_output = self.runner.execute(scheduler_output, self._abortable(scheduler_output, layer_hook))
-            except _StepAborted as aborted:
-                self.scheduler.abort_step(scheduler_output, aborted.victim_request_id, aborted.num_layers_done)
-                return []
-            finally:
-                monitor.publish_step(None)
-        updates = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
+            previous = launched
+        outputs = self._complete(previous) if previous is not None else []
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            # Everything finished with the previous step: what is in flight is all discarded.
+            self._complete(self._in_flight)
+            self._in_flight = None
+        elapsed = time.perf_counter() - start
+        self.last_step = StepTiming(
+            elapsed, previous.in_flight.wait_s if previous is not None else 0.0,
+            launched.in_flight.launch_s if launched is not None else 0.0, len(scheduler_output.scheduled),
+            scheduler_output.num_scheduled_tokens, launched.in_flight.graph_batch_size if launched is not None else None,
+        )
+        if launched is not None or previous is not None:
+            self.stats.observe(elapsed, len(outputs))
+        return outputs
+
+    def _launch(self, scheduler_output: SchedulerOutput,
+                layer_hook: Optional[Callable[[int], None]]) -> Optional[_LaunchedStep]:
+        """Queue the step on the device; None when it has nothing to run or the SLO monitor
+        aborted its forward pass."""
+        if scheduler_output.is_empty:
+            self.runner.launch(scheduler_output)  # drops the state of finished and preempted requests
+            return None
+        monitor = self.slo_monitor
+        if monitor is None:
+            return _LaunchedStep(scheduler_output, self.runner.launch(scheduler_output, layer_hook))
+        snapshot = self.scheduler.slo_snapshot(scheduler_output)
+        monitor.publish_step(snapshot)
+        try:
+            # A step without prefills is never an abort target: no hook, so a decode step may
+            # replay a CUDA graph.
+            hook = self._abortable(scheduler_output, layer_hook) if snapshot.prefills else layer_hook
+            in_flight = self.runner.launch(scheduler_output, hook)
+        except _StepAborted as aborted:
+            self.scheduler.abort_step(scheduler_output, aborted.victim_request_id, aborted.num_layers_done)
+            return None
+        finally:
+            monitor.publish_step(None)
+        return _LaunchedStep(scheduler_output, in_flight)
+
+    def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them and build the outputs."""
+        runner_output = launched.in_flight.result()
+        updates = self.scheduler.update(launched.scheduler_output, runner_output.sampled_token_ids)
         outputs = []
         for update in updates:
             request = update.request
@@ -245,8 +313,6 @@ class LLMEngine:
                 update.finished.finish_reason if update.finished is not None else None,
                 [logprob] if logprob is not None else None, [top] if top is not None else None,
             ))
-        if not scheduler_output.is_empty:
-            self.stats.observe(time.perf_counter() - start, len(updates))
         return outputs
 
     def _abortable(self, scheduler_output: SchedulerOutput,

@@ -3,6 +3,8 @@ logit_bias, then presence / frequency / repetition penalties, and the log-probab
 (the sampled token's and the top k) a request asks for. Rows that ask for nothing pass
 untouched, and nothing is computed unless some row asks: one bincount builds every row's
 token counts, one topk serves every row's alternatives, with no per-row loop over tensors.
+Host values reach the device by asynchronous copies and nothing is read back, so a GPU step
+in flight is never waited for (replica/executor/sampler.py calls this on the device).
 """
 
 from __future__ import annotations
@@ -38,17 +40,29 @@ class Logprobs(NamedTuple):
 
 
 def apply_logits_processors(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Optional[Sequence[TokenHistory]]
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Optional[Sequence[TokenHistory]],
+    pending_token_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """logit_bias, then the penalties, in vLLM's order; returns `logits` itself when no row
-    asks for either (so callers may keep using it as the raw logits), a new tensor otherwise."""
+    asks for either (so callers may keep using it as the raw logits), a new tensor otherwise.
+    pending_token_ids (int64 [rows] on the device, -1 for none): each row's latest output
+    token that its history does not hold yet (it was sampled by a step still in flight)."""
     logits = _apply_logit_bias(logits, params)
     rows = [row for row, row_params in enumerate(params) if row_params.has_penalties]
     if not rows:
         return logits
     if histories is None:
         raise ValueError("penalties need each row's token history")
-    return _apply_penalties(logits, rows, params, histories)
+    return _apply_penalties(logits, rows, params, histories, pending_token_ids)
+
+
+def _to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on the device without waiting: a plain copy from pageable memory would
+    wait for everything queued on the GPU (a whole forward pass in flight)."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -59,23 +73,27 @@ def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     device = logits.device
     biased = logits.clone()
     biased.index_put_(
-        (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
-        torch.tensor(biases, dtype=logits.dtype, device=device),
+        (_to_device(rows, torch.long, device), _to_device(token_ids, torch.long, device)),
+        _to_device(biases, logits.dtype, device),
         accumulate=True,
     )
     return biased
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
-                     histories: Sequence[TokenHistory]) -> torch.Tensor:
+                     histories: Sequence[TokenHistory], pending_token_ids: Optional[torch.Tensor]) -> torch.Tensor:
     device = logits.device
     vocab_size = logits.shape[-1]
-    row_index = torch.tensor(rows, device=device)
+    row_index = _to_device(rows, torch.long, device)
     penalized = logits[row_index]
     output_counts = token_counts([histories[row].output_token_ids for row in rows], vocab_size, device)
+    if pending_token_ids is not None:
+        pending = pending_token_ids[row_index].unsqueeze(1)
+        output_counts.scatter_add_(1, pending.clamp(min=0), (pending >= 0).to(output_counts.dtype))
 
-    repetition = torch.tensor([params[row].repetition_penalty for row in rows], device=device).unsqueeze(1)
-    if bool((repetition != 1.0).any()):
+    repetition_penalties = [params[row].repetition_penalty for row in rows]
+    if any(penalty != 1.0 for penalty in repetition_penalties):  # decided on the host: no device read
+        repetition = _to_device(repetition_penalties, torch.float32, device).unsqueeze(1)
         # vLLM's (and CTRL's) rule: a token seen in the prompt or the output has its logit
         # moved toward zero's side of less likely: divided when positive, multiplied when not.
         prompt_counts = token_counts([histories[row].prompt_token_ids for row in rows], vocab_size, device)
@@ -84,8 +102,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
         penalized = torch.where(seen, scaled, penalized)
 
     # OpenAI's rule, on generated tokens only: frequency per occurrence, presence once.
-    frequency = torch.tensor([params[row].frequency_penalty for row in rows], device=device).unsqueeze(1)
-    presence = torch.tensor([params[row].presence_penalty for row in rows], device=device).unsqueeze(1)
+    frequency = _to_device([params[row].frequency_penalty for row in rows], torch.float32, device).unsqueeze(1)
+    presence = _to_device([params[row].presence_penalty for row in rows], torch.float32, device).unsqueeze(1)
     penalized = penalized - frequency * output_counts - presence * (output_counts > 0).to(penalized.dtype)
 
     result = logits.clone()
@@ -99,7 +117,7 @@ def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: to
     lengths = torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long)
     flat_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
     row_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
-    keys = (row_of_token * vocab_size + flat_ids).to(device)
+    keys = _to_device(row_of_token * vocab_size + flat_ids, torch.long, device)
     counts = torch.bincount(keys, minlength=len(sequences) * vocab_size)
     return counts.view(len(sequences), vocab_size).float()
 

@@ -181,6 +181,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens scheduled steps will sample but that are not appended yet: with overlapped
+    # scheduling the next step is planned while the device still samples this one's token.
+    num_pending_tokens: int = 0
     num_preemptions: int = 0  # for memory
     num_slo_preemptions: int = 0  # forward passes aborted to let a more urgent request in
     num_cached_tokens: int = 0  # prefix-cache hit at the latest admission

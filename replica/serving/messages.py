@@ -28,7 +28,6 @@ class CoreSpec(NamedTuple):
     device: Optional[str] = None
     dtype: Optional[str] = None
     attention_backend: str = "auto"
-    kv_cache_memory_fraction: Optional[float] = None
     # torch intra-op threads in the core; None keeps torch's default (one per core).
     torch_threads: Optional[int] = None
     # "module:callable" taking LLMEngine's arguments; another engine class (or a test's

@@ -61,6 +61,33 @@ def run_step(scheduler: Scheduler) -> SchedulerOutput:
     return output
 
 
+def run_overlapped_step(scheduler: Scheduler, previous: Optional[tuple[SchedulerOutput, dict[str, int]]]
+                        ) -> tuple[SchedulerOutput, dict[str, int]]:
+    """One step with async scheduling: step N+1 is scheduled while step N's tokens are still
+    pending, "runs" with those tokens taken from N's samples (as the runner takes them from
+    the device), then N's tokens are appended. Returns N+1 and its samples."""
+    output = scheduler.schedule()
+    pending = previous[1] if previous is not None else {}
+    sampled = {}
+    for entry in output.scheduled:
+        request = entry.request
+        assert entry.num_new_tokens >= 1
+        history = list(request.all_token_ids)
+        end = entry.start_pos + entry.num_new_tokens
+        if end > len(history):
+            # Only the one token the previous step samples may be missing, and only to a decode.
+            assert entry.num_new_tokens == 1 and entry.start_pos == len(history), "input beyond the pending token"
+            history.append(pending[request.request_id])
+        assert entry.samples == (end == len(history))
+        if entry.samples:
+            sampled[request.request_id] = fake_next_token(history)
+    assert output.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+    if previous is not None:
+        scheduler.update(*previous)
+    scheduler.check_invariants()
+    return output, sampled
+
+
 def run_to_completion(
     scheduler: Scheduler,
     requests: list[Request],

@@ -1,9 +1,15 @@
 """The whole engine against the correctness oracle: greedy output equals HF transformers'
 generate() on the same checkpoint, and stays equal under chunking, a cramped pool
-(preemption, probed) and prefix caching; sampling and abort behave."""
+(preemption, probed), prefix caching, decode batches padded as CUDA graphs pad them and
+overlapped (async) scheduling; sampling and abort behave.
+
+HEADROOM_TEST_DEVICE=cuda runs the engine on a GPU (Triton attention, CUDA graphs and async
+scheduling on by default) against HF on the CPU.
+"""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -18,6 +24,7 @@ from replica.request import SamplingParams
 VOCAB = 320  # the byte-level test tokenizer's size
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
+TEST_DEVICE = os.environ.get("HEADROOM_TEST_DEVICE", "cpu")
 MAX_NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -66,10 +73,15 @@ def hf_outputs(checkpoint):
     return outputs
 
 
-def _engine(path, **overrides) -> LLMEngine:
-    config = dict(block_size=4, num_kv_blocks=256, max_model_len=64, max_num_batched_tokens=256)
+def _engine(path, *, padded_decode: bool = False, **overrides) -> LLMEngine:
+    """padded_decode: pad decode steps to the CUDA-graph ladder even where no graph runs."""
+    # max_num_seqs 8 (the 7 prompts fit): on CUDA, 4 decode graphs to capture per engine, not 35.
+    config = dict(block_size=4, num_kv_blocks=256, max_model_len=64, max_num_batched_tokens=256, max_num_seqs=8)
     config.update(overrides)
-    return LLMEngine(make_engine_config(**config), str(path), device="cpu", dtype="float32")
+    engine = LLMEngine(make_engine_config(**config), str(path), device=TEST_DEVICE, dtype="float32")
+    if padded_decode:
+        engine.runner.enable_decode_padding()
+    return engine
 
 
 def test_greedy_matches_hf_generate_for_a_mixed_batch(checkpoint, hf_outputs):
@@ -78,16 +90,52 @@ def test_greedy_matches_hf_generate_for_a_mixed_batch(checkpoint, hf_outputs):
     assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_usable_blocks
 
 
+@pytest.mark.parametrize("async_scheduling, padded_decode", [(True, False), (False, True), (True, True)])
+def test_greedy_matches_hf_with_overlapped_steps_and_padded_decode_batches(checkpoint, hf_outputs,
+                                                                           async_scheduling, padded_decode):
+    # The ladder is 1, 2, 4, 8: the 7 prompts decode together in a batch padded to 8.
+    engine = _engine(checkpoint[0], padded_decode=padded_decode, async_scheduling=async_scheduling)
+    steps = []
+    outputs = _generate(engine, _prompts(), GREEDY, on_step=lambda: steps.append(
+        (engine.last_step.num_seqs, engine.last_step.graph_batch_size)))
+    assert outputs == hf_outputs
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_usable_blocks
+    padded = [(num_seqs, size) for num_seqs, size in steps if size is not None]
+    if padded_decode:  # probe: decode steps really ran padded, with padding rows
+        assert (7, 8) in padded
+    else:
+        assert not padded
+
+
+def _generate(engine: LLMEngine, prompts, params: SamplingParams, on_step=None) -> list[list[int]]:
+    requests = [engine.make_request(f"g{index}", prompt, params) for index, prompt in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.scheduler.check_invariants()
+        if on_step is not None:
+            on_step()
+    return [list(request.output_token_ids) for request in requests]
+
+
+def test_engine_builds_its_model_with_the_fused_ops_its_config_names(checkpoint):
+    # "compile" differs from auto's choice on every device; torch.compile only compiles on the first call.
+    engine = _engine(checkpoint[0], fused_ops="compile")
+    assert {module.ops.name for module in engine.model.modules() if hasattr(module, "ops")} == {"compile"}
+
+
 @pytest.mark.parametrize("budget, threshold", [(5, 0), (16, 7)])
 def test_greedy_matches_hf_with_chunked_prefill(checkpoint, hf_outputs, budget, threshold):
     engine = _engine(checkpoint[0], max_num_batched_tokens=budget, long_prefill_token_threshold=threshold)
     assert engine.generate(_prompts(), GREEDY) == hf_outputs
 
 
-def test_greedy_matches_hf_in_a_cramped_pool_that_preempts(checkpoint, hf_outputs):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_matches_hf_in_a_cramped_pool_that_preempts(checkpoint, hf_outputs, async_scheduling):
     # 16 usable blocks of 4 tokens: far less than the batch's ~290 tokens.
-    engine = _engine(checkpoint[0], num_kv_blocks=17, max_num_batched_tokens=32)
-    assert engine.generate(_prompts(), GREEDY) == hf_outputs
+    engine = _engine(checkpoint[0], num_kv_blocks=17, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    assert _generate(engine, _prompts(), GREEDY) == hf_outputs
     assert engine.scheduler.counters.preemptions > 0, "the cramped pool must really preempt"
 
 
@@ -101,8 +149,9 @@ def test_greedy_matches_hf_with_prefix_cache_hits(checkpoint, hf_outputs):
     assert uncached.generate(prompts, GREEDY) == hf_outputs
 
 
-def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours(checkpoint):
-    engine = _engine(checkpoint[0])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours(checkpoint, async_scheduling):
+    engine = _engine(checkpoint[0], async_scheduling=async_scheduling)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
     alone = engine.generate([[5, 6, 7]], seeded)[0]
     in_batch = engine.generate([[1, 2], [5, 6, 7], [9] * 20], seeded)[1]
@@ -111,8 +160,41 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours(che
     assert alone != other_seed
 
 
-def test_abort_mid_generation_returns_every_block(checkpoint):
-    engine = _engine(checkpoint[0])
+def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_scheduling(checkpoint):
+    # Under async scheduling a penalty's history lacks the token still being sampled; the
+    # runner adds it from the device. Each request's first row of params differs.
+    common = dict(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.4,
+                             top_logprobs=3, **common),
+              SamplingParams(temperature=0.0, logit_bias=((5, 2.0), (9, -50.0)), logprobs=True, **common),
+              GREEDY,
+              SamplingParams(temperature=0.9, seed=11, frequency_penalty=1.2, top_logprobs=2, **common)]
+    prompts = _prompts()[:4]
+    runs = []
+    for async_scheduling in (False, True):
+        engine = _engine(checkpoint[0], async_scheduling=async_scheduling)
+        requests = [engine.make_request(f"x{index}", prompt, row_params)
+                    for index, (prompt, row_params) in enumerate(zip(prompts, params))]
+        tops: dict[str, list] = {request.request_id: [] for request in requests}
+        for request in requests:
+            engine.add_request(request, detokenize=False)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tops[output.request_id] += output.top_logprobs or []
+        runs.append(([request.output_token_ids for request in requests],
+                     [[top.token_ids for top in tops[r.request_id]] for r in requests],
+                     [[value for top in tops[r.request_id] for value in top.logprobs] for r in requests]))
+    (tokens, top_logprobs, values), (overlapped_tokens, overlapped_top_logprobs, overlapped_values) = runs
+    assert tokens == overlapped_tokens and top_logprobs == overlapped_top_logprobs
+    assert values == [pytest.approx(row) for row in overlapped_values]
+    assert tokens[0] != _engine(checkpoint[0]).generate(prompts[:1], GREEDY)[0]  # the penalties did act
+    assert 9 not in tokens[1]
+    assert [len(rows) for rows in top_logprobs] == [MAX_NEW_TOKENS, 0, 0, MAX_NEW_TOKENS]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_mid_generation_returns_every_block(checkpoint, async_scheduling):
+    engine = _engine(checkpoint[0], async_scheduling=async_scheduling)
     requests = [engine.make_request(f"r{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=30, ignore_eos=True))
                 for i in range(4)]
     for request in requests:
@@ -128,8 +210,41 @@ def test_abort_mid_generation_returns_every_block(checkpoint):
     assert engine.step() == []
 
 
+def test_async_scheduling_plans_the_next_step_before_the_previous_token_lands(checkpoint):
+    engine = _engine(checkpoint[0], async_scheduling=True)
+    request = engine.make_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    engine.add_request(request, detokenize=False)
+    assert engine.step() == []  # the prefill is launched; nothing has landed yet
+    assert (request.num_output_tokens, request.num_pending_tokens) == (0, 1)
+    outputs = engine.step()  # the first decode is launched with the token still on the device
+    assert [output.new_token_ids for output in outputs] == [request.output_token_ids[:1]]
+    assert (request.num_computed_tokens, request.num_pending_tokens) == (4, 1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    # max_tokens 3: the step that would compute a fourth token is never scheduled.
+    assert request.num_output_tokens == 3 and request.num_computed_tokens == 5
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_usable_blocks
+
+
+def test_a_request_stopping_under_async_scheduling_drops_its_extra_token_and_frees_its_blocks(checkpoint):
+    engine = _engine(checkpoint[0], async_scheduling=True)
+    greedy_run = engine.generate([[9] * 10], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    stop_at = greedy_run[3]
+    expected = greedy_run[: greedy_run.index(stop_at) + 1]
+    request = engine.make_request("s", [9] * 10, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                                   stop_token_ids=(stop_at,)))
+    engine.add_request(request, detokenize=False)
+    finish_reasons = []
+    while engine.has_unfinished_requests():
+        finish_reasons += [output.finish_reason for output in engine.step()]
+        engine.scheduler.check_invariants()
+    assert request.output_token_ids == expected and finish_reasons[-1] == "stop"
+    assert request.num_pending_tokens == 0
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_usable_blocks
+
+
 def test_streamed_text_deltas_concatenate_to_the_full_decode():
-    engine = LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64), "builtin", device="cpu")
+    engine = LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64), "builtin", device=TEST_DEVICE)
     request = engine.make_request("t", engine.tokenizer.encode("héllo wörld ✓"), SamplingParams(max_tokens=40, seed=3))
     engine.add_request(request)
     text, finish = "", None

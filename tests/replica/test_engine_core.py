@@ -2,8 +2,10 @@
 frees a request's blocks within one step, a core that cannot build its engine raises the
 engine's own error, a core whose front disappears exits, and a core killed under load fails
 every open stream with UNAVAILABLE at once while the server reports NOT_SERVING; the KV
-events crossing to the front rebuild exactly the core's prefix cache, and the admission mode
-acts in the core while its load fields (held admissions, committed KV) reach the front."""
+events crossing to the front rebuild exactly the core's prefix cache, the admission mode
+acts in the core while its load fields (held admissions, committed KV) reach the front, and
+with async scheduling the core's loop overlaps the next step's scheduling with the pass in
+flight and streams the same tokens."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine, EngineDeadError
 from replica.config import ConfigError, make_engine_config
 from replica.kv_events import KVEventKind
+from replica.engine import LLMEngine
 from replica.request import SamplingParams
 from replica_harness import RunningReplica, sampling
 
@@ -104,6 +107,54 @@ def test_the_core_exits_when_its_front_goes_away_without_a_word():
         return await asyncio.get_running_loop().run_in_executor(None, front.core.process.wait, 30)
 
     assert asyncio.run(scenario()) == 0
+
+
+OVERLAP_LOG_ENV = "HEADROOM_TEST_OVERLAP_LOG"
+
+
+class OverlapProbeEngine(LLMEngine):
+    """Engine factory for the engine-core process: appends a line to $HEADROOM_TEST_OVERLAP_LOG
+    for every forward pass it launches while the previous one is still in flight."""
+
+    def _launch(self, scheduler_output, layer_hook):
+        overlapped = self._in_flight is not None
+        launched = super()._launch(scheduler_output, layer_hook)
+        if overlapped and launched is not None:
+            with open(os.environ[OVERLAP_LOG_ENV], "a") as log:
+                log.write("overlapped\n")
+        return launched
+
+
+async def _collect(stream) -> list:
+    return [output async for output in stream]
+
+
+def test_with_async_scheduling_the_core_overlaps_steps_and_streams_the_unoverlapped_tokens(tmp_path, monkeypatch):
+    overlap_log = tmp_path / "overlap.log"
+    monkeypatch.setenv(OVERLAP_LOG_ENV, str(overlap_log))
+    prompts = [list(range(3, 3 + length)) for length in (5, 19, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = LLMEngine(CONFIG, "builtin", device="cpu").generate(prompts, params)  # async off on the CPU
+
+    async def scenario():
+        front = await AsyncEngine.launch(CONFIG.model_copy(update={"async_scheduling": True}), "builtin",
+                                         device="cpu", engine_factory=f"{__name__}:OverlapProbeEngine")
+        try:
+            dropped = front.add_request(list(range(50, 90)), LONG, request_id="dropped")
+            streams = [front.add_request(prompt, params) for prompt in prompts]
+            await dropped.__anext__()
+            front.abort("dropped")  # lands while the core has a step of it in flight
+            outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
+            await front.core.call_utility("check_invariants")
+            state = await front.core.call_utility("request_state", "dropped")
+            return outputs, state, front.load()
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    outputs, state, load = asyncio.run(scenario())
+    assert [[token for output in stream for token in output.new_token_ids] for stream in outputs] == expected
+    assert state is None and load.kv_blocks_free == load.kv_blocks_total  # nothing leaked by the abort
+    assert len(overlap_log.read_text().splitlines()) >= 10  # the probe: passes really launched overlapped
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 
 from replica.logits_processors import apply_logits_processors, gather_logprobs, token_counts
 from replica.request import SamplingParams
-from replica.sampler import Sampler
+from replica.executor.sampler import Sampler, SamplingBatch
 
 VOCAB_SIZE = 32
 
@@ -73,10 +73,14 @@ def test_logit_bias_adds_to_the_listed_tokens_only():
     assert torch.equal(processed[1], logits[1]) and logits.abs().sum() == 0  # the input is not modified
 
 
+def sample(logits, params, step_indices, histories=None):
+    return Sampler().sample(logits, SamplingBatch.of_params(params, step_indices, VOCAB_SIZE, logits.device, histories))
+
+
 def test_logit_bias_of_100_forces_the_greedy_token():
     logits = random_logits(1)
     params = [SamplingParams(temperature=0.0, logit_bias=((17, 100.0),))]
-    assert Sampler().sample(logits, params, [0]).token_ids == [17]
+    assert sample(logits, params, [0]).token_ids.tolist() == [17]
 
 
 def test_frequency_penalty_steers_greedy_away_from_a_repeated_token():
@@ -84,9 +88,9 @@ def test_frequency_penalty_steers_greedy_away_from_a_repeated_token():
     logits[0, 4], logits[0, 9] = 2.0, 1.0
     history = [History([], [4, 4])]
     greedy = SamplingParams(temperature=0.0)
-    assert Sampler().sample(logits, [greedy], [2], history).token_ids == [4]
+    assert sample(logits, [greedy], [2], history).token_ids.tolist() == [4]
     penalized = SamplingParams(temperature=0.0, frequency_penalty=1.0)
-    assert Sampler().sample(logits, [penalized], [2], history).token_ids == [9]
+    assert sample(logits, [penalized], [2], history).token_ids.tolist() == [9]
 
 
 def test_penalties_without_histories_are_refused():
@@ -114,9 +118,10 @@ def test_logprobs_are_of_the_raw_logits_and_top_k_is_torch_topk():
 
 def test_sampler_returns_top_logprobs_only_when_a_row_asks():
     logits = random_logits(2)
-    plain = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+    plain = sample(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
     assert plain.top_logprobs is None
-    asked = Sampler().sample(logits, [SamplingParams(temperature=0.0, top_logprobs=3), SamplingParams()], [0, 0])
-    assert len(asked.top_logprobs[0].token_ids) == 3 and asked.top_logprobs[1] is None
+    asked = sample(logits, [SamplingParams(temperature=0.0, top_logprobs=3), SamplingParams()], [0, 0])
+    # On the device, one [rows, 3] topk; the runner keeps each row's first k (none for row 1).
+    assert asked.top_token_ids.shape == (2, 3)
     # Greedy: the sampled token is the most likely one.
-    assert asked.top_logprobs[0].token_ids[0] == asked.token_ids[0]
+    assert asked.top_token_ids[0, 0].item() == asked.token_ids[0].item()

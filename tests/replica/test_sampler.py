@@ -1,12 +1,18 @@
-"""Sampler: greedy is argmax, filters bound what can be drawn, seeds make draws reproducible."""
+"""Sampler: greedy is argmax, filters bound what can be drawn, seeds make draws reproducible
+whatever the batch, and a whole batch is sampled on the device without reading it back;
+logit_bias and penalties (logits_processors.py) count a token still in flight as history,
+and top logprobs come out as device tensors."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from replica.executor.counter_rng import exponential_noise
+from replica.executor.sampler import LogitsProcessing, Sampler, SamplerOutput, SamplingArrays, SamplingBatch
+from replica.logits_processors import apply_logits_processors
 from replica.request import SamplingParams
-from replica.sampler import Sampler, SamplerOutput
 
 VOCAB_SIZE = 64
 
@@ -25,22 +31,31 @@ def logits_from_probs(probs: list[float], num_rows: int) -> torch.Tensor:
     return torch.tensor(probs).log().expand(num_rows, -1).clone()
 
 
+def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> SamplerOutput:
+    return Sampler().sample(logits, SamplingBatch.of_params(params, step_indices, logits.shape[-1], logits.device))
+
+
+def sample_ids(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> list[int]:
+    return sample(logits, params, step_indices).token_ids.tolist()
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, step_index: int = 0) -> list[int]:
     """One draw per row, every row with the same (unseeded or seeded) params."""
     num_rows = logits.shape[0]
-    return Sampler().sample(logits, [params] * num_rows, [step_index] * num_rows).token_ids
+    return sample_ids(logits, [params] * num_rows, [step_index] * num_rows)
 
 
 def test_greedy_picks_the_argmax_of_every_row():
     logits = random_logits(8)
-    output = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 8, [0] * 8)
-    assert output == SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * 8)
+    output = sample(logits, [SamplingParams(temperature=0.0)] * 8, [0] * 8)
+    assert output.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert output.logprobs is None
 
 
 def test_greedy_breaks_ties_toward_the_lowest_token_id():
     logits = torch.zeros(1, VOCAB_SIZE)
     logits[0, [7, 3, 40]] = 5.0
-    assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [0]).token_ids == [3]
+    assert sample_ids(logits, [SamplingParams(temperature=0.0)], [0]) == [3]
 
 
 def test_greedy_ignores_the_seed_and_the_filters():
@@ -50,7 +65,7 @@ def test_greedy_ignores_the_seed_and_the_filters():
         SamplingParams(temperature=0.0, seed=1),
         SamplingParams(temperature=0.0, seed=2, top_k=1, top_p=0.1, min_p=0.9),
     ]
-    tokens = {Sampler().sample(logits, [p], [step]).token_ids[0] for p in params for step in range(3)}
+    tokens = {sample_ids(logits, [p], [step])[0] for p in params for step in range(3)}
     assert tokens == {logits.argmax().item()}
 
 
@@ -58,27 +73,27 @@ def test_same_seed_and_step_gives_the_same_token_in_any_batch():
     seeded = SamplingParams(temperature=1.0, seed=1234, top_p=0.9)
     target_row = random_logits(1, seed=7)
     for step_index in range(20):
-        alone = Sampler().sample(target_row, [seeded], [step_index]).token_ids[0]
+        alone = sample_ids(target_row, [seeded], [step_index])[0]
         neighbours = random_logits(5, seed=step_index)
         batch = torch.cat([neighbours[:2], target_row, neighbours[2:]])
         batch_params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.0), seeded,
                         SamplingParams(seed=99), SamplingParams(temperature=1.3, min_p=0.1), SamplingParams()]
-        in_batch = Sampler().sample(batch, batch_params, [3, 0, step_index, 1, 8, 2]).token_ids[2]
+        in_batch = sample_ids(batch, batch_params, [3, 0, step_index, 1, 8, 2])[2]
         assert in_batch == alone
 
 
 def test_seeded_draws_vary_with_the_step_and_repeat_on_recompute():
     row = torch.zeros(1, VOCAB_SIZE)  # uniform: every token equally likely
     seeded = SamplingParams(temperature=1.0, seed=5)
-    first_pass = [Sampler().sample(row, [seeded], [step]).token_ids[0] for step in range(30)]
-    recomputed = [Sampler().sample(row, [seeded], [step]).token_ids[0] for step in range(30)]
+    first_pass = [sample_ids(row, [seeded], [step])[0] for step in range(30)]
+    recomputed = [sample_ids(row, [seeded], [step])[0] for step in range(30)]
     assert first_pass == recomputed
     assert len(set(first_pass)) > 10
 
 
 def test_different_seeds_give_different_draws():
     row = torch.zeros(1, VOCAB_SIZE)
-    draws = {Sampler().sample(row, [SamplingParams(seed=seed)], [0]).token_ids[0] for seed in range(30)}
+    draws = {sample_ids(row, [SamplingParams(seed=seed)], [0])[0] for seed in range(30)}
     assert len(draws) > 10
 
 
@@ -140,19 +155,103 @@ def test_low_temperature_concentrates_on_the_top_token():
 def test_logprobs_are_the_raw_log_softmax_of_the_sampled_token():
     logits = random_logits(6)
     params = [SamplingParams(temperature=t, top_k=4, logprobs=True) for t in (0.0, 0.5, 1.0, 2.0, 1.0, 0.0)]
-    output = Sampler().sample(logits, params, [0] * 6)
+    output = sample(logits, params, [0] * 6)
     expected = logits.log_softmax(dim=-1)
-    for row, (token_id, logprob) in enumerate(zip(output.token_ids, output.logprobs)):
+    for row, (token_id, logprob) in enumerate(zip(output.token_ids.tolist(), output.logprobs.tolist())):
         assert logprob <= 0.0
         assert math.isclose(logprob, expected[row, token_id].item(), rel_tol=1e-6, abs_tol=1e-6)
 
 
-def test_logprobs_are_none_for_rows_that_did_not_ask():
-    params = [SamplingParams(logprobs=flag) for flag in (True, False, True)]
-    output = Sampler().sample(random_logits(3), params, [0] * 3)
-    assert [logprob is None for logprob in output.logprobs] == [False, True, False]
+def test_logprobs_are_computed_only_when_a_row_asks():
+    assert sample(random_logits(3), [SamplingParams()] * 3, [0] * 3).logprobs is None
+    assert sample(random_logits(3), [SamplingParams(logprobs=flag) for flag in (True, False, True)],
+                  [0] * 3).logprobs.shape == (3,)
 
 
 def test_mismatched_batch_lengths_are_rejected():
-    with pytest.raises(ValueError, match="3 logit rows, 2 sampling params"):
-        Sampler().sample(random_logits(3), [SamplingParams()] * 2, [0] * 3)
+    batch = SamplingBatch.of(SamplingArrays.of([SamplingParams()] * 2, VOCAB_SIZE), np.zeros(2), "cpu")
+    with pytest.raises(ValueError, match="3 logit rows for a sampling batch of 2 rows"):
+        Sampler().sample(random_logits(3), batch)
+
+
+def test_a_whole_mixed_batch_samples_without_reading_a_tensor_on_the_host():
+    # Meta tensors have shapes but no data: .item(), .tolist(), bool() or a data-dependent
+    # shape (boolean masks, nonzero) raise. What runs here never waits for a GPU either.
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5, seed=3),
+              SamplingParams(top_p=0.9, min_p=0.1), SamplingParams(seed=-7, logprobs=True)]
+    arrays = SamplingArrays.of(params, VOCAB_SIZE)
+    batch = SamplingBatch.of(arrays, np.arange(4), "meta")
+    output = Sampler().sample(torch.empty(4, VOCAB_SIZE, device="meta"), batch)
+    assert output.token_ids.shape == (4,) and output.logprobs.shape == (4,)
+    assert output.top_token_ids is None
+    # Rows that ask for logit_bias and alternatives add work, still without a host read.
+    params[1] = SamplingParams(temperature=0.8, logit_bias=((3, 5.0),), top_logprobs=4)
+    output = Sampler().sample(torch.empty(4, VOCAB_SIZE, device="meta"),
+                              SamplingBatch.of_params(params, range(4), VOCAB_SIZE, "meta"))
+    assert output.top_token_ids.shape == output.top_logprobs.shape == (4, 4)
+
+
+class History:
+    def __init__(self, prompt_token_ids, output_token_ids):
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids = output_token_ids
+
+
+def test_penalties_count_an_output_token_still_in_flight_as_history():
+    # Async scheduling: the token sampled by the step in flight is on the device only.
+    logits = random_logits(3, seed=5)
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    known = [History([1, 2], [7, 9]), History([3], []), History([4], [8])]
+    with_pending = [History([1, 2], [7, 9, 9]), History([3], []), History([4], [8])]
+    arrays = SamplingArrays.of(params, VOCAB_SIZE)
+
+    def processed_logits(histories, pending):
+        return apply_logits_processors(logits, params, histories, pending)
+
+    pending = torch.tensor([9, -1, -1])
+    assert torch.equal(processed_logits(known, pending), processed_logits(with_pending, None))
+    batch = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(params, known, pending))
+    expected = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(params, with_pending))
+    assert torch.equal(Sampler().sample(logits, batch).token_ids, Sampler().sample(logits, expected).token_ids)
+
+
+def test_top_logprobs_are_the_raw_logits_best_and_only_computed_when_a_row_asks():
+    logits = random_logits(3, seed=2)
+    assert sample(logits, [SamplingParams(temperature=0.0, logprobs=True)] * 3, [0] * 3).top_token_ids is None
+    params = [SamplingParams(temperature=0.0, top_logprobs=3, logit_bias=((0, 50.0),)), SamplingParams(),
+              SamplingParams(temperature=0.0, top_logprobs=2)]
+    output = sample(logits, params, [0] * 3)
+    values, ids = logits.log_softmax(dim=-1).topk(3, dim=-1)  # of the raw logits: before the bias
+    assert torch.equal(output.top_token_ids, ids) and torch.allclose(output.top_logprobs, values)
+    assert output.token_ids[0].item() == 0  # the bias did move the sample
+    assert output.token_ids[2].item() == output.top_token_ids[2, 0].item()  # greedy: the best alternative
+    assert output.logprobs[2].item() == pytest.approx(values[2, 0].item(), abs=1e-6)
+
+
+def test_top_k_of_the_whole_vocabulary_or_more_is_off():
+    arrays = SamplingArrays.of([SamplingParams(top_k=VOCAB_SIZE), SamplingParams(top_k=10**6), SamplingParams(top_k=0)],
+                               VOCAB_SIZE)
+    assert arrays.top_k.tolist() == [0, 0, 0]
+
+
+def test_seeded_noise_depends_on_seed_step_and_token_only():
+    seeds = torch.tensor([5, 5, 6, 2**63 - 1, -(2**63)])
+    steps = torch.tensor([0, 1, 0, 7, 7])
+    noise = exponential_noise(seeds, steps, 1000)
+    # The same (seed, step) in another batch, at another row, gives the same noise.
+    assert torch.equal(exponential_noise(seeds[[3, 0]], steps[[3, 0]], 1000), noise[[3, 0]])
+    # Another step or another seed gives unrelated noise.
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
+
+
+def test_seeded_noise_is_exponentially_distributed():
+    noise = exponential_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096).flatten()
+    # Exp(1): mean 1, variance 1, P(E > 1) = 1/e; 262k draws pin each within a percent.
+    assert abs(noise.mean().item() - 1.0) < 0.01
+    assert abs(noise.var().item() - 1.0) < 0.02
+    assert abs((noise > 1.0).float().mean().item() - math.exp(-1)) < 0.005
+    # Neighbouring tokens are uncorrelated.
+    assert abs(torch.corrcoef(torch.stack([noise[:-1], noise[1:]]))[0, 1].item()) < 0.01

@@ -1,11 +1,13 @@
 """Property tests: random request mixes, budgets, pool sizes, policies, admission modes and aborts never break
-the engine's invariants, never leak a block, and never change a request's output."""
+the engine's invariants, never leak a block, and never change a request's output, with
+steps run one after the other or overlapped (step N+1 scheduled before N's tokens land)."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
-from sched_harness import draw_prompt, make_request, make_scheduler, reference_outputs, run_step
+from sched_harness import (draw_prompt, make_request, make_scheduler, reference_outputs, run_overlapped_step,
+                           run_step)
 
 from replica.request import RequestStatus
 
@@ -44,11 +46,12 @@ def scenarios(draw):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_random_workloads_keep_every_invariant_and_every_output(scenario):
+@given(scenarios(), st.booleans())
+def test_random_workloads_keep_every_invariant_and_every_output(scenario, overlapped):
     config, specs = scenario
     scheduler = make_scheduler(**config)
     requests = {}
+    in_flight = None
     for step in range(5000):
         for request_id, prompt, max_tokens, priority, arrival_step, abort_step in specs:
             if arrival_step == step:
@@ -60,9 +63,15 @@ def test_random_workloads_keep_every_invariant_and_every_output(scenario):
                 scheduler.check_invariants()
         if len(requests) == len(specs) and not scheduler.has_unfinished_requests():
             break
-        run_step(scheduler)  # asserts budget, max_num_seqs, sampling rule and block invariants
+        if overlapped:  # asserts the inputs it needs are known or pending, budget and block invariants
+            in_flight = run_overlapped_step(scheduler, in_flight)
+        else:
+            run_step(scheduler)  # asserts budget, max_num_seqs, sampling rule and block invariants
     else:
         raise AssertionError("a request is stuck")
+    if in_flight is not None:  # the last overlapped step only held finished requests
+        assert not scheduler.update(*in_flight)
+    assert all(request.num_pending_tokens == 0 for request, _ in requests.values())
 
     target(float(scheduler.counters.preemptions), label="preemptions")  # steer towards memory pressure
     kv_cache = scheduler.kv_cache

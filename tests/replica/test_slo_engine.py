@@ -1,6 +1,7 @@
 """SLO preemption with the built-in model: a real monitor thread aborts a running prefill's
 forward pass at a layer boundary so an urgent request gets its first token first, and the
-aborted work changes no output; stale orders and stubborn passes never abort."""
+aborted work changes no output; stale orders and stubborn passes never abort.
+HEADROOM_TEST_DEVICE=cuda runs the engines on a GPU."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ MONITOR_PATIENCE_S = 5.0  # generous: the monitor polls every 2 ms, but the CPU 
 def make_engine(policy: str, **overrides) -> LLMEngine:
     config = dict(scheduling_policy=policy, max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=64)
     config.update(overrides)
-    return LLMEngine(make_engine_config(**config), "builtin", device="cpu")
+    return LLMEngine(make_engine_config(**config), "builtin", device=os.environ.get("HEADROOM_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,129 @@
+"""Sizes the KV pool on a GPU from a profiling run, as vLLM's gpu_memory_utilization does.
+
+The engine may use `gpu_memory_utilization` of the device's total memory. A profiling run
+executes the largest step the scheduler can form (max_num_batched_tokens prompt tokens,
+then logits and sampling for max_num_seqs rows with every filter on) and measures its peak
+activation memory; the KV pool gets what is left after the weights, that peak and the
+memory torch does not manage (the CUDA context, other processes).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from replica.attention import AttentionMetadata, allocate_kv_cache
+from replica.config import ConfigError, EngineConfig
+from replica.executor.sampler import Sampler, SamplingBatch
+from replica.model import LlamaForCausalLM, ModelConfig
+from replica.request import MAX_TOP_LOGPROBS, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Every filter on and every row seeded: the sampler's most memory-hungry path.
+_WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=True,
+                                      top_logprobs=MAX_TOP_LOGPROBS)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a profiling run measured on the device, in bytes."""
+
+    total: int
+    free: int  # after the run, with torch's cache emptied
+    reserved: int  # held by torch's allocator after the run
+    weights: int  # allocated before the run: the weights
+    peak_activations: int  # the run's peak above the weights (its scratch KV cache excluded)
+
+    @property
+    def non_torch(self) -> int:
+        """The CUDA context and other processes: used memory torch's allocator does not hold."""
+        return self.total - self.free - self.reserved
+
+    def kv_cache_bytes(self, utilization: float) -> int:
+        """The engine's share of the device minus everything else it needs."""
+        return int(self.total * utilization) - self.weights - self.peak_activations - self.non_torch
+
+    def num_kv_blocks(self, utilization: float, bytes_per_block: int, min_blocks: int) -> int:
+        """KV blocks that fit; ConfigError (naming gpu_memory_utilization) below min_blocks."""
+        budget = max(self.kv_cache_bytes(utilization), 0)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < min_blocks:
+            gib = 2**30
+            raise ConfigError(
+                f"gpu_memory_utilization: {utilization} of {self.total / gib:.1f} GiB leaves {budget / gib:.2f} GiB "
+                f"for the KV cache after weights ({self.weights / gib:.2f} GiB), peak activations "
+                f"({self.peak_activations / gib:.2f} GiB) and memory outside torch ({self.non_torch / gib:.2f} GiB): "
+                f"{num_blocks} blocks, but one max_model_len sequence needs {min_blocks}"
+            )
+        return num_blocks
+
+
+def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of one block, across all layers."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
+            * model_config.head_dim * element_size)
+
+
+@torch.inference_mode()
+def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                device: torch.device) -> int:
+    """Run the largest step once on dummy inputs; returns the bytes of the scratch KV cache
+    it allocated (part of the measured peak, but not activation memory)."""
+    num_tokens, max_len, block_size = config.max_num_batched_tokens, config.max_model_len, config.block_size
+    seq_lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+    blocks_per_seq = [-(-length // block_size) for length in seq_lens]
+    table = np.zeros((len(seq_lens), max(blocks_per_seq)), dtype=np.int32)
+    next_block = 1  # block 0 is the null block
+    for row, num_blocks in enumerate(blocks_per_seq):
+        table[row, :num_blocks] = np.arange(next_block, next_block + num_blocks)
+        next_block += num_blocks
+    positions = np.concatenate([np.arange(length) for length in seq_lens])
+    rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    dtype = next(model.parameters()).dtype
+    kv_caches = allocate_kv_cache(model_config.num_hidden_layers, next_block, block_size,
+                                  model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(table).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        max_query_len=max(seq_lens),
+        max_seq_len=max(seq_lens),
+    )
+    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                   torch.from_numpy(positions).to(device), kv_caches, metadata)
+    num_rows = min(config.max_num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[:num_rows])
+    Sampler().sample(logits, SamplingBatch.of_params([_WORST_CASE_SAMPLING] * num_rows, [0] * num_rows,
+                                                     model_config.vocab_size, device))
+    return next_block * kv_cache_bytes_per_block(model_config, block_size, dtype)
+
+
+def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                          device: torch.device) -> int:
+    """KV blocks (the null block included) that fit the engine's share of the GPU."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
+    scratch_kv_bytes = profile_run(model, model_config, config, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_kv_bytes
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    profile = MemoryProfile(total, free, torch.cuda.memory_reserved(device), weights, peak)
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, next(model.parameters()).dtype)
+    num_blocks = profile.num_kv_blocks(config.gpu_memory_utilization, per_block,
+                                       min_blocks=-(-config.max_model_len // config.block_size) + 1)
+    gib = 2**30
+    logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (%.2f of %.1f GiB; weights %.2f GiB, "
+                "peak activations %.2f GiB, outside torch %.2f GiB)", num_blocks, config.block_size,
+                num_blocks * per_block / gib, config.gpu_memory_utilization, total / gib, weights / gib,
+                peak / gib, profile.non_torch / gib)
+    return num_blocks

@@ -1,0 +1,443 @@
+"""Turns a SchedulerOutput into one forward pass and one sampled token per request that
+caught up, with inputs prepared for replay.
+
+Inputs live in persistent device buffers filled by one non-blocking copy per step from
+(pinned) host memory; block tables stay on the device and change by the blocks a step adds;
+decode-only steps replay a CUDA graph captured for their padded batch size (on CUDA,
+unless `enforce_eager`); sampling runs on the device and its token ids come back with one
+asynchronous copy. `launch` queues a step and returns at once; `StepInFlight.result()`
+waits for its tokens, so the engine can schedule the next step in between.
+
+Padded rows of a graph batch are harmless: slot -1 (the KV write skips it), sequence
+length 1 on the null block 0 (attention stays finite), never sampled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from replica.attention import AttentionMetadata, allocate_kv_cache
+from replica.config import EngineConfig
+from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
+from replica.executor.request_rows import RequestRows
+from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch, batch_facts
+from replica.executor.staging import StagedField, StagedInputs
+from replica.logits_processors import TopLogprobs
+from replica.model import LlamaForCausalLM, ModelConfig
+from replica.request import MAX_TOP_LOGPROBS
+from replica.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One sampled token (and its logprobs when asked) per request that caught up this step."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, Optional[float]]
+    top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # only requests that asked
+
+
+@dataclass
+class StepInFlight:
+    """A step queued on the device; result() waits for its sampled tokens."""
+
+    request_ids: list[str]  # of the rows that sample, in sampling order
+    wants_logprobs: list[bool]
+    token_ids: Optional[torch.Tensor] = None  # host (pinned on CUDA) int64 [rows]
+    logprobs: Optional[torch.Tensor] = None  # host float32 [rows], when any row asked
+    num_top_logprobs: Optional[list[int]] = None  # alternatives each row asked for, when any did
+    top_token_ids: Optional[torch.Tensor] = None  # host int64 [rows, max asked]
+    top_logprobs: Optional[torch.Tensor] = None  # host float32 [rows, max asked]
+    done: Optional[torch.cuda.Event] = None
+    graph_batch_size: Optional[int] = None  # the padded size replayed, None for an eager pass
+    launch_s: float = 0.0  # host time launch() took: input preparation and kernel launches
+    wait_s: float = field(default=0.0)  # host time result() spent waiting for the device
+
+    def result(self) -> ModelRunnerOutput:
+        if not self.request_ids:
+            return ModelRunnerOutput({}, {})
+        if self.done is not None:
+            start = time.perf_counter()
+            self.done.synchronize()
+            self.wait_s = time.perf_counter() - start
+        token_ids = self.token_ids.tolist()
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(token_ids)
+        return ModelRunnerOutput(
+            dict(zip(self.request_ids, token_ids)),
+            {request_id: logprob if wanted else None
+             for request_id, logprob, wanted in zip(self.request_ids, logprobs, self.wants_logprobs)},
+            self._top_logprobs(),
+        )
+
+    def _top_logprobs(self) -> dict[str, TopLogprobs]:
+        if self.num_top_logprobs is None:
+            return {}
+        return {request_id: TopLogprobs(ids[:count], values[:count])
+                for request_id, count, ids, values in zip(self.request_ids, self.num_top_logprobs,
+                                                          self.top_token_ids.tolist(), self.top_logprobs.tolist())
+                if count}
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                 device: torch.device, *, cuda_graphs: bool = False):
+        """cuda_graphs: capture decode graphs now (CUDA only; the engine decides from
+        enforce_eager, the device and whether the attention backend is graph-safe)."""
+        self.model = model
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_cache(
+            model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
+            model_config.num_key_value_heads, model_config.head_dim, self.dtype, self.device,
+        )
+        max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.rows = RequestRows(self.max_num_seqs, max_blocks_per_seq, model_config.vocab_size, self.device)
+        # Room for a step's block-table changes in the one copy: every token of the budget
+        # opening a block, plus a few whole tables of admissions; more goes in a second copy.
+        self.block_change_capacity = self.max_num_tokens // self.block_size + 8 * max_blocks_per_seq + self.max_num_seqs
+        self.staged = StagedInputs(self._staged_fields(), self.device)
+        self.batch_block_tables = torch.zeros((self.max_num_seqs, max_blocks_per_seq), dtype=torch.int32,
+                                              device=self.device)
+        # Each row's latest sampled token, on the device: with overlapped scheduling a decode's
+        # input token is sampled by the step before it and never visits the host first.
+        self.last_token_by_row = torch.zeros(self.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self.sampler = Sampler()
+        on_cuda = self.device.type == "cuda"
+        self._host_token_ids = [torch.zeros(self.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
+                                for _ in range(2)]
+        self._host_logprobs = [torch.zeros(self.max_num_seqs, dtype=torch.float32, pin_memory=on_cuda)
+                               for _ in range(2)]
+        # Flat, so that [rows, k] is a contiguous view whatever k: the target of one async copy.
+        self._host_top_token_ids = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.int64,
+                                                pin_memory=on_cuda) for _ in range(2)]
+        self._host_top_logprobs = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.float32,
+                                               pin_memory=on_cuda) for _ in range(2)]
+        self._num_launched = 0
+        self.decode_sizes: list[int] = []
+        self.graphs: Optional[DecodeGraphs] = None
+        if cuda_graphs:
+            if not on_cuda:
+                raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+            self.enable_decode_padding()
+            self.graphs = DecodeGraphs(self._decode_forward, self.decode_sizes, model_config.hidden_size,
+                                       self.dtype, self.device)
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    def _staged_fields(self) -> list[StagedField]:
+        tokens, seqs = self.max_num_tokens, self.max_num_seqs
+        return [
+            StagedField("input_ids", torch.int64, tokens),
+            StagedField("positions", torch.int64, tokens),
+            StagedField("slot_mapping", torch.int64, tokens),
+            StagedField("query_start_loc", torch.int32, seqs + 1),
+            StagedField("seq_lens", torch.int32, seqs),
+            StagedField("batch_rows", torch.int64, seqs),  # each sequence's row: its block table
+            StagedField("pending_token_index", torch.int64, seqs),  # inputs whose id is on the device...
+            StagedField("pending_rows", torch.int64, seqs),  # ...as the latest sample of these rows
+            StagedField("logits_indices", torch.int64, seqs),  # hidden rows that sample
+            StagedField("sample_rows", torch.int64, seqs),
+            StagedField("temperature", torch.float32, seqs),
+            StagedField("top_k", torch.int32, seqs),
+            StagedField("top_p", torch.float32, seqs),
+            StagedField("min_p", torch.float32, seqs),
+            StagedField("seeded_rows", torch.int64, seqs),
+            StagedField("seeds", torch.int64, seqs),
+            StagedField("seed_steps", torch.int64, seqs),
+            # Variable length, so last: the copy stops where the step's changes end.
+            StagedField("block_changes", torch.int32, 2 * self.block_change_capacity),
+        ]
+
+    def enable_decode_padding(self) -> None:
+        """Pad decode-only steps to the capture ladder, as graph replays need. Graphs turn
+        it on; on its own (any device) it runs the padded pass eagerly, which lets a CPU
+        test check that padding changes no output."""
+        self.decode_sizes = capture_sizes(self.max_num_seqs, self.max_num_tokens)
+        views = self.staged.host_views()
+        self._pad_decode_rows(views, 0, max(self.decode_sizes))
+        self.staged.send()
+        torch.index_select(self.rows.block_tables.device, 0,
+                           self.staged.device_views["batch_rows"][:max(self.decode_sizes)],
+                           out=self.batch_block_tables[:max(self.decode_sizes)])
+
+    # ---- one step ----------------------------------------------------------------------
+    def execute(self, scheduler_output: SchedulerOutput,
+                layer_hook: Optional[Callable[[int], None]] = None) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.launch(scheduler_output, layer_hook).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput,
+               layer_hook: Optional[Callable[[int], None]] = None) -> StepInFlight:
+        """Queue one step's forward pass and sampling; returns without waiting for them.
+        layer_hook(i) runs before decoder layer i; a step with a hook always runs eagerly."""
+        rows = self.rows
+        for request_id in scheduler_output.finished_req_ids:
+            rows.remove(request_id)
+        for request_id in scheduler_output.preempted_req_ids:
+            rows.remove(request_id)
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return StepInFlight([], [])
+        start = time.perf_counter()
+        step = self._prepare(scheduled, graphable=layer_hook is None)
+        hidden = self._forward(step, layer_hook)
+        in_flight = self._sample(step, hidden, scheduled)
+        in_flight.launch_s = time.perf_counter() - start
+        return in_flight
+
+    def _prepare(self, scheduled: list[ScheduledRequest], graphable: bool) -> "_StepPlan":
+        """Fill the host staging buffer for this step and send it (one copy)."""
+        rows = self.rows
+        block_tables = rows.block_tables
+        for entry in scheduled:  # admissions and new blocks: a few entries per step
+            if entry.is_new:
+                rows.add(entry.request, entry.new_block_ids)
+            elif entry.new_block_ids:
+                block_tables.append(rows.row_of[entry.request.request_id], entry.new_block_ids)
+
+        num_seqs = len(scheduled)
+        row_of = rows.row_of
+        seq_rows = np.fromiter((row_of[entry.request.request_id] for entry in scheduled), np.int64, num_seqs)
+        query_lens = np.fromiter((entry.num_new_tokens for entry in scheduled), np.int64, num_seqs)
+        start_list = [entry.start_pos for entry in scheduled]
+        starts = np.array(start_list, dtype=np.int64)
+        token_lists = [entry.request.all_token_ids for entry in scheduled]
+        # A token the host does not have yet (a position past the request's known tokens)
+        # is the one the previous, still running, step samples: overlapped scheduling.
+        known_lens = np.fromiter(map(len, token_lists), np.int64, num_seqs)
+        pending = starts >= known_lens
+        seq_lens = starts + query_lens
+        max_query_len = int(query_lens.max())
+        decode_only = max_query_len == 1
+
+        views = self.staged.host_views()
+        query_start_loc = views["query_start_loc"][: num_seqs + 1]
+        query_start_loc[0] = 0
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        if decode_only:
+            views["input_ids"][:num_tokens] = [tokens[start] if start < len(tokens) else 0
+                                               for tokens, start in zip(token_lists, start_list)]
+            positions, token_rows = starts, seq_rows
+        else:
+            views["input_ids"][:num_tokens] = list(itertools.chain.from_iterable(
+                tokens[start:start + count] if start < len(tokens) else (0,)
+                for tokens, start, count in zip(token_lists, start_list, query_lens.tolist())))
+            token_seq = np.repeat(np.arange(num_seqs), query_lens)
+            positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts[token_seq]
+            token_rows = seq_rows[token_seq]
+        views["positions"][:num_tokens] = positions
+        block_size = self.block_size
+        views["slot_mapping"][:num_tokens] = (block_tables.host[token_rows, positions // block_size].astype(np.int64)
+                                              * block_size + positions % block_size)
+        views["seq_lens"][:num_seqs] = seq_lens
+        views["batch_rows"][:num_seqs] = seq_rows
+        pending_seqs = np.flatnonzero(pending)
+        views["pending_token_index"][: len(pending_seqs)] = query_start_loc[pending_seqs]
+        views["pending_rows"][: len(pending_seqs)] = seq_rows[pending_seqs]
+
+        graph_size = None
+        if decode_only and graphable and self.decode_sizes:
+            graph_size = padded_batch_size(self.decode_sizes, num_seqs)
+            if graph_size is not None:
+                self._pad_decode_rows(views, num_seqs, graph_size)
+
+        sampling_seqs = np.flatnonzero(np.fromiter((entry.samples for entry in scheduled), bool, num_seqs))
+        sample_rows = seq_rows[sampling_seqs]
+        num_samples = len(sampling_seqs)
+        views["logits_indices"][:num_samples] = query_start_loc[sampling_seqs + 1] - 1
+        views["sample_rows"][:num_samples] = sample_rows
+        sampling = rows.sampling.take(sample_rows)
+        views["temperature"][:num_samples] = sampling.temperature
+        views["top_k"][:num_samples] = sampling.top_k
+        views["top_p"][:num_samples] = sampling.top_p
+        views["min_p"][:num_samples] = sampling.min_p
+        seeded = np.flatnonzero(sampling.has_seed)
+        views["seeded_rows"][: len(seeded)] = seeded
+        views["seeds"][: len(seeded)] = sampling.seed[seeded]
+        # A seeded draw is keyed by the index of the output token it produces.
+        views["seed_steps"][: len(seeded)] = (seq_lens[sampling_seqs[seeded]]
+                                              - rows.num_prompt_tokens[sample_rows[seeded]])
+
+        change_index, change_ids = block_tables.take_changes()
+        num_changes = len(change_index)
+        staged_changes = min(num_changes, self.block_change_capacity)
+        changes = views["block_changes"]
+        changes[:staged_changes] = change_index[:staged_changes]
+        changes[staged_changes:2 * staged_changes] = change_ids[:staged_changes]
+        self.staged.send(self.staged.end_of("block_changes", 2 * staged_changes))
+        if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
+            block_tables.apply_on_device(self._to_device(change_index[staged_changes:]),
+                                         self._to_device(change_ids[staged_changes:]))
+        facts = batch_facts(sampling)
+        processed_rows = None
+        if sampling.processed.any():  # logit_bias or penalties: only such batches build this
+            # A sampling sequence runs past its known tokens by the one still being sampled.
+            processed_rows = np.where(seq_lens[sampling_seqs] > known_lens[sampling_seqs], sample_rows, -1)
+        return _StepPlan(
+            num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()), graph_size=graph_size, num_pending=len(pending_seqs),
+            num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=len(seeded),
+            facts=facts, wants_logprobs=sampling.logprobs.tolist(),
+            num_top_logprobs=sampling.top_logprobs.tolist() if facts["max_top_logprobs"] else None,
+            pending_rows_of_samples=processed_rows,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A copy outside the staged buffer, still asynchronous: a pageable copy would wait
+        for the step in flight."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
+        """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot
+        -1) and attends to one slot of the null block, so it stays finite and costs nothing."""
+        views["input_ids"][start:end] = 0
+        views["positions"][start:end] = 0
+        views["slot_mapping"][start:end] = -1
+        views["seq_lens"][start:end] = 1
+        views["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+        views["batch_rows"][start:end] = self.rows.null_row
+
+    def _forward(self, step: "_StepPlan", layer_hook: Optional[Callable[[int], None]]) -> torch.Tensor:
+        device_views = self.staged.device_views
+        block_tables = self.rows.block_tables
+        if step.num_staged_changes:
+            changes = device_views["block_changes"]
+            block_tables.apply_on_device(changes[:step.num_staged_changes],
+                                         changes[step.num_staged_changes:2 * step.num_staged_changes])
+        num_seqs = step.graph_size or step.num_seqs
+        torch.index_select(block_tables.device, 0, device_views["batch_rows"][:num_seqs],
+                           out=self.batch_block_tables[:num_seqs])
+        if step.num_pending:
+            input_ids = device_views["input_ids"]
+            input_ids.index_copy_(0, device_views["pending_token_index"][:step.num_pending],
+                                  self.last_token_by_row.index_select(0, device_views["pending_rows"][:step.num_pending]))
+        if step.graph_size is not None:
+            if self.graphs is not None:
+                return self.graphs.replay(step.graph_size)
+            return self._decode_forward(step.graph_size)
+        metadata = AttentionMetadata(
+            query_start_loc=device_views["query_start_loc"][:step.num_seqs + 1],
+            seq_lens=device_views["seq_lens"][:step.num_seqs],
+            block_tables=self.batch_block_tables[:step.num_seqs],
+            slot_mapping=device_views["slot_mapping"][:step.num_tokens],
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+        )
+        return self.model(device_views["input_ids"][:step.num_tokens], device_views["positions"][:step.num_tokens],
+                          self.kv_caches, metadata, layer_hook)
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The forward pass a decode graph of `size` rows captures. Its metadata holds only
+        bounds that do not depend on the batch (max_query_len 1, max_seq_len max_model_len);
+        the kernels read the real lengths on the device."""
+        device_views = self.staged.device_views
+        metadata = AttentionMetadata(
+            query_start_loc=device_views["query_start_loc"][:size + 1],
+            seq_lens=device_views["seq_lens"][:size],
+            block_tables=self.batch_block_tables[:size],
+            slot_mapping=device_views["slot_mapping"][:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+        return self.model(device_views["input_ids"][:size], device_views["positions"][:size], self.kv_caches,
+                          metadata)
+
+    def _sample(self, step: "_StepPlan", hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> StepInFlight:
+        num_samples = len(step.sampling_seqs)
+        if not num_samples:
+            return StepInFlight([], [], graph_batch_size=step.graph_size)
+        device_views = self.staged.device_views
+        logits = self.model.compute_logits(hidden.index_select(0, device_views["logits_indices"][:num_samples]))
+        batch = SamplingBatch(
+            temperature=device_views["temperature"][:num_samples],
+            top_k=device_views["top_k"][:num_samples],
+            top_p=device_views["top_p"][:num_samples],
+            min_p=device_views["min_p"][:num_samples],
+            seeds=device_views["seeds"][:step.num_seeded],
+            seeded_rows=device_views["seeded_rows"][:step.num_seeded],
+            step_indices=device_views["seed_steps"][:step.num_seeded],
+            **step.facts,
+            processors=self._logits_processing(step, scheduled),
+        )
+        sampled = self.sampler.sample(logits, batch)
+        self.last_token_by_row.index_copy_(0, device_views["sample_rows"][:num_samples], sampled.token_ids)
+        # Two host buffers alternate: with overlapped scheduling the next step's copy lands
+        # while this step's tokens are still being read.
+        slot = self._num_launched % 2
+        self._num_launched += 1
+        host_token_ids = self._host_token_ids[slot][:num_samples]
+        host_token_ids.copy_(sampled.token_ids, non_blocking=True)
+        host_logprobs = None
+        if sampled.logprobs is not None:
+            host_logprobs = self._host_logprobs[slot][:num_samples]
+            host_logprobs.copy_(sampled.logprobs, non_blocking=True)
+        host_top_token_ids = host_top_logprobs = None
+        if sampled.top_token_ids is not None:
+            shape = sampled.top_token_ids.shape
+            host_top_token_ids = self._host_top_token_ids[slot][:shape.numel()].view(shape)
+            host_top_token_ids.copy_(sampled.top_token_ids, non_blocking=True)
+            host_top_logprobs = self._host_top_logprobs[slot][:shape.numel()].view(shape)
+            host_top_logprobs.copy_(sampled.top_logprobs, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return StepInFlight(
+            [scheduled[index].request.request_id for index in step.sampling_seqs.tolist()],
+            step.wants_logprobs, host_token_ids, host_logprobs, step.num_top_logprobs, host_top_token_ids,
+            host_top_logprobs, done, step.graph_size,
+        )
+
+    def _logits_processing(self, step: "_StepPlan", scheduled: list[ScheduledRequest]) -> Optional[LogitsProcessing]:
+        """logit_bias and penalties of a batch where some row has them: the rows' parameters and
+        token histories, and (async scheduling) the output token each history still lacks,
+        read on the device from the rows' latest samples."""
+        if step.pending_rows_of_samples is None:
+            return None
+        requests = [scheduled[index].request for index in step.sampling_seqs.tolist()]
+        pending_token_ids = None
+        pending_rows = step.pending_rows_of_samples
+        if (pending_rows >= 0).any():
+            rows = self._to_device(pending_rows)
+            pending_token_ids = torch.where(rows >= 0, self.last_token_by_row.index_select(0, rows.clamp(min=0)), -1)
+        return LogitsProcessing([request.sampling_params for request in requests], requests, pending_token_ids)
+
+
+@dataclass
+class _StepPlan:
+    """What the host decided for one step, for the device half of the launch."""
+
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    graph_size: Optional[int]  # padded decode batch size, None for an eager pass
+    num_pending: int
+    num_staged_changes: int
+    sampling_seqs: np.ndarray
+    num_seeded: int
+    facts: dict
+    wants_logprobs: list[bool]
+    num_top_logprobs: Optional[list[int]]  # per sampling row, when any asks for alternatives
+    # Per sampling row when some row has logit_bias or penalties: the row whose latest sample
+    # its history lacks (still in flight), -1 where the host has every token.
+    pending_rows_of_samples: Optional[np.ndarray]

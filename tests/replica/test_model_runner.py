@@ -1,0 +1,258 @@
+"""The model runner's replay machinery on the CPU: the CUDA-graph size ladder and padding
+choice, the staged-input buffer and its single copy, device block tables kept by
+incremental changes, the staged inputs of real scheduler steps against a plain
+flattening, and the memory profile that sizes the KV pool."""
+
+from __future__ import annotations
+
+import random
+
+import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica.model.registry import resolve_model_path
+from replica.config import ConfigError, make_engine_config
+from replica.executor.block_table import BlockTables
+from replica.executor.cuda_graphs import capture_sizes, padded_batch_size
+from replica.executor.memory_profile import MemoryProfile, kv_cache_bytes_per_block, profile_run
+from replica.executor.model_runner import ModelRunner
+from replica.executor.staging import FIELD_ALIGNMENT, StagedField, StagedInputs
+from replica.model import load_model
+from replica.request import Request, SamplingParams
+from replica.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def builtin_model():
+    return load_model(resolve_model_path("builtin"), device="cpu")
+
+
+# ---- the graph ladder ------------------------------------------------------------------
+@pytest.mark.parametrize("max_num_seqs, budget, expected", [
+    (256, 2048, [1, 2, 4] + list(range(8, 257, 8))),
+    (20, 2048, [1, 2, 4, 8, 16, 20]),
+    (256, 12, [1, 2, 4, 8, 12]),
+    (1, 2048, [1]),
+    (4096, 8192, [1, 2, 4] + list(range(8, 513, 8))),
+])
+def test_capture_ladder_is_1_2_4_then_multiples_of_8_up_to_the_largest_decode_batch(max_num_seqs, budget, expected):
+    assert capture_sizes(max_num_seqs, budget) == expected
+
+
+def test_a_decode_batch_pads_to_the_smallest_captured_size_that_holds_it():
+    sizes = capture_sizes(20, 2048)
+    assert [padded_batch_size(sizes, n) for n in (1, 3, 4, 5, 9, 16, 17, 20, 21)] == [1, 4, 4, 8, 16, 16, 20, 20, None]
+
+
+# ---- staged inputs -----------------------------------------------------------------------
+def test_staged_fields_are_aligned_typed_views_and_a_send_copies_only_what_it_is_told():
+    staged = StagedInputs([StagedField("ids", torch.int64, 5), StagedField("lens", torch.int32, 3),
+                           StagedField("temps", torch.float32, 4)], torch.device("cpu"))
+    assert all(offset % FIELD_ALIGNMENT == 0 for offset in staged.offsets.values())
+    views = staged.host_views()
+    views["ids"][:] = [1, 2, 3, 4, 5]
+    views["lens"][:] = [7, 8, 9]
+    views["temps"][:] = 0.5
+    staged.send(staged.end_of("lens", 2))  # the ids and two of the lens; not the temps
+    device = staged.device_views
+    assert device["ids"].tolist() == [1, 2, 3, 4, 5] and device["lens"].tolist() == [7, 8, 0]
+    assert device["temps"].tolist() == [0.0] * 4 and device["temps"].dtype == torch.float32
+    # The next step fills the other host buffer; the first one's contents stay as sent.
+    other = staged.host_views()
+    assert other["ids"].tolist() == [0] * 5 and views["ids"].tolist() == [1, 2, 3, 4, 5]
+
+
+# ---- device block tables ------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "append"]), st.integers(0, 3), st.integers(0, 4)),
+                min_size=1, max_size=30))
+def test_device_block_tables_kept_by_changes_equal_tables_rebuilt_from_scratch(operations):
+    tables = BlockTables(num_rows=4, max_blocks_per_row=12, device=torch.device("cpu"))
+    expected = {row: [] for row in range(4)}
+    next_block = iter(range(1, 10_000))
+    for operation, row, count in operations:
+        blocks = [next(next_block) for _ in range(count)]
+        if operation == "set":
+            expected[row] = blocks
+            tables.set_row(row, blocks)
+        elif len(expected[row]) + count <= 12:
+            expected[row] += blocks
+            tables.append(row, blocks)
+        if random.Random(len(blocks)).random() < 0.5:  # ship changes every few operations
+            tables.apply_on_device(*map(torch.from_numpy, tables.take_changes()))
+    tables.apply_on_device(*map(torch.from_numpy, tables.take_changes()))
+    for row, blocks in expected.items():
+        assert tables.device[row, :len(blocks)].tolist() == blocks
+        assert tables.host[row, :len(blocks)].tolist() == blocks
+    assert not tables.device[tables.null_row].any(), "the padding row must stay on the null block"
+
+
+# ---- the staged inputs of real steps -------------------------------------------------------
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1, 256) for _ in range(length)]
+
+
+@pytest.mark.parametrize("block_change_capacity", [None, 2])
+def test_staged_inputs_of_real_steps_equal_a_plain_flattening_of_the_scheduler_output(builtin_model,
+                                                                                      block_change_capacity):
+    # A cramped pool (preemptions, re-admissions), chunked prefill, prefix-cache hits and
+    # seeded rows; with capacity 2 most block-table changes take the overflow copy.
+    model, model_config = builtin_model
+    config = make_engine_config(block_size=4, num_kv_blocks=17, max_model_len=64, max_num_batched_tokens=24,
+                                max_num_seqs=4)
+    scheduler = Scheduler(config, vocab_size=model_config.vocab_size)
+    runner = ModelRunner(model, model_config, config, torch.device("cpu"))
+    if block_change_capacity is not None:
+        runner.block_change_capacity = block_change_capacity
+    rng = random.Random(0)
+    shared = _prompt(rng, 12)
+    for index in range(6):
+        prompt = shared + _prompt(rng, rng.randint(1, 20)) if index % 2 else _prompt(rng, rng.randint(1, 30))
+        params = SamplingParams(max_tokens=rng.randint(6, 16), seed=index if index % 3 else None, ignore_eos=True)
+        scheduler.add_request(Request(f"r{index}", prompt, params))
+    checked_steps = 0
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        runner_output = runner.execute(output)
+        if output.scheduled:
+            _assert_staged_inputs_match(runner, scheduler, output)
+            checked_steps += 1
+        assert set(runner_output.sampled_token_ids) == {e.request.request_id for e in output.scheduled if e.samples}
+        scheduler.update(output, runner_output.sampled_token_ids)
+    assert checked_steps > 10 and scheduler.counters.preemptions > 0 and scheduler.kv_cache.prefix_cache_hits > 0
+
+
+def _assert_staged_inputs_match(runner: ModelRunner, scheduler: Scheduler, output) -> None:
+    block_size = runner.block_size
+    input_ids, positions, slots, seq_lens, query_lens = [], [], [], [], []
+    for entry in output.scheduled:
+        table = scheduler.kv_cache.get_block_ids(entry.request.request_id)
+        seq_positions = list(range(entry.start_pos, entry.start_pos + entry.num_new_tokens))
+        input_ids += entry.token_ids
+        positions += seq_positions
+        slots += [table[p // block_size] * block_size + p % block_size for p in seq_positions]
+        seq_lens.append(entry.start_pos + entry.num_new_tokens)
+        query_lens.append(entry.num_new_tokens)
+    num_tokens, num_seqs = len(input_ids), len(seq_lens)
+    device = runner.staged.device_views
+    assert device["input_ids"][:num_tokens].tolist() == input_ids
+    assert device["positions"][:num_tokens].tolist() == positions
+    assert device["slot_mapping"][:num_tokens].tolist() == slots
+    assert device["seq_lens"][:num_seqs].tolist() == seq_lens
+    assert device["query_start_loc"][:num_seqs + 1].tolist() == np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    for row, entry in enumerate(output.scheduled):
+        table = scheduler.kv_cache.get_block_ids(entry.request.request_id)
+        assert runner.batch_block_tables[row, :len(table)].tolist() == table
+
+
+def test_padded_decode_steps_sample_what_unpadded_steps_sample(builtin_model):
+    model, model_config = builtin_model
+    config = make_engine_config(block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=64,
+                                max_num_seqs=8)
+    runs = []
+    for padded in (False, True):
+        scheduler = Scheduler(config, vocab_size=model_config.vocab_size)
+        runner = ModelRunner(model, model_config, config, torch.device("cpu"))
+        if padded:
+            runner.enable_decode_padding()
+        rng = random.Random(1)
+        requests = [Request(f"r{index}", _prompt(rng, 3 + 5 * index), SamplingParams(max_tokens=4, temperature=0.0))
+                    for index in range(5)]  # five decodes pad to a batch of 8
+        for request in requests:
+            scheduler.add_request(request)
+        padded_sizes = set()
+        while scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            in_flight = runner.launch(output)
+            padded_sizes.add(in_flight.graph_batch_size)
+            scheduler.update(output, in_flight.result().sampled_token_ids)
+        runs.append(([request.output_token_ids for request in requests], padded_sizes))
+    (unpadded_outputs, unpadded_sizes), (padded_outputs, padded_sizes) = runs
+    assert padded_outputs == unpadded_outputs
+    assert unpadded_sizes == {None} and 8 in padded_sizes
+
+
+# ---- the memory profile ---------------------------------------------------------------------
+def test_the_kv_pool_gets_the_engines_share_minus_weights_peak_activations_and_memory_outside_torch():
+    gib = 2**30
+    # 80 GiB device, 0.9 of it ours; 2 GiB weights, 3 GiB peak; 8 GiB used but only 5.5 GiB
+    # reserved by torch: 2.5 GiB is the CUDA context and others.
+    profile = MemoryProfile(total=80 * gib, free=72 * gib, reserved=int(5.5 * gib), weights=2 * gib,
+                            peak_activations=3 * gib)
+    assert profile.non_torch == int(2.5 * gib)
+    assert profile.kv_cache_bytes(0.9) == int(72 * gib - 2 * gib - 3 * gib - 2.5 * gib)
+    assert profile.num_kv_blocks(0.9, bytes_per_block=gib // 4, min_blocks=2) == int(64.5 * 4)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization: 0.1 of 80.0 GiB .* needs 129"):
+        profile.num_kv_blocks(0.1, bytes_per_block=gib // 4, min_blocks=129)
+
+
+def test_the_profile_run_executes_the_largest_step_the_scheduler_can_form(builtin_model):
+    model, model_config = builtin_model
+    # A budget of 100 tokens over sequences of at most 48: three sequences (48, 48, 4).
+    config = make_engine_config(block_size=16, num_kv_blocks=64, max_model_len=48, max_num_batched_tokens=100,
+                                max_num_seqs=8)
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args: seen.append((args[0].shape[0], args[3].num_seqs)))
+    try:
+        scratch_bytes = profile_run(model, model_config, config, torch.device("cpu"))
+    finally:
+        handle.remove()
+    assert seen == [(100, 3)]
+    # Blocks 1..3, 1..3 and 1 of the three sequences, plus the null block.
+    assert scratch_bytes == 8 * kv_cache_bytes_per_block(model_config, 16, torch.float32)
+
+
+# ---- padded decode through the Triton kernel ------------------------------------------------
+def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_reference(tmp_path):
+    """Graph-style padding rows (slot -1, length 1 on the null block, max_seq_len =
+    max_model_len as the bound) through the split-KV kernel, run by Triton's interpreter."""
+    import transformers
+
+    from replica.attention import launch_plan
+
+    from replica.builtin_model import build_byte_level_tokenizer
+    from replica.engine import LLMEngine
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=320, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():  # spread the weights so greedy argmax has clear winners
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape) * 0.3 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(tmp_path)
+    build_byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    rng = random.Random(3)
+    prompts = [_prompt(rng, length) for length in (17, 20, 23)]  # three decodes pad to a batch of 4
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    config = make_engine_config(block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=256,
+                                max_num_seqs=4, async_scheduling=True)
+    reference = LLMEngine(config, str(tmp_path), device="cpu", dtype="float32", attention_backend="torch")
+    engine = LLMEngine(config, str(tmp_path), device="cpu", dtype="float32", attention_backend="triton")
+    engine.runner.enable_decode_padding()
+    backend = next(module.attn_backend for module in engine.model.modules() if hasattr(module, "attn_backend"))
+    tiny = launch_plan.KernelConfig(key_tile=16, num_warps=4, num_stages=2)
+    backend.tuning = launch_plan.AttentionTuning(decode_configs={16: tiny, 32: tiny}, prefill_configs={16: tiny, 32: tiny},
+                                                 segment_min_keys=16)
+    backend.num_sms = 64  # plan as on a GPU: decodes split their contexts into segments
+    plans, plan = [], backend.plan  # (the bounds the plan saw, the plan)
+    backend.plan = lambda query, key_cache, meta: plans.append(
+        ((meta.num_seqs, meta.max_query_len, meta.max_seq_len), plan(query, key_cache, meta))) or plans[-1][1]
+    padded_sizes = set()
+    requests = [engine.make_request(f"t{index}", prompt, params) for index, prompt in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+        padded_sizes.add(engine.last_step.graph_batch_size)
+    assert [request.output_token_ids for request in requests] == reference.generate(prompts, params)
+    # Padded decodes planned from the graph's pinned shape only (4 rows, query 1, max_model_len),
+    # never from the real lengths, and that shape splits the contexts.
+    padded_plans = [p for bounds, p in plans if bounds == (4, 1, 64)]
+    assert 4 in padded_sizes and padded_plans, "padded split-KV decodes must have run"
+    assert all(p.is_split for p in padded_plans) and len(set(padded_plans)) == 1
+    assert not [bounds for bounds, _ in plans if bounds[1] == 1 and bounds[2] != 64], "a decode planned from real lengths"
