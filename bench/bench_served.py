@@ -87,7 +87,9 @@ def start_replica(core_torch_threads: int | None) -> tuple[subprocess.Popen, str
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE.items()]
     if core_torch_threads is not None:
         flags.append(f"--torch-threads={core_torch_threads}")
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--port", "0", "--device", "cpu", *flags],
+    # The offline loop runs the built-in model; the replica's default is the real model, so name it.
+    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0",
+                                "--device", "cpu", *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
     for line in process.stdout:
         if match := re.match(r"listening on (\S+)", line):
