@@ -508,9 +508,12 @@ def token_capacity_rps(workload: Workload, config: EngineConfig, cost: CostModel
 def rate_where(metric: Callable[[float], float], threshold: float, low: float, high: float, steps: int) -> float:
     """The rate at which `metric` (increasing in the rate, give or take noise) crosses
     `threshold`: geometric bisection of [low, high] after widening it to bracket the crossing."""
-    while metric(high) < threshold and high < low * 1e4:
+    # Widen at most 1e4x past the bracket given: a metric that never crosses (a workload that
+    # cannot be loaded that far) ends at the bound instead of doubling the rate to infinity.
+    floor, ceiling = low, high
+    while metric(high) < threshold and high < ceiling * 1e4:
         low, high = high, high * 2
-    while metric(low) >= threshold and low > high * 1e-4:
+    while metric(low) >= threshold and low > floor * 1e-4:
         low, high = low / 2, low
     for _ in range(steps):
         middle = math.sqrt(low * high)

@@ -46,3 +46,17 @@ def test_tiny_sim_calibrates_reports_every_policy_and_hits_the_prefix_cache(tmp_
     assert "Targets (issue 12), means over seeds:" in text and "multi-tenant P90 TTFT" in text
     assert "Splitwise, ISCA 2024" in text
     assert plot.stat().st_size > 0
+
+
+def test_rate_search_finds_a_crossing_and_stops_at_its_bound_when_there_is_none():
+    bench = load_bench_module()
+    crossing = bench.rate_where(lambda rate: rate, threshold=37.0, low=1.0, high=2.0, steps=20)
+    assert abs(crossing - 37.0) < 0.01
+    calls = []
+
+    def never_crosses(rate: float) -> float:
+        calls.append(rate)
+        return 0.0
+
+    bound = bench.rate_where(never_crosses, threshold=1.0, low=1.0, high=2.0, steps=3)
+    assert bound <= 2.0 * 1e4 * 2 and len(calls) < 40  # before the fix: doubled to inf
