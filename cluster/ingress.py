@@ -251,7 +251,8 @@ class Ingress:
             if attempt == MAX_ATTEMPTS:
                 raise ReplicaLostError(f"replicas were lost on {attempt} tries ({lost})") from None
             logger.warning("replica lost before the first token (try %d, %s); retrying elsewhere", attempt, lost)
-            await asyncio.sleep(RETRY_PAUSES_S[attempt - 1])
+            if lost == EngineDeadError.__name__:  # a dead actor Serve drops at once; a dead core it does not
+                await asyncio.sleep(RETRY_PAUSES_S[attempt - 1])
 
     async def choice_chunks(self, choices: list[tuple[Choice, GenerationRequest]]
                             ) -> AsyncIterator[tuple[Choice, GenerationChunk]]:
