@@ -365,9 +365,10 @@ def test_text_over_the_character_limit_is_refused_before_tokenizing(fresh_replic
 
 
 def test_a_long_prompt_being_tokenized_does_not_stall_other_calls(replica):
-    """The replica tokenizes 300k characters (about a second of a core) on a worker thread
-    before it can tell the prompt is too long for the context, while small calls keep answering."""
-    long_text = "lorem ipsum " * 25_000
+    """The replica tokenizes 960k characters (just under the default limit; 0.5-3 s of a core,
+    depending on the machine) on a worker thread before it can tell the prompt is too long for
+    the context, while small calls keep answering."""
+    long_text = "lorem ipsum " * 80_000
 
     async def run():
         async with grpc.aio.insecure_channel(replica.address) as channel:
