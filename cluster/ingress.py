@@ -62,10 +62,10 @@ REPLICA_LOST_ERRORS = (RayActorError, WorkerCrashedError, NodeDiedError, Replica
 # from its candidates once a call to it fails, so the next try lands elsewhere.
 MAX_ATTEMPTS = 3
 # A replica whose engine core died stays a live actor until Serve's health check replaces
-# it, so Serve keeps it as a candidate; our router avoids it once its load stream has gone
-# quiet for the staleness window (1 s). The pauses before the second and third tries add up
-# past that window, so a burst of retries cannot all land on the same dead core.
-RETRY_PAUSES_S = (0.5, 1.0)
+# it, so Serve keeps it as a candidate; our router drops it as soon as its load stream ends
+# saying so (protos/not_serving.py), which races the failed call's error back to here. The
+# pauses before the second and third tries let the router hear first.
+RETRY_PAUSES_S = (0.2, 1.0)
 # The ingress only relays streams; the engines bound the work they accept (and refuse
 # beyond their queues), so Serve's default limit of 5 would be the cluster's bottleneck.
 INGRESS_MAX_ONGOING_REQUESTS = 100_000

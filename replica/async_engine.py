@@ -306,3 +306,6 @@ class AsyncEngine:
             self._processor.fail_all(lambda: EngineDeadError(str(error)))
         for listener in self._dead_listeners:
             listener(error)
+        # Wake whatever waits for a load (WatchLoad streams): they end on a dead core at once.
+        arrived, self._load_arrived = self._load_arrived, asyncio.Event()
+        arrived.set()

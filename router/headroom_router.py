@@ -104,8 +104,9 @@ class HeadroomRouter:
     # ---- routing -----------------------------------------------------------------------
     def rank(self, request: RoutingRequest, queue_lens: Mapping[str, int], request_key: str) -> Optional[list[str]]:
         """Replica ids for `request`, best first, among those in `queue_lens` (Ray Serve's
-        count of requests in flight to each). None when the policy reads loads and no
-        replica has a fresh one: the caller then uses Ray Serve's own queue-length choice.
+        count of requests in flight to each) that are `serving`. None when the policy reads
+        loads and no replica has a fresh one: the caller then uses Ray Serve's own
+        queue-length choice among the `serving` ones.
 
         The first choice counts against its replica at once (until `routed` confirms or
         replaces it), so concurrent choices made before any confirmation spread out.
@@ -113,7 +114,9 @@ class HeadroomRouter:
         # A retry re-ranks from scratch: its own earlier choice must not count against it.
         self._tentative.pop(request_key, None)
         self._expire_tentative()
-        views = [self._view(request, replica_id, queue_len) for replica_id, queue_len in queue_lens.items()]
+        serving = set(self.serving(queue_lens))
+        views = [self._view(request, replica_id, queue_len) for replica_id, queue_len in queue_lens.items()
+                 if replica_id in serving]
         for view in views:
             if view.load is not None:
                 self.metrics.observe_load_age(view.replica_id, view.load_age_s)
@@ -125,6 +128,18 @@ class HeadroomRouter:
         if ranked:
             self._tentative[request_key] = TentativeSend(ranked[0], self._send_of(request, ranked[0]), self.clock())
         return ranked
+
+    def serving(self, replica_ids) -> list[str]:
+        """The replicas among `replica_ids` that have not said they serve nothing more (a
+        dead engine core, a shutdown: protos/not_serving.py), or all of them if every one
+        has: a dead core fails requests fast, so its short queue would otherwise draw
+        traffic until Serve's health check replaces it."""
+        serving = []
+        for replica_id in replica_ids:
+            subscription = self.loads.get(replica_id)
+            if subscription is None or subscription.not_serving is None:
+                serving.append(replica_id)
+        return serving or list(replica_ids)
 
     def routed(self, request: RoutingRequest, request_key: str, replica_id: str) -> None:
         """Ray Serve sent the request to `replica_id` and the replica accepted it."""

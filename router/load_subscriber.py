@@ -4,6 +4,7 @@ latest ReplicaLoad and when it arrived (its age is what tells a policy whether t
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Optional
 
@@ -11,9 +12,12 @@ import grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
+from protos.not_serving import not_serving_reason
 from router.stream_subscription import Backoff, StreamSubscription, SubscriptionSet
 
 __all__ = ["Backoff", "LoadSubscriber", "LoadSubscription", "WATCH_INTERVAL_MS"]
+
+logger = logging.getLogger(__name__)
 
 # Replicas push a snapshot at least this often; asking for the same keeps one contract.
 WATCH_INTERVAL_MS = 100
@@ -21,7 +25,9 @@ WATCH_INTERVAL_MS = 100
 
 class LoadSubscription(StreamSubscription):
     """One replica's WatchLoad stream. The last snapshot is kept while disconnected, so its
-    age keeps growing and policies stop trusting it."""
+    age keeps growing and policies stop trusting it. A replica that ends the stream saying
+    it can serve nothing more (protos/not_serving.py) is `not_serving` until a stream
+    delivers a snapshot again."""
 
     kind = "watch-load"
 
@@ -29,6 +35,7 @@ class LoadSubscription(StreamSubscription):
         super().__init__(replica_id, endpoint, **kwargs)
         self.load: Optional[pb.ReplicaLoad] = None
         self.received_at: Optional[float] = None  # on `clock`, when `load` arrived
+        self.not_serving: Optional[str] = None  # why the replica said it serves nothing more
 
     def age_s(self) -> Optional[float]:
         """Seconds since the latest snapshot arrived; None before the first one."""
@@ -39,12 +46,20 @@ class LoadSubscription(StreamSubscription):
     async def _stream_once(self, channel: grpc.aio.Channel) -> None:
         call = pb_grpc.LoadReporterStub(channel).WatchLoad(pb.WatchLoadRequest(max_interval_ms=WATCH_INTERVAL_MS))
         first = True
-        async for load in call:
-            self.load = load
-            self.received_at = self.clock()
-            if first:
-                self._delivered()
-                first = False
+        try:
+            async for load in call:
+                self.load = load
+                self.received_at = self.clock()
+                if first:
+                    self._delivered()
+                    self.not_serving = None
+                    first = False
+        except grpc.aio.AioRpcError as error:
+            reason = not_serving_reason(error.trailing_metadata())
+            if reason is not None and self.not_serving is None:
+                logger.warning("replica %s serves nothing more (%s): routing around it", self.replica_id, reason)
+            self.not_serving = reason or self.not_serving
+            raise
 
 
 class LoadSubscriber(SubscriptionSet[LoadSubscription]):

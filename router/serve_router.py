@@ -58,10 +58,11 @@ class HeadroomRequestRouter(RequestRouter):
             ranked = self.headroom.rank(
                 routing_request_of(pending_request.kwargs), queue_lens, pending_request.metadata.internal_request_id
             )
+            if ranked is None:  # no fresh loads: Ray Serve's choice, among replicas that still serve
+                serving = set(self.headroom.serving(by_id))
+                return [[replica for replica_id, replica in by_id.items() if replica_id in serving]]
         except Exception:  # a routing bug must cost the request its best replica, never its answer
             logger.exception("headroom routing failed; falling back to Ray Serve's queue-length choice")
-            ranked = None
-        if ranked is None:
             return [candidate_replicas]
         return [[by_id[replica_id]] for replica_id in ranked]
 

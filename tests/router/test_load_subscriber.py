@@ -1,16 +1,20 @@
 """Load subscriptions and the Ray-free router core against a real ReplicaServer on loopback:
 snapshots arrive, age grows while the replica is down, the stream resumes after a restart,
-stale loads fall back to Ray Serve's choice, and a burst spreads before any snapshot.
+stale loads fall back to Ray Serve's choice, a burst spreads before any snapshot, and a
+replica whose engine core died is routed around at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import socket
 import time
 from typing import Callable, Optional
 
+from protos.not_serving import ENGINE_CORE_DIED
 from replica.async_engine import AsyncEngine
 from replica.serving.messages import CoreSpec
 from replica.config import make_engine_config
@@ -169,3 +173,36 @@ def test_requests_without_a_routing_hint_are_routed_as_short_chat_turns():
     assert routing_request_of({ROUTING_KWARG: hint}) is hint
     assert routing_request_of({}) is UNSIZED_REQUEST
     assert routing_request_of({ROUTING_KWARG: {"prompt_tokens": 5}}) is UNSIZED_REQUEST
+
+
+def test_a_replica_whose_engine_core_died_is_routed_around_at_once_though_its_queue_is_empty():
+    """A dead core fails requests fast, so its queue looks shortest: the replica's stream
+    says it serves nothing more and the router drops it long before its load goes stale."""
+    async def scenario() -> None:
+        dying, healthy = await start_replica(0), await start_replica(0)
+        router = HeadroomRouter("headroom", staleness_s=5.0)
+        request = RoutingRequest(prompt_tokens=40, max_tokens=60)
+        try:
+            router.sync_replicas({"dying": f"127.0.0.1:{dying.port}", "healthy": f"127.0.0.1:{healthy.port}"})
+            await eventually(lambda: all(router.loads.get(r).load is not None for r in ("dying", "healthy")))
+            assert sorted(router.rank(request, {"dying": 0, "healthy": 9}, "before")) == ["dying", "healthy"]
+            core = dying.engine.core.process
+            os.kill(core.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            subscription = router.loads.get("dying")
+            await eventually(lambda: subscription.not_serving is not None)
+            assert time.monotonic() - killed_at < 1.0  # at once, not when the snapshot goes stale (5 s)
+            assert subscription.not_serving == ENGINE_CORE_DIED
+            assert subscription.age_s() < 5.0  # its last load is still "fresh": only the signal excludes it
+            assert router.rank(request, {"dying": 0, "healthy": 9}, "after") == ["healthy"]
+            assert router.serving(["dying", "healthy"]) == ["healthy"]
+            assert router.serving(["dying"]) == ["dying"]  # alone, it is still better than nothing
+            await asyncio.sleep(0.3)  # reconnects meet the same answer and keep it excluded
+            assert subscription.not_serving == ENGINE_CORE_DIED and subscription.connects == 1
+            assert core.wait(timeout=10) == -signal.SIGKILL  # the probe: the core really died
+        finally:
+            await router.close()
+            await dying.stop(0.5)
+            await healthy.stop(0.5)
+
+    asyncio.run(scenario())
