@@ -191,7 +191,11 @@ class Generation:
 
 
 class LoadReporterStub:
-    """The replica's load, for the router.
+    """The replica's load, for the router. A replica that can serve nothing more (its engine
+    core died, or it is shutting down) ends these calls with UNAVAILABLE and the trailing
+    metadata key "headroom-not-serving" ("engine-core-died" or "shutting-down"; the names
+    live in protos/not_serving.py), so a router stops sending it requests at once instead of
+    waiting for its last snapshot to go stale.
     """
 
     def __init__(self, channel):
@@ -218,7 +222,11 @@ class LoadReporterStub:
 
 
 class LoadReporterServicer:
-    """The replica's load, for the router.
+    """The replica's load, for the router. A replica that can serve nothing more (its engine
+    core died, or it is shutting down) ends these calls with UNAVAILABLE and the trailing
+    metadata key "headroom-not-serving" ("engine-core-died" or "shutting-down"; the names
+    live in protos/not_serving.py), so a router stops sending it requests at once instead of
+    waiting for its last snapshot to go stale.
     """
 
     def GetLoad(self, request, context):
@@ -274,7 +282,11 @@ def add_LoadReporterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LoadReporter:
-    """The replica's load, for the router.
+    """The replica's load, for the router. A replica that can serve nothing more (its engine
+    core died, or it is shutting down) ends these calls with UNAVAILABLE and the trailing
+    metadata key "headroom-not-serving" ("engine-core-died" or "shutting-down"; the names
+    live in protos/not_serving.py), so a router stops sending it requests at once instead of
+    waiting for its last snapshot to go stale.
     """
 
     @staticmethod
