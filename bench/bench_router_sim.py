@@ -509,13 +509,20 @@ def token_capacity_rps(workload: Workload, config: EngineConfig, cost: CostModel
     return num_replicas * tokens_per_s / (prompt + output)
 
 
-def rate_where(metric: Callable[[float], float], threshold: float, low: float, high: float, steps: int) -> float:
+def rate_where(metric: Callable[[float], float], threshold: float, low: float, high: float, steps: int,
+               never: Optional[float] = None) -> float:
     """The rate at which `metric` (increasing in the rate, give or take noise) crosses
-    `threshold`: geometric bisection of [low, high] after widening it to bracket the crossing."""
+    `threshold`: geometric bisection of [low, high] after widening it to bracket the crossing.
+    A metric still below the threshold 1e4x past `high` never crosses: then `never` if given,
+    else that bound."""
     # Widen at most 1e4x past the bracket given: a metric that never crosses (a workload that
     # cannot be loaded that far) ends at the bound instead of doubling the rate to infinity.
     floor, ceiling = low, high
-    while metric(high) < threshold and high < ceiling * 1e4:
+    while metric(high) < threshold:
+        if high >= ceiling * 1e4:
+            if never is not None:
+                return never
+            break
         low, high = high, high * 2
     while metric(low) >= threshold and low > floor * 1e-4:
         low, high = low / 2, low
@@ -539,7 +546,10 @@ class Calibration:
 def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_replicas: int, seed: int,
               steps: int, policies: Sequence[str] = BASELINES) -> Calibration:
     """Per baseline: its median TTFT with the cluster almost idle, then the rate at which it
-    doubles; the calibrated rate is the highest of those (the best baseline's)."""
+    doubles; the calibrated rate is the highest of those (the best baseline's). A baseline
+    whose median never doubles (inf: a run of this size cannot load the cluster that way, as
+    when every conversation of multi_turn starts at once and their think times still spread
+    the turns) sets no rate; if none doubles, the token-capacity bound is the rate."""
     capacity = token_capacity_rps(workload, config, cost, num_replicas)
     sim = ClusterSim(config, num_replicas, cost, StatsFeed(), seed)
     # Almost idle, every request runs alone for its whole output: a few dozen give the median.
@@ -548,8 +558,11 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
     for name in policies:
         unloaded[name] = sim.run(name, idle, capacity * 0.01).ttft_p50_s
         doubling[name] = rate_where(lambda rate: sim.run(name, workload, rate).ttft_p50_s / unloaded[name], 2.0,
-                                    capacity * 0.05, capacity, steps)
-    best = max(doubling, key=doubling.get)
+                                    capacity * 0.05, capacity, steps, never=math.inf)
+    crossing = {name: rate for name, rate in doubling.items() if math.isfinite(rate)}
+    if not crossing:
+        return Calibration(capacity, "none (token-capacity bound)", unloaded, doubling)
+    best = max(crossing, key=crossing.get)
     return Calibration(doubling[best], best, unloaded, doubling)
 
 
@@ -785,9 +798,12 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         tables = runner.map(workload_table, [(setup, name) for name in args.workloads])
         for workload_name, (calibration, num_requests, rows) in zip(args.workloads, tables):  # in order, as done
             setup.calibrations[workload_name] = calibration
+            why = (f"median TTFT of {calibration.best} doubles over its unloaded "
+                   f"{calibration.unloaded_ttft_p50_s[calibration.best] * 1000:.0f} ms"
+                   if calibration.best in calibration.unloaded_ttft_p50_s else
+                   "no baseline's median TTFT doubles at any rate a run this size can offer: the token-capacity bound")
             print(f"\n## {workload_name}: {num_requests} requests per run; calibrated rate "
-                  f"{calibration.rate_rps:.2f} req/s (median TTFT of {calibration.best} doubles over its unloaded "
-                  f"{calibration.unloaded_ttft_p50_s[calibration.best] * 1000:.0f} ms); doubling rates "
+                  f"{calibration.rate_rps:.2f} req/s ({why}); doubling rates (inf: never) "
                   + ", ".join(f"{name} {rate:.2f}" for name, rate in calibration.doubling_rps.items()), file=out)
             print(table_header("workload", "load"), file=out)
             for load, policy, stats in rows:

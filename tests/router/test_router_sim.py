@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import math
 import os
 import subprocess
 import sys
@@ -63,6 +64,8 @@ def test_rate_search_finds_a_crossing_and_stops_at_its_bound_when_there_is_none(
 
     bound = bench.rate_where(never_crosses, threshold=1.0, low=1.0, high=2.0, steps=3)
     assert bound <= 2.0 * 1e4 * 2 and len(calls) < 40  # before the fix: doubled to inf
+    # Calibration asks for `never` instead, so a baseline that never doubles sets no rate.
+    assert bench.rate_where(never_crosses, threshold=1.0, low=1.0, high=2.0, steps=3, never=math.inf) == math.inf
 
 
 def test_parallel_runs_print_the_same_report_and_workloads_do_not_depend_on_the_process(tmp_path):
