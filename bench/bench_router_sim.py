@@ -524,15 +524,14 @@ def rate_where(metric: Callable[[float], float], threshold: float, low: float, h
                 return never
             break
         low, high = high, high * 2
-    while metric(low) >= threshold and low > floor * 1e-4:
+    # Narrow at most 100x below it: at rates that low every request runs alone, and each run
+    # costs virtual time in proportion (load reports every 100 ms).
+    while metric(low) >= threshold and low > floor * 1e-2:
         low, high = low / 2, low
     for _ in range(steps):
         middle = math.sqrt(low * high)
         low, high = (middle, high) if metric(middle) < threshold else (low, middle)
     return math.sqrt(low * high)
-
-
-UNLOADED_REQUESTS = 60
 
 
 @dataclass(frozen=True)
@@ -552,11 +551,11 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
     the turns) sets no rate; if none doubles, the token-capacity bound is the rate."""
     capacity = token_capacity_rps(workload, config, cost, num_replicas)
     sim = ClusterSim(config, num_replicas, cost, StatsFeed(), seed)
-    # Almost idle, every request runs alone for its whole output: a few dozen give the median.
-    idle = Workload(workload.name, workload.requests[:min(UNLOADED_REQUESTS, len(workload.requests) // 2)], workload.prefixes)
+    # The same requests almost idle: a subset's median need not be the whole's (the trace's
+    # first requests are shorter than its average, and then no rate ever looked unloaded).
     unloaded, doubling = {}, {}
     for name in policies:
-        unloaded[name] = sim.run(name, idle, capacity * 0.01).ttft_p50_s
+        unloaded[name] = sim.run(name, workload, capacity * 0.01).ttft_p50_s
         doubling[name] = rate_where(lambda rate: sim.run(name, workload, rate).ttft_p50_s / unloaded[name], 2.0,
                                     capacity * 0.05, capacity, steps, never=math.inf)
     crossing = {name: rate for name, rate in doubling.items() if math.isfinite(rate)}
