@@ -22,6 +22,7 @@ import collections
 import heapq
 import itertools
 import math
+import multiprocessing
 import random
 import sys
 import time
@@ -558,11 +559,21 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
         unloaded[name] = sim.run(name, workload, capacity * 0.01).ttft_p50_s
         doubling[name] = rate_where(lambda rate: sim.run(name, workload, rate).ttft_p50_s / unloaded[name], 2.0,
                                     capacity * 0.05, capacity, steps, never=math.inf)
-    crossing = {name: rate for name, rate in doubling.items() if math.isfinite(rate)}
+    rate, best = calibrated_rate(doubling, capacity)
+    return Calibration(rate, best, unloaded, doubling)
+
+
+CAPACITY_BOUND = "none (token-capacity bound)"
+
+
+def calibrated_rate(doubling_rps: dict[str, float], capacity_rps: float) -> tuple[float, str]:
+    """(rate, baseline): the highest finite doubling rate and whose it is; a baseline whose
+    median never doubles (inf) sets none, and with none finite the capacity bound is the rate."""
+    crossing = {name: rate for name, rate in doubling_rps.items() if math.isfinite(rate)}
     if not crossing:
-        return Calibration(capacity, "none (token-capacity bound)", unloaded, doubling)
+        return capacity_rps, CAPACITY_BOUND
     best = max(crossing, key=crossing.get)
-    return Calibration(doubling[best], best, unloaded, doubling)
+    return crossing[best], best
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -797,10 +808,10 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         tables = runner.map(workload_table, [(setup, name) for name in args.workloads])
         for workload_name, (calibration, num_requests, rows) in zip(args.workloads, tables):  # in order, as done
             setup.calibrations[workload_name] = calibration
-            why = (f"median TTFT of {calibration.best} doubles over its unloaded "
-                   f"{calibration.unloaded_ttft_p50_s[calibration.best] * 1000:.0f} ms"
-                   if calibration.best in calibration.unloaded_ttft_p50_s else
-                   "no baseline's median TTFT doubles at any rate a run this size can offer: the token-capacity bound")
+            why = ("no baseline's median TTFT doubles at any rate a run this size can offer: the token-capacity bound"
+                   if calibration.best == CAPACITY_BOUND else
+                   f"median TTFT of {calibration.best} doubles over its unloaded "
+                   f"{calibration.unloaded_ttft_p50_s[calibration.best] * 1000:.0f} ms")
             print(f"\n## {workload_name}: {num_requests} requests per run; calibrated rate "
                   f"{calibration.rate_rps:.2f} req/s ({why}); doubling rates (inf: never) "
                   + ", ".join(f"{name} {rate:.2f}" for name, rate in calibration.doubling_rps.items()), file=out)
@@ -826,13 +837,13 @@ class Runner:
     in this one when jobs is 1; `map` yields results in the order of its items."""
 
     def __init__(self, jobs: int):
-        self.executor = ProcessPoolExecutor(jobs, mp_context=__import__("multiprocessing").get_context("fork")) \
-            if jobs > 1 else None
+        self.executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) if jobs > 1 else None
 
     def map(self, fn: Callable, items: Sequence[tuple]):
-        if self.executor is None:
-            return (fn(*item) for item in items)
-        return self.executor.map(_star, [(fn, item) for item in items])
+        """fn(*item) for each item (argument tuples)."""
+        if not items:
+            return iter(())
+        return (self.executor.map if self.executor is not None else map)(fn, *zip(*items))
 
     def __enter__(self) -> "Runner":
         return self
@@ -840,11 +851,6 @@ class Runner:
     def __exit__(self, *exc) -> None:
         if self.executor is not None:
             self.executor.shutdown(cancel_futures=True)
-
-
-def _star(fn_and_args: tuple):
-    fn, args = fn_and_args
-    return fn(*args)
 
 
 def workload_table(setup: Setup, workload_name: str) -> tuple[Calibration, int, list[tuple[float, str, RunStats]]]:
@@ -908,26 +914,24 @@ def run_target_points(setup: Setup, results: dict, out, runner: Runner) -> dict[
     """Each target point once per seed (each seed draws its own requests; the rate is the
     table seed's calibration); prints mean and spread. Table runs are reused for seed 0."""
     args = setup.args
-    outcome: dict[str, dict[str, list[RunStats]]] = {}
     points = target_points(setup, out)
-    todo = []  # every run not in the tables, all points at once, so --jobs keeps every process busy
+    outcome = {point.label: {name: [] for name in point.policies} for point in points}
+    slots, todo = [], []  # every run not in the tables, all points at once, so --jobs keeps every process busy
     for point in points:
         rate = point.load * setup.calibrations[point.workload].rate_rps
-        for seed in range(args.seed, args.seed + args.seeds):
-            for name in point.policies:
-                if seed == args.seed and (point.workload, point.load, name) in results:
-                    continue
-                feed = StatsFeed(delay_s=0.5) if name == LATE_STATS else StatsFeed()
-                todo.append(((point.label, seed, name), (setup, seed, feed, name, point.workload, rate)))
-    done = dict(zip([key for key, _ in todo], runner.map(simulate, [task for _, task in todo])))
-    for point in points:
-        rate = point.load * setup.calibrations[point.workload].rate_rps
-        runs: dict[str, list[RunStats]] = {name: [] for name in point.policies}
         for seed in range(args.seed, args.seed + args.seeds):
             for name in point.policies:
                 reused = results.get((point.workload, point.load, name)) if seed == args.seed else None
-                runs[name].append(reused if reused is not None else done[(point.label, seed, name)])
-        outcome[point.label] = runs
+                if reused is None:
+                    feed = StatsFeed(delay_s=0.5) if name == LATE_STATS else StatsFeed()
+                    todo.append((setup, seed, feed, name, point.workload, rate))
+                slots.append((outcome[point.label][name], reused))
+    simulated = iter(runner.map(simulate, todo))
+    for runs, reused in slots:  # in the order the slots were made, which is the order of `todo`
+        runs.append(reused if reused is not None else next(simulated))
+    for point in points:
+        rate = point.load * setup.calibrations[point.workload].rate_rps
+        runs = outcome[point.label]
         print(f"\n## Seeds: {point.workload} at {point.load:.0%} load ({rate:.2f} req/s), seeds {args.seed}-"
               f"{args.seed + args.seeds - 1}: mean ± sample standard deviation", file=out)
         print("| " + METRIC_HEADER + "\n" + "|---" * (1 + len(METRIC_COLUMNS)) + "|", file=out)

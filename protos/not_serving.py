@@ -13,6 +13,11 @@ ENGINE_CORE_DIED = "engine-core-died"
 SHUTTING_DOWN = "shutting-down"
 
 
+def not_serving_metadata(reason: str) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a replica ends its LoadReporter calls with, giving `reason`."""
+    return ((NOT_SERVING_KEY, reason),)
+
+
 def not_serving_reason(trailing_metadata) -> Optional[str]:
     """The reason a replica's trailing metadata gives for serving nothing more, else None."""
     for key, value in trailing_metadata or ():

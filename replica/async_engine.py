@@ -292,6 +292,9 @@ class AsyncEngine:
                 listener(step.kv_events)
         self._load = load_from_wire(step.load)
         self.load_version += 1
+        self._wake_load_waiters()
+
+    def _wake_load_waiters(self) -> None:
         # Wake every waiter once; later waiters wait on a fresh event.
         arrived, self._load_arrived = self._load_arrived, asyncio.Event()
         arrived.set()
@@ -306,6 +309,4 @@ class AsyncEngine:
             self._processor.fail_all(lambda: EngineDeadError(str(error)))
         for listener in self._dead_listeners:
             listener(error)
-        # Wake whatever waits for a load (WatchLoad streams): they end on a dead core at once.
-        arrived, self._load_arrived = self._load_arrived, asyncio.Event()
-        arrived.set()
+        self._wake_load_waiters()  # WatchLoad streams end on a dead core at once

@@ -15,7 +15,7 @@ import grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from protos.not_serving import ENGINE_CORE_DIED, NOT_SERVING_KEY, SHUTTING_DOWN
+from protos.not_serving import ENGINE_CORE_DIED, SHUTTING_DOWN, not_serving_metadata
 from replica.async_engine import (
     AsyncEngine, EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
     ServedEngine,
@@ -293,14 +293,14 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
         # A dead core's last load would look healthy forever: routers must see no load instead.
         if self.engine.dead is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(self.engine.dead),
-                                trailing_metadata=((NOT_SERVING_KEY, ENGINE_CORE_DIED),))
+                                trailing_metadata=not_serving_metadata(ENGINE_CORE_DIED))
 
     async def WatchLoad(self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
         max_interval_s = (request.max_interval_ms or DEFAULT_WATCH_INTERVAL_MS) / 1000.0
         await self._abort_if_core_dead(context)
         if self.stopping.is_set():  # a new watch would end at once: tell the router to look elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down",
-                                trailing_metadata=((NOT_SERVING_KEY, SHUTTING_DOWN),))
+                                trailing_metadata=not_serving_metadata(SHUTTING_DOWN))
         version = self.engine.load_version
         sent_load = self.engine.load()
         await context.write(self.load_reports.build(sent_load))

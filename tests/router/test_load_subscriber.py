@@ -40,7 +40,7 @@ async def start_replica(port: int) -> ReplicaServer:
     return server
 
 
-async def eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"

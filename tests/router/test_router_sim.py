@@ -84,3 +84,24 @@ def test_parallel_runs_print_the_same_report_and_workloads_do_not_depend_on_the_
     draws = {subprocess.run([sys.executable, "-c", draw], capture_output=True, text=True, check=True, cwd=REPO,
                             env={**os.environ, "PYTHONHASHSEED": salt}).stdout for salt in ("1", "2")}
     assert len(draws) == 1 and "(" in draws.pop()
+
+
+def test_a_baseline_that_never_doubles_sets_no_rate_and_none_doubling_falls_back_to_capacity():
+    bench = load_bench_module()
+    assert bench.calibrated_rate({"pow2": 7.0, "round_robin": math.inf, "dynamo": 9.5}, 40.0) == (9.5, "dynamo")
+    assert bench.calibrated_rate({"pow2": math.inf, "dynamo": math.inf}, 40.0) == (40.0, bench.CAPACITY_BOUND)
+
+
+def test_zero_preemptions_meet_an_at_most_target_even_against_a_baseline_with_zero():
+    bench = load_bench_module()
+
+    def stats(preemptions: float):
+        fields = {name: 0.0 for name in bench.RunStats.__dataclass_fields__}
+        return bench.RunStats(**{**fields, "num_requests": 100, "preemptions_per_1k": preemptions})
+
+    runs = {bench.OURS: [stats(0.0)], "dynamo": [stats(0.0)]}
+    line = bench.compare_to_best(runs, "preemptions_per_1k", True, ["dynamo"], 0.5, "preemptions", ".1f", "")
+    assert line.endswith("0.00x (target <= 0.5x) MET"), line
+    runs[bench.OURS] = [stats(2.0)]  # and a nonzero figure against zero still misses
+    line = bench.compare_to_best(runs, "preemptions_per_1k", True, ["dynamo"], 0.5, "preemptions", ".1f", "")
+    assert line.endswith("MISSED"), line
