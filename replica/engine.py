@@ -19,6 +19,7 @@ from replica.config import ConfigError, EngineConfig, make_engine_config
 from replica.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
+from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
 from replica.executor.model_runner import StepInFlight
 from replica.logits_processors import TopLogprobs
@@ -177,13 +178,11 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
         self.scheduler = Scheduler(config, vocab_size=self.model_config.vocab_size, clock=clock)
-        # Graph capture needs a forward pass that never waits for the host: the Triton
-        # backend's; the torch reference reads sequence lengths on the host.
-        graph_safe_backend = attention_backend in ("auto", "triton")
-        cuda_graphs = on_cuda and not config.enforce_eager and graph_safe_backend
+        graph_safe_backend = self.model.attn_backend.supports_cuda_graphs
+        cuda_graphs = use_cuda_graphs(self.device, config.enforce_eager, graph_safe_backend)
         if on_cuda and not config.enforce_eager and not graph_safe_backend:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; every step runs eagerly",
-                           attention_backend)
+                           self.model.attn_backend.name)
         self.runner = ModelRunner(self.model, self.model_config, config, self.device, cuda_graphs=cuda_graphs)
         self.async_scheduling = on_cuda if config.async_scheduling is None else config.async_scheduling
         self._in_flight: Optional[_LaunchedStep] = None  # the step launched but not yet updated (overlap)

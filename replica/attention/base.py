@@ -41,6 +41,8 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # Whether a forward pass through it never waits for the host, so CUDA graphs can capture it.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def write_kv(

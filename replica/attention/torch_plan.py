@@ -8,10 +8,12 @@ first layer of a forward pass and reused by the rest, left with the K/V gathers 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from replica.attention.base import AttentionMetadata
+from replica.kv_cache_manager import cdiv
 
 DECODE_GROUP_SIZE = 16
 
@@ -68,14 +70,16 @@ class SequenceAttention:
 class TorchAttentionPlan:
     decode_groups: tuple[DecodeGroup, ...]
     sequences: tuple[SequenceAttention, ...]
-    # Where every layer gathers its K and V blocks: flat buffers of the step's largest gather,
-    # reused call after call (a fresh multi-megabyte tensor per call costs more in page faults
-    # than the copy itself).
+    # Where every layer gathers its K and V blocks: flat buffers holding at least the step's
+    # largest gather, owned by the backend and reused pass after pass (a fresh multi-megabyte
+    # tensor costs more in page faults than the copy itself).
     key_blocks: torch.Tensor
     value_blocks: torch.Tensor
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, key_cache: torch.Tensor, mask_dtype: torch.dtype) -> TorchAttentionPlan:
+    def build(cls, meta: AttentionMetadata, key_cache: torch.Tensor, mask_dtype: torch.dtype,
+              gather_buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> TorchAttentionPlan:
+        """The step's plan; `gather_buffers(elements)` returns K and V buffers at least that large."""
         block_size = key_cache.shape[1]
         # One host sync for the whole step rather than one per sequence (and per layer).
         query_starts = meta.query_start_loc.tolist()
@@ -98,14 +102,14 @@ class TorchAttentionPlan:
         sequences = tuple(
             SequenceAttention(
                 query_starts[i], query_starts[i + 1], seq_lens[i],
-                meta.block_tables[i, :-(-seq_lens[i] // block_size)].long(),
+                meta.block_tables[i, :cdiv(seq_lens[i], block_size)].long(),
                 causal_offset_mask(query_lens[i], seq_lens[i], device),
             )
             for i in range(len(seq_lens)) if i not in grouped and query_lens[i] > 0
         )
         most_blocks = max((part.block_index.numel() for part in (*groups, *sequences)), default=0)
         buffer_size = most_blocks * key_cache[0].numel()
-        return cls(groups, sequences, key_cache.new_empty(buffer_size), key_cache.new_empty(buffer_size))
+        return cls(groups, sequences, *gather_buffers(buffer_size))
 
 
 def _decode_group(block_tables, rows, query_starts, seq_lens, block_size, mask_dtype) -> DecodeGroup:
@@ -120,7 +124,7 @@ def _decode_group(block_tables, rows, query_starts, seq_lens, block_size, mask_d
     return DecodeGroup(
         token_index=torch.tensor([query_starts[i] for i in rows], device=device),
         # Padded table entries point at the null block; the mask hides whatever a row reads past its length.
-        block_index=block_tables[row_index, :-(-max_len // block_size)].long().view(-1),
+        block_index=block_tables[row_index, :cdiv(max_len, block_size)].long().view(-1),
         max_len=max_len,
         attn_mask=attn_mask,
     )

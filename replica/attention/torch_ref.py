@@ -23,6 +23,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self):
         self._real_tokens = PerPassCache()
         self._plan = PerPassCache()
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -34,13 +35,23 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         plan = self._plan.get(meta, (key_cache.shape, key_cache.dtype, query.dtype), key_cache,
-                              lambda: TorchAttentionPlan.build(meta, key_cache, query.dtype))
+                              lambda: TorchAttentionPlan.build(meta, key_cache, query.dtype,
+                                                               lambda size: self._buffers(size, key_cache)))
         output = torch.empty_like(query)
         for group in plan.decode_groups:
             _attend_decode_group(query, key_cache, value_cache, plan, group, scale, output)
         for sequence in plan.sequences:
             _attend_sequence(query, key_cache, value_cache, plan, sequence, scale, output)
         return output
+
+
+    def _buffers(self, size: int, key_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers of at least `size` elements, grown (never shrunk) as steps need."""
+        buffers = self._gather_buffers
+        if (buffers is None or buffers[0].numel() < size or buffers[0].dtype != key_cache.dtype
+                or buffers[0].device != key_cache.device):
+            buffers = self._gather_buffers = (key_cache.new_empty(size), key_cache.new_empty(size))
+        return buffers
 
 
 def _real_tokens(slot_mapping: torch.Tensor) -> torch.Tensor | None:

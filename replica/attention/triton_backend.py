@@ -296,6 +296,7 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True  # sequence lengths stay on the device
 
     def __init__(self, tuning: AttentionTuning = DEFAULT_TUNING, num_sms: int | None = None):
         """`num_sms` overrides the device's SM count (tests plan for a GPU while interpreting on a CPU)."""

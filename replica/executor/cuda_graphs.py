@@ -23,6 +23,13 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
 
 
+def use_cuda_graphs(device: torch.device, enforce_eager: bool, supports_cuda_graphs: bool) -> bool:
+    """Whether decode steps replay CUDA graphs: on CUDA, unless `enforce_eager`, with an
+    attention backend whose forward pass never waits for the host (the Triton one; the torch
+    reference reads sequence lengths on the host)."""
+    return device.type == "cuda" and not enforce_eager and supports_cuda_graphs
+
+
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, largest: int = MAX_CAPTURE_SIZE) -> list[int]:
     """The batch-size ladder: 1, 2, 4, then every multiple of 8, up to the largest decode
     batch the scheduler can form (one token per sequence), which is always included."""

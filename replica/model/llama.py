@@ -171,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
         super().__init__()
         self.cfg = cfg
+        self.attn_backend = attn_backend  # every layer's
         self.model = LlamaModel(cfg, attn_backend, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()

@@ -1,10 +1,11 @@
-"""The torch backend plans each forward pass once: layers share the plan, a new pass gets a new one.
+"""The torch backend plans each forward pass once: layers share the plan, a new pass gets a new one,
+and every pass gathers into the same buffers unless it needs bigger ones.
 
 A pass is recognised by its metadata object; a layer seen again starts a new pass even when the
 same metadata object was refilled in place (persistent buffers), so no layer reads a stale plan.
 """
 
-from attention_harness import PagedBatch  # noqa: F401  (sets TRITON_INTERPRET before any Triton import)
+from attention_harness import PagedBatch  # first: it sets TRITON_INTERPRET before any Triton import
 
 import torch
 
@@ -81,3 +82,18 @@ def test_write_kv_finds_padding_slots_again_when_a_pass_refills_the_slot_mapping
 
     written = key_cache.view(-1, 2)[:, 0]
     assert written.tolist() == [0, 0, 0, 1, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0]
+
+
+def test_passes_gather_into_the_backends_buffers_which_grow_only_when_a_pass_needs_more():
+    # DECODES gathers 4 rows x 5 blocks; MIXED at most 9 blocks (a 3-row decode group).
+    large = PagedBatch(DECODES, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    small = PagedBatch(MIXED, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=3)
+    backend = TorchAttentionBackend()
+    plans = []
+    for batch in (large, small, large):
+        output = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+        torch.testing.assert_close(output.double(), batch.dense_causal_attention(), atol=1e-5, rtol=1e-5)
+        plans.append(backend._plan._value)
+    assert len({id(plan) for plan in plans}) == 3  # a plan per pass...
+    buffers = {(plan.key_blocks.data_ptr(), plan.value_blocks.data_ptr()) for plan in plans}
+    assert len(buffers) == 1  # ...and one pair of buffers: the smaller pass fits in the larger's

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, make_engine_config
 from replica.executor.block_table import BlockTables
-from replica.executor.cuda_graphs import capture_sizes, padded_batch_size
+from replica.executor.cuda_graphs import capture_sizes, padded_batch_size, use_cuda_graphs
 from replica.executor.memory_profile import MemoryProfile, kv_cache_bytes_per_block, profile_run
 from replica.executor.model_runner import ModelRunner
 from replica.executor.staging import FIELD_ALIGNMENT, StagedField, StagedInputs
@@ -176,7 +176,28 @@ def test_padded_decode_steps_sample_what_unpadded_steps_sample(builtin_model):
     assert unpadded_sizes == {None} and 8 in padded_sizes
 
 
+def test_decode_steps_use_graphs_only_on_cuda_unless_eager_and_only_with_the_triton_backend():
+    from replica.attention.torch_ref import TorchAttentionBackend
+    from replica.attention.triton_backend import TritonAttentionBackend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    triton, reference = TritonAttentionBackend.supports_cuda_graphs, TorchAttentionBackend.supports_cuda_graphs
+    assert triton and not reference  # the reference reads sequence lengths on the host
+    assert use_cuda_graphs(cuda, False, triton)
+    assert not use_cuda_graphs(cuda, True, triton)  # enforce_eager
+    assert not use_cuda_graphs(cuda, False, reference)
+    assert not use_cuda_graphs(cpu, False, triton)
+
+
 # ---- the memory profile ---------------------------------------------------------------------
+def test_gpu_memory_utilization_is_a_fraction_in_0_1_and_the_error_names_it():
+    assert make_engine_config(gpu_memory_utilization=0.9).gpu_memory_utilization == 0.9
+    assert make_engine_config().gpu_memory_utilization is None  # num_kv_blocks stays in charge
+    for bad in (0, 1.5):
+        with pytest.raises(ConfigError, match="^gpu_memory_utilization: "):
+            make_engine_config(gpu_memory_utilization=bad)
+
+
 def test_the_kv_pool_gets_the_engines_share_minus_weights_peak_activations_and_memory_outside_torch():
     gib = 2**30
     # 80 GiB device, 0.9 of it ours; 2 GiB weights, 3 GiB peak; 8 GiB used but only 5.5 GiB
