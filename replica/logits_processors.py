@@ -1,8 +1,8 @@
 """What happens to a batch of logits between the model and the sampler, as tensor functions:
-logit_bias, then presence / frequency / repetition penalties, and the log-probabilities
-(the sampled token's and the top k) a request asks for. Rows that ask for nothing pass
+logit_bias, then presence / frequency / repetition penalties (log-probabilities are the
+sampler's, of the raw logits: replica/executor/sampler.py). Rows that ask for nothing pass
 untouched, and nothing is computed unless some row asks: one bincount builds every row's
-token counts, one topk serves every row's alternatives, with no per-row loop over tensors.
+token counts, with no per-row loop over tensors.
 Host values reach the device by asynchronous copies and nothing is read back, so a GPU step
 in flight is never waited for (replica/executor/sampler.py calls this on the device).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from replica.request import SamplingParams
@@ -31,14 +32,6 @@ class TopLogprobs(NamedTuple):
     logprobs: list[float]
 
 
-class Logprobs(NamedTuple):
-    """Per row: the sampled token's log-probability (None where not asked for) and, when any
-    row asked for alternatives, each row's top tokens (None where it asked for none)."""
-
-    sampled: list[Optional[float]]
-    top: Optional[list[Optional[TopLogprobs]]]
-
-
 def apply_logits_processors(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Optional[Sequence[TokenHistory]],
     pending_token_ids: Optional[torch.Tensor] = None,
@@ -56,9 +49,11 @@ def apply_logits_processors(
     return _apply_penalties(logits, rows, params, histories, pending_token_ids)
 
 
-def _to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values on the device without waiting: a plain copy from pageable memory would
-    wait for everything queued on the GPU (a whole forward pass in flight)."""
+def to_device(values: Sequence | np.ndarray | torch.Tensor, dtype: Optional[torch.dtype], device: torch.device
+              ) -> torch.Tensor:
+    """Host values on the device without waiting (pinned, non-blocking): a plain copy from
+    pageable memory would wait for everything queued on the GPU (a whole forward pass in
+    flight). `dtype` None keeps the values' own."""
     tensor = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return tensor
@@ -73,8 +68,8 @@ def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     device = logits.device
     biased = logits.clone()
     biased.index_put_(
-        (_to_device(rows, torch.long, device), _to_device(token_ids, torch.long, device)),
-        _to_device(biases, logits.dtype, device),
+        (to_device(rows, torch.long, device), to_device(token_ids, torch.long, device)),
+        to_device(biases, logits.dtype, device),
         accumulate=True,
     )
     return biased
@@ -84,7 +79,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
                      histories: Sequence[TokenHistory], pending_token_ids: Optional[torch.Tensor]) -> torch.Tensor:
     device = logits.device
     vocab_size = logits.shape[-1]
-    row_index = _to_device(rows, torch.long, device)
+    row_index = to_device(rows, torch.long, device)
     penalized = logits[row_index]
     output_counts = token_counts([histories[row].output_token_ids for row in rows], vocab_size, device)
     if pending_token_ids is not None:
@@ -93,7 +88,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
 
     repetition_penalties = [params[row].repetition_penalty for row in rows]
     if any(penalty != 1.0 for penalty in repetition_penalties):  # decided on the host: no device read
-        repetition = _to_device(repetition_penalties, torch.float32, device).unsqueeze(1)
+        repetition = to_device(repetition_penalties, torch.float32, device).unsqueeze(1)
         # vLLM's (and CTRL's) rule: a token seen in the prompt or the output has its logit
         # moved toward zero's side of less likely: divided when positive, multiplied when not.
         prompt_counts = token_counts([histories[row].prompt_token_ids for row in rows], vocab_size, device)
@@ -102,8 +97,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
         penalized = torch.where(seen, scaled, penalized)
 
     # OpenAI's rule, on generated tokens only: frequency per occurrence, presence once.
-    frequency = _to_device([params[row].frequency_penalty for row in rows], torch.float32, device).unsqueeze(1)
-    presence = _to_device([params[row].presence_penalty for row in rows], torch.float32, device).unsqueeze(1)
+    frequency = to_device([params[row].frequency_penalty for row in rows], torch.float32, device).unsqueeze(1)
+    presence = to_device([params[row].presence_penalty for row in rows], torch.float32, device).unsqueeze(1)
     penalized = penalized - frequency * output_counts - presence * (output_counts > 0).to(penalized.dtype)
 
     result = logits.clone()
@@ -117,31 +112,6 @@ def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: to
     lengths = torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long)
     flat_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
     row_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
-    keys = _to_device(row_of_token * vocab_size + flat_ids, torch.long, device)
+    keys = to_device(row_of_token * vocab_size + flat_ids, torch.long, device)
     counts = torch.bincount(keys, minlength=len(sequences) * vocab_size)
     return counts.view(len(sequences), vocab_size).float()
-
-
-def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]) -> Logprobs:
-    """vLLM's convention: log_softmax of the raw logits, before bias, penalties, temperature
-    or filtering. One topk on the device serves every row's alternatives; one transfer each
-    brings the sampled and the top log-probabilities back."""
-    asks = [row_params.num_logprobs for row_params in params]
-    rows = [row for row, num in enumerate(asks) if num is not None]
-    if not rows:
-        return Logprobs([None] * len(params), None)
-    row_index = torch.tensor(rows, device=raw_logits.device)
-    logprobs = raw_logits[row_index].log_softmax(dim=-1)
-    sampled_values = logprobs.gather(-1, token_ids[row_index].unsqueeze(1)).squeeze(1).tolist()
-    sampled: list[Optional[float]] = [None] * len(params)
-    for row, value in zip(rows, sampled_values):
-        sampled[row] = value
-    max_top = max(asks[row] for row in rows)
-    if max_top == 0:
-        return Logprobs(sampled, None)
-    top_values, top_ids = logprobs.topk(max_top, dim=-1)
-    top: list[Optional[TopLogprobs]] = [None] * len(params)
-    for row, ids, values in zip(rows, top_ids.tolist(), top_values.tolist()):
-        if asks[row]:
-            top[row] = TopLogprobs(ids[: asks[row]], values[: asks[row]])
-    return Logprobs(sampled, top)

@@ -21,7 +21,6 @@ class BlockTables:
         self.device = torch.zeros((num_rows + 1, max_blocks_per_row), dtype=torch.int32, device=device)
         self._changed_index: list[np.ndarray] = []
         self._changed_ids: list[np.ndarray] = []
-        self.num_changes = 0
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
         """A request (re)starts in `row` holding exactly these blocks. Entries past them are
@@ -43,7 +42,6 @@ class BlockTables:
         self._changed_index.append(np.arange(row * self.max_blocks_per_row + start,
                                              row * self.max_blocks_per_row + end, dtype=np.int32))
         self._changed_ids.append(ids)
-        self.num_changes += len(block_ids)
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray]:
         """(flat indices, block ids) changed since the last call, for the device copy."""
@@ -51,7 +49,7 @@ class BlockTables:
             empty = np.zeros(0, dtype=np.int32)
             return empty, empty
         index, ids = np.concatenate(self._changed_index), np.concatenate(self._changed_ids)
-        self._changed_index, self._changed_ids, self.num_changes = [], [], 0
+        self._changed_index, self._changed_ids = [], []
         return index, ids
 
     def apply_on_device(self, flat_index: torch.Tensor, block_ids: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_bat
 from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch, batch_facts
 from replica.executor.staging import StagedField, StagedInputs
-from replica.logits_processors import TopLogprobs
+from replica.logits_processors import TopLogprobs, to_device
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.request import MAX_TOP_LOGPROBS
 from replica.scheduler import ScheduledRequest, SchedulerOutput
@@ -93,7 +93,6 @@ class ModelRunner:
         """cuda_graphs: capture decode graphs now (CUDA only; the engine decides from
         enforce_eager, the device and whether the attention backend is graph-safe)."""
         self.model = model
-        self.model_config = model_config
         self.device = torch.device(device)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
@@ -282,8 +281,9 @@ class ModelRunner:
         changes[staged_changes:2 * staged_changes] = change_ids[:staged_changes]
         self.staged.send(self.staged.end_of("block_changes", 2 * staged_changes))
         if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
-            block_tables.apply_on_device(self._to_device(change_index[staged_changes:]),
-                                         self._to_device(change_ids[staged_changes:]))
+            # A copy outside the staged buffer, still asynchronous.
+            block_tables.apply_on_device(to_device(change_index[staged_changes:], None, self.device),
+                                         to_device(change_ids[staged_changes:], None, self.device))
         facts = batch_facts(sampling)
         processed_rows = None
         if sampling.processed.any():  # logit_bias or penalties: only such batches build this
@@ -297,14 +297,6 @@ class ModelRunner:
             num_top_logprobs=sampling.top_logprobs.tolist() if facts["max_top_logprobs"] else None,
             pending_rows_of_samples=processed_rows,
         )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A copy outside the staged buffer, still asynchronous: a pageable copy would wait
-        for the step in flight."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot
@@ -417,7 +409,7 @@ class ModelRunner:
         pending_token_ids = None
         pending_rows = step.pending_rows_of_samples
         if (pending_rows >= 0).any():
-            rows = self._to_device(pending_rows)
+            rows = to_device(pending_rows, None, self.device)
             pending_token_ids = torch.where(rows >= 0, self.last_token_by_row.index_select(0, rows.clamp(min=0)), -1)
         return LogitsProcessing([request.sampling_params for request in requests], requests, pending_token_ids)
 

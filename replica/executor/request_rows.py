@@ -29,9 +29,6 @@ class RequestRows:
     def null_row(self) -> int:
         return self.block_tables.null_row
 
-    def __len__(self) -> int:
-        return len(self.row_of)
-
     def add(self, request: Request, block_ids: list[int]) -> int:
         """Give a newly admitted (or re-admitted) request a row holding its whole block table."""
         self.remove(request.request_id)

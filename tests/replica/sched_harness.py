@@ -40,17 +40,23 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 8, **kwar
     return Request(request_id, list(prompt), params, **kwargs)
 
 
-def run_step(scheduler: Scheduler) -> SchedulerOutput:
-    """One engine step: schedule, 'run the model', update; checks the step invariants."""
-    output = scheduler.schedule()
+def check_budgets(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """Every step, overlapped or not: within the token budget and max_num_seqs, every
+    scheduled entry with at least one token, and the output's total their sum."""
     config = scheduler.config
+    assert all(entry.num_new_tokens >= 1 for entry in output.scheduled)
     assert output.num_scheduled_tokens == sum(s.num_new_tokens for s in output.scheduled)
     assert output.num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(scheduler.running) <= config.max_num_seqs
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """One engine step: schedule, 'run the model', update; checks the step invariants."""
+    output = scheduler.schedule()
+    check_budgets(scheduler, output)
     sampled = {}
     for entry in output.scheduled:
         request = entry.request
-        assert entry.num_new_tokens >= 1
         # A request samples iff its computed tokens reach its length this step.
         assert entry.samples == (request.num_computed_tokens == request.num_tokens)
         assert request.num_computed_tokens <= request.num_tokens
@@ -67,11 +73,11 @@ def run_overlapped_step(scheduler: Scheduler, previous: Optional[tuple[Scheduler
     pending, "runs" with those tokens taken from N's samples (as the runner takes them from
     the device), then N's tokens are appended. Returns N+1 and its samples."""
     output = scheduler.schedule()
+    check_budgets(scheduler, output)
     pending = previous[1] if previous is not None else {}
     sampled = {}
     for entry in output.scheduled:
         request = entry.request
-        assert entry.num_new_tokens >= 1
         history = list(request.all_token_ids)
         end = entry.start_pos + entry.num_new_tokens
         if end > len(history):
@@ -81,7 +87,6 @@ def run_overlapped_step(scheduler: Scheduler, previous: Optional[tuple[Scheduler
         assert entry.samples == (end == len(history))
         if entry.samples:
             sampled[request.request_id] = fake_next_token(history)
-    assert output.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
     if previous is not None:
         scheduler.update(*previous)
     scheduler.check_invariants()

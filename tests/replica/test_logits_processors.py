@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from replica.logits_processors import apply_logits_processors, gather_logprobs, token_counts
+from replica.logits_processors import apply_logits_processors, token_counts
 from replica.request import SamplingParams
 from replica.executor.sampler import Sampler, SamplingBatch
 
@@ -100,20 +100,22 @@ def test_penalties_without_histories_are_refused():
 
 def test_logprobs_are_of_the_raw_logits_and_top_k_is_torch_topk():
     logits = random_logits(3)
-    params = [SamplingParams(logprobs=True, top_logprobs=5, logit_bias=((0, 50.0),)),
-              SamplingParams(),
-              SamplingParams(logprobs=True)]
-    token_ids = torch.tensor([2, 3, 4])
-    logprobs = gather_logprobs(logits, token_ids, params)
+    # Row 0's bias forces token 0, which the raw logits need not favour; greedy throughout.
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5, logit_bias=((0, 50.0),)),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=True)]
+    out = sample(logits, params, [0, 0, 0])
     raw = logits.log_softmax(dim=-1)
-    assert logprobs.sampled[0] == pytest.approx(raw[0, 2].item(), abs=1e-5)
-    assert logprobs.sampled[1] is None
-    assert logprobs.sampled[2] == pytest.approx(raw[2, 4].item(), abs=1e-5)
+    token_ids = out.token_ids.tolist()
+    assert token_ids[0] == 0 and token_ids[2] == int(raw[2].argmax())
+    assert out.logprobs[0].item() == pytest.approx(raw[0, 0].item(), abs=1e-5)  # raw, not biased
+    assert out.logprobs[2].item() == pytest.approx(raw[2, token_ids[2]].item(), abs=1e-5)
     values, ids = raw[0].topk(5)
-    top = logprobs.top[0]
-    assert top.token_ids == ids.tolist() and top.logprobs == pytest.approx(values.tolist(), abs=1e-5)
-    assert logprobs.top[1] is None and logprobs.top[2] is None
+    assert out.top_token_ids[0].tolist() == ids.tolist()
+    assert out.top_logprobs[0].tolist() == pytest.approx(values.tolist(), abs=1e-5)
     assert math.isclose(sum(math.exp(v) for v in raw[0].tolist()), 1.0, rel_tol=1e-4)
+    # Which rows' logprobs reach their requests (rows 0 and 2 here) is the runner's choice:
+    # tests/replica/test_engine.py checks that per request.
 
 
 def test_sampler_returns_top_logprobs_only_when_a_row_asks():
