@@ -64,7 +64,8 @@ MAX_ATTEMPTS = 3
 # A replica whose engine core died stays a live actor until Serve's health check replaces
 # it, so Serve keeps it as a candidate; our router drops it as soon as its load stream ends
 # saying so (protos/not_serving.py), which races the failed call's error back to here. The
-# pauses before the second and third tries let the router hear first.
+# pauses before the second and third tries let the router hear first. Other losses (a dead
+# actor, a dead node) retry at once: Serve drops those replicas from its candidates itself.
 RETRY_PAUSES_S = (0.2, 1.0)
 # The ingress only relays streams; the engines bound the work they accept (and refuse
 # beyond their queues), so Serve's default limit of 5 would be the cluster's bottleneck.
@@ -224,7 +225,7 @@ class Ingress:
         the caller stops reading (cancelled, closed, an error), the replica's call is
         cancelled, so its engine aborts the request and frees its KV blocks."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            streamed = False
+            streamed = core_died = False
             response = generate_stream(self.llm, request)
             finished = False
             try:
@@ -237,7 +238,7 @@ class Ingress:
                 if not isinstance(error.cause, EngineDeadError):
                     # The replica raised it (a field it validates, a full queue): the cause is the answer.
                     raise error.cause from None
-                lost = EngineDeadError.__name__  # its engine core died: the replica is as good as lost
+                lost, core_died = EngineDeadError.__name__, True  # its engine core died: the replica is as good as lost
             except REPLICA_LOST_ERRORS as error:
                 # Ray's message spans lines of actor details; the class says what happened.
                 lost = type(error).__name__
@@ -251,7 +252,7 @@ class Ingress:
             if attempt == MAX_ATTEMPTS:
                 raise ReplicaLostError(f"replicas were lost on {attempt} tries ({lost})") from None
             logger.warning("replica lost before the first token (try %d, %s); retrying elsewhere", attempt, lost)
-            if lost == EngineDeadError.__name__:  # a dead actor Serve drops at once; a dead core it does not
+            if core_died:  # a dead actor Serve drops at once; a dead core it does not
                 await asyncio.sleep(RETRY_PAUSES_S[attempt - 1])
 
     async def choice_chunks(self, choices: list[tuple[Choice, GenerationRequest]]

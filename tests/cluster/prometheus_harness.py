@@ -6,6 +6,8 @@ queries and the alert rules the way an operator's Prometheus would.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import shutil
 import socket
 import subprocess
@@ -27,18 +29,27 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*"}
 
 def prometheus_binary() -> Optional[str]:
     """prometheus from PATH, else from the headroom cache (tools/prometheus), else fetched
-    into that cache from Debian's package where apt can reach it; None if none of them."""
+    into that cache from Debian's package where apt can reach it; None if none of them
+    (`prometheus_unavailable()` says why)."""
     found = shutil.which("prometheus")
     cached = default_cache_dir() / "tools" / "prometheus"
     if found or cached.is_file():
         return found or str(cached)
-    return _fetch_from_debian(cached)
+    return str(cached) if _fetch_from_debian(cached) is None else None
 
 
+def prometheus_unavailable() -> Optional[str]:
+    """Why prometheus_binary() found none (the fetch's error), or None if it found one."""
+    return None if prometheus_binary() is not None else _fetch_from_debian(
+        default_cache_dir() / "tools" / "prometheus")
+
+
+@functools.lru_cache(maxsize=None)  # one try per test process: a failed download is not retried per call
 def _fetch_from_debian(target: Path) -> Optional[str]:
-    """`apt-get download prometheus` and `dpkg -x` it: no root install, no apt state changed."""
+    """`apt-get download prometheus` and `dpkg -x` it into `target`: no root install, no apt
+    state changed. None on success, else why it failed."""
     if not (shutil.which("apt-get") and shutil.which("dpkg")):
-        return None
+        return "prometheus not on PATH, and no apt-get/dpkg to fetch Debian's package"
     with tempfile.TemporaryDirectory() as workdir:
         try:
             subprocess.run(["apt-get", "download", "-q", "prometheus"], cwd=workdir, check=True,
@@ -46,16 +57,17 @@ def _fetch_from_debian(target: Path) -> Optional[str]:
             package = next(Path(workdir).glob("prometheus_*.deb"))
             subprocess.run(["dpkg", "-x", str(package), str(Path(workdir) / "root")], check=True,
                            capture_output=True, timeout=180)
-        except (subprocess.SubprocessError, StopIteration, OSError):
-            return None
-        binary = Path(workdir) / "root" / "usr" / "bin" / "prometheus"
-        if not binary.is_file():
-            return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = target.with_suffix(".partial")
-        shutil.copy2(binary, staged)
-        staged.replace(target)  # atomic: a concurrent test never sees half a binary
-    return str(target)
+            binary = Path(workdir) / "root" / "usr" / "bin" / "prometheus"
+            if not binary.is_file():
+                return f"Debian's {package.name} holds no usr/bin/prometheus"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staged = target.with_name(f"{target.name}.{os.getpid()}.partial")  # one per writer
+            shutil.copy2(binary, staged)
+            staged.replace(target)  # atomic: a concurrent test never sees half a binary
+        except (subprocess.SubprocessError, StopIteration, OSError) as error:
+            stderr = getattr(error, "stderr", None) or b""
+            return f"fetching Debian's prometheus failed: {error!r} {stderr[-500:].decode(errors='replace')}".strip()
+    return None
 
 
 def scrape_config_for(targets_dir: str) -> dict[str, Any]:
