@@ -56,6 +56,12 @@ class EngineConfig(BaseModel):
         "every running request and this one could grow to max_tokens; reserve_expected: the same with each "
         "request's expected output length, learned from finished requests and capped by max_tokens.",
     )
+    admission_max_hold_ms: Optional[float] = Field(
+        500.0, gt=0,
+        description="Under the reserve modes, how long the growth reserve may hold a request: the reserve it needs "
+        "shrinks linearly from all to none over this time since its arrival (or preemption); then it is admitted as "
+        "the optimistic mode would. None: holds are unbounded.",
+    )
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."
     )

@@ -105,6 +105,14 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         None,
         REPLICA_LABELS,
     ),
+    "headroom_admissions_relaxed_total": MetricSpec(
+        "counter",
+        "Requests admitted with part of the growth reserve waived because they had waited: the reserve a held "
+        "request needs shrinks to nothing over admission_max_hold_ms, which bounds what a hold adds to its time "
+        "to first token (reserve modes only).",
+        None,
+        REPLICA_LABELS,
+    ),
     "headroom_slo_preemptions_total": MetricSpec(
         "counter",
         "Forward passes aborted between decoder layers to let a request with a nearer TTFT deadline in "
@@ -264,6 +272,7 @@ class CounterTotals(Protocol):
     prefix_cache_queries: int
     prefix_cache_hits: int
     admissions_held_total: int
+    admissions_relaxed_total: int
 
 
 # Which counter follows which CounterTotals field.
@@ -275,6 +284,7 @@ COUNTER_FOR_TOTAL = {
     "prefix_cache_queries": "headroom_prefix_cache_queries_total",
     "prefix_cache_hits": "headroom_prefix_cache_hits_total",
     "admissions_held_total": "headroom_admissions_held_total",
+    "admissions_relaxed_total": "headroom_admissions_relaxed_total",
 }
 
 

@@ -96,6 +96,7 @@ class SchedulerLoad:
     slo_preemptions_total: int = 0
     slo_discarded_layers_total: int = 0
     admissions_held_total: int = 0
+    admissions_relaxed_total: int = 0
     expected_output_tokens: int = 0  # of a new request, under reserve_expected admission; else 0
     ttft_predictor_per_token_s: float = 0.0
     ttft_predictor_base_s: float = 0.0
@@ -113,6 +114,8 @@ class SchedulerCounters:
     # Requests the admission mode's growth reserve held back while memory for their prompt
     # was free (each counted once per wait at the head of the queue).
     admissions_held: int = 0
+    # Of those, admitted with part of the reserve waived because they had waited (admission_max_hold_ms).
+    admissions_relaxed: int = 0
 
 
 class Scheduler:
@@ -160,6 +163,7 @@ class Scheduler:
         if request.ttft_deadline is None:
             request.ttft_deadline = ttft_deadline(request.arrival_time, self.config.default_ttft_slo_ms)
         self.requests[request.request_id] = request
+        request.waiting_since = request.arrival_time
         self.waiting.add(request)
         self.growth.add(request, self._count_waiting(request))
         self.counters.prompt_tokens += request.num_prompt_tokens
@@ -308,23 +312,34 @@ class Scheduler:
             num_new_tokens = self._step_tokens(request.num_tokens - num_hit_tokens, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
-            reserved_blocks = self._admission_reserve_blocks()
-            num_tokens_to_fit = request.num_tokens if config.reserve_full_sequence else None
+            watermark_blocks = self._admission_reserve_blocks()
+            optimistic_fit = request.num_tokens if config.reserve_full_sequence else None
+            growth_blocks = own_growth = 0
             if growth.tracks_output:
                 # Its prompt must fit now, and the peak of everyone's expected growth beside it
                 # (with the blocks it is about to share counted as held by their owners too).
                 growth.update_shared(request, sum(1 for block in hit_blocks if block.ref_cnt > 0))
                 # Its own prompt is fitted by allocate_slots below, net of its prefix-cache hit.
-                reserved_blocks += growth.peak_reserve_blocks(self.running, (), kv_cache, candidate=request)
-                num_tokens_to_fit = request.num_tokens
+                growth_blocks = growth.peak_reserve_blocks(self.running, (), kv_cache, candidate=request)
             elif growth.reserves_growth:
                 # Its whole final size must fit beside all that running requests are still owed.
-                reserved_blocks += growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
-                num_tokens_to_fit = growth.final_tokens(request)
+                growth_blocks = growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
+                own_growth = growth.final_tokens(request) - request.num_tokens
             new_blocks = kv_cache.allocate_slots(
-                request, num_new_tokens, hit_blocks, num_hit_tokens,
-                reserved_blocks=reserved_blocks, num_tokens_to_fit=num_tokens_to_fit,
+                request, num_new_tokens, hit_blocks, num_hit_tokens, reserved_blocks=watermark_blocks + growth_blocks,
+                num_tokens_to_fit=request.num_tokens + own_growth if growth.reserves_growth else optimistic_fit,
             )
+            if new_blocks is None and growth.reserves_growth:
+                share = self._reserve_share(request, now)
+                if share < 1.0:
+                    # Held a while: it needs only part of the growth reserve (none once the hold is over).
+                    new_blocks = kv_cache.allocate_slots(
+                        request, num_new_tokens, hit_blocks, num_hit_tokens,
+                        reserved_blocks=watermark_blocks + int(growth_blocks * share),
+                        num_tokens_to_fit=request.num_tokens + int(own_growth * share) if share > 0 else optimistic_fit,
+                    )
+                    if new_blocks is not None:
+                        self.counters.admissions_relaxed += 1
             if new_blocks is None:
                 if growth.reserves_growth:
                     self._count_held_admission(request, num_new_tokens, hit_blocks, num_hit_tokens)
@@ -352,6 +367,16 @@ class Scheduler:
             token_budget -= num_new_tokens
         return token_budget
 
+    def _reserve_share(self, request: Request, now: float) -> float:
+        """The share of the growth reserve a request still needs to be admitted: all of it when
+        it starts waiting, shrinking linearly to none over admission_max_hold_ms, so a hold
+        costs it at most that long to its first token (SGLang's new_token_ratio decays the
+        same way, over steps without retractions)."""
+        max_hold_ms = self.config.admission_max_hold_ms
+        if max_hold_ms is None:
+            return 1.0
+        return max(0.0, 1.0 - (now - request.waiting_since) * 1000 / max_hold_ms)
+
     def _count_held_admission(self, request: Request, num_new_tokens: int, hit_blocks, num_hit_tokens: int) -> None:
         """Count the head request once if only the growth reserve keeps it waiting: the
         optimistic check (watermark, full prompt) would have admitted it."""
@@ -378,6 +403,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens_lost = request.num_computed_tokens
         request.num_computed_tokens = 0
+        request.waiting_since = self.clock()
         self.waiting.add_front(request)
         self.growth.left_running(request, self._count_waiting(request))
 
@@ -481,6 +507,7 @@ class Scheduler:
             slo_preemptions_total=self.counters.slo_preemptions,
             slo_discarded_layers_total=self.counters.slo_discarded_layers,
             admissions_held_total=self.counters.admissions_held,
+            admissions_relaxed_total=self.counters.admissions_relaxed,
             expected_output_tokens=self.growth.expected_new_output(self.config.max_model_len),
             ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
             ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,

@@ -9,11 +9,15 @@ import pytest
 from sched_harness import FAKE_VOCAB, make_request, make_scheduler, run_step, run_to_completion
 
 from replica.admission import peak_growth_tokens
+from replica.config import make_engine_config
+from replica.scheduler import Scheduler
 from replica.output_length import OutputLengthEstimator
 
 # 12 usable blocks of 4 tokens. Each request: 8-token prompt (2 blocks), 28 output tokens
 # (7 more blocks): two fit today, but not both to the end.
-POOL = dict(block_size=4, num_kv_blocks=13, max_model_len=40, max_num_batched_tokens=64)
+# Holds are unbounded here (admission_max_hold_ms None) so they do not depend on the wall
+# clock; the test of the bound sets it, on a clock of its own.
+POOL = dict(block_size=4, num_kv_blocks=13, max_model_len=40, max_num_batched_tokens=64, admission_max_hold_ms=None)
 
 
 def two_growing_requests():
@@ -59,6 +63,53 @@ def test_reserving_max_tokens_holds_the_second_back_once_and_never_preempts():
     # Held at the head of the queue for ~28 steps, counted once.
     assert scheduler.load().admissions_held_total == 1
     assert first.output_token_ids and second.output_token_ids
+
+
+@pytest.mark.parametrize("mode", ["reserve_max_tokens", "reserve_expected"])
+def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
+    now = [100.0]
+    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_max_hold_ms": 200.0}, admission_mode=mode),
+                          vocab_size=FAKE_VOCAB, clock=lambda: now[0])
+    first, second = two_growing_requests()
+    for request in (first, second):
+        request.arrival_time = 100.0
+        scheduler.add_request(request)
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a"] and scheduler.load().admissions_held_total == 1
+    now[0] = 100.05
+    run_step(scheduler)
+    assert len(scheduler.running) == 1  # 50 ms: it still needs three quarters of the reserve
+    now[0] = 100.2
+    run_step(scheduler)
+    assert len(scheduler.running) == 2  # 200 ms: it needs none
+    load = scheduler.load()
+    assert load.admissions_held_total == 1 and load.admissions_relaxed_total == 1
+    # What the reserve would have prevented: both cannot grow to their ends together.
+    run_to_completion(scheduler, [])
+    assert scheduler.counters.preemptions > 0
+    assert first.num_output_tokens == second.num_output_tokens == 28
+
+
+def test_an_expired_hold_still_needs_memory_for_the_prompt_today():
+    now = [0.0]
+    # 9 usable blocks: the first request grows to all 9 (8 + 28 tokens); the second's
+    # 2-block prompt fits beside it only until it passes 7 blocks.
+    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_max_hold_ms": 1.0, "num_kv_blocks": 10, "max_model_len": 36},
+                                             admission_mode="reserve_max_tokens"),
+                          vocab_size=FAKE_VOCAB, clock=lambda: now[0])
+    first, second = two_growing_requests()
+    for request in (first, second):
+        request.arrival_time = 0.0
+        scheduler.add_request(request)
+    for _ in range(22):  # held, on a clock that stands still
+        run_step(scheduler)
+    assert first.num_tokens > 7 * 4 and len(scheduler.running) == 1
+    now[0] = 10.0  # the hold is long over, but the prompt no longer fits
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a"]
+    assert scheduler.load().admissions_relaxed_total == 0
+    run_to_completion(scheduler, [])
+    assert second.num_output_tokens == 28 and scheduler.counters.preemptions == 0
 
 
 def test_reserve_modes_report_committed_kv_in_their_own_terms():

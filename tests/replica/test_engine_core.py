@@ -244,7 +244,7 @@ def test_the_admission_mode_runs_in_the_core_and_its_load_fields_reach_the_front
     # 4 usable blocks of 16 tokens: two 16-token prompts fit today, but not both grown to
     # 16 + 32 tokens (3 blocks each), so reserve_max_tokens holds the second back.
     config = make_engine_config(max_model_len=48, block_size=16, num_kv_blocks=5,
-                                admission_mode="reserve_max_tokens")
+                                admission_mode="reserve_max_tokens", admission_max_hold_ms=None)
     grow = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
     async def scenario():

@@ -34,6 +34,7 @@ class Totals:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     admissions_held_total: int = 0
+    admissions_relaxed_total: int = 0
 
 
 @pytest.fixture
@@ -132,6 +133,7 @@ def test_sync_counters_sets_each_counter_to_the_engine_total(metrics: ReplicaMet
             prefix_cache_queries=1024,
             prefix_cache_hits=256,
             admissions_held_total=7,
+            admissions_relaxed_total=2,
         )
     )
     assert value(metrics, "headroom_num_preemptions_total") == 3
@@ -141,6 +143,7 @@ def test_sync_counters_sets_each_counter_to_the_engine_total(metrics: ReplicaMet
     assert value(metrics, "headroom_prefix_cache_queries_total") == 1024
     assert value(metrics, "headroom_prefix_cache_hits_total") == 256
     assert value(metrics, "headroom_admissions_held_total") == 7
+    assert value(metrics, "headroom_admissions_relaxed_total") == 2
 
 
 def test_sync_counters_increments_by_the_delta_since_the_last_sync(metrics: ReplicaMetrics):

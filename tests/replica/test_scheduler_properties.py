@@ -35,6 +35,8 @@ def scenarios(draw):
         watermark=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
         reserve_full_sequence=draw(st.booleans()),
         admission_mode=draw(st.sampled_from(["optimistic", "reserve_max_tokens", "reserve_expected"])),
+        # Unbounded holds, or holds that are always over (the wall clock must not decide an example).
+        admission_max_hold_ms=draw(st.sampled_from([None, 1e-9])),
     )
     requests = []
     for i in range(draw(st.integers(1, 10))):
