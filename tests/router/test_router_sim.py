@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -88,8 +90,23 @@ def test_parallel_runs_print_the_same_report_and_workloads_do_not_depend_on_the_
 
 def test_a_baseline_that_never_doubles_sets_no_rate_and_none_doubling_falls_back_to_capacity():
     bench = load_bench_module()
-    assert bench.calibrated_rate({"pow2": 7.0, "round_robin": math.inf, "dynamo": 9.5}, 40.0) == (9.5, "dynamo")
-    assert bench.calibrated_rate({"pow2": math.inf, "dynamo": math.inf}, 40.0) == (40.0, bench.CAPACITY_BOUND)
+    assert bench.calibrated_rate({"pow2": 7.0, "round_robin": math.inf, "dynamo": 9.5}, 40.0, 12.0) == (9.5, "dynamo")
+    assert bench.calibrated_rate({"pow2": math.inf, "dynamo": math.inf}, 40.0, 50.0) == (40.0, bench.CAPACITY_BOUND)
+
+
+def test_the_calibrated_rate_is_at_most_what_the_cluster_completes():
+    bench = load_bench_module()
+    # long_output's median TTFT doubled only in a burst far past what 4 replicas complete.
+    assert bench.calibrated_rate({"pow2": 280.0, "round_robin": 286.0}, 69.0, 13.7) == (13.7, bench.SATURATED)
+    assert bench.calibrated_rate({"pow2": math.inf}, 69.0, 13.7) == (13.7, bench.SATURATED)
+
+
+def test_the_completion_rate_leaves_out_the_ramp_and_the_drain():
+    bench = load_bench_module()
+    # 100 requests ending one every 0.1 s, then one straggler 50 s later: 10 per second.
+    ends = [0.1 * i for i in range(100)] + [60.0]
+    assert bench.completion_rate(ends) == pytest.approx(10.0, rel=0.05)
+    assert bench.completion_rate(ends[:5]) == 0.0  # too few to tell
 
 
 def test_zero_preemptions_meet_an_at_most_target_even_against_a_baseline_with_zero():
