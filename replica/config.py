@@ -59,8 +59,8 @@ class EngineConfig(BaseModel):
     admission_max_hold_ms: Optional[float] = Field(
         500.0, gt=0,
         description="Under the reserve modes, how long the growth reserve may hold a request: the reserve it needs "
-        "shrinks linearly from all to none over this time since its arrival (or preemption); then it is admitted as "
-        "the optimistic mode would. None: holds are unbounded.",
+        "shrinks linearly from all to none over this time since its arrival, its preemption or the replica's latest "
+        "preemption (whichever is latest); then it is admitted as the optimistic mode would. None: holds are unbounded.",
     )
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."

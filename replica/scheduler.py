@@ -11,6 +11,7 @@ policy a step's forward pass may also be aborted (`abort_step`) to let an urgent
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -145,6 +146,8 @@ class Scheduler:
         self.growth = GrowthLedger(config.admission_mode, config.block_size)
         self._held_request_id: Optional[str] = None  # the head of the queue the reserve holds back
         self._finished_req_ids: list[str] = []
+        # Waived reserves are earned again after a preemption (see _reserve_share).
+        self._last_preemption_time = -math.inf
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
 
@@ -369,13 +372,16 @@ class Scheduler:
 
     def _reserve_share(self, request: Request, now: float) -> float:
         """The share of the growth reserve a request still needs to be admitted: all of it when
-        it starts waiting, shrinking linearly to none over admission_max_hold_ms, so a hold
-        costs it at most that long to its first token (SGLang's new_token_ratio decays the
-        same way, over steps without retractions)."""
+        it starts waiting or when this replica last preempted, whichever is later, shrinking
+        linearly to none over admission_max_hold_ms. A transient overload (a burst) costs a
+        held request at most that long to its first token; a sustained one, where waived
+        reserves end in preemptions, keeps the reserve (SGLang's new_token_ratio decays the
+        same way over steps and is reset by a retraction)."""
         max_hold_ms = self.config.admission_max_hold_ms
         if max_hold_ms is None:
             return 1.0
-        return max(0.0, 1.0 - (now - request.waiting_since) * 1000 / max_hold_ms)
+        held_s = now - max(request.waiting_since, self._last_preemption_time)
+        return min(1.0, max(0.0, 1.0 - held_s * 1000 / max_hold_ms))
 
     def _count_held_admission(self, request: Request, num_new_tokens: int, hit_blocks, num_hit_tokens: int) -> None:
         """Count the head request once if only the growth reserve keeps it waiting: the
@@ -392,6 +398,7 @@ class Scheduler:
 
     def _preempt(self, running_index: int) -> None:
         request = self.running.pop(running_index)
+        self._last_preemption_time = self.clock()
         request.num_preemptions += 1
         self.counters.preemptions += 1
         self._requeue(request)

@@ -90,6 +90,24 @@ def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
     assert first.num_output_tokens == second.num_output_tokens == 28
 
 
+def test_a_preemption_restores_the_whole_reserve_for_every_waiting_request():
+    now = [0.0]
+    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_max_hold_ms": 200.0},
+                                             admission_mode="reserve_max_tokens"),
+                          vocab_size=FAKE_VOCAB, clock=lambda: now[0])
+    first, second = two_growing_requests()
+    for request in (first, second):
+        request.arrival_time = 0.0
+        scheduler.add_request(request)
+    run_step(scheduler)
+    now[0] = 0.1
+    assert scheduler._reserve_share(second, now[0]) == pytest.approx(0.5)
+    scheduler._preempt(0)  # the replica over-committed: waived reserves must be earned again
+    assert scheduler._reserve_share(second, now[0]) == 1.0
+    assert scheduler._reserve_share(second, 0.15) == pytest.approx(0.75)
+    assert scheduler._reserve_share(first, 0.15) == pytest.approx(0.75)  # requeued at 0.1
+
+
 def test_an_expired_hold_still_needs_memory_for_the_prompt_today():
     now = [0.0]
     # 9 usable blocks: the first request grows to all 9 (8 + 28 tokens); the second's
