@@ -65,15 +65,21 @@ def test_reserving_max_tokens_holds_the_second_back_once_and_never_preempts():
     assert first.output_token_ids and second.output_token_ids
 
 
-@pytest.mark.parametrize("mode", ["reserve_max_tokens", "reserve_expected"])
-def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
-    now = [100.0]
-    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_max_hold_ms": 200.0}, admission_mode=mode),
+def held_pair_on_a_clock(now: list[float], mode: str, **overrides):
+    """A scheduler reading time from now[0], with the two growing requests arrived at now[0]."""
+    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_mode": mode, **overrides}),
                           vocab_size=FAKE_VOCAB, clock=lambda: now[0])
     first, second = two_growing_requests()
     for request in (first, second):
-        request.arrival_time = 100.0
+        request.arrival_time = now[0]
         scheduler.add_request(request)
+    return scheduler, first, second
+
+
+@pytest.mark.parametrize("mode", ["reserve_max_tokens", "reserve_expected"])
+def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
+    now = [100.0]
+    scheduler, first, second = held_pair_on_a_clock(now, mode, admission_max_hold_ms=200.0)
     run_step(scheduler)
     assert [r.request_id for r in scheduler.running] == ["a"] and scheduler.load().admissions_held_total == 1
     now[0] = 100.05
@@ -92,13 +98,7 @@ def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
 
 def test_a_preemption_restores_the_whole_reserve_for_every_waiting_request():
     now = [0.0]
-    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_max_hold_ms": 200.0},
-                                             admission_mode="reserve_max_tokens"),
-                          vocab_size=FAKE_VOCAB, clock=lambda: now[0])
-    first, second = two_growing_requests()
-    for request in (first, second):
-        request.arrival_time = 0.0
-        scheduler.add_request(request)
+    scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=200.0)
     run_step(scheduler)
     now[0] = 0.1
     assert scheduler._reserve_share(second, now[0]) == pytest.approx(0.5)
@@ -112,13 +112,8 @@ def test_an_expired_hold_still_needs_memory_for_the_prompt_today():
     now = [0.0]
     # 9 usable blocks: the first request grows to all 9 (8 + 28 tokens); the second's
     # 2-block prompt fits beside it only until it passes 7 blocks.
-    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_max_hold_ms": 1.0, "num_kv_blocks": 10, "max_model_len": 36},
-                                             admission_mode="reserve_max_tokens"),
-                          vocab_size=FAKE_VOCAB, clock=lambda: now[0])
-    first, second = two_growing_requests()
-    for request in (first, second):
-        request.arrival_time = 0.0
-        scheduler.add_request(request)
+    scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=1.0,
+                                                    num_kv_blocks=10, max_model_len=36)
     for _ in range(22):  # held, on a clock that stands still
         run_step(scheduler)
     assert first.num_tokens > 7 * 4 and len(scheduler.running) == 1
