@@ -245,7 +245,6 @@ class RunStats:
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
-    tpot_p50_s: float  # per request: (last token - first token) / (output tokens - 1)
     itl_p99_s: float
     preemptions_per_1k: float
     recomputed_fraction: float  # recomputed tokens / all tokens the engines computed
@@ -490,7 +489,6 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
         ttft_p50_s=float(np.percentile(ttfts, 50)),
         ttft_p90_s=float(np.percentile(ttfts, 90)),
         ttft_p99_s=float(np.percentile(ttfts, 99)),
-        tpot_p50_s=float(np.percentile(tpots, 50)),
         itl_p99_s=float(np.percentile(inter_token_gaps, 99)) if inter_token_gaps else 0.0,
         preemptions_per_1k=1000.0 * preemptions / num_requests,
         recomputed_fraction=recomputed / computed if computed else 0.0,
