@@ -38,7 +38,7 @@ from cluster.openai_responses import (
     SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
 )
 from cluster.prometheus_targets import PrometheusTargets
-from cluster.serve_logging import ClientRefusal, log_client_errors_in_one_line
+from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from replica.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
 from replica.grpc_service import (
@@ -77,6 +77,7 @@ COMPLETION_PARAM_FOR_FIELD = {"prompt_token_ids": "prompt", "top_logprobs": "log
 CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 
 api = FastAPI(title="headroom", description="OpenAI-compatible API of one headroom model")
+api.add_middleware(DisconnectWhenReceiveIsCancelled)
 
 
 class ReplicaLostError(RuntimeError):

@@ -1,11 +1,15 @@
 """One log line, not a traceback, for a request refused for the client's own fault. Ray Serve
 logs every exception a deployment method raises with its traceback at ERROR; for an invalid
 field or a full queue that is ~40 lines of noise per bad request, on every replica it crossed.
+And none at all for a client that closed its stream, which is no error.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Awaitable, Callable
+
+from ray.exceptions import TaskCancelledError
 
 from replica.request import InvalidRequestError
 from replica.scheduler import QueueFullError
@@ -59,3 +63,37 @@ def log_client_errors_in_one_line() -> None:
     logger = logging.getLogger(SERVE_LOGGER_NAME)
     if not any(isinstance(existing, ClientErrorLogFilter) for existing in logger.filters):
         logger.addFilter(ClientErrorLogFilter())
+
+
+class DisconnectWhenReceiveIsCancelled:
+    """ASGI middleware: a client that closes an HTTP stream is a disconnect, however Serve says so.
+
+    Serve's replica relays the client's messages by calling its proxy; when the client goes,
+    that call usually fails with KeyError, which Serve turns into `http.disconnect`
+    (ray-project/ray#43290), but when the proxy cancels the call first `receive()` raises
+    TaskCancelledError instead. Starlette's StreamingResponse, listening for the disconnect,
+    then fails the request and Serve logs a 40-line traceback for a client that simply left.
+    Here that is the disconnect it is, returned again on every later `receive()` as ASGI
+    requires; the stream then ends as on any disconnect, cancelling the replica's generation.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        disconnected = False
+
+        async def receive_or_disconnect() -> dict:
+            nonlocal disconnected
+            if not disconnected:
+                try:
+                    return await receive()
+                except TaskCancelledError:
+                    disconnected = True
+            return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)

@@ -4,17 +4,20 @@ empty delta mid-stream, logprobs take each API's shape and best_of keeps the lik
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 import pytest
+from fastapi.responses import StreamingResponse
+from ray.exceptions import TaskCancelledError
 
 from cluster.deployment import GenerationChunk
 from cluster.openai_api import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, choice_sampling_params, parse_body,
 )
 from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
-from cluster.serve_logging import ClientErrorLogFilter
+from cluster.serve_logging import ClientErrorLogFilter, DisconnectWhenReceiveIsCancelled
 from replica.logits_processors import TopLogprobs
 from replica.request import InvalidRequestError
 
@@ -150,3 +153,49 @@ def test_client_errors_through_serve_log_one_line():
                               None, None)
     ClientErrorLogFilter().filter(proxy)
     assert "\n" not in proxy.getMessage() and proxy.getMessage().endswith("gRPCStatusError: prompt: bad")
+
+
+def test_a_stream_whose_receive_is_cancelled_ends_as_a_disconnect_not_an_error():
+    """Serve's replica sometimes reports a client that closed its stream by raising
+    TaskCancelledError from `receive()`; Starlette's StreamingResponse would fail the request
+    (the traceback Serve logs). Behind the middleware it is a disconnect that ends the stream."""
+    closed = []
+
+    async def endless():
+        try:
+            while True:
+                yield "data: {}\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(True)
+
+    async def app(scope, receive, send):
+        await StreamingResponse(endless(), media_type="text/event-stream")(scope, receive, send)
+
+    async def serve_one(asgi_app) -> list[dict]:
+        messages = iter([{"type": "http.request", "body": b"", "more_body": False}])
+        sent = []
+
+        async def receive():
+            message = next(messages, None)
+            if message is not None:
+                return message
+            await asyncio.sleep(0.05)  # the client reads a few chunks, then leaves
+            raise TaskCancelledError()
+
+        async def send(message):
+            sent.append(message)
+
+        # Serve's scope names no spec_version, so Starlette listens for the disconnect.
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "method": "POST",
+                 "path": "/v1/completions", "headers": []}
+        await asgi_app(scope, receive, send)
+        return sent
+
+    with pytest.raises(TaskCancelledError):  # the failure the middleware exists for
+        asyncio.run(serve_one(app))
+    closed.clear()
+    sent = asyncio.run(serve_one(DisconnectWhenReceiveIsCancelled(app)))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert sum(message.get("body", b"").startswith(b"data:") for message in sent) >= 2
+    assert closed == [True]  # the generator (in the ingress: the replica's stream) was closed
