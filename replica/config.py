@@ -58,9 +58,10 @@ class EngineConfig(BaseModel):
     )
     admission_max_hold_ms: Optional[float] = Field(
         500.0, gt=0,
-        description="Under the reserve modes, how long the growth reserve may hold a request: the reserve it needs "
-        "shrinks linearly from all to none over this time since its arrival, its preemption or the replica's latest "
-        "preemption (whichever is latest); then it is admitted as the optimistic mode would. None: holds are unbounded.",
+        description="Under the reserve modes, how long the growth reserve may block the queue: the reserve a waiting "
+        "request needs shrinks linearly from all to none over this time since the latest of its arrival (or requeue), "
+        "the replica's last admission on the whole reserve and its last preemption; then it is admitted as the "
+        "optimistic mode would. None: holds are unbounded.",
     )
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."

@@ -108,8 +108,8 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     "headroom_admissions_relaxed_total": MetricSpec(
         "counter",
         "Requests admitted with part of the growth reserve waived because they had waited: the reserve a held "
-        "request needs shrinks to nothing over admission_max_hold_ms, restarted by each preemption on the "
-        "replica (reserve modes only).",
+        "request needs shrinks to nothing over admission_max_hold_ms, restarted by each admission on the whole "
+        "reserve and each preemption on the replica (reserve modes only).",
         None,
         REPLICA_LABELS,
     ),

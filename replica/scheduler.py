@@ -146,8 +146,9 @@ class Scheduler:
         self.growth = GrowthLedger(config.admission_mode, config.block_size)
         self._held_request_id: Optional[str] = None  # the head of the queue the reserve holds back
         self._finished_req_ids: list[str] = []
-        # Waived reserves are earned again after a preemption (see _reserve_share).
+        # A hold runs from the later of these and the request's arrival (see _reserve_share).
         self._last_preemption_time = -math.inf
+        self._last_reserve_met_time = -math.inf
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
 
@@ -332,7 +333,9 @@ class Scheduler:
                 request, num_new_tokens, hit_blocks, num_hit_tokens, reserved_blocks=watermark_blocks + growth_blocks,
                 num_tokens_to_fit=request.num_tokens + own_growth if growth.reserves_growth else optimistic_fit,
             )
-            if new_blocks is None and growth.reserves_growth:
+            if new_blocks is not None and growth.reserves_growth:
+                self._last_reserve_met_time = now
+            elif new_blocks is None and growth.reserves_growth:
                 share = self._reserve_share(request, now)
                 if share < 1.0:
                     # Held a while: it needs only part of the growth reserve (none once the hold is over).
@@ -371,16 +374,20 @@ class Scheduler:
         return token_budget
 
     def _reserve_share(self, request: Request, now: float) -> float:
-        """The share of the growth reserve a request still needs to be admitted: all of it when
-        it starts waiting or when this replica last preempted, whichever is later, shrinking
-        linearly to none over admission_max_hold_ms. A transient overload (a burst) costs a
-        held request at most that long to its first token; a sustained one, where waived
-        reserves end in preemptions, keeps the reserve (SGLang's new_token_ratio decays the
-        same way over steps and is reset by a retraction)."""
+        """The share of the growth reserve a request still needs to be admitted: all of it at
+        first, shrinking linearly to none over admission_max_hold_ms from the latest of its
+        arrival (or requeue), this replica's last admission on the whole reserve and its last
+        preemption. So the hold times how long the reserve has blocked the queue, not how long
+        the request has queued: under a sustained overload, where requests finish often and
+        the queue drains on whole reserves, it rarely expires however long the queue; a burst
+        of long generations, which frees nothing for seconds, costs its held requests at most
+        that long to their first token; and after a preemption (a waived reserve that did not
+        pay) the whole reserve is needed again (SGLang's new_token_ratio decays the same way
+        over steps and is reset by a retraction)."""
         max_hold_ms = self.config.admission_max_hold_ms
         if max_hold_ms is None:
             return 1.0
-        held_s = now - max(request.waiting_since, self._last_preemption_time)
+        held_s = now - max(request.waiting_since, self._last_reserve_met_time, self._last_preemption_time)
         return min(1.0, max(0.0, 1.0 - held_s * 1000 / max_hold_ms))
 
     def _count_held_admission(self, request: Request, num_new_tokens: int, hit_blocks, num_hit_tokens: int) -> None:

@@ -96,6 +96,24 @@ def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
     assert first.num_output_tokens == second.num_output_tokens == 28
 
 
+def test_a_hold_runs_from_the_last_admission_on_the_whole_reserve_not_from_arrival():
+    """A request that queued long behind others is not waved through: the hold times how long
+    the reserve has blocked the queue (under a sustained overload, the queue drains on whole
+    reserves and nothing is waived however long it is)."""
+    now = [0.0]
+    scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=200.0)
+    now[0] = 100.0  # both have queued 100 s
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a"]  # on the whole reserve: the hold starts now
+    assert scheduler._reserve_share(second, 100.05) == pytest.approx(0.75)
+    now[0] = 100.05
+    run_step(scheduler)
+    assert len(scheduler.running) == 1
+    now[0] = 100.2
+    run_step(scheduler)
+    assert len(scheduler.running) == 2 and scheduler.load().admissions_relaxed_total == 1
+
+
 def test_a_preemption_restores_the_whole_reserve_for_every_waiting_request():
     now = [0.0]
     scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=200.0)
