@@ -126,7 +126,13 @@ class HeadroomPolicy(RoutingPolicy):
       shared, not allocated again). Free blocks alone make a replica that has just admitted
       long-output requests look roomy until they grow into each other. A replica without
       the room is ranked after every one with it, whatever its cache holds: affinity never
-      sends a request where it would preempt or wait for memory. If none fits, the least
+      sends a request where it would preempt. One exception, where no preemption can
+      follow: a replica that admits by expected growth (it reports `expected_output_tokens`)
+      holds a request that does not fit until memory frees, and where it caches the
+      request's prefix it fits while it is short by no more than that prefix, which any
+      other replica would have to allocate again (and evict some other tenant's prefix
+      for). Without that, a transient shortfall at the holder copied prefixes around the
+      cluster under an even multi-tenant load (docs/benchmarks.md). If none fits, the least
       bad still gets it, never an error.
     - headroom_after (reward, `headroom_weight` = 0.25): that room, left after the request.
       Small, because the filter already keeps replicas out of trouble: past it, memory to
@@ -189,6 +195,12 @@ class HeadroomPolicy(RoutingPolicy):
         own_tokens = request.expected_blocks(load) * block_size - cached_tokens
         free_after_tokens = load.headroom_tokens - load.kv_committed_tokens - inflight_tokens - own_tokens
         headroom_after = free_after_tokens / pool_tokens
+        # Where the replica holds what does not fit instead of preempting for it (it admits by
+        # expected growth: it reports expected output lengths), a cached prefix lends its size
+        # to the fit: any other replica would have to allocate that prefix again, so waiting
+        # there for at most that much memory to free costs the cluster no more memory, and
+        # evicts no other tenant's prefix to make room for a copy.
+        lent_tokens = cached_tokens if load.expected_output_tokens > 0 else 0
         backlog = (load.waiting_prefill_tokens + inflight.prefill_tokens) / pool_tokens
         own_prefill = (request.prompt_tokens - cached_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
@@ -196,7 +208,7 @@ class HeadroomPolicy(RoutingPolicy):
         score = (self.headroom_weight * headroom_after - self.backlog_weight * backlog
                  - self.prefill_weight * own_prefill - self.preemption_weight * preemption_risk)
         return HeadroomScore(
-            view.replica_id, free_after_tokens >= 0, headroom_after, backlog, own_prefill, preemption_risk, score,
+            view.replica_id, free_after_tokens + lent_tokens >= 0, headroom_after, backlog, own_prefill, preemption_risk, score,
             inflight.requests, cached_tokens,
         )
 

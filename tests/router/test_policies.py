@@ -280,6 +280,23 @@ def test_a_cached_prefix_never_sends_a_request_where_it_does_not_fit():
     assert headroom_policy().rank(request, [tight_holder, roomy]) == ["roomy", "holder"]
 
 
+def test_a_holder_that_admits_by_expected_growth_may_be_short_by_the_prefix_it_saves():
+    # 4,000 + 200 tokens, 3,200 of them cached on the holder: 1,008 tokens of its own there,
+    # 4,208 on any other replica. With no free block the holder is 1,008 short.
+    request = shared_prefix_request()
+    roomy = view("roomy", make_load("roomy", free_blocks=600, expected_output_tokens=200))
+    short = view("holder", make_load("holder", free_blocks=0, expected_output_tokens=200), cached_blocks=200)
+    assert headroom_policy().score(request, short).headroom_after < 0
+    assert headroom_policy().rank(request, [roomy, short]) == ["holder", "roomy"]  # it waits there
+    # Short by more than the prefix: the copy elsewhere is the smaller cost.
+    shorter = view("holder", make_load("holder", free_blocks=0, expected_output_tokens=200,
+                                       kv_committed_tokens=2_300), cached_blocks=200)
+    assert headroom_policy().rank(request, [roomy, shorter]) == ["roomy", "holder"]
+    # A replica that admits optimistically would preempt for it: no lending.
+    optimistic = view("holder", make_load("holder", free_blocks=0), cached_blocks=200)
+    assert headroom_policy().rank(request, [roomy, optimistic]) == ["roomy", "holder"]
+
+
 def test_a_replica_that_learned_short_outputs_needs_room_for_them_only():
     request = RoutingRequest(prompt_tokens=1600, max_tokens=3200)  # 300 blocks to max_tokens
     learned = make_load("learned", free_blocks=150, expected_output_tokens=400)  # 125 blocks expected
