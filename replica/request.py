@@ -193,7 +193,7 @@ class Request:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     admitted_time: Optional[float] = None  # latest admission to running
-    waiting_since: Optional[float] = None  # arrival, or the latest preemption: how long admission has held it
+    waiting_since: Optional[float] = None  # arrival, or its latest requeue: when its current wait began
     first_admitted_time: Optional[float] = None
     stop_reason: Optional[StopReason] = None  # the stop token id or string that finished it
 

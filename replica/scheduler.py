@@ -333,9 +333,9 @@ class Scheduler:
                 request, num_new_tokens, hit_blocks, num_hit_tokens, reserved_blocks=watermark_blocks + growth_blocks,
                 num_tokens_to_fit=request.num_tokens + own_growth if growth.reserves_growth else optimistic_fit,
             )
-            if new_blocks is not None and growth.reserves_growth:
+            if growth.reserves_growth and new_blocks is not None:
                 self._last_reserve_met_time = now
-            elif new_blocks is None and growth.reserves_growth:
+            elif growth.reserves_growth:
                 share = self._reserve_share(request, now)
                 if share < 1.0:
                     # Held a while: it needs only part of the growth reserve (none once the hold is over).

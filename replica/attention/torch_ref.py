@@ -44,7 +44,6 @@ class TorchAttentionBackend(AttentionBackend):
             _attend_sequence(query, key_cache, value_cache, plan, sequence, scale, output)
         return output
 
-
     def _buffers(self, size: int, key_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V gather buffers of at least `size` elements, grown (never shrunk) as steps need."""
         buffers = self._gather_buffers
