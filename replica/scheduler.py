@@ -329,21 +329,24 @@ class Scheduler:
                 # Its whole final size must fit beside all that running requests are still owed.
                 growth_blocks = growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
                 own_growth = growth.final_tokens(request) - request.num_tokens
-            new_blocks = kv_cache.allocate_slots(
-                request, num_new_tokens, hit_blocks, num_hit_tokens, reserved_blocks=watermark_blocks + growth_blocks,
-                num_tokens_to_fit=request.num_tokens + own_growth if growth.reserves_growth else optimistic_fit,
-            )
+
+            def allocate(share: float) -> Optional[list]:
+                """With this share of the growth reserve left free (none: the optimistic check)."""
+                return kv_cache.allocate_slots(
+                    request, num_new_tokens, hit_blocks, num_hit_tokens,
+                    reserved_blocks=watermark_blocks + int(growth_blocks * share),
+                    num_tokens_to_fit=request.num_tokens + int(own_growth * share)
+                    if growth.reserves_growth and share > 0 else optimistic_fit,
+                )
+
+            new_blocks = allocate(1.0)
             if growth.reserves_growth and new_blocks is not None:
                 self._last_reserve_met_time = now
             elif growth.reserves_growth:
                 share = self._reserve_share(request, now)
                 if share < 1.0:
                     # Held a while: it needs only part of the growth reserve (none once the hold is over).
-                    new_blocks = kv_cache.allocate_slots(
-                        request, num_new_tokens, hit_blocks, num_hit_tokens,
-                        reserved_blocks=watermark_blocks + int(growth_blocks * share),
-                        num_tokens_to_fit=request.num_tokens + int(own_growth * share) if share > 0 else optimistic_fit,
-                    )
+                    new_blocks = allocate(share)
                     if new_blocks is not None:
                         self.counters.admissions_relaxed += 1
             if new_blocks is None:

@@ -31,8 +31,10 @@ def draw_prompt(draw, max_model_len: int) -> tuple[list[int], int]:
     return prompt, draw(st.integers(1, max_model_len - len(prompt)))
 
 
-def make_scheduler(**overrides) -> Scheduler:
-    return Scheduler(make_engine_config(**overrides), vocab_size=FAKE_VOCAB)
+def make_scheduler(clock: Optional[Callable[[], float]] = None, **overrides) -> Scheduler:
+    """A scheduler over the fake vocabulary; `clock` replaces the wall clock (tests of time)."""
+    clocked = {} if clock is None else {"clock": clock}
+    return Scheduler(make_engine_config(**overrides), vocab_size=FAKE_VOCAB, **clocked)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 8, **kwargs) -> Request:

@@ -9,8 +9,6 @@ import pytest
 from sched_harness import FAKE_VOCAB, make_request, make_scheduler, run_step, run_to_completion
 
 from replica.admission import peak_growth_tokens
-from replica.config import make_engine_config
-from replica.scheduler import Scheduler
 from replica.output_length import OutputLengthEstimator
 
 # 12 usable blocks of 4 tokens. Each request: 8-token prompt (2 blocks), 28 output tokens
@@ -67,8 +65,7 @@ def test_reserving_max_tokens_holds_the_second_back_once_and_never_preempts():
 
 def held_pair_on_a_clock(now: list[float], mode: str, **overrides):
     """A scheduler reading time from now[0], with the two growing requests arrived at now[0]."""
-    scheduler = Scheduler(make_engine_config(**{**POOL, "admission_mode": mode, **overrides}),
-                          vocab_size=FAKE_VOCAB, clock=lambda: now[0])
+    scheduler = make_scheduler(lambda: now[0], **{**POOL, "admission_mode": mode, **overrides})
     first, second = two_growing_requests()
     for request in (first, second):
         request.arrival_time = now[0]

@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
-from sched_harness import FAKE_VOCAB, draw_prompt, fake_next_token, make_request, reference_outputs
+from sched_harness import draw_prompt, fake_next_token, make_request, make_scheduler, reference_outputs
 
 from replica.config import ConfigError, make_engine_config
 from replica.metrics import ReplicaMetrics
@@ -44,7 +44,7 @@ class FakeClock:
 def slo_scheduler(clock: FakeClock, **overrides) -> Scheduler:
     config = dict(scheduling_policy="slo", slo_predictor_per_token_ms=0.0, slo_predictor_base_ms=0.0)
     config.update(overrides)
-    return Scheduler(make_engine_config(**config), vocab_size=FAKE_VOCAB, clock=clock)
+    return make_scheduler(clock, **config)
 
 
 # ---- slack and urgency -------------------------------------------------------------------
