@@ -58,15 +58,14 @@ def _keys_per_segment(seq_len, NUM_SEGMENTS: tl.constexpr, KEY_TILE: tl.constexp
     return tl.cdiv(keys, KEY_TILE) * KEY_TILE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for every batch size
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2, num_seqs,
-    stride_q_token, stride_q_head, stride_q_dim,
-    stride_o_token, stride_o_head, stride_o_dim,
-    stride_cache_block, stride_cache_offset, stride_cache_head, stride_cache_dim,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
     stride_block_table_seq,
     stride_partial_token, stride_partial_head, stride_partial_segment,
     stride_stats_token, stride_stats_head, stride_stats_segment,
@@ -102,7 +101,7 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
     token_row = (query_start + token_in_seq).to(tl.int64)
-    q_offsets = token_row[:, None] * stride_q_token + q_head[:, None] * stride_q_head + dims[None, :] * stride_q_dim
+    q_offsets = token_row[:, None] * stride_q_token + q_head[:, None] * stride_q_head + dims[None, :]
     q = tl.load(query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
     running_max = tl.full([TILE_ROWS], _NO_SCORE, dtype=tl.float32)
@@ -121,7 +120,7 @@ def _paged_attention_kernel(
         block_id = tl.load(block_table_row + key_position // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot_offset = block_id * stride_cache_block + (key_position % BLOCK_SIZE).to(tl.int64) * stride_cache_offset
         kv_mask = key_valid[None, :] & dim_valid[:, None]
-        k = tl.load(key_cache_ptr + head_offset + slot_offset[None, :] + dims[:, None] * stride_cache_dim,
+        k = tl.load(key_cache_ptr + head_offset + slot_offset[None, :] + dims[:, None],
                     mask=kv_mask, other=0.0)  # [HEAD_DIM_PADDED, KEY_TILE]
         # ieee: fp32 caches get exact fp32 products (tf32 drifts ~1e-3 from the reference);
         # for fp16/bf16 operands the flag changes nothing.
@@ -133,7 +132,7 @@ def _paged_attention_kernel(
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(value_cache_ptr + head_offset + slot_offset[:, None] + dims[None, :] * stride_cache_dim,
+        v = tl.load(value_cache_ptr + head_offset + slot_offset[:, None] + dims[None, :],
                     mask=tl.trans(kv_mask), other=0.0)  # [KEY_TILE, HEAD_DIM_PADDED]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         running_max = new_max
@@ -141,7 +140,7 @@ def _paged_attention_kernel(
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SEGMENTS == 1:
         out = acc / running_sum[:, None]
-        o_offsets = token_row[:, None] * stride_o_token + q_head[:, None] * stride_o_head + dims[None, :] * stride_o_dim
+        o_offsets = token_row[:, None] * stride_o_token + q_head[:, None] * stride_o_head + dims[None, :]
         tl.store(output_ptr + o_offsets, out.to(output_ptr.dtype.element_ty), mask=store_mask)
     else:
         # Unnormalised: the merge rescales each segment by its max before dividing once.
@@ -154,11 +153,11 @@ def _paged_attention_kernel(
         tl.store(partial_out_ptr + partial_offsets, acc, mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for every batch size
 def _merge_segments_kernel(
     output_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     query_start_loc_ptr, seq_lens_ptr, num_seqs,
-    stride_o_token, stride_o_head, stride_o_dim,
+    stride_o_token, stride_o_head,
     stride_partial_token, stride_partial_head, stride_partial_segment,
     stride_stats_token, stride_stats_head, stride_stats_segment,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, KEY_TILE: tl.constexpr,
@@ -188,16 +187,15 @@ def _merge_segments_kernel(
                        + segments[:, None] * stride_partial_segment + dims[None, :])
     partial = tl.load(partial_out_ptr + partial_offsets, mask=used[:, None] & dim_valid[None, :], other=0.0)
     out = tl.sum(partial * weight[:, None], axis=0) / total
-    o_offsets = token.to(tl.int64) * stride_o_token + q_head * stride_o_head + dims * stride_o_dim
+    o_offsets = token.to(tl.int64) * stride_o_token + q_head * stride_o_head + dims
     tl.store(output_ptr + o_offsets, out.to(output_ptr.dtype.element_ty), mask=dim_valid)
 
 
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, block_size,
-    stride_k_token, stride_k_head, stride_k_dim,
-    stride_v_token, stride_v_head, stride_v_dim,
-    stride_cache_block, stride_cache_offset, stride_cache_head, stride_cache_dim,
+    stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
 ):
@@ -209,13 +207,24 @@ def _write_kv_kernel(
     dims = tl.arange(0, HEAD_DIM_PADDED)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     cache_offsets = ((slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_offset
-                     + heads[:, None] * stride_cache_head + dims[None, :] * stride_cache_dim)
-    key = tl.load(key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :] * stride_k_dim,
+                     + heads[:, None] * stride_cache_head + dims[None, :])
+    key = tl.load(key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :],
                   mask=mask)
-    value = tl.load(value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim,
+    value = tl.load(value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :],
                     mask=mask)
     tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(tensor: torch.Tensor) -> tuple[int, ...]:
+    """Strides of every dimension but the last, which the kernels take as contiguous.
+
+    Unit stride is built into the kernels rather than left to the JIT's specialisation of
+    arguments equal to 1: with a stride argument, the loads can neither vectorise nor pipeline
+    (the head-dim-256 prefill tile then spills), and the ahead-of-time compile measures this code.
+    """
+    assert tensor.stride(-1) == 1, f"the attention kernels need a contiguous last dimension, got {tensor.stride()}"
+    return tensor.stride()[:-1]
 
 
 @dataclass
@@ -242,49 +251,83 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
 
     `partials` is split-KV's scratch; allocated here when not given (a CUDA graph pools it).
     """
+    if plan.is_split and partials is None:
+        partials = SegmentPartials.empty(*query.shape[:2], plan.num_segments, query.shape[2], query.device)
+    grid, args, options = attention_launch(query, key_cache, value_cache, meta, scale, plan, output, partials)
+    _paged_attention_kernel[grid](*args, **options)
+    if plan.is_split:
+        merge_segments(output, partials, meta, plan)
+
+
+def attention_launch(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, plan: AttentionPlan,
+                     output: torch.Tensor, partials: SegmentPartials | None):
+    """(grid, arguments, keyword arguments) of `_paged_attention_kernel` for this call.
+
+    The launch and the ahead-of-time compile (`replica/attention/aot.py`) both build it here, so
+    what the compile measures is what runs.
+    """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = meta.num_seqs
-    if plan.is_split and partials is None:
-        partials = SegmentPartials.empty(num_tokens, num_q_heads, plan.num_segments, head_dim, query.device)
     # The single pass never touches the scratch; any tensor fills the pointer slots.
     scratch = partials or SegmentPartials(output, output, output)
     partial_strides = scratch.out.stride()[:3] if plan.is_split else (0, 0, 0)
     stats_strides = scratch.max.stride() if plan.is_split else (0, 0, 0)
-    shared = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_head_dim(head_dim), KEY_TILE=plan.config.key_tile,
-                  NUM_SEGMENTS=plan.num_segments, SEGMENT_MIN_KEYS=plan.segment_min_keys)
     grid = (num_tokens // plan.tile_tokens + num_seqs, num_kv_heads, plan.num_segments)
-    _paged_attention_kernel[grid](
+    args = (
         query, key_cache, value_cache, output,
         scratch.out, scratch.max, scratch.sum,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
         num_seqs,
         # One set of cache strides serves both caches: allocate_kv_cache makes them alike.
-        *query.stride(), *output.stride(), *key_cache.stride(),
+        *_rows(query), *_rows(output), *_rows(key_cache),
         meta.block_tables.stride(0),
         *partial_strides, *stats_strides,
-        BLOCK_SIZE=key_cache.shape[1], QUERIES_PER_KV=num_q_heads // num_kv_heads,
-        TILE_ROWS=plan.tile_rows, TILE_TOKENS=plan.tile_tokens, **shared,
+    )
+    options = dict(
+        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_head_dim(head_dim),
+        QUERIES_PER_KV=num_q_heads // num_kv_heads, TILE_ROWS=plan.tile_rows, TILE_TOKENS=plan.tile_tokens,
+        KEY_TILE=plan.config.key_tile, NUM_SEGMENTS=plan.num_segments, SEGMENT_MIN_KEYS=plan.segment_min_keys,
         num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
     )
-    if plan.is_split:
-        merge_segments(output, partials, meta, plan)
+    return grid, args, options
 
 
 def merge_segments(output: torch.Tensor, partials: SegmentPartials, meta: AttentionMetadata,
                    plan: AttentionPlan) -> None:
     """Combine split-KV partials into `output` [num_tokens, num_q_heads, head_dim]."""
+    grid, args, options = merge_launch(output, partials, meta, plan)
+    _merge_segments_kernel[grid](*args, **options)
+
+
+def merge_launch(output: torch.Tensor, partials: SegmentPartials, meta: AttentionMetadata, plan: AttentionPlan):
+    """(grid, arguments, keyword arguments) of `_merge_segments_kernel`, as attention_launch."""
     num_tokens, num_q_heads, head_dim = output.shape
-    _merge_segments_kernel[(num_tokens, num_q_heads)](
+    args = (
         output, partials.out, partials.max, partials.sum,
         meta.query_start_loc, meta.seq_lens, meta.num_seqs,
-        *output.stride(), *partials.out.stride()[:3], *partials.max.stride(),
+        *_rows(output), *partials.out.stride()[:3], *partials.max.stride(),
+    )
+    options = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_head_dim(head_dim), KEY_TILE=plan.config.key_tile,
         NUM_SEGMENTS=plan.num_segments, SEGMENTS_PADDED=triton.next_power_of_2(plan.num_segments),
         SEGMENT_MIN_KEYS=plan.segment_min_keys,
         num_warps=4,  # one [segments x head_dim] fp32 tile, no loop to pipeline
     )
+    return (num_tokens, num_q_heads), args, options
+
+
+def write_kv_launch(key, value, key_cache, value_cache, slot_mapping):
+    """(grid, arguments, keyword arguments) of `_write_kv_kernel`, as attention_launch."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    args = (
+        key, value, key_cache, value_cache, slot_mapping, key_cache.shape[1],
+        *_rows(key), *_rows(value), *_rows(key_cache),
+    )
+    options = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+                   HEAD_DIM_PADDED=triton.next_power_of_2(head_dim))
+    return (num_tokens,), args, options
 
 
 @functools.cache
@@ -304,15 +347,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_sms = num_sms
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        num_tokens, num_kv_heads, head_dim = key.shape
-        if num_tokens == 0:
+        if key.shape[0] == 0:
             return
-        _write_kv_kernel[(num_tokens,)](
-            key, value, key_cache, value_cache, slot_mapping, key_cache.shape[1],
-            *key.stride(), *value.stride(), *key_cache.stride(),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HEADS_PADDED=triton.next_power_of_2(num_kv_heads), HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        )
+        grid, args, options = write_kv_launch(key, value, key_cache, value_cache, slot_mapping)
+        _write_kv_kernel[grid](*args, **options)
 
     def plan(self, query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionPlan:
         """This call's launch, from shapes and the host-side bounds in `meta` only."""
