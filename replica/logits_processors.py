@@ -1,7 +1,7 @@
 """What happens to a batch of logits between the model and the sampler, as tensor functions:
 logit_bias, then presence / frequency / repetition penalties (log-probabilities are the
 sampler's, of the raw logits: replica/executor/sampler.py). Rows that ask for nothing pass
-untouched, and nothing is computed unless some row asks: one bincount builds every row's
+untouched, and nothing is computed unless some row asks: one scatter-add builds every row's
 token counts, with no per-row loop over tensors.
 Host values reach the device by asynchronous copies and nothing is read back, so a GPU step
 in flight is never waited for (replica/executor/sampler.py calls this on the device).
@@ -56,7 +56,7 @@ def to_device(values: Sequence | np.ndarray | torch.Tensor, dtype: Optional[torc
     flight). `dtype` None keeps the values' own."""
     tensor = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return tensor
+        return tensor.to(device)  # a no-op on the CPU; tests pass the meta device
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
@@ -108,10 +108,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
 
 def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[len(sequences), vocab_size] float counts of each token id in each sequence, from one
-    bincount over (row * vocab_size + token id)."""
+    scatter-add of ones at (row * vocab_size + token id). Not torch.bincount: its output size
+    depends on the largest key, so on CUDA it reads that back to the host and waits for the
+    step in flight."""
     lengths = torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long)
     flat_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
     row_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
     keys = to_device(row_of_token * vocab_size + flat_ids, torch.long, device)
-    counts = torch.bincount(keys, minlength=len(sequences) * vocab_size)
-    return counts.view(len(sequences), vocab_size).float()
+    counts = torch.zeros(len(sequences) * vocab_size, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, keys, torch.ones(keys.shape, dtype=torch.float32, device=device))
+    return counts.view(len(sequences), vocab_size)

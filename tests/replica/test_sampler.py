@@ -189,6 +189,12 @@ def test_a_whole_mixed_batch_samples_without_reading_a_tensor_on_the_host():
     output = Sampler().sample(torch.empty(4, VOCAB_SIZE, device="meta"),
                               SamplingBatch.of_params(params, range(4), VOCAB_SIZE, "meta"))
     assert output.top_token_ids.shape == output.top_logprobs.shape == (4, 4)
+    # Penalties count every row's tokens (torch.bincount would read its largest key back).
+    params[2] = SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    histories = [History([1, 2], [3]), History([4], [5, 5]), History([6, 7], [8]), History([9], [])]
+    output = Sampler().sample(torch.empty(4, VOCAB_SIZE, device="meta"),
+                              SamplingBatch.of_params(params, range(4), VOCAB_SIZE, "meta", histories))
+    assert output.token_ids.shape == (4,)
 
 
 class History:
