@@ -73,11 +73,20 @@ def run_workload(engine, requests, on_step=None) -> dict:
                 preemptions=engine.scheduler.counters.preemptions - preemptions_before, steps=steps)
 
 
-def run_hf(model_dir: str, requests, batch_size: int, device: str, dtype: str) -> dict:
+def load_hf_model(model_dir, dtype: str | torch.dtype, device: str):
+    """transformers' model in `dtype` on `device`, eval mode. `dtype=` is from_pretrained's
+    keyword since transformers 4.56; older versions take (only) `torch_dtype=`."""
     import transformers
+    from packaging.version import Version
 
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    keyword = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, **{keyword: dtype}).to(device).eval()
+
+
+def run_hf(model_dir: str, requests, batch_size: int, device: str, dtype: str) -> dict:
+    model = load_hf_model(model_dir, dtype, device)
     warm = torch.tensor([requests[0][0][:16]], device=device)
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
     start = time.perf_counter()

@@ -1,23 +1,30 @@
-"""Issue 15 in one command on a CUDA machine (about 8 minutes on an H100; one table last).
+"""Issue 20 in one command on a CUDA machine: the GPU replica's correctness and speed, each row
+printed (and the JSON rewritten) as its section finishes, so a run cut at a time limit keeps
+what it measured.
 
-    python bench/bench_gpu.py [--quick] [--json PATH] [--skip-tests] [--skip-peers] [--cpu-smoke]
+    python bench/bench_gpu.py [--sections tests,engine,smollm2,served] [--quick] [--json PATH]
+                              [--smollm2 FILE.gguf|DIR] [--cpu-smoke]
+    python bench/bench_gpu.py --sections peers     # bench_attention.py and bench_fused_ops.py
 
-1. the engine's HF-parity tests on CUDA (fp32, Triton attention, CUDA graphs and async
-   scheduling on): tests/replica/test_engine.py and test_slo_engine.py with
-   HEADROOM_TEST_DEVICE=cuda, in a subprocess;
-2. bf16 greedy agreement with HF on a random 1.1B Llama (hidden 2048, 16 layers, 32 q /
-   8 kv heads, vocab 32000): the first 32 tokens of 16 prompts, with HF's logit gap at each
-   divergence (near-ties in a random model's flat logits are expected to flip);
-3. the engine against HF generate() (batch 64) on that model in bf16, 256 requests of
-   bench_engine.py's workload: steps, mean decode step at the largest batch, host time per
-   step, output tok/s; with CUDA graphs and async scheduling, then without async, and a
-   timed decode step at batch 256 with ~400-token contexts;
-4. the same with graphs off (enforce_eager), so the gain is visible;
-5. bench/bench_attention.py and bench/bench_fused_ops.py with --quick, when they exist.
+Sections (the default is all but `peers`, about 6 minutes on an H100):
+- tests: the engine's HF-parity tests on CUDA (fp32, Triton attention, CUDA graphs and async
+  scheduling on): tests/replica/test_engine.py and test_slo_engine.py with
+  HEADROOM_TEST_DEVICE=cuda, in a subprocess;
+- engine: on a random 1.1B Llama (hidden 2048, 16 layers, 32 q / 8 kv heads, vocab 32000) in
+  bf16: greedy agreement with HF (first 32 tokens of 16 prompts, HF's logit gap at each
+  divergence); the engine against HF generate() (batch 64) on bench_engine.py's 256-request
+  workload with graphs + async, graphs without async and graphs off (enforce_eager), each on
+  fresh prompts of the same lengths (a rerun of the same prompts would be served from the
+  prefix cache); a timed decode step at batch 256 with ~400-token contexts;
+- smollm2: greedy agreement with HF on the real default model, SmolLM2-135M-Instruct converted
+  from its GGUF as the engine loads it, in fp32 and bf16 on CUDA: the first 32 tokens of 16
+  chat prompts;
+- served: bench/bench_served.py on the GPU (the 1.1B checkpoint, bf16): served over gRPC by
+  `headroom replica` / the offline engine, at 64 and 256 streams;
+- peers: bench/bench_attention.py --quick and bench/bench_fused_ops.py --quick.
 
-Builds its own checkpoint with transformers; needs torch, triton, transformers, safetensors,
-tokenizers, numpy, pytest, hypothesis and what the engine imports (no Ray; pydantic: see
-docs/benchmarks.md for the wheels to carry).
+Needs torch, triton, transformers, safetensors, tokenizers, numpy, pytest and the wheels in
+bench/gpu_wheels.txt (no Ray); docs/benchmarks.md says how to carry them.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -39,16 +48,21 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-from bench_engine import run_hf, run_workload, workload  # noqa: E402
+from bench_engine import load_hf_model, run_hf, run_workload, workload  # noqa: E402
 
 MODEL_SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
 ENGINE_CONFIG = dict(max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048, gpu_memory_utilization=0.9)
+SMOLLM2_ENGINE_CONFIG = dict(max_model_len=512, num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=2048)
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 32
 DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 256, 400, 32
+SERVED_WORKLOADS = "64x128,256x128"
 DEVICE = "cuda"
-# --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute.
+ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers")
+DEFAULT_SECTIONS = ("tests", "engine", "smollm2", "served")
+# --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute or two.
 SMOKE_MODEL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048)
 SMOKE_ENGINE_CONFIG = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=2048, num_kv_blocks=2048)
@@ -62,74 +76,123 @@ class Row:
     target: str = ""
 
 
+class Report:
+    """The table so far: each row printed as it comes, and the JSON rewritten after each section."""
+
+    def __init__(self, device_name: str, json_path: str | None):
+        self.device_name = device_name
+        self.json_path = Path(json_path) if json_path else None
+        self.rows: list[Row] = []
+        print("| section | metric | value | target |\n|---|---|---|---|", flush=True)
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(f"| {row.section} | {row.metric} | {row.value} | {row.target} |", flush=True)
+
+    def save(self) -> None:
+        if self.json_path is not None:
+            self.json_path.write_text(json.dumps({"device": self.device_name, "rows": [asdict(r) for r in self.rows]},
+                                                 indent=1))
+
+    def print_table(self) -> None:
+        print(f"\n## bench_gpu.py on {self.device_name}\n\n| section | metric | value | target |\n|---|---|---|---|")
+        for row in self.rows:
+            print(f"| {row.section} | {row.metric} | {row.value} | {row.target} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated, of {', '.join(ALL_SECTIONS)} (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="64 requests and 8 decode steps (a smoke run)")
-    parser.add_argument("--json", help="also write the table as JSON here")
-    parser.add_argument("--skip-tests", action="store_true", help="skip section 1")
-    parser.add_argument("--skip-peers", action="store_true", help="skip section 5")
+    parser.add_argument("--json", help="also write the table as JSON here (rewritten after each section)")
+    parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's GGUF file or converted directory "
+                                          "(default: the model cache's copy, if any)")
     parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny model on the CPU, no tests or peers: checks this script, measures nothing")
+                        help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
     args = parser.parse_args()
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    if unknown := sorted(set(sections) - set(ALL_SECTIONS)):
+        parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(ALL_SECTIONS)})")
     if args.cpu_smoke:
         global DEVICE, DECODE_BATCH, DECODE_CONTEXT, AGREEMENT_PROMPTS, AGREEMENT_TOKENS
         DEVICE, DECODE_BATCH, DECODE_CONTEXT, AGREEMENT_PROMPTS, AGREEMENT_TOKENS = "cpu", 8, 40, 4, 8
         MODEL_SHAPE.update(SMOKE_MODEL_SHAPE)
         ENGINE_CONFIG.clear()
         ENGINE_CONFIG.update(SMOKE_ENGINE_CONFIG)
-        args.quick = args.skip_tests = args.skip_peers = True
+        args.quick = True
+        sections = [name for name in sections if name in ("engine", "smollm2")]
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device (--cpu-smoke checks the script on a CPU)")
+    else:
+        preflight()
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"
     import transformers
     import triton
 
     print(f"device={device_name} torch={torch.__version__} triton={triton.__version__} "
-          f"transformers={transformers.__version__}", flush=True)
-    rows: list[Row] = []
+          f"transformers={transformers.__version__} sections={','.join(sections)}", flush=True)
+    report = Report(device_name, args.json)
     num_requests = 64 if args.quick else 256
     decode_steps = 8 if args.quick else DECODE_STEPS
     if args.cpu_smoke:
         num_requests, decode_steps = 8, 2
-    if not args.skip_tests:
-        section(rows, "1 parity", parity_tests)
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as model_dir:
-        section(rows, "setup", lambda: build_checkpoint(Path(model_dir)))
-        requests = workload(num_requests, MODEL_SHAPE["vocab_size"],
-                            **(dict(max_prompt=48, max_output=24) if args.cpu_smoke else {}))
-        prompts = agreement_prompts()
-        hf_greedy: dict = {}
-        section(rows, "2 HF greedy", lambda: hf_greedy.update(hf_reference(model_dir, prompts)))
-        hf_result: dict = {}
-        section(rows, "3 HF generate", lambda: hf_throughput(model_dir, requests, hf_result))
-        section(rows, "2-3 engine, graphs", lambda: engine_sections(
-            model_dir, requests, prompts, hf_greedy, hf_result, eager=False, decode_steps=decode_steps))
-        section(rows, "4 engine, graphs off", lambda: engine_sections(
-            model_dir, requests, prompts, hf_greedy, hf_result, eager=True, decode_steps=decode_steps))
-    if not args.skip_peers:
+    if "tests" in sections:
+        section(report, "tests", parity_tests)
+    if "smollm2" in sections:
+        section(report, "smollm2", lambda: smollm2_agreement(args.smollm2, cpu_smoke=args.cpu_smoke))
+    if "engine" in sections or "served" in sections:
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-") as model_dir:
+            section(report, "setup", lambda: build_checkpoint(Path(model_dir)))
+            if "engine" in sections:
+                engine_sections(report, model_dir, num_requests, decode_steps, args.cpu_smoke)
+            if "served" in sections:
+                section(report, "served", lambda: served(model_dir))
+    if "peers" in sections:
         for script in ("bench_attention.py", "bench_fused_ops.py"):
-            if (REPO / "bench" / script).is_file():
-                section(rows, f"5 {script}", lambda script=script: peer_benchmark(script))
-    rows.append(Row("all", "wall time (s)", f"{time.perf_counter() - started:.0f}", "<= 600"))
-    print_table(rows, device_name)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": device_name, "rows": [asdict(r) for r in rows]}, indent=1))
+            section(report, f"peers {script}", lambda script=script: peer_benchmark(script))
+    report.add(Row("all", "wall time (s)", f"{time.perf_counter() - started:.0f}",
+                   "<= 400" if sections == list(DEFAULT_SECTIONS) else ""))
+    report.save()
+    report.print_table()
 
 
-def section(rows: list[Row], name: str, run) -> None:
+def preflight() -> None:
+    """What the run needs beyond torch, in one line each, before any section spends time.
+    Triton 3.6 builds each kernel's launcher with a C compiler against Python.h at its first
+    launch; that would otherwise fail deep inside the first engine's memory profiling."""
+    missing = []
+    compiler = os.environ.get("CC")
+    if not (shutil.which(compiler) if compiler else any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))):
+        missing.append(f"a C compiler ({'$CC=' + compiler if compiler else 'cc, gcc or clang'}) on PATH: "
+                       "Triton compiles its kernel launchers with it")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.is_file():
+        missing.append(f"{header} (the Python development headers): Triton's kernel launchers include it")
+    for module in ("transformers", "triton", "safetensors", "tokenizers", "pydantic", "pytest"):
+        try:
+            __import__(module)
+        except ImportError as error:
+            missing.append(f"the Python package {module!r} ({error}); bench/gpu_wheels.txt lists what to carry")
+    if missing:
+        sys.exit("bench_gpu.py cannot run here; missing:\n  " + "\n  ".join(missing))
+
+
+def section(report: Report, name: str, run) -> None:
     """Run one section; its rows, or one row saying how it failed (the others still run)."""
     start = time.perf_counter()
     print(f"== {name}", flush=True)
     try:
         for row in run() or []:
-            rows.append(Row(name, *row))
+            report.add(Row(name, *row))
     except Exception as error:  # a failed section must not hide the others' figures
         import traceback
 
         traceback.print_exc()
-        rows.append(Row(name, "FAILED", f"{type(error).__name__}: {str(error)[:120]}"))
+        report.add(Row(name, "FAILED", f"{type(error).__name__}: {str(error)[:160]}"))
     print(f"   {name}: {time.perf_counter() - start:.1f} s", flush=True)
+    report.save()
     free_device_memory()
 
 
@@ -139,15 +202,10 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---- 1: the HF-parity tests on CUDA -----------------------------------------------------------
-def parity_tests() -> list[tuple]:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py"]
-    env = {**os.environ, "HEADROOM_TEST_DEVICE": "cuda", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    output, returncode = run_subprocess(command, env, timeout_s=300)
-    summary = output.strip().splitlines()[-1] if output.strip() else ""
-    summary = f"{summary} (exit {returncode})"
-    return [("test_engine + test_slo_engine on CUDA (fp32, Triton, graphs, async)", summary, "all pass")]
+def repo_env() -> dict:
+    """The environment for a subprocess that imports this repository."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1"}
 
 
 def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[str, object]:
@@ -155,8 +213,8 @@ def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[
     command wrote before a timeout killed it."""
     with tempfile.TemporaryFile(mode="w+") as log:
         try:
-            returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        timeout=timeout_s).returncode
+            returncode = subprocess.run(command, cwd=REPO, env=env or repo_env(), stdout=log,
+                                        stderr=subprocess.STDOUT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             returncode = f"timed out after {timeout_s} s"
         log.seek(0)
@@ -165,7 +223,17 @@ def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[
     return output, returncode
 
 
-# ---- the checkpoint and HF's side ---------------------------------------------------------------
+# ---- tests: the HF-parity tests on CUDA ---------------------------------------------------------
+def parity_tests() -> list[tuple]:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+               "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py"]
+    output, returncode = run_subprocess(command, {**repo_env(), "HEADROOM_TEST_DEVICE": "cuda"}, timeout_s=240)
+    summary = output.strip().splitlines()[-1] if output.strip() else ""
+    return [("test_engine + test_slo_engine on CUDA (fp32, Triton, graphs, async)", f"{summary} (exit {returncode})",
+             "all pass")]
+
+
+# ---- the 1.1B checkpoint and HF's side ------------------------------------------------------------
 def build_checkpoint(model_dir: Path) -> list[tuple]:
     import transformers
 
@@ -182,28 +250,56 @@ def build_checkpoint(model_dir: Path) -> list[tuple]:
     return [("random Llama checkpoint (bf16)", f"{num_params / 1e9:.2f} B parameters")]
 
 
-def agreement_prompts() -> list[list[int]]:
-    rng = random.Random(1)
-    return [[rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(rng.randint(16, 128))]
-            for _ in range(AGREEMENT_PROMPTS)]
+def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(16, 128))] for _ in range(count)]
 
 
-def hf_reference(model_dir: str, prompts: list[list[int]]) -> dict:
-    """HF's greedy tokens and per-step logits for each prompt, one prompt at a time (no padding)."""
-    import transformers
+def fresh_tokens(requests, seed: int):
+    """The same prompt and output lengths with new prompt tokens: nothing in the prefix cache."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in prompt], num_out) for prompt, num_out in requests]
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+
+def hf_reference(model_dir, prompts: list[list[int]], dtype: torch.dtype, eos_free: bool = False) -> dict:
+    """HF's greedy tokens and per-step logits for each prompt, one prompt at a time (no padding).
+    eos_free: generate past EOS as the engine's ignore_eos does (min_new_tokens would instead
+    forbid EOS, changing the tokens of a model that emits it)."""
+    model = load_hf_model(model_dir, dtype, DEVICE)
+    if eos_free:
+        model.generation_config.eos_token_id = None
     tokens, scores = [], []
     with torch.inference_mode():
         for prompt in prompts:
             input_ids = torch.tensor([prompt], device=DEVICE)
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=AGREEMENT_TOKENS,
-                                 min_new_tokens=AGREEMENT_TOKENS, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
+                                 min_new_tokens=None if eos_free else AGREEMENT_TOKENS, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
             tokens.append(out.sequences[0, len(prompt):].tolist())
             scores.append(torch.stack(out.logits)[:, 0].float().cpu())  # raw, before any logits processor
     del model
+    free_device_memory()
     return dict(tokens=tokens, scores=scores)
+
+
+def agreement_rows(label: str, ours: list[list[int]], hf: dict, target: str) -> list[tuple]:
+    """Tokens equal to HF's before each prompt's first divergence, and HF's own logit gap
+    between its choice and ours at each divergence (a near-tie that rounding can flip)."""
+    matched, exact, gaps = 0, 0, []
+    for our_tokens, hf_tokens, hf_scores in zip(ours, hf["tokens"], hf["scores"]):
+        prefix = next((i for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)) if a != b), len(hf_tokens))
+        matched += prefix
+        exact += prefix == len(hf_tokens)
+        if prefix < len(hf_tokens):
+            gaps.append(float(hf_scores[prefix, hf_tokens[prefix]] - hf_scores[prefix, our_tokens[prefix]]))
+    total = sum(len(tokens) for tokens in hf["tokens"])
+    rows = [(f"{label}: greedy tokens equal to HF before the first divergence", f"{matched}/{total} = {matched / total:.1%}",
+             target),
+            (f"{label}: prompts identical for all {AGREEMENT_TOKENS} tokens", f"{exact}/{len(ours)}")]
+    if gaps:
+        rows.append((f"{label}: HF logit gap at each divergence", ", ".join(f"{gap:.3f}" for gap in sorted(gaps)),
+                     "near-ties"))
+    return rows
 
 
 def hf_throughput(model_dir: str, requests, result: dict) -> list[tuple]:
@@ -211,52 +307,51 @@ def hf_throughput(model_dir: str, requests, result: dict) -> list[tuple]:
     return [("HF generate (batch 64): output tok/s, wall s", f"{result['tokens_per_s']:,.0f}, {result['elapsed']:.1f}")]
 
 
-# ---- 2-4: the engine --------------------------------------------------------------------------
-def engine_sections(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: bool, decode_steps: int):
+# ---- engine: the 1.1B model in bf16 -------------------------------------------------------------
+def engine_sections(report: Report, model_dir: str, num_requests: int, decode_steps: int, cpu_smoke: bool) -> None:
+    requests = workload(num_requests, MODEL_SHAPE["vocab_size"],
+                        **(dict(max_prompt=48, max_output=24) if cpu_smoke else {}))
+    prompts = random_prompts(AGREEMENT_PROMPTS, MODEL_SHAPE["vocab_size"], seed=1)
+    hf_greedy: dict = {}
+    section(report, "engine: HF greedy", lambda: hf_greedy.update(hf_reference(model_dir, prompts, torch.bfloat16)))
+    hf_result: dict = {}
+    section(report, "engine: HF generate", lambda: hf_throughput(model_dir, requests, hf_result))
+    # Each timed mode runs fresh prompts of the workload's lengths: a mode after the first would
+    # otherwise find every prompt in the prefix cache.
+    modes = [("graphs + async", False, True, 2), ("graphs, no async", False, False, 3)]
+    section(report, "engine: graphs", lambda: engine_modes(model_dir, requests, prompts, hf_greedy, hf_result,
+                                                           eager=False, modes=modes, decode_steps=decode_steps))
+    section(report, "engine: graphs off", lambda: engine_modes(
+        model_dir, requests, prompts, hf_greedy, hf_result, eager=True, modes=[("graphs off, async", True, True, 4)],
+        decode_steps=decode_steps))
+
+
+def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: bool, modes, decode_steps: int):
     from replica.config import make_engine_config
     from replica.engine import LLMEngine
+    from replica.request import SamplingParams
 
     engine = LLMEngine(make_engine_config(**ENGINE_CONFIG, enforce_eager=eager), model_dir, device=DEVICE,
                        dtype="bfloat16")
     rows = [("KV pool", f"{engine.config.num_kv_blocks} blocks of {engine.config.block_size}")]
     try:
         if not eager and hf_greedy:
-            rows += agreement_rows(engine, prompts, hf_greedy)
-        modes = [("graphs off, async", True)] if eager else [("graphs + async", True), ("graphs, no async", False)]
-        for label, async_scheduling in modes:
+            ours = engine.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0,
+                                                           ignore_eos=True))
+            rows += agreement_rows("bf16 1.1B", ours, hf_greedy, "near 100%")
+        for label, _, async_scheduling, seed in modes:
             engine.async_scheduling = async_scheduling
-            rows += throughput_rows(engine, requests, hf_result, label)
-            rows += decode_rows(engine, label, decode_steps)
+            rows += throughput_rows(engine, fresh_tokens(requests, seed), hf_result, label)
+            rows += decode_rows(engine, label, decode_steps, seed)
     finally:
         engine.shutdown()
         del engine
     return rows
 
 
-def agreement_rows(engine, prompts, hf_greedy) -> list[tuple]:
-    from replica.request import SamplingParams
-
-    ours = engine.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True))
-    matched, exact, gaps = 0, 0, []
-    for our_tokens, hf_tokens, hf_scores in zip(ours, hf_greedy["tokens"], hf_greedy["scores"]):
-        prefix = next((i for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)) if a != b), len(hf_tokens))
-        matched += prefix
-        exact += prefix == len(hf_tokens)
-        if prefix < len(hf_tokens):  # how close HF's own logits were to our choice there
-            gaps.append(float(hf_scores[prefix, hf_tokens[prefix]] - hf_scores[prefix, our_tokens[prefix]]))
-    total = len(prompts) * AGREEMENT_TOKENS
-    rows = [("greedy tokens equal to HF before the first divergence", f"{matched}/{total} = {matched / total:.1%}",
-             "near 100%"),
-            (f"prompts identical for all {AGREEMENT_TOKENS} tokens", f"{exact}/{len(prompts)}")]
-    if gaps:
-        rows.append(("HF logit gap at each divergence (median, max)",
-                     f"{statistics.median(gaps):.3f}, {max(gaps):.3f} (logit std ~1: near-ties)"))
-    return rows
-
-
 def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
     timings = []
-    run_workload(engine, requests[:8])  # warm-up: first-use kernels and allocator growth
+    run_workload(engine, fresh_tokens(requests[:8], seed=99))  # warm-up, on prompts of its own
     result = run_workload(engine, requests, on_step=lambda e: timings.append(e.last_step))
     decodes = [t for t in timings if t.num_seqs and t.num_tokens == t.num_seqs]
     largest = max((t.num_seqs for t in decodes), default=0)
@@ -267,7 +362,9 @@ def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
         (f"{label}: mean decode step at the largest batch ({largest}), ms", f"{_mean_ms(t.wall_s for t in at_largest):.2f}"),
         (f"{label}: host ms per step (wall - wait), all / decode steps",
          f"{_mean_ms(t.host_s for t in timings):.2f} / {_mean_ms(t.host_s for t in decodes):.2f}"),
-        (f"{label}: runner launch ms per decode step", f"{_mean_ms(t.launch_s for t in decodes):.3f}", "<= 0.5"),
+        (f"{label}: decode steps' host ms: schedule / launch / update",
+         f"{_mean_ms(t.schedule_s for t in decodes):.3f} / {_mean_ms(t.launch_s for t in decodes):.3f} / "
+         f"{_mean_ms(t.update_s for t in decodes):.3f}", "launch <= 0.5"),
     ]
     if hf_result:
         ratio = result["tokens_per_s"] / hf_result["tokens_per_s"]
@@ -275,11 +372,11 @@ def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
     return rows
 
 
-def decode_rows(engine, label: str, steps: int) -> list[tuple]:
+def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
     """Time decode steps at batch 256 once every request is past its prefill."""
     from replica.request import SamplingParams
 
-    rng = random.Random(2)
+    rng = random.Random(1000 + seed)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     requests = [engine.make_request(f"decode-{label}-{i}",
                                     [rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(DECODE_CONTEXT)],
@@ -310,18 +407,61 @@ def _mean_ms(values) -> float:
     return 1000 * statistics.fmean(values) if values else float("nan")
 
 
-# ---- 5: the other helpers' benchmarks ------------------------------------------------------------
+# ---- smollm2: the real default model --------------------------------------------------------------
+def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
+    """The engine's greedy tokens against HF generate() on the converted SmolLM2 checkpoint, on
+    this device, fp32 then bf16; the prompts are tests/replica/test_gguf_smollm2.py's 16."""
+    from replica.config import make_engine_config
+    from replica.engine import LLMEngine
+    from replica.model.cache import default_cache_dir
+    from replica.model.registry import SMOLLM2_135M, resolve_model_path
+    from replica.request import SamplingParams
+    from replica.tokenizer import Tokenizer
+
+    sys.path.insert(0, str(REPO / "tests" / "replica"))
+    from test_gguf_smollm2 import QUESTIONS, SYSTEM, chat_prompt
+
+    if path is None:
+        cached = default_cache_dir() / "packages" / SMOLLM2_135M.name / Path(SMOLLM2_135M.member).name
+        if not cached.is_file():
+            return [("SmolLM2 agreement", f"skipped: no --smollm2 and no cached copy at {cached}", "")]
+        path = str(cached)
+    model_dir = resolve_model_path(path)  # converts a GGUF once, as `headroom serve` does
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    prompts = [chat_prompt(tokenizer, question) for question in QUESTIONS] + [
+        chat_prompt(tokenizer, "What colour is grass?", SYSTEM), chat_prompt(tokenizer, "Is ice cold?", SYSTEM)]
+    if cpu_smoke:
+        prompts = prompts[:2]
+    rows = []
+    for dtype, target in ((torch.float32, "100%"), (torch.bfloat16, ">= 99%")):
+        hf = hf_reference(model_dir, prompts, dtype, eos_free=True)
+        engine = LLMEngine(make_engine_config(**SMOLLM2_ENGINE_CONFIG), str(model_dir), device=DEVICE,
+                           dtype=str(dtype).removeprefix("torch."))
+        try:
+            ours = engine.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0,
+                                                           ignore_eos=True))
+        finally:
+            engine.shutdown()
+            del engine
+            free_device_memory()
+        rows += agreement_rows(f"SmolLM2 {str(dtype).removeprefix('torch.')}", ours, hf, target)
+    return rows
+
+
+# ---- served: headroom replica on the GPU against the offline engine --------------------------------
+def served(model_dir: str) -> list[tuple]:
+    output, returncode = run_subprocess(
+        [sys.executable, str(REPO / "bench" / "bench_served.py"), "--model", model_dir, "--device", DEVICE,
+         "--dtype", "bfloat16", "--num-kv-blocks", "8192", "--workloads", SERVED_WORKLOADS], timeout_s=300)
+    lines = [line for line in output.splitlines() if line.startswith("targets:") or " x " in line[:20]]
+    return [("bench_served.py " + SERVED_WORKLOADS, f"exit {returncode}", ">= 0.9 at 64 and 256 streams")] + [
+        ("served", line.strip(), "") for line in lines]
+
+
+# ---- peers: the kernel benchmarks ------------------------------------------------------------------
 def peer_benchmark(script: str) -> list[tuple]:
-    _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / script), "--quick"])
+    _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / script), "--quick"], timeout_s=300)
     return [(f"{script} --quick", f"exit {returncode} (its table is printed above)")]
-
-
-def print_table(rows: list[Row], device_name: str) -> None:
-    print(f"\n## bench_gpu.py on {device_name}\n")
-    print("| section | metric | value | target |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row.section} | {row.metric} | {row.value} | {row.target} |")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 process (this one), on the same workloads in one run; prints served / offline.
 
     python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
+                                 [--model builtin|DIR] [--device cpu|cuda] [--dtype D] [--num-kv-blocks N]
 
-Engine: built-in model, max_model_len 1024, 4,096 blocks, max_num_seqs 256, budget 2048.
+Engine: built-in model on the CPU by default, max_model_len 1024, 4,096 blocks, max_num_seqs
+256, budget 2048 (bench/bench_gpu.py runs it on a GPU with a 1.1B checkpoint).
 Prompts of 32-256 tokens from a fixed seed, greedy with ignore_eos; every stream starts at
-once. Targets: served / offline >= 0.9 at 64 and 200 streams; served ITL p99 <= 2x the
+once. Targets: served / offline >= 0.9 at 64, 200 and 256 streams; served ITL p99 <= 2x the
 offline step time's p99 at 64 streams. Offline runs first, in this process, then the server
 starts, so the two never share the CPU.
 """
@@ -32,7 +34,7 @@ from protos import headroom_pb2_grpc as pb_grpc
 ENGINE = dict(max_model_len=1024, num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=2048)
 THROUGHPUT_TARGET = 0.9
 ITL_TARGET_STEPS = 2.0
-TARGET_STREAMS = (64, 200)
+TARGET_STREAMS = (64, 200, 256)
 VOCAB = 256  # the built-in model's byte tokens
 
 
@@ -60,12 +62,12 @@ def workload(num_streams: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(32, 256))] for _ in range(num_streams)]
 
 
-def run_offline(prompts: list[list[int]], max_tokens: int) -> Result:
+def run_offline(prompts: list[list[int]], max_tokens: int, model: str, device: str, dtype: str | None) -> Result:
     from replica.config import make_engine_config
     from replica.engine import LLMEngine
     from replica.request import SamplingParams
 
-    engine = LLMEngine(make_engine_config(**ENGINE), "builtin", device="cpu")
+    engine = LLMEngine(make_engine_config(**ENGINE), model, device=device, dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     for index, prompt in enumerate(prompts):
@@ -80,16 +82,32 @@ def run_offline(prompts: list[list[int]], max_tokens: int) -> Result:
     elapsed = time.perf_counter() - start
     cpu_s = {"engine": time.process_time() - cpu_start}
     engine.shutdown()
+    del engine
+    release_device_memory(device)
     return Result(len(prompts) * max_tokens / elapsed, step_ms, cpu_s)
 
 
-def start_replica(core_torch_threads: int | None) -> tuple[subprocess.Popen, str]:
+def release_device_memory(device: str) -> None:
+    """The offline engine's device memory back to the driver before the replica starts."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def start_replica(core_torch_threads: int | None, model: str, device: str,
+                  dtype: str | None) -> tuple[subprocess.Popen, str]:
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE.items()]
     if core_torch_threads is not None:
         flags.append(f"--torch-threads={core_torch_threads}")
-    # The offline loop runs the built-in model; the replica's default is the real model, so name it.
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0",
-                                "--device", "cpu", *flags],
+    if dtype is not None:
+        flags.append(f"--dtype={dtype}")
+    # The replica's default model is the real one, so name the offline loop's.
+    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", model, "--port", "0",
+                                "--device", device, *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
     for line in process.stdout:
         if match := re.match(r"listening on (\S+)", line):
@@ -125,13 +143,20 @@ def main() -> None:
     parser.add_argument("--workloads", default="64x128,200x64,256x128", help="STREAMSxTOKENS, comma-separated")
     parser.add_argument("--core-torch-threads", type=int, default=None,
                         help="torch intra-op threads in the engine core (default: torch's)")
+    parser.add_argument("--model", default="builtin", help="builtin or a checkpoint directory (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device of both engines (default: %(default)s)")
+    parser.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
+    parser.add_argument("--num-kv-blocks", type=int, default=ENGINE["num_kv_blocks"],
+                        help="KV pool of both engines (default: %(default)s)")
     args = parser.parse_args()
+    ENGINE["num_kv_blocks"] = args.num_kv_blocks
     workloads = [tuple(int(part) for part in item.split("x")) for item in args.workloads.split(",")]
 
     offline = {}
     for num_streams, max_tokens in workloads:
-        offline[(num_streams, max_tokens)] = run_offline(workload(num_streams), max_tokens)
-    process, address = start_replica(args.core_torch_threads)
+        offline[(num_streams, max_tokens)] = run_offline(workload(num_streams), max_tokens, args.model, args.device,
+                                                         args.dtype)
+    process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype)
     try:
         pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
         served = {key: asyncio.run(run_served(address, pids, workload(key[0]), key[1])) for key in workloads}
@@ -141,7 +166,7 @@ def main() -> None:
 
     import torch
 
-    print(f"built-in model, cpu, {os.cpu_count()} cores, torch threads: offline {torch.get_num_threads()}, "
+    print(f"{args.model} model, {args.device}, {args.dtype or 'checkpoint dtype'}, {os.cpu_count()} cores, torch threads: offline {torch.get_num_threads()}, "
           f"core {args.core_torch_threads or 'default'}; engine {ENGINE}")
     print(f"{'streams x tokens':>17}{'offline tok/s':>15}{'served tok/s':>14}{'served/offline':>16}"
           f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}   CPU s: offline engine | core, front, client")
