@@ -60,6 +60,7 @@ AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 32
 DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 256, 400, 32
 SERVED_WORKLOADS = "64x128,256x128"
 DEVICE = "cuda"
+PROFILE_DIR: Path | None = None
 ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers")
 DEFAULT_SECTIONS = ("tests", "engine", "smollm2", "served")
 # --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute or two.
@@ -108,9 +109,12 @@ def main() -> None:
     parser.add_argument("--json", help="also write the table as JSON here (rewritten after each section)")
     parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's GGUF file or converted directory "
                                           "(default: the model cache's copy, if any)")
+    parser.add_argument("--profile-dir", help="write torch.profiler kernel tables of the batch-256 decode steps here")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
     args = parser.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = Path(args.profile_dir) if args.profile_dir else None
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if unknown := sorted(set(sections) - set(ALL_SECTIONS)):
         parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(ALL_SECTIONS)})")
@@ -389,6 +393,8 @@ def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
     for _ in range(steps):
         engine.step()
         timings.append(engine.last_step)
+    if PROFILE_DIR is not None:
+        profile_steps(engine, label, steps=4)
     for request in requests:
         engine.abort_request(request.request_id)
     while engine.has_unfinished_requests():
@@ -400,6 +406,26 @@ def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
         (f"{label}: same, host ms (wall - wait) / runner launch ms",
          f"{_mean_ms(t.host_s for t in timings):.2f} / {_mean_ms(t.launch_s for t in timings):.3f}", "launch <= 0.5"),
     ]
+
+
+def profile_steps(engine, label: str, steps: int) -> None:
+    """torch.profiler over a few more decode steps: the kernels' and the host ops' times, as tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    name = "".join(c if c.isalnum() else "_" for c in label)
+    PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(PROFILE_DIR / f"profile_{name}.txt", "w") as out:
+        out.write(f"{steps} decode steps at batch {DECODE_BATCH}, {label}\n\n")
+        if DEVICE == "cuda":
+            out.write(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n\n")
+        out.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
 def _mean_ms(values) -> float:
