@@ -92,6 +92,10 @@ class StepTiming:
     num_seqs: int = 0  # sequences launched this step
     num_tokens: int = 0  # tokens launched this step (== num_seqs for a decode-only step)
     graph_batch_size: Optional[int] = None  # the padded size of a replayed decode graph
+    schedule_s: float = 0.0  # in scheduler.schedule()
+    # Turning the completed step's tokens into outputs (appending them, stop checks,
+    # finishing requests, detokenizing): from its wait to the outputs, less the wait.
+    update_s: float = 0.0
 
     @property
     def host_s(self) -> float:
@@ -247,22 +251,27 @@ class LLMEngine:
         it waits for the previous one, and returns the previous one's outputs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         launched = self._launch(scheduler_output, layer_hook)
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
         else:
             previous = launched
+        completing = time.perf_counter()
         outputs = self._complete(previous) if previous is not None else []
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Everything finished with the previous step: what is in flight is all discarded.
             self._complete(self._in_flight)
             self._in_flight = None
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        wait_s = previous.in_flight.wait_s if previous is not None else 0.0
         self.last_step = StepTiming(
-            elapsed, previous.in_flight.wait_s if previous is not None else 0.0,
-            launched.in_flight.launch_s if launched is not None else 0.0, len(scheduler_output.scheduled),
-            scheduler_output.num_scheduled_tokens, launched.in_flight.graph_batch_size if launched is not None else None,
+            end - start, wait_s, launched.in_flight.launch_s if launched is not None else 0.0,
+            len(scheduler_output.scheduled), scheduler_output.num_scheduled_tokens,
+            launched.in_flight.graph_batch_size if launched is not None else None,
+            scheduled - start, end - completing - wait_s,
         )
+        elapsed = end - start
         if launched is not None or previous is not None:
             self.stats.observe(elapsed, len(outputs))
         return outputs

@@ -1,0 +1,215 @@
+"""Host time per engine step, on the CPU, with the model's forward pass taken out.
+
+On a GPU with async scheduling the host half of step N+1 (schedule, prepare and launch,
+then appending step N's tokens) runs while the device runs step N, so it must stay well
+under the device's step (~3 ms at batch 256 on an H100 for a 1.1B Llama; target: ~1 ms of
+host work, the runner's launch <= 0.5 ms). This runs the real LLMEngine on the CPU with a
+tiny model, async scheduling on and decode batches padded to the CUDA-graph ladder (as
+graph replays pad), at a steady decode batch of B requests with ~400-token contexts, and
+reports the host time of each phase per step:
+
+  schedule   Scheduler.schedule()
+  launch     ModelRunner.launch() less the model's forward pass (what a graph replay
+             replaces): the finished rows, inputs staged and sent, block tables, sampling
+  update     the previous step's tokens to outputs (Scheduler.update: append, stop checks,
+             finishing; the engine's RequestOutputs; detokenizing with --detokenize)
+  other      the rest of LLMEngine.step()
+
+The forward pass is timed by hooks on the model and subtracted (on the CPU it computes the
+attention as well, which a GPU does on the device); what stays is Python, numpy and the
+dispatch of the few small torch ops around it (sampling a 320-token vocabulary costs next
+to nothing). Medians are the figures to read on a shared machine; means show the
+interference. Budget: host ms per step <= 1.0 at batch 256 (launch <= 0.5).
+
+    python bench/bench_host_step.py [--batch-sizes 64,256] [--context 400] [--steps 64]
+                                    [--profile] [--detokenize] [--model tiny|builtin|DIR] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pathlib
+import pstats
+import random
+import statistics
+import time
+
+import torch
+
+HOST_BUDGET_MS = 1.0  # whole host path per step at batch 256
+LAUNCH_BUDGET_MS = 0.5  # the runner's launch (issue 20)
+PHASES = ("schedule", "launch", "update", "other", "host")
+MAX_NUM_BATCHED_TOKENS = 2048
+WARM_STEPS = 4
+
+
+class ForwardTimer:
+    """Seconds spent inside the model's forward pass, through module hooks."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.total_s = 0.0
+        self._start = 0.0
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._exit)
+
+    def _enter(self, module, args) -> None:
+        self._start = time.perf_counter()
+
+    def _exit(self, module, args, output) -> None:
+        self.total_s += time.perf_counter() - self._start
+
+
+def tiny_model_dir() -> str:
+    """The built-in model's tokenizer and config shrunk to one narrow layer (random weights):
+    the forward pass is subtracted anyway, a small one keeps the run short and quiet."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from replica.model.registry import resolve_model_path
+
+    source = pathlib.Path(resolve_model_path("builtin"))
+    target = pathlib.Path(tempfile.mkdtemp(prefix="headroom-host-step-"))
+    for path in source.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, target / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32)
+    (target / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(0)
+    hidden, vocab, inter, head_dim = 64, config["vocab_size"], 128, 32
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.layers.0.self_attn.q_proj.weight": (2 * head_dim, hidden),
+              "model.layers.0.self_attn.k_proj.weight": (head_dim, hidden),
+              "model.layers.0.self_attn.v_proj.weight": (head_dim, hidden),
+              "model.layers.0.self_attn.o_proj.weight": (hidden, 2 * head_dim),
+              "model.layers.0.mlp.gate_proj.weight": (inter, hidden),
+              "model.layers.0.mlp.up_proj.weight": (inter, hidden),
+              "model.layers.0.mlp.down_proj.weight": (hidden, inter)}
+    weights = {name: torch.randn(shape, generator=generator) * 0.02 for name, shape in shapes.items()}
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+                 "model.norm.weight"):
+        weights[name] = torch.ones(hidden)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return str(target)
+
+
+def max_output_tokens(batch: int, context: int, steps: int) -> int:
+    """Enough for every request to decode through the timed steps: prefill admits them over
+    several steps (budget 2048 tokens), and the first ones decode that much longer."""
+    prefill_steps = -(-batch * context // MAX_NUM_BATCHED_TOKENS)
+    return prefill_steps + WARM_STEPS + steps + 8
+
+
+def make_engine(model_dir: str, batch: int, context: int, steps: int):
+    from replica.config import make_engine_config
+    from replica.engine import LLMEngine
+
+    max_model_len = 1024
+    blocks_per_request = -(-(context + max_output_tokens(batch, context, steps)) // 16)
+    config = make_engine_config(max_model_len=max_model_len, max_num_seqs=batch, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                                num_kv_blocks=batch * blocks_per_request + 64, async_scheduling=True)
+    engine = LLMEngine(config, model_dir, device="cpu", dtype="float32")
+    engine.runner.enable_decode_padding()  # as CUDA graphs pad every decode step
+    return engine
+
+
+def measure(engine, batch: int, context: int, steps: int, detokenize: bool, profile: bool) -> dict:
+    """Per-phase host milliseconds per step (mean and median over `steps` decode steps)."""
+    from replica.request import SamplingParams
+
+    vocab_size = engine.model_config.vocab_size
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=max_output_tokens(batch, context, steps), temperature=0.0, ignore_eos=True)
+    requests = [engine.make_request(f"host-{batch}-{i}", [rng.randrange(3, vocab_size) for _ in range(context)], params)
+                for i in range(batch)]
+    for request in requests:
+        engine.add_request(request, detokenize=detokenize)
+    while any(r.num_output_tokens == 0 for r in requests):  # prefill
+        engine.step()
+        engine.take_kv_events()
+    timer = ForwardTimer(engine.model)
+    for _ in range(WARM_STEPS):
+        engine.step()
+        engine.take_kv_events()
+    phases = {name: [] for name in PHASES}
+    profiler = cProfile.Profile() if profile else None
+    gc.collect()
+    for _ in range(steps):
+        forward_before = timer.total_s
+        if profiler is not None:
+            profiler.enable()
+        engine.step()
+        if profiler is not None:
+            profiler.disable()
+        engine.take_kv_events()
+        t = engine.last_step
+        assert t.num_seqs == batch and t.num_tokens == batch, f"not a full decode step: {t}"
+        forward_s = timer.total_s - forward_before
+        launch_s = t.launch_s - forward_s
+        host_s = t.wall_s - t.wait_s - forward_s
+        phases["schedule"].append(t.schedule_s)
+        phases["launch"].append(launch_s)
+        phases["update"].append(t.update_s)
+        phases["other"].append(host_s - t.schedule_s - launch_s - t.update_s)
+        phases["host"].append(host_s)
+    for request in requests:
+        engine.abort_request(request.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # drains a step still in flight
+    if profiler is not None:
+        print(f"\ncProfile of {steps} decode steps at batch {batch} (model forward included; by own time):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return {name: dict(mean_ms=1000 * statistics.fmean(values), median_ms=1000 * statistics.median(values))
+            for name, values in phases.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny",
+                        help="tiny (default: the built-in model cut to one narrow layer), builtin, or a directory")
+    parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--context", type=int, default=400, help="prompt tokens per request (default 400)")
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size (default 64)")
+    parser.add_argument("--detokenize", action="store_true",
+                        help="detokenize in the engine (the serving core leaves it to the front)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the timed steps and print the top functions")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: a GPU host computes nothing, and idle OpenMP "
+                             "workers waking up would be timed as host work)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from replica.model.registry import resolve_model_path
+
+    model_dir = tiny_model_dir() if args.model == "tiny" else str(resolve_model_path(args.model))
+    print(f"model={args.model} context={args.context} steps={args.steps} detokenize={args.detokenize} "
+          f"torch threads={torch.get_num_threads()}; host ms per decode step, forward pass excluded (mean / median)")
+    print(f"{'batch':>6} " + " ".join(f"{name:>15}" for name in PHASES))
+    results = {}
+    for batch in (int(size) for size in args.batch_sizes.split(",")):
+        engine = make_engine(model_dir, batch, args.context, args.steps)
+        try:
+            result = results[batch] = measure(engine, batch, args.context, args.steps, args.detokenize, args.profile)
+        finally:
+            engine.shutdown()
+        print(f"{batch:>6} " + " ".join(f"{result[name]['mean_ms']:>7.3f} / {result[name]['median_ms']:<5.3f}"
+                                         for name in PHASES))
+    if 256 in results:
+        host, launch = results[256]["host"]["mean_ms"], results[256]["launch"]["mean_ms"]
+        print(f"batch 256: host {host:.3f} ms / budget {HOST_BUDGET_MS} ms = {host / HOST_BUDGET_MS:.2f}x "
+              f"({'MET' if host <= HOST_BUDGET_MS else 'MISSED'}); launch {launch:.3f} ms / {LAUNCH_BUDGET_MS} ms = "
+              f"{launch / LAUNCH_BUDGET_MS:.2f}x ({'MET' if launch <= LAUNCH_BUDGET_MS else 'MISSED'})")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
