@@ -13,6 +13,8 @@ once, new requests are refused with it, and `dead` says so (health checks read i
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -53,12 +55,19 @@ class FirstTokenDeadlineExceeded(RuntimeError):
 class RequestStream:
     """Async iterator over one request's outputs; ends after the output with a finish reason.
 
+    Outputs that arrive while the consumer is busy are merged into one (their tokens, text
+    and logprobs concatenated, the latest counts and finish reason kept), as vLLM's output
+    collector does: a consumer that falls behind the engine (a gRPC or HTTP stream writing one
+    message per output) catches up with one message instead of a backlog, so its cost per
+    token falls exactly when it is the bottleneck; one that keeps up still gets every step.
+
     With `first_token_timeout_s`, waiting for the first output longer than that (from the
     stream's creation) raises FirstTokenDeadlineExceeded; the caller aborts the request."""
 
     def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None):
         self.request = request
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._arrived = asyncio.Event()
         self.finished = False
         self._first_token_by = (
             None if first_token_timeout_s is None else asyncio.get_running_loop().time() + first_token_timeout_s
@@ -69,7 +78,12 @@ class RequestStream:
         return self.request.request_id
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        pending = self._pending
+        if pending and isinstance(item, RequestOutput) and isinstance(pending[-1], RequestOutput):
+            pending[-1] = merge_outputs(pending[-1], item)
+        else:
+            pending.append(item)
+        self._arrived.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -77,24 +91,45 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        if self._first_token_by is None:
-            item = await self._queue.get()
-        else:
-            remaining = self._first_token_by - asyncio.get_running_loop().time()
-            try:
-                item = await asyncio.wait_for(self._queue.get(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
-                # Not `finished`: the request is still live, and callers abort unfinished streams.
-                raise FirstTokenDeadlineExceeded(
-                    f"no first token within the TTFT deadline of {self.request.request_id!r}"
-                ) from None
-            self._first_token_by = None  # the deadline is met once anything arrives
+        if not self._pending:
+            if self._first_token_by is None:
+                await self._arrived.wait()
+            else:
+                remaining = self._first_token_by - asyncio.get_running_loop().time()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), max(remaining, 0.0))
+                except asyncio.TimeoutError:
+                    # Not `finished`: the request is still live, and callers abort unfinished streams.
+                    raise FirstTokenDeadlineExceeded(
+                        f"no first token within the TTFT deadline of {self.request.request_id!r}"
+                    ) from None
+        self._first_token_by = None  # the deadline is met once anything arrives
+        item = self._pending.popleft()
+        if not self._pending:
+            self._arrived.clear()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         if item.finished:
             self.finished = True
         return item
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying both deltas, in order; counts, finish and stop reasons are the later's."""
+    return dataclasses.replace(
+        later,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        text=earlier.text + later.text,
+        logprobs=_concat(earlier.logprobs, later.logprobs),
+        top_logprobs=_concat(earlier.top_logprobs, later.top_logprobs),
+    )
+
+
+def _concat(earlier: Optional[list], later: Optional[list]) -> Optional[list]:
+    if earlier is None and later is None:
+        return None
+    return (earlier or []) + (later or [])
 
 
 @dataclass
