@@ -126,10 +126,14 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(request.request_id)
         num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if req_blocks and not new_computed_blocks and num_tokens_to_fit is None:
-            if cdiv(num_total_tokens, self.block_size) <= len(req_blocks):
-                # The common decode step: the tokens fit in blocks the request already holds.
+            block_size = self.block_size
+            if num_total_tokens <= len(req_blocks) * block_size:
+                # The common decode step: the tokens fit in blocks the request already holds
+                # (and, most steps, fill no block that is not registered yet).
                 if self.enable_caching:
-                    self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
+                    num_known_tokens = min(num_total_tokens, len(request.all_token_ids))
+                    if num_known_tokens // block_size > self.num_cached_blocks[request.request_id]:
+                        self._cache_full_blocks(request, req_blocks, num_known_tokens)
                 return []
         num_new_blocks, num_blocks_needed = self._blocks_needed(
             request, num_new_tokens, new_computed_blocks, num_new_computed_tokens, num_tokens_to_fit

@@ -225,6 +225,9 @@ class Request:
     def check_stop(self, token_id: int) -> Optional[RequestStatus]:
         """The finished status the just-appended token puts this request in, if any."""
         params = self.sampling_params
+        if (len(self.output_token_ids) < params.max_tokens and token_id not in params.stop_token_ids
+                and (params.ignore_eos or token_id not in self.eos_token_ids)):
+            return None  # the common case, once per request and step: nothing below applies
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:

@@ -33,7 +33,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its configured bound; the caller should retry later."""
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -62,7 +62,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenUpdate:
     """One sampled token appended to a request, and the status it ended in if it finished."""
 
@@ -222,22 +222,29 @@ class Scheduler:
         running = self.running
         token_budget = config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        scheduled_ids: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
+        # A request with at most this many tokens left runs them all if the budget allows
+        # (no _step_tokens call: the loop below runs once per running request every step,
+        # so it reads the token lists' lengths rather than the properties, too).
+        threshold = config.long_prefill_token_threshold
+        whole_limit = threshold if threshold > 0 else math.inf
 
         # 1. Running requests, in admission order.
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
-            if request.num_pending_tokens and (request.num_output_tokens + request.num_pending_tokens
-                                               >= request.sampling_params.max_tokens):
+            num_pending = request.num_pending_tokens
+            if num_pending and (len(request.output_token_ids) + num_pending >= request.sampling_params.max_tokens):
                 index += 1  # the token still being sampled is its last: nothing left to run
                 continue
-            num_new_tokens = self._step_tokens(
-                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, token_budget)
-            if num_new_tokens is None:
-                index += 1  # it runs whole or not at all; a later, smaller one may fit
-                continue
+            num_remaining = len(request.all_token_ids) + num_pending - request.num_computed_tokens
+            if num_remaining <= token_budget and num_remaining <= whole_limit:
+                num_new_tokens = num_remaining
+            else:
+                num_new_tokens = self._step_tokens(num_remaining, token_budget)
+                if num_new_tokens is None:
+                    index += 1  # it runs whole or not at all; a later, smaller one may fit
+                    continue
 
             # Preempt until the allocation succeeds. Two exits: blocks were found, or the
             # request itself was the victim (nothing left to take from), which ends the
@@ -248,7 +255,7 @@ class Scheduler:
                     break
                 victim_index = self.select_victim(running, kv_cache)
                 victim = running[victim_index]
-                undone = scheduled_ids.pop(victim.request_id, None)
+                undone = next((entry for entry in scheduled if entry.request is victim), None)
                 if undone is not None:  # the victim already had its slice of this step
                     scheduled.remove(undone)
                     token_budget += undone.num_new_tokens
@@ -261,11 +268,10 @@ class Scheduler:
             if new_blocks is None:
                 break
 
-            entry = ScheduledRequest(
-                request, num_new_tokens, request.num_computed_tokens, [b.block_id for b in new_blocks], False
-            )
-            scheduled.append(entry)
-            scheduled_ids[request.request_id] = entry
+            scheduled.append(ScheduledRequest(
+                request, num_new_tokens, request.num_computed_tokens,
+                [b.block_id for b in new_blocks] if new_blocks else [], False,
+            ))
             token_budget -= num_new_tokens
             index += 1
 
@@ -277,9 +283,9 @@ class Scheduler:
 
         for entry in scheduled:
             request = entry.request
-            request.num_computed_tokens += entry.num_new_tokens
-            entry.samples = request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens
-            if entry.samples:
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + entry.num_new_tokens
+            if num_computed >= len(request.all_token_ids) + request.num_pending_tokens:
+                entry.samples = True
                 request.num_pending_tokens += 1  # until update() appends it
 
         self._step_id += 1
@@ -471,16 +477,18 @@ class Scheduler:
         now = None
         growth = self.growth
         tracks_output = growth.tracks_output
+        running_status = RequestStatus.RUNNING  # a class attribute of an Enum is slow to read
         for entry in output.scheduled:
-            request = entry.request
             if not entry.samples:
                 continue  # mid-prefill chunk
+            request = entry.request
             request.num_pending_tokens -= 1
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running_status:
                 continue  # finished, aborted or preempted while the step ran: its token is dropped
             token_id = sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
-            now = now if now is not None else self.clock()
+            if now is None:
+                now = self.clock()
             if request.first_token_time is None:
                 request.first_token_time = now
                 # Admission to first token, over the prompt tokens the prefix cache did not cover.
