@@ -1,4 +1,4 @@
-"""Host time per engine step, on the CPU, with the model's forward pass taken out.
+"""Host time per engine step, on the CPU, with the device's work taken out.
 
 On a GPU with async scheduling the host half of step N+1 (schedule, prepare and launch,
 then appending step N's tokens) runs while the device runs step N, so it must stay well
@@ -15,14 +15,20 @@ reports the host time of each phase per step:
              finishing; the engine's RequestOutputs; detokenizing with --detokenize)
   other      the rest of LLMEngine.step()
 
-The forward pass, lm_head and the sampler are timed (hooks on the model, a wrapper on this
-engine's sampler) and subtracted: on the CPU they compute what a GPU computes on the device
-(a GPU host pays only their launches, a graph replay for the forward pass). What stays is
-Python, numpy and the dispatch of the few small torch ops around them. Medians are the figures to read on a shared machine; means show the
-interference. Budget: host ms per step <= 1.0 at batch 256 (launch <= 0.5).
+By default the timed steps' forward pass returns zeros at once (the model's forward is
+replaced on this engine's instance), as a graph replay returns to the host; --forward real
+runs it. lm_head, the sampler and any forward pass are timed (module hooks, a wrapper on
+this engine's sampler) and subtracted: on the CPU they compute what a GPU computes on the
+device, and a GPU host pays only their launches. What stays is Python, numpy and the
+dispatch of the few small torch ops around them. A real forward pass streams the whole KV
+cache through the CPU's caches, which slows the host path after it (launch ~0.1 ms more at
+batch 256): the default measures the host path as a GPU host runs it, caches warm. Medians
+are the figures to read on a shared machine; means show the interference. Budget: host ms
+per step <= 1.0 at batch 256 (launch <= 0.5).
 
     python bench/bench_host_step.py [--batch-sizes 64,256] [--context 400] [--steps 64]
-                                    [--profile] [--detokenize] [--model tiny|builtin|DIR] [--threads 1]
+                                    [--forward null|real] [--profile] [--detokenize]
+                                    [--model tiny|builtin|DIR] [--threads 1]
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ def make_engine(model_dir: str, batch: int, context: int, steps: int):
     return engine
 
 
-def measure(engine, batch: int, context: int, steps: int, detokenize: bool, profile: bool) -> dict:
+def measure(engine, batch: int, context: int, steps: int, detokenize: bool, profile: bool,
+            null_forward: bool) -> dict:
     """Per-phase host milliseconds per step (mean and median over `steps` decode steps)."""
     from replica.request import SamplingParams
 
@@ -148,6 +155,12 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
         engine.step()
         engine.take_kv_events()
     timer = DeviceTimer(engine)
+    if null_forward:
+        # The decode steps' forward pass returns zeros at once, as a graph replay returns to
+        # the host: no attention over 100k cached tokens runs on the CPU to evict the host
+        # path's working set from its caches between steps.
+        hidden = torch.zeros(max(engine.runner.decode_sizes), engine.model_config.hidden_size)
+        engine.model.forward = lambda input_ids, *args, **kwargs: hidden[:input_ids.shape[0]]
     for _ in range(WARM_STEPS):
         engine.step()
         engine.take_kv_events()
@@ -194,6 +207,10 @@ def main() -> None:
     parser.add_argument("--detokenize", action="store_true",
                         help="detokenize in the engine (the serving core leaves it to the front)")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps and print the top functions")
+    parser.add_argument("--forward", choices=("null", "real"), default="null",
+                        help="null (default): timed decode steps skip the model's forward pass; real: they "
+                             "run it on the CPU (timed and subtracted, but its memory traffic slows the host "
+                             "path after it)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: a GPU host computes nothing, and idle OpenMP "
                              "workers waking up would be timed as host work)")
@@ -211,7 +228,8 @@ def main() -> None:
     for batch in (int(size) for size in args.batch_sizes.split(",")):
         engine = make_engine(model_dir, batch, args.context, args.steps)
         try:
-            result = results[batch] = measure(engine, batch, args.context, args.steps, args.detokenize, args.profile)
+            result = results[batch] = measure(engine, batch, args.context, args.steps, args.detokenize, args.profile,
+                                              args.forward == "null")
         finally:
             engine.shutdown()
         print(f"{batch:>6} " + " ".join(f"{result[name]['mean_ms']:>7.3f} / {result[name]['median_ms']:<5.3f}"

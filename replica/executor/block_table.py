@@ -17,10 +17,12 @@ class BlockTables:
         self.max_blocks_per_row = max_blocks_per_row
         self.null_row = num_rows
         self.host = np.zeros((num_rows + 1, max_blocks_per_row), dtype=np.int32)
-        self.num_blocks = np.zeros(num_rows + 1, dtype=np.int32)
+        self.num_blocks = [0] * (num_rows + 1)
         self.device = torch.zeros((num_rows + 1, max_blocks_per_row), dtype=torch.int32, device=device)
-        self._changed_index: list[np.ndarray] = []
-        self._changed_ids: list[np.ndarray] = []
+        # Plain lists: a decode step appends one block to a few rows, where building small
+        # arrays per append would cost more than the one conversion in take_changes.
+        self._changed_index: list[int] = []
+        self._changed_ids: list[int] = []
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
         """A request (re)starts in `row` holding exactly these blocks. Entries past them are
@@ -31,24 +33,23 @@ class BlockTables:
     def append(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
             return
-        start = int(self.num_blocks[row])
+        start = self.num_blocks[row]
         end = start + len(block_ids)
         if end > self.max_blocks_per_row:
             raise ValueError(f"row {row} would hold {end} blocks; a sequence of max_model_len needs "
                              f"at most {self.max_blocks_per_row}")
-        ids = np.asarray(block_ids, dtype=np.int32)
-        self.host[row, start:end] = ids
+        self.host[row, start:end] = block_ids
         self.num_blocks[row] = end
-        self._changed_index.append(np.arange(row * self.max_blocks_per_row + start,
-                                             row * self.max_blocks_per_row + end, dtype=np.int32))
-        self._changed_ids.append(ids)
+        offset = row * self.max_blocks_per_row
+        self._changed_index.extend(range(offset + start, offset + end))
+        self._changed_ids.extend(block_ids)
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray]:
         """(flat indices, block ids) changed since the last call, for the device copy."""
         if not self._changed_index:
             empty = np.zeros(0, dtype=np.int32)
             return empty, empty
-        index, ids = np.concatenate(self._changed_index), np.concatenate(self._changed_ids)
+        index, ids = np.array(self._changed_index, dtype=np.int32), np.array(self._changed_ids, dtype=np.int32)
         self._changed_index, self._changed_ids = [], []
         return index, ids
 

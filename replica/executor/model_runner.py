@@ -27,7 +27,7 @@ from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import EngineConfig
 from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
 from replica.executor.request_rows import RequestRows
-from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch, batch_facts
+from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
 from replica.logits_processors import TopLogprobs, to_device
 from replica.model import LlamaForCausalLM, ModelConfig
@@ -42,7 +42,7 @@ class ModelRunnerOutput:
     """One sampled token (and its logprobs when asked) per request that caught up this step."""
 
     sampled_token_ids: dict[str, int]
-    logprobs: dict[str, Optional[float]]
+    logprobs: dict[str, Optional[float]]  # None for rows that did not ask; empty when none did
     top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # only requests that asked
 
 
@@ -69,12 +69,13 @@ class StepInFlight:
             start = time.perf_counter()
             self.done.synchronize()
             self.wait_s = time.perf_counter() - start
-        token_ids = self.token_ids.tolist()
-        logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(token_ids)
+        token_ids = dict(zip(self.request_ids, self.token_ids.tolist()))
+        if self.logprobs is None:  # no row asked
+            return ModelRunnerOutput(token_ids, {}, self._top_logprobs())
         return ModelRunnerOutput(
-            dict(zip(self.request_ids, token_ids)),
+            token_ids,
             {request_id: logprob if wanted else None
-             for request_id, logprob, wanted in zip(self.request_ids, logprobs, self.wants_logprobs)},
+             for request_id, logprob, wanted in zip(self.request_ids, self.logprobs.tolist(), self.wants_logprobs)},
             self._top_logprobs(),
         )
 
@@ -114,6 +115,9 @@ class ModelRunner:
         # Each row's latest sampled token, on the device: with overlapped scheduling a decode's
         # input token is sampled by the step before it and never visits the host first.
         self.last_token_by_row = torch.zeros(self.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        # Query offsets of a decode-only step and the sampling rows of a step where every
+        # sequence samples, without building them each step.
+        self._arange = np.arange(max(self.max_num_seqs, self.max_num_tokens) + 1, dtype=np.int64)
         self.sampler = Sampler()
         on_cuda = self.device.type == "cuda"
         self._host_token_ids = [torch.zeros(self.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
@@ -203,40 +207,55 @@ class ModelRunner:
         """Fill the host staging buffer for this step and send it (one copy)."""
         rows = self.rows
         block_tables = rows.block_tables
-        for entry in scheduled:  # admissions and new blocks: a few entries per step
-            if entry.is_new:
-                rows.add(entry.request, entry.new_block_ids)
-            elif entry.new_block_ids:
-                block_tables.append(rows.row_of[entry.request.request_id], entry.new_block_ids)
-
-        num_seqs = len(scheduled)
         row_of = rows.row_of
-        seq_rows = np.fromiter((row_of[entry.request.request_id] for entry in scheduled), np.int64, num_seqs)
-        query_lens = np.fromiter((entry.num_new_tokens for entry in scheduled), np.int64, num_seqs)
-        start_list = [entry.start_pos for entry in scheduled]
+        num_seqs = len(scheduled)
+        # One pass over the step's sequences (it runs for every running request each step):
+        # admissions and new blocks, and the per-sequence values the arrays are built from.
+        seq_row_list, query_len_list, start_list, token_lists, request_ids, samples = [], [], [], [], [], []
+        for entry in scheduled:
+            request = entry.request
+            if entry.is_new:
+                row = rows.add(request, entry.new_block_ids)
+            else:
+                row = row_of[request.request_id]
+                if entry.new_block_ids:
+                    block_tables.append(row, entry.new_block_ids)
+            seq_row_list.append(row)
+            query_len_list.append(entry.num_new_tokens)
+            start_list.append(entry.start_pos)
+            token_lists.append(request.all_token_ids)
+            request_ids.append(request.request_id)
+            samples.append(entry.samples)
+        seq_rows = np.array(seq_row_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
-        token_lists = [entry.request.all_token_ids for entry in scheduled]
         # A token the host does not have yet (a position past the request's known tokens)
         # is the one the previous, still running, step samples: overlapped scheduling.
         known_lens = np.fromiter(map(len, token_lists), np.int64, num_seqs)
         pending = starts >= known_lens
-        seq_lens = starts + query_lens
-        max_query_len = int(query_lens.max())
+        max_query_len = max(query_len_list)
         decode_only = max_query_len == 1
 
         views = self.staged.host_views()
         query_start_loc = views["query_start_loc"][: num_seqs + 1]
-        query_start_loc[0] = 0
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        input_ids = views["input_ids"]
         if decode_only:
-            views["input_ids"][:num_tokens] = [tokens[start] if start < len(tokens) else 0
-                                               for tokens, start in zip(token_lists, start_list)]
+            num_tokens = num_seqs
+            query_start_loc[:] = self._arange[: num_seqs + 1]
+            seq_lens = starts + 1
+            input_ids[:num_tokens] = 0  # pending inputs: their ids are copied in on the device
+            known_seqs = np.flatnonzero(~pending).tolist()  # none at all under overlapped scheduling
+            if known_seqs:
+                input_ids[known_seqs] = [token_lists[index][start_list[index]] for index in known_seqs]
             positions, token_rows = starts, seq_rows
         else:
-            views["input_ids"][:num_tokens] = list(itertools.chain.from_iterable(
+            query_lens = np.array(query_len_list, dtype=np.int64)
+            query_start_loc[0] = 0
+            np.cumsum(query_lens, out=query_start_loc[1:])
+            num_tokens = int(query_start_loc[-1])
+            seq_lens = starts + query_lens
+            input_ids[:num_tokens] = list(itertools.chain.from_iterable(
                 tokens[start:start + count] if start < len(tokens) else (0,)
-                for tokens, start, count in zip(token_lists, start_list, query_lens.tolist())))
+                for tokens, start, count in zip(token_lists, start_list, query_len_list)))
             token_seq = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts[token_seq]
             token_rows = seq_rows[token_seq]
@@ -256,51 +275,60 @@ class ModelRunner:
             if graph_size is not None:
                 self._pad_decode_rows(views, num_seqs, graph_size)
 
-        sampling_seqs = np.flatnonzero(np.fromiter((entry.samples for entry in scheduled), bool, num_seqs))
+        if all(samples):  # every decode step, most mixed ones
+            sampling_seqs = self._arange[:num_seqs]
+            sample_request_ids = request_ids
+        else:
+            sampling_seqs = np.flatnonzero(samples)
+            sample_request_ids = [request_ids[index] for index in sampling_seqs.tolist()]
         sample_rows = seq_rows[sampling_seqs]
         num_samples = len(sampling_seqs)
         views["logits_indices"][:num_samples] = query_start_loc[sampling_seqs + 1] - 1
         views["sample_rows"][:num_samples] = sample_rows
-        sampling = rows.sampling.take(sample_rows)
-        views["temperature"][:num_samples] = sampling.temperature
-        views["top_k"][:num_samples] = sampling.top_k
-        views["top_p"][:num_samples] = sampling.top_p
-        views["min_p"][:num_samples] = sampling.min_p
-        seeded = np.flatnonzero(sampling.has_seed)
-        views["seeded_rows"][: len(seeded)] = seeded
-        views["seeds"][: len(seeded)] = sampling.seed[seeded]
-        # A seeded draw is keyed by the index of the output token it produces.
-        views["seed_steps"][: len(seeded)] = (seq_lens[sampling_seqs[seeded]]
-                                              - rows.num_prompt_tokens[sample_rows[seeded]])
+        sampling = rows.sampling_of(sample_rows)
+        views["temperature"][:num_samples] = sampling.arrays.temperature
+        views["top_k"][:num_samples] = sampling.arrays.top_k
+        views["top_p"][:num_samples] = sampling.arrays.top_p
+        views["min_p"][:num_samples] = sampling.arrays.min_p
+        seeded = sampling.seeded
+        num_seeded = len(seeded)
+        if num_seeded:
+            views["seeded_rows"][:num_seeded] = seeded
+            views["seeds"][:num_seeded] = sampling.arrays.seed[seeded]
+            # A seeded draw is keyed by the index of the output token it produces.
+            views["seed_steps"][:num_seeded] = (seq_lens[sampling_seqs[seeded]]
+                                                - rows.num_prompt_tokens[sample_rows[seeded]])
 
         change_index, change_ids = block_tables.take_changes()
         num_changes = len(change_index)
         staged_changes = min(num_changes, self.block_change_capacity)
-        changes = views["block_changes"]
-        changes[:staged_changes] = change_index[:staged_changes]
-        changes[staged_changes:2 * staged_changes] = change_ids[:staged_changes]
+        if staged_changes:
+            changes = views["block_changes"]
+            changes[:staged_changes] = change_index[:staged_changes]
+            changes[staged_changes:2 * staged_changes] = change_ids[:staged_changes]
         self.staged.send(self.staged.end_of("block_changes", 2 * staged_changes))
         if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
             # A copy outside the staged buffer, still asynchronous.
             block_tables.apply_on_device(to_device(change_index[staged_changes:], None, self.device),
                                          to_device(change_ids[staged_changes:], None, self.device))
-        facts = batch_facts(sampling)
         processed_rows = None
-        if sampling.processed.any():  # logit_bias or penalties: only such batches build this
+        if sampling.any_processed:  # logit_bias or penalties: only such batches build this
             # A sampling sequence runs past its known tokens by the one still being sampled.
             processed_rows = np.where(seq_lens[sampling_seqs] > known_lens[sampling_seqs], sample_rows, -1)
         return _StepPlan(
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()), graph_size=graph_size, num_pending=len(pending_seqs),
-            num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=len(seeded),
-            facts=facts, wants_logprobs=sampling.logprobs.tolist(),
-            num_top_logprobs=sampling.top_logprobs.tolist() if facts["max_top_logprobs"] else None,
-            pending_rows_of_samples=processed_rows,
+            num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=num_seeded,
+            facts=sampling.facts, wants_logprobs=sampling.wants_logprobs,
+            num_top_logprobs=sampling.num_top_logprobs, pending_rows_of_samples=processed_rows,
+            sample_request_ids=sample_request_ids,
         )
 
     def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot
         -1) and attends to one slot of the null block, so it stays finite and costs nothing."""
+        if start == end:
+            return
         views["input_ids"][start:end] = 0
         views["positions"][start:end] = 0
         views["slot_mapping"][start:end] = -1
@@ -394,8 +422,7 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return StepInFlight(
-            [scheduled[index].request.request_id for index in step.sampling_seqs.tolist()],
-            step.wants_logprobs, host_token_ids, host_logprobs, step.num_top_logprobs, host_top_token_ids,
+            step.sample_request_ids, step.wants_logprobs, host_token_ids, host_logprobs, step.num_top_logprobs, host_top_token_ids,
             host_top_logprobs, done, step.graph_size,
         )
 
@@ -433,3 +460,4 @@ class _StepPlan:
     # Per sampling row when some row has logit_bias or penalties: the row whose latest sample
     # its history lacks (still in flight), -1 where the host has every token.
     pending_rows_of_samples: Optional[np.ndarray]
+    sample_request_ids: list[str]  # of the sampling rows, in order

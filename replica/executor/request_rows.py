@@ -6,12 +6,34 @@ admitted. A step gathers its rows by index instead of rebuilding them from the r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 import torch
 
 from replica.executor.block_table import BlockTables
-from replica.executor.sampler import SamplingArrays
+from replica.executor.sampler import SamplingArrays, batch_facts
 from replica.request import Request
+
+
+@dataclass(frozen=True)
+class RowsSampling:
+    """The sampling parameters of some rows, in their order, and what a step derives from
+    them on the host. Shared by the steps that sample the same rows: read only."""
+
+    arrays: SamplingArrays
+    seeded: np.ndarray  # positions among these rows of the seeded ones
+    facts: dict  # SamplingBatch's host facts (batch_facts)
+    wants_logprobs: list[bool]
+    num_top_logprobs: Optional[list[int]]  # alternatives each row asked for, when any did
+    any_processed: bool  # some row has logit_bias or penalties
+
+    @classmethod
+    def of(cls, arrays: SamplingArrays) -> "RowsSampling":
+        facts = batch_facts(arrays)
+        return cls(arrays, np.flatnonzero(arrays.has_seed), facts, arrays.logprobs.tolist(),
+                   arrays.top_logprobs.tolist() if facts["max_top_logprobs"] else None, bool(arrays.processed.any()))
 
 
 class RequestRows:
@@ -24,6 +46,7 @@ class RequestRows:
         # One extra row (the block tables' null row) so padded graph rows can index everything.
         self.num_prompt_tokens = np.zeros(max_num_rows + 1, dtype=np.int64)
         self.sampling = SamplingArrays.empty(max_num_rows + 1)
+        self._sampling_cache: Optional[tuple[bytes, RowsSampling]] = None  # (rows' bytes, their sampling)
 
     @property
     def null_row(self) -> int:
@@ -39,7 +62,20 @@ class RequestRows:
         self.block_tables.set_row(row, block_ids)
         self.num_prompt_tokens[row] = request.num_prompt_tokens
         self.sampling.set_row(row, request.sampling_params, self.vocab_size)
+        self._sampling_cache = None
         return row
+
+    def sampling_of(self, rows: np.ndarray) -> RowsSampling:
+        """The sampling parameters of these rows, in this order. A step that samples the same
+        rows as the one before (every decode step between admissions) reuses that step's:
+        a row's parameters change only when a request is added."""
+        key = rows.tobytes()
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        sampling = RowsSampling.of(self.sampling.take(rows))
+        self._sampling_cache = (key, sampling)
+        return sampling
 
     def remove(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
