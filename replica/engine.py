@@ -304,22 +304,36 @@ class LLMEngine:
         """Wait for a launched step's tokens, append them and build the outputs."""
         runner_output = launched.in_flight.result()
         updates = self.scheduler.update(launched.scheduler_output, runner_output.sampled_token_ids)
+        # Once per request and step: the lookups below are skipped when nothing asked for them
+        # (the engine core leaves detokenizing to the front), and the output is built directly.
+        detokenizers = self.detokenizers
+        all_logprobs = runner_output.logprobs
+        all_top_logprobs = runner_output.top_logprobs
         outputs = []
         for update in updates:
             request = update.request
-            detokenizer = self.detokenizers.get(request.request_id)
+            request_id = request.request_id
+            token_id = update.token_id
+            finished = update.finished
             text = ""
-            if detokenizer is not None:
-                text = detokenizer.add_tokens([update.token_id])
-                if update.finished is not None:
-                    text += detokenizer.flush()
-                    del self.detokenizers[request.request_id]
-            logprob = runner_output.logprobs.get(request.request_id)
-            top = runner_output.top_logprobs.get(request.request_id)
-            outputs.append(RequestOutput.of(
-                request, [update.token_id], text,
-                update.finished.finish_reason if update.finished is not None else None,
-                [logprob] if logprob is not None else None, [top] if top is not None else None,
+            if detokenizers:
+                detokenizer = detokenizers.get(request_id)
+                if detokenizer is not None:
+                    text = detokenizer.add_tokens([token_id])
+                    if finished is not None:
+                        text += detokenizer.flush()
+                        del detokenizers[request_id]
+            logprobs = top_logprobs = None
+            if all_logprobs:
+                logprob = all_logprobs.get(request_id)
+                logprobs = [logprob] if logprob is not None else None
+            if all_top_logprobs:
+                top = all_top_logprobs.get(request_id)
+                top_logprobs = [top] if top is not None else None
+            outputs.append(RequestOutput(
+                request_id, [token_id], text, finished.finish_reason if finished is not None else None,
+                len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
+                logprobs, top_logprobs, request.stop_reason if finished is not None else None,
             ))
         return outputs
 

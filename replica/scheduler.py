@@ -486,7 +486,8 @@ class Scheduler:
             if request.status != running_status:
                 continue  # finished, aborted or preempted while the step ran: its token is dropped
             token_id = sampled_token_ids[request.request_id]
-            request.append_output_token(token_id)
+            request.output_token_ids.append(token_id)  # request.append_output_token, inlined
+            request.all_token_ids.append(token_id)
             if now is None:
                 now = self.clock()
             if request.first_token_time is None:
