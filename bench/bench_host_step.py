@@ -27,7 +27,7 @@ are the figures to read on a shared machine; means show the interference. Budget
 per step <= 1.0 at batch 256 (launch <= 0.5).
 
     python bench/bench_host_step.py [--batch-sizes 64,256] [--context 400] [--steps 64]
-                                    [--forward null|real] [--profile] [--detokenize]
+                                    [--forward null|real] [--gc serving|default] [--profile] [--detokenize]
                                     [--model tiny|builtin|DIR] [--threads 1]
 """
 
@@ -166,7 +166,7 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
         engine.take_kv_events()
     phases = {name: [] for name in PHASES}
     profiler = cProfile.Profile() if profile else None
-    gc.collect()
+    gc.collect()  # what the prefill left; a young collection may still fall in a timed step
     for _ in range(steps):
         device_before = timer.total_s
         if profiler is not None:
@@ -211,6 +211,9 @@ def main() -> None:
                         help="null (default): timed decode steps skip the model's forward pass; real: they "
                              "run it on the CPU (timed and subtracted, but its memory traffic slows the host "
                              "path after it)")
+    parser.add_argument("--gc", choices=("serving", "default"), default="serving",
+                        help="serving (default): the collector as the engine-core process sets it once the "
+                             "engine is built (startup heap frozen, young threshold 20k); default: Python's")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: a GPU host computes nothing, and idle OpenMP "
                              "workers waking up would be timed as host work)")
@@ -227,6 +230,10 @@ def main() -> None:
     results = {}
     for batch in (int(size) for size in args.batch_sizes.split(",")):
         engine = make_engine(model_dir, batch, args.context, args.steps)
+        if args.gc == "serving":
+            from replica.serving.core_process import freeze_startup_heap
+
+            freeze_startup_heap()
         try:
             result = results[batch] = measure(engine, batch, args.context, args.steps, args.detokenize, args.profile,
                                               args.forward == "null")

@@ -7,6 +7,7 @@ says Shutdown or goes away.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -17,6 +18,25 @@ from typing import Callable
 
 from replica.serving.channel import ChannelClosed, FrameSocket
 from replica.serving.messages import CoreFailed, CoreReady, CoreSpec, load_to_wire
+
+
+# The collector's young-generation threshold in the engine core. A decode step allocates a few
+# objects per running request (its scheduled entry, token update, output) that live a step or
+# two; at Python's default of 700, a batch of 256 had them scanned every step (~0.05 ms).
+GC_GEN0_THRESHOLD = 20_000
+
+
+def freeze_startup_heap() -> None:
+    """Once the engine is built: everything alive now (the model's modules, the tokenizer,
+    the block pool, imported code: ~300k objects) lives as long as the process, so it is
+    moved out of the collector's reach. A full collection then scans only what serving
+    created since, a millisecond or two where it stopped the busy loop for ~100 ms, and young
+    collections run about once every 20k surviving objects instead of every step (vLLM's
+    engine core freezes its startup heap the same way)."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def import_callable(path: str) -> Callable:
@@ -68,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     channel.send(CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids), str(engine.device),
                            load_to_wire(engine.load())))
     from replica.serving.engine_core import EngineCore  # after the engine: its imports are the slow part anyway
+
+    freeze_startup_heap()
 
     EngineCore(engine, channel).run()
     return 0
