@@ -14,6 +14,10 @@ reports the host time of each phase per step:
   update     the previous step's tokens to outputs (Scheduler.update: append, stop checks,
              finishing; the engine's RequestOutputs; detokenizing with --detokenize)
   other      the rest of LLMEngine.step()
+  host       the four above: LLMEngine.step() less the device's work (the budget's figure)
+  core       after the step, the engine-core process's send: the outputs as wire rows, the
+             load snapshot, the KV events, pickling the message (on its send thread, which
+             holds the GIL as it pickles)
 
 By default the timed steps' forward pass returns zeros at once (the model's forward is
 replaced on this engine's instance), as a graph replay returns to the host; --forward real
@@ -47,7 +51,7 @@ import torch
 
 HOST_BUDGET_MS = 1.0  # whole host path per step at batch 256
 LAUNCH_BUDGET_MS = 0.5  # the runner's launch (issue 20)
-PHASES = ("schedule", "launch", "update", "other", "host")
+PHASES = ("schedule", "launch", "update", "other", "host", "core")
 MAX_NUM_BATCHED_TOKENS = 2048
 WARM_STEPS = 4
 
@@ -164,6 +168,11 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
     for _ in range(WARM_STEPS):
         engine.step()
         engine.take_kv_events()
+    from replica.serving.channel import encode_frame
+    from replica.serving.engine_core import EngineCore
+
+    core = EngineCore(engine, channel=None)  # never run: only its per-step send is timed
+    core._requests.update((request.request_id, request) for request in requests)
     phases = {name: [] for name in PHASES}
     profiler = cProfile.Profile() if profile else None
     gc.collect()  # what the prefill left; a young collection may still fall in a timed step
@@ -171,10 +180,13 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
         device_before = timer.total_s
         if profiler is not None:
             profiler.enable()
-        engine.step()
+        outputs = engine.step()
         if profiler is not None:
             profiler.disable()
-        engine.take_kv_events()
+        core_start = time.perf_counter()
+        core._send_outputs(outputs)
+        encode_frame(core._outbox.get())
+        phases["core"].append(time.perf_counter() - core_start)
         t = engine.last_step
         assert t.num_seqs == batch and t.num_tokens == batch, f"not a full decode step: {t}"
         forward_s = timer.total_s - device_before
