@@ -14,6 +14,7 @@ from replica.attention.triton_backend import SegmentPartials, TritonAttentionBac
 
 TINY_CONFIG = KernelConfig(key_tile=16, num_warps=4, num_stages=2)
 TINY_TUNING = AttentionTuning(decode_configs={16: TINY_CONFIG, 32: TINY_CONFIG},
+                              split_configs={16: TINY_CONFIG, 32: TINY_CONFIG},
                               prefill_configs={16: TINY_CONFIG, 32: TINY_CONFIG}, segment_min_keys=16)
 
 
