@@ -55,6 +55,11 @@ class AttentionBackend(ABC):
     ) -> None:
         """Store key/value [num_tokens, num_kv_heads, head_dim] at the flat cache slots in slot_mapping."""
 
+    def warm_up(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                max_model_len: int, device: torch.device | str) -> object:
+        """Compile whatever a model of this shape can launch, so no step compiles; nothing to do by default."""
+        return None
+
     @abstractmethod
     def forward(
         self,

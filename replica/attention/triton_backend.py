@@ -16,8 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from replica.attention.base import AttentionBackend, AttentionMetadata
-from replica.attention.launch_plan import DEFAULT_TUNING, AttentionPlan, AttentionTuning, padded_head_dim, plan_attention
+from replica.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
+from replica.attention.launch_plan import (
+    DEFAULT_TUNING,
+    AttentionPlan,
+    AttentionTuning,
+    padded_head_dim,
+    plan_attention,
+    reachable_plans,
+)
 
 # Triton on a CPU runs only under TRITON_INTERPRET=1 (tests); one "SM" keeps plans small there.
 _INTERPRETER_NUM_SMS = 1
@@ -357,6 +364,40 @@ class TritonAttentionBackend(AttentionBackend):
         num_sms = self.num_sms or _num_sms(query.device)
         return plan_attention(meta.num_seqs, meta.max_query_len, meta.max_seq_len, query.shape[1],
                               key_cache.shape[2], query.shape[2], num_sms, self.tuning)
+
+    def warm_up(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                max_model_len: int, device: torch.device | str) -> list[AttentionPlan]:
+        """Compile every kernel variant a model of this shape can launch, before any timed or served step.
+
+        Triton compiles a variant on its first launch, and a batch's shape picks the variant (tile,
+        config, segment count), so without this a new batch shape compiles inside a step. This
+        launches write_kv and each of reachable_plans (with its merge) once, on two one-token
+        sequences. The tensors are laid out as the model lays them out (a stride's divisibility by 16
+        is part of a variant): query, key and value are views of one fused QKV projection, or query
+        and key are fresh tensors (a rotary embedding that is not in place); the block table is
+        max_model_len wide. Returns the plans launched.
+        """
+        device = torch.device(device)
+        plans = reachable_plans(num_q_heads, num_kv_heads, head_dim, self.num_sms or _num_sms(device),
+                                max_model_len, self.tuning)
+        q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+        # Two one-token sequences (not one: a size-1 dimension's stride is arbitrary in a view).
+        qkv = torch.zeros(2, q_size + 2 * kv_size, dtype=dtype, device=device)
+        query, key, value = (part.view(2, -1, head_dim) for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
+        [(key_cache, value_cache)] = allocate_kv_cache(1, 3, block_size, num_kv_heads, head_dim, dtype, device)
+        meta = AttentionMetadata(  # each sequence in its own block (block 0 is the null block), at position 0
+            query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+            seq_lens=torch.ones(2, dtype=torch.int32, device=device),
+            block_tables=torch.arange(1, 3, dtype=torch.int32, device=device)[:, None].repeat(
+                1, -(-max_model_len // block_size)),
+            slot_mapping=torch.tensor([block_size, 2 * block_size], dtype=torch.int64, device=device),
+            max_query_len=1, max_seq_len=1,
+        )
+        for query, key in ((query, key), (query.contiguous(), key.contiguous())):
+            self.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+            for plan in plans:
+                paged_attention(query, key_cache, value_cache, meta, head_dim**-0.5, plan, torch.empty_like(query))
+        return plans
 
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         output = torch.empty_like(query)
