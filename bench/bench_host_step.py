@@ -10,7 +10,8 @@ reports the host time of each phase per step:
 
   schedule   Scheduler.schedule()
   launch     ModelRunner.launch() less the device's work (the forward pass a graph replay
-             replaces, lm_head, the sampler): rows, inputs staged and sent, block tables
+             replaces, lm_head, the sampler, the inputs' copy): rows, inputs staged, block
+             tables, the small torch ops around them
   update     the previous step's tokens to outputs (Scheduler.update: append, stop checks,
              finishing; the engine's RequestOutputs; detokenizing with --detokenize)
   other      the rest of LLMEngine.step()
@@ -21,18 +22,18 @@ reports the host time of each phase per step:
 
 By default the timed steps' forward pass returns zeros at once (the model's forward is
 replaced on this engine's instance), as a graph replay returns to the host; --forward real
-runs it. lm_head, the sampler and any forward pass are timed (module hooks, a wrapper on
-this engine's sampler) and subtracted: on the CPU they compute what a GPU computes on the
-device, and a GPU host pays only their launches. What stays is Python, numpy and the
-dispatch of the few small torch ops around them. A real forward pass streams the whole KV
-cache through the CPU's caches, which slows the host path after it (launch ~0.1 ms more at
-batch 256): the default measures the host path as a GPU host runs it, caches warm. Medians
-are the figures to read on a shared machine; means show the interference. Budget: host ms
-per step <= 1.0 at batch 256 (launch <= 0.5).
+runs it. lm_head, the sampler, the staged inputs' copy and any forward pass are timed
+(module hooks, wrappers on this engine's objects) and subtracted: on the CPU they do what a
+GPU does on the device, and a GPU host pays only their launches. What stays is Python,
+numpy and the dispatch of the few small torch ops around them. A real forward pass streams
+the whole KV cache through the CPU's caches, which slows the host path after it (~0.15 ms
+at batch 256): the default measures the host path as a GPU host runs it, caches warm.
+Medians are the figures to read on a shared machine; means show the interference. Budget:
+host ms per step <= 1.0 at batch 256 (launch <= 0.5).
 
     python bench/bench_host_step.py [--batch-sizes 64,256] [--context 400] [--steps 64]
-                                    [--forward null|real] [--gc serving|default] [--profile] [--detokenize]
-                                    [--model tiny|builtin|DIR] [--threads 1]
+                                    [--forward null|real] [--gc serving|default] [--profile]
+                                    [--detokenize] [--model tiny|builtin|DIR] [--threads 1]
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ WARM_STEPS = 4
 
 
 class DeviceTimer:
-    """Seconds spent in what a GPU computes and a CPU "device" computes on the host: the
-    model's forward pass and lm_head (module hooks), and the sampler (this engine's sampler
-    object wrapped; on the CPU a greedy argmax over 256 rows alone takes ~0.15 ms)."""
+    """Seconds spent in what a GPU does on the device and a CPU "device" does on the host:
+    the model's forward pass and lm_head (module hooks), the sampler (on the CPU a greedy
+    argmax over 256 rows alone takes ~0.15 ms) and the staged inputs' copy (~70 kB that a
+    GPU receives by DMA; on the CPU a memcpy into cache-cold memory, ~0.03 ms), the last
+    two through wrappers on this engine's objects."""
 
     def __init__(self, engine):
         self.total_s = 0.0
@@ -67,17 +70,20 @@ class DeviceTimer:
         for module in (engine.model, engine.model.lm_head):
             module.register_forward_pre_hook(self._enter)
             module.register_forward_hook(self._exit)
-        sampler = engine.runner.sampler
-        sample = sampler.sample
+        self._time(engine.runner.sampler, "sample")
+        self._time(engine.runner.staged, "send")
 
-        def timed_sample(*args, **kwargs):
+    def _time(self, owner, name: str) -> None:
+        function = getattr(owner, name)
+
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return sample(*args, **kwargs)
+                return function(*args, **kwargs)
             finally:
                 self.total_s += time.perf_counter() - start
 
-        sampler.sample = timed_sample
+        setattr(owner, name, timed)
 
     def _enter(self, module, args) -> None:
         self._start = time.perf_counter()

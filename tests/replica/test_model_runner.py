@@ -1,7 +1,8 @@
 """The model runner's replay machinery on the CPU: the CUDA-graph size ladder and padding
 choice, the staged-input buffer and its single copy, device block tables kept by
-incremental changes, the staged inputs of real scheduler steps against a plain
-flattening, and the memory profile that sizes the KV pool."""
+incremental changes, the rows' sampling parameters reused across steps, the staged inputs
+of real scheduler steps against a plain flattening, and the memory profile that sizes the
+KV pool."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from replica.executor.block_table import BlockTables
 from replica.executor.cuda_graphs import capture_sizes, padded_batch_size, use_cuda_graphs
 from replica.executor.memory_profile import MemoryProfile, kv_cache_bytes_per_block, profile_run
 from replica.executor.model_runner import ModelRunner
+from replica.executor.request_rows import RequestRows
 from replica.executor.staging import FIELD_ALIGNMENT, StagedField, StagedInputs
 from replica.model import load_model
 from replica.request import Request, SamplingParams
@@ -89,6 +91,23 @@ def test_device_block_tables_kept_by_changes_equal_tables_rebuilt_from_scratch(o
         assert tables.device[row, :len(blocks)].tolist() == blocks
         assert tables.host[row, :len(blocks)].tolist() == blocks
     assert not tables.device[tables.null_row].any(), "the padding row must stay on the null block"
+
+
+# ---- the rows' sampling parameters, reused while a step samples the same rows -------------
+def test_rows_sampling_is_reused_for_the_same_rows_and_rebuilt_when_a_row_gets_a_new_request():
+    rows = RequestRows(4, 8, 320, torch.device("cpu"))
+    greedy = SamplingParams(temperature=0.0)
+    rows.add(Request("a", [1, 2], greedy), [1])
+    rows.add(Request("b", [1, 2], greedy), [2])
+    first = rows.sampling_of(np.array([0, 1]))
+    assert first.facts["all_greedy"] and first.wants_logprobs == [False, False]
+    assert rows.sampling_of(np.array([0, 1])) is first  # the next decode step: nothing rebuilt
+    assert rows.sampling_of(np.array([1])).facts["num_rows"] == 1  # other rows: rebuilt
+    rows.remove("a")
+    rows.add(Request("c", [1, 2], SamplingParams(temperature=0.7, seed=3, logprobs=True)), [3])  # row 0 again
+    again = rows.sampling_of(np.array([0, 1]))
+    assert not again.facts["all_greedy"] and again.facts["num_seeded"] == 1
+    assert again.wants_logprobs == [True, False] and again.seeded.tolist() == [0]
 
 
 # ---- the staged inputs of real steps -------------------------------------------------------
