@@ -36,7 +36,7 @@ class KernelConfig:
 # +3%, batch 256 +8%) and 256, in fewer registers (three: 140 at 256, 3 programs per SM); head dim
 # 64 keeps 64 keys and three stages (7% ahead of 32 keys and two).
 DECODE_CONFIGS: Mapping[int, KernelConfig] = MappingProxyType({
-    32: KernelConfig(key_tile=64, num_warps=4, num_stages=2),  # 72, 7
+    32: KernelConfig(key_tile=64, num_warps=4, num_stages=2),  # 64, 8
     64: KernelConfig(key_tile=64, num_warps=4, num_stages=3),  # 80, 6
     128: KernelConfig(key_tile=32, num_warps=4, num_stages=2),  # 72-80, 6-7
     256: KernelConfig(key_tile=16, num_warps=4, num_stages=2),  # 80 single pass, 128 split: 4
