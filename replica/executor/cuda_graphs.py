@@ -2,8 +2,9 @@
 replayed with the batch padded up to the next captured size.
 
 A decode-only step launches hundreds of small kernels whose launch cost, not their work,
-sets the step time; one graph replay launches them all at once. The captured pass reads
-its inputs from the runner's persistent device buffers, so a replay needs only those
+sets the step time; one graph replay launches them all at once. The captured pass (the
+model, the logits and the greedy pick of every row) reads its inputs from the runner's
+persistent device buffers and writes persistent outputs, so a replay needs only those
 buffers refilled. Padding rows are harmless by construction (see ModelRunner).
 """
 
@@ -45,15 +46,13 @@ def padded_batch_size(sizes: Sequence[int], num_seqs: int) -> Optional[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, decode_forward: Callable[[int], torch.Tensor], sizes: Sequence[int],
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
-        """decode_forward(size) runs the model on the first `size` rows of the persistent
-        decode inputs and returns hidden states [size, hidden_size]."""
+    def __init__(self, decode_pass: Callable[[int], None], sizes: Sequence[int]):
+        """decode_pass(size) runs one decode step's device work on the first `size` rows of
+        the runner's persistent inputs and writes its results to the runner's persistent
+        outputs (fixed addresses, read after every replay)."""
         self.sizes = list(sizes)
-        self._decode_forward = decode_forward
+        self._decode_pass = decode_pass
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Replays write here; a fixed address the sampler reads after every replay.
-        self.hidden = torch.zeros((max(sizes), hidden_size), dtype=dtype, device=device)
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -62,11 +61,11 @@ class DecodeGraphs:
         for size in sorted(self.sizes, reverse=True):
             # Warm-up outside the graph: compiles Triton kernels for this shape and runs any
             # lazy initialisation, neither of which may happen during capture.
-            self.hidden[:size] = self._decode_forward(size)
+            self._decode_pass(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[:size] = self._decode_forward(size)
+                self._decode_pass(size)
             if pool is None:
                 pool = graph.pool()
             self._graphs[size] = graph
@@ -74,6 +73,5 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
                     len(self._graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
 
-    def replay(self, size: int) -> torch.Tensor:
+    def replay(self, size: int) -> None:
         self._graphs[size].replay()
-        return self.hidden[:size]

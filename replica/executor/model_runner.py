@@ -131,13 +131,15 @@ class ModelRunner:
                                                pin_memory=on_cuda) for _ in range(2)]
         self._num_launched = 0
         self.decode_sizes: list[int] = []
+        # What a padded decode pass leaves for the sampler: every row's logits and greedy token.
+        self.decode_logits: Optional[torch.Tensor] = None  # float32 [largest size, vocab]
+        self.decode_greedy: Optional[torch.Tensor] = None  # int64 [largest size]
         self.graphs: Optional[DecodeGraphs] = None
         if cuda_graphs:
             if not on_cuda:
                 raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
             self.enable_decode_padding()
-            self.graphs = DecodeGraphs(self._decode_forward, self.decode_sizes, model_config.hidden_size,
-                                       self.dtype, self.device)
+            self.graphs = DecodeGraphs(self._decode_pass, self.decode_sizes)
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -170,6 +172,10 @@ class ModelRunner:
         it on; on its own (any device) it runs the padded pass eagerly, which lets a CPU
         test check that padding changes no output."""
         self.decode_sizes = capture_sizes(self.max_num_seqs, self.max_num_tokens)
+        largest = max(self.decode_sizes)
+        vocab_size = self.model.lm_head.out_features
+        self.decode_logits = torch.zeros((largest, vocab_size), dtype=torch.float32, device=self.device)
+        self.decode_greedy = torch.zeros(largest, dtype=torch.int64, device=self.device)
         views = self.staged.host_views()
         self._pad_decode_rows(views, 0, max(self.decode_sizes))
         self.staged.send()
@@ -336,7 +342,9 @@ class ModelRunner:
         views["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
         views["batch_rows"][start:end] = self.rows.null_row
 
-    def _forward(self, step: "_StepPlan", layer_hook: Optional[Callable[[int], None]]) -> torch.Tensor:
+    def _forward(self, step: "_StepPlan", layer_hook: Optional[Callable[[int], None]]) -> Optional[torch.Tensor]:
+        """The hidden states of the step's tokens; None for a padded decode step, whose pass
+        leaves every row's logits and greedy token in decode_logits / decode_greedy."""
         device_views = self.staged.device_views
         block_tables = self.rows.block_tables
         if step.num_staged_changes:
@@ -352,8 +360,10 @@ class ModelRunner:
                                   self.last_token_by_row.index_select(0, device_views["pending_rows"][:step.num_pending]))
         if step.graph_size is not None:
             if self.graphs is not None:
-                return self.graphs.replay(step.graph_size)
-            return self._decode_forward(step.graph_size)
+                self.graphs.replay(step.graph_size)
+            else:
+                self._decode_pass(step.graph_size)
+            return None
         metadata = AttentionMetadata(
             query_start_loc=device_views["query_start_loc"][:step.num_seqs + 1],
             seq_lens=device_views["seq_lens"][:step.num_seqs],
@@ -365,8 +375,16 @@ class ModelRunner:
         return self.model(device_views["input_ids"][:step.num_tokens], device_views["positions"][:step.num_tokens],
                           self.kv_caches, metadata, layer_hook)
 
+    def _decode_pass(self, size: int) -> None:
+        """What a decode graph of `size` rows captures: the forward pass, then every row's
+        logits and greedy token into decode_logits / decode_greedy (padding rows' too: cheaper
+        than a gather, and a greedy batch then needs no sampler launches at all)."""
+        logits = self.model.compute_logits(self._decode_forward(size))
+        self.decode_logits[:size].copy_(logits)
+        torch.argmax(logits, dim=-1, out=self.decode_greedy[:size])  # ties go to the lowest id, as the sampler's
+
     def _decode_forward(self, size: int) -> torch.Tensor:
-        """The forward pass a decode graph of `size` rows captures. Its metadata holds only
+        """The forward pass of a padded decode step of `size` rows. Its metadata holds only
         bounds that do not depend on the batch (max_query_len 1, max_seq_len max_model_len);
         the kernels read the real lengths on the device."""
         device_views = self.staged.device_views
@@ -381,12 +399,23 @@ class ModelRunner:
         return self.model(device_views["input_ids"][:size], device_views["positions"][:size], self.kv_caches,
                           metadata)
 
-    def _sample(self, step: "_StepPlan", hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> StepInFlight:
+    def _sample(self, step: "_StepPlan", hidden: Optional[torch.Tensor],
+                scheduled: list[ScheduledRequest]) -> StepInFlight:
         num_samples = len(step.sampling_seqs)
         if not num_samples:
             return StepInFlight([], [], graph_batch_size=step.graph_size)
         device_views = self.staged.device_views
-        logits = self.model.compute_logits(hidden.index_select(0, device_views["logits_indices"][:num_samples]))
+        logits_indices = device_views["logits_indices"][:num_samples]
+        if hidden is not None:
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        else:  # a padded decode pass: a decode's token is its row, so the sampling rows lead
+            every_row = num_samples == step.num_seqs
+            logits = self.decode_logits[:num_samples] if every_row else self.decode_logits.index_select(0, logits_indices)
+            facts = step.facts
+            if facts["all_greedy"] and not facts["any_logprobs"] and step.pending_rows_of_samples is None:
+                greedy = self.decode_greedy
+                return self._send_sampled(step, greedy[:num_samples] if every_row else greedy.index_select(
+                    0, logits_indices), None, None, None)
         batch = SamplingBatch(
             temperature=device_views["temperature"][:num_samples],
             top_k=device_views["top_k"][:num_samples],
@@ -399,24 +428,32 @@ class ModelRunner:
             processors=self._logits_processing(step, scheduled),
         )
         sampled = self.sampler.sample(logits, batch)
-        self.last_token_by_row.index_copy_(0, device_views["sample_rows"][:num_samples], sampled.token_ids)
+        return self._send_sampled(step, sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
+                                  sampled.top_logprobs)
+
+    def _send_sampled(self, step: "_StepPlan", token_ids: torch.Tensor, logprobs: Optional[torch.Tensor],
+                      top_token_ids: Optional[torch.Tensor], top_logprobs: Optional[torch.Tensor]) -> StepInFlight:
+        """Keep the sampled tokens on the device for the next step's inputs and copy them (and
+        any logprobs) to the host without waiting; the StepInFlight waits when read."""
+        num_samples = len(token_ids)
+        self.last_token_by_row.index_copy_(0, self.staged.device_views["sample_rows"][:num_samples], token_ids)
         # Two host buffers alternate: with overlapped scheduling the next step's copy lands
         # while this step's tokens are still being read.
         slot = self._num_launched % 2
         self._num_launched += 1
         host_token_ids = self._host_token_ids[slot][:num_samples]
-        host_token_ids.copy_(sampled.token_ids, non_blocking=True)
+        host_token_ids.copy_(token_ids, non_blocking=True)
         host_logprobs = None
-        if sampled.logprobs is not None:
+        if logprobs is not None:
             host_logprobs = self._host_logprobs[slot][:num_samples]
-            host_logprobs.copy_(sampled.logprobs, non_blocking=True)
+            host_logprobs.copy_(logprobs, non_blocking=True)
         host_top_token_ids = host_top_logprobs = None
-        if sampled.top_token_ids is not None:
-            shape = sampled.top_token_ids.shape
+        if top_token_ids is not None:
+            shape = top_token_ids.shape
             host_top_token_ids = self._host_top_token_ids[slot][:shape.numel()].view(shape)
-            host_top_token_ids.copy_(sampled.top_token_ids, non_blocking=True)
+            host_top_token_ids.copy_(top_token_ids, non_blocking=True)
             host_top_logprobs = self._host_top_logprobs[slot][:shape.numel()].view(shape)
-            host_top_logprobs.copy_(sampled.top_logprobs, non_blocking=True)
+            host_top_logprobs.copy_(top_logprobs, non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

@@ -161,9 +161,10 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours(che
     assert alone != other_seed
 
 
-def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_scheduling(checkpoint):
+def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_scheduling_or_padding(checkpoint):
     # Under async scheduling a penalty's history lacks the token still being sampled; the
-    # runner adds it from the device. Each request's first row of params differs.
+    # runner adds it from the device. A padded decode pass (as a CUDA graph runs it) leaves
+    # logits for every row, which the sampler then reads. Each request's params differ.
     common = dict(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.4,
                              top_logprobs=3, **common),
@@ -172,8 +173,8 @@ def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_sched
               SamplingParams(temperature=0.9, seed=11, frequency_penalty=1.2, top_logprobs=2, **common)]
     prompts = _prompts()[:4]
     runs = []
-    for async_scheduling in (False, True):
-        engine = _engine(checkpoint[0], async_scheduling=async_scheduling)
+    for async_scheduling, padded_decode in ((False, False), (True, False), (True, True)):
+        engine = _engine(checkpoint[0], async_scheduling=async_scheduling, padded_decode=padded_decode)
         requests = [engine.make_request(f"x{index}", prompt, row_params)
                     for index, (prompt, row_params) in enumerate(zip(prompts, params))]
         tops: dict[str, list] = {request.request_id: [] for request in requests}
@@ -185,9 +186,10 @@ def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_sched
         runs.append(([request.output_token_ids for request in requests],
                      [[top.token_ids for top in tops[r.request_id]] for r in requests],
                      [[value for top in tops[r.request_id] for value in top.logprobs] for r in requests]))
-    (tokens, top_logprobs, values), (overlapped_tokens, overlapped_top_logprobs, overlapped_values) = runs
-    assert tokens == overlapped_tokens and top_logprobs == overlapped_top_logprobs
-    assert values == [pytest.approx(row) for row in overlapped_values]
+    (tokens, top_logprobs, values) = runs[0]
+    for other_tokens, other_top_logprobs, other_values in runs[1:]:
+        assert tokens == other_tokens and top_logprobs == other_top_logprobs
+        assert values == [pytest.approx(row) for row in other_values]
     assert tokens[0] != _engine(checkpoint[0]).generate(prompts[:1], GREEDY)[0]  # the penalties did act
     assert 9 not in tokens[1]
     assert [len(rows) for rows in top_logprobs] == [MAX_NEW_TOKENS, 0, 0, MAX_NEW_TOKENS]
