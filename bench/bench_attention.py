@@ -179,20 +179,28 @@ class Timer:
         self.l2_flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if device.type == "cuda" else None
 
     def __call__(self, fn: Callable[[], object], eager: bool | None = None) -> float:
-        fn()  # compile, allocate
+        return self.interleaved([fn], eager)[0]
+
+    def interleaved(self, fns: list[Callable[[], object]], eager: bool | None = None) -> list[float]:
+        """Median seconds of each call, their repetitions taken in turn (ABAB...) so that a drift
+        over the run (clocks, a neighbour) weighs on all alike: timed one after the other, two
+        launches of the same kernel differed by 6% (whichever ran first was slower)."""
+        for fn in fns:
+            fn()  # compile, allocate
         if self.device.type != "cuda":
-            return statistics.median(self._wall_clock(fn) for _ in range(self.reps))
-        run = fn if (self.eager if eager is None else eager) else self._graph(fn)
-        times = []
+            return [statistics.median(self._wall_clock(fn) for _ in range(self.reps)) for fn in fns]
+        runs = fns if (self.eager if eager is None else eager) else [self._graph(fn) for fn in fns]
+        times = [[] for _ in fns]
         for _ in range(self.reps):
-            self.l2_flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            times.append((start, end))
+            for run, run_times in zip(runs, times):
+                self.l2_flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                run_times.append((start, end))
         torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in times) / 1e3
+        return [statistics.median(start.elapsed_time(end) for start, end in run_times) / 1e3 for run_times in times]
 
     @staticmethod
     def _graph(fn) -> Callable[[], object]:
@@ -256,9 +264,9 @@ def measure_decode(shape: DecodeShape, dtype, timer: Timer, backends) -> DecodeR
     ours, legacy = backends
     inputs = PagedInputs(shape.seq_specs, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, dtype, timer.device)
     plan = ours.plan(inputs.query, inputs.key_cache, inputs.meta)
-    ours_s = timer(lambda: ours.forward(*inputs.args))
-    legacy_s = timer(lambda: legacy.forward(*inputs.args))
-    sdpa_s = timer(sdpa_decode_call(inputs, shape))
+    ours_s, legacy_s, sdpa_s = timer.interleaved([lambda: ours.forward(*inputs.args),
+                                                  lambda: legacy.forward(*inputs.args),
+                                                  sdpa_decode_call(inputs, shape)])
     error = inputs.max_relative_error(ours.forward(*inputs.args), range(min(shape.batch, 2)))
     return DecodeRow(shape, plan.num_segments, inputs.kv_bytes / ours_s / 1e12, inputs.kv_bytes / legacy_s / 1e12,
                      inputs.kv_bytes / sdpa_s / 1e12, error)
@@ -268,8 +276,8 @@ def measure_mixed(batch: MixedBatch, dtype, timer: Timer, backends) -> MixedRow:
     ours, legacy = backends
     inputs = PagedInputs(batch.seq_specs, batch.num_q_heads, batch.num_kv_heads, batch.head_dim, dtype, timer.device)
     error = inputs.max_relative_error(ours.forward(*inputs.args), [0, len(batch.seq_specs) - 1])
-    return MixedRow(batch, timer(lambda: ours.forward(*inputs.args)), timer(lambda: legacy.forward(*inputs.args)),
-                    error)
+    ours_s, legacy_s = timer.interleaved([lambda: ours.forward(*inputs.args), lambda: legacy.forward(*inputs.args)])
+    return MixedRow(batch, ours_s, legacy_s, error)
 
 
 def measure_errors(shapes, dtype_names, device, backends):
