@@ -343,14 +343,26 @@ def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: b
             ours = engine.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0,
                                                            ignore_eos=True))
             rows += agreement_rows("bf16 1.1B", ours, hf_greedy, "near 100%")
+        compiled_before = compiled_attention_kernels()
         for label, _, async_scheduling, seed in modes:
             engine.async_scheduling = async_scheduling
             rows += throughput_rows(engine, fresh_tokens(requests, seed), hf_result, label)
             rows += decode_rows(engine, label, decode_steps, seed)
+        rows.append(("attention kernels Triton compiled during the timed runs (after the engine's warm-up)",
+                     str(compiled_attention_kernels() - compiled_before), "0"))
     finally:
         engine.shutdown()
         del engine
     return rows
+
+
+def compiled_attention_kernels() -> int:
+    """How many variants of the Triton attention kernels this process has compiled so far."""
+    from replica.attention import triton_backend
+
+    kernels = (triton_backend._paged_attention_kernel, triton_backend._merge_segments_kernel,
+               triton_backend._write_kv_kernel)
+    return sum(len(caches[0]) for kernel in kernels for caches in getattr(kernel, "device_caches", {}).values())
 
 
 def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:

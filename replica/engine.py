@@ -174,6 +174,11 @@ class LLMEngine:
                 f"max_model_len: {config.max_model_len} exceeds the model's {self.model_config.max_model_len}"
             )
         on_cuda = self.device.type == "cuda"
+        if on_cuda:  # every kernel variant a batch shape can pick compiles now, not inside a step
+            cfg = self.model_config
+            self.model.attn_backend.warm_up(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                            next(self.model.parameters()).dtype, config.block_size,
+                                            config.max_model_len, self.device)
         if config.gpu_memory_utilization is not None and on_cuda:
             config = make_engine_config(**{**config.model_dump(), "num_kv_blocks": profile_num_kv_blocks(
                 self.model, self.model_config, config, self.device)})
