@@ -154,6 +154,8 @@ class ModelRunner:
             StagedField("batch_rows", torch.int64, seqs),  # each sequence's row: its block table
             StagedField("pending_token_index", torch.int64, seqs),  # inputs whose id is on the device...
             StagedField("pending_rows", torch.int64, seqs),  # ...as the latest sample of these rows
+            # A padded decode pass takes those ids in the graph: per row, is its input on the device?
+            StagedField("decode_pending", torch.bool, seqs),
             StagedField("logits_indices", torch.int64, seqs),  # hidden rows that sample
             StagedField("sample_rows", torch.int64, seqs),
             StagedField("temperature", torch.float32, seqs),
@@ -249,6 +251,7 @@ class ModelRunner:
             query_start_loc[:] = self._arange[: num_seqs + 1]
             seq_lens = starts + 1
             input_ids[:num_tokens] = 0  # pending inputs: their ids are copied in on the device
+            views["decode_pending"][:num_seqs] = pending
             known_seqs = np.flatnonzero(~pending).tolist()  # none at all under overlapped scheduling
             if known_seqs:
                 input_ids[known_seqs] = [token_lists[index][start_list[index]] for index in known_seqs]
@@ -341,6 +344,7 @@ class ModelRunner:
         views["seq_lens"][start:end] = 1
         views["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
         views["batch_rows"][start:end] = self.rows.null_row
+        views["decode_pending"][start:end] = False
 
     def _forward(self, step: "_StepPlan", layer_hook: Optional[Callable[[int], None]]) -> Optional[torch.Tensor]:
         """The hidden states of the step's tokens; None for a padded decode step, whose pass
@@ -351,19 +355,18 @@ class ModelRunner:
             changes = device_views["block_changes"]
             block_tables.apply_on_device(changes[:step.num_staged_changes],
                                          changes[step.num_staged_changes:2 * step.num_staged_changes])
-        num_seqs = step.graph_size or step.num_seqs
-        torch.index_select(block_tables.device, 0, device_views["batch_rows"][:num_seqs],
-                           out=self.batch_block_tables[:num_seqs])
-        if step.num_pending:
-            input_ids = device_views["input_ids"]
-            input_ids.index_copy_(0, device_views["pending_token_index"][:step.num_pending],
-                                  self.last_token_by_row.index_select(0, device_views["pending_rows"][:step.num_pending]))
-        if step.graph_size is not None:
+        if step.graph_size is not None:  # the pass gathers its block tables and input ids itself
             if self.graphs is not None:
                 self.graphs.replay(step.graph_size)
             else:
                 self._decode_pass(step.graph_size)
             return None
+        torch.index_select(block_tables.device, 0, device_views["batch_rows"][:step.num_seqs],
+                           out=self.batch_block_tables[:step.num_seqs])
+        if step.num_pending:
+            input_ids = device_views["input_ids"]
+            input_ids.index_copy_(0, device_views["pending_token_index"][:step.num_pending],
+                                  self.last_token_by_row.index_select(0, device_views["pending_rows"][:step.num_pending]))
         metadata = AttentionMetadata(
             query_start_loc=device_views["query_start_loc"][:step.num_seqs + 1],
             seq_lens=device_views["seq_lens"][:step.num_seqs],
@@ -376,9 +379,16 @@ class ModelRunner:
                           self.kv_caches, metadata, layer_hook)
 
     def _decode_pass(self, size: int) -> None:
-        """What a decode graph of `size` rows captures: the forward pass, then every row's
-        logits and greedy token into decode_logits / decode_greedy (padding rows' too: cheaper
-        than a gather, and a greedy batch then needs no sampler launches at all)."""
+        """What a decode graph of `size` rows captures: the rows' block tables and their input
+        ids still on the device (sampled by the step before), the forward pass, then every
+        row's logits and greedy token into decode_logits / decode_greedy (padding rows' too:
+        cheaper than a gather, and a greedy batch then needs no sampler launches at all)."""
+        device_views = self.staged.device_views
+        batch_rows = device_views["batch_rows"][:size]
+        torch.index_select(self.rows.block_tables.device, 0, batch_rows, out=self.batch_block_tables[:size])
+        input_ids = device_views["input_ids"][:size]
+        input_ids.copy_(torch.where(device_views["decode_pending"][:size],
+                                    self.last_token_by_row.index_select(0, batch_rows), input_ids))
         logits = self.model.compute_logits(self._decode_forward(size))
         self.decode_logits[:size].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.decode_greedy[:size])  # ties go to the lowest id, as the sampler's
