@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the table as JSON here (rewritten after each section)")
     parser.add_argument("--smollm2", help="SmolLM2-135M-Instruct's GGUF file or converted directory "
                                           "(default: the model cache's copy, if any)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="engine section without HF's side (no agreement or ratio rows; saves ~1 minute)")
+    parser.add_argument("--no-eager", action="store_true", help="engine section without the graphs-off mode")
     parser.add_argument("--profile-dir", help="write torch.profiler kernel tables of the batch-256 decode steps here")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
@@ -150,7 +153,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-gpu-") as model_dir:
             section(report, "setup", lambda: build_checkpoint(Path(model_dir)))
             if "engine" in sections:
-                engine_sections(report, model_dir, num_requests, decode_steps, args.cpu_smoke)
+                engine_sections(report, model_dir, num_requests, decode_steps, args.cpu_smoke, hf=not args.no_hf,
+                                eager=not args.no_eager)
             if "served" in sections:
                 section(report, "served", lambda: served(model_dir))
     if "peers" in sections:
@@ -312,19 +316,24 @@ def hf_throughput(model_dir: str, requests, result: dict) -> list[tuple]:
 
 
 # ---- engine: the 1.1B model in bf16 -------------------------------------------------------------
-def engine_sections(report: Report, model_dir: str, num_requests: int, decode_steps: int, cpu_smoke: bool) -> None:
+def engine_sections(report: Report, model_dir: str, num_requests: int, decode_steps: int, cpu_smoke: bool,
+                    hf: bool = True, eager: bool = True) -> None:
     requests = workload(num_requests, MODEL_SHAPE["vocab_size"],
                         **(dict(max_prompt=48, max_output=24) if cpu_smoke else {}))
     prompts = random_prompts(AGREEMENT_PROMPTS, MODEL_SHAPE["vocab_size"], seed=1)
     hf_greedy: dict = {}
-    section(report, "engine: HF greedy", lambda: hf_greedy.update(hf_reference(model_dir, prompts, torch.bfloat16)))
     hf_result: dict = {}
-    section(report, "engine: HF generate", lambda: hf_throughput(model_dir, requests, hf_result))
+    if hf:
+        section(report, "engine: HF greedy",
+                lambda: hf_greedy.update(hf_reference(model_dir, prompts, torch.bfloat16)))
+        section(report, "engine: HF generate", lambda: hf_throughput(model_dir, requests, hf_result))
     # Each timed mode runs fresh prompts of the workload's lengths: a mode after the first would
     # otherwise find every prompt in the prefix cache.
     modes = [("graphs + async", False, True, 2), ("graphs, no async", False, False, 3)]
     section(report, "engine: graphs", lambda: engine_modes(model_dir, requests, prompts, hf_greedy, hf_result,
                                                            eager=False, modes=modes, decode_steps=decode_steps))
+    if not eager:
+        return
     section(report, "engine: graphs off", lambda: engine_modes(
         model_dir, requests, prompts, hf_greedy, hf_result, eager=True, modes=[("graphs off, async", True, True, 4)],
         decode_steps=decode_steps))
