@@ -4,6 +4,7 @@ process (this one), on the same workloads in one run; prints served / offline.
 
     python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
                                  [--model builtin|DIR] [--device cpu|cuda] [--dtype D] [--num-kv-blocks N]
+                                 [--emulated-device] [--repeat N]
 
 Engine: built-in model on the CPU by default, max_model_len 1024, 4,096 blocks, max_num_seqs
 256, budget 2048 (bench/bench_gpu.py runs it on a GPU with a 1.1B checkpoint).
@@ -11,6 +12,15 @@ Prompts of 32-256 tokens from a fixed seed, greedy with ignore_eos; every stream
 once. Targets: served / offline >= 0.9 at 64, 200 and 256 streams; served ITL p99 <= 2x the
 offline step time's p99 at 64 streams. Offline runs first, in this process, then the server
 starts, so the two never share the CPU.
+
+--emulated-device runs both engines on bench/emulated_device.py's device (CPU only): the
+forward pass returns zeros at once and each step's tokens are ready a modelled GPU step time
+after its launch (async scheduling on, decode steps padded as graph replays pad), so the
+offline loop runs at a GPU's step rate and the served path's own costs (the front, the
+channel, the core's loop, the client) show as they would beside a GPU; one torch thread each.
+--repeat N runs each workload N times on each side (prompts from seeds 0..N-1, so no served
+run hits the prefix cache of an earlier one) and reports the median throughput: a served run
+can lose a lot to one unlucky pause, so single runs are noisy.
 """
 
 from __future__ import annotations
@@ -18,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pathlib
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +48,7 @@ THROUGHPUT_TARGET = 0.9
 ITL_TARGET_STEPS = 2.0
 TARGET_STREAMS = (64, 200, 256)
 VOCAB = 256  # the built-in model's byte tokens
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -43,6 +56,15 @@ class Result:
     tokens_per_s: float
     itl_ms: list[float]  # served: between responses of a stream; offline: step times
     cpu_s: dict[str, float]  # CPU seconds per process over the timed part
+    messages: int = 0  # served: Generate responses the client read
+
+
+def combine(results: list[Result]) -> tuple[Result, list[float]]:
+    """Repeated runs as one: the median throughput, every ITL, mean CPU seconds; and each run's rate."""
+    rates = [result.tokens_per_s for result in results]
+    return Result(statistics.median(rates), [ms for result in results for ms in result.itl_ms],
+                  {name: statistics.fmean(result.cpu_s[name] for result in results) for name in results[0].cpu_s},
+                  round(statistics.fmean(result.messages for result in results))), rates
 
 
 def cpu_seconds(pid: int) -> float:
@@ -62,12 +84,17 @@ def workload(num_streams: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(32, 256))] for _ in range(num_streams)]
 
 
-def run_offline(prompts: list[list[int]], max_tokens: int, model: str, device: str, dtype: str | None) -> Result:
+def run_offline(prompts: list[list[int]], max_tokens: int, model: str, device: str, dtype: str | None,
+                emulated_device: bool = False) -> Result:
     from replica.config import make_engine_config
     from replica.engine import LLMEngine
     from replica.request import SamplingParams
 
     engine = LLMEngine(make_engine_config(**ENGINE), model, device=device, dtype=dtype)
+    if emulated_device:
+        from bench.emulated_device import device_model, emulate_device  # main() put the repository on the path
+
+        emulate_device(engine, *device_model())
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     for index, prompt in enumerate(prompts):
@@ -99,8 +126,11 @@ def release_device_memory(device: str) -> None:
 
 
 def start_replica(core_torch_threads: int | None, model: str, device: str,
-                  dtype: str | None) -> tuple[subprocess.Popen, str]:
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE.items()]
+                  dtype: str | None, emulated_device: bool = False) -> tuple[subprocess.Popen, str]:
+    flags = [(f"--{name.replace('_', '-')}" if value is True else f"--{name.replace('_', '-')}={value}")
+             for name, value in ENGINE.items()]
+    if emulated_device:
+        flags.append("--engine-factory=bench.emulated_device:emulated_device_engine")
     if core_torch_threads is not None:
         flags.append(f"--torch-threads={core_torch_threads}")
     if dtype is not None:
@@ -108,7 +138,9 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
     # The replica's default model is the real one, so name the offline loop's.
     process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", model, "--port", "0",
                                 "--device", device, *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     for line in process.stdout:
         if match := re.match(r"listening on (\S+)", line):
             return process, match.group(1)
@@ -119,23 +151,28 @@ async def run_served(address: str, pids: dict[str, int], prompts: list[list[int]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
 
+        messages = 0
+
         async def stream(prompt: list[int]) -> list[float]:
+            nonlocal messages
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             times = []
             async for response in stub.Generate(request):
                 times += [time.perf_counter()] * len(response.token_ids)
+                messages += 1
             assert len(times) == max_tokens, len(times)
             return times
 
         await asyncio.gather(*(stream(prompt[:16]) for prompt in prompts[:8]))  # warm-up
+        messages = 0
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         per_stream = await asyncio.gather(*(stream(prompt) for prompt in prompts))
         elapsed = max(times[-1] for times in per_stream) - start
         cpu_s = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
     itl_ms = [(later - earlier) * 1000 for times in per_stream for earlier, later in zip(times, times[1:])]
-    return Result(len(prompts) * max_tokens / elapsed, itl_ms, cpu_s)
+    return Result(len(prompts) * max_tokens / elapsed, itl_ms, cpu_s, messages)
 
 
 def main() -> None:
@@ -148,18 +185,42 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
     parser.add_argument("--num-kv-blocks", type=int, default=ENGINE["num_kv_blocks"],
                         help="KV pool of both engines (default: %(default)s)")
+    parser.add_argument("--emulated-device", action="store_true",
+                        help="both engines on bench/emulated_device.py's device: a GPU's step rate on the CPU")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per workload and side, fresh prompts each; the median is reported (default 1)")
     args = parser.parse_args()
     ENGINE["num_kv_blocks"] = args.num_kv_blocks
+    if args.emulated_device:
+        if args.device != "cpu":
+            parser.error("--emulated-device runs on the CPU")
+        ENGINE["async_scheduling"] = True
+        args.core_torch_threads = 1
+        sys.path.insert(0, str(REPO))  # bench/ is not an installed package
+        from bench.emulated_device import device_model
+
+        emulated_device_ms = " + ".join(map(str, device_model()))
+        import torch
+
+        torch.set_num_threads(1)
     workloads = [tuple(int(part) for part in item.split("x")) for item in args.workloads.split(",")]
 
-    offline = {}
-    for num_streams, max_tokens in workloads:
-        offline[(num_streams, max_tokens)] = run_offline(workload(num_streams), max_tokens, args.model, args.device,
-                                                         args.dtype)
-    process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype)
+    seeds = range(args.repeat)
+    offline = {key: combine([run_offline(workload(key[0], seed), key[1], args.model, args.device, args.dtype,
+                                         args.emulated_device) for seed in seeds]) for key in workloads}
+    # The client is part of what is measured: what the offline engines left in this process
+    # (torch, the model's modules) would make each full collection stop its reads for tens of
+    # ms, so its heap is frozen as the replica's processes freeze theirs.
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
+                                     args.emulated_device)
     try:
         pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
-        served = {key: asyncio.run(run_served(address, pids, workload(key[0]), key[1])) for key in workloads}
+        served = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
+                                for seed in seeds]) for key in workloads}
     finally:
         process.send_signal(2)
         process.wait(timeout=60)
@@ -167,19 +228,25 @@ def main() -> None:
     import torch
 
     print(f"{args.model} model, {args.device}, {args.dtype or 'checkpoint dtype'}, {os.cpu_count()} cores, torch threads: offline {torch.get_num_threads()}, "
-          f"core {args.core_torch_threads or 'default'}; engine {ENGINE}")
+          f"core {args.core_torch_threads or 'default'}; engine {ENGINE}"
+          + (f"; emulated device: {emulated_device_ms} ms per step + per token" if args.emulated_device else "")
+          + (f"; median of {args.repeat} runs" if args.repeat > 1 else ""))
     print(f"{'streams x tokens':>17}{'offline tok/s':>15}{'served tok/s':>14}{'served/offline':>16}"
-          f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}   CPU s: offline engine | core, front, client")
+          f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}{'tokens/msg':>11}"
+          f"   CPU s: offline engine | core, front, client")
     verdicts = []
     for key in workloads:
-        ours, base = served[key], offline[key]
+        (ours, served_rates), (base, offline_rates) = served[key], offline[key]
         ratio = ours.tokens_per_s / base.tokens_per_s
         step_p99 = percentile(base.itl_ms, 0.99)
         itl_p99 = percentile(ours.itl_ms, 0.99)
         print(f"{f'{key[0]} x {key[1]}':>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
               f"{f'{percentile(base.itl_ms, 0.5):.0f} / {step_p99:.0f}':>17}"
-              f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}   {base.cpu_s['engine']:.1f} | "
-              + ", ".join(f"{ours.cpu_s[name]:.1f}" for name in ("core", "front", "client")))
+              f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}"
+              f"{key[0] * key[1] / max(ours.messages, 1):>11.1f}   {base.cpu_s['engine']:.2f} | "
+              + ", ".join(f"{ours.cpu_s[name]:.2f}" for name in ("core", "front", "client"))
+              + (f"   runs served/offline: {' '.join(f'{rate / base.tokens_per_s:.2f}' for rate in served_rates)}"
+                 if args.repeat > 1 else ""))
         if key[0] in TARGET_STREAMS:
             verdicts.append(f"served/offline at {key[0]} streams {ratio:.2f} (>= {THROUGHPUT_TARGET}: "
                             f"{'MET' if ratio >= THROUGHPUT_TARGET else 'MISSED'})")

@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton (default: %(default)s)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads in the engine-core process (default: torch's, one per core)")
+    parser.add_argument("--engine-factory", default=CoreSpec._field_defaults["engine_factory"],
+                        help="MODULE:CALLABLE that builds the engine in the engine-core process, taking "
+                             "LLMEngine's arguments (benchmarks: bench.emulated_device:emulated_device_engine; "
+                             "default: %(default)s)")
     parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
     add_engine_config_arguments(parser)
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 async def _serve(config: EngineConfig, replica_id: str, args: argparse.Namespace) -> None:
     engine = AsyncEngine(CoreSpec(config, args.model, device=args.device, dtype=args.dtype,
-                                  attention_backend=args.attention_backend, torch_threads=args.torch_threads))
+                                  attention_backend=args.attention_backend, torch_threads=args.torch_threads,
+                                  engine_factory=args.engine_factory))
     metrics = ReplicaMetrics(replica_id, args.model)
     metrics_server = None
     if args.metrics_port is not None:
