@@ -20,6 +20,7 @@ from replica.model import ModelConfigError
 from replica.model.loader import ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.server import ReplicaServer
+from replica.serving.core_process import freeze_startup_heap
 from replica.serving.messages import CoreSpec
 
 
@@ -72,6 +73,9 @@ async def _serve(config: EngineConfig, replica_id: str, args: argparse.Namespace
         print(f"metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
     server = ReplicaServer(engine, replica_id, args.model, metrics)
     port = await server.start(args.host, args.port)
+    # As the engine core does: no full collection of the startup heap stops the event loop
+    # (and with it every stream and every new request) mid-serving.
+    freeze_startup_heap()
     # Printed (not only logged) so a parent process using --port 0 can read the port.
     print(f"listening on {args.host}:{port}", flush=True)
     stop_requested = asyncio.Event()
