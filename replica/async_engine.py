@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -116,13 +115,14 @@ class RequestStream:
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both deltas, in order; counts, finish and stop reasons are the later's."""
-    return dataclasses.replace(
-        later,
-        new_token_ids=earlier.new_token_ids + later.new_token_ids,
-        text=earlier.text + later.text,
-        logprobs=_concat(earlier.logprobs, later.logprobs),
-        top_logprobs=_concat(earlier.top_logprobs, later.top_logprobs),
+    """One output carrying both deltas, in order; counts, finish and stop reasons are the later's.
+    Built field by field: it runs for every stream whose writer is behind, every step, and
+    dataclasses.replace costs 3x as much (a test checks that no field is left out)."""
+    return RequestOutput(
+        later.request_id, earlier.new_token_ids + later.new_token_ids, earlier.text + later.text,
+        later.finish_reason, later.num_prompt_tokens, later.num_output_tokens, later.num_cached_tokens,
+        _concat(earlier.logprobs, later.logprobs), _concat(earlier.top_logprobs, later.top_logprobs),
+        later.stop_reason,
     )
 
 
