@@ -34,6 +34,7 @@ from replica.grpc_service import TTFTTargets, model_info_proto
 from replica.metrics import ReplicaMetrics
 from replica.request import SamplingParams
 from replica.server import ReplicaServer
+from replica.serving.core_process import freeze_startup_heap
 from replica.serving.messages import CoreSpec
 from router.headroom_router import ROUTING_KWARG
 from router.policies import RoutingRequest
@@ -118,6 +119,10 @@ class LLMReplica:
         self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
         self.metrics_endpoint = f"{host}:{self.metrics_http.server_port}"
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
+        # This actor's process is the replica's front: as `headroom replica` does, its startup
+        # heap (Ray, Serve, torch, grpc) leaves the collector's reach, so no full collection
+        # stops every stream and every new request mid-serving.
+        freeze_startup_heap()
 
     def check_health(self) -> None:
         """Serve's health probe: a replica whose engine core died can serve nothing again."""
