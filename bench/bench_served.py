@@ -84,8 +84,8 @@ def workload(num_streams: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(32, 256))] for _ in range(num_streams)]
 
 
-def run_offline(prompts: list[list[int]], max_tokens: int, model: str, device: str, dtype: str | None,
-                emulated_device: bool = False) -> Result:
+def build_offline_engine(model: str, device: str, dtype: str | None, emulated_device: bool = False):
+    """One engine for every offline run, as one replica serves every served run."""
     from replica.config import make_engine_config
     from replica.engine import LLMEngine
     from replica.request import SamplingParams
@@ -95,10 +95,16 @@ def run_offline(prompts: list[list[int]], max_tokens: int, model: str, device: s
         from bench.emulated_device import device_model, emulate_device  # main() put the repository on the path
 
         emulate_device(engine, *device_model())
+    engine.generate([workload(1)[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    return engine
+
+
+def run_offline(engine, prompts: list[list[int]], max_tokens: int, run: int) -> Result:
+    from replica.request import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     for index, prompt in enumerate(prompts):
-        engine.add_request(engine.make_request(f"offline-{index}", prompt, params), detokenize=False)
+        engine.add_request(engine.make_request(f"offline-{run}-{index}", prompt, params), detokenize=False)
     step_ms = []
     cpu_start = time.process_time()
     start = time.perf_counter()
@@ -108,9 +114,7 @@ def run_offline(prompts: list[list[int]], max_tokens: int, model: str, device: s
         step_ms.append((time.perf_counter() - step_start) * 1000)
     elapsed = time.perf_counter() - start
     cpu_s = {"engine": time.process_time() - cpu_start}
-    engine.shutdown()
-    del engine
-    release_device_memory(device)
+    engine.take_kv_events()  # nobody subscribes offline
     return Result(len(prompts) * max_tokens / elapsed, step_ms, cpu_s)
 
 
@@ -206,8 +210,13 @@ def main() -> None:
     workloads = [tuple(int(part) for part in item.split("x")) for item in args.workloads.split(",")]
 
     seeds = range(args.repeat)
-    offline = {key: combine([run_offline(workload(key[0], seed), key[1], args.model, args.device, args.dtype,
-                                         args.emulated_device) for seed in seeds]) for key in workloads}
+    engine = build_offline_engine(args.model, args.device, args.dtype, args.emulated_device)
+    runs = iter(range(len(workloads) * args.repeat))
+    offline = {key: combine([run_offline(engine, workload(key[0], seed), key[1], next(runs)) for seed in seeds])
+               for key in workloads}
+    engine.shutdown()
+    del engine
+    release_device_memory(args.device)
     # The client is part of what is measured: what the offline engines left in this process
     # (torch, the model's modules) would make each full collection stop its reads for tens of
     # ms, so its heap is frozen as the replica's processes freeze theirs.
