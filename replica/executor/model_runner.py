@@ -175,9 +175,10 @@ class ModelRunner:
         test check that padding changes no output."""
         self.decode_sizes = capture_sizes(self.max_num_seqs, self.max_num_tokens)
         largest = max(self.decode_sizes)
-        vocab_size = self.model.lm_head.out_features
-        self.decode_logits = torch.zeros((largest, vocab_size), dtype=torch.float32, device=self.device)
-        self.decode_greedy = torch.zeros(largest, dtype=torch.int64, device=self.device)
+        if self.decode_greedy is None:  # once: captured graphs write these very tensors
+            vocab_size = self.model.lm_head.out_features
+            self.decode_logits = torch.zeros((largest, vocab_size), dtype=torch.float32, device=self.device)
+            self.decode_greedy = torch.zeros(largest, dtype=torch.int64, device=self.device)
         views = self.staged.host_views()
         self._pad_decode_rows(views, 0, max(self.decode_sizes))
         self.staged.send()

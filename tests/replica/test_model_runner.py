@@ -178,6 +178,12 @@ def test_padded_decode_steps_sample_what_unpadded_steps_sample(builtin_model):
         runner = ModelRunner(model, model_config, config, torch.device("cpu"))
         if padded:
             runner.enable_decode_padding()
+            outputs = (runner.decode_logits, runner.decode_greedy)
+            # Again, as a test does to an engine whose graphs already turned it on: captured
+            # graphs write these very tensors, so a second call must keep them (on CUDA it once
+            # swapped them, and every graph-replayed token read back as 0).
+            runner.enable_decode_padding()
+            assert runner.decode_logits is outputs[0] and runner.decode_greedy is outputs[1]
         rng = random.Random(1)
         requests = [Request(f"r{index}", _prompt(rng, 3 + 5 * index), SamplingParams(max_tokens=4, temperature=0.0))
                     for index in range(5)]  # five decodes pad to a batch of 8
