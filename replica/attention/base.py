@@ -68,11 +68,16 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of query [num_tokens, num_q_heads, head_dim] over each sequence's cached context.
 
-        The new tokens' K/V must already be in the cache. Query head h reads kv head
-        h // (num_q_heads // num_kv_heads). Returns a tensor shaped like query.
+        The new tokens' K/V must already be in the cache. key / value, when given, are those same
+        new K/V as write_kv took them: a backend may read the new tokens' K/V there rather than
+        back from the cache (the torch backend does; the Triton kernel reads the cache). Query head
+        h reads kv head h // (num_q_heads // num_kv_heads). Returns a tensor shaped like query.
         """
 
 

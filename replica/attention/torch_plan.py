@@ -1,8 +1,9 @@
 """The torch backend's per-step attention plan: everything that depends on the step's metadata, not the layer.
 
 The host read of query starts and lengths, the length-sorted decode groups with their block indices
-and padding masks, each other sequence's blocks and causal mask, the gather buffers: built by the
-first layer of a forward pass and reused by the rest, left with the K/V gathers and the attention math.
+and padding masks, each other sequence's blocks (and whether they lie consecutively in the pool, so a
+layer reads them in place), the gather buffers: built by the first layer of a forward pass and reused
+by the rest, left with the K/V reads and the attention math.
 """
 
 from __future__ import annotations
@@ -57,13 +58,27 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class SequenceAttention:
-    """One sequence attended on its own: a prefill chunk, or a decode with no other decode to share a call."""
+    """One sequence attended on its own: a prefill chunk, or a decode with no other decode to share a call.
+
+    Its queries are the newest query_len positions of its context; the prefix_len before them were
+    cached by earlier steps (or found in the prefix cache).
+    """
 
     query_start: int
     query_end: int
     seq_len: int
     block_index: torch.Tensor  # long [blocks]: the blocks holding its context
-    causal_mask: torch.Tensor | None  # bool [query_len, seq_len]; None for a single newest token
+    # The first block's id when the blocks are consecutive ids: then the context is one run of the
+    # cache, read as a view instead of gathered. None when they are not.
+    first_block: int | None
+
+    @property
+    def query_len(self) -> int:
+        return self.query_end - self.query_start
+
+    @property
+    def prefix_len(self) -> int:
+        return self.seq_len - self.query_len
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,6 @@ class TorchAttentionPlan:
         query_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         query_lens = [end - start for start, end in zip(query_starts, query_starts[1:])]
-        device = meta.block_tables.device
         decode_rows = [i for i, query_len in enumerate(query_lens) if query_len == 1]
         if len(decode_rows) < 2:
             decode_rows = []
@@ -100,14 +114,12 @@ class TorchAttentionPlan:
         )
         grouped = set(decode_rows)
         sequences = tuple(
-            SequenceAttention(
-                query_starts[i], query_starts[i + 1], seq_lens[i],
-                meta.block_tables[i, :cdiv(seq_lens[i], block_size)].long(),
-                causal_offset_mask(query_lens[i], seq_lens[i], device),
-            )
+            _sequence(meta.block_tables[i, :cdiv(seq_lens[i], block_size)], query_starts[i], query_starts[i + 1],
+                      seq_lens[i])
             for i in range(len(seq_lens)) if i not in grouped and query_lens[i] > 0
         )
-        most_blocks = max((part.block_index.numel() for part in (*groups, *sequences)), default=0)
+        gathered = (*groups, *(sequence for sequence in sequences if sequence.first_block is None))
+        most_blocks = max((part.block_index.numel() for part in gathered), default=0)
         buffer_size = most_blocks * key_cache[0].numel()
         return cls(groups, sequences, *gather_buffers(buffer_size))
 
@@ -130,8 +142,17 @@ def _decode_group(block_tables, rows, query_starts, seq_lens, block_size, mask_d
     )
 
 
+def _sequence(blocks: torch.Tensor, query_start: int, query_end: int, seq_len: int) -> SequenceAttention:
+    block_ids = blocks.tolist()
+    consecutive = block_ids == list(range(block_ids[0], block_ids[0] + len(block_ids)))
+    return SequenceAttention(query_start, query_end, seq_len, blocks.long(), block_ids[0] if consecutive else None)
+
+
 def causal_offset_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean [query_len, seq_len] mask: the queries are the last query_len positions of the context."""
+    """Boolean [query_len, seq_len] mask: the queries are the last query_len positions of the context.
+
+    Only the dense reference and the torch backend off the CPU materialise it; on the CPU no
+    sequence's attention does."""
     if query_len == 1:
         return None  # a single newest token sees the whole context
     query_positions = torch.arange(seq_len - query_len, seq_len, device=device)

@@ -1,9 +1,12 @@
 """Pure-torch paged attention: the reference the Triton kernels are tested against, and the CPU backend.
 
-One scaled_dot_product_attention call per prefill sequence over its gathered cache blocks;
-single-token decodes share padded calls in groups sorted by context length. What each call reads
-is planned once per forward pass (torch_plan.py); `dense_causal_attention` is the float64 ground
-truth both backends are measured against.
+Every call is 4-D, so scaled_dot_product_attention runs its fused (flash) CPU kernel, which never
+holds a sequence's whole score matrix. A prefill attends to its own new K/V with `is_causal`; a
+chunk after a cached prefix adds its attention to the prefix (no mask) and merges the two by their
+log-sum-exp, so its cost is the work done, not a masked square. Single-token decodes share padded
+calls in groups sorted by context length. A context whose cache blocks are consecutive is read in
+place; others are gathered. What each call reads is planned once per forward pass (torch_plan.py);
+`dense_causal_attention` is the float64 ground truth both backends are measured against.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from replica.attention.base import AttentionBackend, AttentionMetadata
 from replica.attention.torch_plan import (
     DecodeGroup, PerPassCache, SequenceAttention, TorchAttentionPlan, causal_offset_mask,
 )
+from replica.kv_cache_manager import cdiv
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -33,7 +37,8 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
-    def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float, *,
+                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
         plan = self._plan.get(meta, (key_cache.shape, key_cache.dtype, query.dtype), key_cache,
                               lambda: TorchAttentionPlan.build(meta, key_cache, query.dtype,
                                                                lambda size: self._buffers(size, key_cache)))
@@ -41,7 +46,7 @@ class TorchAttentionBackend(AttentionBackend):
         for group in plan.decode_groups:
             _attend_decode_group(query, key_cache, value_cache, plan, group, scale, output)
         for sequence in plan.sequences:
-            _attend_sequence(query, key_cache, value_cache, plan, sequence, scale, output)
+            _attend_sequence(query, key, value, key_cache, value_cache, plan, sequence, scale, output)
         return output
 
     def _buffers(self, size: int, key_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,20 +91,81 @@ def _attend_decode_group(query, key_cache, value_cache, plan: TorchAttentionPlan
     output[group.token_index] = attended.reshape(rows, num_q_heads, head_dim)
 
 
-def _attend_sequence(query, key_cache, value_cache, plan: TorchAttentionPlan, sequence: SequenceAttention, scale: float,
-                     output) -> None:
-    keys = _gather_blocks(key_cache, sequence.block_index, plan.key_blocks)[:sequence.seq_len]
-    values = _gather_blocks(value_cache, sequence.block_index, plan.value_blocks)[:sequence.seq_len]
-    seq_query = query[sequence.query_start:sequence.query_end].transpose(0, 1)  # [heads, q_len, head_dim]
-    seq_output = F.scaled_dot_product_attention(
-        seq_query,
-        keys.transpose(0, 1).to(query.dtype),
-        values.transpose(0, 1).to(query.dtype),
-        attn_mask=sequence.causal_mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    output[sequence.query_start:sequence.query_end] = seq_output.transpose(0, 1)
+def _attend_sequence(query, key, value, key_cache, value_cache, plan: TorchAttentionPlan,
+                     sequence: SequenceAttention, scale: float, output) -> None:
+    start, end, prefix_len = sequence.query_start, sequence.query_end, sequence.prefix_len
+    if sequence.query_len == 1:  # a lone decode: its newest token sees the whole context, no mask
+        keys = _read_context(key_cache, sequence, sequence.seq_len, plan.key_blocks)
+        values = _read_context(value_cache, sequence, sequence.seq_len, plan.value_blocks)
+        # Its query heads ride as their kv head's query rows (as in a decode group): no GQA expansion.
+        grouped_query = query[start].reshape(1, keys.shape[1], -1, keys.shape[2])
+        attended = F.scaled_dot_product_attention(grouped_query, _heads_first(keys, query.dtype),
+                                                  _heads_first(values, query.dtype), scale=scale)
+        output[start] = attended.reshape(output.shape[1:])
+        return
+    if key is None:  # the new tokens' K/V not handed in: read them back from the cache with the prefix
+        keys = _read_context(key_cache, sequence, sequence.seq_len, plan.key_blocks)
+        values = _read_context(value_cache, sequence, sequence.seq_len, plan.value_blocks)
+        new_keys, new_values = keys[prefix_len:], values[prefix_len:]
+    else:
+        new_keys, new_values = key[start:end], value[start:end]
+    seq_query = _heads_first(query[start:end], query.dtype)  # [1, q_heads, query_len, head_dim]
+    new_keys, new_values = _heads_first(new_keys, query.dtype), _heads_first(new_values, query.dtype)
+    if prefix_len == 0:
+        attended = F.scaled_dot_product_attention(seq_query, new_keys, new_values, is_causal=True, scale=scale,
+                                                  enable_gqa=True)
+    else:
+        if key is not None:
+            keys = _read_context(key_cache, sequence, prefix_len, plan.key_blocks)
+            values = _read_context(value_cache, sequence, prefix_len, plan.value_blocks)
+        attended = _attend_after_prefix(seq_query, _heads_first(keys[:prefix_len], query.dtype),
+                                        _heads_first(values[:prefix_len], query.dtype), new_keys, new_values, scale)
+    output[start:end] = attended[0].transpose(0, 1)
+
+
+# The CPU flash kernel behind scaled_dot_product_attention, which also returns each query row's
+# log-sum-exp: what merging two partial attentions needs (and the public function does not return).
+_cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_after_prefix(query, prefix_keys, prefix_values, new_keys, new_values, scale: float) -> torch.Tensor:
+    """[1, q_heads, query_len, head_dim]: a chunk's queries over a cached prefix and, causally, over themselves.
+
+    Every query sees the whole prefix, and the new keys are as many as the queries, so the chunk's
+    attention is two unmasked-or-causal flash calls merged by their log-sum-exp: exactly the work
+    needed, never a [query_len, seq_len] mask. Off the CPU (the torch backend on another device) it
+    falls back to one call with the offset causal mask.
+    """
+    if _cpu_flash_attention is None or query.device.type != "cpu":
+        query_len, prefix_len = query.shape[2], prefix_keys.shape[2]
+        mask = causal_offset_mask(query_len, prefix_len + query_len, query.device)
+        return F.scaled_dot_product_attention(query, torch.cat((prefix_keys, new_keys), 2),
+                                              torch.cat((prefix_values, new_values), 2), attn_mask=mask,
+                                              scale=scale, enable_gqa=True)
+    prefix_out, prefix_lse = _cpu_flash_attention(query, prefix_keys, prefix_values, scale=scale)
+    new_out, new_lse = _cpu_flash_attention(query, new_keys, new_values, is_causal=True, scale=scale)
+    lse = torch.logaddexp(prefix_lse, new_lse)
+    prefix_weight = (prefix_lse - lse).exp_().unsqueeze(-1)
+    new_weight = (new_lse - lse).exp_().unsqueeze(-1)
+    return (prefix_out * prefix_weight).add_(new_out * new_weight).to(query.dtype)
+
+
+def _heads_first(tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, heads, head_dim] -> [1, heads, tokens, head_dim] (a view when the dtype already matches)."""
+    return tokens.transpose(0, 1).unsqueeze(0).to(dtype)
+
+
+def _read_context(cache: torch.Tensor, sequence: SequenceAttention, num_tokens: int,
+                  buffer: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, num_kv_heads, head_dim]: the sequence's first num_tokens cached positions, a view of the
+    cache when its blocks are consecutive, else gathered into `buffer`."""
+    block_size = cache.shape[1]
+    num_blocks = cdiv(num_tokens, block_size)
+    if sequence.first_block is not None:
+        run = cache[sequence.first_block:sequence.first_block + num_blocks]
+    else:
+        run = _gather_blocks(cache, sequence.block_index[:num_blocks], buffer)
+    return run.reshape(-1, *cache.shape[2:])[:num_tokens]
 
 
 def dense_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -399,7 +399,8 @@ class TritonAttentionBackend(AttentionBackend):
                 paged_attention(query, key_cache, value_cache, meta, head_dim**-0.5, plan, torch.empty_like(query))
         return plans
 
-    def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float, *,
+                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
         output = torch.empty_like(query)
         if query.shape[0] == 0:
             return output

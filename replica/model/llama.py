@@ -118,7 +118,8 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         # The backend reads this step's keys from the cache, so they go in first.
         self.attn_backend.write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-        attended = self.attn_backend.forward(query, key_cache, value_cache, attn_metadata, self.scale)
+        attended = self.attn_backend.forward(query, key_cache, value_cache, attn_metadata, self.scale,
+                                             key=key, value=value)
         return self.o_proj(attended.reshape(num_tokens, self.q_size))
 
 

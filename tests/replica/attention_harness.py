@@ -43,16 +43,20 @@ class PagedBatch:
 
     `padding_rows` appends graph-style padding: sequences of one query token with seq_len 1 on the
     null block 0 and slot -1. `max_seq_len` overrides the metadata's bound (a graph passes
-    max_model_len, larger than any real length).
+    max_model_len, larger than any real length). `shuffle_blocks=False` gives each sequence
+    consecutive block ids, as a fresh pool hands them out.
     """
 
     def __init__(self, seq_specs, num_q_heads, num_kv_heads, head_dim, dtype, seed=0, block_size=BLOCK_SIZE,
-                 padding_rows=0, max_seq_len=None):
+                 padding_rows=0, max_seq_len=None, shuffle_blocks=True):
         generator = torch.Generator().manual_seed(seed)
         blocks_needed = sum(-(-(cached + new) // block_size) for cached, new in seq_specs)
         num_blocks = max(NUM_BLOCKS, blocks_needed + 1)
         shuffled_block_ids = list(range(1, num_blocks))  # block 0 is the reserved null block
-        random.Random(seed).shuffle(shuffled_block_ids)
+        if shuffle_blocks:
+            random.Random(seed).shuffle(shuffled_block_ids)
+        else:  # each sequence's blocks consecutive ids, in order (popped from the end)
+            shuffled_block_ids.reverse()
 
         def randn(*shape):
             return torch.randn(*shape, generator=generator).to(dtype)
@@ -94,6 +98,13 @@ class PagedBatch:
     @property
     def args(self):
         return self.query, self.key_cache, self.value_cache, self.meta, self.scale
+
+    @property
+    def new_kv(self) -> dict[str, torch.Tensor]:
+        """This step's K/V of every query row, as the model hands them to forward (key=, value=)."""
+        new_rows = [(keys[cached:], values[cached:])
+                    for (cached, _), keys, values in zip(self.seq_specs, self.keys, self.values)]
+        return {"key": torch.cat([keys for keys, _ in new_rows]), "value": torch.cat([values for _, values in new_rows])}
 
     @property
     def num_real_tokens(self) -> int:
