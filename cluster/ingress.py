@@ -178,7 +178,6 @@ class Ingress:
         self.llm = llm
         self.app_name = serve.get_replica_context().app_name
         self.model_id = config.served_model_id
-        self.max_model_len = config.engine.max_model_len
         self.max_num_seqs = config.engine.max_num_seqs
         self.limits = config.limits.request_limits()
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
@@ -292,12 +291,13 @@ class Ingress:
             for task in tasks:
                 task.cancel()  # each stream's own cleanup cancels its replica call
 
-    def _generation_request(self, prompt_token_ids: list[int], vocab_size: int, **fields: Any) -> GenerationRequest:
+    def _generation_request(self, prompt_token_ids: list[int], info: pb.ModelInfo, **fields: Any) -> GenerationRequest:
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, **fields)
         # Everything the replica would check, checked here: a refused request costs no replica.
-        validate_prompt(prompt_token_ids, max_model_len=self.max_model_len, vocab_size=vocab_size)
-        request.sampling.validate(prompt_len=len(prompt_token_ids), max_model_len=self.max_model_len,
-                                  vocab_size=vocab_size)
+        # The context length is the replicas' (each engine resolves it from the model and its pool).
+        validate_prompt(prompt_token_ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        request.sampling.validate(prompt_len=len(prompt_token_ids), max_model_len=info.max_model_len,
+                                  vocab_size=info.vocab_size)
         return request
 
     # ---- gRPC: headroom.v1.Generation ---------------------------------------------------
@@ -317,9 +317,9 @@ class Ingress:
             prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits)
             info = await self.model_info()
             generation = self._generation_request(
-                prompt_token_ids, info.vocab_size,
+                prompt_token_ids, info,
                 sampling=sampling_params_from_proto(
-                    request.sampling, max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids)
+                    request.sampling, max_model_len=info.max_model_len, num_prompt_tokens=len(prompt_token_ids)
                 ),
                 priority=engine_priority(request.priority),
                 request_id=request.request_id or None,
@@ -390,10 +390,12 @@ class Ingress:
                 echo_texts.append(self.tokenizer.decode(prompt) if body.echo else "")
         return token_ids, echo_texts
 
-    def _max_tokens(self, body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int) -> int:
+    @staticmethod
+    def _max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,
+                    max_model_len: int) -> int:
         requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
         # Unset (chat) or null: up to the context length, as in OpenAI's and vLLM's APIs.
-        return requested if requested is not None else self.max_model_len - num_prompt_tokens
+        return requested if requested is not None else max_model_len - num_prompt_tokens
 
     async def _complete(self, http_request: Request, body_type: type):
         chat = body_type is ChatCompletionRequest
@@ -414,15 +416,16 @@ class Ingress:
         try:
             body.check_supported(self.max_num_seqs)
             prompts, echo_texts = await self._prompts(body)
-            vocab_size = (await self.model_info()).vocab_size
+            info = await self.model_info()
             choices = []
             for prompt_index, token_ids in enumerate(prompts):
-                base = body.base_sampling_params(self._max_tokens(body, len(token_ids)), body.num_logprobs)
+                base = body.base_sampling_params(self._max_tokens(body, len(token_ids), info.max_model_len),
+                                                 body.num_logprobs)
                 for candidate in range(body.num_candidates):
                     choice = Choice(prompt_index * body.num_candidates + candidate, prompt_index, token_ids,
                                     choice_sampling_params(base, candidate))
                     choices.append((choice, self._generation_request(
-                        token_ids, vocab_size, sampling=choice.sampling, priority=body.priority,
+                        token_ids, info, sampling=choice.sampling, priority=body.priority,
                         request_id=f"{request_id}-{choice.index}",
                     )))
         except InvalidRequestError as error:

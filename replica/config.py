@@ -7,6 +7,7 @@ the TTFT-SLO policy (replica/slo.py) and are inert under the other policies.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,6 +18,8 @@ from replica.model.fused_ops import DEFAULT_FUSED_OPS, FUSED_OPS_NAMES
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
 FusedOpsName = Literal[FUSED_OPS_NAMES]  # type: ignore[valid-type]
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -30,7 +33,11 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int = Field(
         2048, ge=2, description="KV cache blocks in the pool, including the reserved null block."
     )
-    max_model_len: int = Field(2048, ge=2, description="Longest sequence (prompt + output) in tokens.")
+    max_model_len: Optional[int] = Field(
+        None, ge=2,
+        description="Longest sequence (prompt + output) in tokens; None: the model's context length (SmolLM2: 8192) "
+        "where the KV pool holds one such sequence, else as many tokens as it holds (resolve_max_model_len).",
+    )
     max_num_batched_tokens: int = Field(2048, description="Token budget of one engine step.")
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
     enable_chunked_prefill: bool = True
@@ -116,6 +123,8 @@ class EngineConfig(BaseModel):
             raise ConfigError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark: must be in [0, 1), got {self.watermark}")
+        if self.max_model_len is None:  # checked once the model's context is known (resolve_max_model_len)
+            return self
         blocks_per_max_seq = -(-self.max_model_len // self.block_size)
         if self.num_usable_blocks < blocks_per_max_seq:
             raise ConfigError(
@@ -129,6 +138,11 @@ class EngineConfig(BaseModel):
                 f"({self.max_model_len}) or long prompts could never run; got {self.max_num_batched_tokens}"
             )
         return self
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the KV pool holds, the null block aside."""
+        return self.num_usable_blocks * self.block_size
 
     @property
     def num_usable_blocks(self) -> int:
@@ -160,3 +174,26 @@ def make_engine_config(**overrides) -> EngineConfig:
         if isinstance(ctx_error, ConfigError):
             raise ctx_error from None
         raise ConfigError(f"{loc or 'config'}: {first['msg']}") from None
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig:
+    """`config` with max_model_len decided for a model whose context is model_max_len tokens.
+
+    An explicit max_model_len must fit the model. None follows the model, as vLLM's default does,
+    where the KV pool (num_kv_blocks) can hold one sequence that long and, with chunked prefill
+    off, one step's budget can run its prompt; else it is as long as they allow, and a warning
+    says which bound it met (vLLM refuses to start there instead).
+    """
+    if config.max_model_len is not None:
+        if config.max_model_len > model_max_len:
+            raise ConfigError(f"max_model_len: {config.max_model_len} exceeds the model's {model_max_len}")
+        return config
+    bounds = {"the model's context": model_max_len,
+              "the KV pool (num_kv_blocks x block_size, less the null block)": config.pool_tokens}
+    if not config.enable_chunked_prefill:
+        bounds["max_num_batched_tokens (chunked prefill is off)"] = config.max_num_batched_tokens
+    bound, max_model_len = min(bounds.items(), key=lambda item: item[1])
+    if max_model_len < model_max_len:
+        logger.warning("max_model_len: %d, not the model's %d: %s holds no more (set max_model_len, num_kv_blocks "
+                       "or max_num_batched_tokens to choose)", max_model_len, model_max_len, bound)
+    return make_engine_config(**{**config.model_dump(), "max_model_len": max_model_len})

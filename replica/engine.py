@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from replica.model.registry import resolve_model_path
-from replica.config import ConfigError, EngineConfig, make_engine_config
+from replica.config import EngineConfig, make_engine_config, resolve_max_model_len
 from replica.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
@@ -169,10 +169,7 @@ class LLMEngine:
         self.model, self.model_config = load_model(
             model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend, fused_ops=config.fused_ops
         )
-        if config.max_model_len > self.model_config.max_model_len:
-            raise ConfigError(
-                f"max_model_len: {config.max_model_len} exceeds the model's {self.model_config.max_model_len}"
-            )
+        config = resolve_max_model_len(config, self.model_config.max_model_len)
         on_cuda = self.device.type == "cuda"
         if on_cuda:  # every kernel variant a batch shape can pick compiles now, not inside a step
             cfg = self.model_config

@@ -127,6 +127,9 @@ class Scheduler:
         vocab_size: Optional[int] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        if config.max_model_len is None:
+            raise ValueError("Scheduler: config.max_model_len is unset; resolve it for the model first "
+                             "(replica.config.resolve_max_model_len)")
         self.config = config
         self.vocab_size = vocab_size
         self.clock = clock

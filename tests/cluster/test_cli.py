@@ -122,7 +122,7 @@ def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
     assert [app.name for app in config.applications] == ["smollm2-135m", "second"]
     for app in config.applications:
         assert app.args.replicas.num_replicas == 3 and app.args.engine.max_num_seqs == 8
-        assert app.args.engine.max_model_len == 2048  # from the file, untouched
+        assert app.args.engine.max_num_batched_tokens == 2048  # from the file, untouched
         assert app.args.ports.grpc == config.grpc_options.port == 9500
 
 

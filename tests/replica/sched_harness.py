@@ -8,11 +8,12 @@ from typing import Callable, Optional
 
 from hypothesis import strategies as st
 
-from replica.config import make_engine_config
+from replica.config import make_engine_config, resolve_max_model_len
 from replica.request import Request, SamplingParams
 from replica.scheduler import Scheduler, SchedulerOutput
 
 FAKE_VOCAB = 1000
+FAKE_CONTEXT = 2048  # the fake model's context: max_model_len where a test leaves it unset
 
 
 def fake_next_token(token_ids: list[int]) -> int:
@@ -32,9 +33,10 @@ def draw_prompt(draw, max_model_len: int) -> tuple[list[int], int]:
 
 
 def make_scheduler(clock: Optional[Callable[[], float]] = None, **overrides) -> Scheduler:
-    """A scheduler over the fake vocabulary; `clock` replaces the wall clock (tests of time)."""
+    """A scheduler over the fake vocabulary and context; `clock` replaces the wall clock (tests of time)."""
     clocked = {} if clock is None else {"clock": clock}
-    return Scheduler(make_engine_config(**overrides), vocab_size=FAKE_VOCAB, **clocked)
+    config = resolve_max_model_len(make_engine_config(**overrides), FAKE_CONTEXT)
+    return Scheduler(config, vocab_size=FAKE_VOCAB, **clocked)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 8, **kwargs) -> Request:

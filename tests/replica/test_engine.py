@@ -84,6 +84,13 @@ def _engine(path, *, padded_decode: bool = False, **overrides) -> LLMEngine:
     return engine
 
 
+def test_max_model_len_left_unset_follows_the_checkpoints_context(checkpoint):
+    # config.json says 256 positions; the pool (255 usable blocks of 4) holds them.
+    engine = _engine(checkpoint[0], max_model_len=None)
+    assert engine.config.max_model_len == SHAPE["max_position_embeddings"]
+    assert engine.runner.max_model_len == engine.config.max_model_len
+
+
 def test_greedy_matches_hf_generate_for_a_mixed_batch(checkpoint, hf_outputs):
     engine = _engine(checkpoint[0])
     assert engine.generate(_prompts(), GREEDY) == hf_outputs

@@ -11,7 +11,7 @@ from sched_harness import (
     run_to_completion,
 )
 
-from replica.config import ConfigError, make_engine_config
+from replica.config import ConfigError, make_engine_config, resolve_max_model_len
 from replica.preemption import cheapest_victim, fcfs_victim
 from replica.request import InvalidRequestError, RequestStatus, SamplingParams
 from replica.scheduler import QueueFullError
@@ -315,7 +315,7 @@ def test_duplicate_request_id_and_full_queue_are_refused():
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(watermark=1.0), "watermark"),
         (dict(watermark=-0.1), "watermark"),
-        (dict(enable_chunked_prefill=False, max_num_batched_tokens=512), "max_num_batched_tokens"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=2048), "max_num_batched_tokens"),
         (dict(scheduling_policy="lifo"), "scheduling_policy"),
         (dict(block_size=0), "block_size"),
         (dict(blocks=3), "blocks"),
@@ -324,6 +324,31 @@ def test_duplicate_request_id_and_full_queue_are_refused():
 def test_impossible_config_is_rejected_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=f"^{field}"):
         make_engine_config(**overrides)
+
+
+def test_unset_max_model_len_follows_the_models_context_when_the_pool_holds_it():
+    # The default pool, 2,047 blocks of 16 tokens, holds SmolLM2's 8,192.
+    assert resolve_max_model_len(make_engine_config(), 8192).max_model_len == 8192
+
+
+@pytest.mark.parametrize(
+    "overrides, bound, resolved",
+    [
+        (dict(num_kv_blocks=257), "KV pool", 256 * 16),  # 256 usable blocks
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=3000), "max_num_batched_tokens", 3000),
+    ],
+)
+def test_unset_max_model_len_is_as_long_as_the_pool_or_unchunked_budget_allows_and_says_so(overrides, bound, resolved,
+                                                                                          caplog):
+    config = resolve_max_model_len(make_engine_config(**overrides), 8192)
+    assert config.max_model_len == resolved
+    assert f"max_model_len: {resolved}, not the model's 8192" in caplog.text and bound in caplog.text
+
+
+def test_explicit_max_model_len_is_kept_and_must_fit_the_model():
+    assert resolve_max_model_len(make_engine_config(max_model_len=1024), 8192).max_model_len == 1024
+    with pytest.raises(ConfigError, match="^max_model_len: 16384 exceeds the model's 8192"):
+        resolve_max_model_len(make_engine_config(max_model_len=16384, num_kv_blocks=2048), 8192)
 
 
 def test_load_snapshot_tracks_admission_and_release():
