@@ -30,7 +30,7 @@ from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
 from replica.logits_processors import TopLogprobs, to_device
-from replica.model import LlamaForCausalLM, ModelConfig
+from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.request import MAX_TOP_LOGPROBS
 from replica.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -118,6 +118,8 @@ class ModelRunner:
         # Query offsets of a decode-only step and the sampling rows of a step where every
         # sequence samples, without building them each step.
         self._arange = np.arange(max(self.max_num_seqs, self.max_num_tokens) + 1, dtype=np.int64)
+        # Query offsets of the sampling rows as one-token sequences (the last layer's queries of a pruned pass).
+        self._single_token_starts = torch.arange(self.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.sampler = Sampler()
         on_cuda = self.device.type == "cuda"
         self._host_token_ids = [torch.zeros(self.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
@@ -157,6 +159,7 @@ class ModelRunner:
             # A padded decode pass takes those ids in the graph: per row, is its input on the device?
             StagedField("decode_pending", torch.bool, seqs),
             StagedField("logits_indices", torch.int64, seqs),  # hidden rows that sample
+            StagedField("sampling_seqs", torch.int64, seqs),  # ...and their sequences
             StagedField("sample_rows", torch.int64, seqs),
             StagedField("temperature", torch.float32, seqs),
             StagedField("top_k", torch.int32, seqs),
@@ -294,6 +297,7 @@ class ModelRunner:
         sample_rows = seq_rows[sampling_seqs]
         num_samples = len(sampling_seqs)
         views["logits_indices"][:num_samples] = query_start_loc[sampling_seqs + 1] - 1
+        views["sampling_seqs"][:num_samples] = sampling_seqs
         views["sample_rows"][:num_samples] = sample_rows
         sampling = rows.sampling_of(sample_rows)
         views["temperature"][:num_samples] = sampling.arrays.temperature
@@ -328,6 +332,7 @@ class ModelRunner:
         return _StepPlan(
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()), graph_size=graph_size, num_pending=len(pending_seqs),
+            max_sampling_seq_len=int(seq_lens[sampling_seqs].max()) if num_samples else 0,
             num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=num_seeded,
             facts=sampling.facts, wants_logprobs=sampling.wants_logprobs,
             num_top_logprobs=sampling.num_top_logprobs, pending_rows_of_samples=processed_rows,
@@ -376,8 +381,21 @@ class ModelRunner:
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
         )
+        output_rows = None
+        if step.prunes_last_layer:
+            num_samples = len(step.sampling_seqs)
+            sampling_seqs = device_views["sampling_seqs"][:num_samples]
+            logits_indices = device_views["logits_indices"][:num_samples]
+            output_rows = OutputRows(logits_indices, AttentionMetadata(
+                query_start_loc=self._single_token_starts[:num_samples + 1],
+                seq_lens=metadata.seq_lens.index_select(0, sampling_seqs),
+                block_tables=metadata.block_tables.index_select(0, sampling_seqs),
+                slot_mapping=metadata.slot_mapping.index_select(0, logits_indices),
+                max_query_len=1,
+                max_seq_len=step.max_sampling_seq_len,
+            ))
         return self.model(device_views["input_ids"][:step.num_tokens], device_views["positions"][:step.num_tokens],
-                          self.kv_caches, metadata, layer_hook)
+                          self.kv_caches, metadata, layer_hook, output_rows)
 
     def _decode_pass(self, size: int) -> None:
         """What a decode graph of `size` rows captures: the rows' block tables and their input
@@ -417,8 +435,9 @@ class ModelRunner:
             return StepInFlight([], [], graph_batch_size=step.graph_size)
         device_views = self.staged.device_views
         logits_indices = device_views["logits_indices"][:num_samples]
-        if hidden is not None:
-            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        if hidden is not None:  # a pruned pass returned the sampling rows' hidden states alone, in order
+            logits = self.model.compute_logits(hidden if step.prunes_last_layer
+                                               else hidden.index_select(0, logits_indices))
         else:  # a padded decode pass: a decode's token is its row, so the sampling rows lead
             every_row = num_samples == step.num_seqs
             logits = self.decode_logits[:num_samples] if every_row else self.decode_logits.index_select(0, logits_indices)
@@ -509,3 +528,10 @@ class _StepPlan:
     # its history lacks (still in flight), -1 where the host has every token.
     pending_rows_of_samples: Optional[np.ndarray]
     sample_request_ids: list[str]  # of the sampling rows, in order
+    max_sampling_seq_len: int  # the longest context among the sequences that sample (0: none does)
+
+    @property
+    def prunes_last_layer(self) -> bool:
+        """An eager pass with tokens that do not sample runs its last layer, past the K/V write, for
+        the sampling rows alone (a prefill's other tokens only fill the cache)."""
+        return self.graph_size is None and len(self.sampling_seqs) < self.num_tokens

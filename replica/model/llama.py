@@ -8,6 +8,7 @@ The numerics follow HF (fp32 RMSNorm and RoPE angles), so logits match its forwa
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,6 +19,20 @@ from replica.model.config import ModelConfig
 from replica.model.fused_ops import FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class OutputRows:
+    """The rows of a flattened batch whose final hidden states a pass returns (the rows that sample, in
+    sampling order), and attention metadata in which each is a one-token query over its sequence's context.
+
+    The last decoder layer's output feeds nothing but the final norm and lm_head, so past its K/V write
+    (which later tokens read) it runs for these rows only: a prefill chunk computes its last layer's
+    attention, o_proj and MLP for the one token that samples, an intermediate chunk for none.
+    """
+
+    token_index: torch.Tensor  # long [rows]: their positions in the batch's flattened tokens
+    attn_metadata: AttentionMetadata  # rows one-token sequences: query_start_loc 0..rows
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +121,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
 
     def forward(self, positions, hidden, rotary_emb: RotaryEmbedding, kv_cache: KVCache,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, output_rows: OutputRows | None = None) -> torch.Tensor:
+        """Attention output of every token, or only of output_rows' (all tokens' K/V are written either way)."""
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, key = rotary_emb(
@@ -118,9 +134,13 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         # The backend reads this step's keys from the cache, so they go in first.
         self.attn_backend.write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-        attended = self.attn_backend.forward(query, key_cache, value_cache, attn_metadata, self.scale,
-                                             key=key, value=value)
-        return self.o_proj(attended.reshape(num_tokens, self.q_size))
+        if output_rows is not None:  # one-token queries: their keys, this step's included, are in the cache
+            query = query.index_select(0, output_rows.token_index)
+            attended = self.attn_backend.forward(query, key_cache, value_cache, output_rows.attn_metadata, self.scale)
+        else:
+            attended = self.attn_backend.forward(query, key_cache, value_cache, attn_metadata, self.scale,
+                                                 key=key, value=value)
+        return self.o_proj(attended.reshape(query.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -148,13 +168,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, rotary_emb: RotaryEmbedding, kv_cache: KVCache,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, residual stream before it); the next norm adds the two.
+                attn_metadata: AttentionMetadata, output_rows: OutputRows | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, residual stream before it); the next norm adds the two. With
+        output_rows, both only for those rows.
 
         Deferring each residual add into the following norm is what lets one kernel do both.
         """
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary_emb, kv_cache, attn_metadata)
+        hidden = self.self_attn(positions, hidden, rotary_emb, kv_cache, attn_metadata, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows.token_index)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -189,18 +213,22 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
         layer_hook: Callable[[int], None] | None = None,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [num_tokens, hidden] for a flattened batch of new tokens.
+        """Final-norm hidden states [num_tokens, hidden] for a flattened batch of new tokens, or only
+        [rows, hidden] of output_rows (whose last layer then runs past its K/V write for them alone).
 
         layer_hook(i) runs before decoder layer i; raising from it abandons the pass between layers.
         """
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         rotary_emb = self.model.rotary_emb
+        last_layer = len(self.model.layers) - 1
         for layer_idx, layer in enumerate(self.model.layers):
             if layer_hook is not None:
                 layer_hook(layer_idx)
-            hidden, residual = layer(positions, hidden, residual, rotary_emb, kv_caches[layer_idx], attn_metadata)
+            hidden, residual = layer(positions, hidden, residual, rotary_emb, kv_caches[layer_idx], attn_metadata,
+                                     output_rows if layer_idx == last_layer else None)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

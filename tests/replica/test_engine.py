@@ -91,6 +91,20 @@ def test_max_model_len_left_unset_follows_the_checkpoints_context(checkpoint):
     assert engine.runner.max_model_len == engine.config.max_model_len
 
 
+def test_the_last_layer_runs_past_its_kv_write_only_for_rows_that_sample(checkpoint):
+    # A 30-token prompt prefilled in chunks of at most 16 tokens beside a 5-token one, 3 tokens each:
+    # every computed token passes the first layer, only the 6 sampled ones the last layer's MLP.
+    engine = _engine(checkpoint[0], max_num_batched_tokens=16)
+    layers = engine.model.model.layers
+    rows = {"first": 0, "last": 0}
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        layer.mlp.register_forward_hook(lambda module, inputs, output, name=name: rows.update(
+            {name: rows[name] + len(inputs[0])}))
+    prompts = [list(range(1, 31)), list(range(40, 45))]
+    engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert rows == {"first": 30 + 5 + 2 * 2, "last": 2 * 3}
+
+
 def test_greedy_matches_hf_generate_for_a_mixed_batch(checkpoint, hf_outputs):
     engine = _engine(checkpoint[0])
     assert engine.generate(_prompts(), GREEDY) == hf_outputs

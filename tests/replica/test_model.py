@@ -13,7 +13,7 @@ from model_harness import BLOCK_SIZE, NUM_BLOCKS, PagedRunner
 from safetensors.torch import load_file, save_file
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
-from replica.model import ModelConfig, ModelConfigError, ModelLoadError, load_model
+from replica.model import ModelConfig, ModelConfigError, ModelLoadError, OutputRows, load_model
 
 PROMPT_LEN = 13
 LOGITS_TOLERANCE = 1e-4
@@ -89,6 +89,48 @@ def test_one_prefill_through_the_paged_cache_matches_hf_logits_at_every_position
         logits = model.compute_logits(model(torch.tensor(prompt), positions, kv_caches, meta))
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=LOGITS_TOLERANCE, rtol=0)
+
+
+def test_output_rows_get_the_full_passs_hidden_states_with_the_last_layer_run_for_them_alone(checkpoint):
+    """One pass: a 10-token prefill that samples its last token and a 6-token chunk that samples
+    nothing. With OutputRows the pass returns the sampling row only, as the full pass computes it;
+    every token's K/V is written in every layer all the same; the last layer's MLP sees one row."""
+    model_dir, _ = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    tokens = _prompt(16, seed=3)
+    block_ids = [[5, 2, 9], [7, 11]]  # 10 and 6 tokens in blocks of 4
+    positions = torch.tensor([*range(10), *range(6)])
+    slots = [block_ids[0][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(10)]
+    slots += [block_ids[1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(6)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 10, 16], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 6], dtype=torch.int32),
+        block_tables=torch.tensor([block_ids[0], block_ids[1] + [0]], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots), max_query_len=10, max_seq_len=10,
+    )
+    sampling_row = OutputRows(torch.tensor([9]), AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([10], dtype=torch.int32),
+        block_tables=torch.tensor([block_ids[0]], dtype=torch.int32), slot_mapping=torch.tensor([slots[9]]),
+        max_query_len=1, max_seq_len=10,
+    ))
+    mlp_rows = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda module, inputs, output: mlp_rows.append(inputs[0].shape[0]))
+
+    def run(output_rows):
+        kv_caches = allocate_kv_cache(cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads,
+                                      cfg.head_dim, torch.float32, "cpu")
+        with torch.inference_mode():
+            return model(torch.tensor(tokens), positions, kv_caches, meta, output_rows=output_rows), kv_caches
+
+    full, full_caches = run(None)
+    mlp_rows.clear()
+    pruned, pruned_caches = run(sampling_row)
+    assert pruned.shape == (1, cfg.hidden_size)
+    torch.testing.assert_close(pruned[0], full[9], atol=1e-5, rtol=1e-5)
+    for (full_keys, full_values), (keys, values) in zip(full_caches, pruned_caches):
+        assert torch.equal(keys, full_keys) and torch.equal(values, full_values)
+    assert mlp_rows == [16] * (cfg.num_hidden_layers - 1) + [1]
 
 
 def test_two_prefill_chunks_then_decodes_match_hf_logits(checkpoint):
