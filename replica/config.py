@@ -113,8 +113,9 @@ class EngineConfig(BaseModel):
     )
     fused_ops: FusedOpsName = Field(
         DEFAULT_FUSED_OPS,
-        description="RMSNorm, add + RMSNorm, rotary and SiLU-mul: auto (Triton kernels on CUDA, the torch "
-        "reference elsewhere), torch, triton or compile (torch.compile of the reference).",
+        description="RMSNorm, add + RMSNorm, rotary and SiLU-mul: auto (Triton kernels on CUDA, inplace "
+        "elsewhere), torch (the reference), inplace (the reference's results bit for bit, in fewer passes), "
+        "triton or compile (torch.compile of the reference).",
     )
 
     @model_validator(mode="after")

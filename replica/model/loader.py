@@ -40,7 +40,7 @@ def load_model(
     """Build the model described by path/config.json and fill it from the directory's safetensors.
 
     dtype: "float32" | "float16" | "bfloat16" | a torch.dtype; None or "auto" keeps the config's.
-    fused_ops: "auto" (Triton on CUDA, torch elsewhere) | "torch" | "triton" | "compile".
+    fused_ops: "auto" (Triton on CUDA, inplace elsewhere) | "torch" | "inplace" | "triton" | "compile".
     """
     model_dir = Path(path)
     if not model_dir.is_dir():

@@ -16,7 +16,7 @@ from model_harness import PagedRunner  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from replica.model import FusedOps, ModelConfig, get_fused_ops, load_model  # noqa: E402
-from replica.model.fused_ops import CompiledFusedOps  # noqa: E402
+from replica.model.fused_ops import CompiledFusedOps, InPlaceFusedOps  # noqa: E402
 from replica.model.llama import rope_cos_sin_table  # noqa: E402
 from replica.model.triton_ops import TritonFusedOps  # noqa: E402
 
@@ -130,6 +130,32 @@ def test_reference_rotary_from_the_cos_sin_cache_equals_hf_bit_for_bit_in_bfloat
     assert torch.equal(ours_key, hf_key[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [*TOKEN_COUNTS, 300])  # 300 x 80: past one thread's grain
+def test_in_place_ops_equal_the_reference_bit_for_bit_on_the_models_strided_views(num_tokens, dtype):
+    in_place = InPlaceFusedOps()
+    hidden = _randn(num_tokens, HIDDEN, dtype=dtype, seed=20)
+    residual = _randn(num_tokens, HIDDEN, dtype=dtype, seed=21)
+    weight = _randn(HIDDEN, dtype=dtype, seed=22)
+    assert torch.equal(in_place.rms_norm(hidden, weight, EPS), REFERENCE.rms_norm(hidden, weight, EPS))
+    expected = REFERENCE.add_rms_norm(hidden, residual, weight, EPS)
+    for actual, wanted in zip(in_place.add_rms_norm(hidden.clone(), residual, weight, EPS), expected):
+        assert torch.equal(actual, wanted)
+
+    q_size, kv_size = NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    query, key, _ = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=23).split([q_size, kv_size, kv_size],
+                                                                                         dim=-1)
+    query, key = query.view(num_tokens, NUM_Q_HEADS, HEAD_DIM), key.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=torch.Generator().manual_seed(24))
+    cache = rope_cos_sin_table(_rope_config()).to(dtype)
+    for actual, wanted in zip(in_place.rotary(positions, query, key, cache), REFERENCE.rotary(positions, query, key,
+                                                                                              cache)):
+        assert torch.equal(actual, wanted)
+
+    gate_up = _randn(num_tokens, 2 * INTERMEDIATE, dtype=dtype, seed=25) * 3
+    assert torch.equal(in_place.silu_and_mul(gate_up.clone()), REFERENCE.silu_and_mul(gate_up))
+
+
 def test_reference_ops_never_read_tensor_values_on_the_host():
     """Meta tensors have no values: an .item(), a sync or a branch on data would raise. That is what a
     CUDA graph capture forbids, so the reference (and torch.compile of it) stays capturable."""
@@ -160,12 +186,12 @@ def test_compiled_ops_match_reference_and_one_recompile_covers_every_token_count
 
 
 def test_unknown_fused_ops_name_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match="'fast'.*auto, torch, triton, compile"):
+    with pytest.raises(ValueError, match="'fast'.*auto, torch, inplace, triton, compile"):
         get_fused_ops("fast", "cpu")
 
 
-def test_auto_picks_the_reference_on_cpu():
-    assert get_fused_ops("auto", "cpu").name == "torch"
+def test_auto_picks_the_in_place_ops_on_cpu():
+    assert get_fused_ops("auto", "cpu").name == "inplace"
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +208,20 @@ def qwen2_dir(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("qwen2")
     hf_model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_with_in_place_ops_equals_model_with_reference_ops_bit_for_bit(qwen2_dir, dtype):
+    reference, cfg = load_model(qwen2_dir, dtype=dtype, attention_backend="torch", fused_ops="torch")
+    in_place, _ = load_model(qwen2_dir, dtype=dtype, attention_backend="torch", fused_ops="inplace")
+    assert in_place.model.layers[0].mlp.ops.name == "inplace"
+    tokens = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(18)).tolist()
+    reference_runner, in_place_runner = PagedRunner(reference, cfg), PagedRunner(in_place, cfg)
+    steps = [{"a": tokens[:5]}, {"a": tokens[5:10], "b": tokens[:3]}, {"a": tokens[10:11], "b": tokens[3:4]}]
+    for step in steps:
+        expected, actual = reference_runner.step(step), in_place_runner.step(step)
+        for seq_id in step:
+            assert torch.equal(actual[seq_id], expected[seq_id])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
