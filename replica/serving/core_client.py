@@ -119,7 +119,9 @@ class EngineCoreClient:
         self._pending_aborts.append(request_id)
 
     async def call_utility(self, method: str, *args: Any) -> Any:
-        """Run one of EngineCore.UTILITIES in the core between steps; its result or its error."""
+        """Run one of EngineCore.UTILITIES in the core between steps; its result or its error.
+        Aborts queued before the call leave first, so the core answers after applying them."""
+        self._flush_aborts()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future

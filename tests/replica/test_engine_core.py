@@ -31,6 +31,20 @@ CONFIG = make_engine_config(max_model_len=256, block_size=16, num_kv_blocks=129)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
+async def state_and_load_when(front: AsyncEngine, request_id: str, reflects):
+    """The core's view of request_id once it has applied everything the front sent before
+    this call (the channel is ordered: queued aborts leave before a utility call), and the
+    first load reaching the front that reflects it. Counting load versions from the front's
+    side raced: on a busy machine the front reads steps the core finished before the abort
+    arrived several at a time, and the first load after the reply may be read before this
+    coroutine resumes."""
+    state = await front.core.call_utility("request_state", request_id)
+    deadline = time.monotonic() + 30
+    while not reflects(front.load()) and time.monotonic() < deadline:
+        await front.wait_for_load(front.load_version, timeout=deadline - time.monotonic())
+    return state, front.load()
+
+
 def test_an_abort_frees_the_requests_blocks_before_the_cores_next_step():
     async def scenario():
         front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
@@ -41,13 +55,7 @@ def test_an_abort_frees_the_requests_blocks_before_the_cores_next_step():
             await kept.__anext__()
             running_before = front.load()
             front.abort("dropped")
-            # The abort leaves on this loop turn; the step in flight may still report the old
-            # load, the core's next iteration applies the abort first.
-            version = front.load_version
-            await front.wait_for_load(version, timeout=30)
-            await front.wait_for_load(version + 1, timeout=30)
-            state = await front.core.call_utility("request_state", "dropped")
-            load_after = front.load()
+            state, load_after = await state_and_load_when(front, "dropped", lambda load: load.num_running == 1)
             rest = [output async for output in dropped]
             return running_before, load_after, state, rest
         finally:
@@ -73,11 +81,8 @@ def test_a_stop_string_matched_in_the_front_ends_the_stream_and_the_core_drops_t
                        if text.index(text[start:start + 3]) == start and "\ufffd" not in text[start:start + 3])
             stopped = [output async for output in front.generate(prompt, SamplingParams(
                 max_tokens=200, temperature=0.0, ignore_eos=True, stop=(text[cut:cut + 3],)), request_id="stopped")]
-            version = front.load_version
-            await front.wait_for_load(version, timeout=30)
-            await front.wait_for_load(version + 1, timeout=30)
-            state = await front.core.call_utility("request_state", "stopped")
-            return text, cut, stopped, state, front.load()
+            state, load = await state_and_load_when(front, "stopped", lambda load: load.num_running == 0)
+            return text, cut, stopped, state, load
         finally:
             await front.shutdown(grace_period_s=0)
 
