@@ -33,8 +33,8 @@ def workload(num_requests: int, vocab_size: int, seed: int = 0, max_prompt: int 
 
 def make_engine(model_dir: str, requests, device: str, dtype: str):
     from replica.config import make_engine_config
-    from replica.engine import LLMEngine
-    from replica.request import SamplingParams
+    from replica.core.engine import LLMEngine
+    from replica.core.request import SamplingParams
 
     max_len = max(len(p) + n for p, n in requests)
     config = make_engine_config(max_model_len=max(max_len, 1024), num_kv_blocks=4096, max_num_seqs=len(requests),
@@ -47,7 +47,7 @@ def make_engine(model_dir: str, requests, device: str, dtype: str):
 def run_workload(engine, requests, on_step=None) -> dict:
     """Queue every request at once and step the engine until all are done; on_step(engine)
     runs after each step (to read engine.last_step)."""
-    from replica.request import SamplingParams
+    from replica.core.request import SamplingParams
 
     preemptions_before = engine.scheduler.counters.preemptions
     start = time.perf_counter()
@@ -128,7 +128,7 @@ def profile_headroom(engine, requests) -> None:
     from replica.model.llama import LlamaForCausalLM
     from replica.executor import ModelRunner
     from replica.executor.model_runner import StepInFlight
-    from replica.scheduler import Scheduler
+    from replica.core.scheduler import Scheduler
 
     backend = type(engine.model.model.layers[0].self_attn.attn_backend)
     gemms = sum(timing[3] for (filename, _, name), timing in stats.items()

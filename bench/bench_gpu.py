@@ -341,8 +341,8 @@ def engine_sections(report: Report, model_dir: str, num_requests: int, decode_st
 
 def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: bool, modes, decode_steps: int):
     from replica.config import make_engine_config
-    from replica.engine import LLMEngine
-    from replica.request import SamplingParams
+    from replica.core.engine import LLMEngine
+    from replica.core.request import SamplingParams
 
     engine = LLMEngine(make_engine_config(**ENGINE_CONFIG, enforce_eager=eager), model_dir, device=DEVICE,
                        dtype="bfloat16")
@@ -399,7 +399,7 @@ def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
 
 def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
     """Time decode steps at batch 256 once every request is past its prefill."""
-    from replica.request import SamplingParams
+    from replica.core.request import SamplingParams
 
     rng = random.Random(1000 + seed)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -459,10 +459,10 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
     """The engine's greedy tokens against HF generate() on the converted SmolLM2 checkpoint, on
     this device, fp32 then bf16; the prompts are tests/replica/test_gguf_smollm2.py's 16."""
     from replica.config import make_engine_config
-    from replica.engine import LLMEngine
+    from replica.core.engine import LLMEngine
     from replica.model.cache import default_cache_dir
     from replica.model.registry import SMOLLM2_135M, resolve_model_path
-    from replica.request import SamplingParams
+    from replica.core.request import SamplingParams
     from replica.tokenizer import Tokenizer
 
     sys.path.insert(0, str(REPO / "tests" / "replica"))

@@ -25,7 +25,7 @@ from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
 from replica.metrics import ReplicaMetrics
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 from replica.server import ReplicaServer
 from replica.serving.messages import CoreSpec
 

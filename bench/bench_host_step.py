@@ -138,7 +138,7 @@ def max_output_tokens(batch: int, context: int, steps: int) -> int:
 
 def make_engine(model_dir: str, batch: int, context: int, steps: int):
     from replica.config import make_engine_config
-    from replica.engine import LLMEngine
+    from replica.core.engine import LLMEngine
 
     max_model_len = 1024
     blocks_per_request = -(-(context + max_output_tokens(batch, context, steps)) // 16)
@@ -152,7 +152,7 @@ def make_engine(model_dir: str, batch: int, context: int, steps: int):
 def measure(engine, batch: int, context: int, steps: int, detokenize: bool, profile: bool,
             null_forward: bool) -> dict:
     """Per-phase host milliseconds per step (mean and median over `steps` decode steps)."""
-    from replica.request import SamplingParams
+    from replica.core.request import SamplingParams
 
     vocab_size = engine.model_config.vocab_size
     rng = random.Random(batch)
@@ -175,7 +175,7 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
         engine.step()
         engine.take_kv_events()
     from replica.serving.channel import encode_frame
-    from replica.serving.engine_core import EngineCore
+    from replica.core.engine_core import EngineCore
 
     core = EngineCore(engine, channel=None)  # never run: only its per-step send is timed
     core._requests.update((request.request_id, request) for request in requests)
@@ -249,7 +249,7 @@ def main() -> None:
     for batch in (int(size) for size in args.batch_sizes.split(",")):
         engine = make_engine(model_dir, batch, args.context, args.steps)
         if args.gc == "serving":
-            from replica.serving.core_process import freeze_startup_heap
+            from replica.core.process import freeze_startup_heap
 
             freeze_startup_heap()
         try:

@@ -39,9 +39,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from replica.config import EngineConfig, make_engine_config
-    from replica.engine import LLMEngine
+    from replica.core.engine import LLMEngine
     from replica.model.registry import resolve_model_path
-    from replica.request import SamplingParams
+    from replica.core.request import SamplingParams
 
     lengths = [int(length) for length in args.lengths.split(",")]
     model_dir = str(resolve_model_path(args.model))

@@ -15,8 +15,8 @@ import random
 import time
 
 from replica.config import make_engine_config
-from replica.request import Request, SamplingParams
-from replica.scheduler import Scheduler
+from replica.core.request import Request, SamplingParams
+from replica.core.scheduler import Scheduler
 
 
 def _request(request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:

@@ -87,8 +87,8 @@ def workload(num_streams: int, seed: int = 0) -> list[list[int]]:
 def build_offline_engine(model: str, device: str, dtype: str | None, emulated_device: bool = False):
     """One engine for every offline run, as one replica serves every served run."""
     from replica.config import make_engine_config
-    from replica.engine import LLMEngine
-    from replica.request import SamplingParams
+    from replica.core.engine import LLMEngine
+    from replica.core.request import SamplingParams
 
     engine = LLMEngine(make_engine_config(**ENGINE), model, device=device, dtype=dtype)
     if emulated_device:
@@ -100,7 +100,7 @@ def build_offline_engine(model: str, device: str, dtype: str | None, emulated_de
 
 
 def run_offline(engine, prompts: list[list[int]], max_tokens: int, run: int) -> Result:
-    from replica.request import SamplingParams
+    from replica.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(prompts):

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_router_sim import FAKE_TOKEN_ID, CostModel  # noqa: E402  (the router benchmark's step-time model)
 
 from replica.config import EngineConfig, make_engine_config  # noqa: E402
-from replica.request import Request, SamplingParams  # noqa: E402
-from replica.scheduler import Scheduler  # noqa: E402
-from replica.slo import SLOView  # noqa: E402
-from replica.slo_monitor import SLOMonitor  # noqa: E402
+from replica.core.request import Request, SamplingParams  # noqa: E402
+from replica.core.scheduler import Scheduler  # noqa: E402
+from replica.core.slo import SLOView  # noqa: E402
+from replica.core.slo_monitor import SLOMonitor  # noqa: E402
 
 POLICIES = ("fcfs", "priority", "slo")
 NUM_LAYERS = 32  # an 8B-class model: the abort lands on one of 32 layer boundaries

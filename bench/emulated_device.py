@@ -75,7 +75,7 @@ def emulate_device(engine, ms_per_step: float, ms_per_token: float) -> None:
 
 def emulated_device_engine(config, model, **options):
     """LLMEngine's signature (CoreSpec.engine_factory); the device model from the environment."""
-    from replica.engine import LLMEngine
+    from replica.core.engine import LLMEngine
 
     engine = LLMEngine(config, model, **options)
     emulate_device(engine, *device_model())

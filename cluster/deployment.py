@@ -29,12 +29,12 @@ from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.engine import RequestOutput
+from replica.core.engine import RequestOutput
 from replica.grpc_service import TTFTTargets, model_info_proto
 from replica.metrics import ReplicaMetrics
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 from replica.server import ReplicaServer
-from replica.serving.core_process import freeze_startup_heap
+from replica.core.process import freeze_startup_heap
 from replica.serving.messages import CoreSpec
 from router.headroom_router import ROUTING_KWARG
 from router.policies import RoutingRequest

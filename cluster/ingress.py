@@ -46,9 +46,9 @@ from replica.grpc_service import (
     sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
-from replica.request import InvalidRequestError, validate_prompt
+from replica.core.request import InvalidRequestError, validate_prompt
 from replica.request_limits import encode_prompt
-from replica.scheduler import QueueFullError
+from replica.core.scheduler import QueueFullError
 from replica.tokenizer import Tokenizer
 from router import metrics as router_metrics
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from replica.request import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
+from replica.core.request import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
 
 # Names an OpenAI or vLLM client may send that this server cannot honour, each with the
 # test for a value that asks for something (None, False, "" and the defaults do not).

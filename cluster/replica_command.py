@@ -20,7 +20,7 @@ from replica.model import ModelConfigError
 from replica.model.loader import ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.server import ReplicaServer
-from replica.serving.core_process import freeze_startup_heap
+from replica.core.process import freeze_startup_heap
 from replica.serving.messages import CoreSpec
 
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from replica.config import EngineConfig
-from replica.engine import RequestOutput, StepStats, make_request
+from replica.core.engine import RequestOutput, StepStats, make_request
 from replica.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
-from replica.request import InvalidRequestError, Request, SamplingParams, validate_request
-from replica.scheduler import QueueFullError, SchedulerLoad
+from replica.core.request import InvalidRequestError, Request, SamplingParams, validate_request
+from replica.core.scheduler import QueueFullError, SchedulerLoad
 from replica.serving.core_client import EngineCoreClient, EngineDeadError
 from replica.serving.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
 from replica.serving.output_processor import OutputProcessor, RequestObserver
@@ -254,7 +254,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Validate and queue a request. Raises InvalidRequestError (naming the field),
         QueueFullError, EngineShutdownError or EngineDeadError before anything is queued.
-        ttft_slo_ms: the request's TTFT SLO (see replica.engine.make_request), a scheduling
+        ttft_slo_ms: the request's TTFT SLO (see replica.core.engine.make_request), a scheduling
         target; the hard first_token_timeout_s ends the stream with FirstTokenDeadlineExceeded."""
         if self.dead is not None:
             raise self.dead

@@ -2,7 +2,7 @@
 
 Defaults follow vLLM where it has one: block size 16, chunked prefill on, prefix caching
 on, FCFS, watermark 0, and our full-sequence admission check on. The `slo_*` knobs tune
-the TTFT-SLO policy (replica/slo.py) and are inert under the other policies.
+the TTFT-SLO policy (replica/core/slo.py) and are inert under the other policies.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replica.admission import AdmissionMode
+from replica.core.admission import AdmissionMode
 from replica.model.fused_ops import DEFAULT_FUSED_OPS, FUSED_OPS_NAMES
 
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
@@ -152,7 +152,7 @@ class EngineConfig(BaseModel):
     @property
     def resolved_victim_policy(self) -> VictimPolicy:
         # Under "slo", memory pressure still preempts the most recently admitted: the SLO
-        # preemption of running prefills is a separate mechanism (replica/slo_monitor.py).
+        # preemption of running prefills is a separate mechanism (replica/core/slo_monitor.py).
         if self.victim_policy is not None:
             return self.victim_policy
         return "fcfs" if self.scheduling_policy == "slo" else self.scheduling_policy

@@ -21,12 +21,12 @@ from replica.async_engine import (
     ServedEngine,
 )
 from replica.chat_template import ChatTemplateError
-from replica.engine import LLMEngine, RequestOutput
+from replica.core.engine import LLMEngine, RequestOutput
 from replica.kv_event_log import KVEventBatch
 from replica.load_report import LoadReportBuilder, is_significant_change
-from replica.request import InvalidRequestError, SamplingParams, check_text
+from replica.core.request import InvalidRequestError, SamplingParams, check_text
 from replica.request_limits import RequestLimits, encode_prompt
-from replica.scheduler import QueueFullError
+from replica.core.scheduler import QueueFullError
 from replica.tokenizer import Tokenizer
 
 FINISH_REASON_TO_PROTO = {

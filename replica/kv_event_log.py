@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from replica.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, stored
+from replica.core.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, stored
 
 # Batches kept for subscribers that are behind; one per engine step with cache changes, so
 # about 10 s at 100 steps/s. A subscriber further behind gets a snapshot instead.

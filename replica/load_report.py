@@ -10,9 +10,9 @@ import time
 from typing import Callable
 
 from protos.headroom_pb2 import ReplicaLoad
-from replica.engine import StepStats
+from replica.core.engine import StepStats
 from replica.preemption_rate import PreemptionRateEstimator
-from replica.scheduler import SchedulerLoad
+from replica.core.scheduler import SchedulerLoad
 
 # A WatchLoad subscriber gets a snapshot at once when free blocks move by more than this
 # fraction of the pool: a router scoring on stale headroom would herd requests onto it.

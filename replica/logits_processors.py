@@ -15,11 +15,11 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 
 
 class TokenHistory(Protocol):
-    """The tokens a penalty looks at; replica.request.Request has both fields."""
+    """The tokens a penalty looks at; replica.core.request.Request has both fields."""
 
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]

@@ -37,7 +37,7 @@ QUEUE_TIME_BUCKETS_S = (0.0,) + TTFT_BUCKETS_S
 LOAD_AGE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 REPLICA_LABELS = ("replica", "model")
-# Matches replica.request.RequestStatus.finish_reason and vLLM's finish_reason label.
+# Matches replica.core.request.RequestStatus.finish_reason and vLLM's finish_reason label.
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -262,7 +262,7 @@ REPLICA_METRIC_NAMES = tuple(name for name in METRIC_NAMES if not name.startswit
 class CounterTotals(Protocol):
     """The engine's monotonically increasing totals since it started.
 
-    replica.scheduler.SchedulerLoad has these fields (among others).
+    replica.core.scheduler.SchedulerLoad has these fields (among others).
     """
 
     preemptions_total: int
@@ -289,7 +289,7 @@ COUNTER_FOR_TOTAL = {
 
 
 class SLOTotals(Protocol):
-    """The SLO scheduler's totals and predictor; replica.scheduler.SchedulerLoad has these fields."""
+    """The SLO scheduler's totals and predictor; replica.core.scheduler.SchedulerLoad has these fields."""
 
     slo_preemptions_total: int
     slo_discarded_layers_total: int

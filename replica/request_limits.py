@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from replica.request import InvalidRequestError, check_text
+from replica.core.request import InvalidRequestError, check_text
 from replica.tokenizer import Tokenizer
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default receive limit

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from replica.engine import RequestOutput
+from replica.core.engine import RequestOutput
 from replica.metrics import ReplicaMetrics
-from replica.request import Request
+from replica.core.request import Request
 
 
 class RequestMetrics:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from replica.attention.base import AttentionMetadata
-from replica.kv_cache_manager import cdiv
+from replica.core.kv_cache_manager import cdiv
 
 DECODE_GROUP_SIZE = 16
 

@@ -18,7 +18,7 @@ from replica.attention.base import AttentionBackend, AttentionMetadata
 from replica.attention.torch_plan import (
     DecodeGroup, PerPassCache, SequenceAttention, TorchAttentionPlan, causal_offset_mask,
 )
-from replica.kv_cache_manager import cdiv
+from replica.core.kv_cache_manager import cdiv
 
 
 class TorchAttentionBackend(AttentionBackend):

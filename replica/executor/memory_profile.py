@@ -19,7 +19,7 @@ from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import ConfigError, EngineConfig
 from replica.executor.sampler import Sampler, SamplingBatch
 from replica.model import LlamaForCausalLM, ModelConfig
-from replica.request import MAX_TOP_LOGPROBS, SamplingParams
+from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 

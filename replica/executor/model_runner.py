@@ -31,8 +31,8 @@ from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
 from replica.logits_processors import TopLogprobs, to_device
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
-from replica.request import MAX_TOP_LOGPROBS
-from replica.scheduler import ScheduledRequest, SchedulerOutput
+from replica.core.request import MAX_TOP_LOGPROBS
+from replica.core.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from replica.executor.block_table import BlockTables
 from replica.executor.sampler import SamplingArrays, batch_facts
-from replica.request import Request
+from replica.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from replica.executor.counter_rng import exponential_noise
 from replica.logits_processors import TokenHistory, apply_logits_processors
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 
 
 @dataclass

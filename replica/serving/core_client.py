@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Optional
 
-from replica.request import Request
+from replica.core.request import Request
 from replica.serving.channel import AsyncFrameSocket, ChannelClosed
 from replica.serving.messages import (
     AbortRequests, AddRequest, CoreFailed, CoreReady, CoreSpec, Shutdown, StepFailed, StepOutputs, UtilityCall,
@@ -62,7 +62,7 @@ class EngineCoreClient:
         front_end, core_end = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "replica.serving.core_process", "--fd", str(core_end.fileno())],
+                [sys.executable, "-m", "replica.core.process", "--fd", str(core_end.fileno())],
                 pass_fds=(core_end.fileno(),), env=_child_environment(),
             )
         finally:

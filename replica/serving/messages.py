@@ -12,8 +12,8 @@ from typing import Any, NamedTuple, Optional
 
 from replica.config import EngineConfig
 from replica.model import ModelConfig
-from replica.request import Request, SamplingParams
-from replica.scheduler import SchedulerLoad
+from replica.core.request import Request, SamplingParams
+from replica.core.scheduler import SchedulerLoad
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerLoad))
@@ -32,7 +32,7 @@ class CoreSpec(NamedTuple):
     torch_threads: Optional[int] = None
     # "module:callable" taking LLMEngine's arguments; another engine class (or a test's
     # instrumented one) plugs in here.
-    engine_factory: str = "replica.engine:LLMEngine"
+    engine_factory: str = "replica.core.engine:LLMEngine"
 
 
 class CoreReady(NamedTuple):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
-from replica.engine import RequestOutput
+from replica.core.engine import RequestOutput
 from replica.logits_processors import TopLogprobs
-from replica.request import Request
+from replica.core.request import Request
 from replica.stop_strings import StopStringMatcher
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 

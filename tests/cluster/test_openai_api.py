@@ -19,7 +19,7 @@ from cluster.openai_api import (
 from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
 from cluster.serve_logging import ClientErrorLogFilter, DisconnectWhenReceiveIsCancelled
 from replica.logits_processors import TopLogprobs
-from replica.request import InvalidRequestError
+from replica.core.request import InvalidRequestError
 
 
 def parsed(model, **fields):

@@ -21,7 +21,7 @@ from cluster.deployment import GenerationRequest, build_llm_replica, generate_st
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
 from protos.block_hash import block_hashes  # noqa: E402
-from replica.request import SamplingParams  # noqa: E402
+from replica.core.request import SamplingParams  # noqa: E402
 from router.headroom_router import HeadroomRouter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -28,7 +28,7 @@ from cluster.openai_api import Choice  # noqa: E402
 from cluster.openai_responses import CompletionBodies, TokenText  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
-from replica.request import SamplingParams  # noqa: E402
+from replica.core.request import SamplingParams  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
     local_cluster,
     APP_NAME, GRPC_TIMEOUT_S, StreamResult, generate_request, grpc_target, http_base, small_config,
@@ -152,7 +152,7 @@ def engine_core_pid(status: status_command.ReplicaStatus) -> int:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline, open(f"/proc/{pid}/status") as proc_status:
-                if b"replica.serving.core_process" in cmdline.read() and f"PPid:\t{front_pid}\n" in proc_status.read():
+                if b"replica.core.process" in cmdline.read() and f"PPid:\t{front_pid}\n" in proc_status.read():
                     return int(pid)
         except OSError:
             continue

@@ -19,7 +19,7 @@ from ray import serve  # noqa: E402
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME, GenerationRequest, build_llm_replica, generate_stream  # noqa: E402
-from replica.request import SamplingParams  # noqa: E402
+from replica.core.request import SamplingParams  # noqa: E402
 from router.headroom_router import HeadroomRouter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

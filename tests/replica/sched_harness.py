@@ -9,8 +9,8 @@ from typing import Callable, Optional
 from hypothesis import strategies as st
 
 from replica.config import make_engine_config, resolve_max_model_len
-from replica.request import Request, SamplingParams
-from replica.scheduler import Scheduler, SchedulerOutput
+from replica.core.request import Request, SamplingParams
+from replica.core.scheduler import Scheduler, SchedulerOutput
 
 FAKE_VOCAB = 1000
 FAKE_CONTEXT = 2048  # the fake model's context: max_model_len where a test leaves it unset

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from sched_harness import FAKE_VOCAB, make_request, make_scheduler, run_step, run_to_completion
 
-from replica.admission import peak_growth_tokens
-from replica.output_length import OutputLengthEstimator
+from replica.core.admission import peak_growth_tokens
+from replica.core.output_length import OutputLengthEstimator
 
 # 12 usable blocks of 4 tokens. Each request: 8-token prompt (2 blocks), 28 output tokens
 # (7 more blocks): two fit today, but not both to the end.

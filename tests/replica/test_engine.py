@@ -18,8 +18,8 @@ import transformers
 
 from replica.builtin_model import build_byte_level_tokenizer
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
-from replica.request import SamplingParams
+from replica.core.engine import LLMEngine
+from replica.core.request import SamplingParams
 
 VOCAB = 320  # the byte-level test tokenizer's size
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -22,9 +22,9 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.async_engine import AsyncEngine, EngineDeadError
 from replica.config import ConfigError, make_engine_config
-from replica.kv_events import KVEventKind
-from replica.engine import LLMEngine
-from replica.request import SamplingParams
+from replica.core.kv_events import KVEventKind
+from replica.core.engine import LLMEngine
+from replica.core.request import SamplingParams
 from replica_harness import RunningReplica, sampling
 
 CONFIG = make_engine_config(max_model_len=256, block_size=16, num_kv_blocks=129)

@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
-from replica.request import SamplingParams
+from replica.core.engine import LLMEngine
+from replica.core.request import SamplingParams
 from replica.tokenizer import Tokenizer
 
 MAX_NEW_TOKENS = 32

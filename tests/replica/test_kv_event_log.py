@@ -14,7 +14,7 @@ from protos import headroom_pb2_grpc as pb_grpc
 from protos.block_hash import block_hashes
 from replica.grpc_service import kv_event_batch_protos
 from replica.kv_event_log import KVEventLog
-from replica.kv_events import KVEventKind, removed, stored
+from replica.core.kv_events import KVEventKind, removed, stored
 from replica_harness import REPLICA_ID, RunningReplica, collect_stream, sampling
 
 H = [bytes([i]) * 16 for i in range(8)]

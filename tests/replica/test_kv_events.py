@@ -6,8 +6,8 @@ bounded."""
 from __future__ import annotations
 
 from protos.block_hash import block_hashes
-from replica.block_pool import MAX_PENDING_EVENTS_PER_BLOCK
-from replica.kv_events import KVEventKind
+from replica.core.block_pool import MAX_PENDING_EVENTS_PER_BLOCK
+from replica.core.kv_events import KVEventKind
 from sched_harness import make_request, make_scheduler, run_step, run_to_completion
 
 BLOCK = 16

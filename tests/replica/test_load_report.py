@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from replica.engine import StepStats
+from replica.core.engine import StepStats
 from replica.load_report import LoadReportBuilder, is_significant_change
-from replica.scheduler import SchedulerLoad
+from replica.core.scheduler import SchedulerLoad
 
 IDLE = SchedulerLoad(
     kv_blocks_total=100, kv_blocks_free=100, block_size=16, kv_usage=0.0, headroom_tokens=1600, kv_committed_tokens=0,

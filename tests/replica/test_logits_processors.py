@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replica.logits_processors import apply_logits_processors, token_counts
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 from replica.executor.sampler import Sampler, SamplingBatch
 
 VOCAB_SIZE = 32

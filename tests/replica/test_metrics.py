@@ -164,7 +164,7 @@ def test_sync_counters_rejects_a_total_that_went_backwards_and_moves_no_counter(
 
 
 def test_sync_counters_accepts_the_schedulers_load_snapshot(metrics: ReplicaMetrics):
-    from replica.scheduler import SchedulerLoad
+    from replica.core.scheduler import SchedulerLoad
 
     fields = {name: 0 for name in SchedulerLoad.__dataclass_fields__}
     load = SchedulerLoad(**{**fields, "preemptions_total": 9, "prefix_cache_hits": 32, "kv_usage": 0.5})

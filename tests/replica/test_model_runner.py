@@ -24,8 +24,8 @@ from replica.executor.model_runner import ModelRunner
 from replica.executor.request_rows import RequestRows
 from replica.executor.staging import FIELD_ALIGNMENT, StagedField, StagedInputs
 from replica.model import load_model
-from replica.request import Request, SamplingParams
-from replica.scheduler import Scheduler
+from replica.core.request import Request, SamplingParams
+from replica.core.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_refer
     from replica.attention import launch_plan
 
     from replica.builtin_model import build_byte_level_tokenizer
-    from replica.engine import LLMEngine
+    from replica.core.engine import LLMEngine
 
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

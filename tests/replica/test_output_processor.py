@@ -10,10 +10,10 @@ from typing import Optional
 
 import pytest
 
-from replica.engine import RequestOutput
+from replica.core.engine import RequestOutput
 from replica.logits_processors import TopLogprobs
 from replica.model.registry import resolve_model_path
-from replica.request import Request, SamplingParams
+from replica.core.request import Request, SamplingParams
 from replica.serving.output_processor import OutputProcessor
 from replica.tokenizer import Tokenizer
 

@@ -11,8 +11,8 @@ import pytest
 
 from replica.async_engine import RequestStream, merge_outputs
 from replica.config import make_engine_config
-from replica.engine import RequestOutput, make_request
-from replica.request import SamplingParams
+from replica.core.engine import RequestOutput, make_request
+from replica.core.request import SamplingParams
 
 
 def output(tokens, text, finish_reason=None, logprobs=None) -> RequestOutput:

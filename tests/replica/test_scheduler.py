@@ -12,9 +12,9 @@ from sched_harness import (
 )
 
 from replica.config import ConfigError, make_engine_config, resolve_max_model_len
-from replica.preemption import cheapest_victim, fcfs_victim
-from replica.request import InvalidRequestError, RequestStatus, SamplingParams
-from replica.scheduler import QueueFullError
+from replica.core.victim_policy import cheapest_victim, fcfs_victim
+from replica.core.request import InvalidRequestError, RequestStatus, SamplingParams
+from replica.core.scheduler import QueueFullError
 
 
 def two_long_decodes():
@@ -288,7 +288,7 @@ def test_bad_request_is_rejected_at_the_edge_without_disturbing_running_work(pro
     running = make_request("running", [1, 2, 3], 5)
     scheduler.add_request(running)
     run_step(scheduler)
-    from replica.request import Request
+    from replica.core.request import Request
 
     with pytest.raises(InvalidRequestError) as error:
         scheduler.add_request(Request("bad", prompt, params))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from sched_harness import (draw_prompt, make_request, make_scheduler, reference_outputs, run_overlapped_step,
                            run_step)
 
-from replica.request import RequestStatus
+from replica.core.request import RequestStatus
 
 MAX_MODEL_LEN = 48
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.metrics import REPLICA_METRIC_NAMES
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 from replica.request_limits import RequestLimits
 from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling
 
@@ -62,7 +62,7 @@ def test_streamed_text_deltas_concatenate_to_the_decoded_output(replica):
             return await collect_stream(generation_stub(channel), request)
 
     responses = asyncio.run(run())
-    tokenizer = replica.engine.tokenizer
+    tokenizer = replica.core.engine.tokenizer
     output_ids = [token_id for response in responses for token_id in response.token_ids]
     assert len(output_ids) == 24
     assert "".join(response.text for response in responses) == tokenizer.decode(output_ids)
@@ -485,7 +485,7 @@ def test_latency_histograms_fill_when_a_caller_streams_from_the_engine_directly(
     before = replica.scrape()
 
     async def consume():
-        prompt = replica.engine.tokenizer.encode("direct")
+        prompt = replica.core.engine.tokenizer.encode("direct")
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         return [output async for output in replica.async_engine.generate(prompt, params)]
 
@@ -522,7 +522,7 @@ def test_tokenize_and_model_info_match_the_engine(replica):
         stub = generation_stub(channel)
         tokens = stub.Tokenize(pb.TokenizeRequest(text="héllo", add_special_tokens=True)).token_ids
         info = stub.GetModelInfo(pb.ModelInfoRequest())
-    assert list(tokens) == replica.engine.tokenizer.encode("héllo", add_special_tokens=True)
+    assert list(tokens) == replica.core.engine.tokenizer.encode("héllo", add_special_tokens=True)
     assert (info.model_id, info.max_model_len, info.vocab_size, info.block_size, info.eos_token_id) == (
         MODEL_ID, MAX_MODEL_LEN, 320, BLOCK_SIZE, 257)
 

@@ -14,9 +14,9 @@ from sched_harness import draw_prompt, fake_next_token, make_request, make_sched
 
 from replica.config import ConfigError, make_engine_config
 from replica.metrics import ReplicaMetrics
-from replica.request import InvalidRequestError, RequestStatus
-from replica.scheduler import Scheduler, SchedulerOutput
-from replica.slo import (
+from replica.core.request import InvalidRequestError, RequestStatus
+from replica.core.scheduler import Scheduler, SchedulerOutput
+from replica.core.slo import (
     AbortOrder,
     PredictorCoefficients,
     SLOView,
@@ -28,7 +28,7 @@ from replica.slo import (
     ttft_deadline,
     urgency,
 )
-from replica.slo_monitor import SLOMonitor
+from replica.core.slo_monitor import SLOMonitor
 
 NO_PREDICTION = PredictorCoefficients(per_token_s=0.0, base_s=0.0)
 

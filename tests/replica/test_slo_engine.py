@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from replica.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.engine import LLMEngine
-from replica.request import RequestStatus, SamplingParams
-from replica.slo import AbortOrder
+from replica.core.engine import LLMEngine
+from replica.core.request import RequestStatus, SamplingParams
+from replica.core.slo import AbortOrder
 
 _rng = random.Random(7)
 LONG_PROMPT = [_rng.randrange(256) for _ in range(256)]  # four 64-token chunks

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from protos.block_hash import block_hashes
-from replica.request import SamplingParams
+from replica.core.request import SamplingParams
 from router.headroom_router import HeadroomRouter
 from router.load_subscriber import Backoff
 from router.policies import RoutingRequest

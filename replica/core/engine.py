@@ -16,17 +16,17 @@ import torch
 
 from replica.model.registry import resolve_model_path
 from replica.config import EngineConfig, make_engine_config, resolve_max_model_len
-from replica.kv_events import KVEvent
+from replica.core.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
 from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
 from replica.executor.model_runner import StepInFlight
 from replica.logits_processors import TopLogprobs
-from replica.request import Request, SamplingParams, StopReason
-from replica.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
-from replica.slo import ttft_deadline as _ttft_deadline
-from replica.slo_monitor import SLOMonitor
+from replica.core.request import Request, SamplingParams, StopReason
+from replica.core.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
+from replica.core.slo import ttft_deadline as _ttft_deadline
+from replica.core.slo_monitor import SLOMonitor
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

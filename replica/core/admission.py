@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Literal, Optional
 
-from replica.output_length import OutputLengthEstimator
-from replica.request import Request
+from replica.core.output_length import OutputLengthEstimator
+from replica.core.request import Request
 
 if TYPE_CHECKING:
-    from replica.kv_cache_manager import KVCacheManager
+    from replica.core.kv_cache_manager import KVCacheManager
 
 AdmissionMode = Literal["optimistic", "reserve_max_tokens", "reserve_expected"]
 

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from replica.admission import GrowthLedger
+from replica.core.admission import GrowthLedger
 from replica.config import EngineConfig
-from replica.kv_cache_manager import KVCacheManager, cdiv
-from replica.preemption import VICTIM_POLICIES
-from replica.request import InvalidRequestError, Request, RequestStatus, validate_request
-from replica.request_queue import make_waiting_queue
-from replica.slo import SLOView, StepSnapshot, TTFTPredictor, ttft_deadline, urgency
+from replica.core.kv_cache_manager import KVCacheManager, cdiv
+from replica.core.victim_policy import VICTIM_POLICIES
+from replica.core.request import InvalidRequestError, Request, RequestStatus, validate_request
+from replica.core.request_queue import make_waiting_queue
+from replica.core.slo import SLOView, StepSnapshot, TTFTPredictor, ttft_deadline, urgency
 
 # Waiters an SLO snapshot carries, most urgent first: the gate needs only the most urgent
 # rescuable one, and a few more cover those that turn doomed while the pass runs.

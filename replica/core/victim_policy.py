@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from replica.kv_cache_manager import KVCacheManager
-from replica.request import Request
+from replica.core.kv_cache_manager import KVCacheManager
+from replica.core.request import Request
 
 VictimSelector = Callable[[list[Request], KVCacheManager], int]
 

@@ -1,4 +1,4 @@
-"""The engine-core process: `python -m replica.serving.core_process --fd N`, started by the
+"""The engine-core process: `python -m replica.core.process --fd N`, started by the
 front (EngineCoreClient) with one end of a socketpair. It reads a CoreSpec, builds the
 engine, answers CoreReady (or CoreFailed with the error) and runs EngineCore until the front
 says Shutdown or goes away.
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     channel.send(CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids), str(engine.device),
                            load_to_wire(engine.load())))
-    from replica.serving.engine_core import EngineCore  # after the engine: its imports are the slow part anyway
+    from replica.core.engine_core import EngineCore  # after the engine: its imports are the slow part anyway
 
     freeze_startup_heap()
 

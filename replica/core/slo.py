@@ -1,6 +1,6 @@
 """TTFT-SLO scheduling: the online TTFT predictor, slack and urgency, and the gate that
 decides whether an urgent waiter may abort the forward pass of a running prefill. The
-thread that applies the gate lives in replica/slo_monitor.py."""
+thread that applies the gate lives in replica/core/slo_monitor.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from replica.config import EngineConfig
-from replica.request import InvalidRequestError, Request
+from replica.core.request import InvalidRequestError, Request
 
 
 def ttft_deadline(arrival_time: float, ttft_slo_ms: Optional[float]) -> Optional[float]:

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Optional
 
 from replica.config import EngineConfig
-from replica.slo import AbortOrder, SLOView, StepSnapshot, TTFTPredictor, choose_victim
+from replica.core.slo import AbortOrder, SLOView, StepSnapshot, TTFTPredictor, choose_victim
 
 
 class SLOMonitor:

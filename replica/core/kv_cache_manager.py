@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from protos.block_hash import extend_block_hashes
-from replica.block_pool import BlockPool, KVBlock
-from replica.kv_events import KVEvent
-from replica.request import Request
+from replica.core.block_pool import BlockPool, KVBlock
+from replica.core.kv_events import KVEvent
+from replica.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

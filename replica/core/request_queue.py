@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from typing import Callable, Iterator, Optional
 
-from replica.request import Request
+from replica.core.request import Request
 
 
 class FCFSQueue:
@@ -74,7 +74,7 @@ class PriorityQueue:
 
 
 class SLOQueue:
-    """Most urgent first (replica.slo.urgency), ties by arrival. Urgency moves with the clock,
+    """Most urgent first (replica.core.slo.urgency), ties by arrival. Urgency moves with the clock,
     so the order is recomputed by `reorder()`, once per step: O(n log n) over the waiting
     requests, which is cheap next to a forward pass."""
 

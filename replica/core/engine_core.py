@@ -13,14 +13,14 @@ import queue
 import threading
 from typing import Any, Optional
 
-from replica.engine import LLMEngine, RequestOutput
-from replica.request import Request
+from replica.core.engine import LLMEngine, RequestOutput
+from replica.core.request import Request
 from replica.serving.channel import ChannelClosed, FrameSocket
 from replica.serving.messages import (
     AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult, from_wire,
     load_to_wire, to_wire,
 )
-from replica.slo import SLOView
+from replica.core.slo import SLOView
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from replica.kv_events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEvent, stored
+from replica.core.kv_events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEvent, stored
 
 NULL_BLOCK_ID = 0
 # Events wait in the pool until the engine takes them (once per step). If nobody takes them
