@@ -4,7 +4,7 @@ asyncio process and a child process, over each candidate transport, in one run.
 
     python bench/bench_channel.py [--round-trips 2000]
 
-Candidates: a Unix socketpair with length-prefixed msgpack frames (what replica/serving uses),
+Candidates: a Unix socketpair with length-prefixed msgpack frames (what replica/ipc uses),
 the same frames pickled, multiprocessing's Connection (pickle), and ZeroMQ PAIR over ipc://
 with msgpack (needs `pip install pyzmq`; skipped without it). The child decodes each message
 and encodes it again, as the core does; the front awaits it on its event loop, as the front

@@ -245,7 +245,7 @@ def parity_tests() -> list[tuple]:
 def build_checkpoint(model_dir: Path) -> list[tuple]:
     import transformers
 
-    from replica.builtin_model import build_byte_level_tokenizer
+    from replica.model.builtin import build_byte_level_tokenizer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**MODEL_SHAPE, tie_word_embeddings=False)
@@ -463,7 +463,7 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
     from replica.model.cache import default_cache_dir
     from replica.model.registry import SMOLLM2_135M, resolve_model_path
     from replica.core.request import SamplingParams
-    from replica.tokenizer import Tokenizer
+    from replica.text.tokenizer import Tokenizer
 
     sys.path.insert(0, str(REPO / "tests" / "replica"))
     from test_gguf_smollm2 import QUESTIONS, SYSTEM, chat_prompt

@@ -22,12 +22,12 @@ import grpc
 from cluster.stats import percentile
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.async_engine import AsyncEngine
+from replica.front.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.metrics import ReplicaMetrics
+from replica.server.metrics import ReplicaMetrics
 from replica.core.request import SamplingParams
-from replica.server import ReplicaServer
-from replica.serving.messages import CoreSpec
+from replica.server.replica_server import ReplicaServer
+from replica.ipc.messages import CoreSpec
 
 TTFT_TARGET_ADDED_MS = 2.0
 PROMPT_TOKENS = 16

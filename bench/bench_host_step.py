@@ -174,7 +174,7 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
     for _ in range(WARM_STEPS):
         engine.step()
         engine.take_kv_events()
-    from replica.serving.channel import encode_frame
+    from replica.ipc.channel import encode_frame
     from replica.core.engine_core import EngineCore
 
     core = EngineCore(engine, channel=None)  # never run: only its per-step send is timed

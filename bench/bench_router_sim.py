@@ -41,8 +41,8 @@ from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
 from replica.config import EngineConfig, make_engine_config
 from replica.core.engine import StepStats
-from replica.grpc_service import DEFAULT_WATCH_INTERVAL_MS
-from replica.load_report import LoadReportBuilder
+from replica.server.grpc_service import DEFAULT_WATCH_INTERVAL_MS
+from replica.server.load_report import LoadReportBuilder
 from replica.core.request import Request, SamplingParams
 from replica.core.scheduler import Scheduler, SchedulerOutput
 from router.cache_index import ReplicaCache

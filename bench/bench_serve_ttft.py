@@ -91,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from replica.model.registry import resolve_model_path
-    from replica.tokenizer import Tokenizer
+    from replica.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(resolve_model_path(args.model))
     cold_prompt, fresh_prompt = (prompt_text(tokenizer, args.prompt_tokens, seed) for seed in (0, 1))

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from replica.attention import ATTENTION_BACKEND_NAMES
 from replica.config import ConfigError, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
-from replica.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
+from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
 
 # The Serve application every headroom app is built by; `args` is a ClusterConfig.

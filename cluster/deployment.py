@@ -27,15 +27,15 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
 from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
-from replica.async_engine import AsyncEngine
+from replica.front.async_engine import AsyncEngine
 from replica.config import make_engine_config
 from replica.core.engine import RequestOutput
-from replica.grpc_service import TTFTTargets, model_info_proto
-from replica.metrics import ReplicaMetrics
+from replica.server.grpc_service import TTFTTargets, model_info_proto
+from replica.server.metrics import ReplicaMetrics
 from replica.core.request import SamplingParams
-from replica.server import ReplicaServer
+from replica.server.replica_server import ReplicaServer
 from replica.core.process import freeze_startup_heap
-from replica.serving.messages import CoreSpec
+from replica.ipc.messages import CoreSpec
 from router.headroom_router import ROUTING_KWARG
 from router.policies import RoutingRequest
 from router.serve_router import LOAD_ENDPOINT_STAT, REPLICA_ID_STAT

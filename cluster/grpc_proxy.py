@@ -32,9 +32,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.grpc_reflection import V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME, add_v1_reflection
+from replica.server.grpc_reflection import V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME, add_v1_reflection
 from replica.core.request import InvalidRequestError
-from replica.request_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
+from replica.server.request_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 
 GENERATION_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # The services a reflection client sees on the cluster port, the proxy's own included.

@@ -40,16 +40,16 @@ from cluster.openai_responses import (
 from cluster.prometheus_targets import PrometheusTargets
 from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
-from replica.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
-from replica.grpc_service import (
+from replica.front.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
+from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
     sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
 from replica.core.request import InvalidRequestError, validate_prompt
-from replica.request_limits import encode_prompt
+from replica.server.request_limits import encode_prompt
 from replica.core.scheduler import QueueFullError
-from replica.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer
 from router import metrics as router_metrics
 
 logger = logging.getLogger(__name__)

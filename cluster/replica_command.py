@@ -13,15 +13,15 @@ import signal
 import socket
 
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
-from replica.async_engine import AsyncEngine
+from replica.front.async_engine import AsyncEngine
 from replica.config import ConfigError, EngineConfig
-from replica.metrics import ReplicaMetrics
+from replica.server.metrics import ReplicaMetrics
 from replica.model import ModelConfigError
 from replica.model.loader import ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
-from replica.server import ReplicaServer
+from replica.server.replica_server import ReplicaServer
 from replica.core.process import freeze_startup_heap
-from replica.serving.messages import CoreSpec
+from replica.ipc.messages import CoreSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

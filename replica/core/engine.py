@@ -22,12 +22,12 @@ from replica.executor import ModelRunner
 from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
 from replica.executor.model_runner import StepInFlight
-from replica.logits_processors import TopLogprobs
+from replica.executor.logits_processors import TopLogprobs
 from replica.core.request import Request, SamplingParams, StopReason
 from replica.core.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
 from replica.core.slo import ttft_deadline as _ttft_deadline
 from replica.core.slo_monitor import SLOMonitor
-from replica.tokenizer import IncrementalDetokenizer, Tokenizer
+from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class LLMEngine:
     def add_request(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError.
         The engine stops a request on EOS, stop_token_ids or max_tokens; stop strings are
-        matched on detokenized text by the front (replica/serving/output_processor.py)."""
+        matched on detokenized text by the front (replica/front/output_processor.py)."""
         self.scheduler.add_request(request)
         if detokenize:
             self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -237,7 +237,7 @@ class LLMEngine:
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix-cache events (blocks stored / removed) since the previous call, oldest
         first: plain tuples, so a front in another process can receive them as a message.
-        Call once after each step; the replica numbers and streams them (replica/kv_event_log.py)."""
+        Call once after each step; the replica numbers and streams them (replica/front/kv_event_log.py)."""
         return self.scheduler.kv_cache.take_kv_events()
 
     def shutdown(self) -> None:

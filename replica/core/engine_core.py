@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from replica.core.engine import LLMEngine, RequestOutput
 from replica.core.request import Request
-from replica.serving.channel import ChannelClosed, FrameSocket
-from replica.serving.messages import (
+from replica.ipc.channel import ChannelClosed, FrameSocket
+from replica.ipc.messages import (
     AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult, from_wire,
     load_to_wire, to_wire,
 )
@@ -126,7 +126,7 @@ class EngineCore:
 
     def _kv_events(self) -> list[Any]:
         # Drained with every output message, so the front's KV-event log sees each cache
-        # change once and in order (replica/kv_event_log.py numbers and streams them).
+        # change once and in order (replica/front/kv_event_log.py numbers and streams them).
         return self.engine.take_kv_events()
 
     # ---- utility calls -----------------------------------------------------------------

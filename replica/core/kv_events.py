@@ -22,7 +22,7 @@ KVEvent = tuple[int, bytes, Optional[bytes]]
 
 
 # The kinds as plain ints: events ride in the engine core's output message, where plain
-# values pickle faster than enum members (replica/serving/messages.py); they compare equal.
+# values pickle faster than enum members (replica/ipc/messages.py); they compare equal.
 BLOCK_STORED, BLOCK_REMOVED = int(KVEventKind.BLOCK_STORED), int(KVEventKind.BLOCK_REMOVED)
 
 

@@ -16,8 +16,8 @@ import signal
 import socket
 from typing import Callable
 
-from replica.serving.channel import ChannelClosed, FrameSocket
-from replica.serving.messages import CoreFailed, CoreReady, CoreSpec, load_to_wire
+from replica.ipc.channel import ChannelClosed, FrameSocket
+from replica.ipc.messages import CoreFailed, CoreReady, CoreSpec, load_to_wire
 
 
 # The collector's young-generation threshold in the engine core and the replica's front. A

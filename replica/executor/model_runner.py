@@ -29,7 +29,7 @@ from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_bat
 from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
-from replica.logits_processors import TopLogprobs, to_device
+from replica.executor.logits_processors import TopLogprobs, to_device
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.core.request import MAX_TOP_LOGPROBS
 from replica.core.scheduler import ScheduledRequest, SchedulerOutput

@@ -7,7 +7,7 @@ already knows, so a step never waits for the device. Seeded rows draw their nois
 counter-based hash of (seed, step, token) (counter_rng.py), so a seeded request's tokens do
 not depend on its batch neighbours or on being preempted and recomputed.
 
-logit_bias and the penalties (replica/logits_processors.py) run only when a row of the batch
+logit_bias and the penalties (replica/executor/logits_processors.py) run only when a row of the batch
 asks (`SamplingBatch.processors`), on the logits before temperature; top logprobs come out as
 device tensors of the rows' alternatives, copied back with the sampled ids, so a step with no
 extras costs what it did before and a step with some never waits for the device either.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from replica.executor.counter_rng import exponential_noise
-from replica.logits_processors import TokenHistory, apply_logits_processors
+from replica.executor.logits_processors import TokenHistory, apply_logits_processors
 from replica.core.request import SamplingParams
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from replica.builtin_model import bytes_to_unicode
+from replica.model.builtin import bytes_to_unicode
 from replica.model.loader import ModelLoadError
 
 # llama.cpp's token types (llama_token_type): what each vocabulary entry is.

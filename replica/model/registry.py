@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from replica.builtin_model import BUILTIN_MODEL_NAME, ensure_builtin_model
+from replica.model.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
 from replica.model.cache import default_cache_dir
 from replica.model.package_fetch import PackagedModel, fetch_packaged_model
 

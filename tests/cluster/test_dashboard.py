@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.model.cache import default_cache_dir
-from replica.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES
+from replica.server.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES
 from router.metrics import RouterMetrics
 from tests.replica.replica_harness import RunningReplica
 
@@ -117,7 +117,7 @@ def test_alert_rules_cover_sustained_preemptions_full_kv_cache_and_replicas_down
 def test_every_queried_metric_is_in_metric_names():
     queried = queried_metric_names()
     assert queried, "no headroom_ metric found in the dashboard or alert rules"
-    assert queried <= set(METRIC_NAMES), f"not in replica.metrics.METRIC_NAMES: {sorted(queried - set(METRIC_NAMES))}"
+    assert queried <= set(METRIC_NAMES), f"not in replica.server.metrics.METRIC_NAMES: {sorted(queried - set(METRIC_NAMES))}"
 
 
 def test_every_queried_replica_metric_is_on_a_live_replicas_metrics_endpoint():

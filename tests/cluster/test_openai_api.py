@@ -18,7 +18,7 @@ from cluster.openai_api import (
 )
 from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
 from cluster.serve_logging import ClientErrorLogFilter, DisconnectWhenReceiveIsCancelled
-from replica.logits_processors import TopLogprobs
+from replica.executor.logits_processors import TopLogprobs
 from replica.core.request import InvalidRequestError
 
 

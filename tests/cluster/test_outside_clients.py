@@ -30,7 +30,7 @@ from cluster.deployment import METRICS_ENDPOINT_STAT, routing_stats, running_rep
 from cluster.prometheus_targets import replicas_file, router_file  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
-from replica.metrics import REPLICA_METRIC_NAMES  # noqa: E402
+from replica.server.metrics import REPLICA_METRIC_NAMES  # noqa: E402
 from tests.cluster.prometheus_harness import (  # noqa: E402
     prometheus_binary, prometheus_unavailable, running_prometheus, scrape_config_for, with_grafana_variables,
 )

@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 
-from replica.builtin_model import bytes_to_unicode
+from replica.model.builtin import bytes_to_unicode
 
 SHAPE = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=1, context=512)
 # K-quant blocks hold 256 values, so every row (the hidden size, the intermediate size) is a multiple of 256.

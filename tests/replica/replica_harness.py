@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.async_engine import AsyncEngine
+from replica.front.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.metrics import ReplicaMetrics
-from replica.request_limits import RequestLimits
-from replica.server import ReplicaServer
-from replica.serving.messages import CoreSpec
+from replica.server.metrics import ReplicaMetrics
+from replica.server.request_limits import RequestLimits
+from replica.server.replica_server import ReplicaServer
+from replica.ipc.messages import CoreSpec
 
 REPLICA_ID = "test-replica"
 MODEL_ID = "builtin"

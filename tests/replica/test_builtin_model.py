@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from replica.builtin_model import (
+from replica.model.builtin import (
     BOS_TOKEN_ID,
     BUILTIN_MODEL_DIRNAME,
     EOS_TOKEN_ID,
@@ -15,7 +15,7 @@ from replica.builtin_model import (
     ensure_builtin_model,
 )
 from replica.model.cache import CACHE_DIR_ENV_VAR
-from replica.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from replica.builtin_model import ensure_builtin_model
-from replica.chat_template import ChatTemplateError, find_chat_template, render_chat_template
-from replica.tokenizer import Tokenizer
+from replica.model.builtin import ensure_builtin_model
+from replica.text.chat_template import ChatTemplateError, find_chat_template, render_chat_template
+from replica.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from replica.builtin_model import build_byte_level_tokenizer
+from replica.model.builtin import build_byte_level_tokenizer
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams

@@ -23,7 +23,7 @@ from gguf_files import (
 from replica.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, convert_gguf, unpermute_rotary_rows
 from replica.model.gguf_tokenizer import GGUFTokenizerError
 from replica.model.loader import checkpoint_layout, load_model
-from replica.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import transformers
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
-from replica.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer
 
 MAX_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)

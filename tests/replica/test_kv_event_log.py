@@ -12,8 +12,8 @@ import pytest
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from protos.block_hash import block_hashes
-from replica.grpc_service import kv_event_batch_protos
-from replica.kv_event_log import KVEventLog
+from replica.server.grpc_service import kv_event_batch_protos
+from replica.front.kv_event_log import KVEventLog
 from replica.core.kv_events import KVEventKind, removed, stored
 from replica_harness import REPLICA_ID, RunningReplica, collect_stream, sampling
 

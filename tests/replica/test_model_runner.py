@@ -260,7 +260,7 @@ def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_refer
 
     from replica.attention import launch_plan
 
-    from replica.builtin_model import build_byte_level_tokenizer
+    from replica.model.builtin import build_byte_level_tokenizer
     from replica.core.engine import LLMEngine
 
     torch.manual_seed(0)

@@ -11,11 +11,11 @@ from typing import Optional
 import pytest
 
 from replica.core.engine import RequestOutput
-from replica.logits_processors import TopLogprobs
+from replica.executor.logits_processors import TopLogprobs
 from replica.model.registry import resolve_model_path
 from replica.core.request import Request, SamplingParams
-from replica.serving.output_processor import OutputProcessor
-from replica.tokenizer import Tokenizer
+from replica.front.output_processor import OutputProcessor
+from replica.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

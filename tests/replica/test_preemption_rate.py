@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replica.preemption_rate import PreemptionRateEstimator
+from replica.server.preemption_rate import PreemptionRateEstimator
 
 HALF_LIFE_S = 5.0
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from replica.async_engine import RequestStream, merge_outputs
+from replica.front.async_engine import RequestStream, merge_outputs
 from replica.config import make_engine_config
 from replica.core.engine import RequestOutput, make_request
 from replica.core.request import SamplingParams

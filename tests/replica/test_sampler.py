@@ -11,7 +11,7 @@ import torch
 
 from replica.executor.counter_rng import exponential_noise
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplerOutput, SamplingArrays, SamplingBatch
-from replica.logits_processors import apply_logits_processors
+from replica.executor.logits_processors import apply_logits_processors
 from replica.core.request import SamplingParams
 
 VOCAB_SIZE = 64

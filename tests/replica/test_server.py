@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.metrics import REPLICA_METRIC_NAMES
+from replica.server.metrics import REPLICA_METRIC_NAMES
 from replica.core.request import SamplingParams
-from replica.request_limits import RequestLimits
+from replica.server.request_limits import RequestLimits
 from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling
 
 MAX_MODEL_LEN = 256
@@ -239,7 +239,7 @@ def test_queue_filling_after_validation_is_still_resource_exhausted(fresh_replic
     # still refuse when it takes the request in (a burst within one step, or a stale load).
     # The client must see the same status either way.
     replica = fresh_replica(max_num_seqs=1, max_waiting_requests=2)
-    front = replica.async_engine
+    front = replica.front.async_engine
     long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
 
     async def run():
@@ -288,7 +288,7 @@ def test_missed_ttft_deadline_is_deadline_exceeded_and_frees_the_request(fresh_r
         async with grpc.aio.insecure_channel(replica.address) as channel:
             stub = generation_stub(channel)
             running = asyncio.ensure_future(collect_stream(stub, long_request))
-            while replica.async_engine.load().num_running == 0:
+            while replica.front.async_engine.load().num_running == 0:
                 await asyncio.sleep(0.002)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await collect_stream(stub, hurried)
@@ -312,7 +312,7 @@ def test_ttft_slo_sets_the_requests_deadline_for_the_scheduler(fresh_replica):
             call = generation_stub(channel).Generate(request)
             await call.read()  # the first token: the request is live in the engine now
             live = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                replica.async_engine.core.call_utility("request_state", "slo"), replica.loop))
+                replica.front.async_engine.core.call_utility("request_state", "slo"), replica.loop))
             call.cancel()
             return live["ttft_deadline"] - live["arrival_time"]
 
@@ -450,7 +450,7 @@ def test_get_load_agrees_with_the_engine_when_idle(replica):
     replica.wait_until_idle()
     with grpc.insecure_channel(replica.address) as channel:
         load = pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest())
-    engine_load = replica.on_loop(replica.async_engine.load)
+    engine_load = replica.on_loop(replica.front.async_engine.load)
     assert (load.kv_blocks_free, load.preemptions_total, load.max_num_seqs) == (
         engine_load.kv_blocks_free, engine_load.preemptions_total, engine_load.max_num_seqs)
     assert abs(load.timestamp - time.time()) < 5
@@ -487,7 +487,7 @@ def test_latency_histograms_fill_when_a_caller_streams_from_the_engine_directly(
     async def consume():
         prompt = replica.core.engine.tokenizer.encode("direct")
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        return [output async for output in replica.async_engine.generate(prompt, params)]
+        return [output async for output in replica.front.async_engine.generate(prompt, params)]
 
     outputs = replica.call(consume())
     assert outputs[-1].finish_reason == "length"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sched_harness import draw_prompt, fake_next_token, make_request, make_scheduler, reference_outputs
 
 from replica.config import ConfigError, make_engine_config
-from replica.metrics import ReplicaMetrics
+from replica.server.metrics import ReplicaMetrics
 from replica.core.request import InvalidRequestError, RequestStatus
 from replica.core.scheduler import Scheduler, SchedulerOutput
 from replica.core.slo import (

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica.async_engine import AsyncEngine
+from replica.front.async_engine import AsyncEngine
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import RequestStatus, SamplingParams

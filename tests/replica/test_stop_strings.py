@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from replica.stop_strings import StopMatch, StopStringMatcher
+from replica.text.stop_strings import StopMatch, StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, deltas: list[str]) -> tuple[str, str | None]:

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.builtin_model import BOS_TOKEN_ID, EOS_TOKEN_ID, build_byte_level_tokenizer, ensure_builtin_model
-from replica.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLoadError
+from replica.model.builtin import BOS_TOKEN_ID, EOS_TOKEN_ID, build_byte_level_tokenizer, ensure_builtin_model
+from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLoadError
 
 MULTI_BYTE_TEXTS = ["plain ascii", "héllo wörld", "你好，世界", "emoji 👋🏽 and 👨‍👩‍👧", "mixed: 日本語 ∑ x² 🚀!"]
 

@@ -15,11 +15,11 @@ import time
 from typing import Callable, Optional
 
 from protos.not_serving import ENGINE_CORE_DIED
-from replica.async_engine import AsyncEngine
-from replica.serving.messages import CoreSpec
+from replica.front.async_engine import AsyncEngine
+from replica.ipc.messages import CoreSpec
 from replica.config import make_engine_config
-from replica.metrics import ReplicaMetrics
-from replica.server import ReplicaServer
+from replica.server.metrics import ReplicaMetrics
+from replica.server.replica_server import ReplicaServer
 from router.headroom_router import ROUTING_KWARG, UNSIZED_REQUEST, HeadroomRouter, routing_request_of
 from router.load_subscriber import Backoff, LoadSubscriber
 from router.policies import RoutingRequest

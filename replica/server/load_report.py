@@ -11,7 +11,7 @@ from typing import Callable
 
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.engine import StepStats
-from replica.preemption_rate import PreemptionRateEstimator
+from replica.server.preemption_rate import PreemptionRateEstimator
 from replica.core.scheduler import SchedulerLoad
 
 # A WatchLoad subscriber gets a snapshot at once when free blocks move by more than this

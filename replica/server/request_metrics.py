@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from replica.core.engine import RequestOutput
-from replica.metrics import ReplicaMetrics
+from replica.server.metrics import ReplicaMetrics
 from replica.core.request import Request
 
 

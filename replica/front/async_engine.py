@@ -1,5 +1,5 @@
 """AsyncEngine: the replica's front, on asyncio. The engine itself runs in an engine-core
-process of its own (replica/serving/); this side validates requests, owns one stream of
+process of its own (replica/core/, over replica/ipc/); this side validates requests, owns one stream of
 RequestOutput deltas per request (detokenized here), mirrors the core's load after every
 step, and turns a lost client into an abort message the core applies before its next step.
 Every output and every error that ends a stream passes one place (the OutputProcessor), where
@@ -23,15 +23,15 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 
 from replica.config import EngineConfig
 from replica.core.engine import RequestOutput, StepStats, make_request
-from replica.kv_event_log import KVEventLog
+from replica.front.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
 from replica.core.request import InvalidRequestError, Request, SamplingParams, validate_request
 from replica.core.scheduler import QueueFullError, SchedulerLoad
-from replica.serving.core_client import EngineCoreClient, EngineDeadError
-from replica.serving.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
-from replica.serving.output_processor import OutputProcessor, RequestObserver
-from replica.tokenizer import Tokenizer
+from replica.front.core_client import EngineCoreClient, EngineDeadError
+from replica.ipc.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
+from replica.front.output_processor import OutputProcessor, RequestObserver
+from replica.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

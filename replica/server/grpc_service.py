@@ -16,18 +16,18 @@ import grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from protos.not_serving import ENGINE_CORE_DIED, SHUTTING_DOWN, not_serving_metadata
-from replica.async_engine import (
+from replica.front.async_engine import (
     AsyncEngine, EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
     ServedEngine,
 )
-from replica.chat_template import ChatTemplateError
+from replica.text.chat_template import ChatTemplateError
 from replica.core.engine import LLMEngine, RequestOutput
-from replica.kv_event_log import KVEventBatch
-from replica.load_report import LoadReportBuilder, is_significant_change
+from replica.front.kv_event_log import KVEventBatch
+from replica.server.load_report import LoadReportBuilder, is_significant_change
 from replica.core.request import InvalidRequestError, SamplingParams, check_text
-from replica.request_limits import RequestLimits, encode_prompt
+from replica.server.request_limits import RequestLimits, encode_prompt
 from replica.core.scheduler import QueueFullError
-from replica.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer
 
 FINISH_REASON_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -16,13 +16,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.async_engine import AsyncEngine
-from replica.grpc_reflection import enable_reflection
-from replica.grpc_service import GenerationServicer, LoadReporterServicer
-from replica.load_report import LoadReportBuilder
-from replica.metrics import ReplicaMetrics
-from replica.request_limits import RequestLimits
-from replica.request_metrics import RequestMetrics
+from replica.front.async_engine import AsyncEngine
+from replica.server.grpc_reflection import enable_reflection
+from replica.server.grpc_service import GenerationServicer, LoadReporterServicer
+from replica.server.load_report import LoadReportBuilder
+from replica.server.metrics import ReplicaMetrics
+from replica.server.request_limits import RequestLimits
+from replica.server.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 

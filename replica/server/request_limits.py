@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass
 
 from replica.core.request import InvalidRequestError, check_text
-from replica.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default receive limit
 # Far beyond what any context holds (~4 characters per token), small enough to tokenize in

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from replica.chat_template import find_chat_template, render_chat_template
+from replica.text.chat_template import find_chat_template, render_chat_template
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
 # The special tokens a chat template may name, as transformers passes them.

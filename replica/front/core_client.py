@@ -17,8 +17,8 @@ import sys
 from typing import Any, Callable, Optional
 
 from replica.core.request import Request
-from replica.serving.channel import AsyncFrameSocket, ChannelClosed
-from replica.serving.messages import (
+from replica.ipc.channel import AsyncFrameSocket, ChannelClosed
+from replica.ipc.messages import (
     AbortRequests, AddRequest, CoreFailed, CoreReady, CoreSpec, Shutdown, StepFailed, StepOutputs, UtilityCall,
     UtilityResult, from_wire, to_wire,
 )

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 from replica.core.engine import RequestOutput
-from replica.logits_processors import TopLogprobs
+from replica.executor.logits_processors import TopLogprobs
 from replica.core.request import Request
-from replica.stop_strings import StopStringMatcher
-from replica.tokenizer import IncrementalDetokenizer, Tokenizer
+from replica.text.stop_strings import StopStringMatcher
+from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class Stream:
@@ -27,7 +27,7 @@ class Stream:
 
 class RequestObserver(Protocol):
     """Sees every output (and every error that ends a stream instead of a last output) as it
-    reaches its request's stream: replica.request_metrics.RequestMetrics."""
+    reaches its request's stream: replica.server.request_metrics.RequestMetrics."""
 
     def on_output(self, request: Request, output: RequestOutput) -> None: ...
 
