@@ -1,7 +1,7 @@
 """The router's Prometheus metrics: decisions per policy and replica, the age of the load
 snapshot each decision scored, and the prefix cache as the router sees it (predicted hits,
 spills of a hot prefix to other replicas, index size, resyncs); one /metrics per process
-serves every router in it. Names and help come from replica.metrics.METRIC_NAMES.
+serves every router in it. Names and help come from replica.server.metrics.METRIC_NAMES.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from replica.metrics import METRIC_NAMES, create_metric
+from replica.server.metrics import METRIC_NAMES, create_metric
 
 
 class _ProcessRouters:
