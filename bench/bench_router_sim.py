@@ -283,7 +283,7 @@ class CommittedMemoryOracle(RoutingPolicy):
     name = "oracle"
 
     def __init__(self, replicas: list[SimReplica]):
-        self.schedulers = {replica.replica_id: replica.core.scheduler for replica in replicas}
+        self.schedulers = {replica.replica_id: replica.scheduler for replica in replicas}
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
         def committed_tokens(view: ReplicaView) -> int:
@@ -352,13 +352,13 @@ class ClusterSim:
             replica = replicas[index]
             replica.now = now
             for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
-                output = replica.core.scheduler.schedule()
+                output = replica.scheduler.schedule()
                 if not output.is_empty:
                     step_s = self.cost.step_time_s(output)
                     replica.busy = True
                     push(now + step_s, self.STEP_DONE, index, output, step_s)
                     return
-                if not replica.core.scheduler.has_unfinished_requests():
+                if not replica.scheduler.has_unfinished_requests():
                     break
             else:
                 raise RuntimeError(f"{replica.replica_id} has requests but schedules nothing")
@@ -380,7 +380,7 @@ class ClusterSim:
             views = [
                 ReplicaView(replica.replica_id, latest_load[i],
                             now - latest_load[i].timestamp if latest_load[i] is not None else math.inf,
-                            len(replica.core.scheduler.requests), inflight.counts(replica.replica_id),
+                            len(replica.scheduler.requests), inflight.counts(replica.replica_id),
                             cached[i], block_size)
                 for i, replica in enumerate(replicas)
             ]
@@ -395,7 +395,7 @@ class ClusterSim:
             request.block_hashes.extend(hashes)  # the same chain the replica would compute
             replica = replicas[target]
             replica.now = now
-            replica.core.scheduler.add_request(request)
+            replica.scheduler.add_request(request)
             live[request.request_id] = request
             index_of[request.request_id] = request_index
             arrival_order.append(now)
@@ -417,7 +417,7 @@ class ClusterSim:
                     else:
                         gap_arrivals.append(request.arrival_time)
                         gaps.append(now - request.last_token_time)
-            for update in replica.core.scheduler.update(output, sampled):
+            for update in replica.scheduler.update(output, sampled):
                 if update.finished is not None:
                     request = update.request
                     policy.on_finished(request.request_id)
@@ -425,7 +425,7 @@ class ClusterSim:
                     follower = workload.followers.get(index_of[request.request_id])
                     if follower is not None:
                         push(now + specs[follower].think_s, self.ARRIVAL, follower)
-            kv_events = replica.core.scheduler.kv_cache.take_kv_events()
+            kv_events = replica.scheduler.kv_cache.take_kv_events()
             if kv_events:
                 caches[index].pending.append((now + self.feed.delay_s, kv_events))
             replica.step_stats.observe(step_s, len(sampled))
