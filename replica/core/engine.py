@@ -108,15 +108,6 @@ class _LaunchedStep:
     in_flight: StepInFlight
 
 
-class _StepAborted(Exception):
-    """Raised from the layer hook to abandon a forward pass the SLO monitor ordered aborted."""
-
-    def __init__(self, victim_request_id: str, num_layers_done: int):
-        super().__init__(victim_request_id, num_layers_done)
-        self.victim_request_id = victim_request_id
-        self.num_layers_done = num_layers_done
-
-
 def make_request(
     request_id: str,
     prompt_token_ids: Sequence[int],
@@ -199,9 +190,10 @@ class LLMEngine:
         self.slo_monitor: Optional[SLOMonitor] = None
         if config.scheduling_policy == "slo":
             self.slo_monitor = SLOMonitor(config, self.scheduler.ttft_predictor, clock)
+            # Stubbornness: a pass that has run more layers than this refuses to abort.
+            max_abort_layer = int(config.slo_abort_max_layer_fraction * self.model_config.num_hidden_layers)
+            self.runner.step_abort = SLOAbort(self.slo_monitor, self.scheduler, max_abort_layer)
             self.slo_monitor.start()
-        # Stubbornness: a pass that has run more layers than this refuses to abort.
-        self.max_abort_layer = int(config.slo_abort_max_layer_fraction * self.model_config.num_hidden_layers)
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.runner.dtype)
         logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens (%.2f GiB) cuda_graphs=%s "
                     "async_scheduling=%s", self.model_name, self.device, config.num_kv_blocks, config.block_size,
@@ -246,15 +238,14 @@ class LLMEngine:
             self.slo_monitor.stop()
 
     # ---- the step --------------------------------------------------------------------
-    def step(self, layer_hook: Optional[Callable[[int], None]] = None) -> list[RequestOutput]:
-        """One engine step. layer_hook(i), if given, runs before decoder layer i (tests use
-        it to slow a layer down); steps with a hook run eagerly. An SLO-aborted step yields
-        no outputs. With async scheduling the step launches the next forward pass before
-        it waits for the previous one, and returns the previous one's outputs."""
+    def step(self) -> list[RequestOutput]:
+        """One engine step. A step aborted at a layer boundary (SLO policy) yields no
+        outputs. With async scheduling the step launches the next forward pass before it
+        waits for the previous one, and returns the previous one's outputs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        launched = self._launch(scheduler_output, layer_hook)
+        launched = self._launch(scheduler_output)
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
         else:
@@ -278,28 +269,17 @@ class LLMEngine:
             self.stats.observe(elapsed, len(outputs))
         return outputs
 
-    def _launch(self, scheduler_output: SchedulerOutput,
-                layer_hook: Optional[Callable[[int], None]]) -> Optional[_LaunchedStep]:
-        """Queue the step on the device; None when it has nothing to run or the SLO monitor
-        aborted its forward pass."""
+    def _launch(self, scheduler_output: SchedulerOutput) -> Optional[_LaunchedStep]:
+        """Queue the step on the device; None when it has nothing to run or its forward pass
+        was aborted at a layer boundary (the runner's step_abort said so)."""
         if scheduler_output.is_empty:
             self.runner.launch(scheduler_output)  # drops the state of finished and preempted requests
             return None
-        monitor = self.slo_monitor
-        if monitor is None:
-            return _LaunchedStep(scheduler_output, self.runner.launch(scheduler_output, layer_hook))
-        snapshot = self.scheduler.slo_snapshot(scheduler_output)
-        monitor.publish_step(snapshot)
         try:
-            # A step without prefills is never an abort target: no hook, so a decode step may
-            # replay a CUDA graph.
-            hook = self._abortable(scheduler_output, layer_hook) if snapshot.prefills else layer_hook
-            in_flight = self.runner.launch(scheduler_output, hook)
-        except _StepAborted as aborted:
+            in_flight = self.runner.launch(scheduler_output)
+        except StepAborted as aborted:
             self.scheduler.abort_step(scheduler_output, aborted.victim_request_id, aborted.num_layers_done)
             return None
-        finally:
-            monitor.publish_step(None)
         return _LaunchedStep(scheduler_output, in_flight)
 
     def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
@@ -338,23 +318,6 @@ class LLMEngine:
                 logprobs, top_logprobs, request.stop_reason if finished is not None else None,
             ))
         return outputs
-
-    def _abortable(self, scheduler_output: SchedulerOutput,
-                   layer_hook: Optional[Callable[[int], None]]) -> Callable[[int], None]:
-        """The layer hook of an SLO step: abandon the pass at this layer boundary when the
-        monitor's order names this very step, unless the pass is past its stubbornness limit."""
-        monitor = self.slo_monitor
-        step_id = scheduler_output.step_id
-        max_abort_layer = self.max_abort_layer
-
-        def hook(layer_index: int) -> None:
-            order = monitor.abort_order  # one read of an immutable order; no lock
-            if order is not None and order.step_id == step_id and layer_index <= max_abort_layer:
-                raise _StepAborted(order.victim_request_id, layer_index)
-            if layer_hook is not None:
-                layer_hook(layer_index)
-
-        return hook
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (offline batch use and tests); returns output token ids."""

@@ -1,18 +1,23 @@
 """The SLO monitor: a thread that re-evaluates the preemption gate every few milliseconds
-while a forward pass runs, and posts an AbortOrder naming the step it wants aborted.
+while a forward pass runs, and posts an AbortOrder naming the step it wants aborted; and
+SLOAbort, the StepAbort (replica/executor/step_abort.py) through which the model runner
+asks, at each layer boundary, whether that order names the step in flight.
 
-It shares no lock with the step loop: the engine publishes immutable snapshots by
-assigning one attribute, and the layer hook reads `abort_order` the same way.
+It shares no lock with the step loop: SLOAbort publishes immutable snapshots by assigning
+one attribute, and reads `abort_order` the same way.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from replica.config import EngineConfig
 from replica.core.slo import AbortOrder, SLOView, StepSnapshot, TTFTPredictor, choose_victim
+
+if TYPE_CHECKING:
+    from replica.core.scheduler import Scheduler, SchedulerOutput
 
 
 class SLOMonitor:
@@ -22,7 +27,10 @@ class SLOMonitor:
         self.margin = config.slo_preemption_margin
         self.aggressive = config.slo_aggressive
         self.interval_s = config.slo_monitor_interval_ms / 1000.0
-        self.abort_order: Optional[AbortOrder] = None
+        self._abort_order: Optional[AbortOrder] = None
+        # Where other processes read the ordered step id (tensor-parallel worker ranks vote
+        # on it): anything with a `value` attribute, e.g. a shared multiprocessing RawValue.
+        self.order_board = None
         # Written by the step thread only: the forward pass in flight, None between passes.
         self._step: Optional[StepSnapshot] = None
         # Written by the thread that accepts requests only: requests accepted but not yet
@@ -31,6 +39,16 @@ class SLOMonitor:
         self._arrivals: tuple[SLOView, ...] = ()
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
+
+    @property
+    def abort_order(self) -> Optional[AbortOrder]:
+        return self._abort_order
+
+    @abort_order.setter
+    def abort_order(self, order: Optional[AbortOrder]) -> None:
+        self._abort_order = order
+        if self.order_board is not None:
+            self.order_board.value = -1 if order is None else order.step_id
 
     @property
     def step_in_flight(self) -> Optional[StepSnapshot]:
@@ -72,3 +90,28 @@ class SLOMonitor:
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
             self.check()
+
+
+class SLOAbort:
+    """The SLO policy's answer to "abort now?": yes when the monitor's order names the step in
+    flight and the pass has not run past its stubbornness limit (max_abort_layer layers).
+    Only steps with prefills can be targets; the monitor sees each such step while it runs."""
+
+    def __init__(self, monitor: SLOMonitor, scheduler: "Scheduler", max_abort_layer: int):
+        self.monitor = monitor
+        self.scheduler = scheduler
+        self.max_abort_layer = max_abort_layer
+
+    def begin(self, scheduler_output: "SchedulerOutput") -> bool:
+        snapshot = self.scheduler.slo_snapshot(scheduler_output)
+        self.monitor.publish_step(snapshot)
+        return bool(snapshot.prefills)
+
+    def abort_now(self, step_id: int, layer_index: int) -> Optional[str]:
+        order = self.monitor.abort_order  # one read of an immutable order; no lock
+        if order is not None and order.step_id == step_id and layer_index <= self.max_abort_layer:
+            return order.victim_request_id
+        return None
+
+    def end(self) -> None:
+        self.monitor.publish_step(None)

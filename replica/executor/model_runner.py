@@ -29,6 +29,7 @@ from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_bat
 from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
+from replica.executor.step_abort import StepAbort, StepAborted
 from replica.executor.logits_processors import TopLogprobs, to_device
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.core.request import MAX_TOP_LOGPROBS
@@ -95,6 +96,8 @@ class ModelRunner:
         enforce_eager, the device and whether the attention backend is graph-safe)."""
         self.model = model
         self.device = torch.device(device)
+        # Asked at each layer boundary whether to abandon the step (the SLO policy sets it).
+        self.step_abort: Optional[StepAbort] = None
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
@@ -190,16 +193,15 @@ class ModelRunner:
                            out=self.batch_block_tables[:max(self.decode_sizes)])
 
     # ---- one step ----------------------------------------------------------------------
-    def execute(self, scheduler_output: SchedulerOutput,
-                layer_hook: Optional[Callable[[int], None]] = None) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its tokens."""
-        return self.launch(scheduler_output, layer_hook).result()
+        return self.launch(scheduler_output).result()
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput,
-               layer_hook: Optional[Callable[[int], None]] = None) -> StepInFlight:
+    def launch(self, scheduler_output: SchedulerOutput) -> StepInFlight:
         """Queue one step's forward pass and sampling; returns without waiting for them.
-        layer_hook(i) runs before decoder layer i; a step with a hook always runs eagerly."""
+        A step that step_abort lets be aborted runs eagerly, asking it before each decoder
+        layer; StepAborted leaves this method when it says yes."""
         rows = self.rows
         for request_id in scheduler_output.finished_req_ids:
             rows.remove(request_id)
@@ -209,11 +211,28 @@ class ModelRunner:
         if not scheduled:
             return StepInFlight([], [])
         start = time.perf_counter()
-        step = self._prepare(scheduled, graphable=layer_hook is None)
-        hidden = self._forward(step, layer_hook)
+        step_abort = self.step_abort
+        abortable = step_abort is not None and step_abort.begin(scheduler_output)
+        try:
+            step = self._prepare(scheduled, graphable=not abortable)
+            hidden = self._forward(step, self._layer_check(scheduler_output.step_id) if abortable else None)
+        finally:
+            if step_abort is not None:
+                step_abort.end()
         in_flight = self._sample(step, hidden, scheduled)
         in_flight.launch_s = time.perf_counter() - start
         return in_flight
+
+    def _layer_check(self, step_id: int) -> Callable[[int], None]:
+        """The model's layer hook for an abortable step: StepAborted when step_abort says so."""
+        abort_now = self.step_abort.abort_now
+
+        def check(layer_index: int) -> None:
+            victim_request_id = abort_now(step_id, layer_index)
+            if victim_request_id is not None:
+                raise StepAborted(victim_request_id, layer_index)
+
+        return check
 
     def _prepare(self, scheduled: list[ScheduledRequest], graphable: bool) -> "_StepPlan":
         """Fill the host staging buffer for this step and send it (one copy)."""

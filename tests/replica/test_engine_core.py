@@ -121,9 +121,9 @@ class OverlapProbeEngine(LLMEngine):
     """Engine factory for the engine-core process: appends a line to $HEADROOM_TEST_OVERLAP_LOG
     for every forward pass it launches while the previous one is still in flight."""
 
-    def _launch(self, scheduler_output, layer_hook):
+    def _launch(self, scheduler_output):
         overlapped = self._in_flight is not None
-        launched = super()._launch(scheduler_output, layer_hook)
+        launched = super()._launch(scheduler_output)
         if overlapped and launched is not None:
             with open(os.environ[OVERLAP_LOG_ENV], "a") as log:
                 log.write("overlapped\n")

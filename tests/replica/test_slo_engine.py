@@ -6,7 +6,6 @@ HEADROOM_TEST_DEVICE=cuda runs the engines on a GPU."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import pathlib
 import random
@@ -49,6 +48,36 @@ def slo_engine():
     engine.shutdown()
 
 
+class HookedAbort:
+    """The engine's step abort with a test's hook run at each layer boundary of an abortable
+    step, after the real check said go on (where the engine asks, so the hook may post orders)."""
+
+    def __init__(self, inner, hook):
+        self.inner, self.hook = inner, hook
+
+    def begin(self, scheduler_output) -> bool:
+        return self.inner.begin(scheduler_output)
+
+    def abort_now(self, step_id: int, layer_index: int):
+        victim = self.inner.abort_now(step_id, layer_index)
+        if victim is None:
+            self.hook(layer_index)
+        return victim
+
+    def end(self) -> None:
+        self.inner.end()
+
+
+def hooked(engine: LLMEngine, hook) -> LLMEngine:
+    """`engine` with `hook` at its layer boundaries from now on (None: the plain engine)."""
+    runner = engine.runner
+    if isinstance(runner.step_abort, HookedAbort):
+        runner.step_abort = runner.step_abort.inner
+    if hook is not None:
+        runner.step_abort = HookedAbort(runner.step_abort, hook)
+    return engine
+
+
 def hold_pass_for_the_monitor(engine: LLMEngine):
     """Layer hook that keeps layer 0 of a pass waiting, while the urgent request waits and
     no order exists yet, until the real monitor thread posts one: it makes the race with
@@ -68,16 +97,17 @@ def hold_pass_for_the_monitor(engine: LLMEngine):
 def run_long_then_urgent(engine: LLMEngine, layer_hook=None):
     """The long prompt runs its first chunk; then the urgent request arrives. Returns both
     requests and the step at which each produced its first token."""
+    hooked(engine, layer_hook)
     long = engine.make_request("long", LONG_PROMPT, GREEDY, ttft_slo_ms=LONG_SLO_MS)
     engine.add_request(long, detokenize=False)
-    engine.step(layer_hook)
+    engine.step()
     urgent = engine.make_request("urgent", URGENT_PROMPT, GREEDY, ttft_slo_ms=URGENT_SLO_MS)
     engine.add_request(urgent, detokenize=False)
     first_token_step = {}
     step = 0
     while engine.has_unfinished_requests():
         step += 1
-        for output in engine.step(layer_hook):
+        for output in engine.step():
             first_token_step.setdefault(output.request_id, step)
         engine.scheduler.check_invariants()
     kv_cache = engine.scheduler.kv_cache
@@ -142,7 +172,7 @@ def test_a_stale_step_id_never_aborts_a_later_step(slo_engine):
     long = slo_engine.make_request("long", LONG_PROMPT, GREEDY, ttft_slo_ms=LONG_SLO_MS)
     slo_engine.add_request(long, detokenize=False)
     slo_engine.step()
-    slo_engine.step(late_verdict)
+    hooked(slo_engine, late_verdict).step()
     assert [layer for _, layer in layers_run] == [0, 1, 2, 3], "every layer of the later step ran"
     assert slo_engine.scheduler.counters.slo_preemptions == 0
     assert long.status == RequestStatus.RUNNING and long.num_computed_tokens == 128
@@ -151,7 +181,7 @@ def test_a_stale_step_id_never_aborts_a_later_step(slo_engine):
         if layer_index == 0:
             monitor.abort_order = AbortOrder(monitor.step_in_flight.step_id, "long")
 
-    slo_engine.step(current_verdict)
+    hooked(slo_engine, current_verdict).step()
     assert slo_engine.scheduler.counters.slo_preemptions == 1, "the same order for the step in flight aborts it"
     assert long.status == RequestStatus.PREEMPTED
 
@@ -167,7 +197,7 @@ def test_a_pass_past_its_stubbornness_limit_refuses_to_abort():
 
     long = engine.make_request("long", LONG_PROMPT, GREEDY, ttft_slo_ms=LONG_SLO_MS)
     engine.add_request(long, detokenize=False)
-    engine.step(order_at_layer_2)
+    hooked(engine, order_at_layer_2).step()
     assert engine.scheduler.counters.slo_preemptions == 0
     assert long.num_computed_tokens == 64
 
@@ -189,8 +219,7 @@ def make_held_engine(config, model, **options) -> LLMEngine:
             while engine.slo_monitor.abort_order is None and time.monotonic() < give_up:
                 time.sleep(0.001)
 
-    engine.step = functools.partial(engine.step, layer_hook=hook)  # the core's loop calls step()
-    return engine
+    return hooked(engine, hook)
 
 
 def test_an_urgent_arrival_at_the_engine_core_aborts_the_pass_in_flight(unpreempted, tmp_path, monkeypatch):
@@ -279,7 +308,7 @@ def test_repeated_aborts_with_the_model_change_no_token_and_no_logprob(forced_ab
             if layer_index == abort_layer and victims:
                 monitor.abort_order = AbortOrder(step_in_flight.step_id, victims[-1])
 
-        for output in engine.step(post_order):
+        for output in hooked(engine, post_order).step():
             logprobs[output.request_id] += output.logprobs
         engine.scheduler.check_invariants()
         step += 1
