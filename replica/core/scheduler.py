@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Optional
 from replica.core.admission import GrowthLedger
 from replica.config import EngineConfig
 from replica.core.kv_cache_manager import KVCacheManager, cdiv
+from replica.core.load import SchedulerLoad
 from replica.core.victim_policy import VICTIM_POLICIES
 from replica.core.request import InvalidRequestError, Request, RequestStatus, validate_request
 from replica.core.request_queue import make_waiting_queue
@@ -69,38 +70,6 @@ class TokenUpdate:
     request: Request
     token_id: int
     finished: Optional[RequestStatus]
-
-
-@dataclass(frozen=True)
-class SchedulerLoad:
-    """Cheap snapshot of what this engine carries; the replica's load report is built from it."""
-
-    kv_blocks_total: int
-    kv_blocks_free: int
-    block_size: int
-    kv_usage: float
-    headroom_tokens: int
-    # KV tokens (whole blocks) the live requests, running and waiting, will still claim
-    # beyond the blocks they hold if each runs to max_tokens (to its expected length under
-    # admission_mode reserve_expected): memory already promised that free blocks do not show.
-    kv_committed_tokens: int
-    num_running: int
-    num_waiting: int
-    waiting_prefill_tokens: int
-    preemptions_total: int
-    recomputed_tokens_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    max_num_seqs: int
-    slo_preemptions_total: int = 0
-    slo_discarded_layers_total: int = 0
-    admissions_held_total: int = 0
-    admissions_relaxed_total: int = 0
-    expected_output_tokens: int = 0  # of a new request, under reserve_expected admission; else 0
-    ttft_predictor_per_token_s: float = 0.0
-    ttft_predictor_base_s: float = 0.0
 
 
 @dataclass
@@ -239,6 +208,9 @@ class Scheduler:
             num_pending = request.num_pending_tokens
             if num_pending and (len(request.output_token_ids) + num_pending >= request.sampling_params.max_tokens):
                 index += 1  # the token still being sampled is its last: nothing left to run
+                continue
+            if num_pending and request.grammar is not None:
+                index += 1  # its grammar's next mask needs the token still being sampled
                 continue
             num_remaining = len(request.all_token_ids) + num_pending - request.num_computed_tokens
             if num_remaining <= token_budget and num_remaining <= whole_limit:

@@ -27,7 +27,8 @@ from replica.front.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
 from replica.core.request import InvalidRequestError, Request, SamplingParams, validate_request
-from replica.core.scheduler import QueueFullError, SchedulerLoad
+from replica.core.load import SchedulerLoad
+from replica.core.scheduler import QueueFullError
 from replica.front.core_client import EngineCoreClient, EngineDeadError
 from replica.ipc.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
 from replica.front.output_processor import OutputProcessor, RequestObserver

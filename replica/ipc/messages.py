@@ -13,10 +13,9 @@ from typing import Any, NamedTuple, Optional
 from replica.config import EngineConfig
 from replica.model import ModelConfig
 from replica.core.request import Request, SamplingParams
-from replica.core.scheduler import SchedulerLoad
+from replica.core.load import LOAD_FIELDS, SchedulerLoad
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerLoad))
 
 
 # ---- start-up (sent once, before the loop) ---------------------------------------------
@@ -147,7 +146,7 @@ def from_wire(wire: tuple) -> NamedTuple:
 
 
 def load_to_wire(load: SchedulerLoad) -> tuple:
-    return tuple(getattr(load, name) for name in _LOAD_FIELDS)
+    return tuple(getattr(load, name) for name in LOAD_FIELDS)
 
 
 def load_from_wire(values: tuple) -> SchedulerLoad:

@@ -1,6 +1,7 @@
 """Builds the ReplicaLoad proto the router scores replicas with, from the engine's
-SchedulerLoad snapshot, its StepStats and a smoothed preemption rate. GetLoad, WatchLoad
-and the Prometheus gauges all read their load from here, so they never disagree.
+SchedulerLoad snapshot (its fields declared proto=True, copied by name), its StepStats and a
+smoothed preemption rate (REPORT_FIELDS in replica/core/load.py). GetLoad, WatchLoad and
+the Prometheus gauges all read their load from here, so they never disagree.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.engine import StepStats
 from replica.server.preemption_rate import PreemptionRateEstimator
-from replica.core.scheduler import SchedulerLoad
+from replica.core.load import PROTO_FIELDS, SchedulerLoad
 
 # A WatchLoad subscriber gets a snapshot at once when free blocks move by more than this
 # fraction of the pool: a router scoring on stale headroom would herd requests onto it.
@@ -58,22 +59,9 @@ class LoadReportBuilder:
             replica_id=self.replica_id,
             seq=next(self._seq),
             timestamp=self._wall_clock(),
-            kv_blocks_total=load.kv_blocks_total,
-            kv_blocks_free=load.kv_blocks_free,
-            block_size=load.block_size,
-            kv_usage=load.kv_usage,
-            headroom_tokens=load.headroom_tokens,
-            kv_committed_tokens=load.kv_committed_tokens,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            waiting_prefill_tokens=load.waiting_prefill_tokens,
-            preemptions_total=load.preemptions_total,
             preemption_rate=self.rate_estimator.rate(now),
             preemption_rate_per_running=self.rate_estimator.rate_per_running(now, load.num_running),
-            recomputed_tokens_total=load.recomputed_tokens_total,
             step_time_ms=self.step_stats.step_time_s * 1000.0,
             generation_tokens_per_s=self.step_stats.generation_tokens_per_s,
-            max_num_seqs=load.max_num_seqs,
-            admissions_held_total=load.admissions_held_total,
-            expected_output_tokens=load.expected_output_tokens,
+            **{name: getattr(load, name) for name in PROTO_FIELDS},
         )

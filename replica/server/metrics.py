@@ -8,13 +8,14 @@ creates the replica's metrics in a registry of its own, so engines in one proces
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from protos.headroom_pb2 import ReplicaLoad
+from replica.core.load import COUNTER_FOR_FIELD, GAUGE_FOR_FIELD, GAUGE_FOR_REPORT_FIELD, SchedulerLoad
 
 # Bucket bounds in seconds, following vLLM's so its dashboards' quantiles translate, with
 # a few sub-10 ms buckets added because small models on one GPU decode that fast.
@@ -259,51 +260,6 @@ ROUTER_METRIC_PREFIX = "headroom_router_"
 REPLICA_METRIC_NAMES = tuple(name for name in METRIC_NAMES if not name.startswith(ROUTER_METRIC_PREFIX))
 
 
-class CounterTotals(Protocol):
-    """The engine's monotonically increasing totals since it started.
-
-    replica.core.scheduler.SchedulerLoad has these fields (among others).
-    """
-
-    preemptions_total: int
-    recomputed_tokens_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    admissions_held_total: int
-    admissions_relaxed_total: int
-
-
-# Which counter follows which CounterTotals field.
-COUNTER_FOR_TOTAL = {
-    "preemptions_total": "headroom_num_preemptions_total",
-    "recomputed_tokens_total": "headroom_recomputed_tokens_total",
-    "prompt_tokens_total": "headroom_prompt_tokens_total",
-    "generation_tokens_total": "headroom_generation_tokens_total",
-    "prefix_cache_queries": "headroom_prefix_cache_queries_total",
-    "prefix_cache_hits": "headroom_prefix_cache_hits_total",
-    "admissions_held_total": "headroom_admissions_held_total",
-    "admissions_relaxed_total": "headroom_admissions_relaxed_total",
-}
-
-
-class SLOTotals(Protocol):
-    """The SLO scheduler's totals and predictor; replica.core.scheduler.SchedulerLoad has these fields."""
-
-    slo_preemptions_total: int
-    slo_discarded_layers_total: int
-    ttft_predictor_per_token_s: float
-    ttft_predictor_base_s: float
-
-
-# Which counter follows which SLOTotals field.
-SLO_COUNTER_FOR_TOTAL = {
-    "slo_preemptions_total": "headroom_slo_preemptions_total",
-    "slo_discarded_layers_total": "headroom_slo_discarded_layers_total",
-}
-
-
 def create_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
     """Creates the prometheus_client metric METRIC_NAMES describes under `name`."""
     spec = METRIC_NAMES[name]
@@ -326,52 +282,36 @@ class ReplicaMetrics:
         # Binding the labels now makes every series appear (at 0) from the first scrape, so
         # dashboards see a replica before its first preemption or request.
         labels = (replica_id, model)
-        self._counters = {total: metrics[name].labels(*labels) for total, name in COUNTER_FOR_TOTAL.items()}
-        self._synced_totals = dict.fromkeys(COUNTER_FOR_TOTAL, 0)
-        self._slo_counters = {total: metrics[name].labels(*labels) for total, name in SLO_COUNTER_FOR_TOTAL.items()}
-        self._synced_slo_totals = dict.fromkeys(SLO_COUNTER_FOR_TOTAL, 0)
-        self._ttft_predictor_per_token = metrics["headroom_slo_ttft_predictor_per_token_seconds"].labels(*labels)
-        self._ttft_predictor_base = metrics["headroom_slo_ttft_predictor_base_seconds"].labels(*labels)
+        # Which metric follows which load field is declared with the field (replica/core/load.py).
+        self._counters = {field: metrics[name].labels(*labels) for field, name in COUNTER_FOR_FIELD.items()}
+        self._synced_totals = dict.fromkeys(COUNTER_FOR_FIELD, 0)
+        self._gauges = {field: metrics[name].labels(*labels) for field, name in GAUGE_FOR_FIELD.items()}
+        self._report_gauges = {field: metrics[name].labels(*labels) for field, name in GAUGE_FOR_REPORT_FIELD.items()}
         request_success = metrics["headroom_request_success_total"]
         self._request_success = {reason: request_success.labels(*labels, reason) for reason in FINISH_REASONS}
-        self._kv_cache_usage_ratio = metrics["headroom_kv_cache_usage_ratio"].labels(*labels)
-        self._kv_free_blocks = metrics["headroom_kv_free_blocks"].labels(*labels)
-        self._kv_headroom_tokens = metrics["headroom_kv_headroom_tokens"].labels(*labels)
-        self._kv_committed_tokens = metrics["headroom_kv_committed_tokens"].labels(*labels)
-        self._num_requests_running = metrics["headroom_num_requests_running"].labels(*labels)
-        self._num_requests_waiting = metrics["headroom_num_requests_waiting"].labels(*labels)
-        self._preemption_rate = metrics["headroom_preemption_rate"].labels(*labels)
         self._time_to_first_token = metrics["headroom_time_to_first_token_seconds"].labels(*labels)
         self._inter_token_latency = metrics["headroom_inter_token_latency_seconds"].labels(*labels)
         self._e2e_request_latency = metrics["headroom_e2e_request_latency_seconds"].labels(*labels)
         self._request_queue_time = metrics["headroom_request_queue_time_seconds"].labels(*labels)
 
-    def sync_counters(self, totals: CounterTotals) -> None:
-        """Advances every counter to the engine's totals, by the delta since the last sync.
+    def update(self, load: SchedulerLoad, report: ReplicaLoad) -> None:
+        """After each step: the counters follow the load's totals, the gauges its values and the
+        report's (the ReplicaLoad the routers see for this load, so the two always agree)."""
+        self.sync_counters(load)
+        for field, gauge in self._gauges.items():
+            gauge.set(getattr(load, field))
+        for field, gauge in self._report_gauges.items():
+            gauge.set(getattr(report, field))
+
+    def sync_counters(self, totals: object) -> None:
+        """Advances every counter to the engine's totals (the SchedulerLoad fields declared with
+        a counter), by the delta since the last sync.
 
         The engine keeps the authoritative totals (the scheduler counts preemptions where
-        they happen); the counters follow them, so pass `scheduler.load()` after each step.
-        A total below the last synced one is a bug (counters never go back), so it raises
-        before any counter moves.
+        they happen); the counters follow them. A total below the last synced one is a bug
+        (counters never go back), so it raises before any counter moves.
         """
         self._synced_totals = _advance(self._counters, self._synced_totals, totals)
-
-    def sync_slo(self, totals: SLOTotals) -> None:
-        """Like sync_counters, for the SLO counters, and sets the TTFT predictor gauges; pass
-        `scheduler.load()` after each step (they stay at 0 unless the policy is "slo")."""
-        self._synced_slo_totals = _advance(self._slo_counters, self._synced_slo_totals, totals)
-        self._ttft_predictor_per_token.set(totals.ttft_predictor_per_token_s)
-        self._ttft_predictor_base.set(totals.ttft_predictor_base_s)
-
-    def set_load(self, load: ReplicaLoad) -> None:
-        """Sets the gauges from the load snapshot the router sees, so the two always agree."""
-        self._kv_cache_usage_ratio.set(load.kv_usage)
-        self._kv_free_blocks.set(load.kv_blocks_free)
-        self._kv_headroom_tokens.set(load.headroom_tokens)
-        self._kv_committed_tokens.set(load.kv_committed_tokens)
-        self._num_requests_running.set(load.num_running)
-        self._num_requests_waiting.set(load.num_waiting)
-        self._preemption_rate.set(load.preemption_rate)
 
     def observe_ttft(self, seconds: float) -> None:
         self._time_to_first_token.observe(seconds)

@@ -109,6 +109,4 @@ class ReplicaServer:
         while True:
             version = await self.engine.wait_for_load(version, timeout=IDLE_METRICS_REFRESH_S)
             load = self.engine.load()
-            self.metrics.sync_counters(load)
-            self.metrics.sync_slo(load)
-            self.metrics.set_load(self.load_reports.build(load))
+            self.metrics.update(load, self.load_reports.build(load))

@@ -172,7 +172,7 @@ def replica():
 def test_a_core_killed_under_load_fails_every_stream_with_unavailable_at_once_and_the_server_is_not_serving(replica):
     num_streams = 8
     request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
-    core_process = replica.front.async_engine.core.process
+    core_process = replica.async_engine.core.process
 
     async def stream_until_cut(stub, started: asyncio.Event, counter: list[int]):
         call = stub.Generate(request)
@@ -212,8 +212,8 @@ def test_a_core_killed_under_load_fails_every_stream_with_unavailable_at_once_an
     assert refused.code() == grpc.StatusCode.UNAVAILABLE and no_load.code() == grpc.StatusCode.UNAVAILABLE
     for service in ("", "headroom.v1.Generation", "headroom.v1.LoadReporter"):
         assert replica.health_status(service) == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert isinstance(replica.front.async_engine.dead, EngineDeadError)
-    assert replica.on_loop(lambda: len(replica.front.async_engine._processor)) == 0  # no stream left behind
+    assert isinstance(replica.async_engine.dead, EngineDeadError)
+    assert replica.on_loop(lambda: len(replica.async_engine._processor)) == 0  # no stream left behind
 
 
 def test_the_fronts_kv_event_mirror_equals_the_cores_prefix_cache_after_eviction_and_aborts():

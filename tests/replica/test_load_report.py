@@ -9,7 +9,7 @@ import pytest
 
 from replica.core.engine import StepStats
 from replica.server.load_report import LoadReportBuilder, is_significant_change
-from replica.core.scheduler import SchedulerLoad
+from replica.core.load import SchedulerLoad
 
 IDLE = SchedulerLoad(
     kv_blocks_total=100, kv_blocks_free=100, block_size=16, kv_usage=0.0, headroom_tokens=1600, kv_committed_tokens=0,
@@ -53,3 +53,18 @@ def test_preemption_rate_rises_with_preemptions_and_is_split_across_running_requ
     assert load.preemption_rate_per_running == pytest.approx(load.preemption_rate / 2)
     now[0] = 60.0
     assert builder.build(dataclasses.replace(IDLE, preemptions_total=4)).preemption_rate < load.preemption_rate / 100
+
+
+def test_the_replica_load_proto_is_the_declared_load_fields_plus_the_reports_own():
+    # One definition of the load (replica/core/load.py): a field declared proto=True must
+    # exist in ReplicaLoad under its name, and every ReplicaLoad field must come from the
+    # record or from the report builder, so neither side can drift from the other.
+    from protos.headroom_pb2 import ReplicaLoad
+    from replica.core.load import PROTO_FIELDS, REPORT_FIELDS
+
+    proto = {field.name for field in ReplicaLoad.DESCRIPTOR.fields}
+    assert set(PROTO_FIELDS) | set(REPORT_FIELDS) == proto
+    assert not set(PROTO_FIELDS) & set(REPORT_FIELDS)
+    report = LoadReportBuilder("r1", StepStats()).build(dataclasses.replace(IDLE, num_waiting=5, expected_output_tokens=7))
+    assert all(getattr(report, name) == getattr(dataclasses.replace(IDLE, num_waiting=5, expected_output_tokens=7), name)
+               for name in PROTO_FIELDS)

@@ -35,6 +35,8 @@ class Totals:
     prefix_cache_hits: int = 0
     admissions_held_total: int = 0
     admissions_relaxed_total: int = 0
+    slo_preemptions_total: int = 0
+    slo_discarded_layers_total: int = 0
 
 
 @pytest.fixture
@@ -164,7 +166,7 @@ def test_sync_counters_rejects_a_total_that_went_backwards_and_moves_no_counter(
 
 
 def test_sync_counters_accepts_the_schedulers_load_snapshot(metrics: ReplicaMetrics):
-    from replica.core.scheduler import SchedulerLoad
+    from replica.core.load import SchedulerLoad
 
     fields = {name: 0 for name in SchedulerLoad.__dataclass_fields__}
     load = SchedulerLoad(**{**fields, "preemptions_total": 9, "prefix_cache_hits": 32, "kv_usage": 0.5})
@@ -190,19 +192,18 @@ def test_finished_rejects_an_unknown_reason(metrics: ReplicaMetrics):
 # Gauges and histograms.
 
 
-def test_set_load_mirrors_the_replica_load_snapshot(metrics: ReplicaMetrics):
-    load = ReplicaLoad(
-        replica_id=LABELS["replica"],
-        kv_blocks_total=1000,
-        kv_blocks_free=250,
-        kv_usage=0.75,
-        headroom_tokens=3200,
-        kv_committed_tokens=1600,
-        num_running=12,
-        num_waiting=4,
-        preemption_rate=0.5,
-    )
-    metrics.set_load(load)
+def load_with(**values) -> "SchedulerLoad":
+    from replica.core.load import SchedulerLoad
+
+    return SchedulerLoad(**{**{name: 0 for name in SchedulerLoad.__dataclass_fields__}, **values})
+
+
+def test_update_sets_the_gauges_from_the_load_and_the_report_the_router_sees(metrics: ReplicaMetrics):
+    load = load_with(kv_blocks_total=1000, kv_blocks_free=250, kv_usage=0.75, headroom_tokens=3200,
+                     kv_committed_tokens=1600, num_running=12, num_waiting=4,
+                     ttft_predictor_per_token_s=0.00025, ttft_predictor_base_s=0.03)
+    report = ReplicaLoad(replica_id=LABELS["replica"], preemption_rate=0.5)
+    metrics.update(load, report)
     assert value(metrics, "headroom_kv_cache_usage_ratio") == 0.75
     assert value(metrics, "headroom_kv_free_blocks") == 250
     assert value(metrics, "headroom_kv_headroom_tokens") == 3200
@@ -210,11 +211,24 @@ def test_set_load_mirrors_the_replica_load_snapshot(metrics: ReplicaMetrics):
     assert value(metrics, "headroom_num_requests_running") == 12
     assert value(metrics, "headroom_num_requests_waiting") == 4
     assert value(metrics, "headroom_preemption_rate") == 0.5
+    assert value(metrics, "headroom_slo_ttft_predictor_per_token_seconds") == 0.00025
+    assert value(metrics, "headroom_slo_ttft_predictor_base_seconds") == 0.03
 
 
 def test_negative_headroom_is_reported_as_is(metrics: ReplicaMetrics):
-    metrics.set_load(ReplicaLoad(headroom_tokens=-64))
+    metrics.update(load_with(headroom_tokens=-64), ReplicaLoad())
     assert value(metrics, "headroom_kv_headroom_tokens") == -64
+
+
+def test_every_replica_counter_and_gauge_follows_a_declared_load_field():
+    # A metric declared in METRIC_NAMES that no load field (or report field) feeds would sit
+    # at 0 forever; one a field names that METRIC_NAMES lacks would fail at start-up.
+    from replica.core.load import COUNTER_FOR_FIELD, GAUGE_FOR_FIELD, GAUGE_FOR_REPORT_FIELD
+
+    fed = set(COUNTER_FOR_FIELD.values()) | set(GAUGE_FOR_FIELD.values()) | set(GAUGE_FOR_REPORT_FIELD.values())
+    fed_elsewhere = {"headroom_request_success_total"}  # per finished request, not per load
+    scalar = {name for name in REPLICA_METRIC_NAMES if METRIC_NAMES[name].type in ("counter", "gauge")}
+    assert fed | fed_elsewhere == scalar
 
 
 @pytest.mark.parametrize(

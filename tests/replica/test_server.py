@@ -62,7 +62,7 @@ def test_streamed_text_deltas_concatenate_to_the_decoded_output(replica):
             return await collect_stream(generation_stub(channel), request)
 
     responses = asyncio.run(run())
-    tokenizer = replica.core.engine.tokenizer
+    tokenizer = replica.engine.tokenizer
     output_ids = [token_id for response in responses for token_id in response.token_ids]
     assert len(output_ids) == 24
     assert "".join(response.text for response in responses) == tokenizer.decode(output_ids)
@@ -239,7 +239,7 @@ def test_queue_filling_after_validation_is_still_resource_exhausted(fresh_replic
     # still refuse when it takes the request in (a burst within one step, or a stale load).
     # The client must see the same status either way.
     replica = fresh_replica(max_num_seqs=1, max_waiting_requests=2)
-    front = replica.front.async_engine
+    front = replica.async_engine
     long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
 
     async def run():
@@ -288,7 +288,7 @@ def test_missed_ttft_deadline_is_deadline_exceeded_and_frees_the_request(fresh_r
         async with grpc.aio.insecure_channel(replica.address) as channel:
             stub = generation_stub(channel)
             running = asyncio.ensure_future(collect_stream(stub, long_request))
-            while replica.front.async_engine.load().num_running == 0:
+            while replica.async_engine.load().num_running == 0:
                 await asyncio.sleep(0.002)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await collect_stream(stub, hurried)
@@ -312,7 +312,7 @@ def test_ttft_slo_sets_the_requests_deadline_for_the_scheduler(fresh_replica):
             call = generation_stub(channel).Generate(request)
             await call.read()  # the first token: the request is live in the engine now
             live = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                replica.front.async_engine.core.call_utility("request_state", "slo"), replica.loop))
+                replica.async_engine.core.call_utility("request_state", "slo"), replica.loop))
             call.cancel()
             return live["ttft_deadline"] - live["arrival_time"]
 
@@ -450,7 +450,7 @@ def test_get_load_agrees_with_the_engine_when_idle(replica):
     replica.wait_until_idle()
     with grpc.insecure_channel(replica.address) as channel:
         load = pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest())
-    engine_load = replica.on_loop(replica.front.async_engine.load)
+    engine_load = replica.on_loop(replica.async_engine.load)
     assert (load.kv_blocks_free, load.preemptions_total, load.max_num_seqs) == (
         engine_load.kv_blocks_free, engine_load.preemptions_total, engine_load.max_num_seqs)
     assert abs(load.timestamp - time.time()) < 5
@@ -485,9 +485,9 @@ def test_latency_histograms_fill_when_a_caller_streams_from_the_engine_directly(
     before = replica.scrape()
 
     async def consume():
-        prompt = replica.core.engine.tokenizer.encode("direct")
+        prompt = replica.engine.tokenizer.encode("direct")
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        return [output async for output in replica.front.async_engine.generate(prompt, params)]
+        return [output async for output in replica.async_engine.generate(prompt, params)]
 
     outputs = replica.call(consume())
     assert outputs[-1].finish_reason == "length"
@@ -522,7 +522,7 @@ def test_tokenize_and_model_info_match_the_engine(replica):
         stub = generation_stub(channel)
         tokens = stub.Tokenize(pb.TokenizeRequest(text="héllo", add_special_tokens=True)).token_ids
         info = stub.GetModelInfo(pb.ModelInfoRequest())
-    assert list(tokens) == replica.core.engine.tokenizer.encode("héllo", add_special_tokens=True)
+    assert list(tokens) == replica.engine.tokenizer.encode("héllo", add_special_tokens=True)
     assert (info.model_id, info.max_model_len, info.vocab_size, info.block_size, info.eos_token_id) == (
         MODEL_ID, MAX_MODEL_LEN, 320, BLOCK_SIZE, 257)
 

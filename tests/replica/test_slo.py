@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from sched_harness import draw_prompt, fake_next_token, make_request, make_scheduler, reference_outputs
 
 from replica.config import ConfigError, make_engine_config
+from protos.headroom_pb2 import ReplicaLoad
 from replica.server.metrics import ReplicaMetrics
 from replica.core.request import InvalidRequestError, RequestStatus
 from replica.core.scheduler import Scheduler, SchedulerOutput
@@ -209,8 +210,8 @@ def test_slo_totals_and_predictor_coefficients_are_exported_as_metrics():
     scheduler = slo_scheduler(FakeClock(), slo_predictor_per_token_ms=0.25, slo_predictor_base_ms=30.0)
     scheduler.counters.slo_preemptions, scheduler.counters.slo_discarded_layers = 3, 40
     metrics = ReplicaMetrics(replica_id="r0", model="m")
-    metrics.sync_slo(scheduler.load())
-    metrics.sync_slo(scheduler.load())  # counters follow totals: syncing twice adds nothing
+    metrics.update(scheduler.load(), ReplicaLoad())
+    metrics.update(scheduler.load(), ReplicaLoad())  # counters follow totals: syncing twice adds nothing
     labels = {"replica": "r0", "model": "m"}
     sample = metrics.registry.get_sample_value
     assert sample("headroom_slo_preemptions_total", labels) == 3
