@@ -111,6 +111,11 @@ class EngineConfig(BaseModel):
         description="Schedule step N+1 while the device runs step N (outputs then lag one step); "
         "None turns it on for CUDA and off elsewhere.",
     )
+    structured_output_compile_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Longest a request's output constraint (JSON schema, regex, grammar, choice) may take to "
+        "compile; a slower one is refused as invalid input where it enters.",
+    )
     fused_ops: FusedOpsName = Field(
         DEFAULT_FUSED_OPS,
         description="RMSNorm, add + RMSNorm, rotary and SiLU-mul: auto (Triton kernels on CUDA, inplace "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -23,8 +24,9 @@ from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
 from replica.executor.model_runner import StepInFlight
 from replica.executor.logits_processors import TopLogprobs
-from replica.core.request import Request, SamplingParams, StopReason
-from replica.core.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
+from replica.core.request import Request, RequestStatus, SamplingParams, StopReason
+from replica.core.structured_output import GrammarCompiler
+from replica.core.scheduler import QueueFullError, Scheduler, SchedulerLoad, SchedulerOutput
 from replica.core.slo import ttft_deadline as _ttft_deadline
 from replica.core.slo_monitor import SLOMonitor
 from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -186,6 +188,10 @@ class LLMEngine:
         self.last_step = StepTiming()
         self.clock = clock
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Structured outputs: the compiler (made by the first constrained request) and the
+        # requests whose grammar compiles on its thread; they join the scheduler when it is done.
+        self.grammar_compiler: Optional[GrammarCompiler] = None
+        self._compiling: dict[str, tuple[Request, Future]] = {}
         self.stats = StepStats()
         self.slo_monitor: Optional[SLOMonitor] = None
         if config.scheduling_policy == "slo":
@@ -211,17 +217,57 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError.
         The engine stops a request on EOS, stop_token_ids or max_tokens; stop strings are
         matched on detokenized text by the front (replica/front/output_processor.py)."""
-        self.scheduler.add_request(request)
+        if request.sampling_params.structured_output is not None:
+            self._add_constrained(request)
+        else:
+            self.scheduler.add_request(request)
         if detokenize:
             self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def _add_constrained(self, request: Request) -> None:
+        """Check it now, compile its grammar on the compiler's thread (a cached grammar is done
+        at once) and schedule it when compiled: a slow schema never stalls a step."""
+        self.scheduler.validate_request(request)
+        if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler.for_tokenizer(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                self.config.structured_output_compile_timeout_s)
+        future = self.grammar_compiler.compile(request.sampling_params.structured_output)
+        self._compiling[request.request_id] = (request, future)
+        if future.done():
+            self._adopt_compiled()
+
+    def _adopt_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar compiled; the ones it failed for (the edge
+        compiles every constraint first, so only a time bound hit here) finish aborted."""
+        failed = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                request.grammar = self.grammar_compiler.matcher(request.sampling_params.structured_output)
+                self.scheduler.add_request(request)
+            except Exception as error:  # noqa: BLE001 - reported as the request's end, logged
+                logger.warning("request %s: structured output not served: %s", request_id, error)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self.detokenizers.pop(request_id, None)
+                failed.append(RequestOutput.of(request, [], "", "abort"))
+        return failed
 
     def abort_request(self, request_id: str) -> Optional[Request]:
         """Abort and free the request's KV blocks now."""
         self.detokenizers.pop(request_id, None)
+        parked = self._compiling.pop(request_id, None)
+        if parked is not None:  # not in the scheduler yet: nothing allocated
+            parked[0].status = RequestStatus.FINISHED_ABORTED
+            return parked[0]
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def load(self) -> SchedulerLoad:
         return self.scheduler.load()
@@ -236,6 +282,8 @@ class LLMEngine:
         """Stop the SLO monitor thread, if any."""
         if self.slo_monitor is not None:
             self.slo_monitor.stop()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -243,6 +291,7 @@ class LLMEngine:
         outputs. With async scheduling the step launches the next forward pass before it
         waits for the previous one, and returns the previous one's outputs."""
         start = time.perf_counter()
+        not_served = self._adopt_compiled() if self._compiling else []
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
         launched = self._launch(scheduler_output)
@@ -251,7 +300,7 @@ class LLMEngine:
         else:
             previous = launched
         completing = time.perf_counter()
-        outputs = self._complete(previous) if previous is not None else []
+        outputs = not_served + (self._complete(previous) if previous is not None else [])
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Everything finished with the previous step: what is in flight is all discarded.
             self._complete(self._in_flight)
@@ -297,6 +346,10 @@ class LLMEngine:
             request_id = request.request_id
             token_id = update.token_id
             finished = update.finished
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept(token_id):
+                logger.warning("request %s: token %d left its grammar; the rest of it is unconstrained",
+                               request_id, token_id)
             text = ""
             if detokenizers:
                 detokenizer = detokenizers.get(request_id)

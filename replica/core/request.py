@@ -10,7 +10,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from replica.core.structured_output import StructuredOutput
 
 
 class RequestStatus(enum.IntEnum):
@@ -88,6 +91,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # The output must match this constraint (replica/core/structured_output.py); the edge
+    # has compiled it once already, so a bad one never gets this far.
+    structured_output: Optional["StructuredOutput"] = None
 
     def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -196,6 +202,9 @@ class Request:
     waiting_since: Optional[float] = None  # arrival, or its latest requeue: when its current wait began
     first_admitted_time: Optional[float] = None
     stop_reason: Optional[StopReason] = None  # the stop token id or string that finished it
+    # The engine core's matcher of sampling_params.structured_output (a RequestGrammar), set
+    # once compiled; it has consumed exactly output_token_ids.
+    grammar: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

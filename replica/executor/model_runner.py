@@ -33,6 +33,7 @@ from replica.executor.step_abort import StepAbort, StepAborted
 from replica.executor.logits_processors import TopLogprobs, to_device
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.core.request import MAX_TOP_LOGPROBS
+from replica.core.structured_output import GrammarBitmask, GrammarMask
 from replica.core.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class ModelRunner:
         # Query offsets of the sampling rows as one-token sequences (the last layer's queries of a pruned pass).
         self._single_token_starts = torch.arange(self.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.sampler = Sampler()
+        self.grammar_bitmask: Optional[GrammarBitmask] = None  # made by the first step with a constrained row
         on_cuda = self.device.type == "cuda"
         self._host_token_ids = [torch.zeros(self.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
                                 for _ in range(2)]
@@ -243,6 +245,7 @@ class ModelRunner:
         # One pass over the step's sequences (it runs for every running request each step):
         # admissions and new blocks, and the per-sequence values the arrays are built from.
         seq_row_list, query_len_list, start_list, token_lists, request_ids, samples = [], [], [], [], [], []
+        constrained_seqs = []  # sampling sequences with a structured-output grammar
         for entry in scheduled:
             request = entry.request
             if entry.is_new:
@@ -257,6 +260,8 @@ class ModelRunner:
             token_lists.append(request.all_token_ids)
             request_ids.append(request.request_id)
             samples.append(entry.samples)
+            if request.grammar is not None and entry.samples:
+                constrained_seqs.append(len(samples) - 1)
         seq_rows = np.array(seq_row_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
         # A token the host does not have yet (a position past the request's known tokens)
@@ -356,7 +361,17 @@ class ModelRunner:
             facts=sampling.facts, wants_logprobs=sampling.wants_logprobs,
             num_top_logprobs=sampling.num_top_logprobs, pending_rows_of_samples=processed_rows,
             sample_request_ids=sample_request_ids,
+            grammar=self._grammar_mask(scheduled, constrained_seqs, sampling_seqs) if constrained_seqs else None,
         )
+
+    def _grammar_mask(self, scheduled: list[ScheduledRequest], constrained_seqs: list[int],
+                      sampling_seqs: np.ndarray) -> GrammarMask:
+        """The token bitmasks of the constrained sampling rows, filled on the host now (while a
+        step in flight still runs on the device) and sent with one asynchronous copy."""
+        if self.grammar_bitmask is None:
+            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.model.lm_head.out_features, self.device)
+        rows = np.searchsorted(sampling_seqs, constrained_seqs)
+        return self.grammar_bitmask.build(rows, [scheduled[index].request.grammar for index in constrained_seqs])
 
     def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot
@@ -461,7 +476,8 @@ class ModelRunner:
             every_row = num_samples == step.num_seqs
             logits = self.decode_logits[:num_samples] if every_row else self.decode_logits.index_select(0, logits_indices)
             facts = step.facts
-            if facts["all_greedy"] and not facts["any_logprobs"] and step.pending_rows_of_samples is None:
+            if (facts["all_greedy"] and not facts["any_logprobs"] and step.pending_rows_of_samples is None
+                    and step.grammar is None):
                 greedy = self.decode_greedy
                 return self._send_sampled(step, greedy[:num_samples] if every_row else greedy.index_select(
                     0, logits_indices), None, None, None)
@@ -475,6 +491,7 @@ class ModelRunner:
             step_indices=device_views["seed_steps"][:step.num_seeded],
             **step.facts,
             processors=self._logits_processing(step, scheduled),
+            grammar=step.grammar,
         )
         sampled = self.sampler.sample(logits, batch)
         return self._send_sampled(step, sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
@@ -548,6 +565,7 @@ class _StepPlan:
     pending_rows_of_samples: Optional[np.ndarray]
     sample_request_ids: list[str]  # of the sampling rows, in order
     max_sampling_seq_len: int  # the longest context among the sequences that sample (0: none does)
+    grammar: Optional[GrammarMask] = None  # bitmasks of the rows with a structured-output grammar
 
     @property
     def prunes_last_layer(self) -> bool:

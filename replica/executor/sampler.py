@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from replica.core.structured_output import GrammarMask, apply_grammar_bitmask
 from replica.executor.counter_rng import exponential_noise
 from replica.executor.logits_processors import TokenHistory, apply_logits_processors
 from replica.core.request import SamplingParams
@@ -105,6 +106,7 @@ class SamplingBatch:
     any_logprobs: bool
     max_top_logprobs: int  # 0 when no row asks for alternatives
     processors: Optional[LogitsProcessing] = None  # None when no row has logit_bias or penalties
+    grammar: Optional[GrammarMask] = None  # the constrained rows' token bitmasks; None when no row has one
 
     @classmethod
     def of(cls, arrays: SamplingArrays, step_indices: np.ndarray, device: torch.device,
@@ -170,6 +172,8 @@ class Sampler:
             processors = batch.processors
             logits = apply_logits_processors(raw_logits, processors.params, processors.histories,
                                              processors.pending_token_ids)
+        if batch.grammar is not None:  # structured outputs: what the grammar forbids is at -inf
+            logits = apply_grammar_bitmask(logits, batch.grammar)
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # ties go to the lowest id
         if batch.all_greedy:
             token_ids = greedy_ids

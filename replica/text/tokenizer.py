@@ -49,6 +49,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._fast_tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def fast_tokenizer_json(self) -> str:
+        """The fast tokenizer serialized (tokenizer.json's form): what grammar engines load."""
+        return self._fast_tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The batch calls release the GIL (encode does not), so a long prompt tokenized on a
         # worker thread does not stall the event loop that called it; the fast one skips offsets.

@@ -1,0 +1,260 @@
+"""Structured outputs: one constraint per request (a JSON schema, any JSON object, a regex, a
+Lark grammar or a choice among strings), compiled by llguidance into a token matcher.
+
+`StructuredOutput` is the constraint as it travels (plain, frozen, picklable: front -> core).
+`GrammarCompiler` holds one tokenizer's llguidance view and compiles constraints on a worker
+thread, cached by constraint, with a time bound; the edge (ingress, replica front) uses it to
+refuse bad input by name, the engine core to get each request's matcher without stalling the
+step loop. `RequestGrammar` is one request's matcher, advanced with every token the request
+appends (so it always stands at the request's output: a preempted request recomputes its
+KV but keeps its output, and so keeps its matcher's state). `GrammarBitmask` fills one step's
+masks for the constrained rows, and `apply_grammar_bitmask` applies them to those rows'
+logits in one batched operation on the logits' device.
+
+llguidance rather than xgrammar: no dependencies (xgrammar pulls transformers and triton into
+the base install), the mask is computed lazily per step in microseconds (no precompilation of
+the whole token trie per schema), and it speaks JSON schema, regex and Lark directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, Union
+
+import numpy as np
+import torch
+
+from replica.core.request import InvalidRequestError
+from replica.executor.logits_processors import to_device
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json", "json_object", "regex", "grammar", "choice")
+# Compact JSON: no free whitespace between tokens. A small model left free whitespace may
+# fill max_tokens with newlines; separators as json.dumps writes them.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One constraint on a request's output. spec: the JSON schema as JSON text (json), the
+    regex (regex), the Lark grammar (grammar), the strings (choice); unused for json_object."""
+
+    kind: str
+    spec: Union[str, tuple[str, ...]] = ""
+
+    @classmethod
+    def json_schema(cls, schema: Union[str, dict, bool]) -> "StructuredOutput":
+        """From a schema as a dict or JSON text, kept in its key order: a JSON object's keys
+        come out in the order the schema's properties name them."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise InvalidRequestError("json_schema", f"not valid JSON: {error.msg} at column {error.colno}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
+        return cls("json", json.dumps(schema, separators=(",", ":")))
+
+    def grammar(self) -> str:
+        """The llguidance grammar of this constraint (nothing is checked here)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher
+        if self.kind == "json":
+            return matcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if self.kind == "regex":
+            return matcher.grammar_from_regex(self.spec)
+        if self.kind == "grammar":
+            return matcher.grammar_from_lark(self.spec)
+        if self.kind == "choice":
+            # Lark string literals take JSON's escapes.
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in self.spec))
+        raise ValueError(f"unknown structured output kind {self.kind!r}")
+
+    def check_shape(self, field_name: str) -> None:
+        """Raise InvalidRequestError for what needs no compiler to refuse."""
+        if self.kind not in KINDS:
+            raise InvalidRequestError(field_name, f"unknown constraint {self.kind!r}; one of {', '.join(KINDS)}")
+        if self.kind == "choice":
+            if not self.spec:
+                raise InvalidRequestError(field_name, "the choice list must not be empty")
+            if any(not isinstance(choice, str) or not choice for choice in self.spec):
+                raise InvalidRequestError(field_name, "every choice must be a non-empty string")
+        elif self.kind in ("regex", "grammar", "json") and not self.spec:
+            raise InvalidRequestError(field_name, "must not be empty")
+
+
+class GrammarCompiler:
+    """llguidance for one tokenizer: constraints compiled on a worker thread (bounded), each
+    compiled once (LRU), each request given its own copy of the compiled matcher."""
+
+    def __init__(self, fast_tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_workers: int = 1):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.ll_tokenizer = llguidance.LLTokenizer(fast_tokenizer_json, n_vocab=vocab_size,
+                                                   eos_token=list(eos_token_ids) or None)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self._compiled: OrderedDict[StructuredOutput, concurrent.futures.Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                      timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> "GrammarCompiler":
+        """From a replica.text.tokenizer.Tokenizer (its fast tokenizer's JSON)."""
+        return cls(tokenizer.fast_tokenizer_json(), vocab_size, eos_token_ids, timeout_s)
+
+    def compile(self, constraint: StructuredOutput) -> concurrent.futures.Future:
+        """A future of the compiled matcher (a template: take copies with `matcher`); the
+        future raises InvalidRequestError (field "structured_output") when it does not compile."""
+        with self._lock:
+            future = self._compiled.get(constraint)
+            if future is not None:
+                self._compiled.move_to_end(constraint)
+                return future
+            future = self._pool.submit(self._compile, constraint)
+            self._compiled[constraint] = future
+            if len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return future
+
+    def _compile(self, constraint: StructuredOutput) -> "llguidance.LLMatcher":
+        import llguidance
+
+        try:
+            grammar = constraint.grammar()
+        except (ValueError, TypeError) as error:  # a JSON schema llguidance refuses to translate
+            raise InvalidRequestError("structured_output", _one_line(str(error))) from None
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError("structured_output", _one_line(matcher.get_error()))
+        # The first mask builds the lexer, the costly part of a large schema: here, not in a step.
+        mask = np.empty((1, words_per_mask(self.vocab_size)), dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            raise InvalidRequestError("structured_output", _one_line(matcher.get_error()))
+        return matcher
+
+    def check(self, constraint: StructuredOutput, field_name: str) -> None:
+        """Compile (or find compiled) within the time bound; raise InvalidRequestError naming
+        `field_name` when the constraint is malformed, unsupported or too slow to compile."""
+        constraint.check_shape(field_name)
+        future = self.compile(constraint)
+        try:
+            future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._forget(constraint, future)
+            raise InvalidRequestError(field_name, f"took longer than {self.timeout_s:g} s to compile") from None
+        except InvalidRequestError as error:
+            raise InvalidRequestError(field_name, error.message) from None
+
+    def _forget(self, constraint: StructuredOutput, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            if self._compiled.get(constraint) is future:
+                del self._compiled[constraint]
+
+    def matcher(self, constraint: StructuredOutput) -> "RequestGrammar":
+        """A fresh matcher for one request (blocks until compiled: call once `compile` is done)."""
+        return RequestGrammar(self.compile(constraint).result().deep_copy())
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's matcher; it has consumed exactly the request's output tokens."""
+
+    __slots__ = ("matcher", "num_consumed")
+
+    def __init__(self, matcher: "llguidance.LLMatcher"):
+        self.matcher = matcher
+        self.num_consumed = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one appended token; False when the grammar did not allow it (the matcher
+        is then in error and masks nothing more)."""
+        self.num_consumed += 1
+        if self.matcher.is_stopped():  # past the grammar's end: only EOS was left, nothing to track
+            return True
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_error(self) -> bool:
+        return self.matcher.is_error()
+
+
+def words_per_mask(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+@dataclass
+class GrammarMask:
+    """One step's masks on the logits' device: int32 [rows, words] bitmasks of allowed tokens,
+    and which sampling rows they belong to (int64 [rows])."""
+
+    bitmask: torch.Tensor
+    rows: torch.Tensor
+    shifts: torch.Tensor  # int32 [32] on the same device: 0..31, to unpack the bits
+
+
+class GrammarBitmask:
+    """Fills the masks of a step's constrained rows on the host, in parallel over the rows
+    (llguidance's executor threads release the GIL), into a reused buffer."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.device = device
+        self._executor = llguidance.LLExecutor()
+        # Two buffers alternate: with overlapped scheduling a step's copy may still be queued
+        # on the device while the next step's masks are filled.
+        self._host = [torch.empty((max_rows, words_per_mask(vocab_size)), dtype=torch.int32,
+                                  pin_memory=device.type == "cuda") for _ in range(2)]
+        self._num_built = 0
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+
+    def build(self, rows: Sequence[int], grammars: Sequence[RequestGrammar]) -> GrammarMask:
+        """The masks of these sampling rows, whose grammars stand at the rows' tokens."""
+        count = len(rows)
+        host = self._host[self._num_built % 2][:count]
+        self._num_built += 1
+        live = []
+        for index, grammar in enumerate(grammars):
+            if grammar.is_error:  # a matcher that lost track constrains nothing (logged when it did)
+                host[index].fill_(-1)
+            else:
+                live.append((grammar.matcher, index))
+        if live:
+            self._executor.unsafe_compute_mask_ptr(live, host.data_ptr(), host.shape[1] * 4, count)
+        return GrammarMask(host.to(self.device, non_blocking=True),
+                           to_device(np.asarray(rows, dtype=np.int64), torch.long, self.device), self._shifts)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """A copy of logits [rows, vocab] with the disallowed tokens of the masked rows at -inf:
+    one gather, one unpack of the bits, one masked fill, one scatter back (no per-row loop)."""
+    vocab_size = logits.shape[-1]
+    allowed = ((mask.bitmask.unsqueeze(-1) >> mask.shifts) & 1).view(mask.bitmask.shape[0], -1)[:, :vocab_size]
+    rows = logits.index_select(0, mask.rows)
+    rows.masked_fill_(allowed == 0, float("-inf"))
+    return logits.index_copy(0, mask.rows, rows)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())[:500]

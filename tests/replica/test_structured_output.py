@@ -1,0 +1,157 @@
+"""Structured outputs in the engine core: constraints compile (or are refused naming the
+field), the sampler's batched bitmask forbids exactly what the grammar forbids, every output
+under a constraint matches it (on the built-in random model, which left alone would never
+write JSON), EOS comes only where the grammar may end, max_tokens still ends a request with
+`length`, and constrained greedy output does not depend on the pool (preemption, probed) or on
+overlapped scheduling; with the real SmolLM2, greedy output under a constraint that admits the
+unconstrained answer is that answer."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from replica.config import make_engine_config
+from replica.core.engine import LLMEngine
+from replica.core.request import InvalidRequestError, SamplingParams
+from replica.core.structured_output import GrammarCompiler, GrammarMask, StructuredOutput, apply_grammar_bitmask
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+}, "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def builtin_engine() -> LLMEngine:
+    engine = LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=128, max_num_seqs=16), "builtin",
+                       device="cpu")
+    yield engine
+    engine.shutdown()
+
+
+def _compiler(engine: LLMEngine) -> GrammarCompiler:
+    return GrammarCompiler.for_tokenizer(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+
+
+def _run(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) -> list:
+    requests = [engine.make_request(f"so-{index}-{id(params)}", engine.tokenizer.encode(prompt), param)
+                for index, (prompt, param) in enumerate(zip(prompts, params))]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    finish = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finish[output.request_id] = output.finish_reason
+    return [(engine.tokenizer.decode(request.output_token_ids), finish[request.request_id], request)
+            for request in requests]
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (StructuredOutput("json", '{"type": "frobnicate"}'), "frobnicate"),
+    (StructuredOutput("regex", "a(b"), "regex"),
+    (StructuredOutput("grammar", "start: foo bar baz ("), ""),
+    (StructuredOutput("choice", ()), "empty"),
+    (StructuredOutput("choice", ("yes", "")), "non-empty"),
+])
+def test_a_bad_constraint_is_refused_naming_the_parameter(builtin_engine, constraint, message):
+    compiler = _compiler(builtin_engine)
+    with pytest.raises(InvalidRequestError) as raised:
+        compiler.check(constraint, "response_format")
+    assert raised.value.field == "response_format"
+    assert message in str(raised.value)
+
+
+def test_a_schema_given_as_text_that_is_not_json_is_refused():
+    with pytest.raises(InvalidRequestError, match="json_schema: not valid JSON"):
+        StructuredOutput.json_schema("{not json")
+
+
+def test_the_bitmask_forbids_exactly_the_masked_tokens_of_exactly_the_masked_rows():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 70, generator=generator)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32, generator=generator)
+    masked = apply_grammar_bitmask(logits, GrammarMask(bitmask, torch.tensor([1, 3]), torch.arange(32, dtype=torch.int32)))
+    expected = logits.clone()
+    for mask_row, logit_row in ((0, 1), (1, 3)):
+        for token in range(70):
+            if not (int(bitmask[mask_row, token // 32]) >> (token % 32)) & 1:
+                expected[logit_row, token] = float("-inf")
+    assert torch.equal(masked, expected)
+    assert not torch.isinf(logits).any(), "the caller's logits are left as they were (raw logprobs read them)"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_matches_its_constraint_on_a_model_that_would_never_write_it(builtin_engine, temperature):
+    choices = ("yes", "no", "maybe not")
+    params = [
+        SamplingParams(max_tokens=120, temperature=temperature, seed=7,
+                       structured_output=StructuredOutput.json_schema(PERSON)),
+        SamplingParams(max_tokens=40, temperature=temperature, seed=8,
+                       structured_output=StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}")),
+        SamplingParams(max_tokens=40, temperature=temperature, seed=9,
+                       structured_output=StructuredOutput("choice", choices)),
+        SamplingParams(max_tokens=16, temperature=temperature, seed=10),  # an unconstrained neighbour
+    ]
+    results = _run(builtin_engine, ["a person:", "a code:", "answer:", "free text"], params)
+    (person, person_end, _), (code, code_end, _), (choice, choice_end, _), (_, free_end, _) = results
+    jsonschema.validate(json.loads(person), PERSON)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", code)
+    assert choice in choices
+    # EOS came where each grammar could end (the random model says EOS only when made to).
+    assert (person_end, code_end, choice_end) == ("stop", "stop", "stop")
+    assert free_end == "length"
+    for _, _, request in results[:3]:
+        assert request.grammar.num_consumed == request.num_output_tokens
+
+
+def test_max_tokens_still_ends_a_constrained_request_with_length(builtin_engine):
+    params = SamplingParams(max_tokens=5, temperature=0.0,
+                            structured_output=StructuredOutput("regex", "[a-z]{20}"))
+    ((text, finish, _),) = _run(builtin_engine, ["x"], [params])
+    assert finish == "length"
+    assert re.fullmatch("[a-z]+", text) and len(text) <= 20
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_greedy_output_is_the_same_in_a_cramped_pool_that_preempts(async_scheduling):
+    schema = StructuredOutput.json_schema(PERSON)
+    prompts = [f"person {index}:" for index in range(6)]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, structured_output=schema)] * 6
+    outputs = {}
+    for name, blocks in (("roomy", 256), ("cramped", 24)):
+        engine = LLMEngine(make_engine_config(block_size=4, max_model_len=80, num_kv_blocks=blocks, max_num_seqs=6,
+                                              max_num_batched_tokens=64, async_scheduling=async_scheduling),
+                           "builtin", device="cpu")
+        outputs[name] = [text for text, _, _ in _run(engine, prompts, params)]
+        preemptions = engine.scheduler.counters.preemptions
+        engine.shutdown()
+        if name == "cramped":
+            assert preemptions > 0, "the cramped pool must really preempt"
+    assert outputs["cramped"] == outputs["roomy"]
+    assert all(text.startswith('{"name": "') for text in outputs["roomy"])  # constrained, cut at max_tokens
+
+
+def _char_class(text: str) -> str:
+    return "[" + "".join(f"\\x{{{ord(char):x}}}" for char in sorted(set(text))) + "]*"
+
+
+def test_smollm2_greedy_under_a_constraint_that_admits_its_answer_is_its_answer(smollm2_dir):
+    engine = LLMEngine(make_engine_config(max_model_len=512, num_kv_blocks=64), str(smollm2_dir), device="cpu")
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    (free,) = engine.generate([prompt_ids], greedy)
+    text = engine.tokenizer.decode(free)
+    # Constraints wider than the answer: any string of its characters; it or another choice.
+    for constraint in (StructuredOutput("regex", _char_class(text)), StructuredOutput("choice", (text, "no idea"))):
+        (constrained,) = engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                      structured_output=constraint))
+        assert engine.tokenizer.decode(constrained) == text
+    engine.shutdown()
