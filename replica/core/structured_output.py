@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 import numpy as np
 import torch
 
-from replica.core.request import InvalidRequestError
-from replica.executor.logits_processors import to_device
+from replica.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import llguidance
@@ -242,8 +241,11 @@ class GrammarBitmask:
                 live.append((grammar.matcher, index))
         if live:
             self._executor.unsafe_compute_mask_ptr(live, host.data_ptr(), host.shape[1] * 4, count)
-        return GrammarMask(host.to(self.device, non_blocking=True),
-                           to_device(np.asarray(rows, dtype=np.int64), torch.long, self.device), self._shifts)
+        row_index = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        if self.device.type == "cuda":  # pinned, so the copy never waits for the step in flight
+            row_index = row_index.pin_memory()
+        return GrammarMask(host.to(self.device, non_blocking=True), row_index.to(self.device, non_blocking=True),
+                           self._shifts)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
