@@ -173,6 +173,11 @@ class ClusterConfig(_Strict):
         None, min_length=1, description="Name clients ask for; None = the model directory's name."
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes",
+        description="How chat completions with tool_choice auto find the model's tool calls in its text: hermes "
+        "(<tool_call>{...}</tool_call>: Qwen, Hermes) or llama3_json (a JSON object per call: Llama 3.1+).",
+    )
     device: Device = Field("auto", description="auto = cuda when the replica has a GPU, else cpu.")
     dtype: Dtype = Field("auto", description="Weights and KV cache dtype; auto keeps the checkpoint's.")
     attention_backend: AttentionBackendName = Field(

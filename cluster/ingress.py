@@ -37,6 +37,7 @@ from cluster.openai_api import (
 from cluster.openai_responses import (
     SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
 )
+from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
 from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
@@ -49,6 +50,7 @@ from replica.model.registry import resolve_model_path
 from replica.core.request import InvalidRequestError, validate_prompt
 from replica.server.request_limits import encode_prompt
 from replica.core.scheduler import QueueFullError
+from replica.core.structured_output import GrammarCompiler
 from replica.text.tokenizer import Tokenizer
 from router import metrics as router_metrics
 
@@ -180,6 +182,9 @@ class Ingress:
         self.model_id = config.served_model_id
         self.max_num_seqs = config.engine.max_num_seqs
         self.limits = config.limits.request_limits()
+        self.tool_call_parser = config.tool_call_parser
+        self.compile_timeout_s = config.engine.structured_output_compile_timeout_s
+        self.grammars: Optional[GrammarCompiler] = None  # made by the first constrained request
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
@@ -374,8 +379,9 @@ class Ingress:
     async def _prompts(self, body: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[list[list[int]], list[str]]:
         """Each prompt's token ids, and the text each of its choices opens with (echo)."""
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": message.role, "content": message.text} for message in body.messages]
-            token_ids = await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits)
+            messages = [message.template_message() for message in body.messages]
+            token_ids = await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits,
+                                                    tools=body.template_tools())
             return [token_ids], [body.echo_text]
         token_ids, echo_texts = [], []
         prompts = body.prompts
@@ -389,6 +395,15 @@ class Ingress:
                 token_ids.append(list(prompt))
                 echo_texts.append(self.tokenizer.decode(prompt) if body.echo else "")
         return token_ids, echo_texts
+
+    async def check_constraint(self, constraint: OutputConstraint, info: pb.ModelInfo) -> None:
+        """Compile an output constraint here (cached, within the time bound, off the event loop),
+        so that a bad one is refused naming its parameter before any replica queues it."""
+        if self.grammars is None:
+            eos_token_ids = [info.eos_token_id] if info.eos_token_id >= 0 else []
+            self.grammars = await asyncio.to_thread(GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size,
+                                                    eos_token_ids, self.compile_timeout_s)
+        await asyncio.to_thread(self.grammars.check, constraint.constraint, constraint.param)
 
     @staticmethod
     def _max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,
@@ -415,12 +430,15 @@ class Ingress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             body.check_supported(self.max_num_seqs)
+            constraint = body.output_constraint()
             prompts, echo_texts = await self._prompts(body)
             info = await self.model_info()
+            if constraint is not None:
+                await self.check_constraint(constraint, info)
             choices = []
             for prompt_index, token_ids in enumerate(prompts):
                 base = body.base_sampling_params(self._max_tokens(body, len(token_ids), info.max_model_len),
-                                                 body.num_logprobs)
+                                                 body.num_logprobs, constraint.constraint if constraint else None)
                 for candidate in range(body.num_candidates):
                     choice = Choice(prompt_index * body.num_candidates + candidate, prompt_index, token_ids,
                                     choice_sampling_params(base, candidate))
@@ -431,7 +449,8 @@ class Ingress:
         except InvalidRequestError as error:
             return JSONResponse(invalid_request_body(error, param_for_field), status_code=400)
         bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,
-                                  body.num_logprobs, echo_texts)
+                                  body.num_logprobs, echo_texts,
+                                  body.tool_calling(self.tool_call_parser) if chat else None)
         chunks = self.choice_chunks(choices)
         if body.stream:
             return StreamingResponse(

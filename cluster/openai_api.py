@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API's requests: body parsing with errors in OpenAI's shape that
 name the parameter, the /v1/completions and /v1/chat/completions bodies (OpenAI's fields and
 vLLM's sampling extensions, with vLLM's meanings), and what each choice asks of the engine.
-A parameter the engine cannot honour (tools, response_format, images, ...) is refused by
-name, never silently ignored.
+Structured output and tool calling parameters become one engine constraint
+(cluster/openai_structured.py). A parameter the engine cannot honour (images, audio, ...) is
+refused by name, never silently ignored.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
+from replica.core.structured_output import StructuredOutput
+
 from replica.core.request import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
 
 # Names an OpenAI or vLLM client may send that this server cannot honour, each with the
 # test for a value that asks for something (None, False, "" and the defaults do not).
 _ASKS = lambda value: value not in (None, False, "", [], {})  # noqa: E731
 UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_ASKS, "tool calling is not supported"),
-    "functions": (_ASKS, "function calling is not supported"),
-    "function_call": (lambda value: value not in (None, "none"), "function calling is not supported"),
-    "tool_choice": (lambda value: value not in (None, "none", "auto"), "tool calling is not supported"),
-    "response_format": (lambda value: value not in (None, {"type": "text"}),
-                        "structured output is not supported; only {\"type\": \"text\"}"),
+    "functions": (_ASKS, "the deprecated functions are not supported; use tools"),
+    "function_call": (lambda value: value not in (None, "none"), "the deprecated function_call is not supported; "
+                                                                 "use tool_choice"),
     "audio": (_ASKS, "audio output is not supported"),
     "modalities": (lambda value: value not in (None, ["text"]), "only the text modality is supported"),
     "prediction": (_ASKS, "predicted outputs are not supported"),
@@ -40,11 +41,7 @@ UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "truncate_prompt_tokens": (_ASKS, "prompt truncation is not supported"),
     "skip_special_tokens": (lambda value: value is False, "special tokens are always skipped in the text"),
     "spaces_between_special_tokens": (lambda value: value is False, "not configurable"),
-    "guided_json": (_ASKS, "guided decoding is not supported"),
-    "guided_regex": (_ASKS, "guided decoding is not supported"),
-    "guided_choice": (_ASKS, "guided decoding is not supported"),
-    "guided_grammar": (_ASKS, "guided decoding is not supported"),
-    "structural_tag": (_ASKS, "guided decoding is not supported"),
+    "structural_tag": (_ASKS, "structural tags are not supported; use a JSON schema, regex, choice or grammar"),
     "logits_processors": (_ASKS, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (_ASKS, "not supported"),
     "cache_salt": (_ASKS, "cache_salt is not supported"),
@@ -112,7 +109,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(StructuredOutputFields):
     # Extra keys are kept (not validated) so that a parameter this server cannot honour is
     # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does.
     model_config = ConfigDict(extra="allow")
@@ -195,7 +192,16 @@ class _OpenAIRequest(BaseModel):
         """Sequences generated per prompt: best_of, of which the n most likely are returned."""
         return self.best_of or self.n
 
-    def base_sampling_params(self, max_tokens: int, num_logprobs: Optional[int]) -> SamplingParams:
+    def output_constraint(self) -> Optional[OutputConstraint]:
+        """The one constraint on this request's output, if any; two are refused naming the second."""
+        constraints = self.output_constraints()
+        if len(constraints) > 1:
+            raise InvalidRequestError(constraints[1].param, f"only one output constraint per request; "
+                                                            f"{constraints[0].param} is given too")
+        return constraints[0] if constraints else None
+
+    def base_sampling_params(self, max_tokens: int, num_logprobs: Optional[int],
+                             structured_output: Optional[StructuredOutput] = None) -> SamplingParams:
         defaults = SamplingParams()
         default = lambda value, name: getattr(defaults, name) if value is None else value  # noqa: E731
         return SamplingParams(
@@ -216,6 +222,7 @@ class _OpenAIRequest(BaseModel):
             frequency_penalty=default(self.frequency_penalty, "frequency_penalty"),
             repetition_penalty=default(self.repetition_penalty, "repetition_penalty"),
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            structured_output=structured_output,
         )
 
 
@@ -277,12 +284,45 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[AssistantToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template reads it (Hugging Face's form: a call's arguments as
+        an object where they parse, as vLLM renders them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -305,7 +345,14 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_OpenAIRequest):
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class ChatCompletionRequest(_OpenAIRequest, ToolFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     # Chat has no fixed default: unset means up to the context length, as in OpenAI's API.
     max_tokens: Optional[int] = None
@@ -331,9 +378,21 @@ class ChatCompletionRequest(_OpenAIRequest):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "requires logprobs: true")
         for index, message in enumerate(self.messages):
-            for name in ("tool_calls", "function_call", "audio"):
+            for name in ("function_call", "audio"):
                 if (message.model_extra or {}).get(name):
-                    raise InvalidRequestError(f"messages[{index}].{name}", "tool and function calls are not supported")
+                    raise InvalidRequestError(f"messages[{index}].{name}", "not supported (tool calls are: tool_calls)")
+            if message.tool_calls and message.role != "assistant":
+                raise InvalidRequestError(f"messages[{index}].tool_calls", "only assistant messages hold tool calls")
+        self.tool_mode()  # a named tool_choice must name a tool
+
+    def output_constraint(self) -> Optional[OutputConstraint]:
+        """response_format and the like, or the schema tool_choice required / named imposes."""
+        constraint = super().output_constraint()
+        tool_constraint = self.tool_constraint()
+        if constraint is not None and tool_constraint is not None:
+            raise InvalidRequestError(constraint.param, f"cannot constrain the output of a request whose tool_choice "
+                                                        f"({self.tool_mode()}) constrains it already")
+        return constraint or tool_constraint
 
     @property
     def echo_text(self) -> str:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 from cluster.deployment import GenerationChunk
+from cluster.openai_structured import ToolCalling
+from cluster.tool_parsers import ToolCallOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 # JSON has no -inf; vLLM reports log-probabilities below this as this.
@@ -96,10 +98,11 @@ class CompletionBodies:
     """Response bodies of one /v1/completions or /v1/chat/completions request.
 
     num_logprobs: None when the client asked for no log-probabilities, else the number of
-    alternatives per token. echo_texts: per prompt, text that opens each of its choices."""
+    alternatives per token. echo_texts: per prompt, text that opens each of its choices.
+    tool_calling: a chat request's tools, whose calls its choices' text becomes."""
 
     def __init__(self, kind: Literal["completion", "chat"], request_id: str, model_id: str, token_text: TokenText,
-                 num_logprobs: Optional[int], echo_texts: list[str]):
+                 num_logprobs: Optional[int], echo_texts: list[str], tool_calling: Optional[ToolCalling] = None):
         self.chat = kind == "chat"
         self.request_id = request_id
         self.model_id = model_id
@@ -109,6 +112,8 @@ class CompletionBodies:
         self.created = int(time.time())
         self._text_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
         self._pending: dict[int, ChoiceResult] = {}  # streamed tokens whose text is not out yet
+        self.tool_calling = tool_calling
+        self._tool_outputs: dict[int, ToolCallOutput] = {}  # per streamed choice, with tools
 
     @property
     def _chunk_object(self) -> str:
@@ -144,13 +149,28 @@ class CompletionBodies:
         if not self.chat and pending.token_ids:
             self._text_offsets[index] = self._text_offsets.get(index, 0) + sum(
                 len(self.token_text(token_id)) for token_id in pending.token_ids)
+        finish_reason = chunk.finish_reason
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
+            if self.tool_calling is not None:
+                delta, finish_reason = self._tool_delta(index, chunk)
+                if not delta and finish_reason is None:
+                    return None  # held back: it may be part of a tool call
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": chunk.text, "logprobs": logprobs}
-        choice.update(finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason)
+        choice.update(finish_reason=finish_reason, stop_reason=chunk.stop_reason)
         return self._chunk(choice)
+
+    def _tool_delta(self, index: int, chunk: GenerationChunk) -> tuple[dict[str, Any], Optional[str]]:
+        output = self._tool_outputs.get(index)
+        if output is None:
+            output = self._tool_outputs[index] = ToolCallOutput(self.tool_calling)
+        content, tool_calls, finish_reason = output.feed(chunk.text, chunk.finish_reason)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return delta, finish_reason
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self._chunk_object), "choices": [choice]}
@@ -165,12 +185,15 @@ class CompletionBodies:
         for result in sorted(chosen, key=lambda result: result.index):
             echo = self.echo_texts[result.prompt_index]
             logprobs = self._logprobs(result, len(echo))
+            finish_reason = result.finish_reason
             if self.chat:
                 message = {"role": "assistant", "content": echo + result.text}
+                if self.tool_calling is not None:
+                    message, finish_reason = ToolCallOutput(self.tool_calling).message(result.text, finish_reason)
                 choice = {"index": result.index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": result.index, "text": echo + result.text, "logprobs": logprobs}
-            choice.update(finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+            choice.update(finish_reason=finish_reason, stop_reason=result.stop_reason)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(obj), "choices": choices, "usage": usage(results)}

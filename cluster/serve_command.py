@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default: 8000)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: 9000)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray cluster offers (default: all)")
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                        help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
     add_engine_config_arguments(parser)
 
 
@@ -76,6 +78,8 @@ def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["replicas"] = {"num_replicas": args.replicas}
     if args.policy is not None:
         overrides["router"] = {"policy": args.policy}
+    if args.tool_call_parser is not None:
+        overrides["tool_call_parser"] = args.tool_call_parser
     if engine := engine_overrides_from_args(args):
         overrides["engine"] = engine
     ports = {proxy: port for proxy, port in (("http", args.http_port), ("grpc", args.grpc_port)) if port is not None}

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 import numpy as np
 import torch
 
-from replica.errors import InvalidRequestError
+from replica.core.request import InvalidRequestError
 
 if TYPE_CHECKING:
     import llguidance

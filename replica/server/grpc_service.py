@@ -80,9 +80,10 @@ async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: To
 
 
 async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str,
-                                limits: RequestLimits) -> list[int]:
+                                limits: RequestLimits, tools: Optional[list[dict]] = None) -> list[int]:
     """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI
-    `messages`); the contents are checked against `limits` before anything is rendered."""
+    `messages`, with OpenAI's `tools` as the template's variable); the contents are checked
+    against `limits` before anything is rendered."""
     if not messages:
         raise InvalidRequestError(field, "must hold at least one message")
     for index, message in enumerate(messages):
@@ -91,7 +92,7 @@ async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, f
         check_text(f"{field}[{index}].content", message["content"])
     limits.check_prompt_text(field, "".join(message["content"] for message in messages))
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, tools)
     except ChatTemplateError as error:
         raise InvalidRequestError(field, str(error)) from error
     # The rendered template already holds its special tokens.

@@ -65,16 +65,21 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._fast_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Optional[Sequence[dict[str, Any]]] = None) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins.
 
         The checkpoint's chat template when it has one (rendered as transformers does; a
         conversation it refuses raises ChatTemplateError). Without one the fallback is BOS,
         then "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n". Either way the
         text already holds its special tokens: encode it with add_special_tokens=False.
+        tools: the template's `tools` variable (OpenAI's function tools), as transformers passes them.
         """
         if self.chat_template is not None:
-            return render_chat_template(self.chat_template, messages, **self._template_special_tokens())
+            variables = self._template_special_tokens()
+            if tools:
+                variables["tools"] = list(tools)
+            return render_chat_template(self.chat_template, messages, **variables)
         bos = self._fast_tokenizer.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         turns = "".join(f"<|{message['role']}|>\n{message['content']}\n" for message in messages)
         return f"{bos}{turns}<|assistant|>\n"

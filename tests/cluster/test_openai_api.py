@@ -62,8 +62,9 @@ def test_malformed_and_non_utf8_bodies_are_400_about_the_body():
 
 def test_unhonourable_parameters_are_refused_by_name_and_neutral_values_pass():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    for fields, param in (({"tools": [{"type": "function"}]}, "tools"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
+    for fields, param in (({"functions": [{"name": "f"}]}, "functions"),
+                          ({"function_call": "auto"}, "function_call"),
+                          ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
                           ({"tool_choice": "required"}, "tool_choice")):
         with pytest.raises(InvalidRequestError) as raised:
             parsed(ChatCompletionRequest, **chat, **fields).check_supported(max_choices=8)

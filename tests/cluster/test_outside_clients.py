@@ -3,20 +3,23 @@
 nobody, Prometheus (with deploy/prometheus.yml and the cluster's own target files) fills
 every dashboard panel and fires no alert, the cluster port answers health checks and
 reflection v1 and v1alpha, and the official `openai` client works with the parameters
-people send.
+people send, structured outputs and tool calls included.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import statistics
 import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
 import grpc
+import jsonschema
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -401,6 +404,130 @@ def test_openai_client_chat_logprobs_top5_n2_stream_and_stop(client):
     assert all(choice.finish_reason in ("stop", "length") for choice in two.choices)
 
 
+PERSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user"]},
+    "scores": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}, "maxItems": 3},
+}, "required": ["name", "age", "role", "scores"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_openai_client_json_schema_response_format_validates_streamed_and_whole_with_n2(client):
+    # The built-in model has random weights: left alone it never writes JSON, so every valid
+    # document here is the grammar's doing.
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    whole = client.chat.completions.create(model=APP_NAME, messages=[USER], max_tokens=160, temperature=1.0, seed=5,
+                                           n=2, response_format=response_format)
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON_SCHEMA)
+    stream = client.chat.completions.create(model=APP_NAME, messages=[USER], max_tokens=160, temperature=1.0, seed=5,
+                                            n=2, response_format=response_format, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [choice.message.content for choice in whole.choices]
+
+
+def test_openai_client_parse_returns_the_pydantic_model(client):
+    import pydantic
+
+    class Reading(pydantic.BaseModel):
+        sensor: Literal["a", "b"]
+        value: int = pydantic.Field(ge=0, le=99)
+        ok: bool
+
+    parsed = client.chat.completions.parse(model=APP_NAME, messages=[USER], max_tokens=64, temperature=0,
+                                           response_format=Reading)
+    assert isinstance(parsed.choices[0].message.parsed, Reading)
+
+
+def test_completions_guided_choice_regex_and_structured_outputs_match_streamed_and_whole(client):
+    choices = ["red", "green", "blue"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        whole = client.completions.create(model=APP_NAME, prompt="colour:", max_tokens=8, temperature=1.0, seed=1,
+                                          n=3, extra_body=extra)
+        assert all(choice.text in choices and choice.finish_reason == "stop" for choice in whole.choices)
+    pattern = r"[0-9]{3}-[A-Z]{2}"
+    for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=APP_NAME, prompt="code:", max_tokens=12, temperature=0, stream=True, extra_body=extra)
+            if chunk.choices)
+        assert re.fullmatch(pattern, streamed)
+    grammar = 'start: "yes" | "no" | "n/a"'
+    answer = client.completions.create(model=APP_NAME, prompt="q:", max_tokens=8, temperature=0,
+                                       extra_body={"guided_grammar": grammar})
+    assert answer.choices[0].text in ("yes", "no", "n/a")
+    cut = client.completions.create(model=APP_NAME, prompt="q:", max_tokens=3, temperature=0,
+                                    extra_body={"guided_regex": "[a-z]{10}"})
+    assert cut.choices[0].finish_reason == "length" and re.fullmatch("[a-z]{1,3}", cut.choices[0].text)
+
+
+def _arguments_valid(call, tools) -> None:
+    schema = next(tool["function"]["parameters"] for tool in tools if tool["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_openai_client_tools_required_and_named_return_calls_that_validate(client):
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    required = client.chat.completions.create(model=APP_NAME, messages=messages, tools=tools, tool_choice="required",
+                                              max_tokens=200, temperature=1.0, seed=2)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        _arguments_valid(call, tools)
+    named = client.chat.completions.create(
+        model=APP_NAME, messages=messages, tools=tools, max_tokens=100, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
+    _arguments_valid(call, tools)
+
+    # The call and its result go back into the conversation through the chat template.
+    answered = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"},
+    ]
+    follow_up = client.chat.completions.create(model=APP_NAME, messages=answered, tools=tools, max_tokens=4,
+                                               temperature=0)
+    assert follow_up.choices[0].message.content is not None  # auto: no call in random text, content as is
+    assert not follow_up.choices[0].message.tool_calls
+
+
+def test_streamed_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        kwargs = dict(model=APP_NAME, messages=[USER], tools=tools, tool_choice=tool_choice, max_tokens=200,
+                      temperature=0)
+        whole = client.chat.completions.create(**kwargs)
+        calls: dict[int, dict] = {}
+        finish_reasons = []
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                finish_reasons.append(choice.finish_reason)
+                for delta in choice.delta.tool_calls or ():
+                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    call["name"] += delta.function.name or "" if delta.function else ""
+                    call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        expected = [{"name": call.function.name, "arguments": call.function.arguments}
+                    for call in whole.choices[0].message.tool_calls]
+        assert [calls[index] for index in sorted(calls)] == expected
+        assert finish_reasons[-1] == "tool_calls"
+        for call in whole.choices[0].message.tool_calls:
+            _arguments_valid(call, tools)
+
+
 def test_batched_prompts_echo_and_best_of_through_http(cluster):
     body = {"model": APP_NAME, "prompt": ["one", "two"], "max_tokens": 4, "temperature": 0, "n": 2,
             "echo": True, "ignore_eos": True}
@@ -428,8 +555,8 @@ def test_batched_prompts_echo_and_best_of_through_http(cluster):
 
 def test_unhonourable_parameters_are_400_naming_them(cluster):
     for extra, param in ((
-            {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format")):
+            {"functions": [{"name": "f"}]}, "functions"),
+            ({"structural_tag": {"type": "structural_tag"}}, "structural_tag")):
         response = requests.post(f"{HTTP}/v1/chat/completions", json={
             "model": APP_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
@@ -545,12 +672,33 @@ HTTP_PROBES = [
      400, "messages[0].content"),
     ("content_lone_surrogate", "POST", CHAT, raw(
         '{"model": "builtin", "messages": [{"role": "user", "content": "\\ud800"}]}'), 400, "messages[0].content"),
-    ("assistant_tool_calls", "POST", CHAT, chat(messages=[USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages[1].tool_calls"),
-    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("tool_choice_required", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("user_tool_calls", "POST", CHAT, chat(messages=[{**USER, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages[0].tool_calls"),
+    ("tool_without_name", "POST", CHAT, chat(tools=[{"type": "function", "function": {"description": "d"}}]), 400,
+     "tools[0].function.name"),
+    ("tool_parameters_not_an_object", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "array"}}}]), 400, "tools[0].function.parameters"),
+    ("tool_choice_unknown_function", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                        tool_choice={"type": "function", "function": {"name": "g"}}),
+     400, "tool_choice.function.name"),
+    ("tool_choice_required_without_tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     ("functions", "POST", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
-    ("response_format_json", "POST", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("json_schema_invalid", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}), 400, "response_format.json_schema.schema"),
+    ("json_schema_missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema"),
+    ("response_format_unknown_type", "POST", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    ("guided_regex_unbalanced", "POST", C, completion(guided_regex="a(b"), 400, "guided_regex"),
+    ("guided_grammar_syntax_error", "POST", C, completion(guided_grammar="start: ( "), 400, "guided_grammar"),
+    ("guided_choice_empty", "POST", C, completion(guided_choice=[]), 400, "guided_choice"),
+    ("guided_json_not_json", "POST", C, completion(guided_json="{nope"), 400, "guided_json"),
+    ("two_constraints", "POST", C, completion(guided_regex="a", guided_choice=["b"]), 400, "guided_choice"),
+    ("structured_outputs_unknown_key", "POST", C, completion(structured_outputs={"whitespace_pattern": " "}), 400,
+     "structured_outputs.whitespace_pattern"),
+    ("structured_outputs_empty", "POST", C, completion(structured_outputs={}), 400, "structured_outputs"),
+    ("tool_choice_with_response_format", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+        response_format={"type": "json_object"}), 400, "response_format"),
     ("audio_output", "POST", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
     ("max_completion_tokens_negative", "POST", CHAT, without(chat(max_completion_tokens=-1), "max_tokens"), 400,
      "max_completion_tokens"),

@@ -1,0 +1,232 @@
+"""How an OpenAI (or vLLM) request asks for structured output or tool calls, turned into the
+one engine constraint a request may carry (replica/core/structured_output.py):
+
+- `response_format`: `json_object`, `json_schema` (the schema is always enforced, `strict` or not);
+- vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its older
+  `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`;
+- chat `tools` with `tool_choice`: `"required"` and a named function become a JSON schema the
+  output must match (so any model calls a tool, the default SmolLM2 included), `"auto"` leaves
+  the output free for a tool parser (cluster/tool_parsers.py), `"none"` offers no tools.
+
+Each constraint remembers the parameter it came from, so a bad one is refused naming it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from replica.core.request import InvalidRequestError
+from replica.core.structured_output import StructuredOutput
+
+JsonSchema = Union[dict[str, Any], bool]
+
+
+class OutputConstraint(NamedTuple):
+    constraint: StructuredOutput
+    param: str  # the request body's parameter it came from, as errors name it
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[JsonSchema] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the schema is enforced either way
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")  # vLLM's other knobs are refused by name
+
+    json_: Optional[Union[str, JsonSchema]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
+class StructuredOutputFields(BaseModel):
+    """The request-body fields of structured output, shared by completions and chat."""
+
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_json: Optional[Union[str, JsonSchema]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def output_constraints(self) -> list[OutputConstraint]:
+        """Every constraint the body asks for (callers refuse more than one)."""
+        found = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            found.append(OutputConstraint(StructuredOutput("json_object"), "response_format"))
+        elif response_format is not None and response_format.type == "json_schema":
+            param = "response_format.json_schema"
+            if response_format.json_schema is None:
+                raise InvalidRequestError(param, "required when response_format.type is json_schema")
+            schema = response_format.json_schema.schema_
+            found.append(OutputConstraint(StructuredOutput("json_object") if schema is None
+                                          else _json_schema(schema, f"{param}.schema"), f"{param}.schema"))
+        extras = self.structured_outputs
+        if extras is not None:
+            asked = [(name, value) for name, value in (("json", extras.json_), ("regex", extras.regex),
+                                                      ("choice", extras.choice), ("grammar", extras.grammar))
+                     if value is not None]
+            if extras.json_object:
+                asked.append(("json_object", True))
+            if not asked:
+                raise InvalidRequestError("structured_outputs", "names no constraint (json, regex, choice, grammar "
+                                                                "or json_object)")
+            for name, value in asked:
+                found.append(_constraint(name, value, f"structured_outputs.{name}"))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append(_constraint(name, value, f"guided_{name}"))
+        return found
+
+
+def _constraint(kind: str, value: Any, param: str) -> OutputConstraint:
+    if kind == "json":
+        return OutputConstraint(_json_schema(value, param), param)
+    if kind == "json_object":
+        return OutputConstraint(StructuredOutput("json_object"), param)
+    if kind == "choice":
+        return OutputConstraint(StructuredOutput("choice", tuple(value)), param)
+    return OutputConstraint(StructuredOutput(kind, value), param)
+
+
+def _json_schema(schema: Any, param: str) -> StructuredOutput:
+    try:
+        return StructuredOutput.json_schema(schema)
+    except InvalidRequestError as error:
+        raise InvalidRequestError(param, error.message) from None
+
+
+# ---- tools --------------------------------------------------------------------------------
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(f"must be a JSON schema of type object, got type {value.get('type')!r}")
+        return value
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """What a chat request's tools ask of its output: the mode, the function a named choice
+    forces, the tool parser `auto` reads the output with."""
+
+    mode: ToolMode
+    function_name: Optional[str] = None
+    parser: Optional[str] = None
+
+
+class ToolFields(BaseModel):
+    """The chat request-body fields of tool calling."""
+
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def tool_mode(self) -> ToolMode:
+        """none / auto / required / named, refusing a choice the tools cannot meet."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools or ()]
+            if choice.function.name not in names:
+                raise InvalidRequestError("tool_choice.function.name",
+                                          f"{choice.function.name!r} is not among the tools ({', '.join(names) or 'none given'})")
+            return "named"
+        if not self.tools:
+            if choice == "required":
+                raise InvalidRequestError("tool_choice", "\"required\" needs tools")
+            return "none"
+        return choice or "auto"
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools as the chat template's `tools` variable sees them (Hugging Face's form),
+        None when this request offers none."""
+        if self.tool_mode() == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_constraint(self) -> Optional[OutputConstraint]:
+        """The schema the output must match for `required` (a JSON array of calls) and a
+        named function (its arguments object); None otherwise."""
+        mode = self.tool_mode()
+        if mode == "named":
+            name = self.tool_choice.function.name
+            function = next(tool.function for tool in self.tools if tool.function.name == name)
+            return OutputConstraint(_json_schema(function.parameters_schema, "tool_choice"), "tool_choice")
+        if mode == "required":
+            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+                {"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                  "arguments": tool.function.parameters_schema},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for tool in self.tools
+            ]}}
+            if self.parallel_tool_calls is False:
+                calls["maxItems"] = 1
+            return OutputConstraint(_json_schema(calls, "tools"), "tools")
+        return None
+
+    def tool_calling(self, parser: Optional[str]) -> Optional[ToolCalling]:
+        mode = self.tool_mode()
+        if mode == "none":
+            return None
+        return ToolCalling(mode, self.tool_choice.function.name if mode == "named" else None,
+                           parser if mode == "auto" else None)
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
