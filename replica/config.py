@@ -8,6 +8,7 @@ the TTFT-SLO policy (replica/core/slo.py) and are inert under the other policies
 from __future__ import annotations
 
 import logging
+import os
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,6 +18,7 @@ from replica.model.fused_ops import DEFAULT_FUSED_OPS, FUSED_OPS_NAMES
 
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
 FusedOpsName = Literal[FUSED_OPS_NAMES]  # type: ignore[valid-type]
 
 logger = logging.getLogger(__name__)
@@ -123,12 +125,46 @@ class EngineConfig(BaseModel):
         "triton or compile (torch.compile of the reference).",
     )
 
+    num_host_kv_blocks: int = Field(
+        0, ge=0,
+        description="KV blocks of the host-memory tier (pinned on CUDA): preempted requests swap into it and "
+        "prefix-cache blocks evicted from the device spill into it. 0 (with host_kv_bytes unset): no host tier.",
+    )
+    host_kv_bytes: Optional[int] = Field(
+        None, gt=0,
+        description="The host tier's size in bytes instead of num_host_kv_blocks (turned into whole blocks of the "
+        "model at start); must fit the host's memory.",
+    )
+    preemption_mode: PreemptionMode = Field(
+        "auto",
+        description="What a preempted request's KV becomes: recompute (dropped, re-prefilled later), swap (copied to "
+        "the host tier and back; recompute when the tier is full) or auto (per victim, whichever costs less time).",
+    )
+    preemption_recompute_s_per_token: Optional[float] = Field(
+        None, gt=0,
+        description="Seconds one token takes to re-prefill, for the auto preemption mode; None: measured at start.",
+    )
+    preemption_swap_bytes_per_s: Optional[float] = Field(
+        None, gt=0,
+        description="Device<->host copy bandwidth in bytes per second, for the auto preemption mode; None: measured "
+        "at start.",
+    )
+
     @model_validator(mode="after")
     def _check_consistency(self) -> "EngineConfig":
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark: must be in [0, 1), got {self.watermark}")
+        if self.host_kv_bytes is not None and self.num_host_kv_blocks:
+            raise ConfigError("host_kv_bytes: set it or num_host_kv_blocks, not both")
+        if self.host_kv_bytes is not None and self.host_kv_bytes > host_memory_bytes():
+            raise ConfigError(f"host_kv_bytes: {self.host_kv_bytes} bytes exceeds the host's memory "
+                              f"({host_memory_bytes()} bytes)")
+        if self.has_host_tier and getattr(self, "tensor_parallel_size", 1) > 1:
+            raise ConfigError("num_host_kv_blocks: the host KV tier does not run with tensor_parallel_size > 1 yet")
+        if self.preemption_mode == "swap" and not self.has_host_tier:
+            raise ConfigError("preemption_mode: 'swap' needs a host KV tier (set num_host_kv_blocks or host_kv_bytes)")
         if self.max_model_len is None:  # checked once the model's context is known (resolve_max_model_len)
             return self
         blocks_per_max_seq = -(-self.max_model_len // self.block_size)
@@ -144,6 +180,10 @@ class EngineConfig(BaseModel):
                 f"({self.max_model_len}) or long prompts could never run; got {self.max_num_batched_tokens}"
             )
         return self
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.num_host_kv_blocks > 0 or self.host_kv_bytes is not None
 
     @property
     def pool_tokens(self) -> int:
@@ -167,6 +207,11 @@ class EngineConfig(BaseModel):
         return int(self.watermark * self.num_usable_blocks)
 
 
+def host_memory_bytes() -> int:
+    """The host's physical memory: the bound of the host KV tier."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def make_engine_config(**overrides) -> EngineConfig:
     """Build an EngineConfig, turning pydantic's errors into one ConfigError naming the field."""
     from pydantic import ValidationError
@@ -180,6 +225,21 @@ def make_engine_config(**overrides) -> EngineConfig:
         if isinstance(ctx_error, ConfigError):
             raise ctx_error from None
         raise ConfigError(f"{loc or 'config'}: {first['msg']}") from None
+
+
+def resolve_host_kv_blocks(config: EngineConfig, bytes_per_block: int) -> EngineConfig:
+    """`config` with its host KV tier in blocks of `bytes_per_block` (a block's keys and values
+    across all layers), checked against the host's memory."""
+    if config.host_kv_bytes is not None:
+        num_blocks = config.host_kv_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(f"host_kv_bytes: {config.host_kv_bytes} bytes hold no KV block of this model "
+                              f"({bytes_per_block} bytes)")
+        return make_engine_config(**{**config.model_dump(), "host_kv_bytes": None, "num_host_kv_blocks": num_blocks})
+    if config.num_host_kv_blocks * bytes_per_block > host_memory_bytes():
+        raise ConfigError(f"num_host_kv_blocks: {config.num_host_kv_blocks} blocks of {bytes_per_block} bytes exceed "
+                          f"the host's memory ({host_memory_bytes()} bytes)")
+    return config
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig:

@@ -16,12 +16,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from replica.model.registry import resolve_model_path
-from replica.config import EngineConfig, make_engine_config, resolve_max_model_len
+from replica.config import EngineConfig, make_engine_config, resolve_host_kv_blocks, resolve_max_model_len
 from replica.core.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
 from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
+from replica.executor.preemption_profile import preemption_costs
 from replica.executor.model_runner import StepInFlight
 from replica.executor.logits_processors import TopLogprobs
 from replica.core.request import Request, RequestStatus, SamplingParams, StopReason
@@ -172,6 +173,9 @@ class LLMEngine:
         if config.gpu_memory_utilization is not None and on_cuda:
             config = make_engine_config(**{**config.model_dump(), "num_kv_blocks": profile_num_kv_blocks(
                 self.model, self.model_config, config, self.device)})
+        if config.has_host_tier:
+            config = resolve_host_kv_blocks(config, kv_cache_bytes_per_block(
+                self.model_config, config.block_size, next(self.model.parameters()).dtype))
         self.config = config
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
@@ -183,6 +187,10 @@ class LLMEngine:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; every step runs eagerly",
                            self.model.attn_backend.name)
         self.runner = ModelRunner(self.model, self.model_config, config, self.device, cuda_graphs=cuda_graphs)
+        if config.num_host_kv_blocks:  # what swapping a victim costs against recomputing it, per token and block
+            self.scheduler.preemption.costs = preemption_costs(self.model, self.model_config, config, self.device,
+                                                               self.runner.kv_swap)
+            self.scheduler.kv_block_bytes = self.runner.kv_swap.bytes_per_block
         self.async_scheduling = on_cuda if config.async_scheduling is None else config.async_scheduling
         self._in_flight: Optional[_LaunchedStep] = None  # the step launched but not yet updated (overlap)
         self.last_step = StepTiming()

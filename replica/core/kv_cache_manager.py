@@ -1,5 +1,7 @@
-"""Per-request view of the block pool: which blocks a request holds, prefix-cache lookups
-over a hash chain of full blocks, and `allocate_slots`, which says no when memory is short.
+"""Per-request view of the block pools: which blocks a request holds, prefix-cache lookups
+over a hash chain of full blocks, `allocate_slots`, which says no when memory is short, and
+(with a host tier) the blocks a swapped-out request holds in host memory and the copies
+between the tiers each step needs.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from typing import Optional, Sequence
 
 from protos.block_hash import extend_block_hashes
 from replica.core.block_pool import BlockPool, KVBlock
+from replica.core.host_pool import BlockCopies, HostBlockPool
 from replica.core.kv_events import KVEvent
 from replica.core.request import Request
 
@@ -17,10 +20,22 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        self.host_pool: Optional[HostBlockPool] = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        # Swapped-out requests: the host blocks holding their KV, and how many tokens that is.
+        self.req_to_host_blocks: dict[str, list[KVBlock]] = {}
+        self.num_swapped_tokens: dict[str, int] = {}
+        # This step's copies, taken by the scheduler into its output (take_block_copies).
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        # Host blocks this step's swap-ins read: held until the step's copies are taken, so no
+        # swap-out of the same step (copied first) can overwrite them.
+        self._host_blocks_read: list[KVBlock] = []
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading full blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -234,11 +249,81 @@ class KVCacheManager:
                     break
 
     def free(self, request: Request) -> None:
+        """Return every block the request holds, on the device and (swapped out) on the host."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.num_request_blocks -= len(blocks)
             self.pool.free_blocks(reversed(blocks))
+        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
+        if host_blocks is not None:
+            del self.num_swapped_tokens[request.request_id]
+            self.host_pool.free_blocks(reversed(host_blocks))
+
+    # ---- the host tier -----------------------------------------------------------------
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_usable_blocks if self.host_pool is not None else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool is not None else 0
+
+    def num_swappable_tokens(self, request: Request) -> int:
+        """Computed tokens a swap would keep: all but the request's last known token, whose
+        logits its next step must produce (with async scheduling a token still being sampled
+        is dropped by preemption, as under recompute, and sampled again)."""
+        return max(0, min(request.num_computed_tokens, len(request.all_token_ids) - 1))
+
+    def num_swap_blocks(self, request: Request) -> int:
+        return cdiv(self.num_swappable_tokens(request), self.block_size)
+
+    def can_swap_out(self, request: Request) -> bool:
+        num_blocks = self.num_swap_blocks(request)
+        return self.host_pool is not None and num_blocks > 0 and self.host_pool.can_hold(num_blocks)
+
+    def swap_out(self, request: Request) -> int:
+        """Copy the request's computed KV into host blocks it then holds and free its device
+        blocks (shared prefix blocks stay with their other holders); returns the tokens kept.
+        The copies run at the start of this step, before anything overwrites the freed blocks."""
+        num_tokens = self.num_swappable_tokens(request)
+        device_blocks = self.req_to_blocks[request.request_id][:cdiv(num_tokens, self.block_size)]
+        host_blocks = self.host_pool.take(len(device_blocks))
+        self._swap_out.extend((device.block_id, host.block_id) for device, host in zip(device_blocks, host_blocks))
+        self.free(request)
+        self.req_to_host_blocks[request.request_id] = host_blocks
+        self.num_swapped_tokens[request.request_id] = num_tokens
+        self.swapped_out_blocks += len(host_blocks)
+        return num_tokens
+
+    def swap_in(self, request: Request, num_hit_blocks: int) -> int:
+        """Plan the copies that bring a swapped-out request's KV back into the device blocks
+        allocate_slots just gave it, past the `num_hit_blocks` leading blocks the device's
+        prefix cache already had; its host blocks are freed once the copies are taken.
+        Returns the number of blocks copied."""
+        request_id = request.request_id
+        host_blocks = self.req_to_host_blocks.pop(request_id)
+        del self.num_swapped_tokens[request_id]
+        device_blocks = self.req_to_blocks[request_id]
+        copies = [(host.block_id, device.block_id)
+                  for host, device in zip(host_blocks[num_hit_blocks:], device_blocks[num_hit_blocks:])]
+        self._swap_in.extend(copies)
+        self._host_blocks_read.extend(host_blocks)
+        self.swapped_in_blocks += len(copies)
+        return len(copies)
+
+    def take_block_copies(self) -> Optional[BlockCopies]:
+        """The copies planned since the previous call (once per step, with the step's output),
+        or None. The host blocks those swap-ins read become free now: later steps' copies are
+        issued after this step's, in order."""
+        if self._host_blocks_read:
+            self.host_pool.free_blocks(reversed(self._host_blocks_read))
+            self._host_blocks_read = []
+        if not self._swap_out and not self._swap_in:
+            return None
+        copies = BlockCopies(tuple(self._swap_out), tuple(self._swap_in))
+        self._swap_out, self._swap_in = [], []
+        return copies
 
     # ---- preemption cost ---------------------------------------------------------------
     def rebuild_cost(self, request: Request) -> int:

@@ -4,7 +4,9 @@ requests first and waiting ones next.
 There is no prefill phase and no decode phase. Each request's `num_computed_tokens` chases
 its `num_tokens`; a step gives each request a slice of the budget, so long prompts are
 prefilled in chunks that ride along with decodes. When blocks run out, a victim is
-preempted and later recomputed from scratch (its output tokens are kept). Under the "slo"
+preempted: its KV is either dropped and later recomputed (its output tokens are kept) or,
+with a host KV tier, swapped to host memory and copied back when it resumes, whichever the
+preemption mode picks for it (replica/core/preemption_mode.py). Under the "slo"
 policy a step's forward pass may also be aborted (`abort_step`) to let an urgent request in.
 """
 
@@ -19,7 +21,9 @@ from typing import Callable, Mapping, Optional
 from replica.core.admission import GrowthLedger
 from replica.config import EngineConfig
 from replica.core.kv_cache_manager import KVCacheManager, cdiv
+from replica.core.host_pool import BlockCopies
 from replica.core.load import SchedulerLoad
+from replica.core.preemption_mode import SWAP, PreemptionPlanner
 from replica.core.victim_policy import VICTIM_POLICIES
 from replica.core.request import InvalidRequestError, Request, RequestStatus, validate_request
 from replica.core.request_queue import make_waiting_queue
@@ -57,6 +61,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str]
     # Requests that finished or were aborted since the previous step: runners drop their state.
     finished_req_ids: list[str]
+    # Copies between the device and host KV tiers to run before this step's forward pass.
+    block_copies: Optional[BlockCopies] = None
 
     @property
     def is_empty(self) -> bool:
@@ -74,8 +80,11 @@ class TokenUpdate:
 
 @dataclass
 class SchedulerCounters:
-    preemptions: int = 0
+    preemptions: int = 0  # of either mode
+    swap_preemptions: int = 0  # of those, the victims swapped to the host tier
     recomputed_tokens: int = 0  # computed tokens thrown away by preemption and computed again
+    # Computed tokens a preemption kept by swapping, which recompute would have computed again.
+    recompute_tokens_avoided: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     scheduled_tokens: int = 0
@@ -102,7 +111,14 @@ class Scheduler:
         self.config = config
         self.vocab_size = vocab_size
         self.clock = clock
-        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        if config.host_kv_bytes is not None and not config.num_host_kv_blocks:
+            raise ValueError("Scheduler: config.host_kv_bytes is not in blocks yet; the engine turns it into "
+                             "num_host_kv_blocks for the model")
+        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                       num_host_blocks=config.num_host_kv_blocks)
+        # Per victim: recompute or swap (the engine sets the costs it measured at start).
+        self.preemption = PreemptionPlanner(config.preemption_mode, self.kv_cache)
+        self.kv_block_bytes = 0  # of one block across layers, for the swap byte counts (the engine knows it)
         self.ttft_predictor = TTFTPredictor.from_config(config)
         self.waiting = make_waiting_queue(config.scheduling_policy, self._urgency, clock)
         self.running: list[Request] = []
@@ -174,6 +190,7 @@ class Scheduler:
         it finds cached now; returns how many of those cached blocks other requests hold
         (memory it will share rather than claim)."""
         hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+        num_hit_tokens = max(num_hit_tokens, self.kv_cache.num_swapped_tokens.get(request.request_id, 0))
         self._waiting_hit_tokens[request.request_id] = num_hit_tokens
         self.waiting_prefill_tokens += request.num_tokens - num_hit_tokens
         return sum(1 for block in hit_blocks if block.ref_cnt > 0)
@@ -228,12 +245,14 @@ class Scheduler:
                 new_blocks = kv_cache.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim_index = self.select_victim(running, kv_cache)
+                victim_index = self.select_victim(running, self.preemption.cost)
                 victim = running[victim_index]
                 undone = next((entry for entry in scheduled if entry.request is victim), None)
                 if undone is not None:  # the victim already had its slice of this step
                     scheduled.remove(undone)
                     token_budget += undone.num_new_tokens
+                    # Its slice registered full blocks in the prefix cache that will never be written.
+                    kv_cache.forget_unwritten_blocks([victim])
                 self._preempt(victim_index)
                 preempted.append(victim)
                 if victim is request:
@@ -274,6 +293,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             preempted_req_ids=slo_preempted_ids + [r.request_id for r in preempted],
             finished_req_ids=finished_ids,
+            block_copies=kv_cache.take_block_copies(),
         )
 
     def _step_tokens(self, num_remaining: int, token_budget: int) -> Optional[int]:
@@ -294,7 +314,10 @@ class Scheduler:
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
-            num_new_tokens = self._step_tokens(request.num_tokens - num_hit_tokens, token_budget)
+            # A swapped-out request starts where it stopped: its host blocks are copied back.
+            num_restored = kv_cache.num_swapped_tokens.get(request.request_id, 0)
+            num_start = max(num_hit_tokens, num_restored)
+            num_new_tokens = self._step_tokens(request.num_tokens - num_start, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
             watermark_blocks = self._admission_reserve_blocks()
@@ -314,7 +337,7 @@ class Scheduler:
             def allocate(share: float) -> Optional[list]:
                 """With this share of the growth reserve left free (none: the optimistic check)."""
                 return kv_cache.allocate_slots(
-                    request, num_new_tokens, hit_blocks, num_hit_tokens,
+                    request, num_new_tokens, hit_blocks, num_start,
                     reserved_blocks=watermark_blocks + int(growth_blocks * share),
                     num_tokens_to_fit=request.num_tokens + int(own_growth * share)
                     if growth.reserves_growth and share > 0 else optimistic_fit,
@@ -332,17 +355,20 @@ class Scheduler:
                         self.counters.admissions_relaxed += 1
             if new_blocks is None:
                 if growth.reserves_growth:
-                    self._count_held_admission(request, num_new_tokens, hit_blocks, num_hit_tokens)
+                    self._count_held_admission(request, num_new_tokens, hit_blocks, num_start)
                 break  # head-of-line: later requests do not overtake
 
             self.waiting.pop()
             self._uncount_waiting(request)
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+            if num_restored:
+                kv_cache.swap_in(request, len(hit_blocks))
+                self.counters.recompute_tokens_avoided += max(0, num_restored - num_hit_tokens)
             if request.num_computed_tokens_lost:
-                self.counters.recomputed_tokens += max(0, request.num_computed_tokens_lost - num_hit_tokens)
+                self.counters.recomputed_tokens += max(0, request.num_computed_tokens_lost - num_start)
                 request.num_computed_tokens_lost = 0
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_start
             request.num_cached_tokens = num_hit_tokens
             request.admitted_time = now
             if request.first_admitted_time is None:
@@ -351,7 +377,7 @@ class Scheduler:
             growth.admitted(request)
             scheduled.append(
                 ScheduledRequest(
-                    request, num_new_tokens, num_hit_tokens, kv_cache.get_block_ids(request.request_id), True
+                    request, num_new_tokens, num_start, kv_cache.get_block_ids(request.request_id), True
                 )
             )
             token_budget -= num_new_tokens
@@ -392,12 +418,19 @@ class Scheduler:
         self._last_preemption_time = self.clock()
         request.num_preemptions += 1
         self.counters.preemptions += 1
-        self._requeue(request)
+        mode, _ = self.preemption.choose(request)
+        if mode == SWAP:
+            self.counters.swap_preemptions += 1
+        self._requeue(request, swap=mode == SWAP)
 
-    def _requeue(self, request: Request) -> None:
+    def _requeue(self, request: Request, swap: bool = False) -> None:
         """Free a request taken off `running` and put it back at the front of the waiting
-        queue, to be recomputed (its output tokens are kept)."""
-        self.kv_cache.free(request)
+        queue, to be recomputed (its output tokens are kept) or, when `swap`, with its KV
+        copied to host blocks it keeps until it resumes."""
+        if swap:
+            self.kv_cache.swap_out(request)
+        else:
+            self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens_lost = request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -522,6 +555,27 @@ class Scheduler:
             return growth.peak_reserve_blocks(self.running, self.waiting, kv_cache)
         return growth.growth_blocks(kv_cache.num_request_blocks)
 
+    def _check_host_tier(self, waiting_ids: set[str]) -> None:
+        """Host blocks are held by swapped-out waiting requests (and, within a step, by the
+        swap-ins reading them) and by nothing else: none leaks, none is free and held."""
+        kv_cache, host_pool = self.kv_cache, self.kv_cache.host_pool
+        assert set(kv_cache.req_to_host_blocks) <= waiting_ids, "a request that is not waiting holds host blocks"
+        assert set(kv_cache.req_to_host_blocks) == set(kv_cache.num_swapped_tokens)
+        if host_pool is None:
+            assert not kv_cache.req_to_host_blocks
+            return
+        for request_id, host_blocks in kv_cache.req_to_host_blocks.items():
+            assert len(host_blocks) == cdiv(kv_cache.num_swapped_tokens[request_id], kv_cache.block_size)
+        holders: dict[int, int] = {}
+        for block in itertools.chain(itertools.chain.from_iterable(kv_cache.req_to_host_blocks.values()),
+                                     kv_cache._host_blocks_read):
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        free_ids = {block.block_id for block in host_pool.free_queue}
+        for block in host_pool.blocks[1:]:
+            assert block.ref_cnt == holders.get(block.block_id, 0), f"host {block} has {holders.get(block.block_id, 0)} holders"
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"host {block} free-queue membership is wrong"
+        assert len(free_ids) == host_pool.num_free_blocks
+
     def check_invariants(self) -> None:
         """Assert the engine's structural invariants (for tests; O(blocks + requests))."""
         waiting = list(self.waiting)
@@ -545,6 +599,7 @@ class Scheduler:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} has {holders.get(block.block_id, 0)} holders"
             assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{block} free-queue membership is wrong"
         assert len(free_ids) == kv_cache.num_free_blocks
+        self._check_host_tier(waiting_ids)
         # The committed-KV figure load() reports, recomputed from scratch.
         held = {request_id: len(blocks) for request_id, blocks in kv_cache.req_to_blocks.items()}
         final = {r.request_id: cdiv(self.growth.final_tokens(r), kv_cache.block_size) for r in self.requests.values()}

@@ -26,6 +26,7 @@ import torch
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import EngineConfig
 from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
+from replica.executor.kv_swap import KVSwapper
 from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
@@ -108,6 +109,9 @@ class ModelRunner:
             model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
             model_config.num_key_value_heads, model_config.head_dim, self.dtype, self.device,
         )
+        # The host KV tier: its memory and the block copies each step's SchedulerOutput asks for.
+        self.kv_swap = (KVSwapper(self.kv_caches, config.num_host_kv_blocks, self.device)
+                        if config.num_host_kv_blocks else None)
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.rows = RequestRows(self.max_num_seqs, max_blocks_per_seq, model_config.vocab_size, self.device)
         # Room for a step's block-table changes in the one copy: every token of the budget
@@ -209,6 +213,8 @@ class ModelRunner:
             rows.remove(request_id)
         for request_id in scheduler_output.preempted_req_ids:
             rows.remove(request_id)
+        if scheduler_output.block_copies is not None:  # before anything this step reads or overwrites
+            self.kv_swap.copy(scheduler_output.block_copies)
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return StepInFlight([], [])

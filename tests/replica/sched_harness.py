@@ -114,6 +114,7 @@ def run_to_completion(
     else:
         raise AssertionError("requests did not finish: a request is stuck")
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_usable_blocks, "leaked KV blocks"
+    assert scheduler.kv_cache.num_free_host_blocks == scheduler.kv_cache.num_host_blocks, "leaked host KV blocks"
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 

@@ -234,8 +234,8 @@ def test_cheapest_victim_is_the_request_with_least_unshared_computed_work():
     run_step(scheduler)
     costs = {r.request_id: scheduler.kv_cache.rebuild_cost(r) for r in scheduler.running}
     assert costs == {"unique": 20, "shares_a": 8, "shares_b": 4, "newest": 12}
-    assert scheduler.running[cheapest_victim(scheduler.running, scheduler.kv_cache)].request_id == "shares_b"
-    assert scheduler.running[fcfs_victim(scheduler.running, scheduler.kv_cache)].request_id == "newest"
+    assert scheduler.running[cheapest_victim(scheduler.running, scheduler.preemption.cost)].request_id == "shares_b"
+    assert scheduler.running[fcfs_victim(scheduler.running, scheduler.preemption.cost)].request_id == "newest"
 
 
 def test_abort_frees_blocks_at_once_and_leaves_others_running():

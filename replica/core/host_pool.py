@@ -1,0 +1,44 @@
+"""The host-memory tier of the KV cache: a second, larger and slower pool of blocks beside
+the device pool, with its own free list, LRU order and prefix-hash index.
+
+A host block holds a copy of a device block's KV. It is referenced by a request swapped out
+by preemption (until it is swapped back in or aborted), and its hash, when the block was a
+full prefix-cache block, stays findable after it is freed, until the free list hands the
+block out again, least recently freed first: the same lazy eviction as the device pool's.
+The copies themselves are the executor's (replica/executor/kv_swap.py); this pool only
+decides which host block receives or provides which KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replica.core.block_pool import BlockPool, KVBlock
+
+
+class HostBlockPool(BlockPool):
+    """`num_blocks` usable host blocks, ids 1..num_blocks (0 is the pool's unused null block,
+    kept so block ids index the host KV tensor as device ids index the device cache)."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        super().__init__(num_blocks + 1)
+
+    def can_hold(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks can be taken now (cached-free blocks count: they are evicted)."""
+        return num_blocks <= self.num_free_blocks
+
+    def take(self, num_blocks: int) -> list[KVBlock]:
+        """`num_blocks` blocks, each with one reference, evicting the least recently freed."""
+        return self.get_new_blocks(num_blocks)
+
+
+@dataclass(frozen=True)
+class BlockCopies:
+    """The whole-block copies between the tiers one step needs before its forward pass: every
+    swap-out first (its device blocks may be handed to this very step's new KV), then every
+    swap-in (its device blocks are read by this step's attention)."""
+
+    swap_out: tuple[tuple[int, int], ...]  # (device block id, host block id)
+    swap_in: tuple[tuple[int, int], ...]  # (host block id, device block id)

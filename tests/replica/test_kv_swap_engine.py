@@ -1,0 +1,110 @@
+"""The host KV tier through the whole engine on the built-in model: a cramped pool that
+swaps, the same pool recomputing and a roomy pool that never preempts produce the same
+tokens, greedy and seeded, with the real block copies between the device cache and host
+memory; each paired with a probe that the swap happened, and no block of either pool leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replica.config import make_engine_config
+from replica.core.engine import LLMEngine
+from replica.core.preemption_mode import UNMEASURED_COSTS
+from replica.core.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=7, ignore_eos=True)
+# Rates given, so the engines skip the start-up measurement (one test measures them).
+FIXED_COSTS = dict(preemption_recompute_s_per_token=1e-3, preemption_swap_bytes_per_s=1e9)
+
+
+def _engine(num_kv_blocks: int, **overrides) -> LLMEngine:
+    config = dict(block_size=4, max_model_len=40, max_num_batched_tokens=64, max_num_seqs=8,
+                  num_kv_blocks=num_kv_blocks, **FIXED_COSTS)
+    return LLMEngine(make_engine_config(**{**config, **overrides}), "builtin", device="cpu")
+
+
+def _prompts(shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 250) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, 250) for _ in range(n)] for n in (3, 5, 6, 9, 4, 7)]
+
+
+def _check_pools_empty(engine: LLMEngine) -> None:
+    kv_cache = engine.scheduler.kv_cache
+    engine.scheduler.check_invariants()
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks, "leaked device blocks"
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks, "leaked host blocks"
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    engine = _engine(256)
+    outputs = {(params.seed, shared): engine.generate(_prompts(shared), params)
+               for params in (GREEDY, SEEDED) for shared in (0, 12)}
+    assert engine.scheduler.counters.preemptions == 0
+    return outputs
+
+
+@pytest.mark.parametrize("params, async_scheduling", [(GREEDY, False), (SEEDED, False), (GREEDY, True)],
+                         ids=["greedy", "seeded", "greedy-async"])
+def test_cramped_swap_equals_cramped_recompute_equals_a_roomy_pool(roomy, params, async_scheduling):
+    # 10 usable blocks of 4 tokens for six requests growing to 19-25 tokens each.
+    swap = _engine(11, num_host_kv_blocks=64, preemption_mode="swap", async_scheduling=async_scheduling)
+    recompute = _engine(11, preemption_mode="recompute", async_scheduling=async_scheduling)
+    assert swap.generate(_prompts(), params) == recompute.generate(_prompts(), params) == roomy[(params.seed, 0)]
+    counters = swap.scheduler.counters
+    assert counters.swap_preemptions == counters.preemptions > 0, "the cramped pool must really swap"
+    assert swap.scheduler.kv_cache.swapped_in_blocks > 0 and counters.recompute_tokens_avoided > 0
+    assert recompute.scheduler.counters.recomputed_tokens > 0 and recompute.scheduler.counters.swap_preemptions == 0
+    _check_pools_empty(swap)
+    _check_pools_empty(recompute)
+
+
+def test_swapped_requests_sharing_prefix_blocks_resume_on_the_device_copy(roomy):
+    engine = _engine(14, num_host_kv_blocks=64, preemption_mode="swap")
+    assert engine.generate(_prompts(12), GREEDY) == roomy[(None, 12)]
+    kv_cache = engine.scheduler.kv_cache
+    assert engine.scheduler.counters.swap_preemptions > 0
+    assert kv_cache.prefix_cache_hits > 0, "the prompts must share cached prefix blocks"
+    _check_pools_empty(engine)
+
+
+def test_a_request_aborted_on_the_host_frees_its_host_blocks_and_the_rest_are_unchanged(roomy):
+    engine = _engine(11, num_host_kv_blocks=64, preemption_mode="swap")
+    requests = [engine.make_request(f"r{i}", prompt, GREEDY) for i, prompt in enumerate(_prompts())]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    kv_cache = engine.scheduler.kv_cache
+    while not kv_cache.req_to_host_blocks:
+        engine.step()
+    swapped_id = next(iter(kv_cache.req_to_host_blocks))
+    engine.abort_request(swapped_id)
+    assert not kv_cache.req_to_host_blocks and kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = roomy[(None, 0)]
+    assert [r.output_token_ids for r in requests if r.request_id != swapped_id] == [
+        tokens for r, tokens in zip(requests, expected) if r.request_id != swapped_id]
+    _check_pools_empty(engine)
+
+
+def test_a_full_host_pool_falls_back_to_recompute_with_the_same_tokens(roomy):
+    engine = _engine(11, num_host_kv_blocks=4, preemption_mode="swap")
+    assert engine.generate(_prompts(), GREEDY) == roomy[(None, 0)]
+    counters = engine.scheduler.counters
+    assert 0 < counters.swap_preemptions < counters.preemptions, "some victims swap, some find the host full"
+    assert counters.recomputed_tokens > 0
+    _check_pools_empty(engine)
+
+
+def test_the_engine_measures_the_preemption_costs_it_is_not_given():
+    engine = LLMEngine(make_engine_config(block_size=4, max_model_len=64, num_kv_blocks=32, num_host_kv_blocks=8),
+                       "builtin", device="cpu")
+    costs = engine.scheduler.preemption.costs
+    assert costs != UNMEASURED_COSTS and costs.recompute_s_per_token > 0 and costs.swap_s_per_block > 0
+    assert engine.scheduler.kv_block_bytes == engine.runner.kv_swap.bytes_per_block > 0
+    given = _engine(32, num_host_kv_blocks=8)
+    assert given.scheduler.preemption.costs.recompute_s_per_token == FIXED_COSTS["preemption_recompute_s_per_token"]
