@@ -125,6 +125,13 @@ class EngineConfig(BaseModel):
         "triton or compile (torch.compile of the reference).",
     )
 
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="Ranks (devices) one replica's model and KV cache are sharded across, Megatron-style: worker "
+        "processes beside the engine core, gloo on CPU, NCCL on CUDA. Must divide the model's attention heads, "
+        "MLP width and vocabulary, and its KV heads or be a multiple of them (checked at start).",
+    )
+
     num_host_kv_blocks: int = Field(
         0, ge=0,
         description="KV blocks of the host-memory tier (pinned on CUDA): preempted requests swap into it and "

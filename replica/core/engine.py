@@ -29,7 +29,11 @@ from replica.core.request import Request, RequestStatus, SamplingParams, StopRea
 from replica.core.structured_output import GrammarCompiler
 from replica.core.scheduler import QueueFullError, Scheduler, SchedulerLoad, SchedulerOutput
 from replica.core.slo import ttft_deadline as _ttft_deadline
-from replica.core.slo_monitor import SLOMonitor
+from replica.core.slo_monitor import SLOAbort, SLOMonitor
+from replica.executor.step_abort import StepAborted
+from replica.parallel.executor import TensorParallelRunner, start_tensor_parallel
+from replica.parallel.group import NO_TENSOR_PARALLEL
+from replica.parallel.vote import TensorParallelVote
 from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -160,8 +164,11 @@ class LLMEngine:
         self.model_name = str(model)
         self.device = torch.device(device) if device else default_device()
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        # Tensor parallelism: worker processes for ranks 1..N-1; this process is rank 0.
+        self.tp_workers = start_tensor_parallel(config, model_dir, self.device, dtype, attention_backend)
         self.model, self.model_config = load_model(
-            model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend, fused_ops=config.fused_ops
+            model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend, fused_ops=config.fused_ops,
+            tp=self.tp_workers.tp if self.tp_workers is not None else NO_TENSOR_PARALLEL,
         )
         config = resolve_max_model_len(config, self.model_config.max_model_len)
         on_cuda = self.device.type == "cuda"
@@ -186,7 +193,10 @@ class LLMEngine:
         if on_cuda and not config.enforce_eager and not graph_safe_backend:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; every step runs eagerly",
                            self.model.attn_backend.name)
-        self.runner = ModelRunner(self.model, self.model_config, config, self.device, cuda_graphs=cuda_graphs)
+        if self.tp_workers is None:
+            self.runner = ModelRunner(self.model, self.model_config, config, self.device, cuda_graphs=cuda_graphs)
+        else:
+            self.runner = TensorParallelRunner(self.model, self.model_config, config, self.device, self.tp_workers)
         if config.num_host_kv_blocks:  # what swapping a victim costs against recomputing it, per token and block
             self.scheduler.preemption.costs = preemption_costs(self.model, self.model_config, config, self.device,
                                                                self.runner.kv_swap)
@@ -207,6 +217,9 @@ class LLMEngine:
             # Stubbornness: a pass that has run more layers than this refuses to abort.
             max_abort_layer = int(config.slo_abort_max_layer_fraction * self.model_config.num_hidden_layers)
             self.runner.step_abort = SLOAbort(self.slo_monitor, self.scheduler, max_abort_layer)
+            if self.tp_workers is not None:  # every rank votes at each layer boundary
+                self.slo_monitor.order_board = self.tp_workers.board
+                self.runner.step_abort = TensorParallelVote(self.runner.step_abort, self.tp_workers.tp, self.device)
             self.slo_monitor.start()
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.runner.dtype)
         logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens (%.2f GiB) cuda_graphs=%s "
@@ -287,9 +300,12 @@ class LLMEngine:
         return self.scheduler.kv_cache.take_kv_events()
 
     def shutdown(self) -> None:
-        """Stop the SLO monitor thread, if any."""
+        """Stop the SLO monitor thread and the tensor-parallel workers, if any."""
         if self.slo_monitor is not None:
             self.slo_monitor.stop()
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
         if self.grammar_compiler is not None:
             self.grammar_compiler.shutdown()
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from replica.core.engine import LLMEngine, RequestOutput
 from replica.core.request import Request
+from replica.parallel.group import TensorParallelDead
 from replica.ipc.channel import ChannelClosed, FrameSocket
 from replica.ipc.messages import (
     AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult, from_wire,
@@ -76,6 +77,8 @@ class EngineCore:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except TensorParallelDead:  # a rank is gone: this replica cannot step again
+            raise
         except Exception as error:  # a failed forward pass: fail its requests, keep serving
             logger.exception("engine step failed; aborting in-flight requests")
             request_ids = list(self._requests)

@@ -48,6 +48,7 @@ class StagedInputs:
                             for host in self._host_bytes]
         self._copy_done: list[Optional[torch.cuda.Event]] = [None] * num_host_buffers
         self._current = 0
+        self._last_sent = (0, 0)  # (host buffer, bytes) of the latest send
 
     def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         views = {}
@@ -82,4 +83,18 @@ class StagedInputs:
             event = torch.cuda.Event()
             event.record()
             self._copy_done[self._current] = event
+        self._last_sent = (self._current, num_words * 8)
         self._current = (self._current + 1) % len(self._host_bytes)
+
+    def last_sent(self) -> bytes:
+        """A copy of what the latest send() copied: a tensor-parallel rank 0 ships these bytes
+        to the other ranks, whose receive() makes their device views the same."""
+        buffer, num_bytes = self._last_sent
+        return self._host_bytes[buffer][:num_bytes].numpy().tobytes()
+
+    def receive(self, data: bytes) -> None:
+        """Fill the host buffer with another rank's last_sent() and send it to this device."""
+        self.host_views()  # waits until the buffer is free to fill
+        host = self._host_bytes[self._current]
+        host[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.send(len(data))

@@ -3,6 +3,9 @@
 Parameter names follow Hugging Face's except the merged projections (qkv_proj, gate_up_proj), which
 the loader stacks from HF's tensors; elementwise ops go through FusedOps (torch reference or kernels).
 The numerics follow HF (fp32 RMSNorm and RoPE angles), so logits match its forward.
+Under tensor parallelism (replica/parallel/) each rank builds it from its shard of the config
+(its heads and MLP width) with row-parallel o_proj / down_proj and a vocab-parallel embedding
+and LM head; at size 1 every module is the plain one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from torch import nn
 from replica.attention.base import AttentionBackend, AttentionMetadata
 from replica.model.config import ModelConfig
 from replica.model.fused_ops import FusedOps
+from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
+from replica.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -104,8 +109,14 @@ class RotaryEmbedding(nn.Module):
         return self.ops.rotary(positions, query, key, self.cos_sin_cache)
 
 
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> nn.Linear:
+    if tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallel = NO_TENSOR_PARALLEL):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -118,7 +129,7 @@ class Attention(nn.Module):
             cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
             bias=cfg.attention_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp)
 
     def forward(self, positions, hidden, rotary_emb: RotaryEmbedding, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata, output_rows: OutputRows | None = None) -> torch.Tensor:
@@ -146,13 +157,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one GEMM."""
 
-    def __init__(self, cfg: ModelConfig, ops: FusedOps):
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel = NO_TENSOR_PARALLEL):
         super().__init__()
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
             bias=cfg.mlp_bias,
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.ops = ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,10 +171,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL):
         super().__init__()
-        self.self_attn = Attention(cfg, attn_backend)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, attn_backend, tp)
+        self.mlp = MLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -184,21 +196,27 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attn_backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn_backend, ops, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(cfg, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps):
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend, ops: FusedOps,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL):
+        """cfg: the whole model's, or under tensor parallelism this rank's shard of it
+        (replica/parallel/group.py: shard_config), whose vocabulary stays whole."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.attn_backend = attn_backend  # every layer's
-        self.model = LlamaModel(cfg, attn_backend, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, attn_backend, ops, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False)  # this rank's vocab rows
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -233,5 +251,6 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the hidden states of the positions that sample."""
-        return self.lm_head(hidden).float()
+        """float32 logits [N, vocab] for the hidden states of the positions that sample (every
+        rank's vocabulary block gathered, on every rank)."""
+        return self.tp.all_gather_last_dim(self.lm_head(hidden).float())

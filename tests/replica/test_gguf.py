@@ -85,7 +85,7 @@ def test_the_converted_directory_loads_in_the_engines_loader_and_in_transformers
     # Merged projections (qkv_proj, gate_up_proj) are HF's shards stacked along dim 0, in layout order.
     layout = checkpoint_layout(model)
     for name, weight in model.named_parameters():
-        shards = [theirs[source] for source, _ in layout[name]]
+        shards = [theirs[source.name] for source in layout[name]]
         assert torch.equal(weight, torch.cat(shards, dim=0)), name
     assert config.tie_word_embeddings
 

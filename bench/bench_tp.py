@@ -1,0 +1,216 @@
+"""Tensor parallelism on the CPU: TP=2 (two gloo ranks, this process and a worker process)
+against TP=1 on the same model, and what the SLO abort vote costs per layer, in one run.
+
+    python bench/bench_tp.py [--model builtin|wide] [--repeat 15] [--threads 1]
+
+Step time: a 128-token prefill step and a 16-sequence decode step, each engine's steps taken in
+turns (TP=1, TP=2, TP=1, ...) so drift in the machine's speed weighs on both; medians quoted.
+Ratio = TP=1 time / TP=2 time (> 1: TP=2 is faster). On a CPU both ranks share the same cores
+and memory bandwidth, so TP=2 cannot win here; the figure is the cost of the collectives (two
+all-reduces per layer, one all-gather of the logits, the step shipped to the worker) against
+a one-device step. --model wide is a random 4-layer model with a 1024-wide hidden state,
+where the GEMMs weigh more than the collectives; builtin is the 256-wide built-in model.
+
+Vote cost: a TP=2 engine under the SLO policy (monitor stopped, no order posted) runs the same
+prefill steps with the vote at every layer boundary and without it (its StepAbort detached),
+in turns. Per layer: the time rank 0 spends in the vote's all_reduce (timed around each vote),
+against the step's time per layer (ratio = vote / layer time), and the with/without
+difference of the step medians divided by the layers as a cross-check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from replica.config import make_engine_config  # noqa: E402
+from replica.core.engine import LLMEngine  # noqa: E402
+from replica.core.request import SamplingParams  # noqa: E402
+from replica.model.builtin import ensure_builtin_model  # noqa: E402
+
+PREFILL_TOKENS = 128
+DECODE_BATCH = 16
+
+
+def write_wide_model(model_dir: Path) -> Path:
+    """A random Llama, 1024 wide, 16 heads / 8 KV heads, 4 layers, with the built-in tokenizer."""
+    from safetensors.torch import save_file
+
+    builtin = ensure_builtin_model()
+    model_dir.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(builtin / name, model_dir / name)
+    config = json.loads((builtin / "config.json").read_text())
+    hidden, heads, kv_heads, head_dim, intermediate, layers = 1024, 16, 8, 64, 2816, 4
+    config.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  intermediate_size=intermediate, num_hidden_layers=layers)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(0)
+    vocab = config["vocab_size"]
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator) * 0.02
+
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden), "lm_head.weight": normal(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden)}
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        for name, shape in {"self_attn.q_proj": (heads * head_dim, hidden),
+                            "self_attn.k_proj": (kv_heads * head_dim, hidden),
+                            "self_attn.v_proj": (kv_heads * head_dim, hidden),
+                            "self_attn.o_proj": (hidden, heads * head_dim), "mlp.gate_proj": (intermediate, hidden),
+                            "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}.items():
+            weights[f"{prefix}.{name}.weight"] = normal(*shape)
+        weights[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden)
+        weights[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden)
+    save_file(weights, str(model_dir / "model.safetensors"))
+    return model_dir
+
+
+def make_engine(model: str, tensor_parallel_size: int, **overrides) -> LLMEngine:
+    config = dict(max_model_len=512, num_kv_blocks=512, max_num_batched_tokens=PREFILL_TOKENS,
+                  enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size)
+    config.update(overrides)
+    return LLMEngine(make_engine_config(**config), model, device="cpu")
+
+
+class Workload:
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.count = 0
+
+    def prompt(self, length: int) -> list[int]:
+        return [self.rng.randrange(256) for _ in range(length)]
+
+    def prefill_step(self, engine: LLMEngine) -> float:
+        """Time of one step that prefills a fresh PREFILL_TOKENS-token prompt (its first token sampled)."""
+        self.count += 1
+        request = engine.make_request(f"prefill-{self.count}", self.prompt(PREFILL_TOKENS),
+                                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.add_request(request, detokenize=False)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    def start_decodes(self, engine: LLMEngine, steps: int) -> None:
+        params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+        for index in range(DECODE_BATCH):
+            self.count += 1
+            engine.add_request(engine.make_request(f"decode-{self.count}", self.prompt(32), params),
+                               detokenize=False)
+        while any(request.num_output_tokens == 0 for request in engine.scheduler.requests.values()):
+            engine.step()
+
+    def decode_step(self, engine: LLMEngine) -> float:
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+
+
+def median_ms(samples: list[float]) -> float:
+    return 1000 * statistics.median(samples)
+
+
+def compare_step_times(model: str, repeat: int) -> dict:
+    tp1, tp2 = make_engine(model, 1), make_engine(model, 2)
+    workload = Workload(1)
+    try:
+        for engine in (tp1, tp2):  # warm-up
+            workload.prefill_step(engine)
+        prefill = {1: [], 2: []}
+        for _ in range(repeat):
+            for size, engine in ((1, tp1), (2, tp2)):
+                prefill[size].append(workload.prefill_step(engine))
+        decode = {1: [], 2: []}
+        for size, engine in ((1, tp1), (2, tp2)):
+            workload.start_decodes(engine, repeat)
+        for _ in range(repeat):
+            for size, engine in ((1, tp1), (2, tp2)):
+                decode[size].append(workload.decode_step(engine))
+        for engine in (tp1, tp2):
+            while engine.has_unfinished_requests():
+                engine.step()
+        layers = tp1.model_config.num_hidden_layers
+    finally:
+        tp2.shutdown()
+    return {"prefill": {size: median_ms(times) for size, times in prefill.items()},
+            "decode": {size: median_ms(times) for size, times in decode.items()}, "layers": layers}
+
+
+def vote_cost(model: str, repeat: int) -> dict:
+    engine = make_engine(model, 2, scheduling_policy="slo")
+    engine.slo_monitor.stop()  # no order is ever posted: every vote answers "go on"
+    vote = engine.runner.step_abort
+    ballot = vote.ballot
+    cast = ballot.cast
+    vote_times: list[float] = []
+
+    def timed_cast(ordered: bool, stubborn: bool) -> bool:
+        start = time.perf_counter()
+        answer = cast(ordered, stubborn)
+        vote_times.append(time.perf_counter() - start)
+        return answer
+
+    ballot.cast = timed_cast
+    workload = Workload(2)
+    try:
+        workload.prefill_step(engine)
+        with_vote, without_vote = [], []
+        for _ in range(repeat):
+            engine.runner.step_abort = vote
+            with_vote.append(workload.prefill_step(engine))
+            engine.runner.step_abort = None
+            without_vote.append(workload.prefill_step(engine))
+        layers = engine.model_config.num_hidden_layers
+    finally:
+        engine.shutdown()
+    step_ms = median_ms(without_vote)
+    return {"vote_ms": median_ms(vote_times), "votes": len(vote_times), "layer_ms": step_ms / layers,
+            "with_ms": median_ms(with_vote), "without_ms": step_ms, "layers": layers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin", help="builtin | wide | a model directory")
+    parser.add_argument("--repeat", type=int, default=15, help="timed steps per engine and workload")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # the worker takes the same count
+    scratch = None
+    model = args.model
+    if model == "wide":
+        scratch = Path(tempfile.mkdtemp(prefix="bench-tp-"))
+        model = str(write_wide_model(scratch / "wide"))
+    try:
+        steps = compare_step_times(model, args.repeat)
+        votes = vote_cost(model, args.repeat)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch)
+    print(f"model {args.model}, {steps['layers']} layers, {args.threads} thread(s) per rank, CPU, gloo")
+    print(f"{'step':<34}{'TP=1 ms':>10}{'TP=2 ms':>10}{'TP=1/TP=2':>11}")
+    for name, label in (("prefill", f"prefill, {PREFILL_TOKENS} tokens"), ("decode", f"decode, {DECODE_BATCH} seqs")):
+        tp1, tp2 = steps[name][1], steps[name][2]
+        print(f"{label:<34}{tp1:>10.2f}{tp2:>10.2f}{tp1 / tp2:>11.2f}")
+    print(f"vote per layer (rank 0, {votes['votes']} votes): {votes['vote_ms'] * 1000:.0f} us; "
+          f"layer time (TP=2 prefill step / layers): {votes['layer_ms'] * 1000:.0f} us; "
+          f"vote / layer = {votes['vote_ms'] / votes['layer_ms']:.3f}")
+    print(f"cross-check: TP=2 prefill step with votes {votes['with_ms']:.2f} ms, without {votes['without_ms']:.2f} ms "
+          f"-> {(votes['with_ms'] - votes['without_ms']) / votes['layers'] * 1000:.0f} us per layer")
+
+
+if __name__ == "__main__":
+    main()

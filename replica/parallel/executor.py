@@ -1,0 +1,267 @@
+"""Tensor-parallel execution: rank 0 in the engine core's own process, ranks 1..N-1 as worker
+processes (spawned, one device each), all in one torch.distributed group.
+
+The scheduler stays single, on rank 0. Its runner (TensorParallelRunner) prepares each step's
+inputs as the one-device runner does, then ships exactly what it copied to its device (the
+staged input bytes and the host-side step plan) to every worker over a pipe; each worker puts
+those bytes on its own device and runs the same forward pass on its shard, meeting the others
+in the row-parallel all-reduces, the logits all-gather and (steps that may be aborted) the
+vote at every layer boundary. Rank 0 samples; one broadcast gives every rank the sampled ids
+that the next step's inputs read on the device.
+
+A dead or silent worker never hangs the replica: rank 0 checks the workers before each step,
+a collective with a dead peer fails at once (gloo: connection closed) and every collective
+has a timeout; TensorParallelDead then takes the engine core down, and the front reports the
+replica dead (EngineDeadError). A worker exits when rank 0 goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from replica.config import ConfigError, EngineConfig
+from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
+from replica.executor.step_abort import StepAborted
+from replica.model import ModelConfig, load_model
+from replica.parallel.group import (
+    COLLECTIVE_TIMEOUT_S, TensorParallel, TensorParallelDead, join_group, rendezvous_store,
+)
+from replica.parallel.vote import WorkerVote
+
+logger = logging.getLogger(__name__)
+
+# How often an idle worker checks that rank 0 is still there.
+PARENT_WATCH_INTERVAL_S = 1.0
+
+
+@dataclass
+class StepMessage:
+    """One step for the worker ranks: what rank 0's runner put on its device, and the plan for it."""
+
+    step_id: int
+    abortable: bool  # the ranks vote at each layer boundary
+    plan: _StepPlan
+    staged_bytes: bytes
+    # Block-table changes past the staged buffer's capacity (rare), applied before the staged ones.
+    overflow_changes: list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    size: int
+    port: int
+    model_dir: str
+    config: EngineConfig
+    device: str
+    dtype: Optional[str]
+    attention_backend: str
+    num_threads: int
+    parent_pid: int
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on a GPU node (Serve reserved the replica's GPUs), else the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on the worker processes and the SLO order board they read."""
+
+    def __init__(self, size: int, model_dir: str, config: EngineConfig, device: torch.device,
+                 dtype: Optional[str], attention_backend: str):
+        context = multiprocessing.get_context("spawn")
+        self.size = size
+        self.board = context.RawValue("q", -1)  # the step id the latest SLO order names
+        store = rendezvous_store(size)
+        port = store.port
+        self._connections = []
+        self._processes = []
+        for rank in range(1, size):
+            spec = WorkerSpec(rank, size, port, str(model_dir), config, str(rank_device(device, rank)), dtype,
+                              attention_backend, torch.get_num_threads(), os.getpid())
+            ours, theirs = context.Pipe()
+            process = context.Process(target=worker_main, args=(spec, theirs, self.board),
+                                      name=f"tp-rank-{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            self._connections.append(ours)
+            self._processes.append(process)
+        self._store = store  # the workers' rendezvous; kept for the group's lifetime
+        self.tp = join_group(store, 0, size, device)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    def check_alive(self) -> None:
+        for rank, process in enumerate(self._processes, start=1):
+            if process.exitcode is not None:
+                raise TensorParallelDead(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                                         f"{process.exitcode}")
+
+    def send(self, message: Any) -> None:
+        self.check_alive()
+        for rank, connection in enumerate(self._connections, start=1):
+            try:
+                connection.send(message)
+            except (BrokenPipeError, ConnectionError, OSError) as error:
+                raise TensorParallelDead(f"tensor-parallel rank {rank}: cannot send it a step: {error}") from error
+
+    def call(self, request: str) -> list[Any]:
+        """Ask every worker a question between steps (tests and tools): their answers in rank order."""
+        self.send(request)
+        answers = []
+        for rank, connection in enumerate(self._connections, start=1):
+            if not connection.poll(COLLECTIVE_TIMEOUT_S):
+                raise TensorParallelDead(f"tensor-parallel rank {rank} did not answer {request!r}")
+            answers.append(connection.recv())
+        return answers
+
+    def shutdown(self) -> None:
+        for connection in self._connections:
+            try:
+                connection.send(None)
+            except OSError:
+                pass
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's model runner: the one-device runner, plus shipping each step to the workers
+    and broadcasting the sampled ids. CUDA graphs are off (their collectives are not captured yet)."""
+
+    def __init__(self, model, model_config: ModelConfig, config: EngineConfig, device: torch.device,
+                 workers: TensorParallelWorkers):
+        super().__init__(model, model_config, config, device, cuda_graphs=False)
+        self.workers = workers
+        self.tp = workers.tp
+        self._step_id = -1  # of the step being launched
+
+    def launch(self, scheduler_output) -> StepInFlight:
+        self._step_id = scheduler_output.step_id
+        return super().launch(scheduler_output)
+
+    def _prepare(self, scheduled, graphable: bool) -> _StepPlan:
+        block_tables = self.rows.block_tables
+        overflow: list[tuple[np.ndarray, np.ndarray]] = []
+        apply_on_device = block_tables.apply_on_device
+
+        def record_and_apply(flat_index: torch.Tensor, block_ids: torch.Tensor) -> None:
+            overflow.append((flat_index.cpu().numpy(), block_ids.cpu().numpy()))
+            apply_on_device(flat_index, block_ids)
+
+        block_tables.apply_on_device = record_and_apply  # only _prepare's overflow copy calls it
+        try:
+            plan = super()._prepare(scheduled, graphable)
+        finally:
+            del block_tables.apply_on_device
+        # Graphs are off, so a step is graphable exactly when it may not be aborted.
+        self.workers.send(StepMessage(self._step_id, not graphable, plan, self.staged.last_sent(), overflow))
+        return plan
+
+    def _send_sampled(self, step, token_ids, logprobs, top_token_ids, top_logprobs) -> StepInFlight:
+        self.tp.broadcast(token_ids.contiguous(), src=0)
+        return super()._send_sampled(step, token_ids, logprobs, top_token_ids, top_logprobs)
+
+
+# ---- the worker process -------------------------------------------------------------------
+
+def worker_main(spec: WorkerSpec, connection, board) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s tp-rank-{spec.rank} %(name)s: %(message)s")
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    tp = join_group(rendezvous_store(spec.size, spec.port), spec.rank, spec.size, device)
+    model, model_config = load_model(spec.model_dir, dtype=spec.dtype, device=device,
+                                     attention_backend=spec.attention_backend, fused_ops=spec.config.fused_ops, tp=tp)
+    runner = ModelRunner(model, model_config, spec.config, device)
+    max_abort_layer = int(spec.config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
+    vote = WorkerVote(tp, device, board, max_abort_layer)
+    runner.step_abort = vote
+    worker = _Worker(runner, tp, vote)
+    with torch.inference_mode():
+        while True:
+            while not connection.poll(PARENT_WATCH_INTERVAL_S):
+                if os.getppid() != spec.parent_pid:
+                    return  # rank 0 is gone
+            try:
+                message = connection.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            if isinstance(message, str):
+                connection.send(worker.answer(message))
+                continue
+            try:
+                worker.run(message)
+            except TensorParallelDead:
+                logger.exception("a peer died; exiting")
+                os._exit(1)
+
+
+class _Worker:
+    def __init__(self, runner: ModelRunner, tp: TensorParallel, vote: WorkerVote):
+        self.runner, self.tp, self.vote = runner, tp, vote
+        self.num_steps = 0
+
+    def answer(self, question: str) -> Any:
+        if question == "stats":
+            return {"steps": self.num_steps, "aborts": list(self.vote.aborts), "votes": self.vote.ballot.num_votes}
+        raise ValueError(f"unknown question {question!r}")
+
+    def run(self, message: StepMessage) -> None:
+        runner = self.runner
+        runner.staged.receive(message.staged_bytes)
+        for flat_index, block_ids in message.overflow_changes:
+            runner.rows.block_tables.apply_on_device(torch.from_numpy(flat_index).to(runner.device),
+                                                     torch.from_numpy(block_ids).to(runner.device))
+        plan = message.plan
+        self.num_steps += 1
+        try:
+            hidden = runner._forward(plan, runner._layer_check(message.step_id) if message.abortable else None)
+        except StepAborted:
+            return  # every rank unwound at this layer; rank 0 rolls the step back
+        num_samples = len(plan.sampling_seqs)
+        if not num_samples:
+            return
+        device_views = runner.staged.device_views
+        if not plan.prunes_last_layer:
+            hidden = hidden.index_select(0, device_views["logits_indices"][:num_samples])
+        runner.model.compute_logits(hidden)  # this rank's vocabulary block, for rank 0's gather
+        token_ids = torch.empty(num_samples, dtype=torch.int64, device=runner.device)
+        self.tp.broadcast(token_ids, src=0)
+        runner.last_token_by_row.index_copy_(0, device_views["sample_rows"][:num_samples], token_ids)
+
+
+def start_tensor_parallel(config: EngineConfig, model_dir, device: torch.device, dtype: Optional[str],
+                          attention_backend: str) -> Optional[TensorParallelWorkers]:
+    """The workers of a tensor-parallel engine (None at size 1), after checking at start, in one
+    line naming tensor_parallel_size, that the model divides among the ranks."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    from replica.model.loader import read_model_config
+    from replica.parallel.group import TensorParallelConfigError, check_divisible
+
+    try:
+        check_divisible(read_model_config(Path(model_dir)), size)
+    except TensorParallelConfigError as error:
+        raise ConfigError(str(error)) from None
+    if config.gpu_memory_utilization is not None and device.type == "cuda":
+        raise ConfigError("gpu_memory_utilization: not supported with tensor_parallel_size > 1 yet; "
+                          "set num_kv_blocks")
+    return TensorParallelWorkers(size, model_dir, config, device, dtype, attention_backend)

@@ -1,0 +1,141 @@
+"""A rank's view of its tensor-parallel group: the collectives the sharded model needs
+(all-reduce of row-parallel outputs, all-gather of vocab-parallel logits) and how a model's
+heads, MLP and vocabulary divide among the ranks.
+
+Collectives run over torch.distributed (gloo on CPU, NCCL on CUDA) with a timeout, so a rank
+whose peer died or hangs raises instead of waiting forever; the executor turns that into
+a dead replica (TensorParallelDead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # the model package imports this module
+    from replica.model.config import ModelConfig
+
+# How long one collective may wait for its peers inside a step before the replica is dead.
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+class TensorParallelDead(RuntimeError):
+    """A rank died or stopped answering: the replica cannot run another step."""
+
+
+class TensorParallelConfigError(ValueError):
+    """A tensor_parallel_size the model cannot be divided by; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's rank among `size`; `size == 1` is no parallelism (every collective a no-op).
+
+    The group is a process group of its own (not torch.distributed's global default), so one
+    process may hold several tensor-parallel engines, as tests do."""
+
+    rank: int = 0
+    size: int = 1
+    group: Optional[object] = field(default=None, compare=False, repr=False)  # a gloo / NCCL ProcessGroup
+
+    def _run(self, name: str, work_of) -> None:
+        try:
+            work_of(self.group).wait()
+        except RuntimeError as error:  # gloo: a peer closed its connection, or the timeout passed
+            raise TensorParallelDead(f"tensor-parallel rank {self.rank}: {name} failed: {error}") from error
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place on every rank; returns the tensor."""
+        if self.size > 1:
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
+            self._run("all_reduce", lambda group: group.allreduce([tensor], options))
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` side by side along the last dimension, in rank order."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._run("all_gather", lambda group: group.allgather([parts], [tensor]))
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            options = dist.BroadcastOptions()
+            options.rootRank, options.rootTensor = src, 0
+            self._run("broadcast", lambda group: group.broadcast([tensor], options))
+        return tensor
+
+
+NO_TENSOR_PARALLEL = TensorParallel()
+
+
+def rendezvous_store(size: int, port: int = 0, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
+    """Rank 0's store (port 0: any free port, read back from store.port); the others connect to it."""
+    return dist.TCPStore("127.0.0.1", port, size, port == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join_group(store: dist.Store, rank: int, size: int, device: torch.device,
+               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+    """Join the group of `size` ranks meeting at `store` (one node: Serve packs a tensor-parallel
+    replica's GPUs on one node, STRICT_PACK); returns when every rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.device(device).type == "cuda":
+        group = dist.ProcessGroupNCCL(store, rank, size)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TensorParallel(rank, size, group)
+
+
+def check_divisible(cfg: "ModelConfig", size: int) -> None:
+    """Raise TensorParallelConfigError (one line naming tensor_parallel_size) unless the model
+    divides among `size` ranks: attention heads, MLP width and vocabulary evenly, and KV heads
+    either evenly or (fewer KV heads than ranks) each replicated on size / num_kv_heads ranks."""
+    if size < 1:
+        raise TensorParallelConfigError(f"tensor_parallel_size: must be >= 1, got {size}")
+    problems = []
+    if cfg.num_attention_heads % size:
+        problems.append(f"{cfg.num_attention_heads} attention heads")
+    kv = cfg.num_key_value_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        problems.append(f"{kv} KV heads (neither divisible by it nor dividing it)")
+    if cfg.intermediate_size % size:
+        problems.append(f"intermediate_size {cfg.intermediate_size}")
+    if cfg.vocab_size % size:
+        problems.append(f"vocab_size {cfg.vocab_size}")
+    if problems:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size: {size} does not divide the model's {', '.join(problems)}")
+
+
+def kv_heads_per_rank(cfg: "ModelConfig", size: int) -> int:
+    return max(1, cfg.num_key_value_heads // size)
+
+
+def kv_head_start(cfg: "ModelConfig", rank: int, size: int) -> int:
+    """The first KV head rank `rank` holds: its block of heads, or the one it replicates."""
+    kv = cfg.num_key_value_heads
+    if kv >= size:
+        return rank * (kv // size)
+    return rank // (size // kv)
+
+
+def shard_config(cfg: "ModelConfig", size: int) -> "ModelConfig":
+    """The model as one rank of `size` builds it: its share of the attention heads, KV heads
+    and MLP width; the vocabulary stays whole (embedding and LM head divide it themselves,
+    and the logits are gathered whole before sampling)."""
+    if size == 1:
+        return cfg
+    check_divisible(cfg, size)
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // size,
+                               num_key_value_heads=kv_heads_per_rank(cfg, size),
+                               intermediate_size=cfg.intermediate_size // size)
+

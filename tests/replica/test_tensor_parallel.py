@@ -1,0 +1,378 @@
+"""Tensor-parallel replicas on the CPU: 2 gloo ranks (this process and one worker process).
+Greedy output at TP=2 equals TP=1 token for token, with KV heads divided (the built-in model's
+4) and replicated (a tiny model with 1 KV head), under chunked prefill, prefix caching and
+preemption; each rank loads only its slices; the SLO abort is a vote every rank reaches at
+every layer boundary of an abortable step; a dead worker takes the replica down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from replica.config import ConfigError, make_engine_config
+from replica.core.engine import LLMEngine
+from replica.core.request import RequestStatus, SamplingParams
+from replica.core.slo import AbortOrder
+from replica.front.async_engine import AsyncEngine
+from replica.front.core_client import EngineDeadError
+from replica.model import load_model
+from replica.model.builtin import ensure_builtin_model
+from replica.parallel.group import TensorParallel
+
+from tests.replica.test_slo_engine import hooked
+
+pytestmark = pytest.mark.timeout(120)  # a hung collective fails its test instead of the run
+
+_rng = random.Random(26)
+PROMPTS = [[_rng.randrange(256) for _ in range(length)] for length in (5, 40, 90, 17, 60)]
+SHARED_PREFIX = PROMPTS[2][:48]
+PROMPTS += [SHARED_PREFIX + [7, 8, 9], SHARED_PREFIX + [1] * 30]  # prefix-cache hits
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+# Small chunks, a pool too small for every sequence at once (preemption), prefix caching on.
+TIGHT = dict(block_size=4, max_model_len=128, num_kv_blocks=40, max_num_batched_tokens=32,
+             enable_prefix_caching=True)
+
+
+def make_engine(model="builtin", tensor_parallel_size=1, **overrides) -> LLMEngine:
+    return LLMEngine(make_engine_config(**{**TIGHT, "tensor_parallel_size": tensor_parallel_size, **overrides}),
+                     str(model), device="cpu")
+
+
+def run(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[list[float]]]:
+    """Every prompt to completion, admitted together; tokens and logprobs per prompt."""
+    requests = []
+    logprobs = {}
+    for index, prompt in enumerate(prompts):
+        request = engine.make_request(f"p{index}-{time.monotonic_ns()}", prompt, GREEDY)
+        engine.add_request(request, detokenize=False)
+        requests.append(request)
+        logprobs[request.request_id] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            logprobs[output.request_id] += output.logprobs
+        engine.scheduler.check_invariants()
+    kv_cache = engine.scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks, "leaked KV blocks"
+    return [r.output_token_ids for r in requests], [logprobs[r.request_id] for r in requests]
+
+
+def assert_same_greedy_run(tp1: LLMEngine, tp2: LLMEngine, prompts) -> None:
+    tokens1, logprobs1 = run(tp1, prompts)
+    tokens2, logprobs2 = run(tp2, prompts)
+    assert tokens2 == tokens1
+    for ours, theirs in zip(logprobs2, logprobs1):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    for engine in (tp1, tp2):  # the run exercised what it claims to
+        counters = engine.scheduler.counters
+        assert counters.preemptions > 0, "no preemption happened"
+        assert engine.scheduler.kv_cache.prefix_cache_hits > 0, "no prefix-cache hit happened"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Every rank on one intra-op thread (the workers take this process's count): on a busy
+    2-core machine, threads that wait for each other at every op cost more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def builtin_tp1():
+    engine = make_engine()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def builtin_tp2():
+    """With async scheduling too (TP=1 runs without): neither may change a token."""
+    engine = make_engine(tensor_parallel_size=2, async_scheduling=True)
+    yield engine
+    engine.shutdown()
+
+
+def test_tp2_greedy_equals_tp1_with_kv_heads_divided(builtin_tp1, builtin_tp2):
+    assert builtin_tp1.model_config.num_key_value_heads == 4
+    assert builtin_tp2.model_config.num_key_value_heads == 2  # this rank's share
+    assert builtin_tp2.runner.kv_caches[0][0].shape[2] == 2, "the KV cache holds this rank's heads only"
+    assert_same_greedy_run(builtin_tp1, builtin_tp2, PROMPTS)
+
+
+def write_tiny_model(model_dir, num_key_value_heads: int):
+    """A random Llama with biases everywhere, 4 heads and `num_key_value_heads`, the built-in tokenizer."""
+    builtin = ensure_builtin_model()
+    model_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(builtin / name, model_dir / name)
+    config = json.loads((builtin / "config.json").read_text())
+    hidden, heads, head_dim, intermediate, vocab = 64, 4, 16, 96, config["vocab_size"]
+    config.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=num_key_value_heads,
+                  head_dim=head_dim, intermediate_size=intermediate, num_hidden_layers=3, attention_bias=True,
+                  mlp_bias=True)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(5)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator) * 0.1
+
+    kv = num_key_value_heads * head_dim
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden), "lm_head.weight": normal(vocab, hidden),
+               "model.norm.weight": 1 + normal(hidden)}
+    for layer in range(3):
+        prefix = f"model.layers.{layer}"
+        for name, (rows, cols) in {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv, hidden),
+                                   "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+                                   "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+                                   "mlp.down_proj": (hidden, intermediate)}.items():
+            weights[f"{prefix}.{name}.weight"] = normal(rows, cols)
+            weights[f"{prefix}.{name}.bias"] = normal(rows)
+        weights[f"{prefix}.input_layernorm.weight"] = 1 + normal(hidden)
+        weights[f"{prefix}.post_attention_layernorm.weight"] = 1 + normal(hidden)
+    save_file(weights, str(model_dir / "model.safetensors"))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_mqa(tmp_path_factory):
+    """3 layers, 4 heads, 1 KV head: at TP=2 both ranks hold (replicate) the one KV head."""
+    return write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny-mqa", num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny_mqa):
+    return make_engine(tiny_mqa)
+
+
+def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated_on_both_ranks(tiny_mqa, tiny_tp1):
+    tp1 = tiny_tp1
+    tp2 = make_engine(tiny_mqa, tensor_parallel_size=2)
+    try:
+        assert tp2.model_config.num_key_value_heads == 1
+        assert_same_greedy_run(tp1, tp2, PROMPTS)
+    finally:
+        tp2.shutdown()
+
+
+def test_each_rank_loads_only_its_slices_of_the_checkpoint(tiny_mqa):
+    model_dir = tiny_mqa
+    whole, _ = load_model(model_dir)
+    # Loading needs no collective: rank 1 of 2 builds and fills its shard alone.
+    shard, shard_cfg = load_model(model_dir, tp=TensorParallel(rank=1, size=2))
+    assert (shard_cfg.num_attention_heads, shard_cfg.num_key_value_heads, shard_cfg.intermediate_size) == (2, 1, 48)
+    params, whole_params = dict(shard.named_parameters()), dict(whole.named_parameters())
+    attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
+    q, k, v = whole_params[f"{attn}.qkv_proj.weight"].split([64, 16, 16])
+    assert torch.equal(params[f"{attn}.qkv_proj.weight"], torch.cat([q[32:], k, v]))  # q heads 2-3, the one KV head
+    assert torch.equal(params[f"{attn}.o_proj.weight"], whole_params[f"{attn}.o_proj.weight"][:, 32:])
+    assert torch.equal(params[f"{attn}.o_proj.bias"], whole_params[f"{attn}.o_proj.bias"])  # added once, after the sum
+    gate, up = whole_params[f"{mlp}.gate_up_proj.weight"].split([96, 96])
+    assert torch.equal(params[f"{mlp}.gate_up_proj.weight"], torch.cat([gate[48:], up[48:]]))
+    assert torch.equal(params[f"{mlp}.down_proj.weight"], whole_params[f"{mlp}.down_proj.weight"][:, 48:])
+    assert torch.equal(params["model.embed_tokens.weight"], whole_params["model.embed_tokens.weight"][160:])
+    assert torch.equal(params["lm_head.weight"], whole_params["lm_head.weight"][160:])
+    shard_numel = sum(p.numel() for p in shard.parameters())
+    assert shard_numel < 0.6 * sum(p.numel() for p in whole.parameters())
+
+
+def test_a_size_that_does_not_divide_the_heads_is_a_one_line_error_at_start():
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 3 does not divide the model's 8 attention heads"):
+        make_engine(tensor_parallel_size=3)
+
+
+# ---- the vote ------------------------------------------------------------------------------
+
+LONG_PROMPT = [_rng.randrange(256) for _ in range(160)]  # five 32-token chunks
+
+
+@pytest.fixture(scope="module")
+def slo_tp2(tiny_mqa):
+    engine = make_engine(tiny_mqa, tensor_parallel_size=2, scheduling_policy="slo", max_model_len=256,
+                         num_kv_blocks=80, slo_abort_max_layer_fraction=0.7)  # 3 layers: aborts up to layer 2
+    engine.slo_monitor.stop()  # the tests post the orders themselves, at chosen layers
+    yield engine
+    engine.shutdown()
+
+
+def worker_stats(engine: LLMEngine) -> dict:
+    (stats,) = engine.tp_workers.call("stats")
+    return stats
+
+
+def start_long(engine: LLMEngine, request_id: str):
+    """A fresh long prompt (its first token differs per request: no prefix-cache hit) that runs
+    its first 32-token chunk in the next step."""
+    prompt = [sum(map(ord, request_id)) % 256] + LONG_PROMPT[1:]
+    request = engine.make_request(request_id, prompt, GREEDY, ttft_slo_ms=60_000.0)
+    engine.add_request(request, detokenize=False)
+    return request
+
+
+def finish(engine: LLMEngine) -> None:
+    hooked(engine, None)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv_cache = engine.scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks, "leaked KV blocks"
+
+
+def test_an_order_for_the_step_in_flight_fires_on_both_ranks_at_the_same_layer(slo_tp2):
+    engine, monitor = slo_tp2, slo_tp2.slo_monitor
+    before = worker_stats(engine)
+    posted = []
+
+    def order_at_layer_1(layer_index: int) -> None:
+        if layer_index == 1 and not posted:
+            posted.append(monitor.step_in_flight.step_id)
+            monitor.abort_order = AbortOrder(posted[0], "long-a")
+
+    long = start_long(engine, "long-a")
+    hooked(engine, order_at_layer_1).step()
+    counters = engine.scheduler.counters
+    assert counters.slo_preemptions == 1 and long.status == RequestStatus.PREEMPTED
+    # Posted after layer 1's vote: every rank unwinds before layer 2.
+    assert counters.slo_discarded_layers == 2
+    after = worker_stats(engine)
+    assert after["aborts"][len(before["aborts"]):] == [(posted[0], 2)]
+    assert after["votes"] - before["votes"] == 3  # before layers 0, 1 and 2: no rank skipped one
+    finish(engine)
+
+
+def test_a_rank_past_its_stubbornness_limit_vetoes_the_abort_for_every_rank(slo_tp2):
+    engine, monitor = slo_tp2, slo_tp2.slo_monitor
+    engine.runner.step_abort.inner.max_abort_layer = 0  # rank 0 alone turns stubborn after layer 0
+    before = worker_stats(engine)
+    try:
+        long = start_long(engine, "long-b")
+        preemptions = engine.scheduler.counters.slo_preemptions
+
+        def order_at_layer_0(layer_index: int) -> None:
+            if layer_index == 0:
+                monitor.abort_order = AbortOrder(monitor.step_in_flight.step_id, "long-b")
+
+        hooked(engine, order_at_layer_0).step()
+        assert engine.scheduler.counters.slo_preemptions == preemptions
+        assert long.status == RequestStatus.RUNNING and long.num_computed_tokens == 32
+        after = worker_stats(engine)
+        assert after["aborts"] == before["aborts"], "the worker, below its own limit, must not unwind alone"
+        assert after["steps"] - before["steps"] == 1 and after["votes"] - before["votes"] == 3
+    finally:
+        engine.runner.step_abort.inner.max_abort_layer = 2
+    finish(engine)
+
+
+def test_a_stale_order_never_matches_on_any_rank(slo_tp2):
+    engine, monitor = slo_tp2, slo_tp2.slo_monitor
+    before = worker_stats(engine)
+    long = start_long(engine, "long-c")
+    preemptions = engine.scheduler.counters.slo_preemptions
+
+    def stale_order(layer_index: int) -> None:
+        if layer_index == 0:  # decided for the previous step, landing in this one
+            monitor.abort_order = AbortOrder(monitor.step_in_flight.step_id - 1, "long-c")
+
+    hooked(engine, stale_order).step()
+    hooked(engine, stale_order).step()
+    assert engine.scheduler.counters.slo_preemptions == preemptions
+    assert long.num_computed_tokens == 64
+    assert worker_stats(engine)["aborts"] == before["aborts"]
+    finish(engine)
+
+
+def test_a_thousand_random_orders_leave_no_hang_no_leak_and_the_tp1_tokens(slo_tp2, tiny_tp1):
+    engine, monitor = slo_tp2, slo_tp2.slo_monitor
+    rng = random.Random(1000)
+    num_orders = 0
+
+    def random_order(layer_index: int) -> None:
+        """At every layer boundary of a pass with a prefill: an order for this step, a stale
+        one or the next one, naming a prefill of this step or a request that left."""
+        nonlocal num_orders
+        step = monitor.step_in_flight
+        victims = [view.request_id for view in step.prefills if view.preemptible] or ["gone"]
+        monitor.abort_order = AbortOrder(step.step_id + rng.choice((0, 0, -1, -2, 1)), rng.choice(victims))
+        num_orders += 1
+
+    def run_under_orders(prompts, params) -> list:
+        requests = [engine.make_request(f"r{num_orders}-{index}", prompt, params, ttft_slo_ms=60_000.0)
+                    for index, prompt in enumerate(prompts)]
+        for request in requests:
+            engine.add_request(request, detokenize=False)
+        hooked(engine, random_order)
+        for _ in range(1000):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+            engine.scheduler.check_invariants()
+        else:
+            raise AssertionError("a request is stuck")
+        hooked(engine, None)
+        return requests
+
+    prompts = [LONG_PROMPT[:n] for n in (40, 100, 70)] + PROMPTS[:2]
+    expected, _ = run(tiny_tp1, prompts)
+    preemptions_before = engine.scheduler.counters.slo_preemptions
+    requests = run_under_orders(prompts, GREEDY)
+    assert [request.output_token_ids for request in requests] == expected
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    while num_orders < 1000:  # more passes with prefills, each a target at every boundary
+        run_under_orders([[rng.randrange(256) for _ in range(rng.randrange(8, 60))] for _ in range(3)], one_token)
+    kv_cache = engine.scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks, "leaked KV blocks"
+    assert engine.scheduler.counters.slo_preemptions > preemptions_before + 50, "orders rarely fired"
+    stats = worker_stats(engine)
+    assert stats["votes"] >= num_orders, "a rank skipped a vote"
+
+
+# ---- a dead worker -------------------------------------------------------------------------
+
+
+def tp_worker_pids(pid: int) -> list[int]:
+    """The tensor-parallel workers among a process's children (not multiprocessing's resource tracker)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as file:
+            children += [int(child) for child in file.read().split()]
+    workers = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as file:
+            cmdline = file.read()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            workers.append(child)
+    return workers
+
+
+def test_a_killed_worker_takes_the_replica_down_as_engine_dead_not_a_hang():
+    config = make_engine_config(**{**TIGHT, "tensor_parallel_size": 2, "max_model_len": 256, "num_kv_blocks": 80})
+
+    async def scenario():
+        front = await AsyncEngine.launch(config, "builtin", device="cpu")
+        try:
+            long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = front.add_request(PROMPTS[1], long, request_id="long")
+            first = await anext(stream.__aiter__())
+            assert first.new_token_ids, "the replica served before the kill"
+            (worker,) = tp_worker_pids(front.core.process.pid)
+            killed_at = time.monotonic()
+            os.kill(worker, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            return time.monotonic() - killed_at, front.dead
+        finally:
+            await front.shutdown()
+
+    elapsed, dead = asyncio.run(scenario())
+    print(f"reported dead {elapsed:.2f} s after the kill")
+    assert isinstance(dead, EngineDeadError)
+    assert elapsed < 10, f"the replica took {elapsed:.1f} s to report dead"
