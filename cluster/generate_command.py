@@ -1,7 +1,8 @@
 """`headroom generate`: one prompt (or, with --chat, one user message through the model's chat
 template) through the cluster's gRPC endpoint (Serve's proxy, or a single `headroom replica`),
 its text streamed to stdout as it is generated, with control characters escaped (a model can
-emit ESC sequences that would drive the terminal) unless --raw.
+emit ESC sequences that would drive the terminal) unless --raw. --json-schema, --regex and
+--choice constrain the output (structured outputs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",
                         help="write the text as generated, control characters included (default: escape them)")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="the output is JSON that validates against the JSON schema in FILE")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", default=None, help="the output matches this regular expression")
+    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="the output is exactly one of these (repeat the flag for each choice)")
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +72,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     request = pb.GenerateRequest(sampling=sampling)
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as schema_file:
+                request.json_schema = schema_file.read()
+        except OSError as error:
+            parser.error(f"--json-schema: cannot read {args.json_schema}: {error.strerror}")
+    elif args.json_object:
+        request.json_object = True
+    elif args.regex is not None:
+        request.regex = args.regex
+    elif args.choice is not None:
+        request.choice.choices.extend(args.choice)
     if args.chat:
         if args.system is not None:
             request.chat.messages.add(role="system", content=args.system)

@@ -11,6 +11,7 @@ on its replica.
 import asyncio
 import logging
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -44,7 +45,7 @@ from protos import headroom_pb2 as pb
 from replica.front.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
 from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
-    sampling_params_from_proto, ttft_targets_from_proto,
+    output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
 from replica.core.request import InvalidRequestError, validate_prompt
@@ -321,11 +322,14 @@ class Ingress:
         try:
             prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits)
             info = await self.model_info()
+            constraint = output_constraint_from_proto(request)
+            if constraint is not None:
+                await self.check_constraint(OutputConstraint(*constraint), info)
             generation = self._generation_request(
                 prompt_token_ids, info,
-                sampling=sampling_params_from_proto(
+                sampling=replace(sampling_params_from_proto(
                     request.sampling, max_model_len=info.max_model_len, num_prompt_tokens=len(prompt_token_ids)
-                ),
+                ), structured_output=constraint[0] if constraint else None),
                 priority=engine_priority(request.priority),
                 request_id=request.request_id or None,
                 ttft=ttft_targets_from_proto(request),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import grpc
@@ -27,6 +27,7 @@ from replica.server.load_report import LoadReportBuilder, is_significant_change
 from replica.core.request import InvalidRequestError, SamplingParams, check_text
 from replica.server.request_limits import RequestLimits, encode_prompt
 from replica.core.scheduler import QueueFullError
+from replica.core.structured_output import GrammarCompiler, StructuredOutput
 from replica.text.tokenizer import Tokenizer
 
 FINISH_REASON_TO_PROTO = {
@@ -97,6 +98,24 @@ async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, f
         raise InvalidRequestError(field, str(error)) from error
     # The rendered template already holds its special tokens.
     return await encode_prompt(tokenizer, text, add_special_tokens=False, limits=limits, field_name=field)
+
+
+def output_constraint_from_proto(request: pb.GenerateRequest) -> Optional[tuple[StructuredOutput, str]]:
+    """The request's structured-output constraint (its `output_constraint` oneof) and the name
+    of the field that holds it; None when unset (or json_object is false)."""
+    kind = request.WhichOneof("output_constraint")
+    if kind is None or (kind == "json_object" and not request.json_object):
+        return None
+    if kind == "json_schema":
+        try:
+            return StructuredOutput.json_schema(request.json_schema), kind
+        except InvalidRequestError as error:
+            raise InvalidRequestError(kind, error.message) from None
+    if kind == "json_object":
+        return StructuredOutput("json_object"), kind
+    if kind == "choice":
+        return StructuredOutput("choice", tuple(request.choice.choices)), kind
+    return StructuredOutput(kind, getattr(request, kind)), kind
 
 
 def sampling_params_from_proto(
@@ -204,6 +223,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.replica_id = replica_id
         self.model_id = model_id
         self.limits = limits
+        self._grammars: Optional[GrammarCompiler] = None  # made by the first constrained request
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -247,14 +267,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         ttft = ttft_targets_from_proto(request)
         return self.engine.add_request(
             prompt_token_ids,
-            sampling_params_from_proto(
+            await self._with_output_constraint(request, sampling_params_from_proto(
                 request.sampling, max_model_len=engine.config.max_model_len, num_prompt_tokens=len(prompt_token_ids)
-            ),
+            )),
             request_id=request.request_id or None,
             priority=engine_priority(request.priority),
             ttft_slo_ms=ttft.slo_ms,
             first_token_timeout_s=ttft.first_token_timeout_s,
         )
+
+    async def _with_output_constraint(self, request: pb.GenerateRequest, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with the request's output constraint, compiled here first (cached, within
+        the time bound, off the event loop) so that a bad one is refused naming its field."""
+        found = output_constraint_from_proto(request)
+        if found is None:
+            return sampling
+        constraint, field_name = found
+        engine = self.engine.engine
+        if self._grammars is None:
+            self._grammars = await asyncio.to_thread(
+                GrammarCompiler.for_tokenizer, engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+                engine.config.structured_output_compile_timeout_s)
+        await asyncio.to_thread(self._grammars.check, constraint, field_name)
+        return replace(sampling, structured_output=constraint)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:

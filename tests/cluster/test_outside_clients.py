@@ -12,6 +12,8 @@ import concurrent.futures
 import json
 import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -528,6 +530,21 @@ def test_streamed_tool_call_deltas_assemble_into_the_whole_responses_calls(clien
             _arguments_valid(call, tools)
 
 
+def test_headroom_generate_constrains_its_output_through_serves_grpc_proxy(cluster, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    for flags, matches in ((["--choice", "up", "--choice", "down"], lambda out: out in ("up", "down")),
+                           (["--regex", "[a-c]{4}"], lambda out: re.fullmatch("[a-c]{4}", out)),
+                           (["--json-schema", str(schema)], lambda out: isinstance(json.loads(out)["ok"], bool))):
+        finished = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "generate", "go", "--target", grpc_target(cluster),
+             "--max-tokens", "16", *flags], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+            timeout=120)
+        assert finished.returncode == 0, finished.stderr
+        assert matches(finished.stdout.strip()), finished.stdout
+
+
 def test_batched_prompts_echo_and_best_of_through_http(cluster):
     body = {"model": APP_NAME, "prompt": ["one", "two"], "max_tokens": 4, "temperature": 0, "n": 2,
             "echo": True, "ignore_eos": True}
@@ -792,6 +809,13 @@ GRPC_PROBES = [
     ("zero_ttft_slo", pb.GenerateRequest(text="hi", ttft_slo_ms=0.0, sampling=sampling()), (),
      grpc.StatusCode.INVALID_ARGUMENT, "ttft_slo_ms: "),
     ("unknown_application", text_request(), (("application", "nope"),), grpc.StatusCode.NOT_FOUND, "application: "),
+    ("json_schema_unknown_type", pb.GenerateRequest(text="hi", json_schema='{"type": "frobnicate"}',
+                                                    sampling=sampling()), (), grpc.StatusCode.INVALID_ARGUMENT,
+     "json_schema: "),
+    ("regex_unbalanced", pb.GenerateRequest(text="hi", regex="a(b", sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "regex: "),
+    ("choice_empty", pb.GenerateRequest(text="hi", choice=pb.Choices(), sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "choice: "),
 ]
 
 

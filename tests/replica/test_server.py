@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
+import re
 import time
 
 import grpc
@@ -185,7 +187,34 @@ BAD_REQUESTS = {
         pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, logit_bias={999: 1.0})), "sampling.logit_bias"),
     "logit_bias_above_100": (
         pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, logit_bias={5: 101.0})), "sampling.logit_bias"),
+    "json_schema_not_json": (pb.GenerateRequest(text="hi", json_schema="{nope", sampling=sampling(max_tokens=4)),
+                             "json_schema"),
+    "json_schema_unknown_type": (pb.GenerateRequest(text="hi", json_schema='{"type": "frobnicate"}',
+                                                    sampling=sampling(max_tokens=4)), "json_schema"),
+    "regex_unbalanced": (pb.GenerateRequest(text="hi", regex="a(b", sampling=sampling(max_tokens=4)), "regex"),
+    "grammar_syntax_error": (pb.GenerateRequest(text="hi", grammar="start: (", sampling=sampling(max_tokens=4)),
+                             "grammar"),
+    "choice_empty": (pb.GenerateRequest(text="hi", choice=pb.Choices(), sampling=sampling(max_tokens=4)), "choice"),
 }
+
+
+def test_an_output_constraint_holds_on_the_replicas_own_grpc_server(replica):
+    pattern = r"[0-9]{2}-[a-z]{3}"
+    requests = [
+        (pb.GenerateRequest(text="code", regex=pattern, sampling=sampling(max_tokens=16)),
+         lambda text: re.fullmatch(pattern, text)),
+        (pb.GenerateRequest(text="pick", choice=pb.Choices(choices=["left", "right"]), sampling=sampling(max_tokens=8)),
+         lambda text: text in ("left", "right")),
+        (pb.GenerateRequest(text="json", json_schema=json.dumps({"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}),
+            sampling=sampling(max_tokens=16)), lambda text: json.loads(text)["n"] in range(10)),
+    ]
+    with grpc.insecure_channel(replica.address) as channel:
+        for request, matches in requests:
+            responses = list(generation_stub(channel).Generate(request, timeout=60))
+            text = "".join(response.text for response in responses)
+            assert matches(text), text
+            assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
