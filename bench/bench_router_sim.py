@@ -40,7 +40,7 @@ from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
 from replica.config import EngineConfig, make_engine_config
-from replica.core.engine import StepStats
+from replica.core.outputs import StepStats
 from replica.server.grpc_service import DEFAULT_WATCH_INTERVAL_MS
 from replica.server.load_report import LoadReportBuilder
 from replica.core.request import Request, SamplingParams

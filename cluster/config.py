@@ -12,8 +12,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from replica.attention import ATTENTION_BACKEND_NAMES
-from replica.config import ConfigError, EngineConfig
+from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy

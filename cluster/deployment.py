@@ -29,7 +29,7 @@ from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from replica.front.async_engine import AsyncEngine
 from replica.config import make_engine_config
-from replica.core.engine import RequestOutput
+from replica.core.outputs import RequestOutput
 from replica.server.grpc_service import TTFTTargets, model_info_proto
 from replica.server.metrics import ReplicaMetrics
 from replica.core.request import SamplingParams

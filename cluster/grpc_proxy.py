@@ -33,7 +33,7 @@ from cluster.serve_logging import log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.grpc_reflection import V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME, add_v1_reflection
-from replica.core.request import InvalidRequestError
+from replica.errors import InvalidRequestError
 from replica.server.request_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 
 GENERATION_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -33,7 +33,7 @@ from cluster.deployment import (
 )
 from cluster.openai_api import (
     ChatCompletionRequest, Choice, CompletionRequest, OpenAIError, choice_sampling_params, error_body,
-    invalid_request_body, parse_body,
+    invalid_request_body, openai_error, parse_body,
 )
 from cluster.openai_responses import (
     SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
@@ -42,15 +42,15 @@ from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
 from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
-from replica.front.async_engine import EngineDeadError, FirstTokenDeadlineExceeded
+from replica.errors import EngineDeadError, HeadroomError, InvalidRequestError, ReplicaLostError
 from replica.server.grpc_service import (
-    chat_prompt_token_ids, engine_priority, generate_response, invalid_argument_message, prompt_token_ids_from_proto,
+    chat_prompt_token_ids, engine_priority, generate_response, prompt_token_ids_from_proto,
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
-from replica.core.request import InvalidRequestError, validate_prompt
+from replica.core.request import validate_prompt
 from replica.server.request_limits import encode_prompt
-from replica.core.scheduler import QueueFullError
+from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler
 from replica.text.tokenizer import Tokenizer
 from router import metrics as router_metrics
@@ -81,11 +81,6 @@ CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 
 api = FastAPI(title="headroom", description="OpenAI-compatible API of one headroom model")
 api.add_middleware(DisconnectWhenReceiveIsCancelled)
-
-
-class ReplicaLostError(RuntimeError):
-    """The replica serving a stream died after the stream had produced tokens (which cannot
-    be taken back), or every try died before producing one."""
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -135,27 +130,14 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, GenerationChunk]], bod
         if include_usage:
             yield sse(bodies.usage_chunk(list(results.values())))
     except Exception as error:
-        yield sse(_http_error(error, param_for_field)[1])
+        yield sse(openai_error(error, param_for_field)[1])
     yield SSE_DONE
 
 
-def _http_error(error: Exception, param_for_field: dict[str, str]) -> tuple[int, dict[str, Any]]:
-    """HTTP status and OpenAI error body for a failure while streaming from a replica."""
-    if isinstance(error, InvalidRequestError):
-        return 400, invalid_request_body(error, param_for_field)
-    if isinstance(error, QueueFullError):
-        return 429, error_body(str(error), None, "queue_full", "rate_limit_error")
-    if isinstance(error, ReplicaLostError):
-        return 503, error_body(str(error), None, "replica_unavailable", "server_error")
-    if isinstance(error, FirstTokenDeadlineExceeded):
-        return 504, error_body(str(error), None, "ttft_deadline_exceeded", "server_error")
-    logger.exception("request failed")
-    return 500, error_body(f"internal error: {error}", None, "internal_error", "server_error")
-
-
-def _abort(grpc_context: RayServegRPCContext, code: grpc.StatusCode, details: str, error: Exception) -> None:
-    """Ends the call with `code`: Ray Serve reports the status set on the context when the
-    method raises."""
+def _abort(grpc_context: RayServegRPCContext, error: HeadroomError) -> None:
+    """Ends the call with the status `error` declares (replica/server/status.py): Ray Serve
+    reports the status set on the context when the method raises."""
+    code, details = grpc_status(error)
     grpc_context.set_code(code)
     grpc_context.set_details(details)
     raise error
@@ -336,14 +318,8 @@ class Ingress:
             )
             async for chunk in self.stream(generation):
                 yield generate_response(chunk, chunk.replica_id)
-        except InvalidRequestError as error:
-            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error), error)
-        except QueueFullError as error:
-            _abort(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), error)
-        except ReplicaLostError as error:
-            _abort(grpc_context, grpc.StatusCode.UNAVAILABLE, str(error), error)
-        except FirstTokenDeadlineExceeded as error:
-            _abort(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, f"ttft_deadline_ms: {error}", error)
+        except HeadroomError as error:
+            _abort(grpc_context, error)
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext) -> pb.TokenizeResponse:
         self._check_application(grpc_context)
@@ -352,7 +328,7 @@ class Ingress:
             token_ids = await encode_prompt(self.tokenizer, request.text, add_special_tokens=request.add_special_tokens,
                                             limits=self.limits, field_name="text")
         except InvalidRequestError as error:
-            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error), error)
+            _abort(grpc_context, error)
         return pb.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext) -> pb.ModelInfo:
@@ -466,7 +442,7 @@ class Ingress:
             async for choice, chunk in chunks:
                 results[choice.index].add(chunk)
         except Exception as error:
-            status, error_json = _http_error(error, param_for_field)
+            status, error_json = openai_error(error, param_for_field)
             return JSONResponse(error_json, status_code=status)
         generated = [results[index] for index in sorted(results)]
         return bodies.response(generated, best_choices(generated, body.num_candidates, body.n))

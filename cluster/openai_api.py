@@ -9,6 +9,7 @@ refused by name, never silently ignored.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -17,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
 from replica.core.structured_output import StructuredOutput
 
-from replica.core.request import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
+from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
+from replica.errors import HeadroomError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 # Names an OpenAI or vLLM client may send that this server cannot honour, each with the
 # test for a value that asks for something (None, False, "" and the defaults do not).
@@ -74,6 +78,17 @@ def invalid_request_body(error: InvalidRequestError, param_for_field: dict[str, 
     """An engine-side field error as OpenAI's error, `param` being the request body's field."""
     param = param_for_field.get(error.field, error.field)
     return error_body(f"{param}: {str(error).removeprefix(f'{error.field}: ')}", param)
+
+
+def openai_error(error: BaseException, param_for_field: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body `error` ends a request with: the status, type and
+    code each headroom error declares (replica/errors.py); anything undeclared is a 500."""
+    if isinstance(error, InvalidRequestError):
+        return 400, invalid_request_body(error, param_for_field)
+    if isinstance(error, HeadroomError):
+        return error.http_status, error_body(error.client_message, None, error.openai_code, error.openai_type)
+    logger.error("request failed", exc_info=error)
+    return 500, error_body(f"internal error: {error}", None, "internal_error", "server_error")
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:

@@ -11,8 +11,7 @@ from typing import Any, Awaitable, Callable
 
 from ray.exceptions import TaskCancelledError
 
-from replica.core.request import InvalidRequestError
-from replica.core.scheduler import QueueFullError
+from replica.errors import InvalidRequestError, QueueFullError
 
 # Ray Serve's logger (ray.serve._private.constants.SERVE_LOGGER_NAME), where it logs
 # "Request failed." with the exception of a failed call.

@@ -14,7 +14,13 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.core.admission import AdmissionMode
-from replica.model.fused_ops import DEFAULT_FUSED_OPS, FUSED_OPS_NAMES
+
+# The kernels' names live here, not beside the kernels, so the config (and the ingress and
+# the CLI that read it) imports without torch.
+FUSED_OPS_NAMES = ("auto", "torch", "inplace", "triton", "compile")
+# The one default: EngineConfig.fused_ops and load_model both take it from here.
+DEFAULT_FUSED_OPS = "auto"
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton")
 
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]

@@ -10,10 +10,10 @@ import logging
 import torch
 
 from replica.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
+from replica.config import ATTENTION_BACKEND_NAMES
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:

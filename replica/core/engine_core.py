@@ -13,7 +13,8 @@ import queue
 import threading
 from typing import Any, Optional
 
-from replica.core.engine import LLMEngine, RequestOutput
+from replica.core.engine import LLMEngine
+from replica.core.outputs import RequestOutput
 from replica.core.request import Request
 from replica.parallel.group import TensorParallelDead
 from replica.ipc.channel import ChannelClosed, FrameSocket

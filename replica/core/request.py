@@ -11,6 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from replica.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from replica.core.structured_output import StructuredOutput
@@ -39,20 +40,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot serve. `field` names the offending input field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-    def __reduce__(self):
-        # Crosses process boundaries intact (a Ray Serve replica raises it to the ingress);
-        # the default would call __init__ with the one formatted string.
-        return (type(self), (self.field, self.message))
 
 
 # Most alternatives a request may ask for per generated token (vLLM's default max_logprobs,

@@ -25,17 +25,14 @@ from replica.core.host_pool import BlockCopies
 from replica.core.load import SchedulerLoad
 from replica.core.preemption_mode import SWAP, PreemptionPlanner
 from replica.core.victim_policy import VICTIM_POLICIES
-from replica.core.request import InvalidRequestError, Request, RequestStatus, validate_request
+from replica.core.request import Request, RequestStatus, validate_request
+from replica.errors import InvalidRequestError, QueueFullError
 from replica.core.request_queue import make_waiting_queue
 from replica.core.slo import SLOView, StepSnapshot, TTFTPredictor, ttft_deadline, urgency
 
 # Waiters an SLO snapshot carries, most urgent first: the gate needs only the most urgent
 # rescuable one, and a few more cover those that turn doomed while the pass runs.
 SLO_SNAPSHOT_WAITERS = 8
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its configured bound; the caller should retry later."""
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from replica.config import EngineConfig
-from replica.core.request import InvalidRequestError, Request
+from replica.core.request import Request
+from replica.errors import InvalidRequestError
 
 
 def ttft_deadline(arrival_time: float, ttft_slo_ms: Optional[float]) -> Optional[float]:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
-import torch
 
-from replica.core.request import InvalidRequestError
+from replica.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import llguidance
+    import torch  # imported where masks are built, so the ingress compiles grammars without torch
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +217,7 @@ class GrammarBitmask:
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
         import llguidance
+        import torch
 
         self.vocab_size = vocab_size
         self.device = device
@@ -230,6 +231,8 @@ class GrammarBitmask:
 
     def build(self, rows: Sequence[int], grammars: Sequence[RequestGrammar]) -> GrammarMask:
         """The masks of these sampling rows, whose grammars stand at the rows' tokens."""
+        import torch
+
         count = len(rows)
         host = self._host[self._num_built % 2][:count]
         self._num_built += 1

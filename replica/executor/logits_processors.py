@@ -10,7 +10,7 @@ in flight is never waited for (replica/executor/sampler.py calls this on the dev
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -23,13 +23,6 @@ class TokenHistory(Protocol):
 
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-
-
-class TopLogprobs(NamedTuple):
-    """The most likely tokens at one position, most likely first, with their log-probabilities."""
-
-    token_ids: list[int]
-    logprobs: list[float]
 
 
 def apply_logits_processors(

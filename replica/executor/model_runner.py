@@ -31,7 +31,8 @@ from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
 from replica.executor.staging import StagedField, StagedInputs
 from replica.executor.step_abort import StepAbort, StepAborted
-from replica.executor.logits_processors import TopLogprobs, to_device
+from replica.executor.logits_processors import to_device
+from replica.core.outputs import TopLogprobs
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.core.request import MAX_TOP_LOGPROBS
 from replica.core.structured_output import GrammarBitmask, GrammarMask

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from replica.config import EngineConfig
-from replica.core.engine import RequestOutput, StepStats, make_request
+from replica.core.outputs import RequestOutput, StepStats, make_request
 from replica.front.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
-from replica.core.request import InvalidRequestError, Request, SamplingParams, validate_request
+from replica.core.request import Request, SamplingParams, validate_request
+from replica.errors import EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, InvalidRequestError, QueueFullError
 from replica.core.load import SchedulerLoad
-from replica.core.scheduler import QueueFullError
-from replica.front.core_client import EngineCoreClient, EngineDeadError
+from replica.front.core_client import EngineCoreClient
 from replica.ipc.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
 from replica.front.output_processor import OutputProcessor, RequestObserver
 from replica.text.tokenizer import Tokenizer
@@ -38,18 +38,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineShutdownError", "EngineStepError", "FirstTokenDeadlineExceeded",
            "RequestStream", "ServedEngine"]
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
-
-
-class EngineStepError(RuntimeError):
-    """The model failed while running this request's step."""
-
-
-class FirstTokenDeadlineExceeded(RuntimeError):
-    """No first token within the request's hard TTFT deadline; its stream ends with this."""
 
 
 class RequestStream:

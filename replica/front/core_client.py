@@ -22,6 +22,7 @@ from replica.ipc.messages import (
     AbortRequests, AddRequest, CoreFailed, CoreReady, CoreSpec, Shutdown, StepFailed, StepOutputs, UtilityCall,
     UtilityResult, from_wire, to_wire,
 )
+from replica.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,6 @@ logger = logging.getLogger(__name__)
 PROCESS_WATCH_INTERVAL_S = 0.5
 # After Shutdown, the core exits within a step; past this it is killed.
 EXIT_TIMEOUT_S = 10.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; nothing it held can finish."""
 
 
 class EngineCoreClient:

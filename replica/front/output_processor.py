@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
-from replica.core.engine import RequestOutput
-from replica.executor.logits_processors import TopLogprobs
+from replica.core.outputs import RequestOutput
+from replica.core.outputs import TopLogprobs
 from replica.core.request import Request
 from replica.text.stop_strings import StopStringMatcher
 from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -9,11 +9,14 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from replica.model.cache import build_once, default_cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_MODEL_NAME = "builtin"
 # Bump the version whenever the files written below change, so stale caches are not reused.
@@ -83,6 +86,8 @@ def _write_model_files(model_dir: Path) -> None:
         },
     )
     build_byte_level_tokenizer().save(str(model_dir / "tokenizer.json"))
+    from safetensors.torch import save_file  # torch only when the model is first written
+
     save_file(random_llama_weights(), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -121,6 +126,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def random_llama_weights() -> dict[str, torch.Tensor]:
     """Deterministic random weights under Hugging Face's Llama parameter names."""
+    import torch
+
     generator = torch.Generator().manual_seed(WEIGHT_SEED)
     hidden = MODEL_CONFIG["hidden_size"]
     intermediate = MODEL_CONFIG["intermediate_size"]

@@ -7,13 +7,14 @@ Accepts both rope spellings: `rope_theta`/`rope_scaling` (transformers < 5) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a dtype is parsed, so the config reads without it
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 _REQUIRED_ROPE_KEYS = {
     "default": (),
     "linear": ("factor",),
@@ -107,11 +108,13 @@ class ModelConfig:
 
 
 def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES_BY_NAME:
-        raise ModelConfigError(f"{field} {name!r} is not one of {', '.join(DTYPES_BY_NAME)}")
-    return DTYPES_BY_NAME[name]
+    if name not in DTYPE_NAMES:
+        raise ModelConfigError(f"{field} {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
 
 
 def _required(raw: dict[str, Any], key: str) -> Any:

@@ -12,11 +12,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from replica.config import FUSED_OPS_NAMES
+
 logger = logging.getLogger(__name__)
 
-FUSED_OPS_NAMES = ("auto", "torch", "inplace", "triton", "compile")
-# The one default: EngineConfig.fused_ops and load_model both take it from here.
-DEFAULT_FUSED_OPS = "auto"
 
 
 class FusedOps:

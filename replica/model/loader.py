@@ -19,7 +19,8 @@ from safetensors import safe_open
 
 from replica.attention import get_attention_backend
 from replica.model.config import ModelConfig, ModelConfigError, parse_dtype
-from replica.model.fused_ops import DEFAULT_FUSED_OPS, get_fused_ops
+from replica.config import DEFAULT_FUSED_OPS
+from replica.model.fused_ops import get_fused_ops
 from replica.model.llama import LlamaForCausalLM, MergedLinear
 from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel, kv_head_start, shard_config
 

@@ -11,39 +11,33 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from typing import TYPE_CHECKING
+
 import grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from protos.not_serving import ENGINE_CORE_DIED, SHUTTING_DOWN, not_serving_metadata
-from replica.front.async_engine import (
-    AsyncEngine, EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, RequestStream,
-    ServedEngine,
-)
+from replica.front.async_engine import AsyncEngine, RequestStream, ServedEngine
+from replica.errors import HeadroomError, InvalidRequestError
 from replica.text.chat_template import ChatTemplateError
-from replica.core.engine import LLMEngine, RequestOutput
+from replica.core.outputs import RequestOutput
 from replica.front.kv_event_log import KVEventBatch
 from replica.server.load_report import LoadReportBuilder, is_significant_change
-from replica.core.request import InvalidRequestError, SamplingParams, check_text
+from replica.core.request import SamplingParams, check_text
 from replica.server.request_limits import RequestLimits, encode_prompt
-from replica.core.scheduler import QueueFullError
+from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler, StructuredOutput
 from replica.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from replica.core.engine import LLMEngine
 
 FINISH_REASON_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
-}
-# The engine names fields after its own types; clients know the proto's field paths.
-_SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "top_logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-)
-PROTO_FIELD_FOR_ENGINE_FIELD = {
-    "prompt_token_ids": "token_ids",
-    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
 }
 DEFAULT_WATCH_INTERVAL_MS = 100
 # A snapshot of a large prefix cache goes out in parts of at most this many events (~40
@@ -52,12 +46,6 @@ KV_EVENTS_PER_MESSAGE = 16384
 # WatchLoad streams check for server shutdown at least this often, whatever interval the
 # client asked for, so stop() ends them cleanly instead of cancelling them.
 WATCH_STOP_CHECK_S = 0.1
-
-
-def invalid_argument_message(error: InvalidRequestError) -> str:
-    """The error's message with the engine's field name replaced by the proto field path."""
-    detail = str(error).removeprefix(f"{error.field}: ")
-    return f"{PROTO_FIELD_FOR_ENGINE_FIELD.get(error.field, error.field)}: {detail}"
 
 
 # The proto -> engine mapping of a GenerateRequest, shared by this servicer and the cluster's
@@ -228,38 +216,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
             stream = await self._add_request(request)
-        except InvalidRequestError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
-        except QueueFullError as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except (EngineShutdownError, EngineDeadError) as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except HeadroomError as error:  # refused on entry: invalid, queue full, shutting down, core dead
+            await context.abort(*grpc_status(error))
 
-        failure: Optional[tuple[grpc.StatusCode, str]] = None
+        failure: Optional[BaseException] = None
         try:
             # grpc.aio also cancels this task when the client's deadline passes; the
             # timeout makes the status DEADLINE_EXCEEDED even if that races our writes.
             async with asyncio.timeout(context.time_remaining()):
                 async for output in stream:
                     await context.write(generate_response(output, self.replica_id))
-        except TimeoutError:
-            failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished")
-        except FirstTokenDeadlineExceeded:
-            failure = (grpc.StatusCode.DEADLINE_EXCEEDED,
-                       f"ttft_deadline_ms: no first token within {request.ttft_deadline_ms} ms")
-        except EngineStepError as error:  # the engine already aborted the request
-            failure = (grpc.StatusCode.INTERNAL, str(error))
-        except EngineDeadError as error:  # the core process died: its requests are gone with it
-            failure = (grpc.StatusCode.UNAVAILABLE, str(error))
-        except QueueFullError as error:  # the queue filled between validation and queueing
-            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except (TimeoutError, HeadroomError) as error:
+            # The call's deadline, a missed TTFT deadline, a failed step (the engine already
+            # aborted the request), a dead core, or a queue that filled after validation.
+            failure = error
         finally:
             # Runs on client cancellation too (grpc.aio cancels this task): the request
             # must not keep its KV blocks once nobody reads its stream.
             if not stream.finished:
                 self.engine.abort(stream.request_id)
         if failure is not None:
-            await context.abort(*failure)
+            await context.abort(*grpc_status(failure))
 
     async def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
         engine = self.engine.engine
@@ -297,7 +274,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                             add_special_tokens=request.add_special_tokens, limits=self.limits,
                                             field_name="text")
         except InvalidRequestError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error))
+            await context.abort(*grpc_status(error))
         return pb.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

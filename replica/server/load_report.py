@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from protos.headroom_pb2 import ReplicaLoad
-from replica.core.engine import StepStats
+from replica.core.outputs import StepStats
 from replica.server.preemption_rate import PreemptionRateEstimator
 from replica.core.load import PROTO_FIELDS, SchedulerLoad
 

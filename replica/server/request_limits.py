@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from replica.core.request import InvalidRequestError, check_text
+from replica.core.request import check_text
+from replica.errors import InvalidRequestError
 from replica.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default receive limit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from replica.core.engine import RequestOutput
+from replica.core.outputs import RequestOutput
 from replica.server.metrics import ReplicaMetrics
 from replica.core.request import Request
 

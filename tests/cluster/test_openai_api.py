@@ -18,8 +18,8 @@ from cluster.openai_api import (
 )
 from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
 from cluster.serve_logging import ClientErrorLogFilter, DisconnectWhenReceiveIsCancelled
-from replica.executor.logits_processors import TopLogprobs
-from replica.core.request import InvalidRequestError
+from replica.core.outputs import TopLogprobs
+from replica.errors import InvalidRequestError
 
 
 def parsed(model, **fields):

@@ -23,7 +23,8 @@ ray = pytest.importorskip("ray")
 
 from cluster import status_command  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME, GenerationChunk  # noqa: E402
-from cluster.ingress import ReplicaLostError, _sse_stream  # noqa: E402
+from cluster.ingress import _sse_stream  # noqa: E402
+from replica.errors import ReplicaLostError
 from cluster.openai_api import Choice  # noqa: E402
 from cluster.openai_responses import CompletionBodies, TokenText  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402

@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.front.async_engine import AsyncEngine, EngineDeadError
+from replica.front.async_engine import AsyncEngine
+from replica.errors import EngineDeadError
 from replica.config import ConfigError, make_engine_config
 from replica.core.kv_events import KVEventKind
 from replica.core.engine import LLMEngine

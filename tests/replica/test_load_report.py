@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from replica.core.engine import StepStats
+from replica.core.outputs import StepStats
 from replica.server.load_report import LoadReportBuilder, is_significant_change
 from replica.core.load import SchedulerLoad
 

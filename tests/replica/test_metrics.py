@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.headroom_pb2 import ReplicaLoad
+from replica.core.load import SchedulerLoad
 from replica.server.metrics import (
     FINISH_REASONS,
     METRIC_NAMES,
@@ -37,6 +38,12 @@ class Totals:
     admissions_relaxed_total: int = 0
     slo_preemptions_total: int = 0
     slo_discarded_layers_total: int = 0
+    swap_preemptions_total: int = 0
+    recompute_tokens_avoided_total: int = 0
+    swapped_out_blocks_total: int = 0
+    swapped_in_blocks_total: int = 0
+    swapped_out_bytes_total: int = 0
+    swapped_in_bytes_total: int = 0
 
 
 @pytest.fixture
@@ -192,9 +199,7 @@ def test_finished_rejects_an_unknown_reason(metrics: ReplicaMetrics):
 # Gauges and histograms.
 
 
-def load_with(**values) -> "SchedulerLoad":
-    from replica.core.load import SchedulerLoad
-
+def load_with(**values) -> SchedulerLoad:
     return SchedulerLoad(**{**{name: 0 for name in SchedulerLoad.__dataclass_fields__}, **values})
 
 

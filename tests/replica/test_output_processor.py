@@ -10,8 +10,8 @@ from typing import Optional
 
 import pytest
 
-from replica.core.engine import RequestOutput
-from replica.executor.logits_processors import TopLogprobs
+from replica.core.outputs import RequestOutput
+from replica.core.outputs import TopLogprobs
 from replica.model.registry import resolve_model_path
 from replica.core.request import Request, SamplingParams
 from replica.front.output_processor import OutputProcessor

@@ -11,7 +11,7 @@ import pytest
 
 from replica.front.async_engine import RequestStream, merge_outputs
 from replica.config import make_engine_config
-from replica.core.engine import RequestOutput, make_request
+from replica.core.outputs import RequestOutput, make_request
 from replica.core.request import SamplingParams
 
 

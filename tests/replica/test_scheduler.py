@@ -13,8 +13,8 @@ from sched_harness import (
 
 from replica.config import ConfigError, make_engine_config, resolve_max_model_len
 from replica.core.victim_policy import cheapest_victim, fcfs_victim
-from replica.core.request import InvalidRequestError, RequestStatus, SamplingParams
-from replica.core.scheduler import QueueFullError
+from replica.core.request import RequestStatus, SamplingParams
+from replica.errors import InvalidRequestError, QueueFullError
 
 
 def two_long_decodes():

@@ -15,7 +15,8 @@ from sched_harness import draw_prompt, fake_next_token, make_request, make_sched
 from replica.config import ConfigError, make_engine_config
 from protos.headroom_pb2 import ReplicaLoad
 from replica.server.metrics import ReplicaMetrics
-from replica.core.request import InvalidRequestError, RequestStatus
+from replica.core.request import RequestStatus
+from replica.errors import InvalidRequestError
 from replica.core.scheduler import Scheduler, SchedulerOutput
 from replica.core.slo import (
     AbortOrder,

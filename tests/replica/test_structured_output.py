@@ -17,7 +17,8 @@ import torch
 
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
-from replica.core.request import InvalidRequestError, SamplingParams
+from replica.core.request import SamplingParams
+from replica.errors import InvalidRequestError
 from replica.core.structured_output import GrammarCompiler, GrammarMask, StructuredOutput, apply_grammar_bitmask
 
 PERSON = {"type": "object", "properties": {

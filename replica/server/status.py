@@ -1,0 +1,40 @@
+"""The one mapping from an error to the gRPC status a client sees (replica/errors.py declares
+each class's code); the replica's servicer and the cluster's ingress both answer with it."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from replica.errors import HeadroomError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# The engine names fields after its own types; clients know the proto's field paths.
+_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+)
+PROTO_FIELD_FOR_ENGINE_FIELD = {
+    "prompt_token_ids": "token_ids",
+    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
+}
+
+
+def invalid_argument_message(error: InvalidRequestError) -> str:
+    """The error's message with the engine's field name replaced by the proto field path."""
+    detail = str(error).removeprefix(f"{error.field}: ")
+    return f"{PROTO_FIELD_FOR_ENGINE_FIELD.get(error.field, error.field)}: {detail}"
+
+
+def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details `error` ends a call with; anything undeclared is INTERNAL."""
+    if isinstance(error, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, invalid_argument_message(error)
+    if isinstance(error, HeadroomError):
+        return grpc.StatusCode[error.grpc_code], error.client_message
+    if isinstance(error, TimeoutError):  # the call's own gRPC deadline
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished"
+    logger.error("request failed", exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {error}"
