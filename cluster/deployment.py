@@ -19,13 +19,13 @@ from wsgiref.simple_server import WSGIServer
 import ray
 from ray import serve
 from ray.serve import context as serve_context
-from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.config import RequestRouterConfig
 from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
 from cluster.serve_logging import log_client_errors_in_one_line
+from cluster.serve_private import SERVE_NAMESPACE
 from protos import headroom_pb2 as pb
 from replica.front.async_engine import AsyncEngine
 from replica.config import make_engine_config

@@ -161,7 +161,7 @@ def add_generation_to_server(servicer: object, server: grpc.aio.Server) -> None:
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         return
     log_client_errors_in_one_line()  # this is the proxy's process
-    from ray.serve._private.proxy_request_response import gRPCStreamingType
+    from cluster.serve_private import gRPCStreamingType
 
     def routed(method: str, streaming_type: gRPCStreamingType) -> Callable:
         return factory(service_method=f"/{GENERATION_SERVICE_NAME}/{method}", streaming_type=streaming_type)
