@@ -61,8 +61,8 @@ DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 256, 400, 32
 SERVED_WORKLOADS = "64x128,256x128"
 DEVICE = "cuda"
 PROFILE_DIR: Path | None = None
-ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers")
-DEFAULT_SECTIONS = ("tests", "engine", "smollm2", "served")
+ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers", "tp")
+DEFAULT_SECTIONS = ("tests", "engine", "smollm2", "served", "tp")
 # --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute or two.
 SMOKE_MODEL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048)
@@ -157,6 +157,8 @@ def main() -> None:
                                 eager=not args.no_eager)
             if "served" in sections:
                 section(report, "served", lambda: served(model_dir))
+    if "tp" in sections:
+        section(report, "tp", tensor_parallel)
     if "peers" in sections:
         for script in ("bench_attention.py", "bench_fused_ops.py"):
             section(report, f"peers {script}", lambda script=script: peer_benchmark(script))
@@ -507,6 +509,17 @@ def served(model_dir: str) -> list[tuple]:
 
 
 # ---- peers: the kernel benchmarks ------------------------------------------------------------------
+def tensor_parallel() -> list[tuple]:
+    """bench_tp.py on the GPUs: TP=2 against TP=1 step time and the SLO vote's cost per layer
+    (NCCL), when the machine has two GPUs; one row saying so when it has fewer."""
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < 2:
+        return [("TP=2 vs TP=1", f"not run: this machine has {num_gpus} GPU (needs >= 2)")]
+    _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_tp.py"), "--device", "cuda",
+                                    "--model", "wide"], timeout_s=600)
+    return [("bench_tp.py --device cuda --model wide", f"exit {returncode} (its table is printed above)")]
+
+
 def peer_benchmark(script: str) -> list[tuple]:
     _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / script), "--quick"], timeout_s=300)
     return [(f"{script} --quick", f"exit {returncode} (its table is printed above)")]

@@ -25,8 +25,9 @@ from replica.core.slo import AbortOrder
 from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import EngineDeadError
 from replica.model import load_model
+from replica.model.loader import read_model_config
 from replica.model.builtin import ensure_builtin_model
-from replica.parallel.group import TensorParallel
+from replica.parallel.group import TensorParallel, TensorParallelConfigError, check_divisible
 
 from tests.replica.test_slo_engine import hooked
 
@@ -183,6 +184,23 @@ def test_each_rank_loads_only_its_slices_of_the_checkpoint(tiny_mqa):
     assert torch.equal(params["lm_head.weight"], whole_params["lm_head.weight"][160:])
     shard_numel = sum(p.numel() for p in shard.parameters())
     assert shard_numel < 0.6 * sum(p.numel() for p in whole.parameters())
+
+
+def test_smollm2_from_its_gguf_divides_among_three_ranks_not_two(smollm2_dir):
+    """SmolLM2-135M: 9 heads and 3 KV heads, so TP=2 is refused and TP=3 gives each rank 3
+    heads and one KV head; rank 2 of 3 loads exactly its slices of the converted GGUF."""
+    cfg = read_model_config(smollm2_dir)
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"^tensor_parallel_size: 2 does not divide the model's 9 attention heads, 3 KV heads"):
+        check_divisible(cfg, 2)
+    shard, shard_cfg = load_model(smollm2_dir, tp=TensorParallel(rank=2, size=3))
+    assert (shard_cfg.num_attention_heads, shard_cfg.num_key_value_heads, shard_cfg.intermediate_size) == (3, 1, 512)
+    whole, _ = load_model(smollm2_dir)
+    q, k, v = dict(whole.named_parameters())["model.layers.5.self_attn.qkv_proj.weight"].split([576, 192, 192])
+    ours = dict(shard.named_parameters())["model.layers.5.self_attn.qkv_proj.weight"]
+    assert torch.equal(ours, torch.cat([q[384:], k[128:], v[128:]]))  # heads 6-8 and KV head 2
+    # Tied embeddings: the LM head is the rank's block of the embedding's rows.
+    assert torch.equal(shard.lm_head.weight, whole.model.embed_tokens.weight[2 * 16384:])
 
 
 def test_a_size_that_does_not_divide_the_heads_is_a_one_line_error_at_start():
