@@ -394,3 +394,36 @@ def test_a_killed_worker_takes_the_replica_down_as_engine_dead_not_a_hang():
     print(f"reported dead {elapsed:.2f} s after the kill")
     assert isinstance(dead, EngineDeadError)
     assert elapsed < 10, f"the replica took {elapsed:.1f} s to report dead"
+
+
+def test_a_killed_engine_core_leaves_no_worker_behind():
+    """The other way round: rank 0's process dies (SIGKILL, no shutdown); its worker notices
+    (its pipe closes, or its collective fails) and exits instead of holding its device."""
+    config = make_engine_config(**{**TIGHT, "tensor_parallel_size": 2})
+
+    async def scenario():
+        front = await AsyncEngine.launch(config, "builtin", device="cpu")
+        try:
+            (worker,) = tp_worker_pids(front.core.process.pid)
+            os.kill(front.core.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async for _ in front.add_request(PROMPTS[1], GREEDY, request_id="after"):
+                    pass
+            return worker
+        finally:
+            await front.shutdown()
+
+    worker = asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while not process_gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(worker), "the worker outlived its engine core by 10 s"
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
