@@ -16,6 +16,8 @@ from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
+from cluster.autoscaling import POLICY_FUNCTIONS as AUTOSCALING_POLICY_FUNCTIONS
+from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 
 # The Serve application every headroom app is built by; `args` is a ClusterConfig.
 APP_IMPORT_PATH = "cluster.app:build_app"
@@ -27,10 +29,13 @@ GRPC_SERVICER_FUNCTIONS = (
 )
 # Where the cluster writes Prometheus' file-based discovery targets (deploy/prometheus.yml).
 DEFAULT_TARGETS_DIR = "/tmp/headroom/prometheus"
+# How often a replica being removed checks whether its streams have finished.
+DRAIN_CHECK_PERIOD_S = 1.0
 # Local binds stay on loopback unless a config or flag asks for another address.
 DEFAULT_HTTP_HOST = "127.0.0.1"
 
 RoutingPolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+AutoscalingPolicyName = Literal[AUTOSCALING_POLICY_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackendName = Literal[ATTENTION_BACKEND_NAMES]  # type: ignore[valid-type]
@@ -42,22 +47,88 @@ class _Strict(BaseModel):
 
 
 class AutoscalingConfig(_Strict):
-    """Ray Serve's autoscaling bounds and target, under the same names as Serve's."""
+    """Ray Serve's autoscaler for the replicas: bounds, the policy that picks the count
+    (cluster/autoscaling.py) and its knobs. Serve's names where Serve has the field."""
 
+    policy: AutoscalingPolicyName = Field(
+        "headroom", description="headroom: KV demand, waiting prefill and preemptions (cluster/autoscaling.py); "
+        "requests: Serve's own, on requests in flight (target_ongoing_requests).",
+    )
     # At least one: a replica's cold start loads the model, which a request should never wait for.
     min_replicas: int = Field(1, ge=1, description="Fewest replicas kept running.")
     max_replicas: int = Field(4, ge=1, description="Most replicas the autoscaler may start.")
     # Serve's default (2) suits one-request-at-a-time models; a continuous batch runs tens of
     # requests at once, and scaling out at 2 would start a replica for every other request.
     target_ongoing_requests: float = Field(
-        32.0, gt=0, description="Requests in flight per replica the autoscaler aims for."
+        32.0, gt=0, description="requests policy: requests in flight per replica the autoscaler aims for."
+    )
+    target_utilization: float = Field(
+        0.8, gt=0, le=1, description="headroom policy: fraction of the cluster's KV pool its committed KV "
+        "(held + expected growth) may fill before another replica starts.",
+    )
+    # The band between the two utilisations is the hysteresis: a demand near one boundary
+    # does not add and remove a replica by turns.
+    scale_down_utilization: float = Field(
+        0.6, gt=0, le=1, description="headroom policy: a replica is removed only when the demand fits one "
+        "fewer at this utilisation (at most target_utilization).",
+    )
+    preemption_rate_threshold: float = Field(
+        0.5, ge=0, description="headroom policy: mean preemptions per second per replica above which one "
+        "more replica starts at once, whatever the KV arithmetic says.",
+    )
+    waiting_prefill_tokens_per_replica: int = Field(
+        16384, gt=0, description="headroom policy: a floor of one replica per this many waiting prefill tokens.",
+    )
+    upscale_delay_s: float = Field(
+        5.0, ge=0, description="How long more replicas must be wanted before they start (the headroom "
+        "policy's preemption step skips it).",
+    )
+    downscale_delay_s: float = Field(60.0, ge=0, description="How long fewer replicas must be wanted before one stops.")
+    look_back_period_s: float = Field(
+        10.0, gt=0, description="Serve averages each replica's stats over this window.",
+    )
+    # Serve marks this field deprecated (a future release moves it to an environment
+    # variable) but it is what sets the push interval today; its default, 10 s, would make
+    # the policy see a preemption burst seconds late.
+    metrics_interval_s: float = Field(
+        2.0, gt=0, description="How often each replica pushes its stats to Serve's controller.",
     )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "AutoscalingConfig":
         if self.max_replicas < self.min_replicas:
             raise ConfigError(f"max_replicas: {self.max_replicas} is below min_replicas {self.min_replicas}")
+        if self.scale_down_utilization > self.target_utilization:
+            raise ConfigError(f"scale_down_utilization: {self.scale_down_utilization} is above "
+                              f"target_utilization {self.target_utilization}")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ConfigError(f"look_back_period_s: {self.look_back_period_s} must exceed "
+                              f"metrics_interval_s {self.metrics_interval_s}")
         return self
+
+    def serve_autoscaling_config(self) -> dict[str, Any]:
+        """Serve's `autoscaling_config` for this policy."""
+        options: dict[str, Any] = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "look_back_period_s": self.look_back_period_s,
+            "metrics_interval_s": self.metrics_interval_s,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "policy": {"policy_function": AUTOSCALING_POLICY_FUNCTIONS[self.policy]},
+        }
+        if self.policy == "headroom":
+            # Its delays are its own (the preemption step skips one); Serve's would add to them.
+            options.update(upscale_delay_s=0.0, downscale_delay_s=0.0)
+            options["policy"]["policy_kwargs"] = {
+                name: getattr(self, name) for name in (
+                    "min_replicas", "max_replicas", "target_utilization", "scale_down_utilization",
+                    "preemption_rate_threshold", "waiting_prefill_tokens_per_replica",
+                    "upscale_delay_s", "downscale_delay_s",
+                )
+            }
+        return options
 
 
 class ReplicasConfig(_Strict):
@@ -70,6 +141,12 @@ class ReplicasConfig(_Strict):
     num_cpus: Optional[float] = Field(None, ge=0, description="CPUs each replica reserves; None = 1.")
     num_gpus: Optional[float] = Field(
         None, ge=0, description="GPUs each replica reserves; None = 1 when the cluster has GPUs, else 0."
+    )
+    # Serve stops routing to a replica it removes at once and waits this long for its
+    # streams before killing it: long enough for a long generation, or scale-in cuts it.
+    drain_timeout_s: float = Field(
+        300.0, ge=0, description="How long a replica being removed may finish its streams "
+        "(Serve's graceful_shutdown_timeout_s).",
     )
 
     @model_validator(mode="after")
@@ -223,8 +300,10 @@ def serve_deployment_options(config: ClusterConfig, cluster_gpus: float) -> dict
         # itself (max_num_seqs running, max_waiting_requests queued, beyond that it refuses).
         "max_ongoing_requests": config.engine.max_num_seqs + config.engine.max_waiting_requests,
     }
+    options["graceful_shutdown_timeout_s"] = replicas.drain_timeout_s
+    options["graceful_shutdown_wait_loop_s"] = DRAIN_CHECK_PERIOD_S
     if replicas.autoscaling is not None:
-        options["autoscaling_config"] = replicas.autoscaling.model_dump()
+        options["autoscaling_config"] = replicas.autoscaling.serve_autoscaling_config()
     else:
         options["num_replicas"] = replicas.num_replicas
     return options

@@ -23,6 +23,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from cluster.autoscaling import autoscaling_stats
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
 from cluster.serve_logging import log_client_errors_in_one_line
 from cluster.serve_private import SERVE_NAMESPACE
@@ -133,6 +134,11 @@ class LLMReplica:
         """The engine-core process's pid on this replica's node (operators, failure tests)."""
         return self.engine.core.pid
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads when it runs the headroom policy (cluster/autoscaling.py):
+        KV capacity and demand, waiting prefill and preemption rate, from this replica's load report."""
+        return autoscaling_stats(self.server.load_reports.build(self.engine.load()))
+
     def record_routing_stats(self) -> dict[str, str]:
         return {LOAD_ENDPOINT_STAT: self.load_endpoint, REPLICA_ID_STAT: self.replica_id,
                 METRICS_ENDPOINT_STAT: self.metrics_endpoint}
@@ -152,7 +158,9 @@ class LLMReplica:
         return model_info_proto(self.engine.engine, self.model_id)
 
     async def __del__(self) -> None:
-        # Serve awaits this on graceful shutdown; it lets in-flight streams end cleanly.
+        # Serve calls this once it has drained the replica: its routers dropped it when the
+        # controller chose it for removal, and Serve waited (up to replicas.drain_timeout_s)
+        # for its streams. Anything still running gets a last grace here.
         await self.server.stop(SHUTDOWN_GRACE_S)
         self.metrics_http.shutdown()
 
@@ -168,6 +176,31 @@ def running_replicas(app_name: Optional[str] = None) -> list[tuple[str, dict]]:
             continue
         replicas.extend((name, replica) for replica in deployment.get("replicas", []) if replica.get("state") == "RUNNING")
     return replicas
+
+
+@dataclass(frozen=True)
+class ReplicaCounts:
+    """One application's LLMReplica count as Serve's controller has it."""
+
+    target: int  # what Serve is scaling to
+    running: int
+    draining: int  # chosen for removal: Serve routes nothing new to them while their streams finish
+    autoscaling: bool
+
+
+def replica_counts() -> dict[str, ReplicaCounts]:
+    """Every application's LLMReplica counts (needs Ray connected; blocks on the controller)."""
+    details = _get_global_client().get_serve_details()
+    counts = {}
+    for name, application in sorted(details.get("applications", {}).items()):
+        deployment = application.get("deployments", {}).get(DEPLOYMENT_NAME)
+        if deployment is None:
+            continue
+        states = [replica.get("state") for replica in deployment.get("replicas", [])]
+        counts[name] = ReplicaCounts(deployment.get("target_num_replicas", 0), states.count("RUNNING"),
+                                     states.count("STOPPING"),
+                                     deployment.get("deployment_config", {}).get("autoscaling_config") is not None)
+    return counts
 
 
 def routing_stats(replica: dict) -> dict[str, str]:

