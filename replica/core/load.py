@@ -58,6 +58,19 @@ class SchedulerLoad:
     expected_output_tokens: int = reported(proto=True, default=0)
     ttft_predictor_per_token_s: float = reported(gauge="headroom_slo_ttft_predictor_per_token_seconds", default=0.0)
     ttft_predictor_base_s: float = reported(gauge="headroom_slo_ttft_predictor_base_seconds", default=0.0)
+    # The host KV tier (all 0 without one): its blocks, the free ones (cached-free included),
+    # and what preemption moved through it (replica/core/preemption_mode.py).
+    host_kv_blocks_total: int = reported(proto=True, default=0)
+    host_kv_blocks_free: int = reported(proto=True, gauge="headroom_host_kv_free_blocks", default=0)
+    host_kv_usage: float = reported(gauge="headroom_host_kv_cache_usage_ratio", default=0.0)
+    # Of preemptions_total, the victims swapped to the host tier (the rest were recomputed).
+    swap_preemptions_total: int = reported(proto=True, counter="headroom_num_swap_preemptions_total", default=0)
+    recompute_tokens_avoided_total: int = reported(proto=True, counter="headroom_recompute_tokens_avoided_total",
+                                                   default=0)
+    swapped_out_blocks_total: int = reported(counter="headroom_kv_swapped_out_blocks_total", default=0)
+    swapped_in_blocks_total: int = reported(counter="headroom_kv_swapped_in_blocks_total", default=0)
+    swapped_out_bytes_total: int = reported(counter="headroom_kv_swapped_out_bytes_total", default=0)
+    swapped_in_bytes_total: int = reported(counter="headroom_kv_swapped_in_bytes_total", default=0)
 
 
 _FIELDS = dataclasses.fields(SchedulerLoad)

@@ -542,6 +542,15 @@ class Scheduler:
             expected_output_tokens=self.growth.expected_new_output(self.config.max_model_len),
             ttft_predictor_per_token_s=self.ttft_predictor.coefficients.per_token_s,
             ttft_predictor_base_s=self.ttft_predictor.coefficients.base_s,
+            host_kv_blocks_total=kv_cache.num_host_blocks,
+            host_kv_blocks_free=kv_cache.num_free_host_blocks,
+            host_kv_usage=1.0 - kv_cache.num_free_host_blocks / kv_cache.num_host_blocks if kv_cache.num_host_blocks else 0.0,
+            swap_preemptions_total=self.counters.swap_preemptions,
+            recompute_tokens_avoided_total=self.counters.recompute_tokens_avoided,
+            swapped_out_blocks_total=kv_cache.swapped_out_blocks,
+            swapped_in_blocks_total=kv_cache.swapped_in_blocks,
+            swapped_out_bytes_total=kv_cache.swapped_out_blocks * self.kv_block_bytes,
+            swapped_in_bytes_total=kv_cache.swapped_in_blocks * self.kv_block_bytes,
         )
 
     def _committed_blocks(self) -> int:

@@ -56,8 +56,46 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     # Replica: counters.
     "headroom_num_preemptions_total": MetricSpec(
         "counter",
-        "Requests preempted (KV blocks freed, progress reset to recompute) since the replica started.",
+        "Requests preempted since the replica started: KV blocks freed and progress reset to recompute, or (see "
+        "headroom_num_swap_preemptions_total) KV swapped to the host tier.",
         "vllm:num_preemptions_total",
+        REPLICA_LABELS,
+    ),
+    "headroom_num_swap_preemptions_total": MetricSpec(
+        "counter",
+        "Of headroom_num_preemptions_total, the requests whose KV was swapped to the host tier instead of being "
+        "recomputed (preemption_mode swap or auto); the rest were recomputed.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_recompute_tokens_avoided_total": MetricSpec(
+        "counter",
+        "Computed tokens that swapped requests got back from the host KV tier instead of computing them again.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_swapped_out_blocks_total": MetricSpec(
+        "counter",
+        "KV blocks copied from the device to the host tier by swap preemptions.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_swapped_in_blocks_total": MetricSpec(
+        "counter",
+        "KV blocks copied back from the host tier to the device when swapped requests resumed.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_swapped_out_bytes_total": MetricSpec(
+        "counter",
+        "Bytes of KV copied from the device to the host tier by swap preemptions.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_swapped_in_bytes_total": MetricSpec(
+        "counter",
+        "Bytes of KV copied back from the host tier to the device when swapped requests resumed.",
+        None,
         REPLICA_LABELS,
     ),
     "headroom_recomputed_tokens_total": MetricSpec(
@@ -132,6 +170,18 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         "gauge",
         "Fraction of KV cache blocks in use, 0 to 1.",
         "vllm:kv_cache_usage_perc (formerly vllm:gpu_cache_usage_perc; also 0 to 1)",
+        REPLICA_LABELS,
+    ),
+    "headroom_host_kv_free_blocks": MetricSpec(
+        "gauge",
+        "Blocks of the host KV tier not held by a swapped request (0 without a host tier).",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_host_kv_cache_usage_ratio": MetricSpec(
+        "gauge",
+        "Fraction of the host KV tier's blocks held by swapped requests, 0 to 1 (0 without a host tier).",
+        None,
         REPLICA_LABELS,
     ),
     "headroom_kv_free_blocks": MetricSpec(

@@ -82,11 +82,16 @@ def test_first_row_is_preemptions_recompute_kv_usage_and_headroom_per_replica():
         ("headroom_kv_cache_usage_ratio", "KV cache usage"),
         ("headroom_kv_headroom_tokens", "KV headroom"),
     ]
+    # The preemption and recompute panels show, second, what the host KV tier took over:
+    # preemptions that swapped instead of recomputing, and the recompute they avoided.
+    swap_series = {0: "rate(headroom_num_swap_preemptions_total", 1: "rate(headroom_recompute_tokens_avoided_total"}
     assert len(first_row) == len(expected)
-    for panel, (query_part, title_part) in zip(first_row, expected):
-        (target,) = panel["targets"]
+    for index, (panel, (query_part, title_part)) in enumerate(zip(first_row, expected)):
+        target, *others = panel["targets"]
         assert query_part in target["expr"] and title_part in panel["title"]
         assert "by (replica)" in target["expr"] and target["legendFormat"] == "{{replica}}"
+        assert [other["expr"].split("{")[0] for other in others] == (
+            [f"sum by (replica) ({swap_series[index]}"] if index in swap_series else [])
         assert panel["gridPos"]["y"] == 1
 
 

@@ -76,6 +76,28 @@ def test_cramped_pool_swaps_victims_and_resumes_them_without_recomputing_a_token
     assert kv_cache.swapped_out_blocks == kv_cache.swapped_in_blocks > 0
 
 
+def test_the_load_reports_the_host_tier_and_what_swapping_moved():
+    scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
+                               num_host_kv_blocks=64, preemption_mode="swap")
+    scheduler.kv_block_bytes = 1024
+    for request in _requests():
+        scheduler.add_request(request)
+    while not scheduler.kv_cache.req_to_host_blocks:
+        run_step(scheduler)
+    load = scheduler.load()
+    held = sum(len(blocks) for blocks in scheduler.kv_cache.req_to_host_blocks.values())
+    assert (load.host_kv_blocks_total, load.host_kv_blocks_free) == (64, 64 - held)
+    assert load.host_kv_usage == pytest.approx(held / 64)
+    assert load.swap_preemptions_total == scheduler.counters.swap_preemptions > 0
+    assert load.swapped_out_blocks_total == held and load.swapped_out_bytes_total == held * 1024
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    load = scheduler.load()
+    assert load.host_kv_blocks_free == 64 and load.swapped_in_blocks_total == load.swapped_out_blocks_total
+    assert load.recompute_tokens_avoided_total == scheduler.counters.recompute_tokens_avoided > 0
+    assert make_scheduler().load().host_kv_blocks_total == 0  # no host tier: all zero
+
+
 def test_swap_recompute_and_a_roomy_pool_agree_and_recompute_really_recomputes():
     swapped, _ = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64, preemption_mode="swap")
     recomputed, recompute_scheduler = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64,
