@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -37,6 +37,8 @@ from replica.parallel.vote import TensorParallelVote
 from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+# How long an engine with nothing else to run waits for a grammar to finish compiling per step.
+COMPILE_WAIT_S = 0.005
 
 
 @dataclass
@@ -238,6 +240,12 @@ class LLMEngine:
         waits for the previous one, and returns the previous one's outputs."""
         start = time.perf_counter()
         not_served = self._adopt_compiled() if self._compiling else []
+        if self._compiling and not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            # Nothing to run but grammars compiling: wait a moment for one instead of spinning
+            # (the busy loop would take a core from the compile), short enough to take new work.
+            wait([future for _, future in self._compiling.values()], timeout=COMPILE_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+            not_served += self._adopt_compiled()
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
         launched = self._launch(scheduler_output)

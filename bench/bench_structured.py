@@ -1,0 +1,197 @@
+"""Cost and correctness of structured outputs (issue 22) on one engine, in one run.
+
+    python bench/bench_structured.py [--model smollm2-135m] [--batch 64] [--max-tokens 32] [--repeat 2]
+                                     [--validate-max-tokens 160] [--threads 2]
+
+1. Schema set: 64 JSON schemas of the kinds agents send (flat records, enums, bounded numbers,
+   arrays, nested objects, arrays of objects, optional fields, anyOf, consts, patterns), built
+   from a seed. Each is compiled cold (a fresh compiler: llguidance's grammar, its lexer and the
+   first mask) and its time reported (median, p90, max).
+2. Throughput: a batch of `--batch` requests decoding exactly `--max-tokens` tokens each
+   (ignore_eos, greedy), every request under one of the schemas against none, taken in turns
+   (none, constrained, none, constrained, ...) so drift weighs on both; medians quoted.
+   Ratio = constrained tok/s / unconstrained tok/s (target >= 0.9). Also the host time of the
+   masks: per step, and per constrained row and step.
+3. Validity: every schema once at temperature 0 and once at temperature 1 (seeded), run to
+   EOS (`--validate-max-tokens` bound): the share of outputs that parse and validate
+   (`jsonschema`), and the share that ended on EOS rather than max_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+NAMES = ["id", "name", "title", "city", "status", "kind", "owner", "score", "count", "size", "label", "price",
+         "email", "level", "active", "priority", "unit", "code", "notes", "rating"]  # not "tags": with_tags adds it
+
+
+def schema_set(count: int = 64, seed: int = 0) -> list[dict]:
+    """`count` schemas, cycling through the families agents send."""
+    rng = random.Random(seed)
+
+    def string():
+        return {"type": "string", "maxLength": rng.choice([6, 10, 16])}
+
+    def integer():
+        low = rng.choice([0, 1, -10])
+        return {"type": "integer", "minimum": low, "maximum": low + rng.choice([9, 99, 999])}
+
+    def number():
+        return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 100])}
+
+    def enum():
+        return {"enum": rng.sample(["red", "green", "blue", "low", "high", "open", "closed", "C", "F"], 3)}
+
+    scalars = [string, integer, number, enum, lambda: {"type": "boolean"}]
+
+    def record(depth: int = 0, size: int = 0) -> dict:
+        keys = rng.sample(NAMES, size or rng.randint(2, 4))
+        properties = {key: rng.choice(scalars)() for key in keys}
+        return {"type": "object", "properties": properties, "required": keys, "additionalProperties": False}
+
+    def with_tags(base: dict) -> dict:
+        base["properties"]["tags"] = {"type": "array", "items": enum(), "maxItems": 3}
+        base["required"].append("tags")
+        return base
+
+    families = [
+        lambda: record(),
+        lambda: with_tags(record(size=2)),
+        lambda: {"type": "object", "properties": {"user": record(size=2), "ok": {"type": "boolean"}},
+                 "required": ["user", "ok"], "additionalProperties": False},
+        lambda: {"type": "object", "properties": {"items": {"type": "array", "items": record(size=2), "minItems": 1,
+                                                            "maxItems": 2}},
+                 "required": ["items"], "additionalProperties": False},
+        lambda: {**(r := record(size=3)), "required": r["required"][:1]},
+        lambda: {"type": "object", "properties": {"value": {"anyOf": [integer(), enum()]}, "unit": enum()},
+                 "required": ["value", "unit"], "additionalProperties": False},
+        lambda: {"type": "object", "properties": {"version": {"const": 2}, "code": {"type": "string",
+                                                                                   "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+                 "required": ["version", "code"], "additionalProperties": False},
+        lambda: {"type": "array", "items": integer(), "minItems": 1, "maxItems": 4},
+    ]
+    return [families[index % len(families)]() for index in range(count)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=2, help="timed runs per side (median quoted)")
+    parser.add_argument("--validate-max-tokens", type=int, default=160)
+    parser.add_argument("--num-schemas", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import jsonschema
+
+    from replica.config import make_engine_config
+    from replica.core.engine import LLMEngine
+    from replica.core.request import SamplingParams
+    from replica.core.structured_output import GrammarBitmask, GrammarCompiler, StructuredOutput
+    from replica.model.registry import resolve_model_path
+
+    schemas = schema_set(args.num_schemas)
+    constraints = [StructuredOutput.json_schema(schema) for schema in schemas]
+    engine = LLMEngine(make_engine_config(max_model_len=512, num_kv_blocks=args.batch * 16 + 64,
+                                          max_num_seqs=args.batch), str(resolve_model_path(args.model)), device="cpu")
+    tokenizer = engine.tokenizer
+
+    # 1. Cold compile times: one fresh compiler per schema, so nothing is cached.
+    compile_s = []
+    for constraint in constraints:
+        compiler = GrammarCompiler.for_tokenizer(tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+        start = time.perf_counter()
+        compiler.compile(constraint).result()
+        compile_s.append(time.perf_counter() - start)
+        compiler.shutdown()
+    compile_ms = sorted(1000 * value for value in compile_s)
+    print(f"compile ({len(schemas)} schemas, cold): median {statistics.median(compile_ms):.2f} ms, "
+          f"p90 {compile_ms[int(0.9 * len(compile_ms))]:.2f} ms, max {compile_ms[-1]:.2f} ms")
+
+    def prompt_ids(schema: dict) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Reply with JSON for this schema: "
+                                                                          + json.dumps(schema)[:300]}])
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    prompts = [prompt_ids(schemas[index % len(schemas)]) for index in range(args.batch)]
+
+    # Mask build time, measured where the runner builds them.
+    mask_times: list[tuple[float, int]] = []
+    original_build = GrammarBitmask.build
+
+    def timed_build(self, rows, grammars):
+        start = time.perf_counter()
+        mask = original_build(self, rows, grammars)
+        mask_times.append((time.perf_counter() - start, len(rows)))
+        return mask
+
+    GrammarBitmask.build = timed_build
+
+    def run(constrained: bool) -> float:
+        requests = []
+        for index, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                                    structured_output=constraints[index % len(constraints)] if constrained else None)
+            request = engine.make_request(f"bench-{constrained}-{index}-{time.monotonic_ns()}", prompt, params)
+            engine.add_request(request, detokenize=False)
+            requests.append(request)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.take_kv_events()
+        elapsed = time.perf_counter() - start
+        assert all(request.num_output_tokens == args.max_tokens for request in requests)
+        return len(requests) * args.max_tokens / elapsed
+
+    run(True)  # warm-up: the engine's compiler caches every schema, the allocator warms
+    mask_times.clear()
+    rates = {False: [], True: []}
+    for _ in range(args.repeat):
+        for constrained in (False, True):
+            rates[constrained].append(run(constrained))
+    free, constrained = statistics.median(rates[False]), statistics.median(rates[True])
+    steps = len(mask_times)
+    per_step_ms = 1000 * sum(seconds for seconds, _ in mask_times) / max(steps, 1)
+    per_row_us = 1e6 * sum(seconds for seconds, _ in mask_times) / max(sum(rows for _, rows in mask_times), 1)
+    print(f"throughput, batch {args.batch} x {args.max_tokens} tokens: unconstrained {free:.1f} tok/s, "
+          f"all constrained {constrained:.1f} tok/s, ratio {constrained / free:.3f} (target >= 0.9: "
+          f"{'met' if constrained / free >= 0.9 else 'missed'})")
+    print(f"mask build: {per_step_ms:.2f} ms per step ({steps} steps), {per_row_us:.1f} us per constrained row and step")
+
+    # 3. Validity at temperature 0 and 1.
+    for temperature in (0.0, 1.0):
+        requests = []
+        for index, (schema, constraint) in enumerate(zip(schemas, constraints)):
+            params = SamplingParams(max_tokens=args.validate_max_tokens, temperature=temperature, seed=index,
+                                    structured_output=constraint)
+            request = engine.make_request(f"valid-{temperature}-{index}", prompt_ids(schema), params)
+            engine.add_request(request, detokenize=False)
+            requests.append((request, schema))
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.take_kv_events()
+        valid = ended = 0
+        for request, schema in requests:
+            text = tokenizer.decode(request.output_token_ids)
+            ended += request.num_output_tokens < args.validate_max_tokens
+            try:
+                jsonschema.validate(json.loads(text), schema)
+                valid += 1
+            except (json.JSONDecodeError, jsonschema.ValidationError) as error:
+                print(f"  invalid at T={temperature}: {text[:120]!r}: {str(error)[:80]}")
+        print(f"validity at temperature {temperature:g}: {valid}/{len(requests)} parse and validate, "
+              f"{ended}/{len(requests)} ended on EOS")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
