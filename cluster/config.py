@@ -138,9 +138,12 @@ class ReplicasConfig(_Strict):
     autoscaling: Optional[AutoscalingConfig] = Field(
         None, description="Let Serve scale between bounds instead of a fixed num_replicas."
     )
-    num_cpus: Optional[float] = Field(None, ge=0, description="CPUs each replica reserves; None = 1.")
+    num_cpus: Optional[float] = Field(
+        None, ge=0, description="CPUs each replica reserves per tensor-parallel rank; None = 1."
+    )
     num_gpus: Optional[float] = Field(
-        None, ge=0, description="GPUs each replica reserves; None = 1 when the cluster has GPUs, else 0."
+        None, ge=0, description="GPUs each replica reserves; None = one per tensor-parallel rank "
+        "(engine.tensor_parallel_size) when the cluster has GPUs, else 0.",
     )
     # Serve stops routing to a replica it removes at once and waits this long for its
     # streams before killing it: long enough for a long generation, or scale-in cuts it.
@@ -270,12 +273,12 @@ class ClusterConfig(_Strict):
         return self.model_id or Path(self.model).name
 
 
-def resolve_num_gpus(replicas: ReplicasConfig, cluster_gpus: float) -> float:
-    """GPUs per replica: as configured, else one when the cluster has any (never a fraction:
-    one engine per device owns its memory)."""
+def resolve_num_gpus(replicas: ReplicasConfig, cluster_gpus: float, tensor_parallel_size: int = 1) -> float:
+    """GPUs per replica: as configured, else one per tensor-parallel rank when the cluster has
+    any (never a fraction: one rank per device owns its memory)."""
     if replicas.num_gpus is not None:
         return replicas.num_gpus
-    return 1.0 if cluster_gpus > 0 else 0.0
+    return float(tensor_parallel_size) if cluster_gpus > 0 else 0.0
 
 
 def resolve_device(config: ClusterConfig, num_gpus: float) -> str:
@@ -291,15 +294,25 @@ def serve_deployment_options(config: ClusterConfig, cluster_gpus: float) -> dict
     which decides the automatic GPU reservation.
     """
     replicas = config.replicas
+    tensor_parallel_size = config.engine.tensor_parallel_size
+    num_cpus = (1.0 if replicas.num_cpus is None else replicas.num_cpus) * tensor_parallel_size
+    num_gpus = resolve_num_gpus(replicas, cluster_gpus, tensor_parallel_size)
+    if tensor_parallel_size > 1 and 0 < num_gpus < tensor_parallel_size:
+        raise ConfigError(f"replicas.num_gpus: {num_gpus:g} GPUs cannot hold engine.tensor_parallel_size "
+                          f"{tensor_parallel_size} ranks (one GPU each)")
     options: dict[str, Any] = {
-        "ray_actor_options": {
-            "num_cpus": 1.0 if replicas.num_cpus is None else replicas.num_cpus,
-            "num_gpus": resolve_num_gpus(replicas, cluster_gpus),
-        },
+        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
         # Serve's default of 5 would cap a continuous batch at 5 requests; the engine bounds
         # itself (max_num_seqs running, max_waiting_requests queued, beyond that it refuses).
         "max_ongoing_requests": config.engine.max_num_seqs + config.engine.max_waiting_requests,
     }
+    if tensor_parallel_size > 1:
+        # A tensor-parallel replica's ranks must share a node. They are processes the replica's
+        # actor spawns (replica/parallel/executor.py), not actors, so they see the GPUs Ray gives
+        # that actor: the actor takes all of them, in one bundle of the replica's placement
+        # group (the actor always lands in the first bundle), packed on one node.
+        options["placement_group_bundles"] = [{"CPU": num_cpus, "GPU": num_gpus} if num_gpus else {"CPU": num_cpus}]
+        options["placement_group_strategy"] = "STRICT_PACK"
     options["graceful_shutdown_timeout_s"] = replicas.drain_timeout_s
     options["graceful_shutdown_wait_loop_s"] = DRAIN_CHECK_PERIOD_S
     if replicas.autoscaling is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import (
@@ -145,6 +146,27 @@ def test_fixed_replicas_map_to_num_replicas_and_auto_resources():
 def test_explicit_resources_win_over_auto():
     config = ClusterConfig(replicas={"num_cpus": 4, "num_gpus": 0})
     assert serve_deployment_options(config, cluster_gpus=8)["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 0.0}
+
+
+def test_a_tensor_parallel_replica_reserves_a_gpu_per_rank_in_one_strict_pack_bundle():
+    config = ClusterConfig(engine={"tensor_parallel_size": 4})
+    options = serve_deployment_options(config, cluster_gpus=8)
+    assert options["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 4.0}
+    assert options["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 4.0}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    on_cpus = serve_deployment_options(config, cluster_gpus=0)
+    assert on_cpus["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 0.0}
+    assert on_cpus["placement_group_bundles"] == [{"CPU": 4.0}]
+    assert "placement_group_bundles" not in serve_deployment_options(ClusterConfig(), cluster_gpus=8)
+    serve.deployment(lambda: None).options(**options)  # Serve's own check: the actor fits its first bundle
+    ServeDeploySchema.model_validate(ServeAppsConfig(applications=[{"name": "tp", "args": {
+        "engine": {"tensor_parallel_size": 2}}}]).model_dump(mode="json"))
+
+
+def test_fewer_gpus_than_tensor_parallel_ranks_is_a_config_error():
+    config = ClusterConfig(engine={"tensor_parallel_size": 4}, replicas={"num_gpus": 2})
+    with pytest.raises(ConfigError, match="^replicas.num_gpus: 2 GPUs cannot hold engine.tensor_parallel_size 4"):
+        serve_deployment_options(config, cluster_gpus=8)
 
 
 def test_headroom_autoscaling_is_the_default_policy_and_keeps_its_delays_out_of_serves():

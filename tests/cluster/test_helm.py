@@ -21,13 +21,14 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kuberne
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "headroom"
 GPU_VALUES = CHART / "values-gpu.yaml"
+GPU_TP_VALUES = CHART / "values-gpu-tp.yaml"
 # Custom resources, which kubernetes-validate has no schema for; their core parts are
 # validated on their own below.
 CRD_KINDS = {("ray.io/v1", "RayService"), ("monitoring.coreos.com/v1", "PodMonitor"),
              ("monitoring.coreos.com/v1", "PrometheusRule")}
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest known.
 KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
-VALUES_FILES = {"cpu-defaults": None, "gpu": GPU_VALUES}
+VALUES_FILES = {"cpu-defaults": None, "gpu": GPU_VALUES, "gpu-tp": GPU_TP_VALUES}
 
 
 def values_of(values_file: Path | None) -> dict[str, Any] | None:
@@ -122,6 +123,17 @@ def test_gpu_values_give_each_worker_pod_and_replica_one_gpu():
     assert args.replicas.num_gpus == 1 and args.device == "cuda"
 
 
+def test_tensor_parallel_values_give_each_worker_pod_all_of_one_replicas_gpus():
+    service = rayservice(render(values_of(GPU_TP_VALUES)))
+    resources = worker_container(service)["resources"]
+    args = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args
+    ranks = args.engine.tensor_parallel_size
+    assert ranks == 2 and resources["limits"]["nvidia.com/gpu"] == ranks == resources["requests"]["nvidia.com/gpu"]
+    options = serve_deployment_options(args, cluster_gpus=ranks)
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 2.0}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+
+
 def test_cpu_defaults_request_no_gpu():
     resources = worker_container(rayservice(render()))["resources"]
     assert "nvidia.com/gpu" not in resources["limits"] and "nvidia.com/gpu" not in resources["requests"]
@@ -185,7 +197,9 @@ def test_every_pod_the_replica_podmonitor_scrapes_hosts_one_replica(documents, v
     # Pods at start: one per replica Serve starts (an autoscaled application starts its minimum).
     assert group["replicas"] == sum(starting_replicas(app.args.replicas) for app in apps)
     for app in apps:
-        assert float(group["rayStartParams"]["num-cpus"]) == app.args.replicas.num_cpus
+        # num_cpus is per tensor-parallel rank: a replica of N ranks reserves N times it.
+        assert float(group["rayStartParams"]["num-cpus"]) == (app.args.replicas.num_cpus
+                                                              * app.args.engine.tensor_parallel_size)
         assert app.args.ports.bind_address is None  # the pod IP, where the PodMonitor scrapes
         assert app.args.monitoring.targets_dir is None
     assert yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]["host"] == "0.0.0.0"
