@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from replica.config import ConfigError, EngineConfig
+from replica.config import ConfigError, EngineConfig, resolve_max_model_len
 from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
 from replica.executor.step_abort import StepAborted
 from replica.model import ModelConfig, load_model
@@ -184,11 +184,19 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
                         format=f"%(asctime)s %(levelname)s tp-rank-{spec.rank} %(name)s: %(message)s")
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     tp = join_group(rendezvous_store(spec.size, spec.port), spec.rank, spec.size, device)
     model, model_config = load_model(spec.model_dir, dtype=spec.dtype, device=device,
                                      attention_backend=spec.attention_backend, fused_ops=spec.config.fused_ops, tp=tp)
-    runner = ModelRunner(model, model_config, spec.config, device)
-    max_abort_layer = int(spec.config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
+    # Decided as rank 0's engine decides it, from the same config and model: the same pool shape.
+    config = resolve_max_model_len(spec.config, model_config.max_model_len)
+    if device.type == "cuda":  # every attention kernel variant compiles now, not inside a step
+        model.attn_backend.warm_up(model_config.num_attention_heads, model_config.num_key_value_heads,
+                                   model_config.head_dim, next(model.parameters()).dtype, config.block_size,
+                                   config.max_model_len, device)
+    runner = ModelRunner(model, model_config, config, device)
+    max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
     vote = WorkerVote(tp, device, board, max_abort_layer)
     runner.step_abort = vote
     worker = _Worker(runner, tp, vote)

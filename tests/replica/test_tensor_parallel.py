@@ -38,9 +38,9 @@ PROMPTS = [[_rng.randrange(256) for _ in range(length)] for length in (5, 40, 90
 SHARED_PREFIX = PROMPTS[2][:48]
 PROMPTS += [SHARED_PREFIX + [7, 8, 9], SHARED_PREFIX + [1] * 30]  # prefix-cache hits
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
-# Small chunks, a pool too small for every sequence at once (preemption), prefix caching on.
-TIGHT = dict(block_size=4, max_model_len=128, num_kv_blocks=40, max_num_batched_tokens=32,
-             enable_prefix_caching=True)
+# Small chunks, a pool too small for every sequence at once (preemption), prefix caching on;
+# max_model_len unset, so every rank decides it from the pool (39 blocks x 4: 156 tokens).
+TIGHT = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, enable_prefix_caching=True)
 
 
 def make_engine(model="builtin", tensor_parallel_size=1, **overrides) -> LLMEngine:
@@ -107,6 +107,7 @@ def test_tp2_greedy_equals_tp1_with_kv_heads_divided(builtin_tp1, builtin_tp2):
     assert builtin_tp1.model_config.num_key_value_heads == 4
     assert builtin_tp2.model_config.num_key_value_heads == 2  # this rank's share
     assert builtin_tp2.runner.kv_caches[0][0].shape[2] == 2, "the KV cache holds this rank's heads only"
+    assert builtin_tp2.config.max_model_len == builtin_tp1.config.max_model_len == 156
     assert_same_greedy_run(builtin_tp1, builtin_tp2, PROMPTS)
 
 
