@@ -1,14 +1,17 @@
 """The real default model through the whole cluster, as `headroom serve` starts it: an OpenAI
 chat completion, a gRPC chat request through Serve's proxy and `headroom generate --chat`
-each ask SmolLM2-135M-Instruct for the capital of France, and each answer says Paris."""
+each ask SmolLM2-135M-Instruct for the capital of France, and each answer says Paris; with
+tool_choice required it calls the tool, and under a JSON schema its answer validates."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 import requests
 
@@ -40,6 +43,31 @@ def test_an_openai_chat_completion_answers_paris(cluster):
     (choice,) = response.json()["choices"]
     assert "Paris" in choice["message"]["content"]
     assert choice["finish_reason"] == "stop"  # the model ended its turn with <|im_end|>
+
+
+def test_smollm2_calls_a_required_tool_and_fills_a_json_schema_that_validate(cluster):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{http_base(cluster)}/v1", api_key="unused", max_retries=0, timeout=120)
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=64,
+        temperature=0, tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}])
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20},
+                                               "population_millions": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 100}},
+              "required": ["capital", "population_millions"], "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
 
 
 def test_a_grpc_chat_request_through_serves_proxy_answers_paris(cluster):
