@@ -212,7 +212,7 @@ class HeadroomAutoscalingPolicy:
         state = PolicyState(**{field: ctx.policy_state.get(key) for field, key in _STATE_KEYS.items()})
         now = ctx.current_time if ctx.current_time is not None else time.time()
         decision, state = decide(signals, ctx.current_num_replicas, ctx.target_num_replicas, params, now, state)
-        self.board.publish(ctx.app_name, decision, ctx.current_num_replicas, "headroom")
+        self.board.publish(ctx.app_name, decision, ctx.current_num_replicas, ctx.target_num_replicas, "headroom")
         policy_state = dict(ctx.policy_state)
         policy_state.update({key: getattr(state, field) for field, key in _STATE_KEYS.items()})
         return decision.desired_replicas, policy_state
@@ -230,7 +230,8 @@ class RequestsAutoscalingPolicy:
 
         desired, policy_state = replica_queue_length_autoscaling_policy(ctx)
         count = min(max(math.ceil(desired), ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
-        self.board.publish(ctx.app_name, Decision(count, "requests"), ctx.current_num_replicas, "requests")
+        self.board.publish(ctx.app_name, Decision(count, "requests"), ctx.current_num_replicas,
+                           ctx.target_num_replicas, "requests")
         return desired, policy_state
 
 
@@ -252,11 +253,12 @@ class DecisionPublisher:
         self._board = None
         self._looked_up_at = -math.inf
 
-    def publish(self, app_name: Optional[str], decision: Decision, running: int, policy: str) -> None:
+    def publish(self, app_name: Optional[str], decision: Decision, running: int, target: int, policy: str) -> None:
         board = self._lookup()
         if board is None:
             return
-        record = {**asdict(decision), "running_replicas": running, "policy": policy, "timestamp": time.time()}
+        record = {**asdict(decision), "running_replicas": running, "target_replicas": target, "policy": policy,
+                  "timestamp": time.time()}
         try:
             board.record.remote(app_name or "", record)
         except Exception:  # the board died with its ingress: find the next one
@@ -276,17 +278,31 @@ class DecisionPublisher:
         return self._board
 
 
+# Decisions that changed an application's count, kept per application (for `headroom status`
+# and tests: a change lasts one control loop, 0.1 s, before Serve's target follows it).
+BOARD_CHANGES_KEPT = 32
+
+
 class DecisionBoard:
-    """The latest decision per application (see decision_board())."""
+    """The latest decision per application, and its latest decisions that changed the count
+    (see decision_board())."""
 
     def __init__(self) -> None:
         self.latest: dict[str, dict[str, Any]] = {}
+        self.changes: dict[str, list[dict[str, Any]]] = {}
 
     def record(self, app_name: str, record: dict[str, Any]) -> None:
         self.latest[app_name] = record
+        if record["desired_replicas"] != record["target_replicas"]:
+            changes = self.changes.setdefault(app_name, [])
+            changes.append(record)
+            del changes[:-BOARD_CHANGES_KEPT]
 
     def get(self, app_name: str) -> Optional[dict[str, Any]]:
         return self.latest.get(app_name)
+
+    def get_changes(self, app_name: str) -> list[dict[str, Any]]:
+        return self.changes.get(app_name, [])
 
 
 def decision_board():
@@ -301,10 +317,26 @@ def decision_board():
 
 def latest_decision(app_name: str, timeout_s: float = 5.0) -> Optional[dict[str, Any]]:
     """The application's latest autoscaling decision, or None (no board, or no decision yet)."""
+    board = _board()
+    return None if board is None else ray_get(board.get.remote(app_name), timeout_s)
+
+
+def decision_changes(app_name: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """The application's latest decisions that changed its replica count, oldest first."""
+    board = _board()
+    return [] if board is None else ray_get(board.get_changes.remote(app_name), timeout_s)
+
+
+def _board():
     import ray
 
     try:
-        board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+        return ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
     except ValueError:
         return None
-    return ray.get(board.get.remote(app_name), timeout=timeout_s)
+
+
+def ray_get(ref: Any, timeout_s: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout_s)

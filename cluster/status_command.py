@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,7 @@ from ray.serve.exceptions import RayServeException
 from rich.console import Console
 from rich.table import Table
 
-from cluster.autoscaling import latest_decision
+from cluster.autoscaling import decision_changes, latest_decision
 from cluster.deployment import ReplicaCounts, replica_counts, routing_stats, running_replicas
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
@@ -71,8 +72,10 @@ def _status_of(app_name: str, replica: dict) -> ReplicaStatus:
     return ReplicaStatus(app_name, replica_id, node_ip, endpoint, load)
 
 
-def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[dict]]) -> list[str]:
-    """Per application: replicas running against what the autoscaling policy wants, and why."""
+def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[dict]],
+                changes: dict[str, list[dict]]) -> list[str]:
+    """Per application: replicas running against what the autoscaling policy wants, and why;
+    and the policy's last change of the count."""
     lines = []
     for app_name, count in counts.items():
         line = f"{app_name}: {count.running} replicas running"
@@ -84,6 +87,10 @@ def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[
         else:
             line += (f", desired {decision['desired_replicas']} ({decision['policy']} policy: {decision['reason']}), "
                      f"Serve's target {count.target}")
+            if changes.get(app_name):
+                change = changes[app_name][-1]
+                line += (f"; last change to {change['desired_replicas']} ({change['reason']}) "
+                         f"{time.time() - change['timestamp']:.0f} s ago")
         if count.draining:
             line += f", {count.draining} draining"
         lines.append(line)
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         statuses = replica_statuses()
         counts = replica_counts()
         decisions = {app_name: latest_decision(app_name) for app_name, count in counts.items() if count.autoscaling}
+        changes = {app_name: decision_changes(app_name) for app_name in decisions}
     except (ConnectionError, RuntimeError, RayServeException) as error:
         print(f"headroom status: no running cluster at {args.address}: {error}", file=sys.stderr)
         return 1
@@ -123,6 +131,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Piped output gets room for the whole table rather than rich's 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(status_table(statuses))
-    for line in scale_lines(counts, decisions):
+    for line in scale_lines(counts, decisions, changes):
         console.print(line)
     return 0

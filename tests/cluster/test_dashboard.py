@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 import prometheus_client
@@ -16,8 +17,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.autoscaler_metrics import AutoscalerCollector
+from cluster.autoscaling import Decision
 from replica.model.cache import default_cache_dir
-from replica.server.metrics import METRIC_NAMES, REPLICA_METRIC_NAMES
+from replica.server.metrics import AUTOSCALER_METRIC_PREFIX, METRIC_NAMES, REPLICA_METRIC_NAMES
 from router.metrics import RouterMetrics
 from tests.replica.replica_harness import RunningReplica
 
@@ -137,8 +140,33 @@ def test_every_queried_replica_metric_is_on_a_live_replicas_metrics_endpoint():
     assert replica_queried <= exported, f"not on a live /metrics: {sorted(replica_queried - exported)}"
 
 
+def test_autoscaling_row_follows_the_first_with_desired_vs_running_replicas_and_kv_demand():
+    title, panels = rows_with_panels()[1]
+    assert title.startswith("Autoscaling")
+    queries = [target["expr"] for panel in panels for target in panel["targets"]]
+    assert any("headroom_autoscaler_desired_replicas" in q and "reason" in q for q in queries)
+    assert any("headroom_autoscaler_running_replicas" in q for q in queries)
+    assert any("headroom_autoscaler_kv_demand_ratio" in q for q in queries)
+
+
+def test_every_queried_autoscaler_metric_is_in_the_ingress_exposition():
+    autoscaler_queried = {name for name in queried_metric_names() if name.startswith(AUTOSCALER_METRIC_PREFIX)}
+    assert autoscaler_queried, "the dashboard queries no autoscaler metric"
+    decision = {**asdict(Decision(3, "kv_demand", kv_demand_tokens=12000.0, kv_capacity_tokens=8000.0)),
+                "running_replicas": 2, "target_replicas": 2, "policy": "headroom"}
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(AutoscalerCollector("builtin", read=lambda app: decision))
+    exposition = prometheus_client.generate_latest(registry).decode()
+    exported = {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
+    assert autoscaler_queried <= exported, f"not in the ingress' exposition: {sorted(autoscaler_queried - exported)}"
+    assert registry.get_sample_value("headroom_autoscaler_desired_replicas", {
+        "application": "builtin", "policy": "headroom", "reason": "kv_demand"}) == 3
+    assert registry.get_sample_value("headroom_autoscaler_kv_demand_ratio", {"application": "builtin"}) == 0.75
+
+
 def test_every_queried_router_metric_is_in_a_routers_exposition():
-    router_queried = queried_metric_names() - set(REPLICA_METRIC_NAMES)
+    router_queried = {name for name in queried_metric_names() - set(REPLICA_METRIC_NAMES)
+                      if not name.startswith(AUTOSCALER_METRIC_PREFIX)}
     assert router_queried, "the dashboard queries no router metric"
     metrics = RouterMetrics("headroom")
     # Labelled series appear once used: one decision and one scored load.
