@@ -100,8 +100,7 @@ def test_the_load_reports_the_host_tier_and_what_swapping_moved():
 
 def test_swap_recompute_and_a_roomy_pool_agree_and_recompute_really_recomputes():
     swapped, _ = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64, preemption_mode="swap")
-    recomputed, recompute_scheduler = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64,
-                                           preemption_mode="recompute")
+    recomputed, recompute_scheduler = _run(_requests(), num_kv_blocks=17, preemption_mode="recompute")
     roomy, roomy_scheduler = _run(_requests(), num_kv_blocks=128)
     assert swapped == recomputed == roomy
     assert recompute_scheduler.counters.recomputed_tokens > 0 and recompute_scheduler.counters.swap_preemptions == 0
@@ -198,3 +197,65 @@ def test_a_bad_host_tier_configuration_fails_with_one_line_naming_the_field(over
     with pytest.raises(ConfigError) as error:
         make_engine_config(**overrides)
     assert str(error.value).startswith(f"{field}:") and "\n" not in str(error.value)
+
+
+# ---- the spilling prefix cache ----------------------------------------------------------
+
+SHARED_PROMPT = list(range(200, 224))  # six full blocks of 4
+
+
+def _spill_then_hit(**config):
+    """Run a request with SHARED_PROMPT, then a filler that reuses every device block, then a
+    request sharing that prompt; returns (its output, its reference, the scheduler)."""
+    scheduler = make_scheduler(**{"block_size": 4, "max_model_len": 48, "max_num_batched_tokens": 64,
+                                  "num_kv_blocks": 13, **config})
+    simulated = SimulatedKV(4)
+    run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)], on_step=simulated)
+    # 44 + 4 tokens: every one of the 12 usable device blocks.
+    run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(44)], 4)], on_step=simulated)
+    second = make_request("second", SHARED_PROMPT + [7, 8, 9], 6)
+    outputs = run_to_completion(scheduler, [second], on_step=simulated)
+    return outputs["second"], reference_outputs([make_request("second", SHARED_PROMPT + [7, 8, 9], 6)])["second"], \
+        scheduler
+
+
+def test_a_prefix_evicted_from_the_device_spills_to_the_host_and_a_hit_there_is_copied_back():
+    output, reference, scheduler = _spill_then_hit(num_host_kv_blocks=16)
+    assert output == reference
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.spilled_blocks >= 6, "the first prompt's blocks must have been spilled, not forgotten"
+    assert kv_cache.host_hit_blocks == 6, "the second request must take all six from the host"
+    assert scheduler.requests == {} and kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
+    # Without a host tier the filler made the device forget the prefix: no hit at all.
+    output, _, device_only = _spill_then_hit()
+    assert output == reference and device_only.kv_cache.prefix_cache_hits == 0
+    assert kv_cache.prefix_cache_hits == 24
+
+
+def test_kv_events_name_the_medium_of_each_cached_block():
+    from replica.core.kv_events import BLOCK_REMOVED, BLOCK_STORED, MEDIUM_HOST, medium_of
+
+    scheduler = make_scheduler(block_size=4, max_model_len=48, max_num_batched_tokens=64, num_kv_blocks=13,
+                               num_host_kv_blocks=16)
+    kv_cache = scheduler.kv_cache
+    run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)])
+    stored_on_device = {event[1] for event in kv_cache.take_kv_events() if event[0] == BLOCK_STORED}
+    run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(40)], 4)])
+    events = kv_cache.take_kv_events()
+    moved = {event[1] for event in events if event[0] == BLOCK_STORED and medium_of(event) == MEDIUM_HOST}
+    removed_from_device = {event[1] for event in events if event[0] == BLOCK_REMOVED and len(event) == 3}
+    assert moved and moved <= stored_on_device and moved <= removed_from_device
+    snapshot = kv_cache.kv_snapshot_events()
+    assert {event[1] for event in snapshot if medium_of(event) == MEDIUM_HOST} == set(kv_cache.host_pool.cached_blocks)
+
+
+def test_the_event_log_mirrors_each_medium_and_its_snapshot_rebuilds_both():
+    from replica.core.kv_events import MEDIUM_HOST, removed, stored
+    from replica.front.kv_event_log import KVEventLog
+
+    log = KVEventLog()
+    log.publish([stored(b"a", None), stored(b"b", b"a"), stored(b"a", None, MEDIUM_HOST), removed(b"a")])
+    assert log.num_cached_blocks == 2
+    assert set(log.snapshot().events[1:]) == {stored(b"b", b"a"), stored(b"a", None, MEDIUM_HOST)}
+    log.publish([removed(b"a", MEDIUM_HOST)])
+    assert log.snapshot().events[1:] == (stored(b"b", b"a"),)
