@@ -61,7 +61,7 @@ DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 256, 400, 32
 SERVED_WORKLOADS = "64x128,256x128"
 DEVICE = "cuda"
 PROFILE_DIR: Path | None = None
-ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers", "tp")
+ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers", "tp", "structured")
 DEFAULT_SECTIONS = ("tests", "engine", "smollm2", "served", "tp")
 # --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute or two.
 SMOKE_MODEL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -159,6 +159,8 @@ def main() -> None:
                 section(report, "served", lambda: served(model_dir))
     if "tp" in sections:
         section(report, "tp", tensor_parallel)
+    if "structured" in sections:
+        section(report, "structured", lambda: structured_outputs(args.smollm2))
     if "peers" in sections:
         for script in ("bench_attention.py", "bench_fused_ops.py"):
             section(report, f"peers {script}", lambda script=script: peer_benchmark(script))
@@ -518,6 +520,17 @@ def tensor_parallel() -> list[tuple]:
     _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_tp.py"), "--device", "cuda",
                                     "--model", "wide"], timeout_s=600)
     return [("bench_tp.py --device cuda --model wide", f"exit {returncode} (its table is printed above)")]
+
+
+def structured_outputs(smollm2: Optional[str]) -> list[tuple]:
+    """bench_structured.py on the GPU: a batch of 64 all constrained against none (SmolLM2), the
+    masks' host time per step and per row, cold compile times, outputs that validate."""
+    output, returncode = run_subprocess(
+        [sys.executable, str(REPO / "bench" / "bench_structured.py"), "--device", DEVICE, "--model",
+         smollm2 or "smollm2-135m", "--max-tokens", "64", "--repeat", "3"], timeout_s=600)
+    lines = [line.strip() for line in output.splitlines() if line.startswith(("compile", "throughput", "mask", "valid"))]
+    return [("bench_structured.py", f"exit {returncode}", "constrained / none >= 0.9")] + [
+        ("structured", line, "") for line in lines]
 
 
 def peer_benchmark(script: str) -> list[tuple]:

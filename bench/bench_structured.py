@@ -1,7 +1,9 @@
 """Cost and correctness of structured outputs (issue 22) on one engine, in one run.
 
     python bench/bench_structured.py [--model smollm2-135m] [--batch 64] [--max-tokens 32] [--repeat 2]
-                                     [--validate-max-tokens 160] [--threads 2]
+                                     [--validate-max-tokens 160] [--threads 2] [--device cpu]
+
+On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --device cuda.
 
 1. Schema set: 64 JSON schemas of the kinds agents send (flat records, enums, bounded numbers,
    arrays, nested objects, arrays of objects, optional fields, anyOf, consts, patterns), built
@@ -88,6 +90,7 @@ def main() -> None:
     parser.add_argument("--validate-max-tokens", type=int, default=160)
     parser.add_argument("--num-schemas", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -101,8 +104,8 @@ def main() -> None:
 
     schemas = schema_set(args.num_schemas)
     constraints = [StructuredOutput.json_schema(schema) for schema in schemas]
-    engine = LLMEngine(make_engine_config(max_model_len=512, num_kv_blocks=args.batch * 16 + 64,
-                                          max_num_seqs=args.batch), str(resolve_model_path(args.model)), device="cpu")
+    config = make_engine_config(max_model_len=512, num_kv_blocks=args.batch * 16 + 64, max_num_seqs=args.batch)
+    engine = LLMEngine(config, str(resolve_model_path(args.model)), device=args.device)
     tokenizer = engine.tokenizer
 
     # 1. Cold compile times: one fresh compiler per schema, so nothing is cached.
