@@ -137,6 +137,11 @@ class EngineConfig(BaseModel):
         "processes beside the engine core, gloo on CPU, NCCL on CUDA. Must divide the model's attention heads, "
         "MLP width and vocabulary, and its KV heads or be a multiple of them (checked at start).",
     )
+    tensor_parallel_timeout_s: float = Field(
+        60.0, gt=0,
+        description="Longest one tensor-parallel collective may wait for the other ranks; past it (a rank hung, "
+        "or died unseen) the replica reports itself dead instead of waiting forever.",
+    )
 
     num_host_kv_blocks: int = Field(
         0, ge=0,

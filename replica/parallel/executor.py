@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import time
+import weakref
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -32,7 +34,7 @@ from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
 from replica.executor.step_abort import StepAborted
 from replica.model import ModelConfig, load_model
 from replica.parallel.group import (
-    COLLECTIVE_TIMEOUT_S, TensorParallel, TensorParallelDead, join_group, rendezvous_store,
+    RENDEZVOUS_TIMEOUT_S, TensorParallel, TensorParallelDead, join_group, rendezvous_store,
 )
 from replica.parallel.vote import WorkerVote
 
@@ -96,7 +98,10 @@ class TensorParallelWorkers:
             self._connections.append(ours)
             self._processes.append(process)
         self._store = store  # the workers' rendezvous; kept for the group's lifetime
-        self.tp = join_group(store, 0, size, device)
+        # Stops the workers when this handle goes away without shutdown() (an engine whose own
+        # start failed after spawning them), as shutdown() does.
+        self._stop = weakref.finalize(self, _stop_workers, self._connections, self._processes)
+        self.tp = join_group(store, 0, size, device, config.tensor_parallel_timeout_s)
 
     @property
     def pids(self) -> list[int]:
@@ -116,27 +121,44 @@ class TensorParallelWorkers:
             except (BrokenPipeError, ConnectionError, OSError) as error:
                 raise TensorParallelDead(f"tensor-parallel rank {rank}: cannot send it a step: {error}") from error
 
+    def wait_ready(self) -> None:
+        """Until every worker has loaded its shard and built its runner (rank 0's first step
+        would otherwise spend the collective timeout waiting for a rank still loading); a
+        worker that failed to start raises here, with its error."""
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        for rank, (connection, process) in enumerate(zip(self._connections, self._processes), start=1):
+            while not connection.poll(0.1):
+                if process.exitcode is not None or time.monotonic() > deadline:
+                    raise TensorParallelDead(f"tensor-parallel rank {rank} did not start (exit code {process.exitcode})")
+            status, detail = connection.recv()
+            if status != "ready":
+                raise TensorParallelDead(f"tensor-parallel rank {rank} failed to start: {detail}")
+
     def call(self, request: str) -> list[Any]:
         """Ask every worker a question between steps (tests and tools): their answers in rank order."""
         self.send(request)
         answers = []
         for rank, connection in enumerate(self._connections, start=1):
-            if not connection.poll(COLLECTIVE_TIMEOUT_S):
+            if not connection.poll(RENDEZVOUS_TIMEOUT_S):
                 raise TensorParallelDead(f"tensor-parallel rank {rank} did not answer {request!r}")
             answers.append(connection.recv())
         return answers
 
     def shutdown(self) -> None:
-        for connection in self._connections:
-            try:
-                connection.send(None)
-            except OSError:
-                pass
-        for process in self._processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        self._stop()
+
+
+def _stop_workers(connections, processes) -> None:
+    for connection in connections:
+        try:
+            connection.send(None)
+        except OSError:
+            pass
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 class TensorParallelRunner(ModelRunner):
@@ -146,6 +168,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                  workers: TensorParallelWorkers):
         super().__init__(model, model_config, config, device, cuda_graphs=False)
+        workers.wait_ready()
         self.workers = workers
         self.tp = workers.tp
         self._step_id = -1  # of the step being launched
@@ -186,19 +209,15 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
-    tp = join_group(rendezvous_store(spec.size, spec.port), spec.rank, spec.size, device)
-    model, model_config = load_model(spec.model_dir, dtype=spec.dtype, device=device,
-                                     attention_backend=spec.attention_backend, fused_ops=spec.config.fused_ops, tp=tp)
-    # Decided as rank 0's engine decides it, from the same config and model: the same pool shape.
-    config = resolve_max_model_len(spec.config, model_config.max_model_len)
-    if device.type == "cuda":  # every attention kernel variant compiles now, not inside a step
-        model.attn_backend.warm_up(model_config.num_attention_heads, model_config.num_key_value_heads,
-                                   model_config.head_dim, next(model.parameters()).dtype, config.block_size,
-                                   config.max_model_len, device)
-    runner = ModelRunner(model, model_config, config, device)
-    max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
-    vote = WorkerVote(tp, device, board, max_abort_layer)
-    runner.step_abort = vote
+    tp = join_group(rendezvous_store(spec.size, spec.port), spec.rank, spec.size, device,
+                    spec.config.tensor_parallel_timeout_s)
+    try:
+        runner, vote = _build_rank(spec, tp, device, board)
+    except Exception as error:
+        logger.exception("failed to start")
+        connection.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    connection.send(("ready", None))
     worker = _Worker(runner, tp, vote)
     with torch.inference_mode():
         while True:
@@ -219,6 +238,22 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
             except TensorParallelDead:
                 logger.exception("a peer died; exiting")
                 os._exit(1)
+
+
+def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, board) -> tuple[ModelRunner, WorkerVote]:
+    model, model_config = load_model(spec.model_dir, dtype=spec.dtype, device=device,
+                                     attention_backend=spec.attention_backend, fused_ops=spec.config.fused_ops, tp=tp)
+    # Decided as rank 0's engine decides it, from the same config and model: the same pool shape.
+    config = resolve_max_model_len(spec.config, model_config.max_model_len)
+    if device.type == "cuda":  # every attention kernel variant compiles now, not inside a step
+        model.attn_backend.warm_up(model_config.num_attention_heads, model_config.num_key_value_heads,
+                                   model_config.head_dim, next(model.parameters()).dtype, config.block_size,
+                                   config.max_model_len, device)
+    runner = ModelRunner(model, model_config, config, device)
+    max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
+    vote = WorkerVote(tp, device, board, max_abort_layer)
+    runner.step_abort = vote
+    return runner, vote
 
 
 class _Worker:

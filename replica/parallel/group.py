@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 if TYPE_CHECKING:  # the model package imports this module
     from replica.model.config import ModelConfig
 
-# How long one collective may wait for its peers inside a step before the replica is dead.
-COLLECTIVE_TIMEOUT_S = 60.0
+# How long a rank waits for the others to join the group at start (collectives inside a step
+# wait EngineConfig.tensor_parallel_timeout_s).
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 class TensorParallelDead(RuntimeError):
@@ -42,6 +44,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Optional[object] = field(default=None, compare=False, repr=False)  # a gloo / NCCL ProcessGroup
+    # How long one collective waits for the other ranks (EngineConfig.tensor_parallel_timeout_s).
+    timeout: datetime.timedelta = datetime.timedelta(seconds=60)
 
     def _run(self, name: str, work_of) -> None:
         try:
@@ -53,7 +57,7 @@ class TensorParallel:
         """In place on every rank; returns the tensor."""
         if self.size > 1:
             options = dist.AllreduceOptions()
-            options.reduceOp = op
+            options.reduceOp, options.timeout = op, self.timeout
             self._run("all_reduce", lambda group: group.allreduce([tensor], options))
         return tensor
 
@@ -63,13 +67,15 @@ class TensorParallel:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._run("all_gather", lambda group: group.allgather([parts], [tensor]))
+        options = distributed_c10d.AllgatherOptions()
+        options.timeout = self.timeout
+        self._run("all_gather", lambda group: group.allgather([parts], [tensor], options))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
             options = dist.BroadcastOptions()
-            options.rootRank, options.rootTensor = src, 0
+            options.rootRank, options.rootTensor, options.timeout = src, 0, self.timeout
             self._run("broadcast", lambda group: group.broadcast([tensor], options))
         return tensor
 
@@ -77,22 +83,21 @@ class TensorParallel:
 NO_TENSOR_PARALLEL = TensorParallel()
 
 
-def rendezvous_store(size: int, port: int = 0, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
+def rendezvous_store(size: int, port: int = 0, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0's store (port 0: any free port, read back from store.port); the others connect to it."""
     return dist.TCPStore("127.0.0.1", port, size, port == 0, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
-def join_group(store: dist.Store, rank: int, size: int, device: torch.device,
-               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TensorParallel:
     """Join the group of `size` ranks meeting at `store` (one node: Serve packs a tensor-parallel
-    replica's GPUs on one node, STRICT_PACK); returns when every rank has joined."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    replica's GPUs on one node, STRICT_PACK); returns when every rank has joined. Each
+    collective then fails (TensorParallelDead) after timeout_s without its peers."""
     if torch.device(device).type == "cuda":
         group = dist.ProcessGroupNCCL(store, rank, size)
-    else:
-        group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return TensorParallel(rank, size, group)
+    else:  # this timeout bounds the joining; each collective passes its own
+        group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s))
 
 
 def check_divisible(cfg: "ModelConfig", size: int) -> None:

@@ -27,7 +27,7 @@ from replica.front.core_client import EngineDeadError
 from replica.model import load_model
 from replica.model.loader import read_model_config
 from replica.model.builtin import ensure_builtin_model
-from replica.parallel.group import TensorParallel, TensorParallelConfigError, check_divisible
+from replica.parallel.group import TensorParallel, TensorParallelConfigError, TensorParallelDead, check_divisible
 
 from tests.replica.test_slo_engine import hooked
 
@@ -395,6 +395,23 @@ def test_a_killed_worker_takes_the_replica_down_as_engine_dead_not_a_hang():
     print(f"reported dead {elapsed:.2f} s after the kill")
     assert isinstance(dead, EngineDeadError)
     assert elapsed < 10, f"the replica took {elapsed:.1f} s to report dead"
+
+
+def test_a_hung_worker_fails_the_step_after_the_collective_timeout_not_never(tiny_mqa):
+    engine = make_engine(tiny_mqa, tensor_parallel_size=2, tensor_parallel_timeout_s=10.0)
+    (worker,) = engine.tp_workers.pids
+    try:
+        run(engine, PROMPTS[:1])  # the probe: both ranks serve before the worker hangs
+        os.kill(worker, signal.SIGSTOP)
+        engine.add_request(engine.make_request("after", PROMPTS[1], GREEDY), detokenize=False)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelDead, match="rank 0: all_reduce failed"):
+            engine.step()
+        elapsed = time.monotonic() - started
+        assert 10.0 <= elapsed < 60, f"rank 0 gave up after {elapsed:.1f} s"
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        engine.shutdown()
 
 
 def test_a_killed_engine_core_leaves_no_worker_behind():
