@@ -259,3 +259,71 @@ def test_the_event_log_mirrors_each_medium_and_its_snapshot_rebuilds_both():
     assert set(log.snapshot().events[1:]) == {stored(b"b", b"a"), stored(b"a", None, MEDIUM_HOST)}
     log.publish([removed(b"a", MEDIUM_HOST)])
     assert log.snapshot().events[1:] == (stored(b"b", b"a"),)
+
+
+def test_a_host_tier_in_bytes_becomes_whole_blocks_and_one_larger_than_the_host_is_refused():
+    from replica.config import host_memory_bytes, resolve_host_kv_blocks
+
+    config = resolve_host_kv_blocks(make_engine_config(host_kv_bytes=10 * 4096 + 100), bytes_per_block=4096)
+    assert (config.num_host_kv_blocks, config.host_kv_bytes) == (10, None)
+    with pytest.raises(ConfigError, match=r"^num_host_kv_blocks: "):
+        resolve_host_kv_blocks(make_engine_config(num_host_kv_blocks=host_memory_bytes() // 4096 + 1), 4096)
+    with pytest.raises(ConfigError, match=r"^host_kv_bytes: "):
+        resolve_host_kv_blocks(make_engine_config(host_kv_bytes=100), bytes_per_block=4096)
+
+
+# ---- properties ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.replica.sched_harness import draw_prompt  # noqa: E402
+
+
+@st.composite
+def host_tier_scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    min_blocks = -(-32 // block_size) + 1
+    config = dict(
+        block_size=block_size, max_model_len=32,
+        num_kv_blocks=draw(st.integers(min_blocks, 2 * min_blocks)),
+        max_num_batched_tokens=draw(st.integers(8, 48)), max_num_seqs=draw(st.integers(1, 8)),
+        enable_prefix_caching=draw(st.booleans()),
+        victim_policy=draw(st.sampled_from(["fcfs", "cheapest"])),
+        num_host_kv_blocks=draw(st.integers(1, 40)),
+        preemption_mode=draw(st.sampled_from(["swap", "auto", "recompute"])),
+    )
+    requests = []
+    for index in range(draw(st.integers(1, 8))):
+        prompt, max_tokens = draw_prompt(draw, 32)
+        requests.append((f"r{index}", prompt, max_tokens, draw(st.integers(0, 10)),
+                         draw(st.one_of(st.none(), st.integers(0, 30)))))
+    return config, requests
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(host_tier_scenarios())
+def test_any_mix_of_swaps_spills_host_hits_and_aborts_reads_the_right_kv_and_leaks_nothing(scenario):
+    config, specs = scenario
+    scheduler = make_scheduler(**config)
+    simulated = SimulatedKV(config["block_size"])
+    requests = {}
+    for step in range(2000):
+        for request_id, prompt, max_tokens, arrival, abort in specs:
+            if arrival == step:
+                requests[request_id] = make_request(request_id, prompt, max_tokens)
+                scheduler.add_request(requests[request_id])
+            if abort == step and request_id in requests:
+                scheduler.abort_request(request_id)
+        if step > 10 and not scheduler.has_unfinished_requests():
+            break
+        simulated(step, run_step(scheduler))
+    else:
+        raise AssertionError("requests did not finish")
+    expected = reference_outputs([make_request(r, p, m) for r, p, m, _, _ in specs])
+    for request in requests.values():
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.output_token_ids == expected[request.request_id]
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.req_to_host_blocks
