@@ -10,9 +10,9 @@ router simulation's (bench/bench_router_sim.py): real Schedulers stepping on vir
 under its cost model, routed by the headroom router from 100 ms load reports. Each replica
 records its autoscaling stats as the deployment does (cluster/autoscaling.py's
 autoscaling_stats for headroom; requests in flight for requests) every record interval;
-every control period the policy Serve would run gets an AutoscalingContext of their means
-over look_back_period_s and the result goes through Serve's own scaling arithmetic (factors,
-delays, bounds). A replica added takes --startup-s to serve (and counts from its start); a
+every control period the policy Serve would run gets an AutoscalingContext of them over
+look_back_period_s (raw series and means, as Serve hands them) and the result goes through
+Serve's own scaling arithmetic (factors, delays, bounds). A replica added takes --startup-s to serve (and counts from its start); a
 replica removed is Serve's choice (one still starting, else the newest), gets no new
 requests and counts until its last stream ends.
 
@@ -50,7 +50,7 @@ from bench_router_sim import (  # noqa: E402
     EOS_TOKEN_ID, FAKE_TOKEN_ID, REPORT_INTERVAL_S, TPOT_SLO_S, TRACE_ATTRIBUTION, TTFT_SLO_S, VOCAB, CostModel,
     SimReplica, WorkloadRequest, engine_config, make_request, sampled_last_token,
 )
-from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue  # noqa: E402
 from ray.serve.autoscaling_policy import (  # noqa: E402
     _apply_delay_logic, _apply_scaling_factors, _extract_internal_policy_state,
 )
@@ -261,16 +261,18 @@ class AutoscaleSim:
             nonlocal target, policy_state, scale_ups, scale_downs
             running = [replica for replica in replicas if replica.routable and replica.ready_at <= now]
             aggregated: dict[str, dict[ReplicaID, float]] = {}
+            raw: dict[str, dict[ReplicaID, list[TimeStampedValue]]] = {}
             for replica in running:
-                window = [stats for t, stats in replica.records if t >= now - look_back_s]
-                for stat in (window[0] if window else {}):
-                    aggregated.setdefault(stat, {})[replica.replica_id] = float(np.mean([s[stat] for s in window]))
+                window = [(t, stats) for t, stats in replica.records if t >= now - look_back_s]
+                for stat in (window[0][1] if window else {}):
+                    aggregated.setdefault(stat, {})[replica.replica_id] = float(np.mean([s[stat] for _, s in window]))
+                    raw.setdefault(stat, {})[replica.replica_id] = [TimeStampedValue(t, s[stat]) for t, s in window]
             total_requests = sum(aggregated.get(RUNNING_REQUESTS_STAT, {}).values())
             ctx = AutoscalingContext(
                 deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name=DEPLOYMENT.app_name,
                 current_num_replicas=len(running), target_num_replicas=target,
                 running_replicas=[replica.replica_id for replica in running], total_num_requests=total_requests,
-                total_queued_requests=0.0, aggregated_metrics=aggregated, raw_metrics=None,
+                total_queued_requests=0.0, aggregated_metrics=aggregated, raw_metrics=raw,
                 capacity_adjusted_min_replicas=autoscaling.min_replicas,
                 capacity_adjusted_max_replicas=autoscaling.max_replicas, policy_state=policy_state,
                 last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=serve_config,
@@ -419,7 +421,7 @@ def run_comparison(args: argparse.Namespace, out=sys.stdout) -> dict[str, Autosc
         print(line, file=out, flush=True)
 
     say("# Autoscaling simulation")
-    say(f"trace: {args.trace} -- {TRACE_ATTRIBUTION}; every {args.sample_every}th request, time compressed "
+    say(f"trace: {args.trace} -- {TRACE_ATTRIBUTION}; 1 in {args.sample_every} requests, time compressed "
         f"{args.compress:g}x: {len(arrivals)} requests over {arrivals[-1].at_s:.0f} s")
     say(f"replicas {args.min_replicas}..{args.max_replicas} ({args.initial_replicas} at the start), "
         f"{args.startup_s:g} s to start; engine: {config.num_usable_blocks * config.block_size} KV tokens, "

@@ -5,9 +5,9 @@ decision is published for the metric and `headroom status`.
 Each replica reports, from the load it already streams (`autoscaling_stats`, called by
 `LLMReplica.record_autoscaling_stats`): its KV capacity, its KV demand (tokens its requests
 hold plus what they are committed to grow by under its admission mode), its waiting prefill
-and its smoothed preemption rate. Serve averages each over `look_back_period_s` and hands them
-to the policy in an `AutoscalingContext`; `decide`, a pure function, turns them into a replica
-count: enough replicas to hold the cluster's KV demand at `target_utilization`, at least one
+and its smoothed preemption rate. Serve keeps them over `look_back_period_s` and hands them to
+the policy in an `AutoscalingContext`; the policy reads each replica's newest point, and
+`decide`, a pure function, turns them into a replica count: enough replicas to hold the cluster's KV demand at `target_utilization`, at least one
 per `waiting_prefill_tokens_per_replica` of waiting prefill, one more at once when the mean
 preemption rate passes `preemption_rate_threshold`; fewer only when the demand would fit the
 smaller count at `scale_down_utilization` (hysteresis) for `downscale_delay_s`.
@@ -190,6 +190,26 @@ def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dic
 _STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since"}
 
 
+def latest_stats(ctx: AutoscalingContext) -> dict[Any, dict[str, float]]:
+    """Each replica's newest stats in `ctx` (its raw series' last point), else Serve's means
+    over look_back_period_s. The newest, because a mean over the window trails a rising
+    demand by half the window, and a replica started late costs the startup time on top; the
+    delays, not the averaging, keep a spike from starting one."""
+    by_replica: dict[Any, dict[str, float]] = {}
+    for stat, series_by_replica in (ctx.raw_metrics or {}).items():
+        if stat in STAT_KEYS:
+            for replica_id, series in series_by_replica.items():
+                if series:
+                    by_replica.setdefault(replica_id, {})[stat] = max(series, key=lambda point: point.timestamp).value
+    if by_replica:
+        return by_replica
+    for stat, values in (ctx.aggregated_metrics or {}).items():
+        if stat in STAT_KEYS:
+            for replica_id, value in values.items():
+                by_replica.setdefault(replica_id, {})[stat] = value
+    return by_replica
+
+
 class HeadroomAutoscalingPolicy:
     """Serve's policy callable for `replicas.autoscaling.policy: headroom` (Serve builds one
     per deployment from `policy_kwargs`, the HeadroomPolicyParams, and calls it every control
@@ -201,11 +221,7 @@ class HeadroomAutoscalingPolicy:
         self.board = DecisionPublisher()
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
-        by_replica: dict[Any, dict[str, float]] = {}
-        for stat, values in (ctx.aggregated_metrics or {}).items():
-            if stat in STAT_KEYS:
-                for replica_id, value in values.items():
-                    by_replica.setdefault(replica_id, {})[stat] = value
+        by_replica = latest_stats(ctx)
         signals = [signal for stats in by_replica.values() if (signal := ReplicaSignal.from_stats(stats)) is not None]
         params = HeadroomPolicyParams(**{**asdict(self.params), "min_replicas": ctx.capacity_adjusted_min_replicas,
                                          "max_replicas": ctx.capacity_adjusted_max_replicas})

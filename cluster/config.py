@@ -85,7 +85,8 @@ class AutoscalingConfig(_Strict):
     )
     downscale_delay_s: float = Field(60.0, ge=0, description="How long fewer replicas must be wanted before one stops.")
     look_back_period_s: float = Field(
-        10.0, gt=0, description="Serve averages each replica's stats over this window.",
+        10.0, gt=0, description="The window of each replica's stats Serve keeps: the requests policy "
+        "averages over it, the headroom policy reads its newest point.",
     )
     # Serve marks this field deprecated (a future release moves it to an environment
     # variable) but it is what sets the push interval today; its default, 10 s, would make

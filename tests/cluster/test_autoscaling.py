@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from cluster.autoscaling import (
@@ -121,7 +121,7 @@ def test_a_replica_without_capacity_yet_is_not_a_signal():
 
 # ---- the callables Serve's controller runs ----------------------------------------------------
 def context(aggregated: dict, running: int, target: int, policy_state: dict | None = None,
-            now: float = 1000.0, **config) -> AutoscalingContext:
+            now: float = 1000.0, raw: dict | None = None, **config) -> AutoscalingContext:
     deployment = DeploymentID(name="LLMReplica", app_name="app")
     replica_ids = [ReplicaID(unique_id=f"r{i}", deployment_id=deployment) for i in range(running)]
     return AutoscalingContext(
@@ -130,7 +130,9 @@ def context(aggregated: dict, running: int, target: int, policy_state: dict | No
         total_queued_requests=0.0,
         aggregated_metrics={stat: {replica_ids[i]: value for i, value in enumerate(values)}
                             for stat, values in aggregated.items()},
-        raw_metrics=None, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
+        raw_metrics={stat: {replica_ids[i]: [TimeStampedValue(t, value) for t, value in points]
+                            for i, points in enumerate(series)} for stat, series in (raw or {}).items()},
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
         policy_state=policy_state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
         config=AutoscalingConfig(min_replicas=1, max_replicas=4, **config),
     )
@@ -149,6 +151,18 @@ def test_headroom_policy_reads_serves_aggregated_stats_and_keeps_its_delay_in_po
     assert desired == 2 and state["headroom.wants_up_since"] == 1000.0 and state["serve"] == 1
     desired, state = policy(context(stats, running=2, target=2, policy_state=state, now=1005.0))
     assert desired == 3 and state["headroom.wants_up_since"] is None
+
+
+def test_headroom_policy_reads_each_replicas_newest_point_rather_than_the_windows_mean():
+    # A demand rising from 1,000 to 9,000 tokens on one replica of 10,000: the window's mean
+    # (5,000) fits at 0.8, the newest point does not.
+    policy = HeadroomAutoscalingPolicy(**serve_kwargs(upscale_delay_s=0.0))
+    rising = {KV_CAPACITY_STAT: [[(990.0, 10000), (995.0, 10000)]], KV_DEMAND_STAT: [[(995.0, 9000), (990.0, 1000)]]}
+    means = {KV_CAPACITY_STAT: [10000], KV_DEMAND_STAT: [5000]}
+    desired, _ = policy(context(means, running=1, target=1, raw=rising))
+    assert desired == 2
+    desired, _ = policy(context(means, running=1, target=1))  # no raw series: the means
+    assert desired == 1
 
 
 def test_headroom_policy_bounds_are_serves_capacity_adjusted_ones():

@@ -30,23 +30,25 @@ import grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 
-# 512 usable blocks of 16 = 8,192 tokens per replica. A ramp stream commits ~1,500 tokens
-# (its whole max_tokens: optimistic admission counts growth to it), so five commit 7,520,
-# above 0.8 x 8,192: the policy wants a second replica as the fifth arrives, seconds before
-# their KV (which the five together never exceed) could fill the pool.
+# 512 usable blocks of 16 = 8,192 tokens per replica. A ramp stream commits ~900 tokens (its
+# whole max_tokens: optimistic admission counts growth to it), so eight commit 7,296, above
+# 0.8 x 8,192: the policy wants a second replica as they arrive, though their KV (which the
+# eight together never exceed) could not yet fill the pool.
 ENGINE = {"num_kv_blocks": 513, "max_model_len": 2048, "max_num_seqs": 16}
-RAMP_STREAMS = 5
-RAMP_MAX_TOKENS = 1500
+RAMP_STREAMS = 8
+RAMP_MAX_TOKENS = 900
 RAMP_GAP_S = 0.5
-# Two tail streams (~3,900 tokens together) fit one replica at the scale-down utilisation
+# Two tail streams (~4,000 tokens together) fit one replica at the scale-down utilisation
 # (0.6 x 8,192 = 4,915): once the ramp is done the policy removes a replica while they stream.
+# They go to the new replica (the most headroom) and run twice a ramp stream's length, so the
+# ramp, started earlier, ends long before them.
 TAIL_STREAMS = 2
-TAIL_MAX_TOKENS = 1950
+TAIL_MAX_TOKENS = 2000
 PREEMPTION_RATE_THRESHOLD = 0.5
 AUTOSCALING = {
     "policy": "headroom", "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.8,
     "scale_down_utilization": 0.6, "preemption_rate_threshold": PREEMPTION_RATE_THRESHOLD,
-    "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 1, "metrics_interval_s": 0.5,
+    "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 1, "metrics_interval_s": 0.5,
 }
 PROBE_PERIOD_S = 0.5
 
