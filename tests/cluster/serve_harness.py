@@ -72,7 +72,9 @@ def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num
             "args": {
                 "model": model,
                 "engine": {**ENGINE, **(engine or {})},
-                "replicas": {"num_replicas": num_replicas, "num_cpus": num_cpus},
+                # A stream a test leaves open delays Serve's shutdown by at most this long
+                # (the default, 300 s, lets a production replica's long generations finish).
+                "replicas": {"num_replicas": num_replicas, "num_cpus": num_cpus, "drain_timeout_s": 30},
                 # Generous, so a snapshot delayed on a busy shared machine never sends a
                 # request down the stale-load fallback.
                 "router": {"staleness_s": 5.0},

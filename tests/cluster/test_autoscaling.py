@@ -15,6 +15,8 @@ from cluster.autoscaling import (
     HeadroomPolicyParams, PolicyState, ReplicaSignal, RequestsAutoscalingPolicy, autoscaling_stats, decide,
 )
 from cluster.config import ClusterConfig
+from cluster.deployment import ReplicaCounts
+from cluster.status_command import scale_lines
 
 CAPACITY = 10_000  # tokens per replica
 PARAMS = HeadroomPolicyParams(min_replicas=1, max_replicas=8, target_utilization=0.8, scale_down_utilization=0.6,
@@ -176,3 +178,16 @@ def test_requests_policy_is_serves_own_arithmetic():
     # 96 requests in flight at 32 per replica: 3 replicas.
     desired, _ = RequestsAutoscalingPolicy()(context({}, running=2, target=2, requests=96.0, target_ongoing_requests=32))
     assert desired == pytest.approx(3.0)
+
+
+def test_status_prints_running_against_desired_with_the_reason_and_the_draining():
+    counts = {"fixed": ReplicaCounts(target=2, running=2, draining=0, autoscaling=False),
+              "scaled": ReplicaCounts(target=3, running=2, draining=1, autoscaling=True),
+              "starting": ReplicaCounts(target=1, running=1, draining=0, autoscaling=True)}
+    decision = {"desired_replicas": 3, "policy": "headroom", "reason": "kv_demand", "timestamp": 0.0}
+    lines = scale_lines(counts, {"scaled": decision, "starting": None}, {"scaled": [decision]})
+    assert lines[0] == "fixed: 2 replicas running of 2 (fixed)"
+    assert lines[1].startswith("scaled: 2 replicas running, desired 3 (headroom policy: kv_demand), Serve's target 3; "
+                               "last change to 3 (kv_demand)")
+    assert lines[1].endswith(", 1 draining")
+    assert lines[2] == "starting: 1 replicas running, Serve's target 1 (autoscaling: no decision published yet)"
