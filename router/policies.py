@@ -6,9 +6,10 @@ missing stats fall back to queue length, never to an error.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from router.policy_base import (  # noqa: F401  (re-exported: callers import the views from here)
@@ -171,6 +172,7 @@ class HeadroomPolicy(RoutingPolicy):
         headroom_weight: float = 0.25,
         backlog_weight: float = 1.0,
         prefill_weight: float = 4.0,
+        saturated_prefill_weight: float = 16.0,
         preemption_weight: float = 1.0,
         tie_epsilon: float = 0.02,
         staleness_s: float = DEFAULT_STALENESS_S,
@@ -179,13 +181,66 @@ class HeadroomPolicy(RoutingPolicy):
         self.headroom_weight = headroom_weight
         self.backlog_weight = backlog_weight
         self.prefill_weight = prefill_weight
+        self.saturated_prefill_weight = saturated_prefill_weight
         self.preemption_weight = preemption_weight
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
         self.rng = rng or random.Random()
+        # The prompt blocks of the requests this router sent that have not finished, per
+        # replica (a block shared by several counted once per request): a live request holds
+        # its prefix there, or will once it is admitted, before any KV event can say so.
+        self._live_blocks: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._live: dict[str, tuple[str, tuple[bytes, ...]]] = {}  # request key -> (replica, its prompt blocks)
+        self._block_sizes: dict[str, int] = {}  # per replica, as its KV events (else its loads) give it
 
-    def score(self, request: RoutingRequest, view: ReplicaView) -> HeadroomScore:
-        """The replica's score for this request; `view` must carry a snapshot."""
+    def live_blocks(self, request: RoutingRequest, view: ReplicaView) -> int:
+        """Leading blocks of the request's prompt that requests this router sent to the
+        replica, still live there, share (in the replica's cache block size)."""
+        block_size = view.cache_block_size or (view.load.block_size if view.load is not None else 0)
+        if block_size:
+            self._block_sizes[view.replica_id] = block_size
+        blocks = self._live_blocks.get(view.replica_id)
+        if not blocks or not block_size:
+            return 0
+        count = 0
+        for block_hash in request.prefix_hashes(block_size):
+            if block_hash not in blocks:
+                break
+            count += 1
+        return count
+
+    def known_cached_blocks(self, request: RoutingRequest, view: ReplicaView) -> int:
+        return max(view.cached_blocks, self.live_blocks(request, view))
+
+    def on_routed(self, request: RoutingRequest, replica_id: str, request_key: str, cached_blocks: int) -> None:
+        self.on_finished(request_key)  # a retry replaces the earlier send
+        block_size = self._block_sizes.get(replica_id, 0)
+        if not block_size:
+            return
+        hashes = tuple(request.prefix_hashes(block_size))
+        self._live[request_key] = (replica_id, hashes)
+        self._live_blocks[replica_id].update(hashes)
+
+    def on_finished(self, request_key: str) -> None:
+        routed = self._live.pop(request_key, None)
+        if routed is None:
+            return
+        replica_id, hashes = routed
+        blocks = self._live_blocks[replica_id]
+        blocks.subtract(hashes)
+        for block_hash in hashes:
+            if blocks[block_hash] <= 0:
+                del blocks[block_hash]
+
+    def forget_replica(self, replica_id: str) -> None:
+        self._live_blocks.pop(replica_id, None)
+        self._block_sizes.pop(replica_id, None)
+        for key in [key for key, (owner, _) in self._live.items() if owner == replica_id]:
+            del self._live[key]
+
+    def score(self, request: RoutingRequest, view: ReplicaView, saturated: bool = False) -> HeadroomScore:
+        """The replica's score for this request; `view` must carry a snapshot. `saturated`:
+        no replica has room for it (the own-prefill penalty is then `saturated_prefill_weight`)."""
         load = view.load
         block_size = load.block_size
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
@@ -206,7 +261,8 @@ class HeadroomPolicy(RoutingPolicy):
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
         preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
         score = (self.headroom_weight * headroom_after - self.backlog_weight * backlog
-                 - self.prefill_weight * own_prefill - self.preemption_weight * preemption_risk)
+                 - (self.saturated_prefill_weight if saturated else self.prefill_weight) * own_prefill
+                 - self.preemption_weight * preemption_risk)
         return HeadroomScore(
             view.replica_id, free_after_tokens + lent_tokens >= 0, headroom_after, backlog, own_prefill,
             preemption_risk, score, inflight.requests, cached_tokens,
@@ -214,10 +270,21 @@ class HeadroomPolicy(RoutingPolicy):
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
         fresh, stale = split_by_freshness(replicas, self.staleness_s)
+        fresh = [replace(view, cached_blocks=known) if (known := self.known_cached_blocks(request, view)) != view.cached_blocks
+                 else view for view in fresh]
         scores = {view.replica_id: self.score(request, view) for view in fresh}
         fitting = [view for view in fresh if scores[view.replica_id].fits]
-        not_fitting = [view for view in fresh if not scores[view.replica_id].fits]
-        ranked = self._rank_with_ties(fitting, scores) + self._rank_with_ties(not_fitting, scores)
+        if len(fitting) * 2 < len(fresh):
+            # Most of the cluster has no room for it: the few replicas that do hold it only
+            # until their next admissions, and a request sent there for its room copies its
+            # prefix (memory and prefill the saturated cluster pays for) and waits as long
+            # anyway. Under that pressure the score alone ranks, with the own-prefill
+            # penalty at `saturated_prefill_weight`.
+            scores = {view.replica_id: self.score(request, view, saturated=True) for view in fresh}
+            ranked = self._rank_with_ties(list(fresh), scores)
+        else:
+            not_fitting = [view for view in fresh if not scores[view.replica_id].fits]
+            ranked = self._rank_with_ties(fitting, scores) + self._rank_with_ties(not_fitting, scores)
         return merge_stale_by_queue_len(ranked, stale, self.rng)
 
     def _rank_with_ties(self, views: list[ReplicaView], scores: dict[str, HeadroomScore]) -> list[ReplicaView]:

@@ -133,7 +133,8 @@ class LLMEngine:
         # Structured outputs: the compiler (made by the first constrained request) and the
         # requests whose grammar compiles on its thread; they join the scheduler when it is done.
         self.grammar_compiler: Optional[GrammarCompiler] = None
-        self._compiling: dict[str, tuple[Request, Future]] = {}
+        # Each with the time its compile must be done by (structured_output_compile_timeout_s).
+        self._compiling: dict[str, tuple[Request, Future, float]] = {}
         self.stats = StepStats()
         self.slo_monitor: Optional[SLOMonitor] = None
         if config.scheduling_policy == "slo":
@@ -180,7 +181,8 @@ class LLMEngine:
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                 self.config.structured_output_compile_timeout_s)
         future = self.grammar_compiler.compile(request.sampling_params.structured_output)
-        self._compiling[request.request_id] = (request, future)
+        deadline = time.monotonic() + self.config.structured_output_compile_timeout_s
+        self._compiling[request.request_id] = (request, future, deadline)
         if future.done():
             self._adopt_compiled()
 
@@ -188,11 +190,15 @@ class LLMEngine:
         """Schedule the requests whose grammar compiled; the ones it failed for (the edge
         compiles every constraint first, so only a time bound hit here) finish aborted."""
         failed = []
-        for request_id, (request, future) in list(self._compiling.items()):
-            if not future.done():
+        now = time.monotonic()
+        for request_id, (request, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
                 continue
             del self._compiling[request_id]
             try:
+                if not future.done():
+                    raise TimeoutError(f"its grammar took longer than "
+                                       f"{self.config.structured_output_compile_timeout_s:g} s to compile")
                 request.grammar = self.grammar_compiler.matcher(request.sampling_params.structured_output)
                 self.scheduler.add_request(request)
             except Exception as error:  # noqa: BLE001 - reported as the request's end, logged
@@ -243,7 +249,7 @@ class LLMEngine:
         if self._compiling and not self.scheduler.has_unfinished_requests() and self._in_flight is None:
             # Nothing to run but grammars compiling: wait a moment for one instead of spinning
             # (the busy loop would take a core from the compile), short enough to take new work.
-            wait([future for _, future in self._compiling.values()], timeout=COMPILE_WAIT_S,
+            wait([future for _, future, _ in self._compiling.values()], timeout=COMPILE_WAIT_S,
                  return_when=FIRST_COMPLETED)
             not_served += self._adopt_compiled()
         scheduler_output = self.scheduler.schedule()

@@ -69,6 +69,29 @@ def test_a_bad_constraint_is_refused_naming_the_parameter(builtin_engine, constr
     assert message in str(raised.value)
 
 
+def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_request_ends(builtin_engine):
+    big = StructuredOutput.json_schema({"type": "object", "properties": {
+        f"field_{index}": {"type": "string", "pattern": f"^[a-z]{{{index % 7 + 1}}}[0-9]+$"} for index in range(300)},
+        "required": [f"field_{index}" for index in range(300)]})
+    compiler = GrammarCompiler(builtin_engine.tokenizer.fast_tokenizer_json(), builtin_engine.model_config.vocab_size,
+                               builtin_engine.eos_token_ids, timeout_s=1e-4)
+    with pytest.raises(InvalidRequestError, match="guided_json: took longer than 0.0001 s to compile"):
+        compiler.check(big, "guided_json")
+    compiler.shutdown()
+    # In the engine core the same bound ends a request still waiting for its grammar, and the
+    # engine keeps serving.
+    slow = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=32, structured_output_compile_timeout_s=1e-4),
+                     "builtin", device="cpu")
+    request = slow.make_request("slow", [1, 2, 3], SamplingParams(max_tokens=4, structured_output=big))
+    slow.add_request(request, detokenize=False)
+    finished = [output for _ in range(100) for output in slow.step() if output.finished]
+    assert [(output.request_id, output.finish_reason) for output in finished] == [("slow", "abort")]
+    assert not slow.has_unfinished_requests()
+    (tokens,) = slow.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(tokens) == 3
+    slow.shutdown()
+
+
 def test_a_schema_given_as_text_that_is_not_json_is_refused():
     with pytest.raises(InvalidRequestError, match="json_schema: not valid JSON"):
         StructuredOutput.json_schema("{not json")

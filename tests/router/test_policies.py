@@ -302,3 +302,41 @@ def test_a_replica_that_learned_short_outputs_needs_room_for_them_only():
     learned = make_load("learned", free_blocks=150, expected_output_tokens=400)  # 125 blocks expected
     assert headroom_policy().score(request, view("learned", learned)).fits
     assert not headroom_policy().score(request, view("unknown", make_load("unknown", free_blocks=150))).fits
+
+
+def test_a_prefix_sent_before_any_kv_event_shows_it_counts_as_cached_until_its_request_finishes():
+    # Two requests of one tenant in a burst: the first's prefix is not cached anywhere yet
+    # (no KV event can say so before its prefill), but the replica it went to will hold it.
+    policy = headroom_policy()
+    first, second = shared_prefix_request(), shared_prefix_request(query_tokens=900)
+    replicas = [view(f"r{i}", make_load(f"r{i}", free_blocks=800)) for i in range(4)]
+    target = policy.rank(first, replicas)[0]
+    policy.on_routed(first, target, "first", cached_blocks=0)
+    for seed in range(10):
+        policy.rng = random.Random(seed)
+        assert policy.rank(second, replicas)[0] == target
+    assert policy.live_blocks(second, next(v for v in replicas if v.replica_id == target)) >= 200  # the prefix at least
+    policy.on_finished("first")  # its blocks may now be evicted: only KV events can say they stay
+    assert policy.live_blocks(second, next(v for v in replicas if v.replica_id == target)) == 0
+    policy.on_routed(first, target, "again", cached_blocks=0)
+    policy.forget_replica(target)
+    assert policy.live_blocks(second, next(v for v in replicas if v.replica_id == target)) == 0
+
+
+def test_when_most_of_the_cluster_is_full_a_transient_room_does_not_pull_a_request_off_its_prefix():
+    # Three of four replicas have no room for the request (their queues are promised the
+    # pool); the fourth has room only until its next admissions. With half or more fitting,
+    # the fit filter decides, as before; under this pressure the score does, and the prefix
+    # holder (short, like everyone, but saving 3,200 prefill tokens) keeps its tenant.
+    request = shared_prefix_request()
+    full = dict(free_blocks=100, kv_committed_tokens=40_000)
+    holder = view("holder", make_load("holder", **full), cached_blocks=200)
+    others = [view(f"full{i}", make_load(f"full{i}", **full)) for i in range(2)]
+    roomy = view("roomy", make_load("roomy", free_blocks=600))
+    assert not headroom_policy().score(request, holder).fits
+    for seed in range(10):
+        assert headroom_policy(seed).rank(request, [holder, roomy] + others)[0] == "holder"
+    # Two of four fitting is not pressure: the filter still sends it where it fits.
+    second_roomy = view("roomy2", make_load("roomy2", free_blocks=600))
+    for seed in range(10):
+        assert headroom_policy(seed).rank(request, [holder, roomy, second_roomy, others[0]])[0] in ("roomy", "roomy2")
