@@ -3,26 +3,32 @@ continuous batching (headroom) vs static batching (HF batched generate()) at eac
 size asked for; the ratio is against HF's best.
 
     python bench/bench_engine.py [--model builtin|smollm2-135m|FILE.gguf|DIR] [--requests 64]
-                                 [--hf-batch-sizes 16] [--profile] [--quick]
+                                 [--hf-batch-sizes 16] [--profile] [--quick] [--cost-model FILE]
 
 Workload: prompt lengths 16-512 and output lengths 16-256 drawn from a fixed seed; outputs
 are forced to their length (ignore_eos / min_new_tokens). HF pads each batch and runs it to
 its longest output; only each request's own tokens count as useful output. --profile runs
-headroom once more under cProfile and prints where its time goes.
+headroom once more under cProfile and prints where its time goes. --cost-model FILE fits the
+router simulation's step-time model (bench/cost_model.py: fixed + per batched token + per KV
+token read) to the timed run's steps and writes it to FILE as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
 import statistics
+import sys
 import time
 
 import torch
 
 from cluster.stats import percentile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/cost_model.py, run from anywhere
 
 
 def workload(num_requests: int, vocab_size: int, seed: int = 0, max_prompt: int = 512, max_output: int = 256):
@@ -71,6 +77,30 @@ def run_workload(engine, requests, on_step=None) -> dict:
     assert all(len(r.output_token_ids) == n for r, (_, n) in zip(handles, requests))
     return dict(elapsed=elapsed, tokens_per_s=useful / elapsed, latencies=list(finish_times.values()),
                 preemptions=engine.scheduler.counters.preemptions - preemptions_before, steps=steps)
+
+
+class StepRecorder:
+    """(tokens, KV tokens read, wall ms) of each engine step, for the cost-model fit: the
+    scheduler's output is kept as schedule() returns it and paired with the step's
+    wall time after the step (`on_step`). Steps that ran nothing are left out."""
+
+    def __init__(self, engine):
+        self.samples: list[tuple[int, int, float]] = []
+        self._output = None
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            self._output = schedule()
+            return self._output
+
+        engine.scheduler.schedule = recording_schedule
+
+    def on_step(self, engine) -> None:
+        from cost_model import kv_tokens_read
+
+        output, self._output = self._output, None
+        if output is not None and not output.is_empty:
+            self.samples.append((output.num_scheduled_tokens, kv_tokens_read(output), engine.last_step.wall_s * 1000))
 
 
 def load_hf_model(model_dir, dtype: str | torch.dtype, device: str):
@@ -164,6 +194,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quick", action="store_true", help="16 short requests (smoke run)")
     parser.add_argument("--profile", action="store_true", help="print where headroom's time goes (an extra run)")
+    parser.add_argument("--cost-model", metavar="FILE", default=None,
+                        help="fit the router simulation's step-time model to the timed run's steps and write it here (JSON)")
     args = parser.parse_args()
 
     from replica.model.registry import resolve_model_path
@@ -184,7 +216,10 @@ def main() -> None:
           f"prompt tokens={sum(len(p) for p, _ in requests)} output tokens={sum(n for _, n in requests)} "
           f"torch threads={torch.get_num_threads()}")
     engine = make_engine(model_dir, requests, args.device, args.dtype)
-    ours = run_workload(engine, requests)
+    recorder = StepRecorder(engine) if args.cost_model else None
+    ours = run_workload(engine, requests, on_step=recorder.on_step if recorder is not None else None)
+    if recorder is not None:  # before the HF runs, which take longest and do not touch it
+        write_cost_model(recorder.samples, args)
     hf_runs = {size: run_hf(model_dir, requests, size, args.device, args.dtype) for size in hf_batch_sizes}
     print(f"{'engine':>22} {'output tok/s':>13} {'wall s':>8} {'latency p50 s':>14} {'p99 s':>8}")
     rows = [("headroom (continuous)", ours)] + [(f"HF generate (batch {size})", run) for size, run in hf_runs.items()]
@@ -197,6 +232,22 @@ def main() -> None:
           f"(target >= 3x: {'MET' if ratio >= 3 else 'MISSED'}); headroom preemptions: {ours['preemptions']}")
     if args.profile:
         profile_headroom(engine, requests)
+
+
+def write_cost_model(samples: list[tuple[int, int, float]], args: argparse.Namespace) -> None:
+    import datetime
+    import platform
+
+    import cost_model
+
+    # The first steps pay one-time costs (allocator growth, lazy initialisation): not the model's.
+    kept = samples[min(8, len(samples) // 10):]
+    where = f"{torch.cuda.get_device_name()}" if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    source = (f"fitted by bench/bench_engine.py: model {args.model}, {args.dtype} on {where}, "
+              f"{platform.node() or 'unknown host'}, {datetime.date.today().isoformat()}")
+    model = cost_model.fit(kept, source)
+    model.save(args.cost_model)
+    print(f"cost model -> {args.cost_model}: {model.describe()}")
 
 
 if __name__ == "__main__":

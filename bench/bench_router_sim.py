@@ -36,6 +36,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cost_model.py, however this file is loaded
+from cost_model import ASSUMED, CostModel  # noqa: E402  (re-exported: the sim's one step-time model)
 from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
@@ -75,24 +77,6 @@ FAKE_TOKEN_ID = 7  # the model is not simulated: every step samples this token..
 EOS_TOKEN_ID = 2  # ...or, at a request's natural output length below max_tokens, this one
 VOCAB = 256  # prompt ids are drawn below it (Python's small ints: cheap to hold by the million)
 TARGET_TTFT_P90_S = 2.0  # multi-tenant target point: where load-only routing's P90 TTFT passes this
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """step_time = fixed + per_batched_token * tokens + per_kv_token_read * context tokens read."""
-
-    fixed_ms: float
-    per_batched_token_ms: float
-    per_kv_token_read_ms: float
-
-    def step_time_s(self, output: SchedulerOutput) -> float:
-        # Attention reads the KV of every position up to the end of each scheduled chunk.
-        context_tokens_read = sum(entry.start_pos + entry.num_new_tokens for entry in output.scheduled)
-        return (
-            self.fixed_ms
-            + self.per_batched_token_ms * output.num_scheduled_tokens
-            + self.per_kv_token_read_ms * context_tokens_read
-        ) / 1000.0
 
 
 # ---- workloads ---------------------------------------------------------------------------
@@ -246,6 +230,7 @@ class RunStats:
     ttft_p90_s: float
     ttft_p99_s: float
     itl_p99_s: float
+    tpot_p90_s: float  # each measured request's mean time per output token after the first
     preemptions_per_1k: float
     recomputed_fraction: float  # recomputed tokens / all tokens the engines computed
     prefix_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens looked up
@@ -324,7 +309,9 @@ class ClusterSim:
         self.feed = feed
         self.seed = seed
 
-    def run(self, name: str, workload: Workload, rate_rps: float) -> RunStats:
+    def run(self, name: str, workload: Workload, rate_rps: float, ttft_slo_s: float = TTFT_SLO_S) -> RunStats:
+        """`name` routing `workload` offered at `rate_rps`; goodput counts requests within
+        `ttft_slo_s` and TPOT_SLO_S."""
         rng = random.Random(f"{self.seed}:{name}")
         feed_rng = random.Random(f"{self.seed}:feed")  # same drops for every policy
         config = self.config.model_copy(update={"admission_mode": ADMISSION.get(name, "optimistic")})
@@ -459,7 +446,7 @@ class ClusterSim:
         measured_from_s = sorted(arrival_order)[int(len(arrival_order) * WARMUP_FRACTION)]
         measured = [r for r in finished if r.arrival_time >= measured_from_s]
         measured_gaps = [gap for arrival, gap in zip(gap_arrivals, gaps) if arrival >= measured_from_s]
-        return summarize(measured, measured_gaps, [r.scheduler for r in replicas], len(specs), spills)
+        return summarize(measured, measured_gaps, [r.scheduler for r in replicas], len(specs), spills, ttft_slo_s)
 
 
 def make_request(index: int, spec: WorkloadRequest, prompt: list[int], arrival_s: float) -> Request:
@@ -469,13 +456,13 @@ def make_request(index: int, spec: WorkloadRequest, prompt: list[int], arrival_s
 
 
 def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers: list[Scheduler], num_requests: int,
-              spills: int) -> RunStats:
+              spills: int, ttft_slo_s: float = TTFT_SLO_S) -> RunStats:
     ttfts = np.array([r.first_token_time - r.arrival_time for r in measured])
     tpots = np.array([
         (r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1) if r.num_output_tokens > 1 else 0.0
         for r in measured
     ])
-    good = int(np.sum((ttfts <= TTFT_SLO_S) & (tpots <= TPOT_SLO_S)))
+    good = int(np.sum((ttfts <= ttft_slo_s) & (tpots <= TPOT_SLO_S)))
     start = min(r.arrival_time for r in measured)
     arrivals_window_s = max(r.arrival_time for r in measured) - start
     makespan_s = max(r.last_token_time for r in measured) - start
@@ -490,6 +477,7 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
         ttft_p90_s=float(np.percentile(ttfts, 90)),
         ttft_p99_s=float(np.percentile(ttfts, 99)),
         itl_p99_s=float(np.percentile(inter_token_gaps, 99)) if inter_token_gaps else 0.0,
+        tpot_p90_s=float(np.percentile(tpots, 90)),
         preemptions_per_1k=1000.0 * preemptions / num_requests,
         recomputed_fraction=recomputed / computed if computed else 0.0,
         prefix_hit_rate=hits / queries if queries else 0.0,
@@ -735,6 +723,215 @@ def save_plot(results: dict, workloads: list[str], loads: list[float], path: str
     plt.close(figure)
 
 
+# ---- capacity at SLO (the headline) ------------------------------------------------------
+# Policies whose capacity is searched: ours, the prefix-aware baselines it is judged against,
+# and pow2 (Ray Serve's default, the floor ours must never fall below); --capacity-policies all
+# adds the other load-only ones.
+CAPACITY_POLICIES = (OURS,) + PREFIX_AWARE + ("pow2",)
+TPOT_P90_BOUND_S = TPOT_SLO_S
+# A workload's P90 TTFT bound: 5x its unloaded median, or its unloaded P99 where that is
+# higher (mixed_long: the unloaded P90 sits on the edge of the 10% of 8-16k-token prompts, and
+# a bound below their unloaded prefill would leave no capacity at all), never above 2 s.
+CAPACITY_TTFT_MULTIPLE = 5.0
+CAPACITY_TTFT_CAP_S = TTFT_SLO_S
+OVERLOADS = (1.2, 1.5)  # goodput targets: these multiples of the best baseline's capacity
+GOODPUT_CURVE = (1.0,) + OVERLOADS  # the plot's offered rates, in the same multiples
+
+
+@dataclass(frozen=True)
+class SLOBound:
+    """A workload's capacity SLO: P90 TTFT <= ttft_p90_s and P90 TPOT <= TPOT_P90_BOUND_S."""
+
+    ttft_p90_s: float
+    unloaded_p50_s: float  # precise_prefix (exact cache knowledge) almost idle (1% of the token-capacity bound)
+    unloaded_p99_s: float
+
+    @classmethod
+    def of(cls, unloaded: "RunStats") -> "SLOBound":
+        bound = max(CAPACITY_TTFT_MULTIPLE * unloaded.ttft_p50_s, unloaded.ttft_p99_s)
+        return cls(min(CAPACITY_TTFT_CAP_S, bound), unloaded.ttft_p50_s, unloaded.ttft_p99_s)
+
+    def excess(self, stats: "RunStats") -> float:
+        """How far a run is past the SLO: < 1 within it."""
+        return max(stats.ttft_p90_s / self.ttft_p90_s, stats.tpot_p90_s / TPOT_P90_BOUND_S)
+
+
+def slo_bound(setup: "Setup", workload_name: str) -> SLOBound:
+    workload = setup.workload(workload_name, setup.args.seed, calibration=True)
+    idle_rps = 0.01 * token_capacity_rps(workload, setup.config, setup.cost, setup.args.replicas)
+    return SLOBound.of(setup.sim(setup.args.seed).run("precise_prefix", workload, idle_rps))
+
+
+def capacity_at_slo(setup: "Setup", workload_name: str, policy: str, seed: int, bound: SLOBound,
+                    hint: Optional[float] = None) -> float:
+    """The highest offered rate at which `policy` was seen to keep the workload (seed `seed`)
+    within `bound`: bracketed from `hint` (another policy's capacity on the same requests:
+    [hint / 1.4, hint x 1.4]) or else from the token-capacity bound ([a quarter of it, it]),
+    doubling while the SLO still holds at the top and halving while it fails at the bottom
+    (to 1/64 of the token-capacity bound at most, below which the capacity is reported as 0),
+    then --capacity-steps geometric bisections."""
+    workload = setup.workload(workload_name, seed, capacity=True)
+    sim = setup.sim(seed)
+    seen: dict[float, bool] = {}
+
+    def holds(rate: float) -> bool:
+        if rate not in seen:
+            seen[rate] = bound.excess(sim.run(policy, workload, rate)) < 1.0
+        return seen[rate]
+
+    token_bound = token_capacity_rps(workload, setup.config, setup.cost, setup.args.replicas)
+    low, high = (hint / 1.4, hint * 1.4) if hint else (token_bound / 4, token_bound)
+    while not holds(low):
+        if low < token_bound / 64:
+            return 0.0
+        low, high = low / 2, low
+    while holds(high) and high < token_bound * 64:
+        low, high = high, high * 2
+    for _ in range(setup.args.capacity_steps):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if holds(middle) else (low, middle)
+    return low
+
+
+def goodput_run(setup: "Setup", workload_name: str, policy: str, seed: int, rate_rps: float,
+                bound: SLOBound) -> RunStats:
+    return setup.sim(seed).run(policy, setup.workload(workload_name, seed, capacity=True), rate_rps,
+                               ttft_slo_s=bound.ttft_p90_s)
+
+
+@dataclass
+class CapacityResult:
+    """One workload's capacity table: per policy, per seed."""
+
+    bound: SLOBound
+    capacity: dict[str, list[float]]  # req/s, per seed
+    goodput: dict[float, dict[str, list[RunStats]]]  # multiple of the best baseline's capacity -> policy -> per seed
+
+    def mean_capacity(self, policy: str) -> float:
+        return mean_spread(self.capacity[policy])[0]
+
+    def best_baseline(self, among: Sequence[str] = PREFIX_AWARE) -> str:
+        present = [name for name in among if name in self.capacity]
+        return max(present, key=self.mean_capacity)
+
+
+def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityResult]:
+    """Capacity at SLO per workload and policy over the seeds, then goodput at multiples of
+    the best prefix-aware baseline's capacity; prints the headline tables."""
+    args = setup.args
+    seeds = range(args.seed, args.seed + args.seeds)
+    policies = args.capacity_policies
+    bounds = dict(zip(args.workloads, runner.map(slo_bound, [(setup, name) for name in args.workloads])))
+    # The first prefix-aware baseline's search brackets from the token-capacity bound; every
+    # other policy's from its capacity on the same requests, a narrower bracket (fewer runs).
+    first = next(policy for policy in policies if policy in PREFIX_AWARE)
+    results = {name: CapacityResult(bounds[name], {policy: [] for policy in policies}, {}) for name in args.workloads}
+    pairs = [(name, seed) for name in args.workloads for seed in seeds]
+    hints = dict(zip(pairs, runner.map(capacity_at_slo, [(setup, name, first, seed, bounds[name]) for name, seed in pairs])))
+    others = [(setup, name, policy, seed, bounds[name], hints[(name, seed)] or None)
+              for name in args.workloads for policy in policies if policy != first for seed in seeds]
+    found = dict(zip([(job[1], job[2], job[3]) for job in others], runner.map(capacity_at_slo, others)))
+    for name, seed in pairs:
+        for policy in policies:
+            results[name].capacity[policy].append(hints[(name, seed)] if policy == first else found[(name, policy, seed)])
+    goodput_jobs, multiples = [], []
+    for name in args.workloads:
+        result = results[name]
+        base = result.mean_capacity(result.best_baseline())
+        for multiple in GOODPUT_CURVE:
+            result.goodput[multiple] = {policy: [] for policy in policies}
+            for policy in policies:
+                for seed in seeds:
+                    goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
+                    multiples.append(multiple)
+    measured = runner.map(goodput_run, goodput_jobs)
+    for (_, name, policy, _, _, _), multiple, stats in zip(goodput_jobs, multiples, measured):
+        results[name].goodput[multiple][policy].append(stats)
+    for line in capacity_report(results, seeds):
+        print(line, file=out)
+    return results
+
+
+def capacity_report(results: dict[str, CapacityResult], seeds: range) -> list[str]:
+    lines = [f"\n## Capacity at SLO (seeds {seeds.start}-{seeds.stop - 1}: mean ± sample standard deviation)",
+             f"Capacity: the highest offered rate at which P90 TTFT <= the workload's bound (max({CAPACITY_TTFT_MULTIPLE:g}x "
+             f"the unloaded median, the unloaded P99), at most "
+             f"{CAPACITY_TTFT_CAP_S:g} s) and P90 TPOT <= {TPOT_P90_BOUND_S * 1000:.0f} ms. Goodput: requests per "
+             f"second within both, offered at multiples of the best prefix-aware baseline's capacity.",
+             "", "| workload | P90 TTFT bound s | policy | capacity req/s | vs best prefix-aware (per seed) | "
+             + " | ".join(f"goodput at {m:g}x req/s" for m in OVERLOADS) + " | "
+             + " | ".join(f"goodput vs best at {m:g}x" for m in OVERLOADS) + " |",
+             "|---" * (5 + 2 * len(OVERLOADS)) + "|"]
+    for name, result in results.items():
+        best = result.best_baseline()
+        for policy, capacities in result.capacity.items():
+            mean, spread = mean_spread(capacities)
+            per_seed = [ratio(mine, theirs) for mine, theirs in zip(capacities, result.capacity[best])]
+            vs = (f"{ratio(mean, result.mean_capacity(best)):.2f}x ({min(per_seed):.2f}-{max(per_seed):.2f})"
+                  if policy != best else "(best)")
+            goodputs = [mean_spread([s.goodput_rps for s in result.goodput[m][policy]]) for m in OVERLOADS]
+            best_goodputs = [mean_of(result.goodput[m][best], "goodput_rps") for m in OVERLOADS]
+            lines.append(f"| {name} | {result.bound.ttft_p90_s:.3f} | {policy} | {mean:.2f} ± {spread:.2f} | {vs} | "
+                         + " | ".join(f"{g:.2f} ± {sd:.2f}" for g, sd in goodputs) + " | "
+                         + " | ".join(f"{ratio(g, b):.2f}x" for (g, _), b in zip(goodputs, best_goodputs)) + " |")
+    lines += capacity_targets(results)
+    return lines
+
+
+def capacity_targets(results: dict[str, CapacityResult]) -> list[str]:
+    """Issue 27's targets on the means over seeds."""
+    lines = ["", "Targets (issue 27), means over seeds:"]
+    if OURS not in next(iter(results.values())).capacity:
+        return lines + ["- ours not run"]
+    ratios = {name: ratio(r.mean_capacity(OURS), r.mean_capacity(r.best_baseline())) for name, r in results.items()}
+    leading = [name for name, value in ratios.items() if value >= 1.15]
+    lines.append(target_line(f"capacity >= 1.15x the best prefix-aware baseline on {len(leading)} workload(s) "
+                             f"({', '.join(leading) or 'none'}; need 3)", len(leading) / 3, 1.0, False))
+    worst = min(ratios, key=ratios.get)
+    lines.append(target_line(f"capacity vs the best prefix-aware baseline, worst workload ({worst})",
+                             ratios[worst], 0.97, False))
+    for multiple in OVERLOADS:
+        goodput = {name: ratio(mean_of(r.goodput[multiple][OURS], "goodput_rps"),
+                               max(mean_of(r.goodput[multiple][b], "goodput_rps") for b in PREFIX_AWARE if b in r.capacity))
+                   for name, r in results.items()}
+        worst = min(goodput, key=goodput.get)
+        lines.append(target_line(f"goodput at {multiple:g}x the best baseline's capacity vs the best baseline there, "
+                                 f"worst workload ({worst})", goodput[worst], 1.0, False))
+    if all("pow2" in r.capacity for r in results.values()):
+        vs_pow2 = {name: ratio(r.mean_capacity(OURS), r.mean_capacity("pow2")) for name, r in results.items()}
+        worst = min(vs_pow2, key=vs_pow2.get)
+        lines.append(target_line(f"capacity vs pow2, worst workload ({worst})", vs_pow2[worst], 1.0, False))
+    return lines
+
+
+def save_goodput_plot(results: dict[str, CapacityResult], path: str) -> None:
+    """Goodput against offered rate per policy, one panel per workload (means over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    figure, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.6), squeeze=False)
+    for axis, name in zip(axes[0], names):
+        result = results[name]
+        base = result.mean_capacity(result.best_baseline())
+        for policy in result.capacity:
+            rates = [m * base for m in GOODPUT_CURVE]
+            goodputs = [mean_of(result.goodput[m][policy], "goodput_rps") for m in GOODPUT_CURVE]
+            axis.plot(rates, goodputs, marker="o", label=policy)
+        axis.plot([0, GOODPUT_CURVE[-1] * base], [0, GOODPUT_CURVE[-1] * base], color="grey", linewidth=0.5)
+        axis.set_title(f"{name} (P90 TTFT <= {result.bound.ttft_p90_s:.2g} s)", fontsize=9)
+        axis.set_xlabel("offered req/s")
+    axes[0][0].set_ylabel("goodput req/s")
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle("headroom router simulation: goodput vs offered rate (trace: " + TRACE_ATTRIBUTION + ")", fontsize=8)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 # ---- entry point -------------------------------------------------------------------------
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -755,11 +952,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loads", default=",".join(str(load) for load in LOADS),
                         help="fractions of the latency-calibrated rate")
-    # An 8B-class model on one H100-class GPU, to an order of magnitude: ~5 ms of weight
-    # reads per step, ~30k prefill tokens/s, 128 KiB of KV per token at ~3 TB/s.
-    parser.add_argument("--fixed-ms", type=float, default=5.0)
-    parser.add_argument("--per-batched-token-ms", type=float, default=0.035)
-    parser.add_argument("--per-kv-token-read-ms", type=float, default=0.00005)
+    parser.add_argument("--cost-model", default="assumed", metavar="FILE",
+                        help="step-time model: a JSON fit written by bench/bench_engine.py --cost-model "
+                             "(bench/cost_models/ ships some), or 'assumed' (bench/cost_model.py's ASSUMED)")
+    parser.add_argument("--sections", default="capacity,tables",
+                        help="capacity (the headline: capacity at SLO, goodput past it), tables (fixed loads, "
+                             "stale stats, the issue-12 target points)")
+    parser.add_argument("--capacity-policies", default=",".join(CAPACITY_POLICIES),
+                        help="policies whose capacity is searched ('all': every policy)")
+    parser.add_argument("--capacity-requests", type=int, default=None,
+                        help="requests per capacity and goodput run (default 400; 100 with --quick)")
+    parser.add_argument("--capacity-steps", type=int, default=None,
+                        help="bisection steps of each capacity search (default 6: brackets of 4x / 2x end "
+                             "2%% / 1%% wide; 2 quick)")
+    parser.add_argument("--goodput-plot", default="bench/out/router_sim_goodput.png")
     parser.add_argument("--num-kv-blocks", type=int, default=3073,
                         help="KV pool per replica incl. the null block (default: 3072 x 16 = 49k tokens)")
     args = parser.parse_args(argv)
@@ -768,6 +974,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.calibration_requests = args.calibration_requests or (100 if quick else 400)
     args.calibration_steps = args.calibration_steps if args.calibration_steps is not None else (2 if quick else 5)
     args.seeds = args.seeds or (1 if quick else 5)
+    args.capacity_requests = args.capacity_requests or (100 if quick else 400)
+    args.capacity_steps = args.capacity_steps if args.capacity_steps is not None else (2 if quick else 6)
+    if args.capacity_requests < 20:
+        parser.error("--capacity-requests: need at least 20 for percentiles to mean anything")
+    args.sections = args.sections.split(",")
+    for section in args.sections:
+        if section not in ("capacity", "tables"):
+            parser.error(f"--sections: unknown {section!r}; expected some of capacity,tables")
+    args.capacity_policies = (list(POLICY_NAMES) if args.capacity_policies == "all"
+                              else args.capacity_policies.split(","))
+    for policy in args.capacity_policies:
+        if policy not in POLICY_NAMES:
+            parser.error(f"--capacity-policies: unknown {policy!r}; expected some of {','.join(POLICY_NAMES)} or all")
+    if "capacity" in args.sections and not any(policy in PREFIX_AWARE for policy in args.capacity_policies):
+        parser.error("--capacity-policies: include a prefix-aware baseline (the capacity ratios are against the best one)")
+    try:
+        args.cost = ASSUMED if args.cost_model == "assumed" else CostModel.load(args.cost_model)
+    except ValueError as error:
+        parser.error(str(error))
     if args.requests < 20 or args.calibration_requests < 20:
         parser.error("--requests / --calibration-requests: need at least 20 for percentiles to mean anything")
     args.workloads = args.workloads.split(",")
@@ -801,58 +1026,76 @@ class Setup:
     def sim(self, seed: int, feed: StatsFeed = StatsFeed()) -> ClusterSim:
         return ClusterSim(self.config, self.args.replicas, self.cost, feed, seed)
 
-    def workload(self, name: str, seed: int, calibration: bool = False) -> Workload:
-        num = self.args.calibration_requests if calibration else self.args.requests
+    def workload(self, name: str, seed: int, calibration: bool = False, capacity: bool = False) -> Workload:
+        args = self.args
+        num = args.calibration_requests if calibration else args.capacity_requests if capacity else args.requests
         return make_workload(name, requests_for(name, num), seed, self.args.trace)
 
 
 def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
-    """Calibrates each workload's rate, runs every workload x load x policy, the stale-stats
-    runs and the target points over seeds, prints the report; returns {"results":
-    {(workload, load, policy): RunStats}, "stale": {(condition, policy): RunStats}, "points":
-    {target: {policy: [RunStats per seed]}}, "calibrations": {workload: Calibration}}."""
+    """The sections asked for: capacity at SLO per workload and policy with goodput past it
+    (the headline), then the fixed-load tables (calibrates each workload's rate, runs every
+    workload x load x policy, the stale-stats runs and the target points over seeds); prints
+    the report; returns {"capacity": {workload: CapacityResult}, "results": {(workload,
+    load, policy): RunStats}, "stale": {(condition, policy): RunStats}, "points": {target:
+    {policy: [RunStats per seed]}}, "calibrations": {workload: Calibration}} (empty for a
+    section not run)."""
     started = time.perf_counter()
-    setup = Setup(args, engine_config(args.num_kv_blocks),
-                  CostModel(args.fixed_ms, args.per_batched_token_ms, args.per_kv_token_read_ms))
+    setup = Setup(args, engine_config(args.num_kv_blocks), args.cost)
     config, cost = setup.config, setup.cost
     print("# Router simulation benchmark", file=out)
     print(f"{args.replicas} replicas; engine: block {config.block_size}, {config.num_usable_blocks} KV blocks "
           f"({config.num_usable_blocks * config.block_size} tokens), max_num_batched_tokens "
           f"{config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}; "
           f"admission: {OURS} reserve_expected, baselines optimistic", file=out)
-    print(f"step time = {cost.fixed_ms} ms + {cost.per_batched_token_ms} ms/batched token + "
-          f"{cost.per_kv_token_read_ms} ms/KV token read (assumed; calibrate with bench/bench_engine.py)", file=out)
+    print(f"cost model: {args.cost_model} -- {cost.describe()}", file=out)
     print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms, KV events every step, stale after 1 s; goodput SLO: "
-          f"TTFT <= {TTFT_SLO_S} s and TPOT <= {TPOT_SLO_S * 1000:.0f} ms; seed {args.seed}; first "
-          f"{WARMUP_FRACTION:.0%} of arrivals not measured", file=out)
+          f"TTFT <= {TTFT_SLO_S} s and TPOT <= {TPOT_SLO_S * 1000:.0f} ms (capacity section: the workload's "
+          f"bound); seed {args.seed}; first {WARMUP_FRACTION:.0%} of arrivals not measured", file=out)
     print(f"trace: {args.trace} -- {TRACE_ATTRIBUTION}", file=out)
 
+    capacity: dict = {}
     results: dict = {}
+    stale: dict = {}
+    points: dict = {}
     with Runner(args.jobs) as runner:
-        tables = runner.map(workload_table, [(setup, name) for name in args.workloads])
-        for workload_name, (calibration, num_requests, rows) in zip(args.workloads, tables):  # in order, as done
-            setup.calibrations[workload_name] = calibration
-            print(f"\n## {workload_name}: {num_requests} requests per run; calibrated rate "
-                  f"{calibration.rate_rps:.2f} req/s ({calibration_reason(calibration)}); doubling rates (inf: never) "
-                  + ", ".join(f"{name} {rate:.2f}" for name, rate in calibration.doubling_rps.items())
-                  + "; saturated throughputs " + ", ".join(f"{name} {rate:.2f}"
-                                                           for name, rate in calibration.saturated_rps.items()),
-                  file=out)
-            print(table_header("workload", "load"), file=out)
-            for load, policy, stats in rows:
-                results[(workload_name, load, policy)] = stats
-                print(format_row(workload_name, load, policy, stats), file=out, flush=True)
-
-        stale = run_stale_stats(setup, out, runner)
-        points = run_target_points(setup, results, out, runner)
-    print("", file=out)
-    for line in check_targets(results, points):
-        print(line, file=out)
-    if args.plot:
-        save_plot(results, args.workloads, args.loads, args.plot)
-        print(f"\nplot: {args.plot}", file=out)
+        if "capacity" in args.sections:
+            capacity = run_capacity(setup, out, runner)
+            if args.goodput_plot:
+                save_goodput_plot(capacity, args.goodput_plot)
+                print(f"\nplot: {args.goodput_plot}", file=out)
+        if "tables" in args.sections:
+            run_tables(setup, results, out, runner)
+            stale = run_stale_stats(setup, out, runner)
+            points = run_target_points(setup, results, out, runner)
+    if "tables" in args.sections:
+        print("", file=out)
+        for line in check_targets(results, points):
+            print(line, file=out)
+        if args.plot:
+            save_plot(results, args.workloads, args.loads, args.plot)
+            print(f"\nplot: {args.plot}", file=out)
     print(f"wall time {time.perf_counter() - started:.0f} s", file=out)
-    return {"results": results, "stale": stale, "points": points, "calibrations": setup.calibrations}
+    return {"capacity": capacity, "results": results, "stale": stale, "points": points,
+            "calibrations": setup.calibrations}
+
+
+def run_tables(setup: Setup, results: dict, out, runner: "Runner") -> None:
+    """Each workload's calibration and fixed-load table (seed --seed), into `results`."""
+    args = setup.args
+    tables = runner.map(workload_table, [(setup, name) for name in args.workloads])
+    for workload_name, (calibration, num_requests, rows) in zip(args.workloads, tables):  # in order, as done
+        setup.calibrations[workload_name] = calibration
+        print(f"\n## {workload_name}: {num_requests} requests per run; calibrated rate "
+              f"{calibration.rate_rps:.2f} req/s ({calibration_reason(calibration)}); doubling rates (inf: never) "
+              + ", ".join(f"{name} {rate:.2f}" for name, rate in calibration.doubling_rps.items())
+              + "; saturated throughputs " + ", ".join(f"{name} {rate:.2f}"
+                                                       for name, rate in calibration.saturated_rps.items()),
+              file=out)
+        print(table_header("workload", "load"), file=out)
+        for load, policy, stats in rows:
+            results[(workload_name, load, policy)] = stats
+            print(format_row(workload_name, load, policy, stats), file=out, flush=True)
 
 
 def calibration_reason(calibration: Calibration) -> str:

@@ -29,7 +29,7 @@ def load_bench_module():
 def test_tiny_sim_calibrates_reports_every_policy_and_hits_the_prefix_cache(tmp_path):
     bench = load_bench_module()
     plot = tmp_path / "router_sim.png"
-    args = bench.parse_args(["--quick", "--workloads", "multi_tenant,mixed_long", "--loads", "0.85", "--requests", "40",
+    args = bench.parse_args(["--quick", "--sections", "tables", "--workloads", "multi_tenant,mixed_long", "--loads", "0.85", "--requests", "40",
                              "--calibration-requests", "30", "--calibration-steps", "1", "--plot", str(plot)])
     report = io.StringIO()
     outcome = bench.run_benchmark(args, out=report)
@@ -72,7 +72,7 @@ def test_rate_search_finds_a_crossing_and_stops_at_its_bound_when_there_is_none(
 
 def test_parallel_runs_print_the_same_report_and_workloads_do_not_depend_on_the_process(tmp_path):
     bench = load_bench_module()
-    argv = ["--quick", "--workloads", "hot_tenant", "--loads", "0.85", "--requests", "30", "--calibration-requests",
+    argv = ["--quick", "--sections", "tables", "--workloads", "hot_tenant", "--loads", "0.85", "--requests", "30", "--calibration-requests",
             "20", "--calibration-steps", "1", "--seeds", "2", "--plot", ""]
     reports = []
     for jobs in ("1", "2"):
@@ -122,3 +122,79 @@ def test_zero_preemptions_meet_an_at_most_target_even_against_a_baseline_with_ze
     runs[bench.OURS] = [stats(2.0)]  # and a nonzero figure against zero still misses
     line = bench.compare_to_best(runs, "preemptions_per_1k", True, ["dynamo"], 0.5, "preemptions", ".1f", "")
     assert line.endswith("MISSED"), line
+
+
+def test_capacity_at_slo_finds_a_rate_that_holds_and_reports_goodput_past_the_best_baseline(tmp_path):
+    bench = load_bench_module()
+    plot = tmp_path / "goodput.png"
+    args = bench.parse_args(["--quick", "--sections", "capacity", "--workloads", "multi_tenant", "--capacity-requests",
+                             "40", "--calibration-requests", "30", "--capacity-steps", "2", "--seeds", "2",
+                             "--capacity-policies", "headroom,approx_prefix", "--goodput-plot", str(plot)])
+    report = io.StringIO()
+    outcome = bench.run_benchmark(args, out=report)
+    text = report.getvalue()
+    result = outcome["capacity"]["multi_tenant"]
+    assert 0 < result.bound.ttft_p90_s <= bench.TTFT_SLO_S
+    assert set(result.capacity) == {"headroom", "approx_prefix"}
+    for policy, capacities in result.capacity.items():
+        assert len(capacities) == 2 and all(rate > 0 for rate in capacities), (policy, capacities)
+        assert f"| multi_tenant | {result.bound.ttft_p90_s:.3f} | {policy} |" in text
+    # What the search reports holds: the same run at that rate keeps P90 TTFT and TPOT in bounds.
+    setup = bench.Setup(args, bench.engine_config(args.num_kv_blocks), args.cost)
+    rate = result.capacity["headroom"][0]
+    workload = setup.workload("multi_tenant", 0, capacity=True)
+    assert result.bound.excess(setup.sim(0).run("headroom", workload, rate)) < 1.0
+    for multiple in bench.GOODPUT_CURVE:
+        assert all(len(runs) == 2 for runs in result.goodput[multiple].values())
+    assert "Targets (issue 27), means over seeds:" in text and "goodput at 1.5x" in text
+    assert "cost model: assumed" in text
+    assert plot.stat().st_size > 0
+
+
+def test_the_slo_bound_is_five_unloaded_medians_or_the_unloaded_p99_and_at_most_2_s():
+    bench = load_bench_module()
+
+    def unloaded(p50: float, p99: float):
+        fields = {name: 0.0 for name in bench.RunStats.__dataclass_fields__}
+        return bench.RunStats(**{**fields, "num_requests": 100, "ttft_p50_s": p50, "ttft_p99_s": p99})
+
+    assert bench.SLOBound.of(unloaded(0.047, 0.136)).ttft_p90_s == pytest.approx(0.235)
+    assert bench.SLOBound.of(unloaded(0.025, 0.58)).ttft_p90_s == pytest.approx(0.58)  # long prompts' prefill
+    assert bench.SLOBound.of(unloaded(1.0, 3.0)).ttft_p90_s == 2.0
+
+
+def test_the_cost_model_fit_recovers_its_coefficients_and_keeps_them_non_negative(tmp_path):
+    load_bench_module()  # puts bench/ on the path
+    import cost_model
+
+    truth = cost_model.CostModel(4.0, 0.03, 0.0002)
+    samples = [(tokens, kv, truth.step_ms(tokens, kv)) for tokens in (1, 8, 64, 512, 2048) for kv in (100, 5_000, 40_000)]
+    fitted = cost_model.fit(samples, source="synthetic")
+    assert (fitted.fixed_ms, fitted.per_batched_token_ms, fitted.per_kv_token_read_ms) == pytest.approx(
+        (4.0, 0.03, 0.0002), rel=1e-6)
+    assert fitted.fit_r2 == pytest.approx(1.0) and fitted.fit_steps == len(samples)
+    # A step time that falls with KV reads (noise) would fit a negative coefficient: held at 0.
+    falling = [(tokens, kv, 2.0 + 0.01 * tokens - 0.0001 * kv) for tokens, kv, _ in samples]
+    clamped = cost_model.fit(falling, source="synthetic")
+    assert clamped.per_kv_token_read_ms == 0.0 and clamped.fixed_ms >= 0 and clamped.per_batched_token_ms > 0
+    path = tmp_path / "fit.json"
+    fitted.save(path)
+    assert cost_model.CostModel.load(path) == fitted
+    path.write_text('{"fixed_ms": 1, "per_batched_token_ms": -1, "per_kv_token_read_ms": 0}')
+    with pytest.raises(ValueError, match=r"--cost-model .*fit.json: .*per_batched_token_ms must be >= 0"):
+        cost_model.CostModel.load(path)
+
+
+def test_the_sim_runs_the_cost_model_file_it_is_given_and_says_which(tmp_path):
+    bench = load_bench_module()
+    path = tmp_path / "slow.json"
+    bench.CostModel(50.0, 0.35, 0.0005, source="ten times the assumed model").save(path)
+    args = bench.parse_args(["--quick", "--cost-model", str(path)])
+    assert args.cost == bench.CostModel.load(path)
+    setup = bench.Setup(args, bench.engine_config(args.num_kv_blocks), args.cost)
+    workload = setup.workload("chat", 0, capacity=True)
+    slow = setup.sim(0).run("pow2", workload, 1.0)
+    fast = bench.Setup(args, setup.config, bench.ASSUMED).sim(0).run("pow2", workload, 1.0)
+    assert slow.ttft_p50_s > 5 * fast.ttft_p50_s  # every step costs 10x
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cost-model", str(tmp_path / "missing.json")])
