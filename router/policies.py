@@ -156,6 +156,14 @@ class HeadroomPolicy(RoutingPolicy):
       way the request waits for a pool's worth of work to drain (and after a preemption
       also recomputes what it had).
 
+    Under pressure (fewer than half of the fresh replicas fit), the fit filter yields to the
+    score, with the own-prefill penalty at `saturated_prefill_weight` = 16: the few
+    replicas with room keep it only until their next admissions, and a request sent there
+    for it copies its prefix, memory and prefill the saturated cluster pays for. The cached
+    prefix a replica is credited with is the larger of its KV events' and the prompts this
+    router sent there to requests still live (`live_blocks`), so a tenant's burst that
+    arrives before any KV event stays together.
+
     The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
     Near-ties (scores within `tie_epsilon` = 0.02 of a pool, about one chat request)
