@@ -1,0 +1,198 @@
+"""Preemption that swaps (or recomputes, per victim) against preemption that only recomputes,
+on the engine at equal device pool size, in one run (issue 23's targets).
+
+    python bench/bench_swap.py [--model builtin|smollm2-135m|DIR] [--requests 12] [--rounds 2]
+    python bench/bench_swap.py --workload multiturn [--model ...] [--users 12] [--turns 4]
+
+Workload: short prompts (16-32 tokens) and long outputs (320-448 tokens), all queued at once,
+every request admitted together (max_num_seqs = requests); the device pool holds the prompts
+and about half of the running set's growth, so requests are preempted over and over. The
+same engine configuration runs with preemption_mode recompute and with auto over a host tier
+twice the device pool, in turns, `--rounds` times each (the rates auto weighs are measured at
+its start). Printed: recomputed tokens (auto / recompute, target <= 0.3x) and output tok/s
+(auto / recompute, medians, target >= 1.15x), with preemptions of each mode and the blocks
+swapped; both modes' greedy tokens must be equal.
+
+--workload multiturn: the spilling prefix cache. Conversations take turns round-robin: each
+turn sends the whole history so far plus 32 new tokens and generates 16; the histories of all
+users together outgrow the device pool, so by a user's next turn its history has been evicted
+from the device. The same device pool with and without a host tier (4x the device pool):
+prefix tokens served from cache (target: >= 1.3x with the host tier) and TTFT p90, with every
+conversation's greedy tokens equal in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+BLOCK_SIZE = 16
+
+
+def workload(num_requests: int, vocab_size: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(16, 32))], rng.randint(320, 448))
+            for _ in range(num_requests)]
+
+
+def pool_blocks(requests) -> int:
+    """Device blocks for every prompt plus about half of the running set's growth (the null block too)."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    prompts = sum(cdiv(len(prompt), BLOCK_SIZE) for prompt, _ in requests)
+    final = sum(cdiv(len(prompt) + num_out, BLOCK_SIZE) for prompt, num_out in requests)
+    longest = max(cdiv(len(prompt) + num_out, BLOCK_SIZE) for prompt, num_out in requests)
+    return max(prompts + (final - prompts) // 2, longest) + 1
+
+
+def make_engine(model: str, requests, mode: str):
+    from replica.config import make_engine_config
+    from replica.core.engine import LLMEngine
+
+    num_blocks = pool_blocks(requests)
+    host = dict(num_host_kv_blocks=2 * num_blocks) if mode != "recompute" else {}
+    config = make_engine_config(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_num_seqs=len(requests),
+                                max_model_len=max(len(p) + n for p, n in requests), max_num_batched_tokens=512,
+                                preemption_mode=mode, **host)
+    return LLMEngine(config, model, device="cpu", dtype="float32")
+
+
+def run(engine, requests) -> dict:
+    from replica.core.request import SamplingParams
+
+    counters = engine.scheduler.counters
+    kv_cache = engine.scheduler.kv_cache
+    before = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
+              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks)
+    handles = []
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for index, (prompt, num_out) in enumerate(requests):
+        request = engine.make_request(f"swap-{index}-{time.monotonic_ns()}", prompt,
+                                      SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True))
+        engine.add_request(request, detokenize=False)
+        handles.append(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.take_kv_events()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    after = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
+             counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks)
+    preemptions, swaps, recomputed, avoided, swapped_out = (b - a for a, b in zip(before, after))
+    engine.scheduler.check_invariants()
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
+    num_tokens = sum(n for _, n in requests)
+    return dict(tokens_per_s=num_tokens / elapsed, tokens_per_cpu_s=num_tokens / cpu, elapsed=elapsed, preemptions=preemptions,
+                swaps=swaps, recomputed=recomputed, avoided=avoided, swapped_out_blocks=swapped_out,
+                outputs=[list(r.output_token_ids) for r in handles])
+
+
+def multiturn(args, model: str) -> None:
+    from replica.config import make_engine_config
+    from replica.core.engine import LLMEngine
+    from replica.core.request import SamplingParams
+
+    rng = random.Random(1)
+    histories = [[rng.randrange(3, 256) for _ in range(64)] for _ in range(args.users)]
+    turns = [[[rng.randrange(3, 256) for _ in range(32)] for _ in range(args.turns)] for _ in range(args.users)]
+    longest = 64 + args.turns * (32 + 16)
+    # The device pool holds about a third of the users' histories at their longest.
+    num_blocks = max(args.users * -(-longest // BLOCK_SIZE) // 3, 2 * -(-longest // BLOCK_SIZE)) + 1
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = {}
+    for name, host in (("device only", {}), ("host tier", dict(num_host_kv_blocks=4 * num_blocks))):
+        config = make_engine_config(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_model_len=longest,
+                                    max_num_seqs=4, max_num_batched_tokens=512, **host)
+        engine = LLMEngine(config, model, device="cpu", dtype="float32")
+        conversation = [list(history) for history in histories]
+        ttfts, outputs = [], []
+        start = time.perf_counter()
+        for turn in range(args.turns):
+            for user in range(args.users):  # one user's turn at a time, as people take turns
+                conversation[user] += turns[user][turn]
+                request = engine.make_request(f"{name}-{user}-{turn}", conversation[user], params)
+                engine.add_request(request, detokenize=False)
+                sent = time.perf_counter()
+                first = None
+                while engine.has_unfinished_requests():
+                    if engine.step() and first is None:
+                        first = time.perf_counter() - sent
+                    engine.take_kv_events()
+                ttfts.append(first)
+                conversation[user] += request.output_token_ids
+                outputs.append(list(request.output_token_ids))
+        kv_cache = engine.scheduler.kv_cache
+        results[name] = dict(hits=kv_cache.prefix_cache_hits, queries=kv_cache.prefix_cache_queries,
+                             host_hits=kv_cache.host_hit_blocks * BLOCK_SIZE, outputs=outputs,
+                             ttft_p90=sorted(ttfts)[int(0.9 * (len(ttfts) - 1))], elapsed=time.perf_counter() - start)
+        print(f"{name:11s}: prefix tokens from cache {results[name]['hits']:6d} of {results[name]['queries']:6d} "
+              f"({results[name]['host_hits']} from the host tier), TTFT p90 {results[name]['ttft_p90'] * 1e3:7.1f} ms, "
+              f"{results[name]['elapsed']:.1f} s")
+    assert results["device only"]["outputs"] == results["host tier"]["outputs"], "greedy tokens differ"
+    hits, device_hits = results["host tier"]["hits"], results["device only"]["hits"]
+    met = hits >= 1.3 * device_hits and hits > 0
+    ratio = f"{hits / device_hits:.2f}x" if device_hits else f"{hits} tokens against none"
+    print(f"{args.users} users x {args.turns} turns, device pool {num_blocks - 1} blocks of {BLOCK_SIZE}: prefix "
+          f"tokens served from cache {ratio} with the host tier (target >= 1.3x: "
+          f"{'met' if met else 'missed'}); TTFT p90 {results['host tier']['ttft_p90'] * 1e3:.1f} vs "
+          f"{results['device only']['ttft_p90'] * 1e3:.1f} ms; greedy tokens identical")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workload", choices=("preemption", "multiturn"), default="preemption")
+    parser.add_argument("--users", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    args = parser.parse_args()
+
+    import torch
+
+    from replica.model.registry import resolve_model_path
+
+    torch.manual_seed(0)
+    model = str(resolve_model_path(args.model))
+    if args.workload == "multiturn":
+        multiturn(args, model)
+        return
+    requests = workload(args.requests, vocab_size=256)  # ids every tokenizer here has
+    engines = {mode: make_engine(model, requests, mode) for mode in ("recompute", "auto")}
+    costs = engines["auto"].scheduler.preemption.costs
+    print(f"model {args.model}: {args.requests} requests, prompts 16-32, outputs 320-448 tokens; device pool "
+          f"{pool_blocks(requests) - 1} blocks of {BLOCK_SIZE}, host tier {engines['auto'].config.num_host_kv_blocks}; "
+          f"auto's rates: recompute {costs.recompute_s_per_token * 1e3:.3f} ms/token, swap "
+          f"{costs.swap_s_per_block * 1e3:.4f} ms/block each way")
+    for engine in engines.values():  # warm-up, outside the measurement
+        run(engine, requests[:2])
+    results: dict[str, list[dict]] = {"recompute": [], "auto": []}
+    for round_index in range(args.rounds):
+        # ABBA order: a load that drifts over the run (a shared machine) favours neither mode.
+        for mode in ("recompute", "auto") if round_index % 2 == 0 else ("auto", "recompute"):
+            result = run(engines[mode], requests)
+            results[mode].append(result)
+            print(f"round {round_index + 1} {mode:9s}: {result['tokens_per_s']:8.1f} tok/s ({result['tokens_per_cpu_s']:7.1f} per CPU s)  "
+                  f"{result['elapsed']:6.1f} s  "
+                  f"preemptions {result['preemptions']:4d} (swapped {result['swaps']:4d})  recomputed tokens "
+                  f"{result['recomputed']:6d}  avoided {result['avoided']:6d}  blocks swapped out "
+                  f"{result['swapped_out_blocks']:5d}")
+    assert all(r["outputs"] == results["recompute"][0]["outputs"] for rs in results.values() for r in rs), \
+        "greedy tokens differ between the modes"
+    recomputed = {mode: statistics.median(r["recomputed"] for r in rs) for mode, rs in results.items()}
+    speed = {mode: statistics.median(r["tokens_per_s"] for r in rs) for mode, rs in results.items()}
+    recomputed_ratio = recomputed["auto"] / max(recomputed["recompute"], 1)
+    speed_ratio = speed["auto"] / speed["recompute"]
+    cpu_speed = {mode: statistics.median(r["tokens_per_cpu_s"] for r in rs) for mode, rs in results.items()}
+    print(f"recomputed tokens: auto {recomputed['auto']:.0f} vs recompute {recomputed['recompute']:.0f} = "
+          f"{recomputed_ratio:.3f}x (target <= 0.3x: {'met' if recomputed_ratio <= 0.3 else 'missed'})")
+    print(f"output tok/s: auto {speed['auto']:.1f} vs recompute {speed['recompute']:.1f} = {speed_ratio:.3f}x "
+          f"(target >= 1.15x: {'met' if speed_ratio >= 1.15 else 'missed'})")
+    print(f"output tokens per CPU second (this process; steadier on a shared machine): auto {cpu_speed['auto']:.1f} vs "
+          f"recompute {cpu_speed['recompute']:.1f} = {cpu_speed['auto'] / cpu_speed['recompute']:.3f}x")
+    print("greedy tokens: identical in both modes")
+
+
+if __name__ == "__main__":
+    main()
