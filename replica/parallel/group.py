@@ -44,8 +44,14 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Optional[object] = field(default=None, compare=False, repr=False)  # a gloo / NCCL ProcessGroup
-    # How long one collective waits for the other ranks (EngineConfig.tensor_parallel_timeout_s).
-    timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+    # How long one collective waits for the other ranks (EngineConfig.tensor_parallel_timeout_s;
+    # None: the group's own bound).
+    timeout: Optional[datetime.timedelta] = None
+
+    def _bound(self, options):
+        if self.timeout is not None:
+            options.timeout = self.timeout
+        return options
 
     def _run(self, name: str, work_of) -> None:
         try:
@@ -57,7 +63,8 @@ class TensorParallel:
         """In place on every rank; returns the tensor."""
         if self.size > 1:
             options = dist.AllreduceOptions()
-            options.reduceOp, options.timeout = op, self.timeout
+            options.reduceOp = op
+            self._bound(options)
             self._run("all_reduce", lambda group: group.allreduce([tensor], options))
         return tensor
 
@@ -67,15 +74,15 @@ class TensorParallel:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        options = distributed_c10d.AllgatherOptions()
-        options.timeout = self.timeout
+        options = self._bound(distributed_c10d.AllgatherOptions())
         self._run("all_gather", lambda group: group.allgather([parts], [tensor], options))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
             options = dist.BroadcastOptions()
-            options.rootRank, options.rootTensor, options.timeout = src, 0, self.timeout
+            options.rootRank, options.rootTensor = src, 0
+            self._bound(options)
             self._run("broadcast", lambda group: group.broadcast([tensor], options))
         return tensor
 
