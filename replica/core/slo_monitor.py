@@ -108,10 +108,17 @@ class SLOAbort:
         return bool(snapshot.prefills)
 
     def abort_now(self, step_id: int, layer_index: int) -> Optional[str]:
+        victim_request_id = self.ordered_victim(step_id)
+        return None if victim_request_id is None or self.stubborn(layer_index) else victim_request_id
+
+    def ordered_victim(self, step_id: int) -> Optional[str]:
+        """The victim the monitor's order names if it names this step, else None."""
         order = self.monitor.abort_order  # one read of an immutable order; no lock
-        if order is not None and order.step_id == step_id and layer_index <= self.max_abort_layer:
-            return order.victim_request_id
-        return None
+        return order.victim_request_id if order is not None and order.step_id == step_id else None
+
+    def stubborn(self, layer_index: int) -> bool:
+        """Past the stubbornness limit: the pass has run too many layers to give up now."""
+        return layer_index > self.max_abort_layer
 
     def end(self) -> None:
         self.monitor.publish_step(None)

@@ -51,14 +51,12 @@ class TensorParallelVote:
         return self.inner.begin(scheduler_output)
 
     def abort_now(self, step_id: int, layer_index: int) -> Optional[str]:
-        inner = self.inner
-        order = inner.monitor.abort_order  # one read of an immutable order
-        ordered = order is not None and order.step_id == step_id
-        if not self.ballot.cast(ordered, layer_index > inner.max_abort_layer):
+        victim_request_id = self.inner.ordered_victim(step_id)
+        if not self.ballot.cast(victim_request_id is not None, self.inner.stubborn(layer_index)):
             return None
-        if not ordered:  # another rank read the order first: it names this step, re-read it
-            order = inner.monitor.abort_order
-        return order.victim_request_id if order is not None and order.step_id == step_id else UNKNOWN_VICTIM
+        if victim_request_id is None:  # another rank read the order first: it names this step, re-read it
+            victim_request_id = self.inner.ordered_victim(step_id)
+        return UNKNOWN_VICTIM if victim_request_id is None else victim_request_id
 
     def end(self) -> None:
         self.inner.end()
