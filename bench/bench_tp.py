@@ -2,6 +2,7 @@
 against TP=1 on the same model, and what the SLO abort vote costs per layer, in one run.
 
     python bench/bench_tp.py [--model builtin|wide] [--repeat 15] [--threads 1] [--device cpu|cuda]
+    python bench/bench_tp.py --agreement smollm2-135m --size 3   # greedy tokens at TP=3 against TP=1
 
 Step time: a 128-token prefill step and a 16-sequence decode step, each engine's steps taken in
 turns (TP=1, TP=2, TP=1, ...) so drift in the machine's speed weighs on both; medians quoted.
@@ -185,15 +186,41 @@ def vote_cost(model: str, repeat: int) -> dict:
             "with_ms": median_ms(with_vote), "without_ms": step_ms, "layers": layers}
 
 
+def agreement(model: str, size: int, num_tokens: int = 16) -> None:
+    """Greedy tokens of a few prompts at TP=size against TP=1 on a real model, token by token."""
+    from replica.model.registry import resolve_model_path
+
+    model_dir = str(resolve_model_path(model))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(length)] for length in (12, 40, 90)]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for tensor_parallel_size in (1, size):
+        engine = make_engine(model_dir, tensor_parallel_size, max_num_batched_tokens=32)
+        try:
+            outputs[tensor_parallel_size] = engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
+    same = sum(a == b for ours, theirs in zip(outputs[size], outputs[1]) for a, b in zip(ours, theirs))
+    total = sum(map(len, outputs[1]))
+    print(f"{model}: greedy TP={size} = TP=1 on {same}/{total} tokens ({len(prompts)} prompts, chunks of 32)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin", help="builtin | wide | a model directory")
     parser.add_argument("--repeat", type=int, default=15, help="timed steps per engine and workload")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, ranks on cuda:0 and cuda:1)")
+    parser.add_argument("--agreement", metavar="MODEL", help="instead: greedy tokens at TP=--size against TP=1")
+    parser.add_argument("--size", type=int, default=2, help="--agreement's tensor_parallel_size")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.agreement:
+        torch.set_num_threads(args.threads)
+        agreement(args.agreement, args.size)
+        return
     torch.set_num_threads(args.threads)  # the worker takes the same count
     scratch = None
     model = args.model
