@@ -331,6 +331,17 @@ def test_a_stale_order_never_matches_on_any_rank(slo_tp2):
     finish(engine)
 
 
+def test_steps_without_a_prefill_cast_no_vote(slo_tp2):
+    engine = slo_tp2
+    before = worker_stats(engine)
+    request = engine.make_request("short", PROMPTS[3], GREEDY, ttft_slo_ms=60_000.0)  # 17 tokens: one chunk
+    engine.add_request(request, detokenize=False)
+    finish(engine)
+    after = worker_stats(engine)
+    assert len(request.output_token_ids) == 10 and after["steps"] - before["steps"] == 10
+    assert after["votes"] - before["votes"] == 3, "only the prefill step votes, once per layer"
+
+
 def test_a_thousand_random_orders_leave_no_hang_no_leak_and_the_tp1_tokens(slo_tp2, tiny_tp1):
     engine, monitor = slo_tp2, slo_tp2.slo_monitor
     rng = random.Random(1000)
