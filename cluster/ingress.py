@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -304,9 +303,8 @@ class Ingress:
         """Serve's proxy hands a lone application every call, whatever application it names."""
         named = dict(grpc_context.invocation_metadata()).get(APPLICATION_METADATA_KEY)
         if named is not None and named != self.app_name:
-            _abort(grpc_context, grpc.StatusCode.NOT_FOUND,
-                   f"application: {named!r} is not served here (this cluster serves {self.app_name!r})",
-                   ClientRefusal(f"unknown application {named!r}"))
+            _abort(grpc_context, ClientRefusal(
+                f"application: {named!r} is not served here (this cluster serves {self.app_name!r})"))
 
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext

@@ -11,16 +11,21 @@ from typing import Any, Awaitable, Callable
 
 from ray.exceptions import TaskCancelledError
 
-from replica.errors import InvalidRequestError, QueueFullError
+from replica.errors import HeadroomError, InvalidRequestError, QueueFullError
 
 # Ray Serve's logger (ray.serve._private.constants.SERVE_LOGGER_NAME), where it logs
 # "Request failed." with the exception of a failed call.
 SERVE_LOGGER_NAME = "ray.serve"
 
 
-class ClientRefusal(Exception):
+class ClientRefusal(HeadroomError):
     """A request refused for the client's own fault that is not an engine field error (an
     unknown application); logged like one."""
+
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+    openai_type = "invalid_request_error"
+    openai_code = "not_found"
 
 
 CLIENT_ERRORS = (InvalidRequestError, QueueFullError, ClientRefusal)
