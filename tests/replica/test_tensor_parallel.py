@@ -387,6 +387,30 @@ def test_a_thousand_random_orders_leave_no_hang_no_leak_and_the_tp1_tokens(slo_t
     assert stats["votes"] >= num_orders, "a rank skipped a vote"
 
 
+def test_with_the_real_monitor_an_urgent_arrival_aborts_the_long_prefill_on_both_ranks():
+    """test_slo_engine's scenario at TP=2: the monitor thread, not the test, posts the order
+    (mirrored to the workers' board); both ranks unwind; tokens are those of each prompt alone."""
+    from tests.replica.test_slo_engine import (
+        LONG_PROMPT as SLO_LONG, URGENT_PROMPT, hold_pass_for_the_monitor, run_alone, run_long_then_urgent,
+    )
+
+    slo_config = dict(max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=64)
+    reference = LLMEngine(make_engine_config(**slo_config, enable_prefix_caching=False), "builtin", device="cpu")
+    alone = {name: run_alone(reference, f"alone-{name}", prompt)[0]
+             for name, prompt in (("long", SLO_LONG), ("urgent", URGENT_PROMPT))}
+    engine = LLMEngine(make_engine_config(**slo_config, scheduling_policy="slo", tensor_parallel_size=2),
+                       "builtin", device="cpu")
+    try:
+        long, urgent, first_token_step = run_long_then_urgent(engine, hold_pass_for_the_monitor(engine))
+        assert engine.scheduler.counters.slo_preemptions == 1
+        assert first_token_step["urgent"] < first_token_step["long"]
+        assert (long.output_token_ids, urgent.output_token_ids) == (alone["long"], alone["urgent"])
+        (aborted,) = worker_stats(engine)["aborts"]
+        assert aborted[1] == engine.scheduler.counters.slo_discarded_layers, "the ranks unwound at different layers"
+    finally:
+        engine.shutdown()
+
+
 # ---- a dead worker -------------------------------------------------------------------------
 
 
