@@ -100,8 +100,7 @@ def test_the_load_reports_the_host_tier_and_what_swapping_moved():
 
 def test_swap_recompute_and_a_roomy_pool_agree_and_recompute_really_recomputes():
     swapped, _ = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64, preemption_mode="swap")
-    recomputed, recompute_scheduler = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64,
-                                           preemption_mode="recompute")
+    recomputed, recompute_scheduler = _run(_requests(), num_kv_blocks=17, preemption_mode="recompute")
     roomy, roomy_scheduler = _run(_requests(), num_kv_blocks=128)
     assert swapped == recomputed == roomy
     assert recompute_scheduler.counters.recomputed_tokens > 0 and recompute_scheduler.counters.swap_preemptions == 0
@@ -198,3 +197,136 @@ def test_a_bad_host_tier_configuration_fails_with_one_line_naming_the_field(over
     with pytest.raises(ConfigError) as error:
         make_engine_config(**overrides)
     assert str(error.value).startswith(f"{field}:") and "\n" not in str(error.value)
+
+
+# ---- the spilling prefix cache ----------------------------------------------------------
+
+SHARED_PROMPT = list(range(200, 224))  # six full blocks of 4
+
+
+def _spill_then_hit(**config):
+    """Run a request with SHARED_PROMPT, then a filler that reuses every device block, then a
+    request sharing that prompt; returns (its output, its reference, the scheduler)."""
+    scheduler = make_scheduler(**{"block_size": 4, "max_model_len": 48, "max_num_batched_tokens": 64,
+                                  "num_kv_blocks": 13, **config})
+    simulated = SimulatedKV(4)
+    run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)], on_step=simulated)
+    # 44 + 4 tokens: every one of the 12 usable device blocks.
+    run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(44)], 4)], on_step=simulated)
+    second = make_request("second", SHARED_PROMPT + [7, 8, 9], 6)
+    outputs = run_to_completion(scheduler, [second], on_step=simulated)
+    return outputs["second"], reference_outputs([make_request("second", SHARED_PROMPT + [7, 8, 9], 6)])["second"], \
+        scheduler
+
+
+def test_a_prefix_evicted_from_the_device_spills_to_the_host_and_a_hit_there_is_copied_back():
+    output, reference, scheduler = _spill_then_hit(num_host_kv_blocks=16)
+    assert output == reference
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.spilled_blocks >= 6, "the first prompt's blocks must have been spilled, not forgotten"
+    assert kv_cache.host_hit_blocks == 6, "the second request must take all six from the host"
+    assert scheduler.requests == {} and kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
+    # Without a host tier the filler made the device forget the prefix: no hit at all.
+    output, _, device_only = _spill_then_hit()
+    assert output == reference and device_only.kv_cache.prefix_cache_hits == 0
+    assert kv_cache.prefix_cache_hits == 24
+
+
+def test_kv_events_name_the_medium_of_each_cached_block():
+    from replica.core.kv_events import BLOCK_REMOVED, BLOCK_STORED, MEDIUM_HOST, medium_of
+
+    scheduler = make_scheduler(block_size=4, max_model_len=48, max_num_batched_tokens=64, num_kv_blocks=13,
+                               num_host_kv_blocks=16)
+    kv_cache = scheduler.kv_cache
+    run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)])
+    stored_on_device = {event[1] for event in kv_cache.take_kv_events() if event[0] == BLOCK_STORED}
+    run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(40)], 4)])
+    events = kv_cache.take_kv_events()
+    moved = {event[1] for event in events if event[0] == BLOCK_STORED and medium_of(event) == MEDIUM_HOST}
+    removed_from_device = {event[1] for event in events if event[0] == BLOCK_REMOVED and len(event) == 3}
+    assert moved and moved <= stored_on_device and moved <= removed_from_device
+    snapshot = kv_cache.kv_snapshot_events()
+    assert {event[1] for event in snapshot if medium_of(event) == MEDIUM_HOST} == set(kv_cache.host_pool.cached_blocks)
+
+
+def test_the_event_log_mirrors_each_medium_and_its_snapshot_rebuilds_both():
+    from replica.core.kv_events import MEDIUM_HOST, removed, stored
+    from replica.front.kv_event_log import KVEventLog
+
+    log = KVEventLog()
+    log.publish([stored(b"a", None), stored(b"b", b"a"), stored(b"a", None, MEDIUM_HOST), removed(b"a")])
+    assert log.num_cached_blocks == 2
+    assert set(log.snapshot().events[1:]) == {stored(b"b", b"a"), stored(b"a", None, MEDIUM_HOST)}
+    log.publish([removed(b"a", MEDIUM_HOST)])
+    assert log.snapshot().events[1:] == (stored(b"b", b"a"),)
+
+
+def test_a_host_tier_in_bytes_becomes_whole_blocks_and_one_larger_than_the_host_is_refused():
+    from replica.config import host_memory_bytes, resolve_host_kv_blocks
+
+    config = resolve_host_kv_blocks(make_engine_config(host_kv_bytes=10 * 4096 + 100), bytes_per_block=4096)
+    assert (config.num_host_kv_blocks, config.host_kv_bytes) == (10, None)
+    with pytest.raises(ConfigError, match=r"^num_host_kv_blocks: "):
+        resolve_host_kv_blocks(make_engine_config(num_host_kv_blocks=host_memory_bytes() // 4096 + 1), 4096)
+    with pytest.raises(ConfigError, match=r"^host_kv_bytes: "):
+        resolve_host_kv_blocks(make_engine_config(host_kv_bytes=100), bytes_per_block=4096)
+
+
+# ---- properties ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.replica.sched_harness import draw_prompt  # noqa: E402
+
+
+@st.composite
+def host_tier_scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    min_blocks = -(-32 // block_size) + 1
+    config = dict(
+        block_size=block_size, max_model_len=32,
+        num_kv_blocks=draw(st.integers(min_blocks, 2 * min_blocks)),
+        max_num_batched_tokens=draw(st.integers(8, 48)), max_num_seqs=draw(st.integers(1, 8)),
+        enable_prefix_caching=draw(st.booleans()),
+        victim_policy=draw(st.sampled_from(["fcfs", "cheapest"])),
+        num_host_kv_blocks=draw(st.integers(1, 40)),
+        preemption_mode=draw(st.sampled_from(["swap", "auto", "recompute"])),
+        admission_mode=draw(st.sampled_from(["optimistic", "reserve_max_tokens", "reserve_expected"])),
+        # Unbounded holds, or holds that are always over (the wall clock must not decide an example).
+        admission_max_hold_ms=draw(st.sampled_from([None, 1e-9])),
+    )
+    requests = []
+    for index in range(draw(st.integers(1, 8))):
+        prompt, max_tokens = draw_prompt(draw, 32)
+        requests.append((f"r{index}", prompt, max_tokens, draw(st.integers(0, 10)),
+                         draw(st.one_of(st.none(), st.integers(0, 30)))))
+    return config, requests
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(host_tier_scenarios())
+def test_any_mix_of_swaps_spills_host_hits_and_aborts_reads_the_right_kv_and_leaks_nothing(scenario):
+    config, specs = scenario
+    scheduler = make_scheduler(**config)
+    simulated = SimulatedKV(config["block_size"])
+    requests = {}
+    for step in range(2000):
+        for request_id, prompt, max_tokens, arrival, abort in specs:
+            if arrival == step:
+                requests[request_id] = make_request(request_id, prompt, max_tokens)
+                scheduler.add_request(requests[request_id])
+            if abort == step and request_id in requests:
+                scheduler.abort_request(request_id)
+        if step > 10 and not scheduler.has_unfinished_requests():
+            break
+        simulated(step, run_step(scheduler))
+    else:
+        raise AssertionError("requests did not finish")
+    expected = reference_outputs([make_request(r, p, m) for r, p, m, _, _ in specs])
+    for request in requests.values():
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.output_token_ids == expected[request.request_id]
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.req_to_host_blocks
