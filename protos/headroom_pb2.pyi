@@ -20,6 +20,11 @@ class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_BLOCK_STORED: _ClassVar[KVEventKind]
     KV_EVENT_BLOCK_REMOVED: _ClassVar[KVEventKind]
     KV_EVENT_ALL_BLOCKS_CLEARED: _ClassVar[KVEventKind]
+
+class KVMedium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_MEDIUM_DEVICE: _ClassVar[KVMedium]
+    KV_MEDIUM_HOST: _ClassVar[KVMedium]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -28,6 +33,8 @@ KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_BLOCK_STORED: KVEventKind
 KV_EVENT_BLOCK_REMOVED: KVEventKind
 KV_EVENT_ALL_BLOCKS_CLEARED: KVEventKind
+KV_MEDIUM_DEVICE: KVMedium
+KV_MEDIUM_HOST: KVMedium
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -215,7 +222,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, max_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica_id", "seq", "timestamp", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens", "num_running", "num_waiting", "waiting_prefill_tokens", "preemptions_total", "preemption_rate", "preemption_rate_per_running", "recomputed_tokens_total", "step_time_ms", "generation_tokens_per_s", "max_num_seqs", "kv_committed_tokens", "admissions_held_total", "expected_output_tokens", "host_kv_blocks_total", "host_kv_blocks_free", "swap_preemptions_total", "recompute_tokens_avoided_total")
+    __slots__ = ("replica_id", "seq", "timestamp", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens", "num_running", "num_waiting", "waiting_prefill_tokens", "preemptions_total", "preemption_rate", "preemption_rate_per_running", "recomputed_tokens_total", "step_time_ms", "generation_tokens_per_s", "max_num_seqs", "kv_committed_tokens", "admissions_held_total", "expected_output_tokens", "host_kv_blocks_total", "host_kv_blocks_free", "swap_preemptions_total", "recompute_tokens_avoided_total", "host_hit_cost_ratio")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +248,7 @@ class ReplicaLoad(_message.Message):
     HOST_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     SWAP_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_TOKENS_AVOIDED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     seq: int
     timestamp: float
@@ -266,21 +274,24 @@ class ReplicaLoad(_message.Message):
     host_kv_blocks_free: int
     swap_preemptions_total: int
     recompute_tokens_avoided_total: int
-    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., headroom_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., preemption_rate: _Optional[float] = ..., preemption_rate_per_running: _Optional[float] = ..., recomputed_tokens_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., kv_committed_tokens: _Optional[int] = ..., admissions_held_total: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., swap_preemptions_total: _Optional[int] = ..., recompute_tokens_avoided_total: _Optional[int] = ...) -> None: ...
+    host_hit_cost_ratio: float
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., headroom_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., preemption_rate: _Optional[float] = ..., preemption_rate_per_running: _Optional[float] = ..., recomputed_tokens_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., kv_committed_tokens: _Optional[int] = ..., admissions_held_total: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., swap_preemptions_total: _Optional[int] = ..., recompute_tokens_avoided_total: _Optional[int] = ..., host_hit_cost_ratio: _Optional[float] = ...) -> None: ...
 
 class WatchKVEventsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("kind", "block_hash", "parent_hash")
+    __slots__ = ("kind", "block_hash", "parent_hash", "medium")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     kind: KVEventKind
     block_hash: bytes
     parent_hash: bytes
-    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+    medium: KVMedium
+    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., medium: _Optional[_Union[KVMedium, str]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("replica_id", "seq", "snapshot", "block_size", "events")

@@ -1,6 +1,6 @@
 """The router's view of every replica's prefix cache, built from its KV events: per replica
-the set of cached block hashes (bounded), and for a prompt the number of its leading blocks
-each replica holds. A replica's set is dropped when its stream breaks and rebuilt from the
+the set of cached block hashes (bounded) in each medium, and for a prompt the number of its
+leading blocks each replica holds (a device hit, then the host tier's continuation of it). A replica's set is dropped when its stream breaks and rebuilt from the
 snapshot that starts the next one.
 """
 
@@ -22,6 +22,7 @@ class ReplicaCache:
     def __init__(self, max_blocks: int = MAX_BLOCKS_PER_REPLICA):
         self.max_blocks = max_blocks
         self.hashes: dict[bytes, None] = {}
+        self.host_hashes: dict[bytes, None] = {}  # blocks in the replica's host KV tier
         self.seq: Optional[int] = None  # None until a snapshot arrives
         self.block_size: Optional[int] = None
 
@@ -32,30 +33,50 @@ class ReplicaCache:
             return False
         self.seq = batch.seq
         self.block_size = batch.block_size
-        self.apply_events((event.kind, event.block_hash) for event in batch.events)
+        self.apply_events((event.kind, event.block_hash, event.medium) for event in batch.events)
         return True
 
-    def apply_events(self, events: Iterable[tuple[int, bytes]]) -> None:
-        """(kind, block hash) pairs in order; kinds are the proto's KVEventKind values (the
-        router simulation feeds the engine's own events through here)."""
-        hashes = self.hashes
-        for kind, block_hash in events:
+    def apply_events(self, events: Iterable[tuple]) -> None:
+        """(kind, block hash[, medium]) in order; kinds and media are the proto's values (the
+        router simulation feeds the engine's own events through here); no medium: the device."""
+        for event in events:
+            kind, block_hash = event[0], event[1]
+            hashes = self.host_hashes if len(event) > 2 and event[2] == pb.KV_MEDIUM_HOST else self.hashes
             if kind == pb.KV_EVENT_BLOCK_STORED:
                 hashes[block_hash] = None
             elif kind == pb.KV_EVENT_BLOCK_REMOVED:
                 hashes.pop(block_hash, None)
             elif kind == pb.KV_EVENT_ALL_BLOCKS_CLEARED:
-                hashes.clear()
-        while len(hashes) > self.max_blocks:
-            del hashes[next(iter(hashes))]
+                self.hashes.clear()
+                self.host_hashes.clear()
+        for hashes in (self.hashes, self.host_hashes):
+            while len(hashes) > self.max_blocks:
+                del hashes[next(iter(hashes))]
 
     def leading_blocks(self, prefix_hashes: Sequence[bytes]) -> int:
-        """How many of the prompt's leading blocks this replica holds."""
-        hashes = self.hashes
-        for count, block_hash in enumerate(prefix_hashes):
-            if block_hash not in hashes:
-                return count
-        return len(prefix_hashes)
+        """How many of the prompt's leading blocks this replica holds on the device."""
+        return _leading(self.hashes, prefix_hashes, 0)
+
+    def leading_host_blocks(self, prefix_hashes: Sequence[bytes], num_device_blocks: int) -> int:
+        """How many blocks past its device hit the replica's host tier holds: a hit there is
+        copied back instead of prefilled."""
+        return _leading(self.host_hashes, prefix_hashes, num_device_blocks) - num_device_blocks
+
+
+def _leading(hashes: dict[bytes, None], prefix_hashes: Sequence[bytes], start: int) -> int:
+    for count in range(start, len(prefix_hashes)):
+        if prefix_hashes[count] not in hashes:
+            return count
+    return len(prefix_hashes)
+
+
+def host_hit_worth(load: Optional[pb.ReplicaLoad]) -> float:
+    """What a host-tier block hit saves, as a fraction of a device hit: the prefill it avoids
+    less the copy back (the replica's measured host_hit_cost_ratio); 0 where the replica
+    reports none."""
+    if load is None or not load.host_kv_blocks_total:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - load.host_hit_cost_ratio))
 
 
 class PrefixCacheIndex:

@@ -8,9 +8,9 @@ then is the hash removed, so a BLOCK_REMOVED event means the KV is really gone.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-from replica.core.kv_events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, KVEvent, stored
+from replica.core.kv_events import ALL_BLOCKS_CLEARED, MEDIUM_DEVICE, KVEvent, removed, stored
 
 NULL_BLOCK_ID = 0
 # Events wait in the pool until the engine takes them (once per step). If nobody takes them
@@ -77,6 +77,9 @@ class FreeBlockQueue:
 
 
 class BlockPool:
+    # The medium its KV events name (the host tier's pool says MEDIUM_HOST).
+    medium = MEDIUM_DEVICE
+
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
@@ -89,6 +92,9 @@ class BlockPool:
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self._events: list[KVEvent] = []
         self._max_pending_events = MAX_PENDING_EVENTS_PER_BLOCK * num_blocks
+        # Called with a cached block about to be reused, before its hash is dropped: the
+        # spilling prefix cache copies it to the host tier (KVCacheManager).
+        self.on_evict: Optional[Callable[[KVBlock], None]] = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,6 +116,9 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None and (
+                    self.cached_blocks.get(block.block_hash) is block):
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
@@ -120,7 +129,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
-                self._events.append((BLOCK_REMOVED, block.block_hash, None))
+                self._events.append(removed(block.block_hash, self.medium))
                 if len(self._events) > self._max_pending_events:
                     self._compact_events()
             block.block_hash = block.parent_hash = None
@@ -150,7 +159,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         self.cached_blocks[block_hash] = block
-        self._events.append((BLOCK_STORED, block_hash, parent_hash))
+        self._events.append(stored(block_hash, parent_hash, self.medium))
         if len(self._events) > self._max_pending_events:
             self._compact_events()
 
@@ -169,4 +178,8 @@ class BlockPool:
 
     def snapshot_events(self) -> list[KVEvent]:
         """Events that rebuild the index as it stands, from any state a consumer may hold."""
-        return [ALL_BLOCKS_CLEARED] + [stored(h, block.parent_hash) for h, block in self.cached_blocks.items()]
+        return [ALL_BLOCKS_CLEARED] + self.stored_events()
+
+    def stored_events(self) -> list[KVEvent]:
+        """A BLOCK_STORED event for every cached block."""
+        return [stored(h, block.parent_hash, self.medium) for h, block in self.cached_blocks.items()]

@@ -14,11 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replica.core.block_pool import BlockPool, KVBlock
+from replica.core.kv_events import MEDIUM_HOST
 
 
 class HostBlockPool(BlockPool):
     """`num_blocks` usable host blocks, ids 1..num_blocks (0 is the pool's unused null block,
     kept so block ids index the host KV tensor as device ids index the device cache)."""
+
+    medium = MEDIUM_HOST
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 from protos.block_hash import extend_block_hashes
 from replica.core.block_pool import BlockPool, KVBlock
 from replica.core.host_pool import BlockCopies, HostBlockPool
-from replica.core.kv_events import KVEvent
+from replica.core.kv_events import ALL_BLOCKS_CLEARED, KVEvent
 from replica.core.request import Request
 
 
@@ -36,6 +36,12 @@ class KVCacheManager:
         self._host_blocks_read: list[KVBlock] = []
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        # The spilling prefix cache: a cached block the device pool reuses is copied to the
+        # host tier first (keeping its hash), and a prefix hit there is copied back.
+        self.spilled_blocks = 0
+        self.host_hit_blocks = 0
+        if self.host_pool is not None and enable_caching:
+            self.pool.on_evict = self._spill
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading full blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -110,13 +116,68 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def get_host_hits(self, request: Request, num_device_hit_blocks: int) -> list[KVBlock]:
+        """The host tier's blocks that continue the request's device prefix hit: spilled
+        prefix blocks it can copy back instead of computing (at least one token is still
+        left to compute, as for device hits)."""
+        if self.host_pool is None or not self.enable_caching:
+            return []
+        hashes = self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[num_device_hit_blocks:max_hit_blocks]:
+            block = self.host_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def hold_host_hits(self, host_hits: Sequence[KVBlock]) -> None:
+        """Keep host hits from being reused while an allocation may spill into the host tier;
+        release_host_hits undoes it when the allocation fails."""
+        self.host_pool.touch(host_hits)
+
+    def release_host_hits(self, host_hits: Sequence[KVBlock]) -> None:
+        self.host_pool.free_blocks(host_hits)
+
+    def copy_in_host_hits(self, request: Request, num_device_hit_blocks: int, host_hits: Sequence[KVBlock]) -> None:
+        """Plan the copies of held host hits into the device blocks allocate_slots gave the
+        request after its device hits; the holds end once the step's copies are taken."""
+        device_blocks = self.req_to_blocks[request.request_id][num_device_hit_blocks:]
+        self._swap_in.extend((host.block_id, device.block_id) for host, device in zip(host_hits, device_blocks))
+        self._host_blocks_read.extend(host_hits)
+        self.host_hit_blocks += len(host_hits)
+
+    def _spill(self, block: KVBlock) -> None:
+        """The device pool is about to reuse a cached block: keep its KV and hash in the host
+        tier (copied before this step's forward pass overwrites it), unless the host already
+        has that hash or has no free block."""
+        host_pool = self.host_pool
+        if host_pool.get_cached_block(block.block_hash) is not None or not host_pool.num_free_blocks:
+            return
+        (host_block,) = host_pool.get_new_blocks(1)  # the least recently used, its old hash evicted
+        self._swap_out.append((block.block_id, host_block.block_id))
+        host_pool.cache_block(host_block, block.block_hash, block.parent_hash)
+        host_pool.free_blocks((host_block,))  # held by nobody: found by its hash until reused
+        self.spilled_blocks += 1
+
     def take_kv_events(self) -> list[KVEvent]:
-        """Prefix-cache blocks stored and removed since the previous call, in order."""
-        return self.pool.take_events()
+        """Prefix-cache blocks stored and removed since the previous call, in order within
+        each medium; after a pool compacted its backlog, a snapshot of both."""
+        events = self.pool.take_events()
+        if self.host_pool is None:
+            return events
+        host_events = self.host_pool.take_events()
+        if (events and events[0] == ALL_BLOCKS_CLEARED) or (host_events and host_events[0] == ALL_BLOCKS_CLEARED):
+            return self.kv_snapshot_events()
+        return events + host_events
 
     def kv_snapshot_events(self) -> list[KVEvent]:
-        """Events that rebuild the prefix cache's current index from scratch."""
-        return self.pool.snapshot_events()
+        """Events that rebuild the prefix cache's current index from scratch, both media."""
+        events = self.pool.snapshot_events()
+        if self.host_pool is not None:
+            events += self.host_pool.stored_events()
+        return events
 
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(

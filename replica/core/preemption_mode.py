@@ -63,5 +63,9 @@ class PreemptionPlanner:
             return SWAP, swap
         return RECOMPUTE, recompute
 
+    def host_hit_cost_ratio(self, block_size: int) -> float:
+        """A block copied back from the host over the same block prefilled again."""
+        return self.costs.swap_s_per_block / (block_size * self.costs.recompute_s_per_token)
+
     def cost(self, request: Request) -> float:
         return self.choose(request)[1]

@@ -187,6 +187,7 @@ class Scheduler:
         it finds cached now; returns how many of those cached blocks other requests hold
         (memory it will share rather than claim)."""
         hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+        num_hit_tokens += len(self.kv_cache.get_host_hits(request, len(hit_blocks))) * self.kv_cache.block_size
         num_hit_tokens = max(num_hit_tokens, self.kv_cache.num_swapped_tokens.get(request.request_id, 0))
         self._waiting_hit_tokens[request.request_id] = num_hit_tokens
         self.waiting_prefill_tokens += request.num_tokens - num_hit_tokens
@@ -313,7 +314,9 @@ class Scheduler:
             hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
             # A swapped-out request starts where it stopped: its host blocks are copied back.
             num_restored = kv_cache.num_swapped_tokens.get(request.request_id, 0)
-            num_start = max(num_hit_tokens, num_restored)
+            # Past its device hit, the prefix blocks spilled to the host tier are copied back too.
+            host_hits = kv_cache.get_host_hits(request, len(hit_blocks)) if not num_restored else []
+            num_start = max(num_hit_tokens + len(host_hits) * kv_cache.block_size, num_restored)
             num_new_tokens = self._step_tokens(request.num_tokens - num_start, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
@@ -340,6 +343,8 @@ class Scheduler:
                     if growth.reserves_growth and share > 0 else optimistic_fit,
                 )
 
+            if host_hits:  # no spill of this very allocation may reuse them
+                kv_cache.hold_host_hits(host_hits)
             new_blocks = allocate(1.0)
             if growth.reserves_growth and new_blocks is not None:
                 self._last_reserve_met_time = now
@@ -351,12 +356,17 @@ class Scheduler:
                     if new_blocks is not None:
                         self.counters.admissions_relaxed += 1
             if new_blocks is None:
+                if host_hits:
+                    kv_cache.release_host_hits(host_hits)
                 if growth.reserves_growth:
                     self._count_held_admission(request, num_new_tokens, hit_blocks, num_start)
                 break  # head-of-line: later requests do not overtake
 
             self.waiting.pop()
             self._uncount_waiting(request)
+            if host_hits:
+                kv_cache.copy_in_host_hits(request, len(hit_blocks), host_hits)
+                num_hit_tokens += len(host_hits) * kv_cache.block_size
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             if num_restored:
                 kv_cache.swap_in(request, len(hit_blocks))
@@ -551,6 +561,9 @@ class Scheduler:
             swapped_in_blocks_total=kv_cache.swapped_in_blocks,
             swapped_out_bytes_total=kv_cache.swapped_out_blocks * self.kv_block_bytes,
             swapped_in_bytes_total=kv_cache.swapped_in_blocks * self.kv_block_bytes,
+            host_hit_cost_ratio=self.preemption.host_hit_cost_ratio(kv_cache.block_size) if kv_cache.num_host_blocks else 0.0,
+            spilled_blocks_total=kv_cache.spilled_blocks,
+            host_prefix_hit_blocks_total=kv_cache.host_hit_blocks,
         )
 
     def _committed_blocks(self) -> int:

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from replica.core.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, stored
+from replica.core.kv_events import ALL_BLOCKS_CLEARED, KVEvent, KVEventKind, medium_of, stored
 
 # Batches kept for subscribers that are behind; one per engine step with cache changes, so
 # about 10 s at 100 steps/s. A subscriber further behind gets a snapshot instead.
@@ -34,7 +34,8 @@ class KVEventLog:
 
     def __init__(self, recent_batches: int = RECENT_BATCHES):
         self.seq = 0  # of the latest batch; 0 before the first
-        self._index: dict[bytes, Optional[bytes]] = {}  # cached block hash -> parent hash
+        # (cached block hash, its medium) -> parent hash
+        self._index: dict[tuple[bytes, int], Optional[bytes]] = {}
         self._recent: deque[KVEventBatch] = deque(maxlen=recent_batches)
         self._published = asyncio.Event()  # replaced on every publish; waiters hold the old one
 
@@ -54,16 +55,18 @@ class KVEventLog:
 
     def _apply(self, events: tuple[KVEvent, ...]) -> None:
         index = self._index
-        for kind, block_hash, parent_hash in events:
+        for event in events:
+            kind = event[0]
             if kind == KVEventKind.BLOCK_STORED:
-                index[block_hash] = parent_hash
+                index[event[1], medium_of(event)] = event[2]
             elif kind == KVEventKind.BLOCK_REMOVED:
-                index.pop(block_hash, None)
+                index.pop((event[1], medium_of(event)), None)
             else:
                 index.clear()
 
     def snapshot(self) -> KVEventBatch:
-        events = (ALL_BLOCKS_CLEARED,) + tuple(itertools.starmap(stored, self._index.items()))
+        events = (ALL_BLOCKS_CLEARED,) + tuple(stored(block_hash, parent_hash, medium)
+                                               for (block_hash, medium), parent_hash in self._index.items())
         return KVEventBatch(self.seq, events, snapshot=True)
 
     def batches_after(self, seq: Optional[int]) -> list[KVEventBatch]:

@@ -22,6 +22,7 @@ from replica.front.async_engine import AsyncEngine, RequestStream, ServedEngine
 from replica.errors import HeadroomError, InvalidRequestError
 from replica.text.chat_template import ChatTemplateError
 from replica.core.outputs import RequestOutput
+from replica.core.kv_events import medium_of
 from replica.front.kv_event_log import KVEventBatch
 from replica.server.load_report import LoadReportBuilder, is_significant_change
 from replica.core.request import SamplingParams, check_text
@@ -283,8 +284,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def kv_event_batch_protos(batch: KVEventBatch, replica_id: str, block_size: int) -> list[pb.KVEventBatch]:
     """One KVEventBatch as messages: one for a step's events, several parts for a big snapshot."""
-    events = [pb.KVEvent(kind=int(kind), block_hash=block_hash, parent_hash=parent_hash or b"")
-              for kind, block_hash, parent_hash in batch.events]
+    events = [pb.KVEvent(kind=int(event[0]), block_hash=event[1], parent_hash=event[2] or b"", medium=medium_of(event))
+              for event in batch.events]
     return [
         pb.KVEventBatch(replica_id=replica_id, seq=batch.seq, snapshot=batch.snapshot, block_size=block_size,
                         events=events[start : start + KV_EVENTS_PER_MESSAGE])

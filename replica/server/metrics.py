@@ -98,6 +98,20 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         None,
         REPLICA_LABELS,
     ),
+    "headroom_kv_spilled_blocks_total": MetricSpec(
+        "counter",
+        "Prefix-cache blocks the device pool evicted into the host KV tier (kept, hash and all) instead of "
+        "forgetting them.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_host_prefix_cache_hit_blocks_total": MetricSpec(
+        "counter",
+        "Prefix-cache hits found in the host KV tier and copied back to the device instead of prefilled (blocks; "
+        "their tokens are counted in headroom_prefix_cache_hits_total too).",
+        None,
+        REPLICA_LABELS,
+    ),
     "headroom_recomputed_tokens_total": MetricSpec(
         "counter",
         "Tokens computed again because their request had been preempted: the compute preemption wastes.",

@@ -108,3 +108,19 @@ def test_the_engine_measures_the_preemption_costs_it_is_not_given():
     assert engine.scheduler.kv_block_bytes == engine.runner.kv_swap.bytes_per_block > 0
     given = _engine(32, num_host_kv_blocks=8)
     assert given.scheduler.preemption.costs.recompute_s_per_token == FIXED_COSTS["preemption_recompute_s_per_token"]
+
+
+def test_a_prefix_spilled_to_the_host_and_hit_there_gives_a_roomy_pools_tokens():
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 250) for _ in range(20)]  # five full blocks of 4
+    filler = [rng.randrange(3, 250) for _ in range(30)]
+    prompt = shared + [11, 12, 13]  # 23 + 16 tokens: within max_model_len 40
+    expected = _engine(256).generate([prompt], GREEDY)
+    engine = _engine(11, num_host_kv_blocks=32)  # 10 usable device blocks: the filler evicts the prefix
+    engine.generate([shared], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.generate([filler], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    kv_cache = engine.scheduler.kv_cache
+    assert kv_cache.spilled_blocks > 0
+    assert engine.generate([prompt], GREEDY) == expected
+    assert kv_cache.host_hit_blocks > 0, "the shared prefix must have been copied back from the host"
+    _check_pools_empty(engine)

@@ -44,6 +44,8 @@ class Totals:
     swapped_in_blocks_total: int = 0
     swapped_out_bytes_total: int = 0
     swapped_in_bytes_total: int = 0
+    spilled_blocks_total: int = 0
+    host_prefix_hit_blocks_total: int = 0
 
 
 @pytest.fixture
