@@ -64,7 +64,7 @@ def run(engine, requests) -> dict:
     counters = engine.scheduler.counters
     kv_cache = engine.scheduler.kv_cache
     before = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
-              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks)
+              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens)
     handles = []
     start, start_cpu = time.perf_counter(), time.process_time()
     for index, (prompt, num_out) in enumerate(requests):
@@ -77,14 +77,14 @@ def run(engine, requests) -> dict:
         engine.take_kv_events()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
-             counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks)
-    preemptions, swaps, recomputed, avoided, swapped_out = (b - a for a, b in zip(before, after))
+             counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens)
+    preemptions, swaps, recomputed, avoided, swapped_out, computed = (b - a for a, b in zip(before, after))
     engine.scheduler.check_invariants()
     assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
     assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
     num_tokens = sum(n for _, n in requests)
     return dict(tokens_per_s=num_tokens / elapsed, tokens_per_cpu_s=num_tokens / cpu, elapsed=elapsed, preemptions=preemptions,
-                swaps=swaps, recomputed=recomputed, avoided=avoided, swapped_out_blocks=swapped_out,
+                swaps=swaps, recomputed=recomputed, avoided=avoided, swapped_out_blocks=swapped_out, computed=computed,
                 outputs=[list(r.output_token_ids) for r in handles])
 
 
@@ -177,7 +177,7 @@ def main() -> None:
                   f"{result['elapsed']:6.1f} s  "
                   f"preemptions {result['preemptions']:4d} (swapped {result['swaps']:4d})  recomputed tokens "
                   f"{result['recomputed']:6d}  avoided {result['avoided']:6d}  blocks swapped out "
-                  f"{result['swapped_out_blocks']:5d}")
+                  f"{result['swapped_out_blocks']:5d}  tokens computed {result['computed']:6d}")
     assert all(r["outputs"] == results["recompute"][0]["outputs"] for rs in results.values() for r in rs), \
         "greedy tokens differ between the modes"
     recomputed = {mode: statistics.median(r["recomputed"] for r in rs) for mode, rs in results.items()}
@@ -191,6 +191,9 @@ def main() -> None:
           f"(target >= 1.15x: {'met' if speed_ratio >= 1.15 else 'missed'})")
     print(f"output tokens per CPU second (this process; steadier on a shared machine): auto {cpu_speed['auto']:.1f} vs "
           f"recompute {cpu_speed['recompute']:.1f} = {cpu_speed['auto'] / cpu_speed['recompute']:.3f}x")
+    computed = {mode: rs[0]["computed"] for mode, rs in results.items()}
+    print(f"tokens the model computed (prompts, outputs, recompute; machine-independent): auto {computed['auto']} vs "
+          f"recompute {computed['recompute']} = {computed['auto'] / computed['recompute']:.3f}x")
     print("greedy tokens: identical in both modes")
 
 
