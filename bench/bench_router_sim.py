@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cost_model.py, however this file is loaded
-from cost_model import ASSUMED, CostModel  # noqa: E402  (re-exported: the sim's one step-time model)
+from cost_model import ASSUMED, SHIPPED_DIR, CostModel  # noqa: E402  (re-exported: the sim's one step-time model)
 from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
@@ -953,8 +953,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--loads", default=",".join(str(load) for load in LOADS),
                         help="fractions of the latency-calibrated rate")
     parser.add_argument("--cost-model", default="assumed", metavar="FILE",
-                        help="step-time model: a JSON fit written by bench/bench_engine.py --cost-model "
-                             "(bench/cost_models/ ships some), or 'assumed' (bench/cost_model.py's ASSUMED)")
+                        help="step-time model: a JSON fit written by bench/bench_engine.py --cost-model, a "
+                             "shipped fit by name (bench/cost_models/NAME.json), or 'assumed' (bench/cost_model.py's ASSUMED)")
     parser.add_argument("--sections", default="capacity,tables",
                         help="capacity (the headline: capacity at SLO, goodput past it), tables (fixed loads, "
                              "stale stats, the issue-12 target points)")
@@ -990,7 +990,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if "capacity" in args.sections and not any(policy in PREFIX_AWARE for policy in args.capacity_policies):
         parser.error("--capacity-policies: include a prefix-aware baseline (the capacity ratios are against the best one)")
     try:
-        args.cost = ASSUMED if args.cost_model == "assumed" else CostModel.load(args.cost_model)
+        args.cost = ASSUMED if args.cost_model == "assumed" else CostModel.load(shipped_or_path(args.cost_model))
     except ValueError as error:
         parser.error(str(error))
     if args.requests < 20 or args.calibration_requests < 20:
@@ -1001,6 +1001,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             parser.error(f"--workloads: unknown {workload!r}; expected some of {','.join(WORKLOADS)}")
     args.loads = [float(load) for load in args.loads.split(",")]
     return args
+
+
+def shipped_or_path(name: str) -> str:
+    """A shipped fit by name (bench/cost_models/<name>.json), else the path as given."""
+    shipped = SHIPPED_DIR / f"{name}.json"
+    return str(shipped) if "/" not in name and not name.endswith(".json") and shipped.exists() else name
 
 
 def engine_config(num_kv_blocks: int) -> EngineConfig:

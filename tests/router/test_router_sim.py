@@ -198,3 +198,13 @@ def test_the_sim_runs_the_cost_model_file_it_is_given_and_says_which(tmp_path):
     assert slow.ttft_p50_s > 5 * fast.ttft_p50_s  # every step costs 10x
     with pytest.raises(SystemExit):
         bench.parse_args(["--cost-model", str(tmp_path / "missing.json")])
+
+
+def test_every_shipped_fit_loads_by_name_and_says_where_it_came_from():
+    bench = load_bench_module()
+    shipped = sorted(bench.SHIPPED_DIR.glob("*.json"))
+    assert shipped, "bench/cost_models/ ships the CPU fit"
+    for path in shipped:
+        model = bench.parse_args(["--cost-model", path.stem]).cost
+        assert model == bench.CostModel.load(path)
+        assert model.source.startswith("fitted by bench/bench_engine.py") and model.fit_steps > 0
