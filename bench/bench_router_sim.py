@@ -4,9 +4,15 @@ step-time cost model; each policy routes from what it would really see: ReplicaL
 snapshots every 100 ms and each replica's KV events (optionally late or lost), real prompt
 token ids hashed into the same prefix-cache keys the replicas use.
 
-    python bench/bench_router_sim.py [--quick] [--seeds N] [--jobs N] [--trace PATH] [--plot PATH]
+    python bench/bench_router_sim.py [--quick] [--sections capacity,tables] [--seeds N] [--jobs N]
+                                     [--cost-model assumed|NAME|FILE] [--trace PATH] [--plot PATH]
 
-Load points are fractions of a latency-calibrated rate per workload: the rate at which the
+The headline (--sections capacity): per workload and policy, the highest offered rate at which
+P90 TTFT stays within the workload's bound and P90 TPOT within 100 ms (bisection per seed), its
+ratio to the best prefix-aware baseline, and goodput at 1.2x and 1.5x of that baseline's
+capacity. The step-time model is bench/cost_model.py's (assumed, or a fit by bench_engine.py).
+
+The fixed-load tables (--sections tables): load points are fractions of a latency-calibrated rate per workload: the rate at which the
 best baseline's median TTFT doubles over its unloaded value, at most the rate at which the
 best baseline completes requests when saturated (both printed). The tables run one
 seed; the target points rerun over --seeds workload seeds and the targets are checked on
