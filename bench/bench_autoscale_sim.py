@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages, run from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_router_sim, however this file is loaded
 from bench_router_sim import (  # noqa: E402
-    EOS_TOKEN_ID, FAKE_TOKEN_ID, REPORT_INTERVAL_S, TPOT_SLO_S, TRACE_ATTRIBUTION, TTFT_SLO_S, VOCAB, CostModel,
+    FAKE_TOKEN_ID, REPORT_INTERVAL_S, TPOT_SLO_S, TRACE_ATTRIBUTION, TTFT_SLO_S, VOCAB, CostModel,
     SimReplica, WorkloadRequest, engine_config, make_request, sampled_last_token,
 )
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue  # noqa: E402

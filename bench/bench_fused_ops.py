@@ -24,7 +24,7 @@ import torch
 
 from replica.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
 from replica.model import FusedOps, ModelConfig, get_fused_ops
-from replica.model.llama import DecoderLayer, MergedLinear, RotaryEmbedding
+from replica.model.llama import DecoderLayer, RotaryEmbedding
 
 LLAMA_1B = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048)

@@ -24,7 +24,7 @@ from cluster.config import load_config  # noqa: E402
 from cluster.deployment import replica_counts  # noqa: E402
 from cluster.status_command import replica_statuses  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
-    APP_NAME, StreamResult, generate_request, grpc_target, local_cluster, small_config, stream_generate,
+    APP_NAME, StreamResult, generate_request, local_cluster, small_config, stream_generate,
 )
 import grpc  # noqa: E402
 

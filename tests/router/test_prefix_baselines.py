@@ -7,7 +7,7 @@ import random
 
 from router.policies import RoutingRequest, make_policy
 from router.prefix_baselines import ApproxPrefixPolicy, DynamoPolicy, PrecisePrefixPolicy
-from test_policies import BLOCK_SIZE, make_load, view
+from test_policies import make_load, view
 
 SYSTEM = list(range(1000, 1000 + 640))  # 40 blocks shared by every turn of a tenant
 
