@@ -27,7 +27,8 @@ from replica.executor.model_runner import StepInFlight
 from replica.core.outputs import RequestOutput, StepStats, make_request
 from replica.core.request import Request, RequestStatus, SamplingParams
 from replica.core.structured_output import GrammarCompiler
-from replica.core.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
+from replica.core.load import SchedulerLoad
+from replica.core.scheduler import Scheduler, SchedulerOutput
 from replica.errors import QueueFullError
 from replica.core.slo_monitor import SLOAbort, SLOMonitor
 from replica.executor.step_abort import StepAborted

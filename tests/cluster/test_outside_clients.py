@@ -296,10 +296,22 @@ def scrape_all() -> dict[str, float]:
     return largest
 
 
+# Panels of features this cluster does not run, flat by design here: the host KV tier (off by
+# default, num_host_kv_blocks 0; tests/replica/test_kv_swap_engine.py drives its counters) and
+# the autoscaler (fixed num_replicas; tests/cluster/test_autoscaling_live.py runs it).
+OFF_HERE = ("headroom_num_swap_preemptions_total", "headroom_recompute_tokens_avoided_total", "headroom_autoscaler_")
+
+
+def panels_of_features_on_here() -> list[str]:
+    return [query for query in dashboard_queries() if not any(name in query for name in OFF_HERE)]
+
+
 def test_every_dashboard_query_has_data_after_load_and_no_alert_fires(cluster, channel, tmp_path):
     """Without a prometheus binary, the metrics each query reads must have a non-zero sample
     in a scrape taken during the load; with one, Prometheus runs deploy/prometheus.yml
-    against the cluster's target files and evaluates every query and alert rule itself."""
+    against the cluster's target files and evaluates every query and alert rule itself.
+    Panels of features this cluster does not run (OFF_HERE) are left out."""
+    assert len(panels_of_features_on_here()) < len(dashboard_queries())  # the probe: something is left out
     if prometheus_binary() is None:
         scrapes = []
         loader = threading.Thread(target=run_load, args=(channel, 8.0))
@@ -308,7 +320,7 @@ def test_every_dashboard_query_has_data_after_load_and_no_alert_fires(cluster, c
             scrapes.append(scrape_all())
             time.sleep(0.5)
         loader.join()
-        for query in dashboard_queries():
+        for query in panels_of_features_on_here():
             for metric in metric_names(query):
                 series = [f"{metric}_count", f"{metric}_total", metric]
                 assert any(scrape.get(name, 0) > 0 for scrape in scrapes for name in series), (query, metric)
@@ -325,7 +337,7 @@ def test_every_dashboard_query_has_data_after_load_and_no_alert_fires(cluster, c
         time.sleep(3)  # the scrapes that saw the load's end
         assert prometheus.query("sum(headroom_num_preemptions_total)")[0]["value"][1] != "0", \
             "the load run must preempt, or the preemption panels show nothing"
-        for query in dashboard_queries():
+        for query in panels_of_features_on_here():
             if query.startswith("label_values("):
                 metric, label = query.removeprefix("label_values(").rstrip(")").split(", ")
                 assert [series["metric"][label] for series in prometheus.query(metric)] == [APP_NAME] * 2
