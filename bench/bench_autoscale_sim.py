@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_router_sim, however this file is loaded
 from bench_router_sim import (  # noqa: E402
     FAKE_TOKEN_ID, REPORT_INTERVAL_S, TPOT_SLO_S, TRACE_ATTRIBUTION, TTFT_SLO_S, VOCAB, CostModel,
-    SimReplica, WorkloadRequest, engine_config, make_request, sampled_last_token,
+    SimReplica, WorkloadRequest, engine_config, make_request, sampled_last_token, start_replica_step,
 )
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue  # noqa: E402
 from ray.serve.autoscaling_policy import (  # noqa: E402
@@ -179,20 +179,8 @@ class AutoscaleSim:
             return replica.routable and replica.ready_at <= now
 
         def start_step(index: int, now: float) -> None:
-            replica = replicas[index].sim
-            replica.now = now
-            for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
-                output = replica.scheduler.schedule()
-                if not output.is_empty:
-                    step_s = self.cost.step_time_s(output)
-                    replica.busy = True
-                    push(now + step_s, self.STEP_DONE, index, output, step_s)
-                    return
-                if not replica.scheduler.has_unfinished_requests():
-                    break
-            else:
-                raise RuntimeError(f"{replica.replica_id} has requests but schedules nothing")
-            replica.busy = False
+            if start_replica_step(replicas[index].sim, index, now, self.cost, push, self.STEP_DONE):
+                return
             if replicas[index].draining and replicas[index].removed_at is None:
                 replicas[index].removed_at = now  # drained: Serve stops it now
 

@@ -342,20 +342,7 @@ class ClusterSim:
             heapq.heappush(events, (at, next(tiebreak), kind, payload))
 
         def start_step(index: int, now: float) -> None:
-            replica = replicas[index]
-            replica.now = now
-            for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
-                output = replica.scheduler.schedule()
-                if not output.is_empty:
-                    step_s = self.cost.step_time_s(output)
-                    replica.busy = True
-                    push(now + step_s, self.STEP_DONE, index, output, step_s)
-                    return
-                if not replica.scheduler.has_unfinished_requests():
-                    break
-            else:
-                raise RuntimeError(f"{replica.replica_id} has requests but schedules nothing")
-            replica.busy = False
+            start_replica_step(replicas[index], index, now, self.cost, push, self.STEP_DONE)
 
         def arrive(request_index: int, now: float) -> None:
             nonlocal spills
@@ -453,6 +440,26 @@ class ClusterSim:
         measured = [r for r in finished if r.arrival_time >= measured_from_s]
         measured_gaps = [gap for arrival, gap in zip(gap_arrivals, gaps) if arrival >= measured_from_s]
         return summarize(measured, measured_gaps, [r.scheduler for r in replicas], len(specs), spills, ttft_slo_s)
+
+
+def start_replica_step(replica: "SimReplica", index: int, now: float, cost: CostModel, push: Callable,
+                       step_done: object) -> bool:
+    """Schedule `replica`'s next step at `now` and push its completion event (step_done, index,
+    output, step seconds); False, the replica idle, when it has nothing to run."""
+    replica.now = now
+    for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
+        output = replica.scheduler.schedule()
+        if not output.is_empty:
+            step_s = cost.step_time_s(output)
+            replica.busy = True
+            push(now + step_s, step_done, index, output, step_s)
+            return True
+        if not replica.scheduler.has_unfinished_requests():
+            break
+    else:
+        raise RuntimeError(f"{replica.replica_id} has requests but schedules nothing")
+    replica.busy = False
+    return False
 
 
 def make_request(index: int, spec: WorkloadRequest, prompt: list[int], arrival_s: float) -> Request:
