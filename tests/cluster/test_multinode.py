@@ -61,12 +61,19 @@ def test_one_replica_is_placed_on_each_node(cluster):
 
 
 def test_requests_through_the_proxy_are_served_from_both_nodes(cluster):
+    # Up to three bursts of 12: on a loaded machine the router may not yet hold the second
+    # replica's first load report when the first burst arrives (seen once in a full-suite run:
+    # all 12 on one node); a node that never serves fails every burst.
+    served_by_node: collections.Counter = collections.Counter()
     with grpc.insecure_channel(grpc_target(CONFIG)) as channel:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
-            results = list(pool.map(lambda _: stream_generate(channel, generate_request(24)), range(12)))
-    assert all(result.code == grpc.StatusCode.OK and result.num_tokens == 24 for result in results)
-    nodes = replica_nodes()
-    served_by_node = collections.Counter(nodes[result.replica_id] for result in results)
+        for _ in range(3):
+            with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+                results = list(pool.map(lambda _: stream_generate(channel, generate_request(24)), range(12)))
+            assert all(result.code == grpc.StatusCode.OK and result.num_tokens == 24 for result in results)
+            nodes = replica_nodes()
+            served_by_node = collections.Counter(nodes[result.replica_id] for result in results)
+            if len(served_by_node) == 2:
+                break
     assert len(served_by_node) == 2, served_by_node
 
 
