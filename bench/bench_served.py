@@ -245,7 +245,7 @@ def main() -> None:
           f"   CPU s: offline engine | core, front, client")
     verdicts = []
     for key in workloads:
-        (ours, served_rates), (base, offline_rates) = served[key], offline[key]
+        (ours, served_rates), (base, _) = served[key], offline[key]
         ratio = ours.tokens_per_s / base.tokens_per_s
         step_p99 = percentile(base.itl_ms, 0.99)
         itl_p99 = percentile(ours.itl_ms, 0.99)

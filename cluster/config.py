@@ -37,6 +37,9 @@ DEFAULT_HTTP_HOST = "127.0.0.1"
 RoutingPolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 AutoscalingPolicyName = Literal[AUTOSCALING_POLICY_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
+# cluster/tool_parsers.py implements each (PARSERS; a test checks the two agree).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+ToolCallParserName = Literal[TOOL_CALL_PARSERS]  # type: ignore[valid-type]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackendName = Literal[ATTENTION_BACKEND_NAMES]  # type: ignore[valid-type]
 
@@ -253,7 +256,7 @@ class ClusterConfig(_Strict):
         None, min_length=1, description="Name clients ask for; None = the model directory's name."
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+    tool_call_parser: ToolCallParserName = Field(
         "hermes",
         description="How chat completions with tool_choice auto find the model's tool calls in its text: hermes "
         "(<tool_call>{...}</tool_call>: Qwen, Hermes) or llama3_json (a JSON object per call: Llama 3.1+).",

@@ -168,7 +168,8 @@ class Ingress:
         self.limits = config.limits.request_limits()
         self.tool_call_parser = config.tool_call_parser
         self.compile_timeout_s = config.engine.structured_output_compile_timeout_s
-        self.grammars: Optional[GrammarCompiler] = None  # made by the first constrained request
+        # Made once, by the first constrained request (concurrent first requests await the same task).
+        self._grammars: Optional[asyncio.Future] = None
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
@@ -388,11 +389,12 @@ class Ingress:
     async def check_constraint(self, constraint: OutputConstraint, info: pb.ModelInfo) -> None:
         """Compile an output constraint here (cached, within the time bound, off the event loop),
         so that a bad one is refused naming its parameter before any replica queues it."""
-        if self.grammars is None:
+        if self._grammars is None:
             eos_token_ids = [info.eos_token_id] if info.eos_token_id >= 0 else []
-            self.grammars = await asyncio.to_thread(GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size,
-                                                    eos_token_ids, self.compile_timeout_s)
-        await asyncio.to_thread(self.grammars.check, constraint.constraint, constraint.param)
+            self._grammars = asyncio.ensure_future(asyncio.to_thread(
+                GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids, self.compile_timeout_s))
+        grammars = await self._grammars
+        await asyncio.to_thread(grammars.check, constraint.constraint, constraint.param)
 
     @staticmethod
     def _max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,

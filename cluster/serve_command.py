@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
-from cluster.config import DEFAULT_HTTP_HOST, ServeAppsConfig, load_config
+from cluster.config import DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config
 from cluster.deployment import node_ip
 from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default: 8000)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: 9000)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray cluster offers (default: all)")
-    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
     add_engine_config_arguments(parser)
 

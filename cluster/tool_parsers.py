@@ -20,8 +20,6 @@ from typing import Any, Optional
 
 from cluster.openai_structured import ToolCalling, new_tool_call_id
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
-DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 
 @dataclass

@@ -176,10 +176,10 @@ class EngineConfig(BaseModel):
             raise ConfigError(f"watermark: must be in [0, 1), got {self.watermark}")
         if self.host_kv_bytes is not None and self.num_host_kv_blocks:
             raise ConfigError("host_kv_bytes: set it or num_host_kv_blocks, not both")
-        if self.host_kv_bytes is not None and self.host_kv_bytes > host_memory_bytes():
+        if self.host_kv_bytes is not None and self.host_kv_bytes > (host_bytes := host_memory_bytes()):
             raise ConfigError(f"host_kv_bytes: {self.host_kv_bytes} bytes exceeds the host's memory "
-                              f"({host_memory_bytes()} bytes)")
-        if self.has_host_tier and getattr(self, "tensor_parallel_size", 1) > 1:
+                              f"({host_bytes} bytes)")
+        if self.has_host_tier and self.tensor_parallel_size > 1:
             raise ConfigError("num_host_kv_blocks: the host KV tier does not run with tensor_parallel_size > 1 yet")
         if self.preemption_mode == "swap" and not self.has_host_tier:
             raise ConfigError("preemption_mode: 'swap' needs a host KV tier (set num_host_kv_blocks or host_kv_bytes)")
@@ -254,9 +254,9 @@ def resolve_host_kv_blocks(config: EngineConfig, bytes_per_block: int) -> Engine
             raise ConfigError(f"host_kv_bytes: {config.host_kv_bytes} bytes hold no KV block of this model "
                               f"({bytes_per_block} bytes)")
         return make_engine_config(**{**config.model_dump(), "host_kv_bytes": None, "num_host_kv_blocks": num_blocks})
-    if config.num_host_kv_blocks * bytes_per_block > host_memory_bytes():
+    if config.num_host_kv_blocks * bytes_per_block > (host_bytes := host_memory_bytes()):
         raise ConfigError(f"num_host_kv_blocks: {config.num_host_kv_blocks} blocks of {bytes_per_block} bytes exceed "
-                          f"the host's memory ({host_memory_bytes()} bytes)")
+                          f"the host's memory ({host_bytes} bytes)")
     return config
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replica.core.block_pool import BlockPool, KVBlock
+from replica.core.block_pool import BlockPool
 from replica.core.kv_events import MEDIUM_HOST
 
 
@@ -28,13 +28,6 @@ class HostBlockPool(BlockPool):
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         super().__init__(num_blocks + 1)
 
-    def can_hold(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` blocks can be taken now (cached-free blocks count: they are evicted)."""
-        return num_blocks <= self.num_free_blocks
-
-    def take(self, num_blocks: int) -> list[KVBlock]:
-        """`num_blocks` blocks, each with one reference, evicting the least recently freed."""
-        return self.get_new_blocks(num_blocks)
 
 
 @dataclass(frozen=True)

@@ -341,7 +341,7 @@ class KVCacheManager:
 
     def can_swap_out(self, request: Request) -> bool:
         num_blocks = self.num_swap_blocks(request)
-        return self.host_pool is not None and num_blocks > 0 and self.host_pool.can_hold(num_blocks)
+        return self.host_pool is not None and num_blocks > 0 and num_blocks <= self.host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> int:
         """Copy the request's computed KV into host blocks it then holds and free its device
@@ -349,7 +349,7 @@ class KVCacheManager:
         The copies run at the start of this step, before anything overwrites the freed blocks."""
         num_tokens = self.num_swappable_tokens(request)
         device_blocks = self.req_to_blocks[request.request_id][:cdiv(num_tokens, self.block_size)]
-        host_blocks = self.host_pool.take(len(device_blocks))
+        host_blocks = self.host_pool.get_new_blocks(len(device_blocks))
         self._swap_out.extend((device.block_id, host.block_id) for device, host in zip(device_blocks, host_blocks))
         self.free(request)
         self.req_to_host_blocks[request.request_id] = host_blocks

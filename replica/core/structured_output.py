@@ -219,7 +219,6 @@ class GrammarBitmask:
         import llguidance
         import torch
 
-        self.vocab_size = vocab_size
         self.device = device
         self._executor = llguidance.LLExecutor()
         # Two buffers alternate: with overlapped scheduling a step's copy may still be queued

@@ -24,8 +24,7 @@ PROTO_FIELD_FOR_ENGINE_FIELD = {
 
 def invalid_argument_message(error: InvalidRequestError) -> str:
     """The error's message with the engine's field name replaced by the proto field path."""
-    detail = str(error).removeprefix(f"{error.field}: ")
-    return f"{PROTO_FIELD_FOR_ENGINE_FIELD.get(error.field, error.field)}: {detail}"
+    return f"{PROTO_FIELD_FOR_ENGINE_FIELD.get(error.field, error.field)}: {error.message}"
 
 
 def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -85,3 +85,10 @@ def test_tools_reach_the_template_in_hugging_faces_form_and_none_offers_none():
     assert request.template_tools() == [tool]
     request = parse_body(json.dumps({**body, "tool_choice": "none"}).encode(), ChatCompletionRequest)
     assert request.template_tools() is None and request.output_constraint() is None
+
+
+def test_the_configs_parser_names_are_the_parsers_implemented():
+    from cluster.config import TOOL_CALL_PARSERS
+    from cluster.tool_parsers import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
