@@ -585,15 +585,8 @@ class Scheduler:
             return
         for request_id, host_blocks in kv_cache.req_to_host_blocks.items():
             assert len(host_blocks) == cdiv(kv_cache.num_swapped_tokens[request_id], kv_cache.block_size)
-        holders: dict[int, int] = {}
-        for block in itertools.chain(itertools.chain.from_iterable(kv_cache.req_to_host_blocks.values()),
-                                     kv_cache._host_blocks_read):
-            holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        free_ids = {block.block_id for block in host_pool.free_queue}
-        for block in host_pool.blocks[1:]:
-            assert block.ref_cnt == holders.get(block.block_id, 0), f"host {block} has {holders.get(block.block_id, 0)} holders"
-            assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"host {block} free-queue membership is wrong"
-        assert len(free_ids) == host_pool.num_free_blocks
+        _check_pool(host_pool, itertools.chain(itertools.chain.from_iterable(kv_cache.req_to_host_blocks.values()),
+                                               kv_cache._host_blocks_read), "host ")
 
     def check_invariants(self) -> None:
         """Assert the engine's structural invariants (for tests; O(blocks + requests))."""
@@ -609,15 +602,7 @@ class Scheduler:
         assert self.waiting_prefill_tokens == sum(r.num_tokens - self._waiting_hit_tokens[r.request_id] for r in waiting)
         kv_cache = self.kv_cache
         assert set(kv_cache.req_to_blocks) <= running_ids, "a request outside running holds blocks"
-        holders: dict[int, int] = {}
-        for blocks in kv_cache.req_to_blocks.values():
-            for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        free_ids = {block.block_id for block in kv_cache.pool.free_queue}
-        for block in kv_cache.pool.blocks[1:]:
-            assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} has {holders.get(block.block_id, 0)} holders"
-            assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{block} free-queue membership is wrong"
-        assert len(free_ids) == kv_cache.num_free_blocks
+        _check_pool(kv_cache.pool, itertools.chain.from_iterable(kv_cache.req_to_blocks.values()))
         self._check_host_tier(waiting_ids)
         # The committed-KV figure load() reports, recomputed from scratch.
         held = {request_id: len(blocks) for request_id, blocks in kv_cache.req_to_blocks.items()}
@@ -627,3 +612,16 @@ class Scheduler:
         assert kv_cache.num_request_blocks == sum(held.values())
         assert (self.growth.live_final_blocks, self.growth.running_final_blocks) == (
             sum(final.values()), sum(final[r.request_id] for r in self.running))
+
+
+def _check_pool(pool, held_blocks, label: str = "") -> None:
+    """Every block of `pool` has as many references as holders in `held_blocks`, and is in the
+    free queue exactly when it has none (check_invariants, for both KV tiers)."""
+    holders: dict[int, int] = {}
+    for block in held_blocks:
+        holders[block.block_id] = holders.get(block.block_id, 0) + 1
+    free_ids = {block.block_id for block in pool.free_queue}
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == holders.get(block.block_id, 0), f"{label}{block} has {holders.get(block.block_id, 0)} holders"
+        assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{label}{block} free-queue membership is wrong"
+    assert len(free_ids) == pool.num_free_blocks
