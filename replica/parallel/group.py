@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -59,12 +60,19 @@ class TensorParallel:
         except RuntimeError as error:  # gloo: a peer closed its connection, or the timeout passed
             raise TensorParallelDead(f"tensor-parallel rank {self.rank}: {name} failed: {error}") from error
 
+    @functools.cached_property
+    def _all_reduce_options(self) -> dict:
+        """The options of each reduction this group runs, built once (two per layer per step)."""
+        options = {}
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            options[op] = self._bound(dist.AllreduceOptions())
+            options[op].reduceOp = op
+        return options
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In place on every rank; returns the tensor."""
         if self.size > 1:
-            options = dist.AllreduceOptions()
-            options.reduceOp = op
-            self._bound(options)
+            options = self._all_reduce_options[op]
             self._run("all_reduce", lambda group: group.allreduce([tensor], options))
         return tensor
 
