@@ -40,8 +40,9 @@ class ToolParser:
     def parse(self, text: str) -> Parsed:
         raise NotImplementedError
 
-    def held_from(self, text: str) -> int:
-        """Where in the text so far a tool call may be starting: content before it may stream."""
+    def held_from(self, text: str, sent: int = 0) -> int:
+        """Where in the text so far a tool call may be starting: content before it may stream.
+        `sent`: how much of the text already went out as content (no call starts before it)."""
         raise NotImplementedError
 
 
@@ -66,8 +67,8 @@ class HermesToolParser(ToolParser):
             content = f"{content}\n{rest}" if content else rest
         return Parsed(content, calls)
 
-    def held_from(self, text: str) -> int:
-        start = text.find(self.START)
+    def held_from(self, text: str, sent: int = 0) -> int:
+        start = text.find(self.START, sent)  # from what is unsent: each chunk scans only its new text
         if start >= 0:
             return start
         # A suffix that could still grow into the start tag is held back.
@@ -101,7 +102,7 @@ class Llama3JsonToolParser(ToolParser):
                 index += 1
         return Parsed(None, calls)
 
-    def held_from(self, text: str) -> int:
+    def held_from(self, text: str, sent: int = 0) -> int:
         stripped = text.lstrip()
         if not stripped or stripped.startswith("{") or self.PYTHON_TAG.startswith(stripped[:len(self.PYTHON_TAG)]):
             return 0  # a reply that opens (or may open) with a call is held whole
@@ -193,7 +194,7 @@ class ToolCallOutput:
         if finish_reason is None:
             if self.parser is None:  # required: the calls are one JSON array, sent once whole
                 return "", [], None
-            held = self.parser.held_from(self.text)
+            held = self.parser.held_from(self.text, self._sent)
             content, self._sent = self.text[self._sent:held], max(self._sent, held)
             return content, [], None
         _, calls = self._parse(self.text)
@@ -201,7 +202,7 @@ class ToolCallOutput:
             rest, self._sent = self.text[self._sent:], len(self.text)
             return rest, [], finish_reason
         # Content before the calls that has not gone out yet goes now.
-        held = self.parser.held_from(self.text) if self.parser is not None else 0
+        held = self.parser.held_from(self.text, self._sent) if self.parser is not None else 0
         unsent = self.text[self._sent:held].rstrip() if held > self._sent else ""
         return unsent, [tool_call_json(call, index) for index, call in enumerate(calls)], _calls_finish_reason(finish_reason)
 
