@@ -80,7 +80,7 @@ class StructuredOutputFields(BaseModel):
                 raise InvalidRequestError(param, "required when response_format.type is json_schema")
             schema = response_format.json_schema.schema_
             found.append(OutputConstraint(StructuredOutput("json_object") if schema is None
-                                          else _json_schema(schema, f"{param}.schema"), f"{param}.schema"))
+                                          else StructuredOutput.of("json", schema, f"{param}.schema"), f"{param}.schema"))
         extras = self.structured_outputs
         if extras is not None:
             asked = [(name, value) for name, value in (("json", extras.json_), ("regex", extras.regex),
@@ -101,20 +101,7 @@ class StructuredOutputFields(BaseModel):
 
 
 def _constraint(kind: str, value: Any, param: str) -> OutputConstraint:
-    if kind == "json":
-        return OutputConstraint(_json_schema(value, param), param)
-    if kind == "json_object":
-        return OutputConstraint(StructuredOutput("json_object"), param)
-    if kind == "choice":
-        return OutputConstraint(StructuredOutput("choice", tuple(value)), param)
-    return OutputConstraint(StructuredOutput(kind, value), param)
-
-
-def _json_schema(schema: Any, param: str) -> StructuredOutput:
-    try:
-        return StructuredOutput.json_schema(schema)
-    except InvalidRequestError as error:
-        raise InvalidRequestError(param, error.message) from None
+    return OutputConstraint(StructuredOutput.of(kind, value, param), param)
 
 
 # ---- tools --------------------------------------------------------------------------------
@@ -207,7 +194,7 @@ class ToolFields(BaseModel):
         if mode == "named":
             name = self.tool_choice.function.name
             function = next(tool.function for tool in self.tools if tool.function.name == name)
-            return OutputConstraint(_json_schema(function.parameters_schema, "tool_choice"), "tool_choice")
+            return OutputConstraint(StructuredOutput.of("json", function.parameters_schema, "tool_choice"), "tool_choice")
         if mode == "required":
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
                 {"type": "object", "properties": {"name": {"const": tool.function.name},
@@ -217,7 +204,7 @@ class ToolFields(BaseModel):
             ]}}
             if self.parallel_tool_calls is False:
                 calls["maxItems"] = 1
-            return OutputConstraint(_json_schema(calls, "tools"), "tools")
+            return OutputConstraint(StructuredOutput.of("json", calls, "tools"), "tools")
         return None
 
     def tool_calling(self, parser: Optional[str]) -> Optional[ToolCalling]:

@@ -65,6 +65,22 @@ class StructuredOutput:
             raise InvalidRequestError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
         return cls("json", json.dumps(schema, separators=(",", ":")))
 
+    @classmethod
+    def of(cls, kind: str, value: object, field: str) -> "StructuredOutput":
+        """The constraint one API field asks for: a JSON schema (kind "json" or "json_schema",
+        its errors naming `field`), any JSON object ("json_object"; value unused), a choice among
+        strings, or a regex / grammar. The OpenAI API and the gRPC servicer both map through it."""
+        if kind in ("json", "json_schema"):
+            try:
+                return cls.json_schema(value)
+            except InvalidRequestError as error:
+                raise InvalidRequestError(field, error.message) from None
+        if kind == "json_object":
+            return cls("json_object")
+        if kind == "choice":
+            return cls("choice", tuple(value))
+        return cls(kind, value)
+
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (nothing is checked here)."""
         import llguidance

@@ -95,16 +95,8 @@ def output_constraint_from_proto(request: pb.GenerateRequest) -> Optional[tuple[
     kind = request.WhichOneof("output_constraint")
     if kind is None or (kind == "json_object" and not request.json_object):
         return None
-    if kind == "json_schema":
-        try:
-            return StructuredOutput.json_schema(request.json_schema), kind
-        except InvalidRequestError as error:
-            raise InvalidRequestError(kind, error.message) from None
-    if kind == "json_object":
-        return StructuredOutput("json_object"), kind
-    if kind == "choice":
-        return StructuredOutput("choice", tuple(request.choice.choices)), kind
-    return StructuredOutput(kind, getattr(request, kind)), kind
+    value = request.choice.choices if kind == "choice" else getattr(request, kind)
+    return StructuredOutput.of(kind, value, kind), kind
 
 
 def sampling_params_from_proto(
