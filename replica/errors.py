@@ -48,6 +48,17 @@ class InvalidRequestError(HeadroomError, ValueError):
         return (type(self), (self.field, self.message))
 
 
+class AuthenticationError(HeadroomError, PermissionError):
+    """The call carried no credential a door accepts (an API key, the cluster token). Its
+    message names the credential and how to send it, never a value presented or configured."""
+
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+    # OpenAI's own answer to a missing or wrong key.
+    openai_type = "invalid_request_error"
+    openai_code = "invalid_api_key"
+
+
 class QueueFullError(HeadroomError, RuntimeError):
     """The waiting queue is at its configured bound; the caller should retry later."""
 

@@ -6,14 +6,25 @@ interceptor that refuses every call without one (UNAUTHENTICATED) except the met
 A secret is never logged, never put in an error message and never compared with `==`:
 `Credentials.accepts` runs hmac.compare_digest against every configured secret, so neither the
 presented value's length nor which secret it resembles changes what the comparison does.
+
+The public doors' API keys come from one place (`api_key_credentials`): `--api-key` (repeatable)
+or else HEADROOM_API_KEY (comma-separated), plus `--api-key-file` or else HEADROOM_API_KEY_FILE
+(one key per line). `headroom serve` exports its flags into that environment before Ray starts,
+so its proxies and ingresses, which read it, agree with it; on Kubernetes the chart sets it.
 """
 
 from __future__ import annotations
 
+import argparse
 import hmac
-from typing import Awaitable, Callable, Iterable, Optional
+import ipaddress
+import os
+from typing import Awaitable, Callable, Iterable, Mapping, MutableMapping, Optional, Sequence
 
 import grpc
+
+from replica.errors import AuthenticationError
+from replica.server.status import grpc_status
 
 # gRPC metadata keys are lower case; HTTP's header is matched case-insensitively by the server.
 AUTHORIZATION_METADATA_KEY = "authorization"
@@ -21,6 +32,10 @@ BEARER_PREFIX = "Bearer "
 # Services any client may call without a credential: load balancers' and Kubernetes' health
 # probes, and reflection (which lists services, not data).
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Where every process of a cluster (and `headroom replica`) reads the public API keys.
+API_KEY_ENV = "HEADROOM_API_KEY"
+API_KEY_FILE_ENV = "HEADROOM_API_KEY_FILE"
+API_KEY_SEPARATOR = ","
 
 
 class Credentials:
@@ -59,6 +74,12 @@ class Credentials:
         return self.accepts(bearer_token(header))
 
 
+def missing_credential(what: str, header: str = "metadata 'authorization") -> AuthenticationError:
+    """The refusal of a call that carried no accepted `what` ("API key", "cluster token"),
+    saying how to send one (gRPC metadata by default; HTTP passes its header)."""
+    return AuthenticationError(f"missing or invalid {what} (send {header}: Bearer <{what.lower()}>')")
+
+
 def bearer_token(header: Optional[str]) -> Optional[str]:
     """The token of an `Authorization: Bearer <token>` value, else None (another scheme, none)."""
     if header is None or not header.startswith(BEARER_PREFIX):
@@ -95,8 +116,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
                 metadata_authorization(handler_call_details.invocation_metadata)):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        return unauthenticated_handler(handler, f"missing or invalid {self._what} "
-                                                f"(send metadata 'authorization: Bearer <{self._what.lower()}>')")
+        return unauthenticated_handler(handler, grpc_status(missing_credential(self._what))[1])
 
 
 def unauthenticated_handler(handler: Optional[grpc.RpcMethodHandler], message: str) -> Optional[grpc.RpcMethodHandler]:
@@ -121,3 +141,114 @@ def unauthenticated_handler(handler: Optional[grpc.RpcMethodHandler], message: s
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(refuse, **serializers)
     return grpc.stream_stream_rpc_method_handler(refuse_stream, **serializers)
+
+
+# ---- the API keys: flags, environment, key file -----------------------------------------------
+class CredentialsError(ValueError):
+    """A source of API keys that cannot be used; names the source (flag, variable, file and
+    line), never a key."""
+
+
+def configured_api_keys(keys: Optional[Sequence[str]] = None, key_file: Optional[str] = None,
+                        environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The API keys: `keys` (--api-key, one key each) or else HEADROOM_API_KEY's comma-separated
+    ones, and the lines of `key_file` (--api-key-file) or else HEADROOM_API_KEY_FILE's (blank
+    lines and # comments skipped). Raises CredentialsError naming a bad source."""
+    found: list[str] = []
+    if keys is not None:
+        for key in keys:
+            if not key or key != key.strip():
+                raise CredentialsError("--api-key: an API key must be non-empty, without surrounding whitespace")
+            if API_KEY_SEPARATOR in key:
+                raise CredentialsError(f"--api-key: an API key cannot contain {API_KEY_SEPARATOR!r} "
+                                       f"({API_KEY_ENV} separates keys with it); repeat --api-key for several")
+            found.append(key)
+    elif environ.get(API_KEY_ENV, "").strip():
+        listed = [key.strip() for key in environ[API_KEY_ENV].split(API_KEY_SEPARATOR)]
+        if not all(listed):  # "k1,,k2", "k1,": a slip that must not leave the door open
+            raise CredentialsError(f"{API_KEY_ENV}: an empty key between commas")
+        found.extend(listed)
+    if key_file is not None:
+        found.extend(_read_key_file(key_file, "--api-key-file"))
+    elif environ.get(API_KEY_FILE_ENV):
+        found.extend(_read_key_file(environ[API_KEY_FILE_ENV], API_KEY_FILE_ENV))
+    return found
+
+
+def _read_key_file(path: str, source: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as key_file:
+            lines = key_file.read().splitlines()
+    except OSError as error:
+        raise CredentialsError(f"{source}: cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise CredentialsError(f"{source}: {path} is not UTF-8 text") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise CredentialsError(f"{source}: {path} holds no API key (one key per line; blank and # lines are skipped)")
+    return keys
+
+
+def api_key_credentials(keys: Optional[Sequence[str]] = None, key_file: Optional[str] = None,
+                        environ: Mapping[str, str] = os.environ) -> Credentials:
+    """The public doors' Credentials, from the flags or else the environment (configured_api_keys)."""
+    return Credentials(configured_api_keys(keys, key_file, environ))
+
+
+def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server flags (`headroom serve`, `headroom replica`)."""
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require this key from every client (HTTP 'Authorization: Bearer KEY', gRPC metadata "
+                             f"'authorization: Bearer KEY'); repeat for several (default: ${API_KEY_ENV}, "
+                             "comma-separated; none: no key needed)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help=f"accept the keys in FILE too, one per line (default: ${API_KEY_FILE_ENV})")
+
+
+def api_key_credentials_from_args(args: argparse.Namespace) -> Credentials:
+    return api_key_credentials(args.api_key, args.api_key_file)
+
+
+def export_api_key_flags(args: argparse.Namespace, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Makes the flags the environment's sources, for every process started from here on (Ray
+    workers inherit it): --api-key replaces HEADROOM_API_KEY, --api-key-file
+    HEADROOM_API_KEY_FILE (as an absolute path: workers run elsewhere)."""
+    if args.api_key is not None:
+        environ[API_KEY_ENV] = API_KEY_SEPARATOR.join(args.api_key)
+    if args.api_key_file is not None:
+        environ[API_KEY_FILE_ENV] = os.path.abspath(args.api_key_file)
+
+
+def is_loopback_host(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_door_warning(host: str, credentials: Credentials) -> Optional[str]:
+    """One warning line when a server binds beyond loopback and takes no API key, else None."""
+    if credentials.required or is_loopback_host(host):
+        return None
+    return (f"warning: serving on {host} without an API key: anyone who can reach it can generate "
+            f"(set --api-key, --api-key-file, {API_KEY_ENV} or {API_KEY_FILE_ENV})")
+
+
+# ---- the client side -----------------------------------------------------------------------
+def add_client_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"the cluster's API key, sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV}, "
+                             "its first key)")
+
+
+def client_api_key(flag: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The key a client sends: the flag's, else the first configured in the environment."""
+    if flag is not None:
+        return flag
+    keys = configured_api_keys(environ=environ)
+    return keys[0] if keys else None
+
+
+def authorization_metadata(api_key: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying `api_key` (none without one)."""
+    return ((AUTHORIZATION_METADATA_KEY, BEARER_PREFIX + api_key),) if api_key else ()

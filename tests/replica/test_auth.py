@@ -109,3 +109,71 @@ def test_interceptor_refuses_calls_without_the_secret_and_leaves_health_open():
 def test_interceptor_without_secrets_lets_everything_through():
     results = asyncio.run(_serve_and_call(Credentials()))
     assert results["say_none"] == b"hi" and results["repeat_wrong"] == [b"yo"] * 3
+
+
+# ---- where the API keys come from ----------------------------------------------------------
+def test_flag_keys_replace_the_environments_and_a_key_file_adds_its_lines(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# the team's keys\n\nfile-key-1\n  file-key-2  \n")
+    environ = {auth.API_KEY_ENV: "env-1, env-2", auth.API_KEY_FILE_ENV: str(key_file)}
+    assert auth.configured_api_keys(environ=environ) == ["env-1", "env-2", "file-key-1", "file-key-2"]
+    assert auth.configured_api_keys(["flag-1", "flag-2"], environ=environ) == ["flag-1", "flag-2", "file-key-1",
+                                                                                 "file-key-2"]
+    assert auth.configured_api_keys(environ={}) == [] and auth.configured_api_keys(environ={auth.API_KEY_ENV: ""}) == []
+    assert not auth.api_key_credentials(environ={}).required
+
+
+@pytest.mark.parametrize("keys, file_text, environ, message", [
+    (["sk-1,sk-2"], None, {}, "--api-key: an API key cannot contain ','"),
+    ([""], None, {}, "--api-key: an API key must be non-empty"),
+    ([" sk-padded"], None, {}, "--api-key: an API key must be non-empty, without surrounding whitespace"),
+    (None, None, {auth.API_KEY_ENV: "sk-1,,sk-2"}, "HEADROOM_API_KEY: an empty key between commas"),
+    (None, "# only a comment\n\n", {}, "--api-key-file: {path} holds no API key"),
+])
+def test_an_unusable_key_source_is_one_line_naming_it_and_never_a_key(tmp_path, keys, file_text, environ, message):
+    path = tmp_path / "keys"
+    if file_text is not None:
+        path.write_text(file_text)
+    with pytest.raises(auth.CredentialsError) as error:
+        auth.configured_api_keys(keys, str(path) if file_text is not None else None, environ)
+    assert str(error.value).startswith(message.format(path=path)) and "\n" not in str(error.value)
+    assert "sk-" not in str(error.value)
+
+
+def test_a_missing_key_file_names_the_flag_or_the_variable_that_gave_it(tmp_path):
+    missing = str(tmp_path / "absent")
+    with pytest.raises(auth.CredentialsError, match=f"^--api-key-file: cannot read {missing}: No such file"):
+        auth.configured_api_keys(key_file=missing, environ={})
+    with pytest.raises(auth.CredentialsError, match=f"^HEADROOM_API_KEY_FILE: cannot read {missing}"):
+        auth.configured_api_keys(environ={auth.API_KEY_FILE_ENV: missing})
+
+
+def test_serves_flags_reach_its_processes_through_the_environment(tmp_path):
+    import argparse
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("file-key\n")
+    environ = {auth.API_KEY_ENV: "inherited"}
+    auth.export_api_key_flags(argparse.Namespace(api_key=["k1", "k2"], api_key_file=str(key_file)), environ)
+    # A Ray worker reading only the environment accepts exactly what the flags configured.
+    assert auth.configured_api_keys(environ=environ) == ["k1", "k2", "file-key"]
+    assert environ[auth.API_KEY_FILE_ENV] == str(key_file.resolve())
+    untouched = {auth.API_KEY_ENV: "inherited"}
+    auth.export_api_key_flags(argparse.Namespace(api_key=None, api_key_file=None), untouched)
+    assert untouched == {auth.API_KEY_ENV: "inherited"}
+
+
+def test_a_server_beyond_loopback_without_a_key_gets_one_warning_line():
+    warning = auth.open_door_warning("0.0.0.0", Credentials())
+    assert warning.startswith("warning: serving on 0.0.0.0 without an API key") and "\n" not in warning
+    assert auth.open_door_warning("0.0.0.0", Credentials(["k"])) is None
+    for loopback in ("127.0.0.1", "localhost", "::1"):
+        assert auth.open_door_warning(loopback, Credentials()) is None
+
+
+def test_a_client_sends_its_flag_or_the_first_configured_key_as_bearer_metadata():
+    assert auth.client_api_key("flag-key", {auth.API_KEY_ENV: "env-1,env-2"}) == "flag-key"
+    assert auth.client_api_key(None, {auth.API_KEY_ENV: "env-1,env-2"}) == "env-1"
+    assert auth.client_api_key(None, {}) is None
+    assert auth.authorization_metadata("k") == (("authorization", "Bearer k"),)
+    assert auth.authorization_metadata(None) == ()
