@@ -2,7 +2,8 @@
 `grpc_servicer_functions` entries, called with the proxy's server before it starts):
 
 - `add_generation_to_server`: headroom.v1.Generation, routed to the applications by Serve's
-  own handlers, behind a size bound checked on the raw bytes (so an oversized message is
+  own handlers, behind the API key (`authorization` metadata, checked here so an
+  unauthenticated call is never shipped to an application) and a size bound checked on the raw bytes (so an oversized message is
   never parsed, pickled and shipped to an application, stalling every call that shares the
   proxy and the ingress), with the streaming Generate made cancel-safe. grpc.aio cancels a streaming
   handler wherever it is; when that is while a response is being written, Serve 2.60's
@@ -34,7 +35,9 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.grpc_reflection import V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME, add_v1_reflection
 from replica.errors import InvalidRequestError
+from replica.server.auth import Credentials, api_key_credentials, metadata_authorization, missing_credential
 from replica.server.request_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
+from replica.server.status import grpc_status
 
 GENERATION_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # The services a reflection client sees on the cluster port, the proxy's own included.
@@ -66,12 +69,15 @@ def is_loopback_peer(peer: str) -> bool:
         return False
 
 
-async def parsed(raw: bytes, message_type: type, limits: RequestLimits, context: Any) -> Any:
-    """The request from its raw bytes, refused past the bound or malformed (INVALID_ARGUMENT),
-    or from a remote client when the proxy serves loopback only (PERMISSION_DENIED)."""
+async def parsed(raw: bytes, message_type: type, limits: RequestLimits, credentials: Credentials, context: Any) -> Any:
+    """The request from its raw bytes, refused from a remote client when the proxy serves
+    loopback only (PERMISSION_DENIED), without an accepted API key (UNAUTHENTICATED), or past
+    the bound or malformed (INVALID_ARGUMENT)."""
     if os.environ.get(PROXY_LOOPBACK_ONLY_ENV) == "1" and not is_loopback_peer(context.peer()):
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             "this cluster serves local clients only (headroom serve --host 0.0.0.0 serves the network)")
+    if not credentials.accepts_authorization(metadata_authorization(context.invocation_metadata())):
+        await context.abort(*grpc_status(missing_credential("API key")))
     try:
         limits.check_request_bytes(len(raw))
         return message_type.FromString(raw)
@@ -112,20 +118,21 @@ class ContextUntilEnd:
 
 
 def bounded_unary(serve_handler: Callable[[Any, Any], Awaitable[bytes]], message_type: type,
-                  limits: RequestLimits) -> Callable[[bytes, Any], Awaitable[bytes]]:
+                  limits: RequestLimits, credentials: Credentials) -> Callable[[bytes, Any], Awaitable[bytes]]:
     async def handler(raw: bytes, context: Any) -> bytes:
-        return await serve_handler(await parsed(raw, message_type, limits, context), context)
+        return await serve_handler(await parsed(raw, message_type, limits, credentials, context), context)
 
     return handler
 
 
 def bounded_cancel_safe_stream(serve_handler: Callable[[Any, Any], AsyncIterator[bytes]], message_type: type,
-                               limits: RequestLimits) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+                               limits: RequestLimits, credentials: Credentials
+                               ) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
     """A unary-stream handler yielding what `serve_handler` yields, which it runs in a task
     that is cancelled (inside Serve's awaits) however this handler ends."""
 
     async def handler(raw: bytes, context: Any) -> AsyncIterator[bytes]:
-        request = await parsed(raw, message_type, limits, context)
+        request = await parsed(raw, message_type, limits, credentials, context)
         queue: asyncio.Queue = asyncio.Queue()
         serve_context = ContextUntilEnd(context)
 
@@ -170,14 +177,17 @@ def add_generation_to_server(servicer: object, server: grpc.aio.Server) -> None:
     # plain ones; they still route through Serve (its handlers, metrics and access log).
     mark_local(GENERATION_SERVICE_NAME)
     limits = proxy_request_limits()
+    # The keys this node's environment configures (`headroom serve` exports its flags there
+    # before Ray starts; on Kubernetes the chart sets them): none leaves Generation open.
+    credentials = api_key_credentials()
     unary = gRPCStreamingType.UNARY_UNARY
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(bounded_cancel_safe_stream(
-            routed("Generate", gRPCStreamingType.UNARY_STREAM), pb.GenerateRequest, limits)),
+            routed("Generate", gRPCStreamingType.UNARY_STREAM), pb.GenerateRequest, limits, credentials)),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
-            bounded_unary(routed("Tokenize", unary), pb.TokenizeRequest, limits)),
+            bounded_unary(routed("Tokenize", unary), pb.TokenizeRequest, limits, credentials)),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            bounded_unary(routed("GetModelInfo", unary), pb.ModelInfoRequest, limits)),
+            bounded_unary(routed("GetModelInfo", unary), pb.ModelInfoRequest, limits, credentials)),
     }
     # No (de)serializers: requests arrive as raw bytes (bounded, then parsed above), and
     # Serve's handlers answer with the bytes the application serialized.

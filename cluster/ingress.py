@@ -1,6 +1,7 @@
 """The application's ingress: `headroom.v1.Generation` through Ray Serve's gRPC proxy and an
 OpenAI-compatible HTTP API through its HTTP proxy, both streaming from LLMReplica through the
-router. Requests are bounded and validated here, at the edge (sizes before parsing, prompts
+router. With API keys configured, every /v1 route needs one (401 in OpenAI's shape) and GET
+/health stays open. Requests are bounded and validated here, at the edge (sizes before parsing, prompts
 before tokenizing, long prompts tokenized off the event loop); a replica lost before a
 request's first token is retried on another one; a stream nobody reads any more is cancelled
 on its replica.
@@ -17,12 +18,13 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.autoscaler_metrics import AutoscalerCollector
@@ -50,6 +52,7 @@ from replica.server.grpc_service import (
 )
 from replica.model.registry import resolve_model_path
 from replica.core.request import validate_prompt
+from replica.server.auth import Credentials, api_key_credentials, metadata_authorization, missing_credential
 from replica.server.request_limits import encode_prompt
 from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler
@@ -80,8 +83,42 @@ APPLICATION_METADATA_KEY = "application"
 COMPLETION_PARAM_FOR_FIELD = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}
 CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 
+# The routes that need the API key (as vLLM's server: its /v1 API; /health and the API's
+# own description stay open).
+API_KEY_PATH_PREFIX = "/v1"
+HTTP_AUTHORIZATION_HINT = "header 'Authorization"
+
+
+class RequireAPIKey:
+    """ASGI middleware: a request to a /v1 route without `Authorization: Bearer <API key>` is
+    answered 401 in OpenAI's shape (`invalid_api_key`) before any route sees it. The keys
+    are this process' (replica/server/auth.py); with none configured every request passes."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.credentials = api_key_credentials()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and self.credentials.required and _needs_api_key(scope)
+                and not self.credentials.accepts_authorization(Headers(scope=scope).get("authorization"))):
+            status, body = openai_error(missing_credential("API key", HTTP_AUTHORIZATION_HINT), {})
+            # RFC 6750: a 401 names the scheme it wants.
+            await JSONResponse(body, status_code=status, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _needs_api_key(scope: dict[str, Any]) -> bool:
+    """Whether the request's path, below the application's route prefix, is a /v1 route."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path == API_KEY_PATH_PREFIX or path.startswith(API_KEY_PATH_PREFIX + "/")
+
+
 api = FastAPI(title="headroom", description="OpenAI-compatible API of one headroom model")
 api.add_middleware(DisconnectWhenReceiveIsCancelled)
+api.add_middleware(RequireAPIKey)  # the outermost: a refused request costs nothing more
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -144,6 +181,11 @@ def _abort(grpc_context: RayServegRPCContext, error: HeadroomError) -> None:
     raise error
 
 
+def refuse_without_api_key(grpc_context: RayServegRPCContext, credentials: Credentials) -> None:
+    if not credentials.accepts_authorization(metadata_authorization(grpc_context.invocation_metadata())):
+        _abort(grpc_context, missing_credential("API key"))
+
+
 # Serve's FastAPI ingress pickles the class when it is decorated: everything its methods call
 # must be defined above it.
 @serve.deployment(
@@ -161,6 +203,9 @@ def _abort(grpc_context: RayServegRPCContext, error: HeadroomError) -> None:
 class Ingress:
     async def __init__(self, llm: DeploymentHandle, config: ClusterConfig):
         log_client_errors_in_one_line()
+        # Read here too (RequireAPIKey reads them for HTTP) so that an unusable key file fails
+        # the deployment at start, not its first request.
+        self.api_keys = api_key_credentials()
         self.llm = llm
         self.app_name = serve.get_replica_context().app_name
         self.model_id = config.served_model_id
@@ -301,7 +346,11 @@ class Ingress:
 
     # ---- gRPC: headroom.v1.Generation ---------------------------------------------------
     def _check_application(self, grpc_context: RayServegRPCContext) -> None:
-        """Serve's proxy hands a lone application every call, whatever application it names."""
+        """The call's API key and application. headroom's proxy handlers (cluster/grpc_proxy.py)
+        refuse a call without a key before it gets here; this refuses one that came through
+        Serve's plain handlers (a config registering Generation without them). Serve's proxy
+        hands a lone application every call, whatever application it names."""
+        refuse_without_api_key(grpc_context, self.api_keys)
         named = dict(grpc_context.invocation_metadata()).get(APPLICATION_METADATA_KEY)
         if named is not None and named != self.app_name:
             _abort(grpc_context, ClientRefusal(
@@ -351,6 +400,15 @@ class Ingress:
         return self._model_info
 
     # ---- HTTP: OpenAI-compatible API ----------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        """200 while Serve runs a replica of this application's engine, else 503: open to
+        load balancers and probes whatever the API keys (as vLLM's /health)."""
+        if await asyncio.to_thread(running_replicas, self.app_name):  # blocks on Serve's controller
+            return Response(status_code=200)
+        return JSONResponse(error_body(f"application {self.app_name!r} has no running replica", None,
+                                       "replica_unavailable", "server_error"), status_code=503)
+
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         info = await self.model_info()

@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 
 from ray.exceptions import TaskCancelledError
 
-from replica.errors import HeadroomError, InvalidRequestError, QueueFullError
+from replica.errors import AuthenticationError, HeadroomError, InvalidRequestError, QueueFullError
 
 # Ray Serve's logger (ray.serve._private.constants.SERVE_LOGGER_NAME), where it logs
 # "Request failed." with the exception of a failed call.
@@ -28,7 +28,7 @@ class ClientRefusal(HeadroomError):
     openai_code = "not_found"
 
 
-CLIENT_ERRORS = (InvalidRequestError, QueueFullError, ClientRefusal)
+CLIENT_ERRORS = (InvalidRequestError, QueueFullError, ClientRefusal, AuthenticationError)
 
 
 # How Serve's gRPC proxy words a call that ended with the status the application set: the
