@@ -1,5 +1,6 @@
 """`headroom replica`: one engine served over gRPC without Ray, until SIGINT or SIGTERM,
-with optional Prometheus /metrics; a graceful stop lets in-flight streams end cleanly. The
+with optional Prometheus /metrics and API keys (as `headroom serve` takes them); a graceful
+stop lets in-flight streams end cleanly. The
 engine runs in an engine-core process of its own; this process is its gRPC front.
 """
 
@@ -15,6 +16,9 @@ import socket
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.front.async_engine import AsyncEngine
 from replica.config import ConfigError, EngineConfig
+from replica.server.auth import (
+    Credentials, CredentialsError, add_api_key_arguments, api_key_credentials_from_args, open_door_warning,
+)
 from replica.server.metrics import ReplicaMetrics
 from replica.model import ModelConfigError
 from replica.model.loader import ModelLoadError
@@ -23,6 +27,8 @@ from replica.server.replica_server import ReplicaServer
 from replica.core.process import freeze_startup_heap
 from replica.ipc.messages import CoreSpec
 
+logger = logging.getLogger(__name__)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
@@ -30,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a .gguf file, or a local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    add_api_key_arguments(parser)
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on this port (same host); off when unset")
     parser.add_argument("--replica-id", default=None, help="id in load reports and metric labels (default: HOST-PID)")
@@ -51,18 +58,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config_from_args(args)
+        credentials = api_key_credentials_from_args(args)
         resolve_model_path(args.model)  # a missing directory is a usage error, before any process starts
-    except (ConfigError, FileNotFoundError, ModelLoadError) as error:
+    except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
+    if warning := open_door_warning(args.host, credentials):
+        logger.warning(warning)
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
-        asyncio.run(_serve(config, replica_id, args))
+        asyncio.run(_serve(config, replica_id, credentials, args))
     except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError) as error:  # raised by the core building the engine
         parser.error(str(error))
     return 0
 
 
-async def _serve(config: EngineConfig, replica_id: str, args: argparse.Namespace) -> None:
+async def _serve(config: EngineConfig, replica_id: str, credentials: Credentials, args: argparse.Namespace) -> None:
     engine = AsyncEngine(CoreSpec(config, args.model, device=args.device, dtype=args.dtype,
                                   attention_backend=args.attention_backend, torch_threads=args.torch_threads,
                                   engine_factory=args.engine_factory))
@@ -71,7 +81,7 @@ async def _serve(config: EngineConfig, replica_id: str, args: argparse.Namespace
     if args.metrics_port is not None:
         metrics_server, _ = metrics.start_http_server(args.metrics_port, args.host)
         print(f"metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
-    server = ReplicaServer(engine, replica_id, args.model, metrics)
+    server = ReplicaServer(engine, replica_id, args.model, metrics, credentials=credentials)
     port = await server.start(args.host, args.port)
     # As the engine core does: no full collection of the startup heap stops the event loop
     # (and with it every stream and every new request) mid-serving.

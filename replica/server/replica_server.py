@@ -1,6 +1,7 @@
 """ReplicaServer: one AsyncEngine (the front of an engine-core process) as a grpc.aio service
 without Ray: Generation and LoadReporter, standard health checking (NOT_SERVING once the core
-is gone) and reflection (v1 and v1alpha), Prometheus metrics kept in step with every load the
+is gone) and reflection (v1 and v1alpha), every other method behind the API key when one is
+configured (BearerAuthInterceptor; health and reflection stay open), Prometheus metrics kept in step with every load the
 core publishes and every output the front streams, and a graceful stop that lets in-flight
 streams end cleanly.
 """
@@ -17,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.front.async_engine import AsyncEngine
+from replica.server.auth import BearerAuthInterceptor, Credentials
 from replica.server.grpc_reflection import enable_reflection
 from replica.server.grpc_service import GenerationServicer, LoadReporterServicer
 from replica.server.load_report import LoadReportBuilder
@@ -37,8 +39,9 @@ FINAL_WRITES_GRACE_S = 1.0
 
 class ReplicaServer:
     def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics,
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(), credentials: Credentials = Credentials()):
         self.engine = engine
+        self.credentials = credentials
         self.replica_id = replica_id
         self.model_id = model_id
         self.metrics = metrics
@@ -57,7 +60,8 @@ class ReplicaServer:
         # deployment's generate) then feeds the same latency histograms.
         self.engine.observe_requests(RequestMetrics(self.metrics, self.engine.engine.clock))
         self._stopping = asyncio.Event()
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[BearerAuthInterceptor(self.credentials, "API key")]
+                                 if self.credentials.required else None)
         pb_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
         )
