@@ -330,6 +330,20 @@ class HTTPOptions(_Strict):
     # Serve's own default: a laptop's API is not on the network unless asked (0.0.0.0 in a pod).
     host: str = DEFAULT_HTTP_HOST
     port: int = Field(PortsConfig.model_fields["http"].default, ge=1, le=65535)
+    # HTTPS, by Serve's HTTP proxy (Serve's own field names). Paths as every proxy's node sees
+    # them (a mounted Secret on Kubernetes). Serve's gRPC proxy has no TLS: see the README.
+    ssl_certfile: Optional[str] = Field(None, description="PEM certificate (chain) the HTTP proxy serves HTTPS with.")
+    ssl_keyfile: Optional[str] = Field(None, description="PEM private key of ssl_certfile.")
+    ssl_ca_certs: Optional[str] = Field(None, description="CA bundle to verify client certificates with (optional).")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "HTTPOptions":
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
+            raise ConfigError(f"{missing}: HTTPS needs both ssl_certfile and ssl_keyfile")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ConfigError("ssl_ca_certs: client certificates need HTTPS (ssl_certfile and ssl_keyfile)")
+        return self
 
 
 class GRPCOptions(_Strict):

@@ -8,10 +8,10 @@ router metrics) listen on 127.0.0.1 too.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import signal
+import ssl
 import threading
 from typing import Any, Mapping, Optional
 
@@ -29,7 +29,13 @@ from cluster.engine_args import add_engine_config_arguments, engine_overrides_fr
 from replica.model.loader import ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.config import ConfigError
+from replica.server.auth import (
+    CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, is_loopback_host,
+    open_door_warning,
+)
 from router.policies import POLICIES
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: the config's http_options.host, {DEFAULT_HTTP_HOST}); 0.0.0.0 for all")
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default: 8000)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: 9000)")
+    add_api_key_arguments(parser)
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="serve the HTTP API over HTTPS with this PEM certificate (chain), with --tls-key "
+                             "(default: the config's http_options.ssl_certfile; Serve's gRPC proxy has no TLS)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE",
+                        help="the PEM private key of --tls-cert (default: the config's http_options.ssl_keyfile)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray cluster offers (default: all)")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
@@ -78,7 +90,33 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
             document.setdefault(f"{proxy}_options", {})["port"] = port
     if args.host is not None:
         document.setdefault("http_options", {})["host"] = args.host
-    return load_config(document)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key: give both (the certificate and its private key) or neither")
+    if args.tls_cert is not None:
+        document.setdefault("http_options", {}).update(ssl_certfile=os.path.abspath(args.tls_cert),
+                                                       ssl_keyfile=os.path.abspath(args.tls_key))
+    config = load_config(document)
+    check_tls_files(config, from_flags=args.tls_cert is not None)
+    return config
+
+
+def check_tls_files(config: ServeAppsConfig, from_flags: bool) -> None:
+    """Loads the HTTPS certificate and key as Serve's proxy will, so a missing file, a file that
+    is not PEM or a key that does not match fail here, naming the flag (or config field)."""
+    options = config.http_options
+    if options.ssl_certfile is None:
+        return
+    cert, key = ("--tls-cert", "--tls-key") if from_flags else ("http_options.ssl_certfile", "http_options.ssl_keyfile")
+    for name, path in ((cert, options.ssl_certfile), (key, options.ssl_keyfile)):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{name}: no such file {path}")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(options.ssl_certfile, options.ssl_keyfile)
+    except ssl.SSLError as error:
+        raise ConfigError(f"{cert} and {key}: not a PEM certificate and its matching private key "
+                          f"({error.reason or error})") from None
+    if options.ssl_ca_certs is not None and not os.path.isfile(options.ssl_ca_certs):
+        raise ConfigError(f"http_options.ssl_ca_certs: no such file {options.ssl_ca_certs}")
 
 
 def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +153,7 @@ def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
     each application's ingress handle once all of them are running."""
     serve.start(
         proxy_location=config.proxy_location,
-        http_options=HTTPOptions(host=config.http_options.host, port=config.http_options.port),
+        http_options=HTTPOptions(**config.http_options.model_dump()),
         grpc_options=gRPCOptions(
             port=config.grpc_options.port, grpc_servicer_functions=list(config.grpc_options.grpc_servicer_functions)
         ),
@@ -128,17 +166,10 @@ def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
     }
 
 
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def with_local_binds(config: ServeAppsConfig) -> ServeAppsConfig:
     """`config` for a one-machine cluster: when the HTTP API binds to loopback, so does every
     endpoint the applications open (an application's explicit ports.bind_address wins)."""
-    if not is_loopback(config.http_options.host):
+    if not is_loopback_host(config.http_options.host):
         return config
     document = config.model_dump(exclude_unset=True)
     for application in document["applications"]:
@@ -155,13 +186,14 @@ def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_optio
     # application at once: by the largest application's limit.
     os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))
     # Serve binds its gRPC proxy to every interface: on loopback it then answers local clients only.
-    os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback(config.http_options.host) else "0"
+    os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback_host(config.http_options.host) else "0"
     ray.init(include_dashboard=False, num_cpus=num_cpus, **ray_options)
 
 
 def endpoints_text(config: ServeAppsConfig, host: str) -> str:
     """Where clients and Prometheus reach each application."""
     http_port, grpc_port = config.http_options.port, config.grpc_options.port
+    scheme = "https" if config.http_options.ssl_certfile is not None else "http"
     lines = []
     for app in config.applications:
         args = app.args
@@ -170,7 +202,7 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
                     if autoscaling is not None else args.replicas.num_replicas)
         lines.append(f"application {app.name!r}: model {args.model}, replicas {replicas}, router {args.router.policy}")
         if app.route_prefix is not None:
-            lines.append(f"  HTTP  http://{host}:{http_port}{app.route_prefix.rstrip('/')}/v1  "
+            lines.append(f"  HTTP  {scheme}://{host}:{http_port}{app.route_prefix.rstrip('/')}/v1  "
                          "(OpenAI API: /completions, /chat/completions, /models)")
         lines.append(f"  gRPC  {host}:{grpc_port}  headroom.v1.Generation, grpc.health.v1, reflection  "
                      f"(metadata application={app.name})")
@@ -179,7 +211,7 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
         if args.monitoring.targets_dir is not None:
             lines.append(f"  Prometheus targets  {args.monitoring.targets_dir}/{app.name}-*.json (file_sd, "
                          "kept current; deploy/prometheus.yml reads them)")
-    if is_loopback(config.http_options.host):
+    if is_loopback_host(config.http_options.host):
         # Ray Serve 2.60 has no bind address for its gRPC proxy: say what happens instead.
         lines.append(f"note: Serve's gRPC proxy listens on every interface (port {grpc_port}) "
                      "and refuses clients that are not on this machine")
@@ -190,6 +222,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = with_local_binds(serve_config_from_args(args))
+        credentials = api_key_credentials_from_args(args)
         for index, app in enumerate(config.applications):
             if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
                 raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
@@ -197,8 +230,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for app in config.applications:
             # Fetched and converted here, once, before any replica starts; a missing model fails here.
             resolve_model_path(app.args.model)
-    except (ConfigError, FileNotFoundError, ModelLoadError) as error:
+    except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
+    if warning := open_door_warning(config.http_options.host, credentials):
+        logger.warning(warning)
+    # Before Ray starts: its processes (the proxies, the ingresses) read the keys from here.
+    export_api_key_flags(args)
     init_local_ray(config, args.num_cpus)
     stop_requested = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
