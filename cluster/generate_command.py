@@ -15,6 +15,7 @@ import grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
+from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC address host:port (default: %(default)s)")
     parser.add_argument("--application", default=None,
                         help="Serve application (model) to call; needed when the cluster serves several")
+    add_client_api_key_argument(parser)
 
 
 # Newlines and tabs lay text out; every other control character (ESC, backspace, carriage
@@ -58,9 +60,11 @@ def terminal_safe(text: str) -> str:
     )
 
 
-def call_metadata(application: str | None) -> tuple[tuple[str, str], ...]:
-    # Serve's gRPC proxy picks the application from this metadata key.
-    return (("application", application),) if application else ()
+def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The metadata of every call to --target: the application (Serve's gRPC proxy picks it
+    from this key) and the API key (--api-key, else $HEADROOM_API_KEY)."""
+    application = (("application", args.application),) if args.application else ()
+    return application + authorization_metadata(client_api_key(args.api_key))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -71,6 +75,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling.seed = args.seed
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    try:
+        metadata = call_metadata(args)
+    except CredentialsError as error:
+        parser.error(str(error))
     request = pb.GenerateRequest(sampling=sampling)
     if args.json_schema is not None:
         try:
@@ -93,7 +101,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with grpc.insecure_channel(args.target) as channel:
         try:
             for response in pb_grpc.GenerationStub(channel).Generate(
-                request, timeout=args.timeout_s, metadata=call_metadata(args.application)
+                request, timeout=args.timeout_s, metadata=metadata
             ):
                 sys.stdout.write(response.text if args.raw else terminal_safe(response.text))
                 sys.stdout.flush()
