@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.cli import build_parser, main
 from cluster.serve_command import serve_config_from_args
@@ -40,19 +41,32 @@ def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
     assert f"error: {field}:" in capsys.readouterr().err
 
 
-def test_replica_serves_generate_until_sigint_then_exits_0():
+def start_replica(*flags: str, stderr=subprocess.DEVNULL, env=None) -> tuple[subprocess.Popen, int]:
+    """`headroom replica` on the built-in model and a free port, once it listens."""
     process = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0", "--max-model-len", "128",
-         "--num-kv-blocks", "32", "--replica-id", "cli-replica"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy(),
+         "--num-kv-blocks", "32", *flags],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env or os.environ.copy(),
     )
+    for line in process.stdout:  # the port is printed once the server listens
+        if match := re.match(r"listening on \S+:(\d+)", line):
+            return process, int(match.group(1))
+    process.kill()
+    raise AssertionError("the replica never printed its port")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_replica_serves_generate_until_sigint_then_exits_0(tmp_path):
+    # On every interface and without a key: served, with one warning line saying so.
+    stderr_file = (tmp_path / "stderr").open("w")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HEADROOM_API_KEY")}
+    process, port = start_replica("--replica-id", "cli-replica", "--host", "0.0.0.0", stderr=stderr_file, env=env)
     try:
-        port = None
-        for line in process.stdout:  # the port is printed once the server listens
-            if match := re.match(r"listening on 127\.0\.0\.1:(\d+)", line):
-                port = int(match.group(1))
-                break
-        assert port is not None, "the replica never printed its port"
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
             responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=30))
@@ -60,9 +74,37 @@ def test_replica_serves_generate_until_sigint_then_exits_0():
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop(process)
+    warnings = [line for line in (tmp_path / "stderr").read_text().splitlines() if "without an API key" in line]
+    assert len(warnings) == 1 and "serving on 0.0.0.0" in warnings[0], warnings
+
+
+def test_replica_with_an_api_key_refuses_generate_without_it_and_leaves_health_open(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# replica keys\nreplica-key-1\n")
+    process, port = start_replica("--api-key-file", str(key_file))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+            for metadata in ((), (("authorization", "Bearer replica-key-2"),), (("x-api-key", "replica-key-1"),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.Generate(request, timeout=30, metadata=metadata))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "API key" in refused.value.details() and "replica-key" not in refused.value.details()
+            responses = list(stub.Generate(request, timeout=30, metadata=(("authorization", "Bearer replica-key-1"),)))
+            assert responses[-1].usage.completion_tokens == 3
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stop(process)
+
+
+def test_an_unusable_key_file_exits_2_naming_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["replica", "--api-key-file", str(tmp_path / "absent")])
+    assert exited.value.code == 2
+    assert f"error: --api-key-file: cannot read {tmp_path / 'absent'}: No such file" in capsys.readouterr().err
 
 
 # ---- headroom serve ----------------------------------------------------------------------
@@ -128,10 +170,13 @@ def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # --api-key reaches Serve's proxy (in a Ray worker) through the environment Ray inherits.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HEADROOM_API_KEY")}
+    env["RAY_AUTH_MODE"] = "disabled"
     process = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", "builtin", "--replicas", "1", "--num-cpus", "2",
-         "--http-port", "28300", "--grpc-port", "28301", "--max-model-len", "128", "--num-kv-blocks", "32"],
+         "--http-port", "28300", "--grpc-port", "28301", "--max-model-len", "128", "--num-kv-blocks", "32",
+         "--api-key", "serve-key"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )
     try:
@@ -142,16 +187,48 @@ def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
                 break
         text = "".join(printed)
         assert re.search(r"HTTP  http://\S+:28300/v1", text) and re.search(r"gRPC  \S+:28301", text), text
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
         with grpc.insecure_channel("127.0.0.1:28301") as channel:
-            responses = list(pb_grpc.GenerationStub(channel).Generate(
-                pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)), timeout=60))
+            stub = pb_grpc.GenerationStub(channel)
+            responses = list(stub.Generate(request, timeout=60, metadata=(("authorization", "Bearer serve-key"),)))
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(request, timeout=60))
         assert responses[-1].usage.completion_tokens == 3
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=120) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert", "cert.pem"], "error: --tls-cert and --tls-key: give both"),
+    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"],
+     "error: --tls-cert: no such file /nonexistent/cert.pem"),
+    (["--api-key", "a,b"], "error: --api-key: an API key cannot contain ','"),
+])
+def test_serve_with_unusable_tls_or_key_flags_exits_2_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_certificate_whose_key_does_not_match(tmp_path, capsys):
+    from tests.cluster.tls_harness import self_signed_certificate
+
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    cert, _ = self_signed_certificate(tmp_path / "one")
+    _, other_key = self_signed_certificate(tmp_path / "two")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", "--tls-cert", str(cert), "--tls-key", str(other_key)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --tls-cert and --tls-key: not a PEM certificate and its matching private key" in err
+    assert len(err.strip().splitlines()) == 2
 
 
 def test_a_bad_flag_is_one_line_naming_it_not_forty_lines_of_usage(capsys):
