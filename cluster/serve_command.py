@@ -92,9 +92,12 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
         document.setdefault("http_options", {})["host"] = args.host
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key: give both (the certificate and its private key) or neither")
+    http_options = document.setdefault("http_options", {})
     if args.tls_cert is not None:
-        document.setdefault("http_options", {}).update(ssl_certfile=os.path.abspath(args.tls_cert),
-                                                       ssl_keyfile=os.path.abspath(args.tls_key))
+        http_options.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+        if http_options.get(name):  # Serve's proxies do not run in this directory
+            http_options[name] = os.path.abspath(http_options[name])
     config = load_config(document)
     check_tls_files(config, from_flags=args.tls_cert is not None)
     return config
