@@ -1,9 +1,13 @@
 """ReplicaServer: one AsyncEngine (the front of an engine-core process) as a grpc.aio service
 without Ray: Generation and LoadReporter, standard health checking (NOT_SERVING once the core
-is gone) and reflection (v1 and v1alpha), every other method behind the API key when one is
-configured (BearerAuthInterceptor; health and reflection stay open), Prometheus metrics kept in step with every load the
+is gone) and reflection (v1 and v1alpha), Prometheus metrics kept in step with every load the
 core publishes and every output the front streams, and a graceful stop that lets in-flight
-streams end cleanly.
+streams end cleanly. Every other method is behind bearer credentials when some are
+configured (BearerAuthInterceptor; health checking and reflection stay open).
+
+`headroom replica` serves both services, behind its API keys. A cluster replica serves only
+LoadReporter (its generations come through Serve handles), behind the cluster token:
+`generation=False`, `credentials`, `credential_name="cluster token"`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ from replica.server.request_metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Generation", "LoadReporter"))
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+LOAD_REPORTER_SERVICE = pb.DESCRIPTOR.services_by_name["LoadReporter"].full_name
+# gRPC sets SO_REUSEPORT by default: two servers on one port would silently share its
+# connections. Off, a taken port fails to bind, so the next one can be tried.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 # Without new loads (an idle engine) the gauges are still refreshed this often, so the
 # smoothed preemption rate visibly decays to zero.
 IDLE_METRICS_REFRESH_S = 1.0
@@ -39,42 +47,52 @@ FINAL_WRITES_GRACE_S = 1.0
 
 class ReplicaServer:
     def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics,
-                 limits: RequestLimits = RequestLimits(), credentials: Credentials = Credentials()):
+                 limits: RequestLimits = RequestLimits(), *, generation: bool = True,
+                 credentials: Credentials = Credentials(), credential_name: str = "API key"):
+        """generation: serve headroom.v1.Generation beside LoadReporter (a cluster replica does
+        not: a direct Generate answers UNIMPLEMENTED). credentials: the bearer secrets every
+        call but health checking and reflection must carry (none: open); credential_name
+        names them in the refusal ("API key", "cluster token")."""
         self.engine = engine
-        self.credentials = credentials
         self.replica_id = replica_id
         self.model_id = model_id
         self.metrics = metrics
         self.limits = limits
         self.load_reports = LoadReportBuilder(replica_id, engine.stats)
+        self.generation = generation
+        self.service_names = ((GENERATION_SERVICE,) if generation else ()) + (LOAD_REPORTER_SERVICE,)
+        self.credentials = credentials
+        self.credential_name = credential_name
         self.port: Optional[int] = None
         self._server: Optional[grpc.aio.Server] = None
         self._health: Optional[health.aio.HealthServicer] = None
         self._stopping: Optional[asyncio.Event] = None
         self._metrics_task: Optional[asyncio.Task] = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Start the engine core (if not yet) and serve on host:port (0 picks a free port); returns the port."""
-        await self.engine.start()
-        # Every front that streams from this engine (this server's Generate, a Serve
-        # deployment's generate) then feeds the same latency histograms.
-        self.engine.observe_requests(RequestMetrics(self.metrics, self.engine.engine.clock))
+    async def start(self, host: str = "127.0.0.1", port: int = 0, port_search: int = 1) -> int:
+        """Serve on host:port, or the first free port of the `port_search` from `port` up (0
+        picks any free port), then start the engine core (if not yet); returns the port.
+        Raises OSError, before the engine core starts, when none of them is free."""
         self._stopping = asyncio.Event()
-        server = grpc.aio.server(interceptors=[BearerAuthInterceptor(self.credentials, "API key")]
-                                 if self.credentials.required else None)
-        pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
-        )
+        interceptors = [BearerAuthInterceptor(self.credentials, self.credential_name)] if self.credentials.required else []
+        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        if self.generation:
+            pb_grpc.add_GenerationServicer_to_server(
+                GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
+            )
         pb_grpc.add_LoadReporterServicer_to_server(
             LoadReporterServicer(self.engine, self.load_reports, self._stopping), server
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        enable_reflection(self.service_names + (health.SERVICE_NAME,), server)
+        self.port = _bind_first_free(server, host, port, port_search)
+        await self.engine.start()
+        # Every front that streams from this engine (this server's Generate, a Serve
+        # deployment's generate) then feeds the same latency histograms.
+        self.engine.observe_requests(RequestMetrics(self.metrics, self.engine.engine.clock))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.engine.on_dead(self._core_died)
-        enable_reflection(SERVICE_NAMES + (health.SERVICE_NAME,), server)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = server.add_insecure_port(address)
         await server.start()
         self._server = server
         self._metrics_task = asyncio.get_running_loop().create_task(self._sync_metrics(), name="replica-metrics")
@@ -99,7 +117,7 @@ class ReplicaServer:
         logger.info("replica %s stopped", self.replica_id)
 
     async def _set_health(self, status: int) -> None:
-        for service in ("",) + SERVICE_NAMES:  # "" is the whole server, as health clients ask by default
+        for service in ("",) + self.service_names:  # "" is the whole server, as health clients ask by default
             await self._health.set(service, status)
 
     def _core_died(self, error: Exception) -> None:
@@ -114,3 +132,16 @@ class ReplicaServer:
             version = await self.engine.wait_for_load(version, timeout=IDLE_METRICS_REFRESH_S)
             load = self.engine.load()
             self.metrics.update(load, self.load_reports.build(load))
+
+
+def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_search: int) -> int:
+    """Binds `server` on `host` to the first port it can have from `base_port` up (at most
+    `port_search` of them; port 0 is any free one); returns it."""
+    last_port = base_port if base_port == 0 else min(base_port + port_search, 65536) - 1
+    for port in range(base_port, last_port + 1):
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            return server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind": taken (or not an address of this host)
+            continue
+    raise OSError(f"no free port on {host} in {base_port}..{last_port}")

@@ -10,7 +10,7 @@ import asyncio
 import threading
 import time
 import urllib.request
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,22 +31,27 @@ MODEL_ID = "builtin"
 
 class RunningReplica:
     def __init__(self, engine_factory: str = CoreSpec._field_defaults["engine_factory"],
-                 limits: RequestLimits = RequestLimits(), **engine_config: Any):
+                 limits: RequestLimits = RequestLimits(), server_options: Optional[dict[str, Any]] = None,
+                 port: int = 0, port_search: int = 1, **engine_config: Any):
+        """server_options: ReplicaServer's keyword options (generation, credentials, ...);
+        port, port_search: where it binds, as ReplicaServer.start takes them."""
         self.spec = CoreSpec(make_engine_config(**engine_config), "builtin", device="cpu", engine_factory=engine_factory)
         self.limits = limits
+        self.server_options = server_options or {}
         self.metrics = ReplicaMetrics(REPLICA_ID, MODEL_ID)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="replica-loop", daemon=True)
         self._thread.start()
-        self.port = self.call(self._start())
+        self.port = self.call(self._start(port, port_search))
         self.address = f"127.0.0.1:{self.port}"
         self._metrics_http, _ = self.metrics.start_http_server(0, "127.0.0.1")
         self.metrics_url = f"http://127.0.0.1:{self._metrics_http.server_port}/metrics"
 
-    async def _start(self) -> int:
+    async def _start(self, port: int, port_search: int) -> int:
         self.async_engine = AsyncEngine(self.spec)
-        self.server = ReplicaServer(self.async_engine, REPLICA_ID, MODEL_ID, self.metrics, self.limits)
-        return await self.server.start("127.0.0.1", 0)
+        self.server = ReplicaServer(self.async_engine, REPLICA_ID, MODEL_ID, self.metrics, self.limits,
+                                    **self.server_options)
+        return await self.server.start("127.0.0.1", port, port_search)
 
     def call(self, coro: Coroutine, timeout: float = 60.0) -> Any:
         """Run a coroutine on the server's loop (where the engine may be inspected) and wait."""

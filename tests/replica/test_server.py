@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 import re
+import socket
 import time
 
 import grpc
@@ -18,6 +19,7 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.metrics import REPLICA_METRIC_NAMES
 from replica.core.request import SamplingParams
+from replica.server.auth import Credentials
 from replica.server.request_limits import RequestLimits
 from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling
 
@@ -568,6 +570,65 @@ def test_reflection_lists_and_describes_the_services_in_both_protocol_versions(r
     assert {"headroom.v1.Generation", "headroom.v1.LoadReporter", "grpc.health.v1.Health",
             "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
     assert any(file.package == "headroom.v1" and file.service[0].name == "Generation" for file in files)
+
+
+# ---- a cluster replica's internal endpoint ----------------------------------------------
+def test_without_generation_behind_a_token_the_server_answers_loads_to_the_token_only():
+    """As LLMReplica runs it: LoadReporter (and open health and reflection) behind the cluster
+    token, no Generation, on the first free port from a base (here the base is taken)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    base_port = taken.getsockname()[1]
+    replica = RunningReplica(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS,
+                             server_options=dict(generation=False, credentials=Credentials(["cluster-secret"]),
+                                                 credential_name="cluster token"),
+                             port=base_port, port_search=8)
+    token = (("authorization", "Bearer cluster-secret"),)
+    try:
+        assert base_port < replica.port < base_port + 8
+        with grpc.insecure_channel(replica.address) as channel:
+            generate = generation_stub(channel).Generate(
+                pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=2)), metadata=token, timeout=30)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(generate)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            loads = pb_grpc.LoadReporterStub(channel)
+            calls = {
+                "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
+                "WatchLoad": lambda metadata: first_of(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata,
+                                                                       timeout=30)),
+                "WatchKVEvents": lambda metadata: first_of(loads.WatchKVEvents(pb.WatchKVEventsRequest(),
+                                                                               metadata=metadata, timeout=30)),
+            }
+            for name, call in calls.items():
+                for metadata in (None, (("authorization", "Bearer cluster-secre"),), (("authorization", "cluster-secret"),)):
+                    with pytest.raises(grpc.RpcError) as unauthenticated:
+                        call(metadata)
+                    assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
+                    assert "cluster token" in unauthenticated.value.details()
+                    assert "cluster-secre" not in unauthenticated.value.details()
+            assert calls["GetLoad"](token).replica_id == REPLICA_ID
+            assert calls["WatchLoad"](token).replica_id == REPLICA_ID
+            assert calls["WatchKVEvents"](token).snapshot
+            services, _ = reflect(channel, "v1", "headroom.v1.LoadReporter")
+        assert "headroom.v1.LoadReporter" in services and "headroom.v1.Generation" not in services
+        for service in ("", "headroom.v1.LoadReporter"):
+            assert replica.health_status(service) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            replica.health_status("headroom.v1.Generation")
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        replica.close()
+        taken.close()
+
+
+def first_of(stream):
+    """The first message of a server stream, which is then cancelled."""
+    try:
+        return next(stream)
+    finally:
+        stream.cancel()
 
 
 def test_graceful_shutdown_reports_not_serving_refuses_new_work_and_finishes_in_flight(fresh_replica):
