@@ -208,12 +208,33 @@ class PortsConfig(_Strict):
         9200, ge=1, le=65535,
         description="Each ingress' router /metrics (headroom_router_*); ingresses sharing a node count up from it.",
     )
+    # The replica-internal endpoint (LoadReporter: loads and KV events for the routers and
+    # `headroom status`, behind the cluster token): a fixed base, so a NetworkPolicy or a
+    # firewall can name it; co-located replicas count up from it, like their /metrics.
+    replica_grpc: int = Field(
+        9300, ge=0, le=65535,
+        description="Each replica's internal gRPC endpoint (LoadReporter, cluster token required); replicas "
+        "sharing a node count up from it; 0 = any free port.",
+    )
     bind_address: Optional[str] = Field(
         None, min_length=1,
         description="Address the replicas' load and metrics endpoints and the routers' metrics listen on; "
         "null = the Ray node's IP, which routers and Prometheus on other nodes reach (headroom serve sets "
         "127.0.0.1 when its HTTP host is loopback).",
     )
+
+    @model_validator(mode="after")
+    def _one_endpoint_per_port(self) -> "PortsConfig":
+        # Two endpoints on one base port would each search upward from it, and whichever binds
+        # first takes the port a PodMonitor or NetworkPolicy names for the other.
+        owners: dict[int, str] = {}
+        for name in ("http", "grpc", "metrics", "router_metrics", "replica_grpc"):
+            port = getattr(self, name)
+            if port in owners:
+                raise ConfigError(f"{name}: {port} is also ports.{owners[port]}; each endpoint needs a port of its own")
+            if port:  # 0: any free port
+                owners[port] = name
+        return self
 
 
 class LimitsConfig(_Strict):

@@ -39,7 +39,7 @@ def test_defaults_serve_two_smollm2_replicas_on_the_headroom_router():
     assert config.engine == EngineConfig()
     assert config.replicas.num_replicas == 2 and config.replicas.autoscaling is None
     assert config.router.policy == "headroom" and config.router.staleness_s == 1.0
-    assert (config.ports.http, config.ports.grpc, config.ports.metrics) == (8000, 9000, 9100)
+    assert (config.ports.http, config.ports.grpc, config.ports.metrics, config.ports.replica_grpc) == (8000, 9000, 9100, 9300)
 
 
 def test_model_id_defaults_to_the_model_directory_name():
@@ -77,6 +77,12 @@ def test_router_policy_names_are_the_router_registry():
      "applications[0].args.router.knobs.preemption_weight: "),
     (app_document(device="tpu"), "applications[0].args.device: "),
     (app_document(ports={"http": 8001}), "applications[0].args.ports.http: 8001 differs from http_options.port 8000"),
+    (app_document(ports={"replica_grpc": 65536}),
+     "applications[0].args.ports.replica_grpc: Input should be less than or equal to 65535"),
+    (app_document(ports={"replica_grpc": -1}), "applications[0].args.ports.replica_grpc: Input should be greater than"),
+    (app_document(ports={"replica_grpc": 9100}),
+     "applications[0].args.ports.replica_grpc: 9100 is also ports.metrics; each endpoint needs a port of its own"),
+    ({"ports": {"router_metrics": 9100}}, "ports.router_metrics: 9100 is also ports.metrics"),
     ({"applications": [{"name": "a"}, {"name": "a", "route_prefix": "/b"}]}, "applications[1].name: "),
     ({"applications": [{"name": "a"}, {"name": "b"}]}, "applications[1].route_prefix: "),
     ({"applications": [{"name": "a", "import_path": "my.app:app"}]}, "applications[0].import_path: "),
