@@ -1,9 +1,10 @@
 """The LLMReplica Ray Serve deployment: one AsyncEngine per replica (the front of its own
-engine-core process), streaming generations to Serve callers, with a ReplicaServer beside it
-whose WatchLoad stream feeds the routers. The replica announces that endpoint (and its
-/metrics) through `record_routing_stats`; HeadroomRequestRouter routes; `running_replicas`
-lists them from Serve's controller. If the core dies, `check_health` fails and Serve replaces
-the replica.
+engine-core process), streaming generations to Serve callers, with a replica-internal
+ReplicaServer beside it (LoadReporter only, behind the cluster token, on ports.replica_grpc)
+whose WatchLoad and WatchKVEvents streams feed the routers. The replica announces that
+endpoint (and its /metrics) through `record_routing_stats`; HeadroomRequestRouter routes;
+`running_replicas` lists them from Serve's controller. If the core dies, `check_health` fails
+and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from replica.core.outputs import RequestOutput
 from replica.server.grpc_service import TTFTTargets, model_info_proto
 from replica.server.metrics import ReplicaMetrics
 from replica.core.request import SamplingParams
+from replica.server.auth import Credentials
 from replica.server.replica_server import ReplicaServer
 from replica.core.process import freeze_startup_heap
 from replica.ipc.messages import CoreSpec
+from router.cluster_token import CREDENTIAL_NAME, cluster_token
 from router.headroom_router import ROUTING_KWARG
 from router.policies import RoutingRequest
 from router.serve_router import LOAD_ENDPOINT_STAT, REPLICA_ID_STAT
@@ -48,9 +51,9 @@ REQUEST_ROUTER_CLASS = "router.serve_router:HeadroomRequestRouter"
 # Routing stats never change after start-up, so the controller only needs to ask soon
 # after a replica starts; asking often would be wasted actor calls.
 ROUTING_STATS_PERIOD_S = 30.0
-# Co-located replicas (ingresses) count up from ports.metrics (ports.router_metrics); more
-# than this on one node would be a configuration mistake.
-METRICS_PORT_SEARCH = 64
+# Co-located replicas (ingresses) count up from ports.metrics, ports.replica_grpc
+# (ports.router_metrics); more than this on one node would be a configuration mistake.
+PORT_SEARCH = 64
 # On stop, in-flight requests may finish for this long before they are aborted.
 SHUTDOWN_GRACE_S = 5.0
 # How often Serve asks check_health (a dict lookup): a replica whose engine core died is
@@ -112,10 +115,16 @@ class LLMReplica:
         ))
         self.model_id = config.served_model_id
         metrics = ReplicaMetrics(self.replica_id, config.served_model_id)
+        # Generations reach the replica through Serve handles only: its own endpoint serves the
+        # routers' load and KV-event streams, to holders of the cluster token.
         self.server = ReplicaServer(self.engine, self.replica_id, config.served_model_id, metrics,
-                                    config.limits.request_limits())
+                                    config.limits.request_limits(), generation=False,
+                                    credentials=Credentials([cluster_token()]), credential_name=CREDENTIAL_NAME)
         host = bind_address(config)
-        port = await self.server.start(host, 0)  # spawns the engine core and waits for its engine
+        try:  # binds, then spawns the engine core and waits for its engine
+            port = await self.server.start(host, config.ports.replica_grpc, PORT_SEARCH)
+        except OSError as error:
+            raise RuntimeError(f"ports.replica_grpc: {error}") from None
         self.load_endpoint = f"{host}:{port}"
         self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
         self.metrics_endpoint = f"{host}:{self.metrics_http.server_port}"
@@ -228,14 +237,14 @@ def serve_metrics_on_free_port(
     """Serves /metrics on the first free port from `base_port` up: processes sharing a node
     take consecutive ports, which Prometheus' scrape config can list. `config_field` names the
     config field of `base_port` for the error."""
-    for port in range(base_port, min(base_port + METRICS_PORT_SEARCH, 65536)):
+    for port in range(base_port, min(base_port + PORT_SEARCH, 65536)):
         try:
             server, _ = start_http_server(port, host)
         except OSError:  # taken by a co-located replica (or anything else)
             continue
         logger.info("metrics on http://%s:%d/metrics", host, port)
         return server
-    raise RuntimeError(f"{config_field}: no free port in {base_port}..{base_port + METRICS_PORT_SEARCH - 1}")
+    raise RuntimeError(f"{config_field}: no free port in {base_port}..{base_port + PORT_SEARCH - 1}")
 
 
 def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.Deployment:
@@ -259,7 +268,9 @@ def build_llm_replica(
     *,
     engine_overrides_by_rank: Optional[Mapping[int, Mapping[str, object]]] = None,
 ) -> serve.Application:
-    """The bound LLMReplica application (needs a connected Ray, to count its GPUs)."""
+    """The bound LLMReplica application (needs a connected Ray, to count its GPUs). Makes the
+    cluster token, if this Ray cluster has none yet, before any replica or router needs it."""
+    cluster_token()
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
     return llm_replica_deployment(config, cluster_gpus).bind(config, engine_overrides_by_rank)
 

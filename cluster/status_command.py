@@ -1,7 +1,8 @@
 """`headroom status`: every engine replica of a running cluster with its live load (KV headroom
 and usage, preemption rate, running and waiting requests), read from the load endpoint each
-replica announces to the routers; then, per application, the replicas running against the
-count its autoscaling policy wants (and why) and those draining.
+replica announces to the routers, with the cluster token it reads from Ray as the routers do
+(joining the Ray cluster is what entitles it); then, per application, the replicas running
+against the count its autoscaling policy wants (and why) and those draining.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from cluster.autoscaling import decision_changes, latest_decision
 from cluster.deployment import ReplicaCounts, replica_counts, routing_stats, running_replicas
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
+from replica.server.auth import bearer_metadata
+from router.cluster_token import cluster_token
 from router.serve_router import LOAD_ENDPOINT_STAT
 
 LOAD_TIMEOUT_S = 5.0
@@ -53,10 +56,11 @@ def replica_statuses() -> list[ReplicaStatus]:
     """Every running LLMReplica of every application, with its load now (needs Ray connected
     and Serve running). The endpoints come from the replicas' own routing stats: the one
     place they are announced."""
-    return [_status_of(app_name, replica) for app_name, replica in running_replicas()]
+    metadata = bearer_metadata(cluster_token())
+    return [_status_of(app_name, replica, metadata) for app_name, replica in running_replicas()]
 
 
-def _status_of(app_name: str, replica: dict) -> ReplicaStatus:
+def _status_of(app_name: str, replica: dict, metadata: tuple[tuple[str, str], ...]) -> ReplicaStatus:
     replica_id, node_ip = replica["replica_id"], replica.get("node_ip") or "?"
     try:
         endpoint = routing_stats(replica).get(LOAD_ENDPOINT_STAT)
@@ -66,7 +70,8 @@ def _status_of(app_name: str, replica: dict) -> ReplicaStatus:
         return ReplicaStatus(app_name, replica_id, node_ip, None, None, "no load endpoint announced yet")
     try:
         with grpc.insecure_channel(endpoint) as channel:
-            load = pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest(), timeout=LOAD_TIMEOUT_S)
+            load = pb_grpc.LoadReporterStub(channel).GetLoad(pb.LoadRequest(), metadata=metadata,
+                                                             timeout=LOAD_TIMEOUT_S)
     except grpc.RpcError as error:
         return ReplicaStatus(app_name, replica_id, node_ip, endpoint, None, f"{error.code().name}: {error.details()}")
     return ReplicaStatus(app_name, replica_id, node_ip, endpoint, load)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from replica.server.auth import bearer_metadata
 from router.cache_index import PrefixCacheIndex, host_hit_worth
 from router.inflight import InflightCounts, InflightTracker
 from router.kv_event_subscriber import KVEventSubscriber
@@ -60,7 +61,10 @@ class HeadroomRouter:
         backoff: Backoff = Backoff(),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        cluster_token: Optional[str] = None,
     ):
+        """cluster_token: presented on every replica stream (router/cluster_token.py); None
+        for replicas that ask for none."""
         knobs = dict(knobs or {})
         if policy in LOAD_BASED_POLICIES:
             knobs["staleness_s"] = staleness_s
@@ -68,14 +72,15 @@ class HeadroomRouter:
         self.staleness_s = staleness_s
         self.clock = clock
         self.wall_clock = wall_clock
-        self.loads = LoadSubscriber(backoff=backoff, clock=clock)
+        metadata = bearer_metadata(cluster_token)
+        self.loads = LoadSubscriber(backoff=backoff, clock=clock, metadata=metadata)
         self.inflight = InflightTracker()
         self.metrics = RouterMetrics(self.policy.name)
         self.cache_index = PrefixCacheIndex()
         self.kv_events: Optional[KVEventSubscriber] = None
         if self.policy.uses_prefix_cache:
             self.kv_events = KVEventSubscriber(self.cache_index, backoff=backoff, clock=clock,
-                                               on_resync=self.metrics.kv_event_resynced)
+                                               on_resync=self.metrics.kv_event_resynced, metadata=metadata)
         self._tentative: dict[str, TentativeSend] = {}  # request key -> the router's first choice
 
     # ---- the replica set -------------------------------------------------------------

@@ -6,7 +6,7 @@ replica's cache from the index; the next stream starts with a snapshot that rebu
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import grpc
 
@@ -31,7 +31,7 @@ class KVEventSubscription(StreamSubscription):
         self.snapshots = 0  # snapshots received: the first, then one per resync
 
     async def _stream_once(self, channel: grpc.aio.Channel) -> None:
-        call = pb_grpc.LoadReporterStub(channel).WatchKVEvents(pb.WatchKVEventsRequest())
+        call = pb_grpc.LoadReporterStub(channel).WatchKVEvents(pb.WatchKVEventsRequest(), metadata=self.metadata)
         first = True
         previous_seq = None
         async for batch in call:
@@ -54,10 +54,11 @@ class KVEventSubscriber(SubscriptionSet[KVEventSubscription]):
     """All of one router's KV event subscriptions, writing into one index."""
 
     def __init__(self, index: PrefixCacheIndex, *, backoff: Backoff = Backoff(),
-                 clock: Callable[[], float] = time.monotonic, on_resync: Optional[Callable[[str], None]] = None):
+                 clock: Callable[[], float] = time.monotonic, on_resync: Optional[Callable[[str], None]] = None,
+                 metadata: Sequence[tuple[str, str]] = ()):
         self.index = index
         super().__init__(lambda replica_id, endpoint: KVEventSubscription(
-            replica_id, endpoint, index, on_resync, backoff=backoff, clock=clock))
+            replica_id, endpoint, index, on_resync, backoff=backoff, clock=clock, metadata=metadata))
 
     def unsubscribe(self, replica_id: str) -> None:
         super().unsubscribe(replica_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import grpc
 
@@ -44,7 +44,8 @@ class LoadSubscription(StreamSubscription):
         return self.clock() - self.received_at
 
     async def _stream_once(self, channel: grpc.aio.Channel) -> None:
-        call = pb_grpc.LoadReporterStub(channel).WatchLoad(pb.WatchLoadRequest(max_interval_ms=WATCH_INTERVAL_MS))
+        call = pb_grpc.LoadReporterStub(channel).WatchLoad(pb.WatchLoadRequest(max_interval_ms=WATCH_INTERVAL_MS),
+                                                          metadata=self.metadata)
         first = True
         try:
             async for load in call:
@@ -65,6 +66,7 @@ class LoadSubscription(StreamSubscription):
 class LoadSubscriber(SubscriptionSet[LoadSubscription]):
     """All of one router's load subscriptions, keyed by replica id."""
 
-    def __init__(self, *, backoff: Backoff = Backoff(), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, *, backoff: Backoff = Backoff(), clock: Callable[[], float] = time.monotonic,
+                 metadata: Sequence[tuple[str, str]] = ()):
         super().__init__(lambda replica_id, endpoint: LoadSubscription(
-            replica_id, endpoint, backoff=backoff, clock=clock))
+            replica_id, endpoint, backoff=backoff, clock=clock, metadata=metadata))

@@ -1,6 +1,7 @@
 """HeadroomRequestRouter: the Ray Serve 2.60 RequestRouter that routes LLMReplica calls with
 HeadroomRouter. Ray Serve builds one in every proxy and handle-holding process, so all its
-state lives in the instance; replicas announce their WatchLoad endpoint in routing stats.
+state lives in the instance; replicas announce their WatchLoad endpoint in routing stats, and
+the router presents the cluster token (router/cluster_token.py) on every stream to it.
 
 Configure it on the deployment with
 `RequestRouterConfig(request_router_class="router.serve_router:HeadroomRequestRouter",
@@ -16,6 +17,7 @@ from typing import List, Mapping, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router.cluster_token import cluster_token
 from router.headroom_router import HeadroomRouter, routing_request_of
 from router.policies import DEFAULT_STALENESS_S
 
@@ -39,7 +41,7 @@ class HeadroomRequestRouter(RequestRouter):
         staleness_s: float = DEFAULT_STALENESS_S,
         knobs: Optional[Mapping[str, float]] = None,
     ) -> None:
-        self.headroom = HeadroomRouter(policy, staleness_s=staleness_s, knobs=knobs)
+        self.headroom = HeadroomRouter(policy, staleness_s=staleness_s, knobs=knobs, cluster_token=cluster_token())
 
     async def choose_replicas(
         self,

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, Sequence, TypeVar
 
 import grpc
 
@@ -48,9 +48,12 @@ class StreamSubscription(abc.ABC):
         backoff: Backoff = Backoff(),
         clock: Callable[[], float] = time.monotonic,
         rng: Optional[random.Random] = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ):
+        """metadata: sent with every stream (the cluster token's `authorization`)."""
         self.replica_id = replica_id
         self.endpoint = endpoint
+        self.metadata = tuple(metadata)
         self.backoff = backoff
         self.clock = clock
         self.rng = rng or random.Random()

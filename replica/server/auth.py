@@ -87,6 +87,11 @@ def bearer_token(header: Optional[str]) -> Optional[str]:
     return header[len(BEARER_PREFIX):]
 
 
+def bearer_metadata(secret: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata presenting `secret` (none when it is None): what a client sends."""
+    return () if secret is None else ((AUTHORIZATION_METADATA_KEY, f"{BEARER_PREFIX}{secret}"),)
+
+
 def metadata_authorization(metadata: Optional[Iterable[tuple[str, object]]]) -> Optional[str]:
     """The `authorization` value of gRPC invocation metadata, if one was sent."""
     for key, value in metadata or ():

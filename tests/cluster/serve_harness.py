@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import tempfile
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import grpc
 import requests
@@ -18,6 +20,9 @@ import requests
 from cluster.config import ServeAppsConfig, load_config
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from cluster.deployment import GenerationRequest
 
 APP_NAME = "builtin"  # the model, and the application serving it
 # Small enough to start in seconds on two shared cores, big enough for a few dozen requests.
@@ -59,9 +64,10 @@ def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num
                  proxy_location: str = "EveryNode", model: str = APP_NAME, num_replicas: int = 2,
                  limits: Optional[dict[str, Any]] = None) -> ServeAppsConfig:
     """One application (named after its model) on CPU replicas; HTTP, gRPC, replica and router
-    metrics on base_port, +1, +10 and +20; Prometheus targets in a directory of its own (a
-    real cluster on this machine writes the default one)."""
-    ports = {"http": base_port, "grpc": base_port + 1, "metrics": base_port + 10, "router_metrics": base_port + 20}
+    metrics and the replicas' internal endpoints on base_port, +1, +10, +20 and +30; Prometheus
+    targets in a directory of its own (a real cluster on this machine writes the default one)."""
+    ports = {"http": base_port, "grpc": base_port + 1, "metrics": base_port + 10, "router_metrics": base_port + 20,
+             "replica_grpc": base_port + 30}
     return load_config({
         "proxy_location": proxy_location,
         "http_options": {"host": "127.0.0.1", "port": ports["http"]},
@@ -84,6 +90,24 @@ def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num
             },
         }],
     })
+
+
+def generate_on_replica(app_name: str, replica_id: str, request: GenerationRequest):
+    """LLMReplica.generate on one chosen replica, past every router: the call a handle makes
+    to the replica's Serve actor once its router has chosen (Ray Serve 2.60's internals,
+    test-only; a cluster replica's own endpoint serves no Generate). Returns the Ray streaming
+    generator of its chunks, which runs whether read or not; `ray.cancel` aborts it."""
+    import ray
+    from ray.serve._private.common import RequestMetadata
+
+    from cluster.deployment import DEPLOYMENT_NAME
+    from cluster.serve_private import SERVE_NAMESPACE
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{app_name}#{DEPLOYMENT_NAME}#{replica_id}", namespace=SERVE_NAMESPACE)
+    request_id = uuid.uuid4().hex
+    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id, call_method="generate",
+                               is_streaming=True)
+    return actor.handle_request_streaming.options(num_returns="streaming").remote(pickle.dumps(metadata), request)
 
 
 def grpc_target(config: ServeAppsConfig) -> str:

@@ -2,25 +2,33 @@
 of the built-in model behind Serve's gRPC and HTTP proxies. Clients stream over gRPC and over
 the OpenAI API (SSE), bad input fails naming the field, the router spreads requests over both
 replicas, `headroom status` shows both replicas' load and the router's metrics are scraped.
+Each replica's internal endpoint serves loads to holders of the cluster token only, and no
+Generate; the token shows in no routing stat, status output, metric, log or command line.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
+import pathlib
 import urllib.request
 
 import grpc
 import pytest
 import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
 from cluster import status_command  # noqa: E402
 from cluster.cli import main  # noqa: E402
+from cluster.deployment import METRICS_ENDPOINT_STAT, PORT_SEARCH, routing_stats, running_replicas  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
+from replica.server.auth import bearer_metadata  # noqa: E402
+from router.cluster_token import cluster_token  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
     local_cluster,
     APP_NAME, ENGINE, generate_request, grpc_target, http_base, small_config, sse_events,
@@ -173,3 +181,71 @@ def test_router_metrics_are_served_from_the_ingress(cluster, channel):
     decided_for = {sample.labels["replica"] for sample in families["headroom_router_decisions"].samples
                    if sample.name == "headroom_router_decisions_total"}
     assert decided_for == {status.replica_id for status in status_command.replica_statuses()}
+
+
+# ---- the replica-internal endpoint and the cluster token -------------------------------------
+def test_a_replicas_internal_endpoint_serves_loads_to_the_cluster_token_only_and_no_generate(cluster):
+    token = bearer_metadata(cluster_token())
+    base_port = cluster.applications[0].args.ports.replica_grpc
+    statuses = status_command.replica_statuses()  # `headroom status` reads loads with the token
+    assert len(statuses) == 2 and all(status.load is not None for status in statuses)
+    for status in statuses:
+        assert base_port <= int(status.load_endpoint.rsplit(":", 1)[1]) < base_port + PORT_SEARCH
+        with grpc.insecure_channel(status.load_endpoint) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                list(pb_grpc.GenerationStub(channel).Generate(generate_request(2), metadata=token, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            loads = pb_grpc.LoadReporterStub(channel)
+            calls = {
+                "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
+                "WatchLoad": lambda metadata: first_message(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata,
+                                                                            timeout=30)),
+                "WatchKVEvents": lambda metadata: first_message(loads.WatchKVEvents(
+                    pb.WatchKVEventsRequest(), metadata=metadata, timeout=30)),
+            }
+            for name, call in calls.items():
+                for metadata in (None, bearer_metadata("not-the-token")):
+                    with pytest.raises(grpc.RpcError) as unauthenticated:
+                        call(metadata)
+                    assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert calls["GetLoad"](token).replica_id == status.replica_id
+            assert calls["WatchLoad"](token).replica_id == status.replica_id
+            assert calls["WatchKVEvents"](token).snapshot
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def first_message(stream):
+    try:
+        return next(stream)
+    finally:
+        stream.cancel()
+
+
+def test_the_cluster_token_is_in_no_routing_stat_status_output_metric_log_or_command_line(cluster, channel, capsys):
+    token = cluster_token()
+    assert stream_generate(channel, generate_request(4)).code == grpc.StatusCode.OK
+    stats = [routing_stats(replica) for _, replica in running_replicas()]
+    assert len(stats) == 2 and not any(token in value for stat in stats for value in stat.values())
+    assert main(["status"]) == 0
+    printed = capsys.readouterr()
+    assert "KV headroom" in printed.out and token not in printed.out + printed.err
+    args = cluster.applications[0].args
+    metrics_urls = [f"http://{stat[METRICS_ENDPOINT_STAT]}/metrics" for stat in stats]
+    metrics_urls.append(f"http://{args.ports.bind_address}:{args.ports.router_metrics}/metrics")
+    for url in metrics_urls:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        assert "headroom_" in text and token not in text, url
+    # Serve's view of the deployments, which its REST API and dashboard show.
+    from ray.serve.context import _get_global_client
+    assert token not in json.dumps(_get_global_client().get_serve_details(), default=str)
+    # Every log the Ray session wrote so far (controller, proxies, replicas, ingress, core workers).
+    logs_dir = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path())
+    log_files = [path for path in logs_dir.rglob("*") if path.is_file()]
+    assert log_files and not any(token.encode() in path.read_bytes() for path in log_files)
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert token.encode() not in cmdline.read_bytes(), cmdline
+        except OSError:  # the process ended
+            continue

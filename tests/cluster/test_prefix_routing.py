@@ -10,7 +10,6 @@ import asyncio
 import os
 import time
 
-import grpc
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -18,11 +17,10 @@ from ray import serve  # noqa: E402
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.deployment import GenerationRequest, build_llm_replica, generate_stream  # noqa: E402
-from protos import headroom_pb2 as pb  # noqa: E402
-from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
 from protos.block_hash import block_hashes  # noqa: E402
 from replica.core.request import SamplingParams  # noqa: E402
 from router.headroom_router import HeadroomRouter  # noqa: E402
+from tests.cluster.serve_harness import generate_on_replica  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,10 +29,11 @@ BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 65  # 64 usable: 1,024 tokens
 MAX_MODEL_LEN = 512
 METRICS_BASE_PORT = 29300  # away from the defaults and from the other live tests
+REPLICA_GRPC_BASE_PORT = 29350
 PREFIX = [10 + (7 * i) % 300 for i in range(160)]  # 160 tokens (10 full blocks) in the built-in 320-token vocabulary
 # Two of these promise 2 x (16 + 496) = 1,024 tokens: the whole pool, to max_tokens.
-FILLER = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(20, 36))),
-                            sampling=pb.SamplingParams(max_tokens=496, temperature=0.0, ignore_eos=True))
+FILLER = GenerationRequest(prompt_token_ids=list(range(20, 36)),
+                           sampling=SamplingParams(max_tokens=496, temperature=0.0, ignore_eos=True))
 
 
 def shared_prefix_request(suffix: int) -> GenerationRequest:
@@ -55,7 +54,7 @@ def handle():
             # Generous, so a snapshot delayed on a busy shared machine never sends a request
             # down the stale-load fallback.
             "router": {"staleness_s": 5.0},
-            "ports": {"metrics": METRICS_BASE_PORT},
+            "ports": {"metrics": METRICS_BASE_PORT, "replica_grpc": REPLICA_GRPC_BASE_PORT},
         })
         yield serve.run(build_llm_replica(config), name=APP_NAME, route_prefix=None)
     finally:
@@ -106,18 +105,16 @@ def test_a_shared_prefix_goes_to_its_holder_until_the_holders_committed_kv_is_fu
         hits_before = router.metrics.sample("headroom_router_prefix_hit_tokens_total", replica=holder)
         assert hits_before >= 4 * len(PREFIX)
 
-        # 2. Fill the holder's committed KV with long decodes sent to it directly.
-        async with grpc.aio.insecure_channel(router.loads.get(holder).endpoint) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            fillers = [asyncio.ensure_future(stub.Generate(FILLER).read()) for _ in range(2)]
-            try:
-                await eventually(lambda: full(router, holder), "the holder's committed KV to fill the pool")
-                decided_before = router.metrics.decisions(holder)
-                served = [await generate(handle, shared_prefix_request(suffix)) for suffix in range(5, 8)]
-                still_full = full(router, holder)
-            finally:
-                for filler in fillers:
-                    filler.cancel()
+        # 2. Fill the holder's committed KV with long decodes sent to it directly, past the router.
+        fillers = [generate_on_replica(APP_NAME, holder, FILLER) for _ in range(2)]
+        try:
+            await eventually(lambda: full(router, holder), "the holder's committed KV to fill the pool")
+            decided_before = router.metrics.decisions(holder)
+            served = [await generate(handle, shared_prefix_request(suffix)) for suffix in range(5, 8)]
+            still_full = full(router, holder)
+        finally:
+            for filler in fillers:
+                ray.cancel(filler)
         assert still_full, "the fillers ended before the probes were routed; the test proves nothing"
         assert [replica_id for replica_id, _ in served] == [other] * 3
         assert router.metrics.decisions(holder) == decided_before

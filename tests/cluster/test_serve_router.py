@@ -34,6 +34,7 @@ MAX_MODEL_LEN = 128
 # 40 prompt + 88 output tokens = 128 tokens = 8 blocks: fits the tiny pool only when idle.
 # Away from the default (9100), which a real cluster on this machine may hold.
 METRICS_BASE_PORT = 29100
+REPLICA_GRPC_BASE_PORT = 29150  # the replicas' internal endpoints, counting up from here
 REQUEST = GenerationRequest(
     prompt_token_ids=list(range(100, 140)),
     sampling=SamplingParams(max_tokens=88, temperature=0.0, ignore_eos=True),
@@ -61,7 +62,7 @@ def cluster():
                 # Generous, so a snapshot delayed on a busy shared machine never sends a
                 # request down the stale-load fallback these tests do not exercise.
                 "router": {"staleness_s": 5.0},
-                "ports": {"metrics": METRICS_BASE_PORT},
+                "ports": {"metrics": METRICS_BASE_PORT, "replica_grpc": REPLICA_GRPC_BASE_PORT},
             }
         )
         app = build_llm_replica(config, engine_overrides_by_rank={0: {"num_kv_blocks": TINY_BLOCKS}})
@@ -141,6 +142,14 @@ def test_each_replica_serves_its_metrics_on_consecutive_ports_from_the_base(clus
             if family.name == "headroom_kv_free_blocks":
                 replicas_seen.update(sample.labels["replica"] for sample in family.samples)
     assert replicas_seen == router.loads.replica_ids
+
+
+def test_each_replicas_internal_endpoint_counts_up_from_its_base_port_and_feeds_the_router(cluster):
+    """Two replicas on one node: each binds the first free port from ports.replica_grpc, and
+    the router, presenting the cluster token, streams fresh loads from both."""
+    router = wait_for_fresh_loads(cluster, num_replicas=2)
+    ports = {int(router.loads.get(rid).endpoint.rsplit(":", 1)[1]) for rid in router.loads.replica_ids}
+    assert len(ports) == 2 and all(REPLICA_GRPC_BASE_PORT <= port < REPLICA_GRPC_BASE_PORT + 8 for port in ports)
 
 
 def test_routing_continues_to_the_survivor_when_a_replica_is_killed(cluster):
