@@ -1,9 +1,12 @@
 """The Helm chart: lints and renders for the CPU defaults and values-gpu.yaml; core
 manifests, and the pod templates and Service inside the RayService, pass kubernetes-validate;
-serveConfigV2 is our config schema; dashboard and rules are deploy/'s, byte for byte."""
+serveConfigV2 is our config schema; dashboard and rules are deploy/'s, byte for byte; the API
+key reaches both pod templates from a Secret; the NetworkPolicy keeps the replicas' internal
+port inside the release and lets clients, Prometheus and KubeRay's operator in."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -83,10 +86,11 @@ def test_helm_lint_finds_no_warnings_or_errors(values_file):
     assert report["errors"] == [] and problems == [], report
 
 
-def test_renders_one_rayservice_three_podmonitors_a_rule_and_a_dashboard(documents):
+def test_renders_one_rayservice_three_podmonitors_a_rule_a_dashboard_and_a_network_policy(documents):
     kinds = sorted((document["apiVersion"], document["kind"]) for document in documents)
     assert kinds == [("monitoring.coreos.com/v1", "PodMonitor")] * 3 + [
-        ("monitoring.coreos.com/v1", "PrometheusRule"), ("ray.io/v1", "RayService"), ("v1", "ConfigMap")]
+        ("monitoring.coreos.com/v1", "PrometheusRule"), ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("ray.io/v1", "RayService"), ("v1", "ConfigMap")]
 
 
 @pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
@@ -239,6 +243,109 @@ def test_applications_with_different_metrics_ports_fail_to_render():
         render(values)
 
 
+def test_worker_replica_grpc_port_defaults_to_the_config_default():
+    values = {"serve": {"applications": [{"name": "builtin", "import_path": "cluster.app:build_app", "args": {}}]}}
+    assert container_ports(worker_container(rayservice(render(values))))["replica-grpc"] == PortsConfig().replica_grpc
+
+
+def test_applications_with_different_replica_grpc_ports_fail_to_render():
+    values = {"serve": {"applications": [{"name": "a", "route_prefix": "/a", "args": {"ports": {"replica_grpc": 9300}}},
+                                         {"name": "b", "route_prefix": "/b", "args": {"ports": {"replica_grpc": 9400}}}]}}
+    with pytest.raises(helm.HelmError, match=r"serve.applications\[\].args.ports.replica_grpc"):
+        render(values)
+
+
+# ---- the API key --------------------------------------------------------------------------
+def api_key_env(container: dict[str, Any]) -> list[dict[str, Any]]:
+    return [variable for variable in container.get("env", []) if variable["name"] == "HEADROOM_API_KEY"]
+
+
+def test_an_existing_secret_reaches_the_head_and_worker_containers_as_headroom_api_key():
+    documents = render({"apiKey": {"existingSecret": "serving-keys", "secretKey": "keys"}})
+    templates = pod_templates(rayservice(documents))
+    assert len(templates) == 2
+    for template in templates:
+        (container,) = template["spec"]["containers"]
+        (variable,) = api_key_env(container)
+        assert variable["valueFrom"] == {"secretKeyRef": {"name": "serving-keys", "key": "keys"}}
+        for kubernetes_version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                          "template": template}, kubernetes_version, strict=True)
+    assert only(documents, "Secret") == []  # the operator's Secret, not the chart's
+
+
+def test_a_value_becomes_the_charts_secret_which_the_containers_read():
+    documents = render({"apiKey": {"value": "sk-chart-made"}})
+    (secret,) = only(documents, "Secret")
+    for kubernetes_version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(secret, kubernetes_version, strict=True)
+    assert base64.b64decode(secret["data"]["api-key"]).decode() == "sk-chart-made"
+    for template in pod_templates(rayservice(documents)):
+        (container,) = template["spec"]["containers"]
+        (variable,) = api_key_env(container)
+        assert variable["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-key"}
+        assert "sk-chart-made" not in json.dumps(template)
+
+
+def test_without_a_key_no_container_gets_one_and_both_sources_at_once_fail_to_render(documents):
+    for template in pod_templates(rayservice(documents)):
+        (container,) = template["spec"]["containers"]
+        assert api_key_env(container) == []
+    with pytest.raises(helm.HelmError, match="apiKey: set existingSecret"):
+        render({"apiKey": {"existingSecret": "serving-keys", "value": "sk-1"}})
+
+
+# ---- the NetworkPolicy ----------------------------------------------------------------------
+def rules_admitting(policy: dict[str, Any], port: int) -> list[dict[str, Any]]:
+    """The ingress rules that admit TCP `port` (a rule without ports admits every port)."""
+    return [rule for rule in policy["spec"]["ingress"]
+            if "ports" not in rule or any(entry["port"] == port for entry in rule["ports"])]
+
+
+def test_only_the_releases_pods_reach_the_replicas_internal_port(documents):
+    (policy,) = only(documents, "NetworkPolicy")
+    service = rayservice(documents)
+    release = policy["spec"]["podSelector"]["matchLabels"]
+    assert release == {"app.kubernetes.io/name": "headroom", "app.kubernetes.io/instance": "hr"}
+    for template in pod_templates(service):  # the policy covers the head and the workers
+        assert release.items() <= template["metadata"]["labels"].items()
+    internal_port = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args.ports.replica_grpc
+    assert container_ports(worker_container(service))["replica-grpc"] == internal_port
+    admitting = rules_admitting(policy, internal_port)
+    assert any({"port": internal_port, "protocol": "TCP"} in rule.get("ports", []) for rule in admitting)  # named
+    for rule in admitting:  # and every rule that admits it admits this release's pods alone
+        assert rule.get("from") == [{"podSelector": {"matchLabels": release}}], rule
+
+
+def test_clients_prometheus_and_kuberays_operator_still_reach_their_ports(documents):
+    (policy,) = only(documents, "NetworkPolicy")
+    from_anywhere = [rule for rule in policy["spec"]["ingress"] if not rule.get("from")]
+    open_ports = {entry["port"] for rule in from_anywhere for entry in rule.get("ports", [])}
+    assert {8000, 9000} <= open_ports  # the public doors (API keys guard them)
+    for monitor in only(documents, "PodMonitor"):  # every port a PodMonitor scrapes, on the pods it selects
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        templates = [template for template in pod_templates(rayservice(documents))
+                     if selector.items() <= template["metadata"]["labels"].items()]
+        assert templates
+        for template in templates:
+            (container,) = template["spec"]["containers"]
+            for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+                assert container_ports(container)[endpoint["port"]] in open_ports, (monitor["metadata"]["name"], endpoint)
+    (dashboard_rule,) = [rule for rule in rules_admitting(policy, 8265) if "ports" in rule]
+    assert dashboard_rule["from"] == [{"namespaceSelector": {}, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+
+
+def test_network_policy_peers_are_configurable_and_it_can_be_switched_off():
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    (policy,) = only(render({"networkPolicy": {"metricsFrom": monitoring}}), "NetworkPolicy")
+    (metrics_rule,) = [rule for rule in rules_admitting(policy, PortsConfig().metrics) if "ports" in rule]
+    assert metrics_rule["from"] == monitoring
+    for kubernetes_version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(policy, kubernetes_version, strict=True)
+    assert only(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy") == []
+
+
 def test_dashboard_configmap_is_deploys_dashboard_for_grafanas_sidecar(documents):
     deployed = REPO / "deploy" / "grafana_dashboard.json"
     assert (CHART / "dashboards" / "grafana_dashboard.json").read_bytes() == deployed.read_bytes()
@@ -258,7 +365,7 @@ def test_prometheus_rule_is_deploys_alert_rules(documents):
 def test_monitoring_can_be_switched_off():
     off = {"monitoring": {"podMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
                           "dashboard": {"enabled": False}}}
-    assert [document["kind"] for document in render(off)] == ["RayService"]
+    assert sorted(document["kind"] for document in render(off)) == ["NetworkPolicy", "RayService"]
 
 
 # Maps whose keys are free-form (Kubernetes or Ray fields) or are documented by a schema of

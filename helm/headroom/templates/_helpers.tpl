@@ -46,3 +46,42 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "headroom.routerMetricsPort" -}}
 {{- (((first .Values.serve.applications).args | default dict).ports | default dict).router_metrics | default 9200 | int }}
 {{- end }}
+
+{{/* The replicas' internal gRPC port (LoadReporter, cluster token; `args.ports.replica_grpc`):
+     every application must agree, since the worker pod declares and the NetworkPolicy names one. */}}
+{{- define "headroom.replicaGrpcPort" -}}
+{{- $ports := list }}
+{{- range .Values.serve.applications }}
+{{- $ports = append $ports (((.args | default dict).ports | default dict).replica_grpc | default 9300 | int) }}
+{{- end }}
+{{- $ports = uniq $ports }}
+{{- if ne (len $ports) 1 }}
+{{- fail (printf "serve.applications[].args.ports.replica_grpc: all applications must use one port, got %v" $ports) }}
+{{- end }}
+{{- first $ports }}
+{{- end }}
+
+{{/* The Secret holding the API key: the operator's (apiKey.existingSecret) or the chart's
+     (from apiKey.value); empty when no key is configured. */}}
+{{- define "headroom.apiKeySecret" -}}
+{{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
+{{- fail "apiKey: set existingSecret (recommended) or value, not both" }}
+{{- end }}
+{{- if .Values.apiKey.existingSecret }}
+{{- .Values.apiKey.existingSecret }}
+{{- else if .Values.apiKey.value }}
+{{- printf "%s-api-key" (include "headroom.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* The containers' env: HEADROOM_API_KEY from the Secret, when one is configured. */}}
+{{- define "headroom.apiKeyEnv" -}}
+{{- with include "headroom.apiKeySecret" . -}}
+env:
+  - name: HEADROOM_API_KEY
+    valueFrom:
+      secretKeyRef:
+        name: {{ . }}
+        key: {{ $.Values.apiKey.secretKey }}
+{{- end }}
+{{- end }}
