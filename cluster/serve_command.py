@@ -211,6 +211,8 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
                      f"(metadata application={app.name})")
         lines.append(f"  metrics  replicas http://{host}:{args.ports.metrics}/metrics (one port per replica "
                      f"on a node, counting up), router http://{host}:{args.ports.router_metrics}/metrics")
+        lines.append(f"  internal  replicas' LoadReporter {host}:{args.ports.replica_grpc} (one port per replica "
+                     "on a node, counting up; routers and `headroom status` only: cluster token)")
         if args.monitoring.targets_dir is not None:
             lines.append(f"  Prometheus targets  {args.monitoring.targets_dir}/{app.name}-*.json (file_sd, "
                          "kept current; deploy/prometheus.yml reads them)")
