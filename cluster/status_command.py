@@ -24,7 +24,7 @@ from cluster.autoscaling import decision_changes, latest_decision
 from cluster.deployment import ReplicaCounts, replica_counts, routing_stats, running_replicas
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.server.auth import bearer_metadata
+from replica.server.auth import authorization_metadata
 from router.cluster_token import cluster_token
 from router.serve_router import LOAD_ENDPOINT_STAT
 
@@ -56,7 +56,7 @@ def replica_statuses() -> list[ReplicaStatus]:
     """Every running LLMReplica of every application, with its load now (needs Ray connected
     and Serve running). The endpoints come from the replicas' own routing stats: the one
     place they are announced."""
-    metadata = bearer_metadata(cluster_token())
+    metadata = authorization_metadata(cluster_token())
     return [_status_of(app_name, replica, metadata) for app_name, replica in running_replicas()]
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from replica.server.auth import bearer_metadata
+from replica.server.auth import authorization_metadata
 from router.cache_index import PrefixCacheIndex, host_hit_worth
 from router.inflight import InflightCounts, InflightTracker
 from router.kv_event_subscriber import KVEventSubscriber
@@ -72,7 +72,7 @@ class HeadroomRouter:
         self.staleness_s = staleness_s
         self.clock = clock
         self.wall_clock = wall_clock
-        metadata = bearer_metadata(cluster_token)
+        metadata = authorization_metadata(cluster_token)
         self.loads = LoadSubscriber(backoff=backoff, clock=clock, metadata=metadata)
         self.inflight = InflightTracker()
         self.metrics = RouterMetrics(self.policy.name)

@@ -87,11 +87,6 @@ def bearer_token(header: Optional[str]) -> Optional[str]:
     return header[len(BEARER_PREFIX):]
 
 
-def bearer_metadata(secret: Optional[str]) -> tuple[tuple[str, str], ...]:
-    """gRPC call metadata presenting `secret` (none when it is None): what a client sends."""
-    return () if secret is None else ((AUTHORIZATION_METADATA_KEY, f"{BEARER_PREFIX}{secret}"),)
-
-
 def metadata_authorization(metadata: Optional[Iterable[tuple[str, object]]]) -> Optional[str]:
     """The `authorization` value of gRPC invocation metadata, if one was sent."""
     for key, value in metadata or ():
@@ -255,5 +250,6 @@ def client_api_key(flag: Optional[str], environ: Mapping[str, str] = os.environ)
 
 
 def authorization_metadata(api_key: Optional[str]) -> tuple[tuple[str, str], ...]:
-    """gRPC call metadata carrying `api_key` (none without one)."""
+    """gRPC call metadata carrying `api_key` (none without one); the routers send the cluster
+    token the same way."""
     return ((AUTHORIZATION_METADATA_KEY, BEARER_PREFIX + api_key),) if api_key else ()

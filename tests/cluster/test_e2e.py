@@ -27,7 +27,7 @@ from cluster.cli import main  # noqa: E402
 from cluster.deployment import METRICS_ENDPOINT_STAT, PORT_SEARCH, routing_stats, running_replicas  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
-from replica.server.auth import bearer_metadata  # noqa: E402
+from replica.server.auth import authorization_metadata  # noqa: E402
 from router.cluster_token import cluster_token  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
     local_cluster,
@@ -185,7 +185,7 @@ def test_router_metrics_are_served_from_the_ingress(cluster, channel):
 
 # ---- the replica-internal endpoint and the cluster token -------------------------------------
 def test_a_replicas_internal_endpoint_serves_loads_to_the_cluster_token_only_and_no_generate(cluster):
-    token = bearer_metadata(cluster_token())
+    token = authorization_metadata(cluster_token())
     base_port = cluster.applications[0].args.ports.replica_grpc
     statuses = status_command.replica_statuses()  # `headroom status` reads loads with the token
     assert len(statuses) == 2 and all(status.load is not None for status in statuses)
@@ -204,7 +204,7 @@ def test_a_replicas_internal_endpoint_serves_loads_to_the_cluster_token_only_and
                     pb.WatchKVEventsRequest(), metadata=metadata, timeout=30)),
             }
             for name, call in calls.items():
-                for metadata in (None, bearer_metadata("not-the-token")):
+                for metadata in (None, authorization_metadata("not-the-token")):
                     with pytest.raises(grpc.RpcError) as unauthenticated:
                         call(metadata)
                     assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED, name

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from replica.server import auth
-from replica.server.auth import BearerAuthInterceptor, Credentials, bearer_metadata, bearer_token, metadata_authorization
+from replica.server.auth import BearerAuthInterceptor, Credentials, bearer_token
 
 
 def test_no_secret_configured_accepts_anything():
@@ -32,12 +32,6 @@ def test_authorization_header_needs_the_bearer_scheme():
     for header in (None, "", "sk-1", "Basic sk-1", "Bearer ", "Bearer  sk-1", "bearer sk-1x"):
         assert not credentials.accepts_authorization(header), header
     assert bearer_token("Bearer abc") == "abc" and bearer_token("Token abc") is None
-
-
-def test_a_client_presents_its_secret_as_bearer_metadata_the_door_accepts():
-    assert bearer_metadata(None) == ()
-    assert bearer_metadata("tok") == (("authorization", "Bearer tok"),)
-    assert Credentials(["tok"]).accepts_authorization(metadata_authorization(bearer_metadata("tok")))
 
 
 def test_every_secret_is_compared_with_compare_digest(monkeypatch):
