@@ -114,7 +114,9 @@ class ModelRunner:
         self.kv_swap = (KVSwapper(self.kv_caches, config.num_host_kv_blocks, self.device)
                         if config.num_host_kv_blocks else None)
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        self.rows = RequestRows(self.max_num_seqs, max_blocks_per_seq, model_config.vocab_size, self.device)
+        # The logits' width: the model's vocabulary (a tensor-parallel rank's LM head holds a block of it).
+        self.vocab_size = model_config.vocab_size
+        self.rows = RequestRows(self.max_num_seqs, max_blocks_per_seq, self.vocab_size, self.device)
         # Room for a step's block-table changes in the one copy: every token of the budget
         # opening a block, plus a few whole tables of admissions; more goes in a second copy.
         self.block_change_capacity = self.max_num_tokens // self.block_size + 8 * max_blocks_per_seq + self.max_num_seqs
@@ -189,8 +191,7 @@ class ModelRunner:
         self.decode_sizes = capture_sizes(self.max_num_seqs, self.max_num_tokens)
         largest = max(self.decode_sizes)
         if self.decode_greedy is None:  # once: captured graphs write these very tensors
-            vocab_size = self.model.lm_head.out_features
-            self.decode_logits = torch.zeros((largest, vocab_size), dtype=torch.float32, device=self.device)
+            self.decode_logits = torch.zeros((largest, self.vocab_size), dtype=torch.float32, device=self.device)
             self.decode_greedy = torch.zeros(largest, dtype=torch.int64, device=self.device)
         views = self.staged.host_views()
         self._pad_decode_rows(views, 0, max(self.decode_sizes))
@@ -376,7 +377,7 @@ class ModelRunner:
         """The token bitmasks of the constrained sampling rows, filled on the host now (while a
         step in flight still runs on the device) and sent with one asynchronous copy."""
         if self.grammar_bitmask is None:
-            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.model.lm_head.out_features, self.device)
+            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.vocab_size, self.device)
         rows = np.searchsorted(sampling_seqs, constrained_seqs)
         return self.grammar_bitmask.build(rows, [scheduled[index].request.grammar for index in constrained_seqs])
 

@@ -20,7 +20,7 @@ from torch import nn
 from replica.attention.base import AttentionBackend, AttentionMetadata
 from replica.model.config import ModelConfig
 from replica.model.fused_ops import FusedOps
-from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
+from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel, vocab_rows_per_rank
 from replica.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -216,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.attn_backend = attn_backend  # every layer's
         self.model = LlamaModel(cfg, attn_backend, ops, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False)  # this rank's vocab rows
+        # This rank's rows of the vocabulary (padded to a multiple of the ranks).
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows_per_rank(cfg.vocab_size, tp.size), bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -252,5 +253,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the hidden states of the positions that sample (every
-        rank's vocabulary block gathered, on every rank)."""
-        return self.tp.all_gather_last_dim(self.lm_head(hidden).float())
+        rank's vocabulary block gathered, on every rank, less the padding's columns)."""
+        return self.tp.all_gather_last_dim(self.lm_head(hidden).float(), self.cfg.vocab_size)

@@ -137,7 +137,13 @@ class _Checkpoint:
         else:
             dim, start, stop = source.shard
             whole = weights.get_slice(source.name)
-            tensor = whole[start:stop] if dim == 0 else whole[:, start:stop]
+            # A vocab-parallel block may reach past the vocabulary (padding): only real rows are read.
+            real_stop = min(stop, source.shape[dim])
+            real_start = min(start, real_stop)
+            tensor = whole[real_start:real_stop] if dim == 0 else whole[:, real_start:real_stop]
+            if real_stop - real_start < stop - start:
+                padding = [0, 0] * (tensor.dim() - 1 - dim) + [0, stop - start - (real_stop - real_start)]
+                tensor = torch.nn.functional.pad(tensor, padding)  # zero rows, never embedded nor sampled
         return tensor.to(device=self.device, dtype=self.dtype)
 
 
@@ -160,7 +166,8 @@ def checkpoint_layout(model: LlamaForCausalLM, whole_model: Optional[LlamaForCau
     its HF shards, e.g. layers.0.self_attn.qkv_proj.weight <- q_proj.weight, k_proj.weight, v_proj.weight.
     For a tensor-parallel rank's model, whole_model (the same model at size 1, on the meta device)
     gives the checkpoint's shapes, and a parameter smaller than its tensor takes the rank's slice:
-    block `rank` of the sharded dimension, except K/V projections that replicate a KV head."""
+    block `rank` of the sharded dimension (the vocabulary's last block may reach past the
+    tensor: the padding, zero), except K/V projections that replicate a KV head."""
     whole_model = whole_model if whole_model is not None else model
     tp = model.tp
     merged = {name: module for name, module in model.named_modules() if isinstance(module, MergedLinear)}

@@ -76,14 +76,18 @@ class TensorParallel:
             self._run("all_reduce", lambda group: group.allreduce([tensor], options))
         return tensor
 
-    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` side by side along the last dimension, in rank order."""
+    def all_gather_last_dim(self, tensor: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
+        """Every rank's `tensor` side by side along the last dimension, in rank order; with
+        `width`, only that many leading columns (the rest, padding, is left out of the one copy)."""
         if self.size == 1:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         options = self._bound(distributed_c10d.AllgatherOptions())
         self._run("all_gather", lambda group: group.allgather([parts], [tensor], options))
+        if width is not None:
+            columns = tensor.shape[-1]
+            parts = [part[..., :max(0, min(columns, width - rank * columns))] for rank, part in enumerate(parts)]
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -117,8 +121,9 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
 
 def check_divisible(cfg: "ModelConfig", size: int) -> None:
     """Raise TensorParallelConfigError (one line naming tensor_parallel_size) unless the model
-    divides among `size` ranks: attention heads, MLP width and vocabulary evenly, and KV heads
-    either evenly or (fewer KV heads than ranks) each replicated on size / num_kv_heads ranks."""
+    divides among `size` ranks: attention heads and MLP width evenly, and KV heads either evenly
+    or (fewer KV heads than ranks) each replicated on size / num_kv_heads ranks. The vocabulary
+    need not divide: it is padded (vocab_rows_per_rank)."""
     if size < 1:
         raise TensorParallelConfigError(f"tensor_parallel_size: must be >= 1, got {size}")
     problems = []
@@ -129,11 +134,19 @@ def check_divisible(cfg: "ModelConfig", size: int) -> None:
         problems.append(f"{kv} KV heads (neither divisible by it nor dividing it)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size {cfg.intermediate_size}")
-    if cfg.vocab_size % size:
-        problems.append(f"vocab_size {cfg.vocab_size}")
     if problems:
         raise TensorParallelConfigError(
             f"tensor_parallel_size: {size} does not divide the model's {', '.join(problems)}")
+
+
+def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
+    """Each rank's block of the vocab-parallel embedding and LM head: the vocabulary padded to a
+    multiple of `size` (as vLLM pads it, there to a multiple of 64 first), so a vocabulary such
+    as 32,001 (a pad token added to Llama's 32,000) still divides among 2 ranks. The padding
+    rows are zero, lie past the last real id (on the last rank or ranks) and are never
+    embedded (ids are checked against vocab_size) nor sampled (the logits gather leaves their
+    columns out)."""
+    return -(-vocab_size // size)
 
 
 def kv_heads_per_rank(cfg: "ModelConfig", size: int) -> int:

@@ -1,8 +1,9 @@
 """The two layer kinds tensor parallelism adds to the Llama model (Megatron-style): a
 row-parallel linear (o_proj, down_proj: each rank multiplies its slice of the input
 features, the partial outputs are summed by one all-reduce, the bias added once after it)
-and a vocab-parallel embedding (each rank holds a contiguous block of the vocabulary's rows;
-ids outside it embed to zero and the all-reduce sums the one rank that has each).
+and a vocab-parallel embedding (each rank holds a contiguous block of the vocabulary's rows,
+the vocabulary padded to a multiple of the ranks; ids outside it embed to zero and the
+all-reduce sums the one rank that has each).
 Column-parallel projections (qkv, gate-up) need no class: each rank's MergedLinear is simply
 built with its share of the heads / MLP width. The vocab-parallel LM head is a plain Linear
 over the rank's rows whose logits LlamaForCausalLM gathers before sampling."""
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.parallel.group import TensorParallel
+from replica.parallel.group import TensorParallel, vocab_rows_per_rank
 
 
 class RowParallelLinear(nn.Linear):
@@ -28,7 +29,7 @@ class RowParallelLinear(nn.Linear):
 
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
-        rows = vocab_size // tp.size
+        rows = vocab_rows_per_rank(vocab_size, tp.size)
         super().__init__(rows, hidden_size)
         self.tp = tp
         self.vocab_start = tp.rank * rows

@@ -1,7 +1,7 @@
 """Tensor-parallel replicas on the CPU: 2 gloo ranks (this process and one worker process).
 Greedy output at TP=2 equals TP=1 token for token, with KV heads divided (the built-in model's
-4) and replicated (a tiny model with 1 KV head), under chunked prefill, prefix caching and
-preemption; each rank loads only its slices; the SLO abort is a vote every rank reaches at
+4) and replicated (a tiny model with 1 KV head and an odd vocabulary, padded), under chunked
+prefill, prefix caching and preemption; seeded samples and a grammar's constraint too; each rank loads only its slices; the SLO abort is a vote every rank reaches at
 every layer boundary of an abortable step; a dead worker takes the replica down."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -22,6 +23,7 @@ from replica.config import ConfigError, make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import RequestStatus, SamplingParams
 from replica.core.slo import AbortOrder
+from replica.core.structured_output import StructuredOutput
 from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import EngineDeadError
 from replica.model import load_model
@@ -48,12 +50,12 @@ def make_engine(model="builtin", tensor_parallel_size=1, **overrides) -> LLMEngi
                      str(model), device="cpu")
 
 
-def run(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[list[float]]]:
+def run(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tuple[list[list[int]], list[list[float]]]:
     """Every prompt to completion, admitted together; tokens and logprobs per prompt."""
     requests = []
     logprobs = {}
     for index, prompt in enumerate(prompts):
-        request = engine.make_request(f"p{index}-{time.monotonic_ns()}", prompt, GREEDY)
+        request = engine.make_request(f"p{index}-{time.monotonic_ns()}", prompt, params)
         engine.add_request(request, detokenize=False)
         requests.append(request)
         logprobs[request.request_id] = []
@@ -134,15 +136,15 @@ def test_block_table_changes_past_the_staged_capacity_reach_the_workers_too(buil
     assert tokens2 == tokens1
 
 
-def write_tiny_model(model_dir, num_key_value_heads: int):
+def write_tiny_model(model_dir, num_key_value_heads: int, vocab_size: int):
     """A random Llama with biases everywhere, 4 heads and `num_key_value_heads`, the built-in tokenizer."""
     builtin = ensure_builtin_model()
     model_dir.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(builtin / name, model_dir / name)
     config = json.loads((builtin / "config.json").read_text())
-    hidden, heads, head_dim, intermediate, vocab = 64, 4, 16, 96, config["vocab_size"]
-    config.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=num_key_value_heads,
+    hidden, heads, head_dim, intermediate, vocab = 64, 4, 16, 96, vocab_size
+    config.update(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=num_key_value_heads,
                   head_dim=head_dim, intermediate_size=intermediate, num_hidden_layers=3, attention_bias=True,
                   mlp_bias=True)
     (model_dir / "config.json").write_text(json.dumps(config))
@@ -168,10 +170,16 @@ def write_tiny_model(model_dir, num_key_value_heads: int):
     return model_dir
 
 
+# Odd, so 2 ranks divide it only padded: each holds 161 rows of the LM head and embedding,
+# rank 1's last one padding (a real case: Llama's 32,000 plus an added pad token).
+TINY_VOCAB = 321
+
+
 @pytest.fixture(scope="module")
 def tiny_mqa(tmp_path_factory):
-    """3 layers, 4 heads, 1 KV head: at TP=2 both ranks hold (replicate) the one KV head."""
-    return write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny-mqa", num_key_value_heads=1)
+    """3 layers, 4 heads, 1 KV head: at TP=2 both ranks hold (replicate) the one KV head, and
+    the odd vocabulary is padded."""
+    return write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny-mqa", num_key_value_heads=1, vocab_size=TINY_VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +187,39 @@ def tiny_tp1(tiny_mqa):
     return make_engine(tiny_mqa)
 
 
-def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated_on_both_ranks(tiny_mqa, tiny_tp1):
-    tp1 = tiny_tp1
-    tp2 = make_engine(tiny_mqa, tensor_parallel_size=2)
-    try:
-        assert tp2.model_config.num_key_value_heads == 1
-        assert_same_greedy_run(tp1, tp2, PROMPTS)
-    finally:
-        tp2.shutdown()
+@pytest.fixture(scope="module")
+def tiny_tp2(tiny_mqa):
+    engine = make_engine(tiny_mqa, tensor_parallel_size=2)
+    yield engine
+    engine.shutdown()
+
+
+def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated_and_the_vocabulary_padded(tiny_tp1, tiny_tp2):
+    assert tiny_tp2.model_config.num_key_value_heads == 1
+    assert tiny_tp2.model.lm_head.out_features == 161 and tiny_tp2.model_config.vocab_size == TINY_VOCAB
+    assert_same_greedy_run(tiny_tp1, tiny_tp2, PROMPTS)
+
+
+def test_tp2_seeded_samples_and_logprobs_equal_tp1_over_the_padded_vocabulary(tiny_tp1, tiny_tp2):
+    """The padding's columns never reach the sampler: a seeded draw over the 321 real columns
+    is the same draw at TP=1 and TP=2 (its random numbers are drawn per column)."""
+    seeded = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=26, ignore_eos=True, logprobs=True)
+    tokens1, logprobs1 = run(tiny_tp1, PROMPTS[:4], seeded)
+    tokens2, logprobs2 = run(tiny_tp2, PROMPTS[:4], seeded)
+    assert tokens2 == tokens1
+    assert max(token for tokens in tokens1 for token in tokens) >= 256, "never sampled past the bytes: a weak probe"
+    for ours, theirs in zip(logprobs2, logprobs1):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_a_structured_output_grammar_constrains_the_gathered_logits_at_tp2(tiny_tp1, tiny_tp2):
+    """The grammar's bitmask is as wide as the vocabulary, not as a rank's block of the LM head."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True,
+                            structured_output=StructuredOutput("regex", "[a-z]{3}-[0-9]{4}"))
+    (text1,), _ = run(tiny_tp1, [PROMPTS[0]], params)
+    (text2,), _ = run(tiny_tp2, [PROMPTS[0]], params)
+    assert text2 == text1
+    assert re.fullmatch("[a-z]{3}-[0-9]{4}", tiny_tp2.tokenizer.decode(text2))
 
 
 def test_each_rank_loads_only_its_slices_of_the_checkpoint(tiny_mqa):
@@ -204,8 +237,9 @@ def test_each_rank_loads_only_its_slices_of_the_checkpoint(tiny_mqa):
     gate, up = whole_params[f"{mlp}.gate_up_proj.weight"].split([96, 96])
     assert torch.equal(params[f"{mlp}.gate_up_proj.weight"], torch.cat([gate[48:], up[48:]]))
     assert torch.equal(params[f"{mlp}.down_proj.weight"], whole_params[f"{mlp}.down_proj.weight"][:, 48:])
-    assert torch.equal(params["model.embed_tokens.weight"], whole_params["model.embed_tokens.weight"][160:])
-    assert torch.equal(params["lm_head.weight"], whole_params["lm_head.weight"][160:])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # rows 161-320, then one padding row of zeros
+        assert params[name].shape == (161, 64)
+        assert torch.equal(params[name][:160], whole_params[name][161:]) and not params[name][160].any()
     shard_numel = sum(p.numel() for p in shard.parameters())
     assert shard_numel < 0.6 * sum(p.numel() for p in whole.parameters())
 
