@@ -134,8 +134,8 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, ge=1,
         description="Ranks (devices) one replica's model and KV cache are sharded across, Megatron-style: worker "
-        "processes beside the engine core, gloo on CPU, NCCL on CUDA. Must divide the model's attention heads, "
-        "MLP width and vocabulary, and its KV heads or be a multiple of them (checked at start).",
+        "processes beside the engine core, gloo on CPU, NCCL on CUDA. Must divide the model's attention heads "
+        "and MLP width, and its KV heads or be a multiple of them (checked at start); the vocabulary is padded.",
     )
     tensor_parallel_timeout_s: float = Field(
         60.0, gt=0,
@@ -151,7 +151,7 @@ class EngineConfig(BaseModel):
     host_kv_bytes: Optional[int] = Field(
         None, gt=0,
         description="The host tier's size in bytes instead of num_host_kv_blocks (turned into whole blocks of the "
-        "model at start); must fit the host's memory.",
+        "model at start); must fit the host's memory. Under tensor parallelism, all ranks' shards together.",
     )
     preemption_mode: PreemptionMode = Field(
         "auto",
@@ -179,8 +179,6 @@ class EngineConfig(BaseModel):
         if self.host_kv_bytes is not None and self.host_kv_bytes > (host_bytes := host_memory_bytes()):
             raise ConfigError(f"host_kv_bytes: {self.host_kv_bytes} bytes exceeds the host's memory "
                               f"({host_bytes} bytes)")
-        if self.has_host_tier and self.tensor_parallel_size > 1:
-            raise ConfigError("num_host_kv_blocks: the host KV tier does not run with tensor_parallel_size > 1 yet")
         if self.preemption_mode == "swap" and not self.has_host_tier:
             raise ConfigError("preemption_mode: 'swap' needs a host KV tier (set num_host_kv_blocks or host_kv_bytes)")
         if self.max_model_len is None:  # checked once the model's context is known (resolve_max_model_len)

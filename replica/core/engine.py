@@ -16,12 +16,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from replica.model.registry import resolve_model_path
-from replica.config import EngineConfig, make_engine_config, resolve_host_kv_blocks, resolve_max_model_len
+from replica.config import EngineConfig
 from replica.core.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
 from replica.executor.cuda_graphs import use_cuda_graphs
-from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
+from replica.executor.memory_profile import kv_cache_bytes_per_block
+from replica.executor.rank_config import resolve_rank_config
 from replica.executor.preemption_profile import preemption_costs
 from replica.executor.model_runner import StepInFlight
 from replica.core.outputs import RequestOutput, StepStats, make_request
@@ -91,23 +92,13 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         # Tensor parallelism: worker processes for ranks 1..N-1; this process is rank 0.
         self.tp_workers = start_tensor_parallel(config, model_dir, self.device, dtype, attention_backend)
+        tp = self.tp_workers.tp if self.tp_workers is not None else NO_TENSOR_PARALLEL
         self.model, self.model_config = load_model(
             model_dir, dtype=dtype, device=self.device, attention_backend=attention_backend, fused_ops=config.fused_ops,
-            tp=self.tp_workers.tp if self.tp_workers is not None else NO_TENSOR_PARALLEL,
+            tp=tp,
         )
-        config = resolve_max_model_len(config, self.model_config.max_model_len)
+        config = resolve_rank_config(config, self.model, self.model_config, self.device, tp)
         on_cuda = self.device.type == "cuda"
-        if on_cuda:  # every kernel variant a batch shape can pick compiles now, not inside a step
-            cfg = self.model_config
-            self.model.attn_backend.warm_up(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                            next(self.model.parameters()).dtype, config.block_size,
-                                            config.max_model_len, self.device)
-        if config.gpu_memory_utilization is not None and on_cuda:
-            config = make_engine_config(**{**config.model_dump(), "num_kv_blocks": profile_num_kv_blocks(
-                self.model, self.model_config, config, self.device)})
-        if config.has_host_tier:
-            config = resolve_host_kv_blocks(config, kv_cache_bytes_per_block(
-                self.model_config, config.block_size, next(self.model.parameters()).dtype))
         self.config = config
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
@@ -124,8 +115,8 @@ class LLMEngine:
             self.runner = TensorParallelRunner(self.model, self.model_config, config, self.device, self.tp_workers)
         if config.num_host_kv_blocks:  # what swapping a victim costs against recomputing it, per token and block
             self.scheduler.preemption.costs = preemption_costs(self.model, self.model_config, config, self.device,
-                                                               self.runner.kv_swap)
-            self.scheduler.kv_block_bytes = self.runner.kv_swap.bytes_per_block
+                                                               self.runner.kv_swap, tp)
+            self.scheduler.kv_block_bytes = self.runner.kv_swap.bytes_per_block * tp.size  # every rank's shard
         self.async_scheduling = on_cuda if config.async_scheduling is None else config.async_scheduling
         self._in_flight: Optional[_LaunchedStep] = None  # the step launched but not yet updated (overlap)
         self.last_step = StepTiming()

@@ -39,6 +39,8 @@ class KVSwapper:
         # Zeroed lazily by the OS on CPU; pinned (page-locked) on CUDA for asynchronous copies.
         self.host_cache = torch.zeros(shape, dtype=key_cache.dtype, pin_memory=self.on_cuda)
         self.bytes_per_block = self.host_cache[0].numel() * self.host_cache.element_size()
+        # Blocks this rank copied each way (under tensor parallelism every rank copies its shard).
+        self.swapped_out_blocks = self.swapped_in_blocks = 0
         self.stream: Optional[torch.cuda.Stream] = None
         self.staging: Optional[torch.Tensor] = None
         if self.on_cuda:
@@ -49,6 +51,8 @@ class KVSwapper:
     def copy(self, copies: BlockCopies) -> None:
         """Run a step's copies: swap-outs, then swap-ins. On CUDA the step's kernels queued
         after this call wait for them."""
+        self.swapped_out_blocks += len(copies.swap_out)
+        self.swapped_in_blocks += len(copies.swap_in)
         if self.on_cuda:
             self._copy_cuda(copies)
             return

@@ -4,7 +4,8 @@ The engine may use `gpu_memory_utilization` of the device's total memory. A prof
 executes the largest step the scheduler can form (max_num_batched_tokens prompt tokens,
 then logits and sampling for max_num_seqs rows with every filter on) and measures its peak
 activation memory; the KV pool gets what is left after the weights, that peak and the
-memory torch does not manage (the CUDA context, other processes).
+memory torch does not manage (the CUDA context, other processes). Under tensor parallelism
+each rank profiles its own GPU and the pool is the smallest any of them holds (all_reduce MIN).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from replica.config import ConfigError, EngineConfig
 from replica.executor.sampler import Sampler, SamplingBatch
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
+from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class MemoryProfile:
     reserved: int  # held by torch's allocator after the run
     weights: int  # allocated before the run: the weights
     peak_activations: int  # the run's peak above the weights (its scratch KV cache excluded)
+    device: torch.device = torch.device("cpu")  # the agreement among tensor-parallel ranks runs on it
 
     @property
     def non_torch(self) -> int:
@@ -47,17 +50,25 @@ class MemoryProfile:
         """The engine's share of the device minus everything else it needs."""
         return int(self.total * utilization) - self.weights - self.peak_activations - self.non_torch
 
-    def num_kv_blocks(self, utilization: float, bytes_per_block: int, min_blocks: int) -> int:
-        """KV blocks that fit; ConfigError (naming gpu_memory_utilization) below min_blocks."""
+    def num_kv_blocks(self, utilization: float, bytes_per_block: int, min_blocks: int,
+                      tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+        """KV blocks that fit, on every rank of `tp` the fewest any rank's device holds (one
+        scheduler plans for all ranks, each holding its shard of every block); ConfigError
+        (naming gpu_memory_utilization) on every rank when that is below min_blocks. Every rank
+        reaches the agreement before any raises: a rank that raised first would leave the
+        others waiting in the collective."""
         budget = max(self.kv_cache_bytes(utilization), 0)
-        num_blocks = budget // bytes_per_block
+        own_blocks = budget // bytes_per_block
+        num_blocks = int(tp.min_at_start(own_blocks, self.device))
         if num_blocks < min_blocks:
             gib = 2**30
+            tightest = "" if num_blocks == own_blocks else (
+                f" (another tensor-parallel rank holds only {num_blocks} blocks: see its log; this rank, {tp.rank})")
             raise ConfigError(
                 f"gpu_memory_utilization: {utilization} of {self.total / gib:.1f} GiB leaves {budget / gib:.2f} GiB "
                 f"for the KV cache after weights ({self.weights / gib:.2f} GiB), peak activations "
                 f"({self.peak_activations / gib:.2f} GiB) and memory outside torch ({self.non_torch / gib:.2f} GiB): "
-                f"{num_blocks} blocks, but one max_model_len sequence needs {min_blocks}"
+                f"{own_blocks} blocks{tightest}, but one max_model_len sequence needs {min_blocks}"
             )
         return num_blocks
 
@@ -106,8 +117,9 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
 
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                          device: torch.device) -> int:
-    """KV blocks (the null block included) that fit the engine's share of the GPU."""
+                          device: torch.device, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+    """KV blocks (the null block included) that fit the engine's share of the GPU; under tensor
+    parallelism every rank profiles its own GPU and they agree on the fewest."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -117,10 +129,10 @@ def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, co
     peak = torch.cuda.max_memory_allocated(device) - weights - scratch_kv_bytes
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    profile = MemoryProfile(total, free, torch.cuda.memory_reserved(device), weights, peak)
+    profile = MemoryProfile(total, free, torch.cuda.memory_reserved(device), weights, peak, device)
     per_block = kv_cache_bytes_per_block(model_config, config.block_size, next(model.parameters()).dtype)
     num_blocks = profile.num_kv_blocks(config.gpu_memory_utilization, per_block,
-                                       min_blocks=-(-config.max_model_len // config.block_size) + 1)
+                                       min_blocks=-(-config.max_model_len // config.block_size) + 1, tp=tp)
     gib = 2**30
     logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (%.2f of %.1f GiB; weights %.2f GiB, "
                 "peak activations %.2f GiB, outside torch %.2f GiB)", num_blocks, config.block_size,

@@ -1,6 +1,7 @@
 """Measures, once at start-up, the two rates the auto preemption mode weighs per victim
 (replica/core/preemption_mode.py): how long a token takes to prefill, and how fast whole KV
 blocks cross between the device and the host tier. A configured rate is used as given.
+Under tensor parallelism every rank measures, together (preemption_costs says how).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from replica.core.host_pool import BlockCopies
 from replica.core.preemption_mode import PreemptionCosts
 from replica.executor.kv_swap import KVSwapper
 from replica.model import LlamaForCausalLM, ModelConfig
+from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,15 @@ def measure_swap_bytes_per_s(kv_swap: KVSwapper, num_device_blocks: int, num_hos
 
 
 def preemption_costs(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                     device: torch.device, kv_swap: KVSwapper) -> PreemptionCosts:
-    """The rates the config sets, the others measured now; logged either way."""
+                     device: torch.device, kv_swap: KVSwapper,
+                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> PreemptionCosts:
+    """The rates the config sets, the others measured now; logged either way.
+
+    Under tensor parallelism every rank calls this at start, in step. The prefill probe is one
+    forward pass of the whole group (its all-reduces make each rank's timing the group's), so
+    rank 0's stands for all. Each rank copies only its own shard of a block, all at once, so a
+    swap takes as long as the slowest rank's copy: the bandwidth is each rank's own, measured,
+    and the ranks agree on the lowest, over their shard's bytes per block."""
     recompute_s_per_token = config.preemption_recompute_s_per_token
     recompute_source = "configured"
     if recompute_s_per_token is None:
@@ -90,8 +99,9 @@ def preemption_costs(model: LlamaForCausalLM, model_config: ModelConfig, config:
     swap_bytes_per_s = config.preemption_swap_bytes_per_s
     swap_source = "configured"
     if swap_bytes_per_s is None:
-        swap_bytes_per_s = measure_swap_bytes_per_s(kv_swap, config.num_usable_blocks, config.num_host_kv_blocks)
-        swap_source = "measured"
+        swap_bytes_per_s = tp.min_at_start(
+            measure_swap_bytes_per_s(kv_swap, config.num_usable_blocks, config.num_host_kv_blocks), device)
+        swap_source = "measured" if tp.size == 1 else f"measured, the slowest of {tp.size} ranks"
     costs = PreemptionCosts.of(recompute_s_per_token, swap_bytes_per_s, kv_swap.bytes_per_block)
     logger.info("preemption costs: recompute %.3g ms/token (%s), swap %.2f GB/s (%s) = %.3g ms per %d-token block "
                 "each way; mode %s, host tier %d blocks", recompute_s_per_token * 1e3, recompute_source,

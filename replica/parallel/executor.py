@@ -29,8 +29,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from replica.config import ConfigError, EngineConfig, resolve_max_model_len
+from replica.config import ConfigError, EngineConfig
+from replica.core.host_pool import BlockCopies
 from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
+from replica.executor.preemption_profile import preemption_costs
+from replica.executor.rank_config import resolve_rank_config
 from replica.executor.step_abort import StepAborted
 from replica.model import ModelConfig, load_model
 from replica.parallel.group import (
@@ -175,6 +178,8 @@ class TensorParallelRunner(ModelRunner):
 
     def launch(self, scheduler_output) -> StepInFlight:
         self._step_id = scheduler_output.step_id
+        if scheduler_output.block_copies is not None:  # every rank swaps its shard (even in a step that runs nothing)
+            self.workers.send(scheduler_output.block_copies)
         return super().launch(scheduler_output)
 
     def _prepare(self, scheduled, graphable: bool) -> _StepPlan:
@@ -212,13 +217,19 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
     tp = join_group(rendezvous_store(spec.size, spec.port), spec.rank, spec.size, device,
                     spec.config.tensor_parallel_timeout_s)
     try:
-        runner, vote = _build_rank(spec, tp, device, board)
+        runner, vote, model_config, config = _build_rank(spec, tp, device, board)
     except Exception as error:
         logger.exception("failed to start")
         connection.send(("failed", f"{type(error).__name__}: {error}"))
         return
     connection.send(("ready", None))
     worker = _Worker(runner, tp, vote)
+    if config.num_host_kv_blocks:  # rank 0's engine measures them now, with every rank
+        try:
+            preemption_costs(runner.model, model_config, config, device, runner.kv_swap, tp)
+        except TensorParallelDead:
+            logger.exception("a peer died; exiting")
+            os._exit(1)
     with torch.inference_mode():
         while True:
             while not connection.poll(PARENT_WATCH_INTERVAL_S):
@@ -240,20 +251,18 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
                 os._exit(1)
 
 
-def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, board) -> tuple[ModelRunner, WorkerVote]:
+def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, board
+                ) -> tuple[ModelRunner, WorkerVote, ModelConfig, EngineConfig]:
     model, model_config = load_model(spec.model_dir, dtype=spec.dtype, device=device,
                                      attention_backend=spec.attention_backend, fused_ops=spec.config.fused_ops, tp=tp)
-    # Decided as rank 0's engine decides it, from the same config and model: the same pool shape.
-    config = resolve_max_model_len(spec.config, model_config.max_model_len)
-    if device.type == "cuda":  # every attention kernel variant compiles now, not inside a step
-        model.attn_backend.warm_up(model_config.num_attention_heads, model_config.num_key_value_heads,
-                                   model_config.head_dim, next(model.parameters()).dtype, config.block_size,
-                                   config.max_model_len, device)
+    # Decided as rank 0's engine decides it, from the same config and model (agreeing with the
+    # other ranks on a profiled pool): the same pool shape.
+    config = resolve_rank_config(spec.config, model, model_config, device, tp)
     runner = ModelRunner(model, model_config, config, device)
     max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
     vote = WorkerVote(tp, device, board, max_abort_layer)
     runner.step_abort = vote
-    return runner, vote
+    return runner, vote, model_config, config
 
 
 class _Worker:
@@ -263,11 +272,18 @@ class _Worker:
 
     def answer(self, question: str) -> Any:
         if question == "stats":
-            return {"steps": self.num_steps, "aborts": list(self.vote.aborts), "votes": self.vote.ballot.num_votes}
+            kv_swap = self.runner.kv_swap
+            return {"steps": self.num_steps, "aborts": list(self.vote.aborts), "votes": self.vote.ballot.num_votes,
+                    "num_kv_blocks": self.runner.kv_caches[0][0].shape[0],
+                    "swapped_out_blocks": kv_swap.swapped_out_blocks if kv_swap is not None else 0,
+                    "swapped_in_blocks": kv_swap.swapped_in_blocks if kv_swap is not None else 0}
         raise ValueError(f"unknown question {question!r}")
 
-    def run(self, message: StepMessage) -> None:
+    def run(self, message: StepMessage | BlockCopies) -> None:
         runner = self.runner
+        if isinstance(message, BlockCopies):  # this rank's shard of the blocks, before the step that reads them
+            runner.kv_swap.copy(message)
+            return
         runner.staged.receive(message.staged_bytes)
         for flat_index, block_ids in message.overflow_changes:
             runner.rows.block_tables.apply_on_device(torch.from_numpy(flat_index).to(runner.device),
@@ -304,7 +320,4 @@ def start_tensor_parallel(config: EngineConfig, model_dir, device: torch.device,
         check_divisible(read_model_config(Path(model_dir)), size)
     except TensorParallelConfigError as error:
         raise ConfigError(str(error)) from None
-    if config.gpu_memory_utilization is not None and device.type == "cuda":
-        raise ConfigError("gpu_memory_utilization: not supported with tensor_parallel_size > 1 yet; "
-                          "set num_kv_blocks")
     return TensorParallelWorkers(size, model_dir, config, device, dtype, attention_backend)

@@ -76,6 +76,20 @@ class TensorParallel:
             self._run("all_reduce", lambda group: group.allreduce([tensor], options))
         return tensor
 
+    def min_at_start(self, value: float, device: torch.device) -> float:
+        """The smallest of every rank's `value`, on every rank: how the ranks agree at start on
+        what one scheduler plans for all of them (the KV pool the tightest device holds, the
+        slowest rank's copy bandwidth). A rank may still be loading its shard when another
+        arrives, so the wait is bounded as the joining is (RENDEZVOUS_TIMEOUT_S), not per step."""
+        if self.size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.float64, device=device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        options.timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        self._run("all_reduce(MIN)", lambda group: group.allreduce([box], options))
+        return box.item()
+
     def all_gather_last_dim(self, tensor: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last dimension, in rank order; with
         `width`, only that many leading columns (the rest, padding, is left out of the one copy)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -23,14 +24,22 @@ from replica.config import ConfigError, make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import RequestStatus, SamplingParams
 from replica.core.slo import AbortOrder
+from replica.core.preemption_mode import UNMEASURED_COSTS
 from replica.core.structured_output import StructuredOutput
+from replica.executor.memory_profile import MemoryProfile
 from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import EngineDeadError
 from replica.model import load_model
 from replica.model.loader import read_model_config
 from replica.model.builtin import ensure_builtin_model
-from replica.parallel.group import TensorParallel, TensorParallelConfigError, TensorParallelDead, check_divisible
+from replica.parallel.group import (
+    TensorParallel, TensorParallelConfigError, TensorParallelDead, check_divisible, join_group, rendezvous_store,
+)
 
+from tests.replica.test_kv_swap_engine import GREEDY as SWAP_GREEDY
+from tests.replica.test_kv_swap_engine import _check_pools_empty as check_pools_empty
+from tests.replica.test_kv_swap_engine import _engine as swap_engine
+from tests.replica.test_kv_swap_engine import _prompts as swap_prompts
 from tests.replica.test_slo_engine import hooked
 
 pytestmark = pytest.mark.timeout(120)  # a hung collective fails its test instead of the run
@@ -264,6 +273,112 @@ def test_smollm2_from_its_gguf_divides_among_three_ranks_not_two(smollm2_dir):
 def test_a_size_that_does_not_divide_the_heads_is_a_one_line_error_at_start():
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 3 does not divide the model's 8 attention heads"):
         make_engine(tensor_parallel_size=3)
+
+
+# ---- the host KV tier -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swapping_tp2():
+    """test_kv_swap_engine's cramped pool (10 usable blocks of 4 tokens for six requests) at
+    TP=2, swapping every victim, its preemption rates measured at start by both ranks."""
+    engine = swap_engine(11, tensor_parallel_size=2, num_host_kv_blocks=64, preemption_mode="swap",
+                         async_scheduling=True, preemption_recompute_s_per_token=None,
+                         preemption_swap_bytes_per_s=None)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def roomy_tp1():
+    engine = swap_engine(256)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_cramped_pool_swapping_at_tp2_gives_a_roomy_tp1_pools_tokens_every_rank_copying(swapping_tp2, roomy_tp1):
+    engine = swapping_tp2
+    assert engine.scheduler.preemption.costs != UNMEASURED_COSTS, "the ranks measured the rates together"
+    assert engine.generate(swap_prompts(), SWAP_GREEDY) == roomy_tp1.generate(swap_prompts(), SWAP_GREEDY)
+    counters = engine.scheduler.counters
+    assert counters.swap_preemptions == counters.preemptions > 0, "the cramped pool must really swap"
+    assert engine.scheduler.kv_cache.swapped_in_blocks > 0
+    # Each rank copied its shard of exactly the blocks rank 0 did (its start-up probe's included).
+    kv_swap = engine.runner.kv_swap
+    stats = worker_stats(engine)
+    assert (stats["swapped_out_blocks"], stats["swapped_in_blocks"]) == (kv_swap.swapped_out_blocks,
+                                                                         kv_swap.swapped_in_blocks)
+    # Each rank's host blocks hold its KV heads only; the swap metrics count the replica's bytes.
+    assert kv_swap.host_cache.shape[4] == 2
+    assert engine.scheduler.kv_block_bytes == 2 * kv_swap.bytes_per_block
+    check_pools_empty(engine)
+
+
+def test_a_prefix_spilled_to_every_ranks_host_shard_and_hit_there_gives_the_tp1_tokens(swapping_tp2, roomy_tp1):
+    engine, kv_cache = swapping_tp2, swapping_tp2.scheduler.kv_cache
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 250) for _ in range(20)]  # five full blocks of 4
+    filler = [rng.randrange(3, 250) for _ in range(30)]
+    prompt = shared + [11, 12, 13]
+    spilled, host_hits = kv_cache.spilled_blocks, kv_cache.host_hit_blocks
+    engine.generate([shared], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.generate([filler], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert kv_cache.spilled_blocks > spilled, "the filler must evict the prefix to the host"
+    assert engine.generate([prompt], SWAP_GREEDY) == roomy_tp1.generate([prompt], SWAP_GREEDY)
+    assert kv_cache.host_hit_blocks > host_hits, "the prefix must have been copied back from the host"
+    check_pools_empty(engine)
+
+
+# ---- the KV pool a profiled GPU holds --------------------------------------------------------
+
+GIB = 2**30
+
+
+def rank_profile(rank: int) -> MemoryProfile:
+    """80 GiB GPUs, 2 GiB of weights and 3 GiB of peak activations per rank; rank 1's GPU also
+    holds 10 GiB of another process, so it has room for 40 fewer quarter-GiB blocks."""
+    free = 72 * GIB if rank == 0 else 62 * GIB
+    return MemoryProfile(total=80 * GIB, free=free, reserved=int(5.5 * GIB), weights=2 * GIB,
+                         peak_activations=3 * GIB)
+
+
+def pool_over_ranks(tp: TensorParallel, min_blocks: int):
+    """What this rank's engine would size its pool to, or the error it would start with."""
+    try:
+        return rank_profile(tp.rank).num_kv_blocks(0.9, GIB // 4, min_blocks, tp)
+    except ConfigError as error:
+        return str(error)
+
+
+def _rank_1_sizes_its_pool(port: int, results) -> None:
+    tp = join_group(rendezvous_store(2, port), 1, 2, torch.device("cpu"), 30.0)
+    for min_blocks in (2, 240):
+        results.put(pool_over_ranks(tp, min_blocks))
+
+
+def test_the_ranks_size_the_kv_pool_to_the_tightest_gpu_and_fail_together_when_it_is_too_small():
+    """A real 2-rank gloo group; the per-rank budgets differ (258 vs 218 blocks fit). One
+    scheduler plans for both, so both build 218; when one max_model_len sequence needs 240,
+    both fail the start with the field named, and neither waits for the other in vain."""
+    assert rank_profile(0).num_kv_blocks(0.9, GIB // 4, 2) == 258
+    assert rank_profile(1).num_kv_blocks(0.9, GIB // 4, 2) == 218
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = rendezvous_store(2)
+    rank_1 = context.Process(target=_rank_1_sizes_its_pool, args=(store.port, results), daemon=True)
+    rank_1.start()
+    try:
+        tp = join_group(store, 0, 2, torch.device("cpu"), 30.0)
+        assert pool_over_ranks(tp, 2) == 218
+        assert results.get(timeout=60) == 218
+        ours, theirs = pool_over_ranks(tp, 240), results.get(timeout=60)
+        assert re.match(r"gpu_memory_utilization: .* 258 blocks \(another tensor-parallel rank holds only 218 "
+                        r"blocks: see its log; this rank, 0\), but one max_model_len sequence needs 240$", ours)
+        assert re.match(r"gpu_memory_utilization: 0.9 of 80.0 GiB .*: 218 blocks, but .* needs 240$", theirs)
+    finally:
+        rank_1.join(timeout=30)
+        if rank_1.is_alive():
+            rank_1.kill()
 
 
 # ---- the vote ------------------------------------------------------------------------------
