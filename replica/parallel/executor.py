@@ -166,7 +166,8 @@ def _stop_workers(connections, processes) -> None:
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: the one-device runner, plus shipping each step to the workers
-    and broadcasting the sampled ids. CUDA graphs are off (their collectives are not captured yet)."""
+    and broadcasting the sampled ids. CUDA graphs are off (their collectives are not captured
+    yet), though every rank can run the padded decode pass a graph would replay."""
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                  workers: TensorParallelWorkers):
@@ -175,6 +176,13 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self.tp = workers.tp
         self._step_id = -1  # of the step being launched
+
+    def enable_decode_padding(self) -> None:
+        """Pad decode-only steps to the graph ladder on every rank: each runs the padded pass
+        (what a captured decode graph replays, collectives included) on the same rows. Graph
+        capture itself stays off under TP; this runs the pass eagerly (CPU tests)."""
+        super().enable_decode_padding()
+        self.workers.call("enable_decode_padding")
 
     def launch(self, scheduler_output) -> StepInFlight:
         self._step_id = scheduler_output.step_id
@@ -269,11 +277,16 @@ class _Worker:
     def __init__(self, runner: ModelRunner, tp: TensorParallel, vote: WorkerVote):
         self.runner, self.tp, self.vote = runner, tp, vote
         self.num_steps = 0
+        self.num_padded_decode_steps = 0
 
     def answer(self, question: str) -> Any:
+        if question == "enable_decode_padding":
+            self.runner.enable_decode_padding()
+            return None
         if question == "stats":
             kv_swap = self.runner.kv_swap
             return {"steps": self.num_steps, "aborts": list(self.vote.aborts), "votes": self.vote.ballot.num_votes,
+                    "padded_decode_steps": self.num_padded_decode_steps,
                     "num_kv_blocks": self.runner.kv_caches[0][0].shape[0],
                     "swapped_out_blocks": kv_swap.swapped_out_blocks if kv_swap is not None else 0,
                     "swapped_in_blocks": kv_swap.swapped_in_blocks if kv_swap is not None else 0}
@@ -298,9 +311,12 @@ class _Worker:
         if not num_samples:
             return
         device_views = runner.staged.device_views
-        if not plan.prunes_last_layer:
-            hidden = hidden.index_select(0, device_views["logits_indices"][:num_samples])
-        runner.model.compute_logits(hidden)  # this rank's vocabulary block, for rank 0's gather
+        if hidden is None:  # a padded decode pass: it gathered every row's logits itself, as a graph would
+            self.num_padded_decode_steps += 1
+        else:
+            if not plan.prunes_last_layer:
+                hidden = hidden.index_select(0, device_views["logits_indices"][:num_samples])
+            runner.model.compute_logits(hidden)  # this rank's vocabulary block, for rank 0's gather
         token_ids = torch.empty(num_samples, dtype=torch.int64, device=runner.device)
         self.tp.broadcast(token_ids, src=0)
         runner.last_token_by_row.index_copy_(0, device_views["sample_rows"][:num_samples], token_ids)

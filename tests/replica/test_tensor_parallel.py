@@ -145,6 +145,19 @@ def test_block_table_changes_past_the_staged_capacity_reach_the_workers_too(buil
     assert tokens2 == tokens1
 
 
+def test_decode_steps_padded_to_the_graph_ladder_on_every_rank_give_the_tp1_tokens(builtin_tp1, builtin_tp2):
+    """What a captured decode graph replays (the padded pass: every row's logits gathered, the
+    rows' inputs read on the device), run eagerly by both ranks; graph capture is off under TP."""
+    builtin_tp2.runner.enable_decode_padding()
+    padded_before = worker_stats(builtin_tp2)["padded_decode_steps"]
+    tokens2, logprobs2 = run(builtin_tp2, PROMPTS[:4])
+    tokens1, logprobs1 = run(builtin_tp1, PROMPTS[:4])
+    assert tokens2 == tokens1
+    for ours, theirs in zip(logprobs2, logprobs1):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    assert worker_stats(builtin_tp2)["padded_decode_steps"] > padded_before + 5, "no padded decode step ran"
+
+
 def write_tiny_model(model_dir, num_key_value_heads: int, vocab_size: int):
     """A random Llama with biases everywhere, 4 heads and `num_key_value_heads`, the built-in tokenizer."""
     builtin = ensure_builtin_model()
