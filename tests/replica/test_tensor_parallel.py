@@ -26,7 +26,8 @@ from replica.core.request import RequestStatus, SamplingParams
 from replica.core.slo import AbortOrder
 from replica.core.preemption_mode import UNMEASURED_COSTS
 from replica.core.structured_output import StructuredOutput
-from replica.executor.memory_profile import MemoryProfile
+from replica.executor.memory_profile import MemoryProfile, kv_cache_bytes_per_block
+from replica.executor.rank_config import resolve_rank_config
 from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import EngineDeadError
 from replica.model import load_model
@@ -340,6 +341,15 @@ def test_a_prefix_spilled_to_every_ranks_host_shard_and_hit_there_gives_the_tp1_
     assert engine.generate([prompt], SWAP_GREEDY) == roomy_tp1.generate([prompt], SWAP_GREEDY)
     assert kv_cache.host_hit_blocks > host_hits, "the prefix must have been copied back from the host"
     check_pools_empty(engine)
+
+
+def test_host_kv_bytes_is_the_whole_replicas_tier_all_ranks_shards_together(tiny_mqa):
+    shard, shard_cfg = load_model(tiny_mqa, tp=TensorParallel(rank=1, size=2))
+    shard_block_bytes = kv_cache_bytes_per_block(shard_cfg, 4, torch.float32)  # 3 layers x K/V x 4 x 1 head x 16
+    assert shard_block_bytes == 1536
+    config = resolve_rank_config(make_engine_config(block_size=4, num_kv_blocks=40, host_kv_bytes=30_720), shard,
+                                 shard_cfg, torch.device("cpu"), TensorParallel(rank=1, size=2))
+    assert config.num_host_kv_blocks == 10  # 30,720 bytes / (2 ranks x 1,536)
 
 
 # ---- the KV pool a profiled GPU holds --------------------------------------------------------
