@@ -242,11 +242,11 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
         while True:
             while not connection.poll(PARENT_WATCH_INTERVAL_S):
                 if os.getppid() != spec.parent_pid:
-                    return  # rank 0 is gone
+                    _exit_now()  # rank 0 is gone
             try:
                 message = connection.recv()
             except EOFError:
-                return
+                _exit_now()
             if message is None:
                 return
             if isinstance(message, str):
@@ -257,6 +257,13 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
             except TensorParallelDead:
                 logger.exception("a peer died; exiting")
                 os._exit(1)
+
+
+def _exit_now() -> None:
+    """Rank 0 is gone: exit at once, freeing the device, without the interpreter's teardown of
+    torch (seconds on a busy host; nothing there needs flushing)."""
+    logger.info("rank 0 is gone; exiting")
+    os._exit(0)
 
 
 def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, board
