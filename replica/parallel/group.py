@@ -99,8 +99,8 @@ class TensorParallel:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         options = self._bound(distributed_c10d.AllgatherOptions())
         self._run("all_gather", lambda group: group.allgather([parts], [tensor], options))
-        if width is not None:
-            columns = tensor.shape[-1]
+        columns = tensor.shape[-1]
+        if width is not None and width < columns * self.size:
             parts = [part[..., :max(0, min(columns, width - rank * columns))] for rank, part in enumerate(parts)]
         return torch.cat(parts, dim=-1)
 

@@ -1,8 +1,11 @@
 """Tensor-parallel replicas on the CPU: 2 gloo ranks (this process and one worker process).
 Greedy output at TP=2 equals TP=1 token for token, with KV heads divided (the built-in model's
 4) and replicated (a tiny model with 1 KV head and an odd vocabulary, padded), under chunked
-prefill, prefix caching and preemption; seeded samples and a grammar's constraint too; each rank loads only its slices; the SLO abort is a vote every rank reaches at
-every layer boundary of an abortable step; a dead worker takes the replica down."""
+prefill, prefix caching, preemption and padded decode; seeded samples and a grammar's
+constraint too; each rank loads only its slices; a cramped pool swapping to every rank's host
+shard, and a prefix spilled there, give TP=1's tokens; the ranks size a profiled pool to the
+tightest GPU; the SLO abort is a vote every rank reaches at every layer boundary of an
+abortable step; a dead worker takes the replica down."""
 
 from __future__ import annotations
 
