@@ -18,6 +18,7 @@ import grpc
 import requests
 
 from cluster.config import ServeAppsConfig, load_config
+from cluster.ingress import APPLICATION_METADATA_KEY
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 
@@ -136,14 +137,26 @@ class StreamResult:
         return self.responses[0].replica_id if self.responses else None
 
     @property
+    def token_ids(self) -> list[int]:
+        return [token for response in self.responses for token in response.token_ids]
+
+    @property
     def num_tokens(self) -> int:
         return sum(len(response.token_ids) for response in self.responses)
 
 
-def stream_generate(channel: grpc.Channel, request: pb.GenerateRequest, on_response=None) -> StreamResult:
+def stream_generate(channel: grpc.Channel, request: pb.GenerateRequest, on_response=None,
+                    application: Optional[str] = None, timeout_s: float = GRPC_TIMEOUT_S,
+                    on_call=None) -> StreamResult:
+    """One Generate stream to its end; `application` names the one to call where Serve runs
+    several; `on_call` receives the call as it starts (another thread may cancel it)."""
     result = StreamResult()
+    metadata = ((APPLICATION_METADATA_KEY, application),) if application else None
     try:
-        for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=GRPC_TIMEOUT_S):
+        call = pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s, metadata=metadata)
+        if on_call is not None:
+            on_call(call)
+        for response in call:
             result.responses.append(response)
             if on_response is not None:
                 on_response(result)

@@ -1,62 +1,89 @@
-"""Autoscaling on memory pressure, live: Ray Serve's autoscaler runs the headroom policy on the
-replicas' reported KV demand. A ramp of long generations onto one replica makes it add a second
-before the first's preemption rate passes the policy's threshold (the decision says kv_demand,
-not preemptions); when the ramp ends, the demand fits one replica again and Serve removes the
-newer one while it still streams, which finishes every stream it holds. Each event is probed
-from Serve's own replica states over time, not inferred.
+"""Autoscaling on memory pressure, live, against Serve's request count on the same ramp.
+
+Two applications serve the built-in model in one Ray: one scaled by the headroom policy, one by
+`requests` (Serve's own policy at target_ongoing_requests 32, what `--autoscaling requests`
+configures). The same ramp (the same prompts, greedy, the same arrival offsets) goes to each in
+turn: twelve long generations that together commit nearly all of one replica's KV, then a tail
+of twenty more once the headroom application's second replica serves. Under headroom, the
+committed KV asks for a second replica while the ramp arrives, long before any preemption, and
+the tail goes to it; when the ramp ends, the demand fits one replica again and Serve removes
+the newer one while the tail's long streams still run, and they finish. Under requests, 32
+streams are one replica's worth: its one replica takes the tail too, its pool runs out and its
+preemption rate passes the threshold with no scale-up (the run is cancelled there, its streams
+having sent the same tokens as far as they got). Each event is probed from Serve's replica
+states and the replicas' own load over time, not inferred.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from cluster import cli  # noqa: E402
-from cluster.autoscaling import decision_changes  # noqa: E402
+from cluster.autoscaling import decision_changes, latest_decision  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.deployment import replica_counts  # noqa: E402
 from cluster.status_command import replica_statuses  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
-    APP_NAME, StreamResult, generate_request, local_cluster, small_config, stream_generate,
+    StreamResult, generate_request, grpc_target, local_cluster, small_config, stream_generate,
 )
 import grpc  # noqa: E402
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(600)
 
-# 512 usable blocks of 16 = 8,192 tokens per replica. A ramp stream commits ~900 tokens (its
-# whole max_tokens: optimistic admission counts growth to it), so eight commit 7,296, above
-# 0.8 x 8,192: the policy wants a second replica as they arrive, though their KV (which the
-# eight together never exceed) could not yet fill the pool.
-ENGINE = {"num_kv_blocks": 513, "max_model_len": 2048, "max_num_seqs": 16}
-RAMP_STREAMS = 8
-RAMP_MAX_TOKENS = 900
-RAMP_GAP_S = 0.5
-# Two tail streams (~4,000 tokens together) fit one replica at the scale-down utilisation
-# (0.6 x 8,192 = 4,915): once the ramp is done the policy removes a replica while they stream.
-# They go to the new replica (the most headroom) and run twice a ramp stream's length, so the
-# ramp, started earlier, ends long before them.
-TAIL_STREAMS = 2
-TAIL_MAX_TOKENS = 2000
+# 894 usable blocks of 16 = 14,304 tokens per replica. A stream commits its whole length
+# (optimistic admission counts its growth to max_tokens) and its prompt ("ramp 10": 7 tokens),
+# so the ramp's twelve commit 888 blocks, above 0.8 x 14,304 tokens: the headroom policy wants
+# a second replica as the tenth arrives, though the twelve never overfill the pool.
+ENGINE = {"num_kv_blocks": 895, "max_model_len": 2048, "max_num_seqs": 32}
+RAMP_STREAMS = 12
+RAMP_MAX_TOKENS = 1170
+RAMP_GAP_S = 0.25
+# The tail, sent once the headroom application's second replica runs, commits 888 blocks
+# more, which only an empty replica holds: on the first, where the request count leaves it,
+# the pool runs out while the tail's short streams are young, and they are preempted, newest
+# first, one after another. The ramp lasts long enough on two shared cores that the tail
+# meets it growing, however long the second replica took to start.
+# The tail's four long streams share a replica's steps as the ramp's twelve do, and outlast
+# the ramp by far; alone they fit one replica at the scale-down utilisation (8,064 tokens of
+# 0.6 x 14,304 = 8,582): once the ramp and the short ones are done, the headroom policy
+# removes the newer replica while they stream.
+LONG_TAIL_STREAMS = 4
+TAIL_MAX_TOKENS = [2000] * LONG_TAIL_STREAMS + [368] * 16
+# Every stream here is long, and the requests application's run preempts: more than the
+# harness' default per-call deadline.
+STREAM_TIMEOUT_S = 300.0
 PREEMPTION_RATE_THRESHOLD = 0.5
 AUTOSCALING = {
-    "policy": "headroom", "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.8,
-    "scale_down_utilization": 0.6, "preemption_rate_threshold": PREEMPTION_RATE_THRESHOLD,
-    "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 1, "metrics_interval_s": 0.5,
+    "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.8, "scale_down_utilization": 0.6,
+    "preemption_rate_threshold": PREEMPTION_RATE_THRESHOLD, "upscale_delay_s": 0, "downscale_delay_s": 1,
+    "look_back_period_s": 1, "metrics_interval_s": 0.5,
 }
+HEADROOM, REQUESTS = "headroom-policy", "requests-policy"  # the applications, named after their policies
 PROBE_PERIOD_S = 0.5
 
 
 def autoscaled_config():
     document = small_config(28800, engine=ENGINE).model_dump(exclude_unset=True)
-    document["applications"][0]["args"]["replicas"] = {"autoscaling": AUTOSCALING, "num_cpus": 1,
-                                                       "drain_timeout_s": 120}
+    template = document["applications"][0]
+    applications = []
+    for index, (name, policy) in enumerate(((HEADROOM, "headroom"), (REQUESTS, "requests"))):
+        args = {**template["args"], "replicas": {"autoscaling": {**AUTOSCALING, "policy": policy}, "num_cpus": 1,
+                                                 "drain_timeout_s": 120},
+                # Each application's replicas and ingress count up from ports of their own.
+                "ports": {**template["args"]["ports"], "metrics": 28810 + 30 * index,
+                          "router_metrics": 28820 + 30 * index}}
+        applications.append({**template, "name": name, "route_prefix": f"/{name}", "args": args})
+    document["applications"] = applications
     return load_config(document)
 
 
@@ -65,17 +92,28 @@ CONFIG = autoscaled_config()
 
 @pytest.fixture(scope="module")
 def cluster():
-    with local_cluster(CONFIG) as config:
+    # Two replicas of one application and one of the other at most at once, and a CPU to spare.
+    with local_cluster(CONFIG, num_cpus=4) as config:
         yield config
+
+
+@pytest.fixture(scope="module")
+def channel(cluster):
+    with grpc.insecure_channel(grpc_target(cluster)) as channel:
+        yield channel
 
 
 @dataclass
 class Probe:
-    """What Serve and the replicas said, every PROBE_PERIOD_S, from a thread of its own."""
+    """What Serve and one application's replicas said, every PROBE_PERIOD_S, from a thread of
+    its own (times from time.monotonic())."""
 
+    application: str
     counts: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, target, running, draining)
     replica_states: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # replica id -> states seen
     preemption_rate_passed_at: dict[str, float] = field(default_factory=dict)  # replica id -> first time > threshold
+    preemptions: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)  # id -> (t, total, rate)
+    loads: dict[str, Any] = field(default_factory=dict)  # replica id -> its latest ReplicaLoad
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -83,19 +121,44 @@ class Probe:
 
         while not self.stop.wait(PROBE_PERIOD_S):
             now = time.monotonic()
-            count = replica_counts()[APP_NAME]
+            count = replica_counts()[self.application]
             self.counts.append((now, count.target, count.running, count.draining))
-            deployment = _get_global_client().get_serve_details()["applications"][APP_NAME]["deployments"]["LLMReplica"]
-            for replica in deployment["replicas"]:
+            details = _get_global_client().get_serve_details()["applications"][self.application]
+            for replica in details["deployments"]["LLMReplica"]["replicas"]:
                 states = self.replica_states.setdefault(replica["replica_id"], [])
                 if not states or states[-1][1] != replica["state"]:
                     states.append((now, replica["state"]))
             for status in replica_statuses():
-                if status.load is not None and status.load.preemption_rate > PREEMPTION_RATE_THRESHOLD:
+                if status.application != self.application or status.load is None:
+                    continue
+                self.loads[status.replica_id] = status.load
+                series = self.preemptions.setdefault(status.replica_id, [])
+                point = (now, status.load.preemptions_total, round(status.load.preemption_rate, 2))
+                if not series or series[-1][1:] != point[1:]:
+                    series.append(point)
+                if status.load.preemption_rate > PREEMPTION_RATE_THRESHOLD:
                     self.preemption_rate_passed_at.setdefault(status.replica_id, now)
 
-    def first(self, predicate) -> float | None:
-        return next((t for t, target, running, draining in self.counts if predicate(target, running, draining)), None)
+    def first(self, predicate, since: float = -math.inf) -> Optional[float]:
+        """The first probed time from `since` on when `predicate(target, running, draining)` held."""
+        return next((t for t, target, running, draining in self.counts
+                     if t >= since and predicate(target, running, draining)), None)
+
+    def wait_for(self, predicate, timeout_s: float, what: str) -> float:
+        """The first time from now on that `predicate(target, running, draining)` is probed to hold."""
+        since = time.monotonic()
+        deadline = since + timeout_s
+        while (at := self.first(predicate, since)) is None:
+            assert time.monotonic() < deadline, f"{self.application}: timed out waiting for {what}; {self.report()}"
+            time.sleep(PROBE_PERIOD_S)
+        return at
+
+    def report(self) -> str:
+        changed = [count for index, count in enumerate(self.counts)
+                   if index == 0 or count[1:] != self.counts[index - 1][1:]]
+        return (f"counts (t, target, running, draining) as they changed {changed}, preemptions {self.preemptions}, "
+                f"rate passed {PREEMPTION_RATE_THRESHOLD}/s at {self.preemption_rate_passed_at}, "
+                f"latest decision {latest_decision(self.application)}")
 
 
 @dataclass
@@ -106,74 +169,142 @@ class TimedStream:
     max_tokens: int
 
 
-def timed_stream(channel: grpc.Channel, max_tokens: int, prompt: str) -> TimedStream:
-    started = time.monotonic()
-    result = stream_generate(channel, generate_request(max_tokens, prompt=prompt))
-    return TimedStream(result, started, time.monotonic(), max_tokens)
+@dataclass
+class Run:
+    """One application's run: its probe, its streams (the ramp's, then the tail's), when the
+    ramp started and how long after it the tail was sent."""
+
+    probe: Probe
+    streams: list[TimedStream]
+    started_at: float
+    tail_offset_s: float
+
+    @property
+    def long_tail(self) -> list[TimedStream]:
+        return self.streams[RAMP_STREAMS:RAMP_STREAMS + LONG_TAIL_STREAMS]
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(PROBE_PERIOD_S)
-
-
-def test_a_ramp_adds_a_replica_before_preemptions_and_the_quiet_removes_it_without_cutting_a_stream(
-        cluster, channel, capsys):
-    probe = Probe()
+def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[float] = None,
+             until_preemption_rate_passes: bool = False) -> Run:
+    """The ramp to `application`: its streams RAMP_GAP_S apart, then the tail tail_offset_s
+    after the first (None: as soon as a second replica runs). Returns once every stream has
+    ended and the application is back to one replica; or, with until_preemption_rate_passes,
+    as soon as a replica's preemption rate passes the threshold, once what was sent has been
+    cancelled and the replicas hold none of it."""
+    probe = Probe(application)
     prober = threading.Thread(target=probe.run, daemon=True)
     prober.start()
+    calls: list[grpc.Call] = []
+
+    def timed_stream(max_tokens: int, prompt: str) -> TimedStream:
+        started = time.monotonic()
+        result = stream_generate(channel, generate_request(max_tokens, prompt=prompt), application=application,
+                                 timeout_s=STREAM_TIMEOUT_S, on_call=calls.append)
+        return TimedStream(result, started, time.monotonic(), max_tokens)
+
+    def stopped() -> bool:
+        return until_preemption_rate_passes and bool(probe.preemption_rate_passed_at)
+
+    started_at = math.nan
     try:
-        wait_for(lambda: probe.first(lambda target, running, draining: running == 1), 60, "one running replica")
-        with concurrent.futures.ThreadPoolExecutor(RAMP_STREAMS + TAIL_STREAMS) as pool:
-            ramp = []
+        probe.wait_for(lambda target, running, draining: running == 1, 60, "one running replica")
+        with concurrent.futures.ThreadPoolExecutor(RAMP_STREAMS + len(TAIL_MAX_TOKENS)) as pool:
+            started_at = time.monotonic()
+            futures = []
             for index in range(RAMP_STREAMS):
-                ramp.append(pool.submit(timed_stream, channel, RAMP_MAX_TOKENS, f"ramp {index}"))
+                futures.append(pool.submit(timed_stream, RAMP_MAX_TOKENS, f"ramp {index}"))
                 time.sleep(RAMP_GAP_S)
-            wait_for(lambda: probe.first(lambda target, running, draining: running == 2), 180, "a second replica")
-            # The new replica has the most headroom: the router sends the tail there.
-            tail = [pool.submit(timed_stream, channel, TAIL_MAX_TOKENS, f"tail {index}") for index in range(TAIL_STREAMS)]
-            streams = [future.result() for future in ramp + tail]
-            wait_for(lambda: probe.counts[-1][1:] == (1, 1, 0), 120, "the scale-in to finish")
-        changes = decision_changes(APP_NAME)
-        assert cli.main(["status"]) == 0
-        status_text = capsys.readouterr().out
-        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.applications[0].args.ports.router_metrics}/metrics",
-                                    timeout=10) as response:
-            exposition = response.read().decode()
+            if tail_offset_s is None:
+                probe.wait_for(lambda target, running, draining: running == 2, 240, "a second replica")
+            else:
+                time.sleep(max(0.0, started_at + tail_offset_s - time.monotonic()))
+            tail_offset_s = time.monotonic() - started_at
+            futures += [pool.submit(timed_stream, max_tokens, f"tail {index}")
+                        for index, max_tokens in enumerate(TAIL_MAX_TOKENS)]
+            while not all(future.done() for future in futures) and not stopped():
+                time.sleep(PROBE_PERIOD_S)
+            for call in calls:  # none is left running unless stopped
+                call.cancel()
+            streams = [future.result() for future in futures]
+        if stopped():  # nothing left running, waiting or holding a block
+            probe.loads.clear()
+            deadline = time.monotonic() + 60
+            while not probe.loads or any((load.num_running, load.num_waiting, load.kv_blocks_free)
+                                         != (0, 0, load.kv_blocks_total) for load in probe.loads.values()):
+                assert time.monotonic() < deadline, f"cancelled streams still held: {probe.loads}"
+                time.sleep(PROBE_PERIOD_S)
+        else:
+            probe.wait_for(lambda target, running, draining: (target, running, draining) == (1, 1, 0), 120,
+                           "one replica again")
     finally:
         probe.stop.set()
         prober.join(timeout=30)
+    return Run(probe, streams, started_at, tail_offset_s)
 
-    # Scale-up: Serve's target went to 2 on the KV demand, before any replica's preemption rate
-    # passed the threshold (if one ever did).
-    scaled_up_at = probe.first(lambda target, running, draining: target == 2)
-    assert scaled_up_at is not None, probe.counts
-    passed = min(probe.preemption_rate_passed_at.values(), default=None)
-    assert passed is None or scaled_up_at < passed, (scaled_up_at, probe.preemption_rate_passed_at)
+
+def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_preempts_first(
+        cluster, channel, capsys):
+    ours = run_ramp(channel, HEADROOM)
+    changes = decision_changes(HEADROOM)
+    assert cli.main(["status"]) == 0
+    status_text = capsys.readouterr().out
+    router_metrics_port = cluster.applications[0].args.ports.router_metrics
+    with urllib.request.urlopen(f"http://127.0.0.1:{router_metrics_port}/metrics", timeout=10) as response:
+        exposition = response.read().decode()
+    # The same arrivals to the application Serve's request count scales, the tail at the
+    # same offset from the ramp's start.
+    theirs = run_ramp(channel, REQUESTS, ours.tail_offset_s, until_preemption_rate_passes=True)
+    for name, run in ((HEADROOM, ours), (REQUESTS, theirs)):  # shown if the test fails
+        ends = [f"{stream.ended_at - run.started_at:.1f}" for stream in run.streams]
+        print(f"{name}: ramp from {run.started_at:.1f}, tail {run.tail_offset_s:.1f} s after, streams ended after "
+              f"{ends}; {run.probe.report()}")
+
+    # headroom: Serve's target went to 2 on the KV demand, before any replica's preemption
+    # rate passed the threshold (if one ever did).
+    scaled_up_at = ours.probe.first(lambda target, running, draining: target == 2)
+    assert scaled_up_at is not None, ours.probe.report()
+    passed = min(ours.probe.preemption_rate_passed_at.values(), default=None)
+    assert passed is None or scaled_up_at < passed, ours.probe.report()
     # The board may open with the policy's start-up record (1, low_demand) before the ramp.
     up_index = next((index for index, change in enumerate(changes) if change["desired_replicas"] == 2), None)
     assert up_index is not None and all(change["desired_replicas"] == 1 for change in changes[:up_index]), changes
-    first_up, first_down = changes[up_index], changes[-1]
+    first_up, last_down = changes[up_index], changes[-1]
     assert (first_up["desired_replicas"], first_up["reason"], first_up["policy"]) == (2, "kv_demand", "headroom"), changes
-    assert (first_down["desired_replicas"], first_down["reason"]) == (1, "low_demand"), changes
+    assert (last_down["desired_replicas"], last_down["reason"]) == (1, "low_demand"), changes
 
-    # Scale-in: the newer replica went from RUNNING to STOPPING while a stream it served was
-    # still running, and that stream (as every other) ended OK with all its tokens.
-    stopped = [replica_id for replica_id, states in probe.replica_states.items()
-               if "STOPPING" in [state for _, state in states]]
-    assert len(stopped) == 1, probe.replica_states
-    (removed,) = stopped
-    stopping_at = next(t for t, state in probe.replica_states[removed] if state == "STOPPING")
-    drained = [stream for stream in streams if stream.result.replica_id == removed and stream.ended_at > stopping_at]
-    assert drained, [(s.result.replica_id, s.started_at, s.ended_at) for s in streams]
-    for stream in streams:
+    # requests, same arrivals (until the contrast shows; then the run is cancelled): its one
+    # replica's preemption rate passed the threshold while Serve's target was still 1, on the
+    # requests policy's decisions.
+    theirs_passed = min(theirs.probe.preemption_rate_passed_at.values(), default=None)
+    assert theirs_passed is not None, theirs.probe.report()
+    theirs_up = theirs.probe.first(lambda target, running, draining: target >= 2)
+    assert theirs_up is None or theirs_passed < theirs_up, theirs.probe.report()
+    assert (latest_decision(REQUESTS) or {}).get("policy") == "requests", latest_decision(REQUESTS)
+
+    # Every stream of the headroom run ended OK with all its tokens; the requests run's streams
+    # got the same tokens, as far as each went before it was cancelled: its preemptions cost
+    # time, not output (greedy).
+    for stream in ours.streams:
         assert stream.result.code == grpc.StatusCode.OK, stream.result.details
         assert stream.result.num_tokens == stream.max_tokens
-    assert all(stream.started_at < stopping_at for stream in drained)
+    for stream, reference in zip(theirs.streams, ours.streams):
+        assert stream.result.code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED), stream.result.details
+        assert stream.result.token_ids == reference.result.token_ids[:stream.result.num_tokens]
+        assert stream.result.code == grpc.StatusCode.CANCELLED or stream.result.num_tokens == stream.max_tokens
+
+    # headroom's scale-in: the newer replica went from RUNNING to STOPPING while the tail's
+    # long streams, which it served, were still streaming, and they finished (above).
+    stopped = [replica_id for replica_id, states in ours.probe.replica_states.items()
+               if "STOPPING" in [state for _, state in states]]
+    assert len(stopped) == 1, ours.probe.replica_states
+    (removed,) = stopped
+    stopping_at = next(t for t, state in ours.probe.replica_states[removed] if state == "STOPPING")
+    for stream in ours.long_tail:
+        assert stream.result.replica_id == removed, [(s.result.replica_id, s.started_at, s.ended_at)
+                                                     for s in ours.streams]
+        assert stream.started_at < stopping_at < stream.ended_at, (stream.started_at, stopping_at, stream.ended_at)
 
     # Observability: the status command and the ingress' metrics say what the policy wanted.
-    assert f"{APP_NAME}: 1 replicas running, desired 1 (headroom policy:" in status_text, status_text
-    assert 'headroom_autoscaler_desired_replicas{application="builtin",policy="headroom",reason=' in exposition
-    assert 'headroom_autoscaler_running_replicas{application="builtin"} 1.0' in exposition
+    assert f"{HEADROOM}: 1 replicas running, desired 1 (headroom policy:" in status_text, status_text
+    assert f'headroom_autoscaler_desired_replicas{{application="{HEADROOM}",policy="headroom",reason=' in exposition
+    assert f'headroom_autoscaler_running_replicas{{application="{HEADROOM}"}} 1.0' in exposition
