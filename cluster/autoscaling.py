@@ -4,13 +4,21 @@ decision is published for the metric and `headroom status`.
 
 Each replica reports, from the load it already streams (`autoscaling_stats`, called by
 `LLMReplica.record_autoscaling_stats`): its KV capacity, its KV demand (tokens its requests
-hold plus what they are committed to grow by under its admission mode), its waiting prefill
-and its smoothed preemption rate. Serve keeps them over `look_back_period_s` and hands them to
+hold plus what they are committed to grow by under its admission mode), its waiting prefill,
+its smoothed preemption rate and, with a host KV tier, that tier's size and the KV parked in
+it by swapped-out requests. Serve keeps them over `look_back_period_s` and hands them to
 the policy in an `AutoscalingContext`; the policy reads each replica's newest point, and
-`decide`, a pure function, turns them into a replica count: enough replicas to hold the cluster's KV demand at `target_utilization`, at least one
-per `waiting_prefill_tokens_per_replica` of waiting prefill, one more at once when the mean
-preemption rate passes `preemption_rate_threshold`; fewer only when the demand would fit the
-smaller count at `scale_down_utilization` (hysteresis) for `downscale_delay_s`.
+`decide`, a pure function, turns them into a replica count: enough replicas to hold the
+cluster's KV demand at `target_utilization`, at least one per
+`waiting_prefill_tokens_per_replica` of waiting prefill, one more at once when the mean
+preemption rate passes `preemption_rate_threshold` or the KV parked in the host tiers passes
+`target_utilization` of them (the next preemptions would recompute); fewer only when the
+demand would fit the smaller count at `scale_down_utilization` (hysteresis) for
+`downscale_delay_s`, nothing preempts and nothing is parked.
+
+The host tier is not capacity: a request parked there makes no progress until it is back on
+the device. Its KV stays in the demand (a swapped-out request is a waiting one, whose tokens
+and growth the committed KV counts), so parking never hides demand from the arithmetic.
 
 `requests` (Serve's own policy on requests in flight, `target_ongoing_requests`) is the
 baseline; `RequestsAutoscalingPolicy` runs Serve's function unchanged and only publishes its
@@ -46,7 +54,10 @@ KV_CAPACITY_STAT = "kv_capacity_tokens"
 KV_DEMAND_STAT = "kv_demand_tokens"
 WAITING_PREFILL_STAT = "waiting_prefill_tokens"
 PREEMPTION_RATE_STAT = "preemption_rate"
-STAT_KEYS = (KV_CAPACITY_STAT, KV_DEMAND_STAT, WAITING_PREFILL_STAT, PREEMPTION_RATE_STAT)
+HOST_CAPACITY_STAT = "host_kv_capacity_tokens"  # 0 without a host tier
+HOST_PARKED_STAT = "host_kv_parked_tokens"  # KV of swapped-out requests, in the host tier
+STAT_KEYS = (KV_CAPACITY_STAT, KV_DEMAND_STAT, WAITING_PREFILL_STAT, PREEMPTION_RATE_STAT, HOST_CAPACITY_STAT,
+             HOST_PARKED_STAT)
 
 # Why the policy wants the count it wants: the `reason` label of
 # headroom_autoscaler_desired_replicas.
@@ -55,6 +66,7 @@ REASONS = (
     "kv_demand",      # more replicas hold the committed KV at the target utilisation
     "waiting_work",   # the waiting prefill needs more replicas than the KV does
     "preemptions",    # the preemption rate passed its threshold: one more replica, at once
+    "host_tier",      # the KV parked in the host tiers passed the target utilisation: one more, at once
     "low_demand",     # the demand fits fewer replicas at the scale-down utilisation, for the delay
     "pending",        # a change is wanted but its delay has not passed
     "min_replicas",   # the wanted count was below the bounds
@@ -62,17 +74,23 @@ REASONS = (
     "no_stats",       # no replica has reported yet: the count stays
     "requests",       # the requests-in-flight policy (its reasons are its own arithmetic)
 )
+# Signs that the cluster is already out of device KV: a step up for them skips upscale_delay_s.
+AT_ONCE_REASONS = ("preemptions", "host_tier")
 
 
 def autoscaling_stats(load: Any) -> dict[str, float]:
     """A replica's autoscaling stats from its load report (a ReplicaLoad or anything with its
-    fields): capacity and demand in tokens, waiting prefill, preemptions per second."""
+    fields): capacity and demand in tokens, waiting prefill, preemptions per second, and the
+    host tier's size and the KV parked in it (the host blocks swapped-out requests hold: its
+    free blocks count the spilled prefix-cache ones, which any swap-out may reuse)."""
     held_tokens = (load.kv_blocks_total - load.kv_blocks_free) * load.block_size
     return {
         KV_CAPACITY_STAT: float(load.kv_blocks_total * load.block_size),
         KV_DEMAND_STAT: float(held_tokens + load.kv_committed_tokens),
         WAITING_PREFILL_STAT: float(load.waiting_prefill_tokens),
         PREEMPTION_RATE_STAT: float(load.preemption_rate),
+        HOST_CAPACITY_STAT: float(load.host_kv_blocks_total * load.block_size),
+        HOST_PARKED_STAT: float((load.host_kv_blocks_total - load.host_kv_blocks_free) * load.block_size),
     }
 
 
@@ -84,6 +102,8 @@ class ReplicaSignal:
     kv_demand_tokens: float
     waiting_prefill_tokens: float = 0.0
     preemption_rate: float = 0.0
+    host_kv_capacity_tokens: float = 0.0
+    host_kv_parked_tokens: float = 0.0
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, float]) -> Optional["ReplicaSignal"]:
@@ -91,7 +111,8 @@ class ReplicaSignal:
         if stats.get(KV_CAPACITY_STAT, 0.0) <= 0:
             return None
         return cls(stats[KV_CAPACITY_STAT], stats.get(KV_DEMAND_STAT, 0.0),
-                   stats.get(WAITING_PREFILL_STAT, 0.0), stats.get(PREEMPTION_RATE_STAT, 0.0))
+                   stats.get(WAITING_PREFILL_STAT, 0.0), stats.get(PREEMPTION_RATE_STAT, 0.0),
+                   stats.get(HOST_CAPACITY_STAT, 0.0), stats.get(HOST_PARKED_STAT, 0.0))
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,8 @@ class Decision:
     kv_capacity_tokens: float = 0.0  # per replica, the mean of those reporting
     waiting_prefill_tokens: float = 0.0
     preemption_rate: float = 0.0  # per replica, the mean of those reporting
+    host_kv_parked_tokens: float = 0.0  # in all host tiers (already part of kv_demand_tokens)
+    host_kv_usage: float = 0.0  # the parked KV over the host tiers' size (0 without host tiers)
     kv_replicas: int = 0  # replicas that hold the demand at the target utilisation
     waiting_replicas: int = 0  # replicas the waiting prefill asks for
 
@@ -140,9 +163,12 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     Scale up to the larger of what the KV demand needs at the target utilisation and what the
     waiting prefill needs, once that has been wanted for upscale_delay_s; a preemption rate
     above the threshold asks for one replica more than run now, at once (a replica already
-    starting counts: one step per start). Scale down only to what holds the demand at the
-    lower scale-down utilisation, after downscale_delay_s of wanting it: the band between the
-    two utilisations keeps a demand near a boundary from flapping the count.
+    starting counts: one step per start), and so does KV parked in the host tiers beyond the
+    target utilisation of their size: a swap-out is the cheap preemption, and once the tiers
+    are that full the next victims are recomputed. Scale down only to what holds the demand
+    at the lower scale-down utilisation, after downscale_delay_s of wanting it, and never
+    while preempting or while KV is parked (its requests wait for a device): the band between
+    the two utilisations keeps a demand near a boundary from flapping the count.
     """
     if not signals:
         return Decision(_bounded(target, params)[0], "no_stats"), PolicyState()
@@ -150,22 +176,29 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     capacity = sum(signal.kv_capacity_tokens for signal in signals) / len(signals)
     waiting = sum(signal.waiting_prefill_tokens for signal in signals)
     preemption_rate = sum(signal.preemption_rate for signal in signals) / len(signals)
+    host_capacity = sum(signal.host_kv_capacity_tokens for signal in signals)
+    parked = sum(signal.host_kv_parked_tokens for signal in signals)
+    host_usage = parked / host_capacity if host_capacity > 0 else 0.0
     kv_replicas = math.ceil(demand / (params.target_utilization * capacity))
     waiting_replicas = math.ceil(waiting / params.waiting_prefill_tokens_per_replica)
     inputs = dict(kv_demand_tokens=demand, kv_capacity_tokens=capacity, waiting_prefill_tokens=waiting,
-                  preemption_rate=preemption_rate, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
+                  preemption_rate=preemption_rate, host_kv_parked_tokens=parked, host_kv_usage=host_usage,
+                  kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
 
     wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
-    if preemption_rate > params.preemption_rate_threshold and running + 1 > wanted:
-        wanted, reason = running + 1, "preemptions"
+    if running + 1 > wanted:
+        if preemption_rate > params.preemption_rate_threshold:
+            wanted, reason = running + 1, "preemptions"
+        elif host_usage > params.target_utilization:
+            wanted, reason = running + 1, "host_tier"
     if wanted > target:
         since = state.wants_up_since if state.wants_up_since is not None else now
-        if reason == "preemptions" or now - since >= params.upscale_delay_s:
+        if reason in AT_ONCE_REASONS or now - since >= params.upscale_delay_s:
             return _decision(wanted, reason, params, inputs), PolicyState()
         return _decision(target, "pending", params, inputs), PolicyState(wants_up_since=since)
 
     fits = max(math.ceil(demand / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
-    if fits < target and preemption_rate <= params.preemption_rate_threshold:
+    if fits < target and preemption_rate <= params.preemption_rate_threshold and parked == 0:
         since = state.wants_down_since if state.wants_down_since is not None else now
         if now - since >= params.downscale_delay_s:
             return _decision(fits, "low_demand", params, inputs), PolicyState()

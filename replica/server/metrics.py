@@ -323,8 +323,8 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     "headroom_autoscaler_desired_replicas": MetricSpec(
         "gauge",
         "Replicas the application's autoscaling policy wants now, and why (reason: kv_demand, waiting_work, "
-        "preemptions, low_demand, steady, pending, min_replicas, max_replicas, no_stats; requests for Serve's "
-        "request-count policy).",
+        "preemptions, host_tier, low_demand, steady, pending, min_replicas, max_replicas, no_stats; requests for "
+        "Serve's request-count policy).",
         None,
         ("application", "policy", "reason"),
     ),

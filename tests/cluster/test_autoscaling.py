@@ -11,12 +11,14 @@ from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from cluster.autoscaling import (
-    KV_CAPACITY_STAT, KV_DEMAND_STAT, PREEMPTION_RATE_STAT, WAITING_PREFILL_STAT, HeadroomAutoscalingPolicy,
-    HeadroomPolicyParams, PolicyState, ReplicaSignal, RequestsAutoscalingPolicy, autoscaling_stats, decide,
+    HOST_CAPACITY_STAT, HOST_PARKED_STAT, KV_CAPACITY_STAT, KV_DEMAND_STAT, PREEMPTION_RATE_STAT,
+    WAITING_PREFILL_STAT, HeadroomAutoscalingPolicy, HeadroomPolicyParams, PolicyState, ReplicaSignal,
+    RequestsAutoscalingPolicy, autoscaling_stats, decide,
 )
 from cluster.config import ClusterConfig
 from cluster.deployment import ReplicaCounts
 from cluster.status_command import scale_lines
+from tests.replica.sched_harness import make_request, make_scheduler, run_step
 
 CAPACITY = 10_000  # tokens per replica
 PARAMS = HeadroomPolicyParams(min_replicas=1, max_replicas=8, target_utilization=0.8, scale_down_utilization=0.6,
@@ -30,9 +32,28 @@ def replicas(*demands: float, waiting: float = 0.0, preemption_rate: float = 0.0
 
 def test_stats_count_held_blocks_plus_committed_growth_against_the_pool():
     load = SimpleNamespace(kv_blocks_total=100, kv_blocks_free=40, block_size=16, kv_committed_tokens=320,
-                           waiting_prefill_tokens=700, preemption_rate=0.25)
+                           waiting_prefill_tokens=700, preemption_rate=0.25, host_kv_blocks_total=400,
+                           host_kv_blocks_free=390)
     assert autoscaling_stats(load) == {KV_CAPACITY_STAT: 1600.0, KV_DEMAND_STAT: 60 * 16 + 320.0,
-                                       WAITING_PREFILL_STAT: 700.0, PREEMPTION_RATE_STAT: 0.25}
+                                       WAITING_PREFILL_STAT: 700.0, PREEMPTION_RATE_STAT: 0.25,
+                                       HOST_CAPACITY_STAT: 6400.0, HOST_PARKED_STAT: 160.0}
+
+
+def test_a_swapped_out_request_stays_in_the_demand_and_its_host_blocks_are_the_parked_kv():
+    # A real scheduler: 16 device blocks of 4 tokens for six requests of 3 + 30 tokens (9 blocks
+    # each), a host tier of 64 blocks, preemption by swap. Run until victims are parked.
+    scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
+                               num_host_kv_blocks=64, preemption_mode="swap")
+    for index in range(6):
+        scheduler.add_request(make_request(f"r{index}", [index + 1, 2 * index + 3, 5], max_tokens=30))
+    while not scheduler.kv_cache.req_to_host_blocks:
+        run_step(scheduler)
+    stats = autoscaling_stats(SimpleNamespace(**vars(scheduler.load()), preemption_rate=0.0))
+    parked_blocks = sum(len(blocks) for blocks in scheduler.kv_cache.req_to_host_blocks.values())
+    assert stats[HOST_PARKED_STAT] == parked_blocks * 4 > 0 and stats[HOST_CAPACITY_STAT] == 64 * 4
+    # The demand is every live request's whole final size (optimistic admission counts growth to
+    # max_tokens), the parked ones' included though they hold no device block.
+    assert stats[KV_DEMAND_STAT] == 6 * 9 * 4 and stats[KV_CAPACITY_STAT] == 16 * 4
 
 
 def test_replicas_hold_the_cluster_kv_demand_at_the_target_utilisation():
@@ -96,6 +117,28 @@ def test_a_rise_during_the_scale_down_delay_restarts_it():
     assert state == PolicyState()
     decision, state = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=40.0, state=state)
     assert decision.desired_replicas == 2 and state.wants_down_since == 40.0
+
+
+def test_kv_parked_in_the_host_tiers_beyond_the_target_utilisation_adds_one_replica_at_once():
+    # 12,000 of 2 x 10,000 device tokens fit 2 replicas at 0.8, no preemption this instant, but
+    # the host tiers (2 x 20,000 tokens) hold 34,000 tokens of swapped-out requests: 0.85 of them.
+    signals = [ReplicaSignal(CAPACITY, 6000, 0.0, 0.0, 20_000, 17_000) for _ in range(2)]
+    decision, state = decide(signals, running=2, target=2, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason) == (3, "host_tier") and state == PolicyState()
+    assert decision.host_kv_parked_tokens == 34_000 and decision.host_kv_usage == pytest.approx(0.85)
+    # At 0.75 of the tiers the next victims still swap: the count stays.
+    signals = [ReplicaSignal(CAPACITY, 6000, 0.0, 0.0, 20_000, 15_000) for _ in range(2)]
+    decision, _ = decide(signals, running=2, target=2, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason) == (2, "steady")
+
+
+def test_no_scale_down_while_kv_is_parked_in_a_host_tier():
+    # 2,000 tokens of demand fit one replica at 0.6, but 400 of them are parked on a host tier:
+    # their requests wait for a device, and removing one would make them wait longer.
+    signals = [ReplicaSignal(CAPACITY, 1000, 0.0, 0.0, 20_000, 400), ReplicaSignal(CAPACITY, 1000)]
+    decision, state = decide(signals, running=2, target=2, params=PARAMS, now=100.0,
+                             state=PolicyState(wants_down_since=0.0))
+    assert (decision.desired_replicas, decision.reason) == (2, "steady") and state == PolicyState()
 
 
 def test_no_scale_down_while_preempting():
