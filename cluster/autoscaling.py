@@ -14,7 +14,8 @@ cluster's KV demand at `target_utilization`, at least one per
 preemption rate passes `preemption_rate_threshold` or the KV parked in the host tiers passes
 `target_utilization` of them (the next preemptions would recompute); fewer only when the
 demand would fit the smaller count at `scale_down_utilization` (hysteresis) for
-`downscale_delay_s`, nothing preempts and nothing is parked.
+`downscale_delay_s`, nothing preempts and nothing is parked, and then half the surplus at a
+time.
 
 The host tier is not capacity: a request parked there makes no progress until it is back on
 the device. Its KV stays in the demand (a swapped-out request is a waiting one, whose tokens
@@ -165,10 +166,14 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     above the threshold asks for one replica more than run now, at once (a replica already
     starting counts: one step per start), and so does KV parked in the host tiers beyond the
     target utilisation of their size: a swap-out is the cheap preemption, and once the tiers
-    are that full the next victims are recomputed. Scale down only to what holds the demand
+    are that full the next victims are recomputed. Scale down towards what holds the demand
     at the lower scale-down utilisation, after downscale_delay_s of wanting it, and never
     while preempting or while KV is parked (its requests wait for a device): the band between
-    the two utilisations keeps a demand near a boundary from flapping the count.
+    the two utilisations keeps a demand near a boundary from flapping the count. A scale-down
+    removes at most half the replicas it could (rounded up), then waits downscale_delay_s
+    again: the demand a smaller set carries is larger than the larger set measured (the same
+    arrivals in bigger batches take longer, so more of them are live at once), and it is
+    measured before the next step.
     """
     if not signals:
         return Decision(_bounded(target, params)[0], "no_stats"), PolicyState()
@@ -201,7 +206,7 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     if fits < target and preemption_rate <= params.preemption_rate_threshold and parked == 0:
         since = state.wants_down_since if state.wants_down_since is not None else now
         if now - since >= params.downscale_delay_s:
-            return _decision(fits, "low_demand", params, inputs), PolicyState()
+            return _decision(target - math.ceil((target - fits) / 2), "low_demand", params, inputs), PolicyState()
         return _decision(target, "pending", params, inputs), PolicyState(wants_down_since=since)
     return _decision(target, "steady", params, inputs), PolicyState()
 

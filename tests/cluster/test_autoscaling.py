@@ -102,6 +102,18 @@ def test_scale_down_needs_the_demand_to_fit_fewer_at_the_lower_utilisation_for_t
     assert (decision.desired_replicas, decision.reason) == (2, "low_demand") and state == PolicyState()
 
 
+def test_a_scale_down_removes_half_the_surplus_then_measures_again():
+    # 8 replicas, 6,000 tokens of demand: 1 replica holds it at 0.6, but the step goes to
+    # 8 - ceil(7 / 2) = 4 and the delay starts over before the next one (to 2, then 1).
+    decision, state = decide(replicas(*[750] * 8), running=8, target=8, params=PARAMS, now=30.0,
+                             state=PolicyState(wants_down_since=0.0))
+    assert (decision.desired_replicas, decision.reason, state) == (4, "low_demand", PolicyState())
+    decision, state = decide(replicas(*[1500] * 4), running=4, target=4, params=PARAMS, now=31.0, state=state)
+    assert (decision.desired_replicas, decision.reason, state.wants_down_since) == (4, "pending", 31.0)
+    decision, _ = decide(replicas(*[1500] * 4), running=4, target=4, params=PARAMS, now=61.0, state=state)
+    assert (decision.desired_replicas, decision.reason) == (2, "low_demand")
+
+
 def test_demand_inside_the_hysteresis_band_keeps_the_count():
     # 2 replicas holding 14,000: 2 needed at 0.8 (16,000), and 3 would be needed at 0.6 to drop to... 2:
     # neither up nor down, for as long as it stays there.
