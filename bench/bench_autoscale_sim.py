@@ -17,8 +17,9 @@ replica removed is Serve's choice (one still starting, else the newest), gets no
 requests and counts until its last stream ends.
 
 Both policies run at cluster/config.py's defaults (headroom: target_utilization 0.8,
-scale_down_utilization 0.6, preemption threshold 0.5/s; requests: target_ongoing_requests
-32, the documented default for `policy: requests`; the same delays, look-back and bounds).
+scale_down_utilization 0.6, preemption threshold 0.5/s, replica_startup_s set to --startup-s
+as an operator sets it to their replicas' start time; requests: target_ongoing_requests 32,
+the documented default for `policy: requests`; the same delays, look-back and bounds).
 Targets (issue 25): headroom <= 0.5x the preemptions per 1k of requests at <= 1.0x its
 replica-seconds, and a p99 TTFT at most 5% worse.
 
@@ -402,7 +403,9 @@ def run_comparison(args: argparse.Namespace, out=sys.stdout) -> dict[str, Autosc
     arrivals = trace_arrivals(args.trace, args.sample_every, args.compress, args.limit)
     config = engine_config(args.num_kv_blocks)
     cost = CostModel(args.fixed_ms, args.per_batched_token_ms, args.per_kv_token_read_ms)
-    autoscaling = AutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas)
+    # The headroom policy is told how long a replica takes to start, as an operator tells it theirs.
+    autoscaling = AutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                    replica_startup_s=args.startup_s)
     sim = AutoscaleSim(config, cost, autoscaling, args.startup_s, args.seed, args.initial_replicas)
 
     def say(line: str = "") -> None:
@@ -417,7 +420,8 @@ def run_comparison(args: argparse.Namespace, out=sys.stdout) -> dict[str, Autosc
         f"{cost.fixed_ms} ms + {cost.per_batched_token_ms} ms/token + {cost.per_kv_token_read_ms} ms/KV token read")
     say(f"autoscaling (cluster/config.py defaults): headroom target_utilization {autoscaling.target_utilization}, "
         f"scale_down_utilization {autoscaling.scale_down_utilization}, preemption_rate_threshold "
-        f"{autoscaling.preemption_rate_threshold}/s; requests target_ongoing_requests "
+        f"{autoscaling.preemption_rate_threshold}/s, replica_startup_s {autoscaling.replica_startup_s:g} "
+        f"(--startup-s); requests target_ongoing_requests "
         f"{autoscaling.target_ongoing_requests:g}; both upscale_delay_s {autoscaling.upscale_delay_s:g}, "
         f"downscale_delay_s {autoscaling.downscale_delay_s:g}, look_back_period_s {autoscaling.look_back_period_s:g}, "
         f"metrics_interval_s {autoscaling.metrics_interval_s:g}; goodput SLO TTFT <= {TTFT_SLO_S} s, "

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ STAT_KEYS = (KV_CAPACITY_STAT, KV_DEMAND_STAT, WAITING_PREFILL_STAT, PREEMPTION_
 REASONS = (
     "steady",         # the count holds the demand; nothing to change
     "kv_demand",      # more replicas hold the committed KV at the target utilisation
+    "kv_trend",       # ... once its rise over replica_startup_s is added: more than today's needs
     "waiting_work",   # the waiting prefill needs more replicas than the KV does
     "preemptions",    # the preemption rate passed its threshold: one more replica, at once
     "host_tier",      # the KV parked in the host tiers passed the target utilisation: one more, at once
@@ -129,15 +130,24 @@ class HeadroomPolicyParams:
     waiting_prefill_tokens_per_replica: float = 16384.0
     upscale_delay_s: float = 0.0
     downscale_delay_s: float = 60.0
+    replica_startup_s: float = 30.0
 
 
 @dataclass(frozen=True)
 class PolicyState:
     """What the policy remembers between decisions: since when it has wanted more (fewer)
-    replicas than the target, for the delays."""
+    replicas than the target, for the delays; the cluster's KV demand over the last
+    replica_startup_s, for its trend."""
 
     wants_up_since: Optional[float] = None
     wants_down_since: Optional[float] = None
+    demand_history: tuple[tuple[float, float], ...] = ()  # (time, KV demand), oldest first
+
+
+# The demand history keeps at most one point per this many seconds (Serve decides every 0.1 s;
+# a replica's stats change once per metrics_interval_s), and needs this many for a trend.
+DEMAND_HISTORY_SPACING_S = 1.0
+DEMAND_TREND_MIN_POINTS = 3
 
 
 @dataclass(frozen=True)
@@ -152,7 +162,8 @@ class Decision:
     preemption_rate: float = 0.0  # per replica, the mean of those reporting
     host_kv_parked_tokens: float = 0.0  # in all host tiers (already part of kv_demand_tokens)
     host_kv_usage: float = 0.0  # the parked KV over the host tiers' size (0 without host tiers)
-    kv_replicas: int = 0  # replicas that hold the demand at the target utilisation
+    kv_demand_growth_tokens: float = 0.0  # what the demand's trend adds over replica_startup_s
+    kv_replicas: int = 0  # replicas that hold the demand (and its growth) at the target utilisation
     waiting_replicas: int = 0  # replicas the waiting prefill asks for
 
 
@@ -162,7 +173,11 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     and Serve's current `target` (above `running` while replicas start).
 
     Scale up to the larger of what the KV demand needs at the target utilisation and what the
-    waiting prefill needs, once that has been wanted for upscale_delay_s; a preemption rate
+    waiting prefill needs, once that has been wanted for upscale_delay_s. The demand is the
+    one a replica started now will meet: today's plus its rise over the last
+    replica_startup_s (the least-squares slope of the cluster's demand, never negative)
+    continued for as long again, since a replica added when the demand reaches the target
+    serves only after it has grown that much more. A preemption rate
     above the threshold asks for one replica more than run now, at once (a replica already
     starting counts: one step per start), and so does KV parked in the host tiers beyond the
     target utilisation of their size: a swap-out is the cheap preemption, and once the tiers
@@ -178,19 +193,24 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     if not signals:
         return Decision(_bounded(target, params)[0], "no_stats"), PolicyState()
     demand = sum(signal.kv_demand_tokens for signal in signals)
+    history = _recorded(state.demand_history, now, demand, params.replica_startup_s)
+    growth = max(0.0, _slope(history)) * params.replica_startup_s
     capacity = sum(signal.kv_capacity_tokens for signal in signals) / len(signals)
     waiting = sum(signal.waiting_prefill_tokens for signal in signals)
     preemption_rate = sum(signal.preemption_rate for signal in signals) / len(signals)
     host_capacity = sum(signal.host_kv_capacity_tokens for signal in signals)
     parked = sum(signal.host_kv_parked_tokens for signal in signals)
     host_usage = parked / host_capacity if host_capacity > 0 else 0.0
-    kv_replicas = math.ceil(demand / (params.target_utilization * capacity))
+    kv_replicas = math.ceil((demand + growth) / (params.target_utilization * capacity))
     waiting_replicas = math.ceil(waiting / params.waiting_prefill_tokens_per_replica)
     inputs = dict(kv_demand_tokens=demand, kv_capacity_tokens=capacity, waiting_prefill_tokens=waiting,
                   preemption_rate=preemption_rate, host_kv_parked_tokens=parked, host_kv_usage=host_usage,
-                  kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
+                  kv_demand_growth_tokens=growth, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
+    kept = PolicyState(demand_history=history)
 
     wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
+    if reason == "kv_demand" and kv_replicas > math.ceil(demand / (params.target_utilization * capacity)):
+        reason = "kv_trend"
     if running + 1 > wanted:
         if preemption_rate > params.preemption_rate_threshold:
             wanted, reason = running + 1, "preemptions"
@@ -199,16 +219,39 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     if wanted > target:
         since = state.wants_up_since if state.wants_up_since is not None else now
         if reason in AT_ONCE_REASONS or now - since >= params.upscale_delay_s:
-            return _decision(wanted, reason, params, inputs), PolicyState()
-        return _decision(target, "pending", params, inputs), PolicyState(wants_up_since=since)
+            return _decision(wanted, reason, params, inputs), kept
+        return _decision(target, "pending", params, inputs), replace(kept, wants_up_since=since)
 
-    fits = max(math.ceil(demand / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
+    fits = max(math.ceil((demand + growth) / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
     if fits < target and preemption_rate <= params.preemption_rate_threshold and parked == 0:
         since = state.wants_down_since if state.wants_down_since is not None else now
         if now - since >= params.downscale_delay_s:
-            return _decision(target - math.ceil((target - fits) / 2), "low_demand", params, inputs), PolicyState()
-        return _decision(target, "pending", params, inputs), PolicyState(wants_down_since=since)
-    return _decision(target, "steady", params, inputs), PolicyState()
+            return _decision(target - math.ceil((target - fits) / 2), "low_demand", params, inputs), kept
+        return _decision(target, "pending", params, inputs), replace(kept, wants_down_since=since)
+    return _decision(target, "steady", params, inputs), kept
+
+
+def _recorded(history: tuple[tuple[float, float], ...], now: float, demand: float,
+              window_s: float) -> tuple[tuple[float, float], ...]:
+    """`history` with (now, demand) added (unless its newest point is under
+    DEMAND_HISTORY_SPACING_S old) and the points older than window_s dropped."""
+    if window_s <= 0:
+        return ()
+    if not history or now - history[-1][0] >= DEMAND_HISTORY_SPACING_S:
+        history += ((now, demand),)
+    return tuple(point for point in history if point[0] >= now - window_s)
+
+
+def _slope(history: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of (time, demand), in tokens per second; 0 for too few points."""
+    if len(history) < DEMAND_TREND_MIN_POINTS:
+        return 0.0
+    mean_t = sum(t for t, _ in history) / len(history)
+    mean_demand = sum(demand for _, demand in history) / len(history)
+    spread = sum((t - mean_t) ** 2 for t, _ in history)
+    if spread == 0:
+        return 0.0
+    return sum((t - mean_t) * (demand - mean_demand) for t, demand in history) / spread
 
 
 def _bounded(count: int, params: HeadroomPolicyParams) -> tuple[int, Optional[str]]:
@@ -225,7 +268,8 @@ def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dic
 
 
 # ---- in Serve's controller ---------------------------------------------------------------
-_STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since"}
+_STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since",
+               "demand_history": "headroom.demand_history"}
 
 
 def latest_stats(ctx: AutoscalingContext) -> dict[Any, dict[str, float]]:
@@ -263,7 +307,8 @@ class HeadroomAutoscalingPolicy:
         signals = [signal for stats in by_replica.values() if (signal := ReplicaSignal.from_stats(stats)) is not None]
         params = HeadroomPolicyParams(**{**asdict(self.params), "min_replicas": ctx.capacity_adjusted_min_replicas,
                                          "max_replicas": ctx.capacity_adjusted_max_replicas})
-        state = PolicyState(**{field: ctx.policy_state.get(key) for field, key in _STATE_KEYS.items()})
+        state = PolicyState(**{field: ctx.policy_state[key] for field, key in _STATE_KEYS.items()
+                               if ctx.policy_state.get(key) is not None})
         now = ctx.current_time if ctx.current_time is not None else time.time()
         decision, state = decide(signals, ctx.current_num_replicas, ctx.target_num_replicas, params, now, state)
         self.board.publish(ctx.app_name, decision, ctx.current_num_replicas, ctx.target_num_replicas, "headroom")

@@ -87,6 +87,13 @@ class AutoscalingConfig(_Strict):
         "policy's preemption step skips it).",
     )
     downscale_delay_s: float = Field(60.0, ge=0, description="How long fewer replicas must be wanted before one stops.")
+    # A replica added when the demand reaches the target serves only after this long, while the
+    # demand goes on rising: the policy scales for where its trend will be by then.
+    replica_startup_s: float = Field(
+        30.0, ge=0, description="headroom policy: about how long a new replica takes to serve (start, model load, "
+        "warm-up; minutes where it waits for a new node): the demand's rise over this long is added to it, "
+        "projected as far ahead. 0: today's demand only.",
+    )
     look_back_period_s: float = Field(
         10.0, gt=0, description="The window of each replica's stats Serve keeps: the requests policy "
         "averages over it, the headroom policy reads its newest point.",
@@ -129,7 +136,7 @@ class AutoscalingConfig(_Strict):
                 name: getattr(self, name) for name in (
                     "min_replicas", "max_replicas", "target_utilization", "scale_down_utilization",
                     "preemption_rate_threshold", "waiting_prefill_tokens_per_replica",
-                    "upscale_delay_s", "downscale_delay_s",
+                    "upscale_delay_s", "downscale_delay_s", "replica_startup_s",
                 )
             }
         return options

@@ -322,9 +322,9 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     # decisions Serve's controller publishes: cluster/autoscaling.py).
     "headroom_autoscaler_desired_replicas": MetricSpec(
         "gauge",
-        "Replicas the application's autoscaling policy wants now, and why (reason: kv_demand, waiting_work, "
-        "preemptions, host_tier, low_demand, steady, pending, min_replicas, max_replicas, no_stats; requests for "
-        "Serve's request-count policy).",
+        "Replicas the application's autoscaling policy wants now, and why (reason: kv_demand, kv_trend, "
+        "waiting_work, preemptions, host_tier, low_demand, steady, pending, min_replicas, max_replicas, "
+        "no_stats; requests for Serve's request-count policy).",
         None,
         ("application", "policy", "reason"),
     ),

@@ -30,6 +30,10 @@ def replicas(*demands: float, waiting: float = 0.0, preemption_rate: float = 0.0
     return [ReplicaSignal(CAPACITY, demand, waiting, preemption_rate) for demand in demands]
 
 
+def no_delay_running(state: PolicyState) -> bool:
+    return state.wants_up_since is None and state.wants_down_since is None
+
+
 def test_stats_count_held_blocks_plus_committed_growth_against_the_pool():
     load = SimpleNamespace(kv_blocks_total=100, kv_blocks_free=40, block_size=16, kv_committed_tokens=320,
                            waiting_prefill_tokens=700, preemption_rate=0.25, host_kv_blocks_total=400,
@@ -70,19 +74,57 @@ def test_kv_scale_up_waits_for_the_upscale_delay():
     early, state = decide(replicas(9000, 9000), running=2, target=2, params=PARAMS, now=104.0, state=state)
     assert early.desired_replicas == 2 and state.wants_up_since == 100.0
     due, state = decide(replicas(9000, 9000), running=2, target=2, params=PARAMS, now=105.0, state=state)
-    assert due.desired_replicas == 3 and state == PolicyState()
+    assert due.desired_replicas == 3 and no_delay_running(state)
 
 
 def test_preemptions_above_the_threshold_add_one_replica_at_once():
     # The KV arithmetic says 2 suffice (12,000 / 8,000), but the replicas preempt 0.8/s each.
     decision, state = decide(replicas(6000, 6000, preemption_rate=0.8), running=2, target=2, params=PARAMS, now=0.0)
-    assert (decision.desired_replicas, decision.reason) == (3, "preemptions") and state == PolicyState()
+    assert (decision.desired_replicas, decision.reason) == (3, "preemptions") and no_delay_running(state)
 
 
 def test_preemption_step_counts_a_replica_already_starting():
     # Serve's target is 3 while the third starts: preempting still asks for running + 1 = 3, not 4.
     decision, _ = decide(replicas(6000, 6000, preemption_rate=0.8), running=2, target=3, params=PARAMS, now=0.0)
     assert decision.desired_replicas == 3 and decision.reason == "steady"
+
+
+def rising(start: float, per_s: float, until: float) -> tuple[tuple[float, float], ...]:
+    """A demand history, one point a second from 0 to `until` (excluded)."""
+    return tuple((float(t), start + per_s * t) for t in range(int(until)))
+
+
+def test_a_rising_demand_is_scaled_for_where_it_will_be_when_a_new_replica_serves():
+    # 2 replicas hold 16,000 tokens at 0.8; the demand, 12,000 now, rose 200 tokens/s over the
+    # last 10 s: in replica_startup_s (30 s) it reaches 18,000, which needs 3.
+    state = PolicyState(wants_up_since=0.0, demand_history=rising(10_000, 200, 10))
+    decision, state = decide(replicas(6000, 6000), running=2, target=2, params=PARAMS, now=10.0, state=state)
+    assert (decision.desired_replicas, decision.reason, decision.kv_replicas) == (3, "kv_trend", 3)
+    assert decision.kv_demand_growth_tokens == pytest.approx(200 * 30)
+    assert state.demand_history[-1] == (10.0, 12_000) and no_delay_running(state)
+
+
+def test_a_falling_demand_adds_nothing_and_a_rising_one_holds_off_a_scale_down():
+    falling, _ = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=10.0,
+                        state=PolicyState(demand_history=rising(12_000, -1000, 10)))
+    assert falling.kv_demand_growth_tokens == 0.0 and falling.reason == "pending"
+    # 2,000 tokens now fit one replica at 0.6 (6,000), but rising 200 tokens/s they reach 8,000 in 30 s.
+    held, _ = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=10.0,
+                     state=PolicyState(wants_down_since=-100.0, demand_history=rising(0, 200, 10)))
+    assert (held.desired_replicas, held.reason) == (2, "steady")
+
+
+def test_the_demand_history_keeps_a_point_a_second_for_replica_startup_s():
+    state = PolicyState()
+    for tick in range(400):  # Serve's control loop: every 0.1 s for 40 s
+        _, state = decide(replicas(1000), running=1, target=1, params=PARAMS, now=tick / 10, state=state)
+    times = [t for t, _ in state.demand_history]
+    assert times[0] >= 39.9 - PARAMS.replica_startup_s and len(times) == 30
+    assert all(later - earlier >= 1.0 for earlier, later in zip(times, times[1:]))
+    off = HeadroomPolicyParams(replica_startup_s=0.0)
+    decision, state = decide(replicas(9000), running=2, target=2, params=off, now=10.0,
+                             state=PolicyState(demand_history=rising(0, 1000, 10)))
+    assert decision.kv_demand_growth_tokens == 0.0 and state.demand_history == ()
 
 
 def test_waiting_prefill_sets_a_floor():
@@ -99,7 +141,7 @@ def test_scale_down_needs_the_demand_to_fit_fewer_at_the_lower_utilisation_for_t
     decision, state = decide(replicas(3000, 2000, 2000), running=3, target=3, params=PARAMS, now=29.0, state=state)
     assert decision.desired_replicas == 3
     decision, state = decide(replicas(3000, 2000, 2000), running=3, target=3, params=PARAMS, now=30.0, state=state)
-    assert (decision.desired_replicas, decision.reason) == (2, "low_demand") and state == PolicyState()
+    assert (decision.desired_replicas, decision.reason) == (2, "low_demand") and no_delay_running(state)
 
 
 def test_a_scale_down_removes_half_the_surplus_then_measures_again():
@@ -107,7 +149,7 @@ def test_a_scale_down_removes_half_the_surplus_then_measures_again():
     # 8 - ceil(7 / 2) = 4 and the delay starts over before the next one (to 2, then 1).
     decision, state = decide(replicas(*[750] * 8), running=8, target=8, params=PARAMS, now=30.0,
                              state=PolicyState(wants_down_since=0.0))
-    assert (decision.desired_replicas, decision.reason, state) == (4, "low_demand", PolicyState())
+    assert (decision.desired_replicas, decision.reason) == (4, "low_demand") and no_delay_running(state)
     decision, state = decide(replicas(*[1500] * 4), running=4, target=4, params=PARAMS, now=31.0, state=state)
     assert (decision.desired_replicas, decision.reason, state.wants_down_since) == (4, "pending", 31.0)
     decision, _ = decide(replicas(*[1500] * 4), running=4, target=4, params=PARAMS, now=61.0, state=state)
@@ -119,14 +161,14 @@ def test_demand_inside_the_hysteresis_band_keeps_the_count():
     # neither up nor down, for as long as it stays there.
     for now in (0.0, 100.0, 1000.0):
         decision, state = decide(replicas(7000, 7000), running=2, target=2, params=PARAMS, now=now)
-        assert (decision.desired_replicas, decision.reason) == (2, "steady") and state == PolicyState()
+        assert (decision.desired_replicas, decision.reason) == (2, "steady") and no_delay_running(state)
 
 
 def test_a_rise_during_the_scale_down_delay_restarts_it():
     _, state = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=0.0)
     assert state.wants_down_since == 0.0
     _, state = decide(replicas(7000, 7000), running=2, target=2, params=PARAMS, now=20.0, state=state)
-    assert state == PolicyState()
+    assert no_delay_running(state)
     decision, state = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=40.0, state=state)
     assert decision.desired_replicas == 2 and state.wants_down_since == 40.0
 
@@ -136,7 +178,7 @@ def test_kv_parked_in_the_host_tiers_beyond_the_target_utilisation_adds_one_repl
     # the host tiers (2 x 20,000 tokens) hold 34,000 tokens of swapped-out requests: 0.85 of them.
     signals = [ReplicaSignal(CAPACITY, 6000, 0.0, 0.0, 20_000, 17_000) for _ in range(2)]
     decision, state = decide(signals, running=2, target=2, params=PARAMS, now=0.0)
-    assert (decision.desired_replicas, decision.reason) == (3, "host_tier") and state == PolicyState()
+    assert (decision.desired_replicas, decision.reason) == (3, "host_tier") and no_delay_running(state)
     assert decision.host_kv_parked_tokens == 34_000 and decision.host_kv_usage == pytest.approx(0.85)
     # At 0.75 of the tiers the next victims still swap: the count stays.
     signals = [ReplicaSignal(CAPACITY, 6000, 0.0, 0.0, 20_000, 15_000) for _ in range(2)]
@@ -150,7 +192,7 @@ def test_no_scale_down_while_kv_is_parked_in_a_host_tier():
     signals = [ReplicaSignal(CAPACITY, 1000, 0.0, 0.0, 20_000, 400), ReplicaSignal(CAPACITY, 1000)]
     decision, state = decide(signals, running=2, target=2, params=PARAMS, now=100.0,
                              state=PolicyState(wants_down_since=0.0))
-    assert (decision.desired_replicas, decision.reason) == (2, "steady") and state == PolicyState()
+    assert (decision.desired_replicas, decision.reason) == (2, "steady") and no_delay_running(state)
 
 
 def test_no_scale_down_while_preempting():

@@ -63,10 +63,13 @@ TAIL_MAX_TOKENS = [2000] * LONG_TAIL_STREAMS + [368] * 16
 # harness' default per-call deadline.
 STREAM_TIMEOUT_S = 300.0
 PREEMPTION_RATE_THRESHOLD = 0.5
+# The demand's trend is off (replica_startup_s 0): the scale-up here is today's committed KV
+# crossing the target (the trend's arithmetic: test_autoscaling.py; its effect:
+# bench_autoscale_sim.py).
 AUTOSCALING = {
     "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.8, "scale_down_utilization": 0.6,
     "preemption_rate_threshold": PREEMPTION_RATE_THRESHOLD, "upscale_delay_s": 0, "downscale_delay_s": 1,
-    "look_back_period_s": 1, "metrics_interval_s": 0.5,
+    "look_back_period_s": 1, "metrics_interval_s": 0.5, "replica_startup_s": 0,
 }
 HEADROOM, REQUESTS = "headroom-policy", "requests-policy"  # the applications, named after their policies
 PROBE_PERIOD_S = 0.5
