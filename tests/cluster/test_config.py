@@ -71,6 +71,8 @@ def test_router_policy_names_are_the_router_registry():
      "applications[0].args.replicas.autoscaling.downscale_delay_s: Input should be greater than or equal to 0"),
     (app_document(replicas={"autoscaling": {"upscale_delay_s": -0.5}}),
      "applications[0].args.replicas.autoscaling.upscale_delay_s: "),
+    (app_document(replicas={"autoscaling": {"replica_startup_s": -30}}),
+     "applications[0].args.replicas.autoscaling.replica_startup_s: Input should be greater than or equal to 0"),
     (app_document(replicas={"drain_timeout_s": -1}), "applications[0].args.replicas.drain_timeout_s: "),
     (app_document(router={"policy": "random"}), "applications[0].args.router.policy: "),
     (app_document(router={"policy": "pow2", "knobs": {"preemption_weight": 2}}),
