@@ -4,14 +4,14 @@ Two applications serve the built-in model in one Ray: one scaled by the headroom
 `requests` (Serve's own policy at target_ongoing_requests 32, what `--autoscaling requests`
 configures). The same ramp (the same prompts, greedy, the same arrival offsets) goes to each in
 turn: twelve long generations that together commit nearly all of one replica's KV, then a tail
-of twenty more once the headroom application's second replica serves. Under headroom, the
+of sixteen more once the headroom application's second replica serves. Under headroom, the
 committed KV asks for a second replica while the ramp arrives, long before any preemption, and
 the tail goes to it; when the ramp ends, the demand fits one replica again and Serve removes
-the newer one while the tail's long streams still run, and they finish. Under requests, 32
-streams are one replica's worth: its one replica takes the tail too, its pool runs out and its
-preemption rate passes the threshold with no scale-up (the run is cancelled there, its streams
-having sent the same tokens as far as they got). Each event is probed from Serve's replica
-states and the replicas' own load over time, not inferred.
+the newer one while the tail's long streams still run, and they finish. Under requests, 28
+streams are less than one replica's worth (32): its one replica takes the tail too, its pool
+runs out and its preemption rate passes the threshold with no scale-up (the run is cancelled
+there, its streams having sent the same tokens as far as they got). Each event is probed from
+Serve's replica states and the replicas' own load over time, not inferred.
 """
 
 from __future__ import annotations
@@ -48,17 +48,18 @@ ENGINE = {"num_kv_blocks": 895, "max_model_len": 2048, "max_num_seqs": 32}
 RAMP_STREAMS = 12
 RAMP_MAX_TOKENS = 1170
 RAMP_GAP_S = 0.25
-# The tail, sent once the headroom application's second replica runs, commits 888 blocks
-# more, which only an empty replica holds: on the first, where the request count leaves it,
-# the pool runs out while the tail's short streams are young, and they are preempted, newest
-# first, one after another. The ramp lasts long enough on two shared cores that the tail
+# The tail, sent once the headroom application's second replica runs, commits 792 blocks
+# more, which only an empty replica holds (with a hundred to spare, so the router's fit never
+# has to yield, whatever order the tail's streams reach it in): on the first, where the
+# request count leaves it, the pool runs out while the tail's short streams are young, and
+# they are preempted, newest first, one after another. The ramp lasts long enough on two shared cores that the tail
 # meets it growing, however long the second replica took to start.
 # The tail's four long streams share a replica's steps as the ramp's twelve do, and outlast
 # the ramp by far; alone they fit one replica at the scale-down utilisation (8,064 tokens of
 # 0.6 x 14,304 = 8,582): once the ramp and the short ones are done, the headroom policy
 # removes the newer replica while they stream.
 LONG_TAIL_STREAMS = 4
-TAIL_MAX_TOKENS = [2000] * LONG_TAIL_STREAMS + [368] * 16
+TAIL_MAX_TOKENS = [2000] * LONG_TAIL_STREAMS + [368] * 12
 # Every stream here is long, and the requests application's run preempts: more than the
 # harness' default per-call deadline.
 STREAM_TIMEOUT_S = 300.0
@@ -187,13 +188,26 @@ class Run:
         return self.streams[RAMP_STREAMS:RAMP_STREAMS + LONG_TAIL_STREAMS]
 
 
+def await_router_routes_past(channel: grpc.Channel, application: str, full_replica: str) -> None:
+    """Serve runs a new replica before the ingress' router has heard of it: one-token requests
+    until one is routed away from `full_replica` (the router prefers any replica with room to
+    it, so the new one is then in its ranking)."""
+    deadline = time.monotonic() + 60
+    def routed_to() -> Optional[str]:
+        return stream_generate(channel, generate_request(1, prompt="probe"), application=application).replica_id
+
+    while routed_to() == full_replica:
+        assert time.monotonic() < deadline, f"the router never routed past {full_replica}"
+        time.sleep(PROBE_PERIOD_S)
+
+
 def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[float] = None,
              until_preemption_rate_passes: bool = False) -> Run:
     """The ramp to `application`: its streams RAMP_GAP_S apart, then the tail tail_offset_s
-    after the first (None: as soon as a second replica runs). Returns once every stream has
-    ended and the application is back to one replica; or, with until_preemption_rate_passes,
-    as soon as a replica's preemption rate passes the threshold, once what was sent has been
-    cancelled and the replicas hold none of it."""
+    after the first (None: as soon as a second replica runs and the router ranks it).
+    Returns once every stream has ended and the application is back to one replica; or,
+    with until_preemption_rate_passes, as soon as a replica's preemption rate passes the
+    threshold, once what was sent has been cancelled and the replicas hold none of it."""
     probe = Probe(application)
     prober = threading.Thread(target=probe.run, daemon=True)
     prober.start()
@@ -211,6 +225,8 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
     started_at = math.nan
     try:
         probe.wait_for(lambda target, running, draining: running == 1, 60, "one running replica")
+        (first_replica,) = [replica_id for replica_id, states in probe.replica_states.items()
+                            if states[-1][1] == "RUNNING"]
         with concurrent.futures.ThreadPoolExecutor(RAMP_STREAMS + len(TAIL_MAX_TOKENS)) as pool:
             started_at = time.monotonic()
             futures = []
@@ -219,6 +235,7 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
                 time.sleep(RAMP_GAP_S)
             if tail_offset_s is None:
                 probe.wait_for(lambda target, running, draining: running == 2, 240, "a second replica")
+                await_router_routes_past(channel, application, first_replica)
             else:
                 time.sleep(max(0.0, started_at + tail_offset_s - time.monotonic()))
             tail_offset_s = time.monotonic() - started_at
