@@ -85,7 +85,7 @@ def autoscaled_config():
                                                  "drain_timeout_s": 120},
                 # Each application's replicas and ingress count up from ports of their own.
                 "ports": {**template["args"]["ports"], "metrics": 28810 + 30 * index,
-                          "router_metrics": 28820 + 30 * index}}
+                          "router_metrics": 28820 + 30 * index, "replica_grpc": 28830 + 30 * index}}
         applications.append({**template, "name": name, "route_prefix": f"/{name}", "args": args})
     document["applications"] = applications
     return load_config(document)
