@@ -1,6 +1,7 @@
 """Helpers for the live Ray Serve tests: a small CPU config of the built-in model (ports chosen
 per test module, away from the defaults a real cluster on this machine may hold), gRPC and
-OpenAI-over-HTTP clients, and Ray started the way `headroom serve` starts it.
+OpenAI-over-HTTP clients, and Ray started the way `headroom serve` starts it, its applications
+deployed as `headroom serve` deploys them or from a config file as KubeRay's RayService does.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import json
 import os
 import pickle
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import grpc
 import requests
+import yaml
 
 from cluster.config import ServeAppsConfig, load_config
 from cluster.ingress import APPLICATION_METADATA_KEY
@@ -36,6 +40,7 @@ ENGINE = {
     "max_waiting_requests": 64,
 }
 GRPC_TIMEOUT_S = 120.0  # every call is bounded: a hang fails the test instead of stalling it
+DEPLOY_TIMEOUT_S = 300.0  # replicas start in seconds; a loaded shared machine can take minutes
 
 
 def enable_local_ray() -> None:
@@ -44,21 +49,60 @@ def enable_local_ray() -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
-    """Ray and the applications as `headroom serve` starts them, torn down on exit."""
+def local_ray(config: ServeAppsConfig, num_cpus: int = 3):
+    """Ray started as `headroom serve` starts it, for `config` (its endpoints on loopback);
+    yields that config, and shuts Serve and Ray down on exit."""
     import ray
     from ray import serve
 
-    from cluster.serve_command import init_local_ray, start_applications, with_local_binds
+    from cluster.serve_command import init_local_ray, with_local_binds
 
     config = with_local_binds(config)
     init_local_ray(config, num_cpus, log_to_driver=False)
     try:
-        start_applications(config)
         yield config
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
+    """Ray and the applications as `headroom serve` starts them, torn down on exit."""
+    from cluster.serve_command import start_applications
+
+    with local_ray(config, num_cpus) as config:
+        start_applications(config)
+        yield config
+
+
+def deploy_from_config_file(config: ServeAppsConfig, config_file: Path,
+                            timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
+    """Deploys `config` as KubeRay's RayService, `serve deploy` and `serve run CONFIG` do:
+    written to `config_file` and submitted by Ray Serve's own CLI (`serve run --non-blocking`,
+    in this process, on the Ray it is connected to), which starts Serve's proxies from the
+    file's options and hands the applications to Serve's controller (apply_config, the call
+    the dashboard's REST API makes). The controller builds each application
+    (import_path cluster.app:build_app) in a task of its own: nothing of it is built here.
+    Returns once every application is RUNNING; raises with Serve's message if one fails."""
+    from ray import serve
+    from ray.serve.scripts import cli as serve_cli
+
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    serve_cli.main(["run", "--non-blocking", str(config_file)], standalone_mode=False)
+    names = {app.name for app in config.applications}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        applications = serve.status().applications
+        statuses = {name: applications[name].status for name in names if name in applications}
+        failed = {name: applications[name].message for name, status in statuses.items() if status == "DEPLOY_FAILED"}
+        if failed:
+            raise RuntimeError(f"Serve could not deploy {failed}")
+        if len(statuses) == len(names) and set(statuses.values()) == {"RUNNING"}:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f} s: {statuses}")
+        time.sleep(1.0)
 
 
 def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num_cpus: float = 1,

@@ -1,42 +1,55 @@
-"""Who may generate (issue 28), on one live cluster started as `headroom serve` starts it with two
-API keys (one from HEADROOM_API_KEY, one from HEADROOM_API_KEY_FILE, the environment the Helm
-chart sets) and HTTPS on Serve's HTTP proxy: every /v1 route and every Generation method refuses
-a call without an accepted key (missing, wrong, wrong case, in another header, an empty bearer)
-in the documented shape, and serves it with either key; health and reflection stay open; the
-official `openai` client works with api_key=; gRPC over TLS works through a TLS-terminating
-proxy in front of Serve's gRPC proxy; and no key shows up in the logs, the metrics, an error
-or `headroom status`. The doors' checks are also probed in-process: each presented key is
-compared with hmac.compare_digest against every configured key, whatever its length.
+"""Who may generate (issue 28), on one live cluster deployed as KubeRay's RayService deploys it:
+Ray started with two API keys in its environment (HEADROOM_API_KEY and HEADROOM_API_KEY_FILE,
+as the Helm chart sets them), the application (two replicas) deployed from a Serve config file
+with HTTPS on Serve's HTTP proxy, which Serve's controller builds in a task of its own, where the
+cluster token is made (`headroom serve`'s own path, which builds it in the driver, is
+test_cli's and every other live module's). The application runs and its routers hear both
+replicas' loads with that token; every /v1 route and every Generation method refuses a call
+without an accepted key (missing, wrong, wrong case, in another header, an empty bearer) in the
+documented shape, and serves it with either key; health and reflection stay open; the official
+`openai` client works with api_key=; gRPC over TLS works through a TLS-terminating proxy in
+front of Serve's gRPC proxy; and no key or token shows up in the logs, the metrics, Serve's
+application details, an error or `headroom status`. The doors' checks are also probed
+in-process: each presented key is compared with hmac.compare_digest against every configured
+key, whatever its length.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import secrets
 import ssl
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from cluster import grpc_proxy, ingress  # noqa: E402
+from ray.experimental import internal_kv  # noqa: E402
+from ray.serve.context import _get_global_client  # noqa: E402
+
+from cluster import grpc_proxy, ingress, status_command  # noqa: E402
 from cluster.cli import main  # noqa: E402
-from cluster.config import load_config  # noqa: E402
+from cluster.config import APP_IMPORT_PATH, load_config  # noqa: E402
 from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
 from replica.server import auth  # noqa: E402
 from replica.server.auth import API_KEY_ENV, API_KEY_FILE_ENV, Credentials  # noqa: E402
 from replica.server.request_limits import RequestLimits  # noqa: E402
+from router import cluster_token as cluster_token_module  # noqa: E402
+from router.cluster_token import cluster_token  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
-    APP_NAME, GRPC_TIMEOUT_S, generate_request, grpc_target, local_cluster, small_config,
+    APP_NAME, GRPC_TIMEOUT_S, deploy_from_config_file, generate_request, grpc_target, local_ray, small_config,
 )
 from tests.cluster.tls_harness import TLSTerminatingProxy, self_signed_certificate  # noqa: E402
 from tests.replica.replica_harness import reflect  # noqa: E402
@@ -70,22 +83,37 @@ def tls_files(tmp_path_factory) -> tuple[Path, Path]:
     return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
+# What the cluster fixture saw between Ray's start and the deployment.
+SEEN_BEFORE_DEPLOYMENT: dict[str, object] = {}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tls_files):
+    """Ray started as `headroom serve` starts it, the keys in its environment as the Helm chart
+    sets them; the application deployed from a Serve config file, as KubeRay's RayService and
+    `serve run deploy/serve_config.yaml` deploy it (Serve's controller builds it)."""
     cert, key = tls_files
     key_file = tmp_path_factory.mktemp("keys") / "api_keys"
     key_file.write_text(f"# the second team's key\n\n{KEY_B}\n")
-    document = small_config(BASE_PORT, num_replicas=1).model_dump(exclude_unset=True)
+    document = small_config(BASE_PORT).model_dump(exclude_unset=True)
     document["http_options"].update(ssl_certfile=str(cert), ssl_keyfile=str(key))
     saved = {name: os.environ.get(name) for name in (API_KEY_ENV, API_KEY_FILE_ENV)}
     os.environ.update({API_KEY_ENV: KEY_A, API_KEY_FILE_ENV: str(key_file)})
     try:
-        with local_cluster(load_config(document)) as config:
+        with local_ray(load_config(document)) as config:
             # Ray's processes took the keys when Ray started; this test process' clients name theirs.
             _restore(saved)
+            SEEN_BEFORE_DEPLOYMENT["cluster token"] = stored_cluster_token()
+            deploy_from_config_file(config, tmp_path_factory.mktemp("serve") / "serve_config.yaml")
             yield config
     finally:
         _restore(saved)
+
+
+def stored_cluster_token():
+    """The cluster token in Ray's key-value store, None before any process made it."""
+    token = internal_kv._internal_kv_get(cluster_token_module._KV_KEY, namespace=cluster_token_module._KV_NAMESPACE)
+    return None if token is None else token.decode()
 
 
 def _restore(saved: dict) -> None:
@@ -115,6 +143,35 @@ def assert_unauthorized(response: requests.Response, presented: dict) -> None:
     assert {name: error[name] for name in UNAUTHORIZED_BODY_SHAPE} == UNAUTHORIZED_BODY_SHAPE
     assert error["message"].startswith("missing or invalid API key (send header 'Authorization: Bearer")
     assert not any(value in error["message"] for value in PRESENTED_VALUES)
+
+
+# ---- the declarative deployment ------------------------------------------------------------
+def test_serves_controller_built_the_application_from_the_config_file_and_made_the_cluster_token(cluster):
+    application = _get_global_client().get_serve_details()["applications"][APP_NAME]
+    assert application["status"] == "RUNNING" and application["source"] == "declarative"
+    assert application["deployed_app_config"]["import_path"] == APP_IMPORT_PATH
+    # No process had made a token before the deployment, and this one built nothing.
+    assert SEEN_BEFORE_DEPLOYMENT["cluster token"] is None and stored_cluster_token() is not None
+
+
+def test_the_ingress_router_hears_both_replicas_loads_with_the_cluster_token(cluster, https):
+    statuses = status_command.replica_statuses()  # `headroom status` reads each load with the token
+    replica_ids = {status.replica_id for status in statuses}
+    assert len(replica_ids) == 2 and all(status.load is not None for status in statuses), statuses
+    ports = cluster.applications[0].args.ports
+    body = {"model": APP_NAME, "prompt": "hi", "max_tokens": 1}
+    # The router observes the age of each replica's load it scores, for every replica it has
+    # heard a load from (WatchLoad, which refuses a router without the token), on every request.
+    heard, deadline = set(), time.monotonic() + 60
+    while heard != replica_ids and time.monotonic() < deadline:
+        reply = https.post(f"{HTTPS}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"},
+                           timeout=120)
+        assert reply.status_code == 200, reply.text
+        metrics = requests.get(f"http://{ports.bind_address}:{ports.router_metrics}/metrics", timeout=30).text
+        heard = {sample.labels["replica"] for family in text_string_to_metric_families(metrics)
+                 for sample in family.samples
+                 if sample.name == "headroom_router_load_age_seconds_count" and sample.value > 0}
+    assert heard == replica_ids
 
 
 # ---- HTTP (HTTPS through Serve's proxy) -------------------------------------------------------
@@ -241,11 +298,15 @@ def test_generate_and_bench_send_the_key_from_the_flag_or_the_environment(cluste
 
 
 # ---- no key anywhere -----------------------------------------------------------------------
-def test_no_key_shows_in_logs_metrics_errors_or_status(cluster, capsys):
+def test_no_key_or_token_shows_in_logs_metrics_errors_serve_details_or_status(cluster, capsys):
     """Last in the module: every call above has left whatever it logs."""
     assert main(["status"]) == 0
     status_text = capsys.readouterr().out
     assert "builtin" in status_text  # the probe: status listed the replica
+    # Serve's view of the application, which its REST API and dashboard show: the config as
+    # deployed (the probe: it is there), the deployments' options (the router's kwargs among them).
+    serve_details = json.dumps(_get_global_client().get_serve_details(), default=str)
+    assert APP_IMPORT_PATH in serve_details and "request_router_kwargs" in serve_details
     ports = cluster.applications[0].args.ports
     metrics = "".join(requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
                       for port in (ports.metrics, ports.router_metrics))
@@ -254,8 +315,8 @@ def test_no_key_shows_in_logs_metrics_errors_or_status(cluster, capsys):
     # The probe: the refused calls were logged (Serve's access log), where a leak would show.
     logged = subprocess.run(["grep", "-rlF", "GET /v1/models 401", str(session_dir)], capture_output=True, text=True)
     assert logged.stdout, f"no access log of a refused call under {session_dir}"
-    for value in PRESENTED_VALUES:
-        assert value not in status_text and value not in metrics, value
+    for value in (*PRESENTED_VALUES, cluster_token()):
+        assert value not in status_text and value not in metrics and value not in serve_details, value
         found = subprocess.run(["grep", "-rlF", "--", value, str(session_dir)], capture_output=True, text=True)
         assert found.stdout == "", f"a key shows in {found.stdout}"
 
