@@ -20,10 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cluster import status_command
-from cluster.generate_command import add_target_arguments, call_metadata
+from cluster.generate_command import add_target_arguments, open_channel, target_connection
 from cluster.stats import percentile
 from cluster.trace import read_trace
-from replica.server.auth import CredentialsError
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 
@@ -80,14 +79,15 @@ def prompt_ids(index: int, length: int, vocab_size: int) -> list[int]:
     return (head + [(index * 7 + position) % usable for position in range(length)])[:length]
 
 
-async def run_load(target: str, metadata: tuple[tuple[str, str], ...], requests: list[BenchRequest],
+async def run_load(target: str, metadata: tuple[tuple[str, str], ...],
+                   credentials: Optional[grpc.ChannelCredentials], requests: list[BenchRequest],
                    concurrency: int, vocab_size: int, progress: Progress) -> tuple[list[RequestResult], float]:
     """Sends every request (at its arrival offset, at most `concurrency` at once) with the
-    call `metadata` (cluster.generate_command.call_metadata); returns the results and the
-    wall time of the run."""
+    call `metadata` over a channel with `credentials` (cluster.generate_command.target_connection);
+    returns the results and the wall time of the run."""
     task = progress.add_task("requests", total=len(requests))
     slots = asyncio.Semaphore(concurrency)
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with open_channel(target, credentials, aio=True) as channel:
         stub = pb_grpc.GenerationStub(channel)
         started = time.monotonic()
 
@@ -167,11 +167,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             requests = [BenchRequest(0.0, args.prompt_tokens, args.max_tokens)] * args.requests
     except (ValueError, KeyError) as error:
         parser.error(f"--trace: {error}")
-    try:
-        metadata = call_metadata(args)
-    except CredentialsError as error:
-        parser.error(str(error))
-    with grpc.insecure_channel(args.target) as channel:
+    metadata, credentials = target_connection(args, parser)
+    with open_channel(args.target, credentials) as channel:
         try:
             info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=metadata)
         except grpc.RpcError as error:
@@ -187,7 +184,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         results, wall_s = asyncio.run(
-            run_load(args.target, metadata, requests, args.concurrency, info.vocab_size, progress)
+            run_load(args.target, metadata, credentials, requests, args.concurrency, info.vocab_size, progress)
         )
     preemptions_after = preemptions_total()
     preemptions = (None if preemptions_before is None or preemptions_after is None

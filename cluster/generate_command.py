@@ -3,13 +3,19 @@ template) through the cluster's gRPC endpoint (Serve's proxy, or a single `headr
 its text streamed to stdout as it is generated, with control characters escaped (a model can
 emit ESC sequences that would drive the terminal) unless --raw. --json-schema, --regex and
 --choice constrain the output (structured outputs).
+
+Also how a gRPC client command (generate, bench) reaches --target: plaintext, or TLS (--tls,
+--tls-ca-cert) to a TLS-terminating proxy in front of Serve's gRPC port, which has no TLS of
+its own; with the API key as call metadata either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 import unicodedata
+from typing import Optional, Union
 
 import grpc
 
@@ -45,6 +51,64 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--application", default=None,
                         help="Serve application (model) to call; needed when the cluster serves several")
     add_client_api_key_argument(parser)
+    parser.add_argument("--tls", action="store_true",
+                        help="speak TLS to --target (a TLS-terminating proxy in front of the cluster's gRPC port), "
+                             "verifying its certificate against the system's trust store")
+    parser.add_argument("--tls-ca-cert", default=None, metavar="FILE",
+                        help="speak TLS to --target, verifying its certificate against the PEM CA certificate(s) "
+                             "in FILE instead (implies --tls)")
+
+
+class TargetError(ValueError):
+    """A client flag about --target that cannot be used; names the flag."""
+
+
+def channel_credentials(args: argparse.Namespace) -> Optional[grpc.ChannelCredentials]:
+    """None (plaintext) without --tls and --tls-ca-cert; else TLS verified against the CA
+    file, or the system's trust store (OpenSSL's default CA file, $SSL_CERT_FILE where set;
+    gRPC's own roots on a system without one). Raises TargetError naming a bad file."""
+    if not args.tls and args.tls_ca_cert is None:
+        return None
+    if args.tls_ca_cert is not None:
+        return grpc.ssl_channel_credentials(root_certificates=_read_ca_certificates(args.tls_ca_cert, "--tls-ca-cert"))
+    system_ca_file = ssl.get_default_verify_paths().cafile  # None where the system has none
+    if system_ca_file is None:
+        return grpc.ssl_channel_credentials()
+    return grpc.ssl_channel_credentials(root_certificates=_read_ca_certificates(system_ca_file, "--tls"))
+
+
+def _read_ca_certificates(path: str, flag: str) -> bytes:
+    """The PEM bytes of `path`, checked here (gRPC would only fail at the handshake)."""
+    try:
+        with open(path, "rb") as ca_file:
+            pem = ca_file.read()
+    except OSError as error:
+        raise TargetError(f"{flag}: cannot read {path}: {error.strerror}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # holds no certificate until it loads these
+    try:
+        context.load_verify_locations(cadata=pem.decode("ascii"))
+    except (UnicodeDecodeError, ValueError, ssl.SSLError):
+        pass
+    certificates = context.cert_store_stats()["x509"]
+    if not certificates:
+        raise TargetError(f"{flag}: {path} holds no PEM certificate")
+    return pem
+
+
+def target_connection(args: argparse.Namespace, parser: argparse.ArgumentParser
+                      ) -> tuple[tuple[tuple[str, str], ...], Optional[grpc.ChannelCredentials]]:
+    """(call metadata, channel credentials) for --target; an unusable flag exits 2 naming it."""
+    try:
+        return call_metadata(args), channel_credentials(args)
+    except (CredentialsError, TargetError) as error:
+        parser.error(str(error))
+
+
+def open_channel(target: str, credentials: Optional[grpc.ChannelCredentials], *,
+                 aio: bool = False) -> Union[grpc.Channel, grpc.aio.Channel]:
+    """A channel to `target`: TLS with `credentials`, plaintext without."""
+    channels = grpc.aio if aio else grpc
+    return channels.insecure_channel(target) if credentials is None else channels.secure_channel(target, credentials)
 
 
 # Newlines and tabs lay text out; every other control character (ESC, backspace, carriage
@@ -75,10 +139,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling.seed = args.seed
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
-    try:
-        metadata = call_metadata(args)
-    except CredentialsError as error:
-        parser.error(str(error))
+    metadata, credentials = target_connection(args, parser)
     request = pb.GenerateRequest(sampling=sampling)
     if args.json_schema is not None:
         try:
@@ -98,7 +159,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         request.chat.messages.add(role="user", content=args.prompt)
     else:
         request.text = args.prompt
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args.target, credentials) as channel:
         try:
             for response in pb_grpc.GenerationStub(channel).Generate(
                 request, timeout=args.timeout_s, metadata=metadata

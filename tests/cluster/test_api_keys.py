@@ -297,6 +297,26 @@ def test_generate_and_bench_send_the_key_from_the_flag_or_the_environment(cluste
     assert "UNAUTHENTICATED" in out.err and WRONG_KEY not in out.out + out.err
 
 
+def test_generate_and_bench_reach_the_cluster_over_tls_through_the_proxy(cluster, tls_files, monkeypatch, capsys):
+    cert, key = tls_files
+    proxy = TLSTerminatingProxy(cluster.grpc_options.port, cert, key)
+    target, generate = f"localhost:{proxy.port}", ["generate", "hi", "--max-tokens", "2", "--api-key", KEY_A]
+    try:
+        assert main([*generate, "--target", target, "--tls-ca-cert", str(cert)]) == 0
+        # --tls verifies against the system's trust store: OpenSSL's default CA file, which
+        # $SSL_CERT_FILE names instead where set; it knows no self-signed certificate.
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        assert main([*generate, "--target", target, "--tls", "--timeout-s", "30"]) == 1
+        assert "UNAVAILABLE" in capsys.readouterr().err
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert main(["bench", "--target", target, "--tls", "--api-key", KEY_B, "--requests", "2", "--concurrency", "2",
+                     "--prompt-tokens", "8", "--max-tokens", "2"]) == 0
+        assert "2 completed, 0 failed" in capsys.readouterr().out
+        assert proxy.connections >= 3  # the probe: each command's channel crossed the TLS proxy
+    finally:
+        proxy.close()
+
+
 # ---- no key anywhere -----------------------------------------------------------------------
 def test_no_key_or_token_shows_in_logs_metrics_errors_serve_details_or_status(cluster, capsys):
     """Last in the module: every call above has left whatever it logs."""

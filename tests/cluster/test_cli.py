@@ -231,6 +231,19 @@ def test_serve_refuses_a_certificate_whose_key_does_not_match(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 2
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench"]])
+def test_an_unusable_tls_ca_file_exits_2_naming_the_flag(command, tmp_path, capsys):
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("not a certificate\n")
+    for path, problem in ((tmp_path / "absent.pem", "cannot read {}: No such file or directory"),
+                          (not_pem, "{} holds no PEM certificate")):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--target", "127.0.0.1:1", "--tls-ca-cert", str(path)])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: --tls-ca-cert: {problem.format(path)}" in err and len(err.strip().splitlines()) == 2
+
+
 def test_a_bad_flag_is_one_line_naming_it_not_forty_lines_of_usage(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--max-num-seqs", "many"])
