@@ -2,7 +2,9 @@
 and usage, preemption rate, running and waiting requests), read from the load endpoint each
 replica announces to the routers, with the cluster token it reads from Ray as the routers do
 (joining the Ray cluster is what entitles it); then, per application, the replicas running
-against the count its autoscaling policy wants (and why) and those draining.
+against the count its autoscaling policy wants (and why) and those draining, and what the
+public gRPC door (Serve's gRPC proxy) answers a client: open, requires an API key, accepts or
+refuses the one given (--api-key, else $HEADROOM_API_KEY), as a client outside would see it.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ from ray.serve.exceptions import RayServeException
 from rich.console import Console
 from rich.table import Table
 
+from ray.serve.context import _get_global_client
+
 from cluster.autoscaling import decision_changes, latest_decision
 from cluster.deployment import ReplicaCounts, replica_counts, routing_stats, running_replicas
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.server.auth import authorization_metadata
+from replica.server.auth import (
+    CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key,
+)
 from router.cluster_token import cluster_token
 from router.serve_router import LOAD_ENDPOINT_STAT
 
 LOAD_TIMEOUT_S = 5.0
+DOOR_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class ReplicaStatus:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: %(default)s, the local one)")
+    add_client_api_key_argument(parser, "check that the cluster's gRPC door accepts this API key")
 
 
 def connect(address: str) -> None:
@@ -75,6 +83,50 @@ def _status_of(app_name: str, replica: dict, metadata: tuple[tuple[str, str], ..
     except grpc.RpcError as error:
         return ReplicaStatus(app_name, replica_id, node_ip, endpoint, None, f"{error.code().name}: {error.details()}")
     return ReplicaStatus(app_name, replica_id, node_ip, endpoint, load)
+
+
+def grpc_door_address() -> Optional[str]:
+    """Where a client reaches Serve's gRPC proxy from here: on loopback when one runs on this
+    node (Serve binds it to every interface), else on the first healthy one's node; None when
+    Serve runs none."""
+    details = _get_global_client().get_serve_details()
+    grpc_options = details.get("grpc_options") or {}
+    proxies = [proxy for proxy in (details.get("proxies") or {}).values() if proxy.get("status") == "HEALTHY"]
+    if not grpc_options.get("grpc_servicer_functions") or not proxies:
+        return None
+    port = grpc_options["port"]
+    here = ray.util.get_node_ip_address()
+    if any(proxy.get("node_ip") == here for proxy in proxies):
+        return f"127.0.0.1:{port}"
+    return f"{proxies[0]['node_ip']}:{port}"
+
+
+def door_line(app_name: str, address: Optional[str], api_key: Optional[str]) -> str:
+    """What the gRPC door answers a client of `app_name`, in words: first without a key (an
+    open door serves any key, so that is all there is to say), then with `api_key`."""
+    if address is None:
+        return f"{app_name}: no gRPC door (Serve runs no gRPC proxy)"
+    code, details = _door_answer(app_name, address, None)
+    verdict = {grpc.StatusCode.OK: "open: serves clients without an API key"}.get(code)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        if api_key is None:
+            verdict = "requires an API key (--api-key or $HEADROOM_API_KEY checks one)"
+        else:
+            code, details = _door_answer(app_name, address, api_key)
+            verdict = {grpc.StatusCode.OK: "accepts the API key",
+                       grpc.StatusCode.UNAUTHENTICATED: "refuses the API key"}.get(code)
+    return f"{app_name}: gRPC door {address} {verdict or f'{code.name}: {details}'}"
+
+
+def _door_answer(app_name: str, address: str, api_key: Optional[str]) -> tuple[grpc.StatusCode, str]:
+    metadata = (("application", app_name),) + authorization_metadata(api_key)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            pb_grpc.GenerationStub(channel).GetModelInfo(pb.ModelInfoRequest(), metadata=metadata,
+                                                         timeout=DOOR_TIMEOUT_S)
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
 
 
 def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[dict]],
@@ -122,11 +174,16 @@ def status_table(statuses: list[ReplicaStatus]) -> Table:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
+        api_key = client_api_key(args.api_key)
+    except CredentialsError as error:
+        parser.error(str(error))
+    try:
         connect(args.address)
         statuses = replica_statuses()
         counts = replica_counts()
         decisions = {app_name: latest_decision(app_name) for app_name, count in counts.items() if count.autoscaling}
         changes = {app_name: decision_changes(app_name) for app_name in decisions}
+        door = grpc_door_address()
     except (ConnectionError, RuntimeError, RayServeException) as error:
         print(f"headroom status: no running cluster at {args.address}: {error}", file=sys.stderr)
         return 1
@@ -138,4 +195,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console.print(status_table(statuses))
     for line in scale_lines(counts, decisions, changes):
         console.print(line)
+    for app_name in counts:  # the error's details are the server's text, not rich markup
+        console.print(door_line(app_name, door, api_key), markup=False, highlight=False)
     return 0

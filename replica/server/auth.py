@@ -235,10 +235,10 @@ def open_door_warning(host: str, credentials: Credentials) -> Optional[str]:
 
 
 # ---- the client side -----------------------------------------------------------------------
-def add_client_api_key_argument(parser: argparse.ArgumentParser) -> None:
+def add_client_api_key_argument(parser: argparse.ArgumentParser,
+                                purpose: str = "the cluster's API key, sent as 'authorization: Bearer KEY'") -> None:
     parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help=f"the cluster's API key, sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV}, "
-                             "its first key)")
+                        help=f"{purpose} (default: ${API_KEY_ENV}, its first key)")
 
 
 def client_api_key(flag: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -317,6 +317,19 @@ def test_generate_and_bench_reach_the_cluster_over_tls_through_the_proxy(cluster
         proxy.close()
 
 
+def test_status_says_what_the_grpc_door_answers_a_client_with_or_without_a_key(cluster, monkeypatch, capsys):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
+    door = f"{APP_NAME}: gRPC door 127.0.0.1:{cluster.grpc_options.port}"
+    for flags, verdict in (([], "requires an API key (--api-key or $HEADROOM_API_KEY checks one)"),
+                           (["--api-key", KEY_B], "accepts the API key"),
+                           (["--api-key", WRONG_KEY], "refuses the API key")):
+        assert main(["status", *flags]) == 0
+        printed = capsys.readouterr()
+        assert f"{door} {verdict}\n" in printed.out, printed.out
+        assert not any(value in printed.out + printed.err for value in PRESENTED_VALUES)
+
+
 # ---- no key anywhere -----------------------------------------------------------------------
 def test_no_key_or_token_shows_in_logs_metrics_errors_serve_details_or_status(cluster, capsys):
     """Last in the module: every call above has left whatever it logs."""

@@ -156,6 +156,9 @@ def test_headroom_status_shows_both_replicas_live_load(cluster, channel, capsys)
     table = capsys.readouterr().out
     for status in statuses:
         assert status.replica_id in table and str(status.load.headroom_tokens) in table
+    # This cluster takes no API key: status says anyone can get in.
+    assert f"{APP_NAME}: gRPC door 127.0.0.1:{cluster.grpc_options.port} open: serves clients without an API key" \
+        in table
 
 
 def test_headroom_generate_streams_the_text_to_stdout(cluster, capsys):
