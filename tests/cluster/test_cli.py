@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -242,6 +245,61 @@ def test_an_unusable_tls_ca_file_exits_2_naming_the_flag(command, tmp_path, caps
         assert exited.value.code == 2
         err = capsys.readouterr().err
         assert f"error: --tls-ca-cert: {problem.format(path)}" in err and len(err.strip().splitlines()) == 2
+
+
+NGINX = shutil.which("nginx")
+
+
+def listens(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed: README's nginx block stays an example")
+def test_the_readmes_nginx_block_carries_grpc_over_tls_to_headroom_generate(tmp_path, capsys):
+    """README's nginx server block, as written (its port, files and backend swapped for this
+    test's), terminating TLS in front of `headroom replica`; `headroom generate --tls-ca-cert`
+    through it, its API key passed on as metadata and the replica's refusal passed back."""
+    from tests.cluster.tls_harness import self_signed_certificate
+
+    block = re.search(r"```nginx\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S).group(1)
+    cert, key = self_signed_certificate(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nginx_port = probe.getsockname()[1]
+    process, port = start_replica("--api-key", "nginx-key")
+    server = block
+    for written, here in (("listen 443 ", f"listen 127.0.0.1:{nginx_port} "), (" cert.pem;", f" {cert};"),
+                          (" key.pem;", f" {key};"), ("127.0.0.1:9000", f"127.0.0.1:{port}")):
+        assert written in server, written
+        server = server.replace(written, here)
+    config = tmp_path / "nginx.conf"
+    # Everything nginx writes, in this test's directory (a packaged nginx writes under /var).
+    temp_paths = "".join(f"{kind}_temp_path {tmp_path}/{kind};\n"
+                         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    config.write_text(f"pid {tmp_path}/nginx.pid;\ndaemon off;\nevents {{}}\nhttp {{\n"
+                      f"access_log {tmp_path}/access.log;\n{temp_paths}{server}}}\n")
+    nginx = subprocess.Popen([NGINX, "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(config)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not listens(nginx_port):
+            assert nginx.poll() is None, nginx.stderr.read()
+            assert time.monotonic() < deadline, "nginx never listened"
+            time.sleep(0.1)
+        generate = ["generate", "hi", "--target", f"localhost:{nginx_port}", "--tls-ca-cert", str(cert),
+                    "--max-tokens", "3", "--timeout-s", "60"]
+        assert main([*generate, "--api-key", "nginx-key"]) == 0
+        assert main(generate) == 1
+        assert "UNAUTHENTICATED: missing or invalid API key" in capsys.readouterr().err
+        # The probe: both calls crossed nginx (which logs a call once it has ended on its side too).
+        deadline = time.monotonic() + 10
+        while (tmp_path / "access.log").read_text().count("/headroom.v1.Generation/Generate HTTP/2.0") < 2:
+            assert time.monotonic() < deadline, (tmp_path / "access.log").read_text()
+            time.sleep(0.1)
+    finally:
+        stop(nginx)
+        stop(process)
 
 
 def test_a_bad_flag_is_one_line_naming_it_not_forty_lines_of_usage(capsys):
