@@ -51,7 +51,7 @@ from replica.server.grpc_service import (
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
-from replica.core.request import validate_prompt
+from replica.core.request import validate_request
 from replica.server.auth import Credentials, api_key_credentials, metadata_authorization, missing_credential
 from replica.server.request_limits import encode_prompt
 from replica.server.status import grpc_status
@@ -337,11 +337,11 @@ class Ingress:
 
     def _generation_request(self, prompt_token_ids: list[int], info: pb.ModelInfo, **fields: Any) -> GenerationRequest:
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, **fields)
-        # Everything the replica would check, checked here: a refused request costs no replica.
-        # The context length is the replicas' (each engine resolves it from the model and its pool).
-        validate_prompt(prompt_token_ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-        request.sampling.validate(prompt_len=len(prompt_token_ids), max_model_len=info.max_model_len,
-                                  vocab_size=info.vocab_size)
+        # The cluster's edge: the one validation a request gets (the replicas trust it), so a
+        # refused request costs no replica. The context length is the replicas' (each engine
+        # resolves it from the model and its pool).
+        validate_request(prompt_token_ids, request.sampling, max_model_len=info.max_model_len,
+                         vocab_size=info.vocab_size)
         return request
 
     # ---- gRPC: headroom.v1.Generation ---------------------------------------------------

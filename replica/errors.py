@@ -6,9 +6,10 @@ with `replica.server.status.grpc_status`, the OpenAI API with `cluster.openai_ap
 neither lists classes of its own. Light on purpose (no torch, no grpc): the ingress, the
 router and the CLI import it.
 
-Requests are validated once, where they enter (the ingress or the replica's servicer, then
-`replica.core.request.validate_request` against the engine's facts); the scheduler keeps
-only the checks that protect memory.
+Requests are validated once, where they enter, by `replica.core.request.validate_request`: the
+cluster's ingress (against its replicas' ModelInfo), a replica's own gRPC servicer, or
+`LLMEngine.add_request` in-process; the front and the core trust them, and the scheduler keeps
+only the guards that protect memory (`Scheduler.check_request`).
 """
 
 from __future__ import annotations

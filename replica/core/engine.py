@@ -26,7 +26,7 @@ from replica.executor.rank_config import resolve_rank_config
 from replica.executor.preemption_profile import preemption_costs
 from replica.executor.model_runner import StepInFlight
 from replica.core.outputs import RequestOutput, StepStats, make_request
-from replica.core.request import Request, RequestStatus, SamplingParams
+from replica.core.request import Request, RequestStatus, SamplingParams, validate_request
 from replica.core.structured_output import GrammarCompiler
 from replica.core.load import SchedulerLoad
 from replica.core.scheduler import Scheduler, SchedulerOutput
@@ -103,7 +103,7 @@ class LLMEngine:
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
-        self.scheduler = Scheduler(config, vocab_size=self.model_config.vocab_size, clock=clock)
+        self.scheduler = Scheduler(config, clock=clock)
         graph_safe_backend = self.model.attn_backend.supports_cuda_graphs
         cuda_graphs = use_cuda_graphs(self.device, config.enforce_eager, graph_safe_backend)
         if on_cuda and not config.enforce_eager and not graph_safe_backend:
@@ -152,9 +152,18 @@ class LLMEngine:
                             eos_token_ids=self.eos_token_ids, clock=self.clock, **options)
 
     def add_request(self, request: Request, detokenize: bool = True) -> None:
-        """Queue a request; raises InvalidRequestError (naming the field) or QueueFullError.
-        The engine stops a request on EOS, stop_token_ids or max_tokens; stop strings are
-        matched on detokenized text by the front (replica/front/output_processor.py)."""
+        """Validate and queue a request: the edge for in-process callers (offline use, tests,
+        benchmarks), as vLLM's LLM class is. Raises InvalidRequestError (naming the field) or
+        QueueFullError. The engine stops a request on EOS, stop_token_ids or max_tokens; stop
+        strings are matched on detokenized text by the front (replica/front/output_processor.py)."""
+        validate_request(request.prompt_token_ids, request.sampling_params, max_model_len=self.config.max_model_len,
+                         vocab_size=self.model_config.vocab_size)
+        self.enqueue(request, detokenize)
+
+    def enqueue(self, request: Request, detokenize: bool = True) -> None:
+        """Queue a request an edge has validated (the engine core's adds: the replica's servicer or
+        the cluster's ingress did). Raises only what the engine's own state decides: QueueFullError,
+        or the scheduler's guards (Scheduler.check_request)."""
         if request.sampling_params.structured_output is not None:
             self._add_constrained(request)
         else:
@@ -165,7 +174,7 @@ class LLMEngine:
     def _add_constrained(self, request: Request) -> None:
         """Check it now, compile its grammar on the compiler's thread (a cached grammar is done
         at once) and schedule it when compiled: a slow schema never stalls a step."""
-        self.scheduler.validate_request(request)
+        self.scheduler.check_request(request)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         if self.grammar_compiler is None:

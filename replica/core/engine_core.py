@@ -96,7 +96,8 @@ class EngineCore:
         for message in messages:
             if isinstance(message, Request):
                 try:
-                    engine.add_request(message, detokenize=False)  # the front detokenizes
+                    # Validated at the edge; the front detokenizes.
+                    engine.enqueue(message, detokenize=False)
                 except Exception as error:  # raced past the front's checks (e.g. the queue filled)
                     self._rejected.append((message.request_id, error))
                     continue

@@ -83,7 +83,7 @@ class SamplingParams:
     structured_output: Optional["StructuredOutput"] = None
 
     def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+        """Raise InvalidRequestError naming the first bad field (validate_request's second half)."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if prompt_len + self.max_tokens > max_model_len:
@@ -234,7 +234,15 @@ class Request:
         return None
 
 
-def validate_prompt(prompt_token_ids: Sequence[int], *, max_model_len: int, vocab_size: int | None = None) -> None:
+def validate_request(prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *, max_model_len: int,
+                     vocab_size: int | None = None) -> None:
+    """Raise InvalidRequestError naming the first bad field of the prompt or the sampling params.
+
+    The one validation of a request, run once where it enters: the cluster's ingress (against its
+    replicas' ModelInfo), a replica's own gRPC servicer, and LLMEngine.add_request for in-process
+    callers. Inside, a request is trusted: the front and the engine core check only what their own
+    state decides (a request id in use, a full queue) and what protects memory
+    (Scheduler.check_request)."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt", "must not be empty")
     if len(prompt_token_ids) >= max_model_len:
@@ -245,10 +253,4 @@ def validate_prompt(prompt_token_ids: Sequence[int], *, max_model_len: int, voca
         for token_id in prompt_token_ids:
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError("prompt_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
-
-
-def validate_request(request: Request, *, max_model_len: int, vocab_size: int | None = None) -> None:
-    """Raise InvalidRequestError naming the first bad field of the prompt or sampling params."""
-    validate_prompt(request.prompt_token_ids, max_model_len=max_model_len, vocab_size=vocab_size)
-    request.sampling_params.validate(prompt_len=request.num_prompt_tokens, max_model_len=max_model_len,
-                                     vocab_size=vocab_size)
+    sampling_params.validate(prompt_len=len(prompt_token_ids), max_model_len=max_model_len, vocab_size=vocab_size)

@@ -99,14 +99,12 @@ class Scheduler:
         self,
         config: EngineConfig,
         *,
-        vocab_size: Optional[int] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if config.max_model_len is None:
             raise ValueError("Scheduler: config.max_model_len is unset; resolve it for the model first "
                              "(replica.config.resolve_max_model_len)")
         self.config = config
-        self.vocab_size = vocab_size
         self.clock = clock
         if config.host_kv_bytes is not None and not config.num_host_kv_blocks:
             raise ValueError("Scheduler: config.host_kv_bytes is not in blocks yet; the engine turns it into "
@@ -138,14 +136,23 @@ class Scheduler:
         self._step_id = 0
 
     # ---- requests in and out -------------------------------------------------------
-    def validate_request(self, request: Request) -> None:
-        """Raise InvalidRequestError naming the field; nothing in the engine changes."""
+    def check_request(self, request: Request) -> None:
+        """What the scheduler must hold true of every request it takes, whoever validated it (the
+        edge did: replica.core.request.validate_request): an id no live request has (the queues
+        and the KV cache are keyed by it) and a length the block tables can hold (a prompt of at
+        least one token, plus max_tokens, within max_model_len). A cheap guard, not the field
+        checks; where it fails (an edge judged by another replica's max_model_len) it raises the
+        error the edge would have. Nothing in the engine changes."""
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        validate_request(request, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size)
+        num_prompt_tokens, max_model_len = len(request.prompt_token_ids), self.config.max_model_len
+        if (not 0 < num_prompt_tokens < max_model_len
+                or num_prompt_tokens + request.sampling_params.max_tokens > max_model_len):
+            # Raises: its first checks are these, naming the prompt or max_tokens.
+            validate_request(request.prompt_token_ids, request.sampling_params, max_model_len=max_model_len)
 
     def add_request(self, request: Request) -> None:
-        self.validate_request(request)
+        self.check_request(request)
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         request.status = RequestStatus.WAITING

@@ -1,13 +1,17 @@
 """AsyncEngine: the replica's front, on asyncio. The engine itself runs in an engine-core
-process of its own (replica/core/, over replica/ipc/); this side validates requests, owns one stream of
-RequestOutput deltas per request (detokenized here), mirrors the core's load after every
-step, and turns a lost client into an abort message the core applies before its next step.
+process of its own (replica/core/, over replica/ipc/); this side queues validated requests,
+owns one stream of RequestOutput deltas per request (detokenized here), mirrors the core's
+load after every step, and turns a lost client into an abort message the core applies before
+its next step.
 Every output and every error that ends a stream passes one place (the OutputProcessor), where
 an optional RequestObserver (the request metrics) sees it, whoever consumes the stream.
 
-Requests are validated at once, in the caller's task, against the facts the core reported
-when it started. If the core process dies, every open stream fails with EngineDeadError at
-once, new requests are refused with it, and `dead` says so (health checks read it).
+Requests come validated by the edge that took them (the replica's gRPC servicer, or the
+cluster's ingress against its replicas' ModelInfo: replica.core.request.validate_request) and
+are trusted here; the front refuses only what its own state decides (a request id in use, the
+queue full by the core's latest load, a closing or dead core). If the core process dies,
+every open stream fails with EngineDeadError at once, new requests are refused with it, and
+`dead` says so (health checks read it).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from replica.core.outputs import RequestOutput, StepStats, make_request
 from replica.front.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
-from replica.core.request import Request, SamplingParams, validate_request
+from replica.core.request import Request, SamplingParams
 from replica.errors import EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, InvalidRequestError, QueueFullError
 from replica.core.load import SchedulerLoad
 from replica.front.core_client import EngineCoreClient
@@ -241,7 +245,8 @@ class AsyncEngine:
         ttft_slo_ms: Optional[float] = None,
         first_token_timeout_s: Optional[float] = None,
     ) -> RequestStream:
-        """Validate and queue a request. Raises InvalidRequestError (naming the field),
+        """Queue a request its edge validated (replica.core.request.validate_request: the gRPC
+        servicer, the cluster's ingress). Raises InvalidRequestError for a request id in use,
         QueueFullError, EngineShutdownError or EngineDeadError before anything is queued.
         ttft_slo_ms: the request's TTFT SLO (see replica.core.engine.make_request), a scheduling
         target; the hard first_token_timeout_s ends the stream with FirstTokenDeadlineExceeded."""
@@ -255,8 +260,6 @@ class AsyncEngine:
                                       ttft_deadline=ttft_deadline, cache_salt=cache_salt, ttft_slo_ms=ttft_slo_ms)
         if request_id in self._processor:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        validate_request(request, max_model_len=engine.config.max_model_len,
-                         vocab_size=engine.model_config.vocab_size)
         bound = engine.config.max_waiting_requests
         # A fast refusal from the latest load; the core's scheduler has the last word (a burst
         # within one step can still fill the queue: those adds come back rejected).

@@ -1,6 +1,7 @@
 """The replica's gRPC servicers: Generation (streaming Generate, Tokenize, GetModelInfo) and
 LoadReporter (GetLoad, WatchLoad, WatchKVEvents) over one AsyncEngine (the engine core's front). Requests are
-validated here, at the edge, and every engine error maps to one gRPC status whose message names the proto field.
+validated here, once, at the edge (replica.core.request.validate_request; the front and the core trust them),
+and every engine error maps to one gRPC status whose message names the proto field.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from replica.core.outputs import RequestOutput
 from replica.core.kv_events import medium_of
 from replica.front.kv_event_log import KVEventBatch
 from replica.server.load_report import LoadReportBuilder, is_significant_change
-from replica.core.request import SamplingParams, check_text
+from replica.core.request import SamplingParams, check_text, validate_request
 from replica.server.request_limits import RequestLimits, encode_prompt
 from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler, StructuredOutput
@@ -235,11 +236,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self.engine.engine
         prompt_token_ids = await prompt_token_ids_from_proto(request, engine.tokenizer, self.limits)
         ttft = ttft_targets_from_proto(request)
+        sampling = await self._with_output_constraint(request, sampling_params_from_proto(
+            request.sampling, max_model_len=engine.config.max_model_len, num_prompt_tokens=len(prompt_token_ids)
+        ))
+        # This replica's edge: the one validation a request it serves gets.
+        validate_request(prompt_token_ids, sampling, max_model_len=engine.config.max_model_len,
+                         vocab_size=engine.model_config.vocab_size)
         return self.engine.add_request(
             prompt_token_ids,
-            await self._with_output_constraint(request, sampling_params_from_proto(
-                request.sampling, max_model_len=engine.config.max_model_len, num_prompt_tokens=len(prompt_token_ids)
-            )),
+            sampling,
             request_id=request.request_id or None,
             priority=engine_priority(request.priority),
             ttft_slo_ms=ttft.slo_ms,

@@ -36,7 +36,7 @@ def make_scheduler(clock: Optional[Callable[[], float]] = None, **overrides) -> 
     """A scheduler over the fake vocabulary and context; `clock` replaces the wall clock (tests of time)."""
     clocked = {} if clock is None else {"clock": clock}
     config = resolve_max_model_len(make_engine_config(**overrides), FAKE_CONTEXT)
-    return Scheduler(config, vocab_size=FAKE_VOCAB, **clocked)
+    return Scheduler(config, **clocked)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 8, **kwargs) -> Request:

@@ -20,6 +20,7 @@ from replica.model.builtin import build_byte_level_tokenizer
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
+from replica.errors import InvalidRequestError
 
 VOCAB = 320  # the byte-level test tokenizer's size
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -278,6 +279,37 @@ def test_streamed_text_deltas_concatenate_to_the_full_decode():
             finish = output.finish_reason
     assert finish in ("stop", "length")
     assert text == engine.tokenizer.decode(request.output_token_ids)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([], SamplingParams(), "prompt"),
+        (list(range(60)), SamplingParams(max_tokens=1), "prompt"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(max_tokens=63), "max_tokens"),
+        ([1, 2], SamplingParams(temperature=-1), "temperature"),
+        ([1, 2], SamplingParams(top_p=0), "top_p"),
+        ([1, 2], SamplingParams(top_k=-2), "top_k"),
+        ([1, 5000], SamplingParams(), "prompt_token_ids"),
+    ],
+)
+def test_bad_request_is_rejected_at_the_edge_without_disturbing_running_work(prompt, params, field):
+    # LLMEngine.add_request is the in-process edge: it validates once (replica.core.request.validate_request).
+    engine = LLMEngine(make_engine_config(max_model_len=60, max_num_batched_tokens=64, num_kv_blocks=32), "builtin",
+                       device=TEST_DEVICE)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    running = engine.make_request("running", [1, 2, 3], greedy)
+    engine.add_request(running, detokenize=False)
+    engine.step()
+
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request(engine.make_request("bad", prompt, params))
+    assert error.value.field == field and field in str(error.value)
+    engine.scheduler.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert running.output_token_ids == engine.generate([[1, 2, 3]], greedy)[0]
 
 
 def _run_to_completion(engine: LLMEngine, prompt: str, params: SamplingParams):

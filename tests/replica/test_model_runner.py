@@ -123,7 +123,7 @@ def test_staged_inputs_of_real_steps_equal_a_plain_flattening_of_the_scheduler_o
     model, model_config = builtin_model
     config = make_engine_config(block_size=4, num_kv_blocks=17, max_model_len=64, max_num_batched_tokens=24,
                                 max_num_seqs=4)
-    scheduler = Scheduler(config, vocab_size=model_config.vocab_size)
+    scheduler = Scheduler(config)
     runner = ModelRunner(model, model_config, config, torch.device("cpu"))
     if block_change_capacity is not None:
         runner.block_change_capacity = block_change_capacity
@@ -174,7 +174,7 @@ def test_padded_decode_steps_sample_what_unpadded_steps_sample(builtin_model):
                                 max_num_seqs=8)
     runs = []
     for padded in (False, True):
-        scheduler = Scheduler(config, vocab_size=model_config.vocab_size)
+        scheduler = Scheduler(config)
         runner = ModelRunner(model, model_config, config, torch.device("cpu"))
         if padded:
             runner.enable_decode_padding()
