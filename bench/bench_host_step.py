@@ -13,12 +13,13 @@ reports the host time of each phase per step:
              replaces, lm_head, the sampler, the inputs' copy): rows, inputs staged, block
              tables, the small torch ops around them
   update     the previous step's tokens to outputs (Scheduler.update: append, stop checks,
-             finishing; the engine's RequestOutputs; detokenizing with --detokenize)
+             finishing; the CoreOutput rows the engine core sends, or with --detokenize the
+             in-process engine's detokenized RequestOutputs)
   other      the rest of LLMEngine.step()
   host       the four above: LLMEngine.step() less the device's work (the budget's figure)
-  core       after the step, the engine-core process's send: the outputs as wire rows, the
-             load snapshot, the KV events, pickling the message (on its send thread, which
-             holds the GIL as it pickles)
+  core       after the step, the engine-core process's send: the step's rows, the load
+             snapshot, the KV events, pickling the message (on its send thread, which holds
+             the GIL as it pickles); not timed with --detokenize (the core never detokenizes)
 
 By default the timed steps' forward pass returns zeros at once (the model's forward is
 replaced on this engine's instance), as a graph replay returns to the host; --forward real
@@ -186,12 +187,14 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
         device_before = timer.total_s
         if profiler is not None:
             profiler.enable()
-        outputs = engine.step()
+        # What the engine core runs (step_rows), or the in-process engine that detokenizes.
+        outputs = engine.step() if detokenize else engine.step_rows()
         if profiler is not None:
             profiler.disable()
         core_start = time.perf_counter()
-        core._send_outputs(outputs)
-        encode_frame(core._outbox.get())
+        if not detokenize:
+            core._send_outputs(outputs)
+            encode_frame(core._outbox.get())
         phases["core"].append(time.perf_counter() - core_start)
         t = engine.last_step
         assert t.num_seqs == batch and t.num_tokens == batch, f"not a full decode step: {t}"

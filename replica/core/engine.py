@@ -187,9 +187,10 @@ class LLMEngine:
         if future.done():
             self._adopt_compiled()
 
-    def _adopt_compiled(self) -> list[RequestOutput]:
+    def _adopt_compiled(self) -> list[Request]:
         """Schedule the requests whose grammar compiled; the ones it failed for (the edge
-        compiles every constraint first, so only a time bound hit here) finish aborted."""
+        compiles every constraint first, so only a time bound hit here) finish aborted and are
+        returned."""
         failed = []
         now = time.monotonic()
         for request_id, (request, future, deadline) in list(self._compiling.items()):
@@ -206,7 +207,7 @@ class LLMEngine:
                 logger.warning("request %s: structured output not served: %s", request_id, error)
                 request.status = RequestStatus.FINISHED_ABORTED
                 self.detokenizers.pop(request_id, None)
-                failed.append(RequestOutput.of(request, [], "", "abort"))
+                failed.append(request)
         return failed
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -245,6 +246,15 @@ class LLMEngine:
         """One engine step. A step aborted at a layer boundary (SLO policy) yields no
         outputs. With async scheduling the step launches the next forward pass before it
         waits for the previous one, and returns the previous one's outputs."""
+        return self._step(as_rows=False)
+
+    def step_rows(self) -> list[tuple]:
+        """step() for the engine core: each output as the CoreOutput row it crosses to the
+        front in (replica/ipc/messages.py), built here once instead of as a RequestOutput the
+        core would take apart again (the core detokenizes nothing, so a row is all there is)."""
+        return self._step(as_rows=True)
+
+    def _step(self, as_rows: bool) -> list:
         start = time.perf_counter()
         not_served = self._adopt_compiled() if self._compiling else []
         if self._compiling and not self.scheduler.has_unfinished_requests() and self._in_flight is None:
@@ -253,6 +263,9 @@ class LLMEngine:
             wait([future for _, future, _ in self._compiling.values()], timeout=COMPILE_WAIT_S,
                  return_when=FIRST_COMPLETED)
             not_served += self._adopt_compiled()
+        if not_served:
+            not_served = [(request.request_id, [], "abort", request.num_cached_tokens, None, None, None, None)
+                          if as_rows else RequestOutput.of(request, [], "", "abort") for request in not_served]
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
         launched = self._launch(scheduler_output)
@@ -261,10 +274,10 @@ class LLMEngine:
         else:
             previous = launched
         completing = time.perf_counter()
-        outputs = not_served + (self._complete(previous) if previous is not None else [])
+        outputs = not_served + (self._complete(previous, as_rows) if previous is not None else [])
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Everything finished with the previous step: what is in flight is all discarded.
-            self._complete(self._in_flight)
+            self._complete(self._in_flight, as_rows)
             self._in_flight = None
         end = time.perf_counter()
         wait_s = previous.in_flight.wait_s if previous is not None else 0.0
@@ -292,8 +305,9 @@ class LLMEngine:
             return None
         return _LaunchedStep(scheduler_output, in_flight)
 
-    def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, append them and build the outputs."""
+    def _complete(self, launched: _LaunchedStep, as_rows: bool) -> list:
+        """Wait for a launched step's tokens, append them and build the outputs (RequestOutputs,
+        or the engine core's CoreOutput rows)."""
         runner_output = launched.in_flight.result()
         updates = self.scheduler.update(launched.scheduler_output, runner_output.sampled_token_ids)
         # Once per request and step: the lookups below are skipped when nothing asked for them
@@ -326,11 +340,19 @@ class LLMEngine:
             if all_top_logprobs:
                 top = all_top_logprobs.get(request_id)
                 top_logprobs = [top] if top is not None else None
-            outputs.append(RequestOutput(
-                request_id, [token_id], text, finished.finish_reason if finished is not None else None,
-                len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
-                logprobs, top_logprobs, request.stop_reason if finished is not None else None,
-            ))
+            if as_rows:  # CoreOutput's fields; plain tuples all the way down, the fastest to pickle
+                outputs.append((
+                    request_id, [token_id], finished.finish_reason if finished is not None else None,
+                    request.num_cached_tokens, logprobs, [tuple(top)] if top_logprobs else None,
+                    request.stop_reason if finished is not None else None,
+                    request.first_admitted_time if len(request.output_token_ids) == 1 else None,
+                ))
+            else:
+                outputs.append(RequestOutput(
+                    request_id, [token_id], text, finished.finish_reason if finished is not None else None,
+                    len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
+                    logprobs, top_logprobs, request.stop_reason if finished is not None else None,
+                ))
         return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[int]]:

@@ -14,7 +14,6 @@ import threading
 from typing import Any, Optional
 
 from replica.core.engine import LLMEngine
-from replica.core.outputs import RequestOutput
 from replica.core.request import Request
 from replica.parallel.group import TensorParallelDead
 from replica.ipc.channel import ChannelClosed, FrameSocket
@@ -77,7 +76,7 @@ class EngineCore:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            rows = self.engine.step_rows()
         except TensorParallelDead:  # a rank is gone: this replica cannot step again
             raise
         except Exception as error:  # a failed forward pass: fail its requests, keep serving
@@ -89,7 +88,7 @@ class EngineCore:
             self._outbox.put(to_wire(StepFailed(request_ids, f"engine step failed: {error}")))
             self._send_outputs([])
             return
-        self._send_outputs(outputs)
+        self._send_outputs(rows)
 
     def _apply(self, messages: list[Any]) -> None:
         engine = self.engine
@@ -111,17 +110,12 @@ class EngineCore:
             elif isinstance(message, Shutdown):
                 self._stopping = True
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        rows = []
+    def _send_outputs(self, rows: list[tuple]) -> None:
+        """One StepOutputs: the step's CoreOutput rows as the engine built them, the load after it."""
         requests = self._requests
-        for output in outputs:
-            request = requests[output.request_id]
-            top_logprobs = output.top_logprobs
-            rows.append((output.request_id, output.new_token_ids, output.finish_reason, output.num_cached_tokens,
-                         output.logprobs, [tuple(top) for top in top_logprobs] if top_logprobs else None,
-                         output.stop_reason, request.first_admitted_time if output.num_output_tokens == 1 else None))
-            if output.finish_reason is not None:
-                del requests[output.request_id]
+        for row in rows:
+            if row[2] is not None:  # its finish reason: it has left the engine
+                del requests[row[0]]
         stats = self.engine.stats
         rejected, self._rejected = self._rejected, []
         self._outbox.put(to_wire(StepOutputs(

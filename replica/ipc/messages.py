@@ -93,7 +93,8 @@ class Shutdown(NamedTuple):
 
 # ---- core -> front -----------------------------------------------------------------------
 class CoreOutput(NamedTuple):
-    """What one step added to one request. Sent as a plain tuple in this field order."""
+    """What one step added to one request. Sent as a plain tuple in this field order, which
+    LLMEngine.step_rows builds directly (no RequestOutput in the core: it detokenizes nothing)."""
 
     request_id: str
     new_token_ids: list[int]

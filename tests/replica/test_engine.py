@@ -346,6 +346,33 @@ def test_top_logprobs_come_with_every_token_and_rank_the_greedy_choice_first(bui
     assert logprobs == pytest.approx([top.logprobs[0] for top in tops])
 
 
+def test_the_engine_cores_rows_carry_what_the_outputs_carry():
+    # step_rows() is step() as the engine core sends it: CoreOutput rows built in place of RequestOutputs.
+    config = make_engine_config(max_model_len=256, num_kv_blocks=64)
+    requests = [("logprobs", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True,
+                                                         top_logprobs=2)),
+                ("long", [8, 9], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))]
+    steps_by_kind = {}
+    for kind in ("outputs", "rows"):
+        engine = LLMEngine(config, "builtin", device=TEST_DEVICE)
+        for request_id, prompt, params in requests:
+            engine.add_request(engine.make_request(request_id, prompt, params), detokenize=False)
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.append(engine.step() if kind == "outputs" else engine.step_rows())
+        steps_by_kind[kind] = steps
+    output_steps, row_steps = steps_by_kind["outputs"], steps_by_kind["rows"]
+    assert len(output_steps) == len(row_steps) >= 7
+    for outputs, rows in zip(output_steps, row_steps):
+        assert [row[:7] for row in rows] == [
+            (output.request_id, output.new_token_ids, output.finish_reason, output.num_cached_tokens, output.logprobs,
+             [tuple(top) for top in output.top_logprobs] if output.top_logprobs else None, output.stop_reason)
+            for output in outputs]
+        # The first admission rides on each request's first token only (the front's queue-time metric).
+        assert all((row[7] is not None) == (output.num_output_tokens == 1) for row, output in zip(rows, outputs))
+    assert sum(len(row[1]) for rows in row_steps for row in rows) == 12
+
+
 def test_repetition_penalty_changes_greedy_output_and_penalty_free_requests_do_not_change(builtin_engine):
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     first, _ = _run_to_completion(builtin_engine, "la la la la", plain)
