@@ -1,10 +1,10 @@
 """The LLMReplica Ray Serve deployment: one AsyncEngine per replica (the front of its own
-engine-core process), streaming generations to Serve callers, with a replica-internal
-ReplicaServer beside it (LoadReporter only, behind the cluster token, on ports.replica_grpc)
-whose WatchLoad and WatchKVEvents streams feed the routers. The replica announces that
-endpoint (and its /metrics) through `record_routing_stats`; HeadroomRequestRouter routes;
-`running_replicas` lists them from Serve's controller. If the core dies, `check_health` fails
-and Serve replaces the replica.
+engine-core process), streaming generations to Serve callers (each output as the front made
+it, beside the replica's id), with a replica-internal ReplicaServer beside it (LoadReporter
+only, behind the cluster token, on ports.replica_grpc) whose WatchLoad and WatchKVEvents
+streams feed the routers. The replica announces that endpoint (and its /metrics) through
+`record_routing_stats`; HeadroomRequestRouter routes; `running_replicas` lists them from Serve's
+controller. If the core dies, `check_health` fails and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -84,13 +84,6 @@ class GenerationRequest:
                               tuple(self.prompt_token_ids))
 
 
-@dataclass
-class GenerationChunk(RequestOutput):
-    """What one engine step added to a request's output, and the replica that served it."""
-
-    replica_id: str = ""
-
-
 class LLMReplica:
     """One engine replica. `engine_overrides_by_rank` replaces EngineConfig fields for the
     replica of that rank (0-based), e.g. a deliberately tiny KV pool on replica 0 to show
@@ -154,14 +147,17 @@ class LLMReplica:
 
     async def generate(
         self, request: GenerationRequest, routing: Optional[RoutingRequest] = None
-    ) -> AsyncIterator[GenerationChunk]:
-        """Streams the request's outputs (call with `handle.options(stream=True)`); `routing`
-        is for the router, which reads it from the call before it reaches here."""
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """Streams (this replica's id, output) for each of the request's outputs, the output as
+        the front made it, not copied (call with `handle.options(stream=True)`). The request
+        was validated at the ingress: the front trusts it. `routing` is for the router, which
+        reads it from the call before it reaches here."""
+        replica_id = self.replica_id
         async for output in self.engine.generate(
             request.prompt_token_ids, request.sampling, request_id=request.request_id, priority=request.priority,
             ttft_slo_ms=request.ttft.slo_ms, first_token_timeout_s=request.ttft.first_token_timeout_s,
         ):
-            yield GenerationChunk(**vars(output), replica_id=self.replica_id)
+            yield replica_id, output
 
     def model_info(self) -> pb.ModelInfo:
         return model_info_proto(self.engine.engine, self.model_id)

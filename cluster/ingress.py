@@ -31,7 +31,7 @@ from cluster.autoscaler_metrics import AutoscalerCollector
 from cluster.autoscaling import decision_board
 from cluster.config import ClusterConfig
 from cluster.deployment import (
-    METRICS_ENDPOINT_STAT, GenerationChunk, GenerationRequest, bind_address, generate_stream, routing_stats,
+    METRICS_ENDPOINT_STAT, GenerationRequest, bind_address, generate_stream, routing_stats,
     running_replicas, serve_metrics_on_free_port,
 )
 from cluster.openai_api import (
@@ -51,6 +51,7 @@ from replica.server.grpc_service import (
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
+from replica.core.outputs import RequestOutput
 from replica.core.request import validate_request
 from replica.server.auth import Credentials, api_key_credentials, metadata_authorization, missing_credential
 from replica.server.request_limits import encode_prompt
@@ -151,7 +152,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _sse_stream(chunks: AsyncIterator[tuple[Choice, GenerationChunk]], bodies: CompletionBodies,
+async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodies: CompletionBodies,
                       choices: list[Choice], include_usage: bool,
                       param_for_field: dict[str, str]) -> AsyncIterator[str]:
     """OpenAI's SSE framing: `data: {json}` per chunk, then `data: [DONE]`. An error after the
@@ -263,19 +264,19 @@ class Ingress:
         return await asyncio.to_thread(listed)  # the controller and replica calls block
 
     # ---- streaming from the replicas ----------------------------------------------------
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """The request's chunks from one replica; raises ReplicaLostError when the stream is
-        cut by a dying replica after its first chunk (or on every try before it). However
-        the caller stops reading (cancelled, closed, an error), the replica's call is
-        cancelled, so its engine aborts the request and frees its KV blocks."""
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """The request's (replica id, output) pairs from one replica; raises ReplicaLostError
+        when the stream is cut by a dying replica after its first output (or on every try
+        before it). However the caller stops reading (cancelled, closed, an error), the
+        replica's call is cancelled, so its engine aborts the request and frees its KV blocks."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             streamed = core_died = False
             response = generate_stream(self.llm, request)
             finished = False
             try:
-                async for chunk in response:
+                async for served in response:
                     streamed = True
-                    yield chunk
+                    yield served
                 finished = True
                 return
             except RayTaskError as error:
@@ -300,13 +301,13 @@ class Ingress:
                 await asyncio.sleep(RETRY_PAUSES_S[attempt - 1])
 
     async def choice_chunks(self, choices: list[tuple[Choice, GenerationRequest]]
-                            ) -> AsyncIterator[tuple[Choice, GenerationChunk]]:
+                            ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's chunks as they come, tagged with their choice; the first error
         ends them all, and so does the caller stopping (each choice's replica call is then
         cancelled)."""
         if len(choices) == 1:
             choice, request = choices[0]
-            async for chunk in self.stream(request):
+            async for _, chunk in self.stream(request):
                 yield choice, chunk
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -314,7 +315,7 @@ class Ingress:
 
         async def pump(choice: Choice, request: GenerationRequest) -> None:
             try:
-                async for chunk in self.stream(request):
+                async for _, chunk in self.stream(request):
                     queue.put_nowait((choice, chunk))
                 queue.put_nowait(done)
             except Exception as error:
@@ -375,8 +376,8 @@ class Ingress:
                 request_id=request.request_id or None,
                 ttft=ttft_targets_from_proto(request),
             )
-            async for chunk in self.stream(generation):
-                yield generate_response(chunk, chunk.replica_id)
+            async for replica_id, output in self.stream(generation):
+                yield generate_response(output, replica_id)
         except HeadroomError as error:
             _abort(grpc_context, error)
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
-from cluster.deployment import GenerationChunk
+from replica.core.outputs import RequestOutput
 from cluster.openai_structured import ToolCalling
 from cluster.tool_parsers import ToolCallOutput
 
@@ -50,9 +50,9 @@ class ChoiceResult:
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[str | int] = None
-    last: Optional[GenerationChunk] = None
+    last: Optional[RequestOutput] = None
 
-    def add(self, chunk: GenerationChunk) -> None:
+    def add(self, chunk: RequestOutput) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.new_token_ids)
         self.logprobs.extend(chunk.logprobs or ())
@@ -137,7 +137,7 @@ class CompletionBodies:
                 chunks.append(self._chunk({"index": index, "text": echo, "logprobs": None, "finish_reason": None}))
         return chunks
 
-    def chunk(self, index: int, prompt_index: int, chunk: GenerationChunk) -> Optional[dict[str, Any]]:
+    def chunk(self, index: int, prompt_index: int, chunk: RequestOutput) -> Optional[dict[str, Any]]:
         """The SSE body for one engine output of choice `index`, or None when it carries
         nothing to show yet (its tokens' text is held back: they go out with the next one)."""
         pending = self._pending.setdefault(index, ChoiceResult(index, prompt_index))
@@ -162,7 +162,7 @@ class CompletionBodies:
         choice.update(finish_reason=finish_reason, stop_reason=chunk.stop_reason)
         return self._chunk(choice)
 
-    def _tool_delta(self, index: int, chunk: GenerationChunk) -> tuple[dict[str, Any], Optional[str]]:
+    def _tool_delta(self, index: int, chunk: RequestOutput) -> tuple[dict[str, Any], Optional[str]]:
         output = self._tool_outputs.get(index)
         if output is None:
             output = self._tool_outputs[index] = ToolCallOutput(self.tool_calling)

@@ -12,13 +12,12 @@ import pytest
 from fastapi.responses import StreamingResponse
 from ray.exceptions import TaskCancelledError
 
-from cluster.deployment import GenerationChunk
 from cluster.openai_api import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, choice_sampling_params, parse_body,
 )
 from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
 from cluster.serve_logging import ClientErrorLogFilter, DisconnectWhenReceiveIsCancelled
-from replica.core.outputs import TopLogprobs
+from replica.core.outputs import RequestOutput, TopLogprobs
 from replica.errors import InvalidRequestError
 
 
@@ -100,9 +99,9 @@ def test_each_choice_gets_vllms_seed_and_best_of_candidates_their_logprobs():
     assert choice_sampling_params(unseeded, 1) is unseeded and not unseeded.logprobs
 
 
-def chunk(text: str, token_ids: list[int], finish: str | None = None, logprobs=None, top=None) -> GenerationChunk:
-    return GenerationChunk("r", token_ids, text, finish, 3, len(token_ids), 0, logprobs, top,
-                           "STOP" if finish == "stop" else None)
+def chunk(text: str, token_ids: list[int], finish: str | None = None, logprobs=None, top=None) -> RequestOutput:
+    return RequestOutput("r", token_ids, text, finish, 3, len(token_ids), 0, logprobs, top,
+                         "STOP" if finish == "stop" else None)
 
 
 def bodies(kind: str, num_logprobs=None, echo=("",)) -> CompletionBodies:

@@ -69,9 +69,10 @@ def router_of(handle) -> HeadroomRouter:
 
 async def generate(handle, request: GenerationRequest) -> tuple[str, int]:
     """(replica that served it, prompt tokens it found in its prefix cache)."""
-    chunks = [chunk async for chunk in generate_stream(handle, request)]
-    assert chunks[-1].finish_reason == "length"
-    return chunks[-1].replica_id, chunks[-1].num_cached_tokens
+    served = [pair async for pair in generate_stream(handle, request)]
+    replica_id, last = served[-1]
+    assert last.finish_reason == "length"
+    return replica_id, last.num_cached_tokens
 
 
 async def eventually(condition, what: str, timeout_s: float = 30.0) -> None:

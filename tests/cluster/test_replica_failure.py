@@ -22,7 +22,8 @@ import requests
 ray = pytest.importorskip("ray")
 
 from cluster import status_command  # noqa: E402
-from cluster.deployment import DEPLOYMENT_NAME, GenerationChunk  # noqa: E402
+from cluster.deployment import DEPLOYMENT_NAME  # noqa: E402
+from replica.core.outputs import RequestOutput  # noqa: E402
 from cluster.ingress import _sse_stream  # noqa: E402
 from replica.errors import ReplicaLostError
 from cluster.openai_api import Choice  # noqa: E402
@@ -120,7 +121,7 @@ def test_sse_stream_cut_by_a_lost_replica_ends_with_an_error_event_then_done():
     choice = Choice(0, 0, [1, 2, 3], SamplingParams())
 
     async def chunks():
-        yield choice, GenerationChunk("r1", [5], "a", None, 3, 1, 0, replica_id="replica-a")
+        yield choice, RequestOutput("r1", [5], "a", None, 3, 1, 0)
         raise ReplicaLostError("the replica serving this request was lost mid-stream")
 
     async def collect() -> list[str]:

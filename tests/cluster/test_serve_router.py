@@ -80,8 +80,9 @@ def router_of(handle) -> HeadroomRouter:
 
 async def generate(handle) -> tuple[str, int, str]:
     """(replica_id, tokens generated, finish reason) of one REQUEST through the router."""
-    chunks = [chunk async for chunk in generate_stream(handle, REQUEST)]
-    return chunks[-1].replica_id, sum(len(chunk.new_token_ids) for chunk in chunks), chunks[-1].finish_reason
+    served = [pair async for pair in generate_stream(handle, REQUEST)]
+    replica_id, last = served[-1]
+    return replica_id, sum(len(output.new_token_ids) for _, output in served), last.finish_reason
 
 
 def wait_for_fresh_loads(handle, num_replicas: int, timeout_s: float = 30.0) -> HeadroomRouter:
