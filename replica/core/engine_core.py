@@ -18,8 +18,8 @@ from replica.core.request import Request
 from replica.parallel.group import TensorParallelDead
 from replica.ipc.channel import ChannelClosed, FrameSocket
 from replica.ipc.messages import (
-    AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult, from_wire,
-    load_to_wire, to_wire,
+    AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult, error_for_front,
+    from_wire, load_to_wire, to_wire,
 )
 from replica.core.slo import SLOView
 
@@ -98,7 +98,7 @@ class EngineCore:
                     # Validated at the edge; the front detokenizes.
                     engine.enqueue(message, detokenize=False)
                 except Exception as error:  # raced past the front's checks (e.g. the queue filled)
-                    self._rejected.append((message.request_id, error))
+                    self._rejected.append((message.request_id, error_for_front(error)))
                     continue
                 self._requests[message.request_id] = message
             elif isinstance(message, AbortRequests):
@@ -135,7 +135,7 @@ class EngineCore:
         try:
             return UtilityResult(call.call_id, getattr(self, call.method)(*call.args), None)
         except Exception as error:
-            return UtilityResult(call.call_id, None, error)
+            return UtilityResult(call.call_id, None, error_for_front(error))
 
     def request_state(self, request_id: str) -> Optional[dict[str, Any]]:
         """A live request's scheduling state, or None once it has left the engine."""

@@ -11,13 +11,12 @@ import gc
 import importlib
 import logging
 import os
-import pickle
 import signal
 import socket
 from typing import Callable
 
 from replica.ipc.channel import ChannelClosed, FrameSocket
-from replica.ipc.messages import CoreFailed, CoreReady, CoreSpec, load_to_wire
+from replica.ipc.messages import CoreFailed, CoreReady, CoreSpec, error_for_front, load_to_wire
 
 
 # The collector's young-generation threshold in the engine core and the replica's front. A
@@ -57,14 +56,6 @@ def build_engine(spec: CoreSpec):
                    attention_backend=spec.attention_backend)
 
 
-def _picklable(error: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fd", type=int, required=True, help="this end of the front's socketpair")
@@ -85,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(spec)
     except Exception as error:
         logging.getLogger(__name__).exception("engine core failed to start")
-        channel.send(CoreFailed(_picklable(error)))
+        channel.send(CoreFailed(error_for_front(error)))
         return 1
     channel.send(CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids), str(engine.device),
                            load_to_wire(engine.load())))

@@ -3,11 +3,16 @@
 On the wire a message is the plain tuple `(kind, *fields)`, and every nested value is a
 tuple, list, str or number too: pickling those is ~8x faster than pickling NamedTuples or
 dataclasses, which matters for the per-step output batch (bench/bench_channel.py).
+
+Nothing that crosses to the front needs torch to unpickle: the front's process never imports
+it (tests/test_light_imports.py runs a front with torch blocked). The model's config keeps its
+dtype by name, and errors cross through `error_for_front`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any, NamedTuple, Optional
 
 from replica.config import EngineConfig
@@ -144,6 +149,25 @@ def to_wire(message: NamedTuple) -> tuple:
 
 def from_wire(wire: tuple) -> NamedTuple:
     return _TYPES[wire[0]]._make(wire[1:])
+
+
+# Where the classes of errors that cross to the front as themselves live: modules the front
+# imports anyway, none of them torch's (ConfigError, ModelConfigError, ModelLoadError, the
+# request errors, the built-in exceptions).
+FRONT_ERROR_MODULES = frozenset({"builtins", "replica.errors", "replica.config", "replica.model.config"})
+
+
+def error_for_front(error: BaseException) -> BaseException:
+    """`error` as it may cross to the front: itself when its class lives in FRONT_ERROR_MODULES
+    and it pickles, else a RuntimeError naming its class (unpickling torch's OutOfMemoryError,
+    or an error of a module that imports torch, would import torch in the front)."""
+    if type(error).__module__ in FRONT_ERROR_MODULES:
+        try:
+            pickle.loads(pickle.dumps(error))
+            return error
+        except Exception:
+            pass
+    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def load_to_wire(load: SchedulerLoad) -> tuple:

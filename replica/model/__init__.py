@@ -17,7 +17,7 @@ _EXPORTS = {
     "get_fused_ops": "replica.model.fused_ops",
     "LlamaForCausalLM": "replica.model.llama",
     "OutputRows": "replica.model.llama",
-    "ModelLoadError": "replica.model.loader",
+    "ModelLoadError": "replica.model.config",
     "load_model": "replica.model.loader",
 }
 

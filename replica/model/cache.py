@@ -5,6 +5,7 @@ once into a staging sibling and renamed into place so no reader ever sees half o
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -13,6 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 CACHE_DIR_ENV_VAR = "HEADROOM_CACHE_DIR"
+# Part of every converted GGUF's cache entry name: bump it when the files replica/model/gguf.py
+# writes change.
+GGUF_CONVERTER_VERSION = 1
+CONVERTED_GGUF_SUBDIR = "gguf"
+# The GGUF cache key reads this much of each end of the file (plus its size): content-addressed,
+# yet fast on multi-gigabyte files.
+_GGUF_FINGERPRINT_BYTES = 1 << 20
 
 
 def default_cache_dir() -> Path:
@@ -38,6 +46,18 @@ def build_once(target_dir: Path, write_files: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(staging_dir, ignore_errors=True)
     return target_dir
+
+
+def converted_gguf_dir(gguf_path: Path, cache_root: Path) -> Path:
+    """Where the Hugging Face-style conversion of a GGUF file lives in the cache (there or not).
+    Here, not beside the converter: a process that finds it needs neither torch nor gguf."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"headroom-gguf-v{GGUF_CONVERTER_VERSION}:{size}:".encode())
+    with open(gguf_path, "rb") as file:
+        digest.update(file.read(_GGUF_FINGERPRINT_BYTES))
+        file.seek(max(0, size - _GGUF_FINGERPRINT_BYTES))
+        digest.update(file.read(_GGUF_FINGERPRINT_BYTES))
+    return cache_root / CONVERTED_GGUF_SUBDIR / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
 
 
 def report_progress(message: str) -> None:

@@ -2,6 +2,8 @@
 
 Accepts both rope spellings: `rope_theta`/`rope_scaling` (transformers < 5) and
 `rope_parameters` (transformers 5). Anything the model cannot run is rejected here by name.
+Without torch (the dtype is kept by name): the engine core sends this config to the front,
+which must unpickle it without the model stack.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported when a dtype is parsed, so the config reads without it
+if TYPE_CHECKING:  # torch is imported where a dtype name becomes a torch.dtype
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -24,6 +26,11 @@ _REQUIRED_ROPE_KEYS = {
 
 class ModelConfigError(ValueError):
     """A config.json this model implementation cannot run."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message names the file or tensor at fault.
+    (Raised by the loader; defined here, without torch, so the front can receive it.)"""
 
 
 @dataclass(frozen=True)
@@ -45,9 +52,13 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections
     o_proj_bias: bool  # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not
     mlp_bias: bool
-    dtype: torch.dtype
+    dtype: str  # the checkpoint's own, one of DTYPE_NAMES (torch_dtype: as torch's)
     eos_token_ids: tuple[int, ...]  # config.json may give one id or a list
     sliding_window: int | None  # Mistral v0.1; attention here is full, so contexts stop at the window
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
 
     @property
     def max_model_len(self) -> int:
@@ -101,10 +112,17 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", field="torch_dtype"),
+            dtype=dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", field="torch_dtype"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             sliding_window=sliding_window,
         )
+
+
+def dtype_name(name: str, *, field: str = "dtype") -> str:
+    """`name` if it is one of DTYPE_NAMES, else ModelConfigError naming `field`."""
+    if name not in DTYPE_NAMES:
+        raise ModelConfigError(f"{field} {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return name
 
 
 def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype:
@@ -112,9 +130,7 @@ def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype
 
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPE_NAMES:
-        raise ModelConfigError(f"{field} {name!r} is not one of {', '.join(DTYPE_NAMES)}")
-    return getattr(torch, name)
+    return getattr(torch, dtype_name(name, field=field))
 
 
 def _required(raw: dict[str, Any], key: str) -> Any:

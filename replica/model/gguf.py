@@ -6,7 +6,6 @@ Face's rotary layout, and written as the Hugging Face-style directory the normal
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -19,9 +18,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from replica.model.cache import build_once, default_cache_dir, report_progress
+from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
+from replica.model.config import ModelLoadError
 from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
-from replica.model.loader import ModelLoadError
 
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -30,12 +29,6 @@ SUPPORTED_TENSOR_TYPES = (
     _T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
     _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K,
 )
-# Part of every cache entry's name: bump it when the files written below change.
-CONVERTER_VERSION = 1
-CONVERTED_SUBDIR = "gguf"
-# The cache key reads this much of each end of the file (plus its size): content-addressed,
-# yet fast on multi-gigabyte files.
-_FINGERPRINT_BYTES = 1 << 20
 
 # GGUF tensor name -> Hugging Face Llama parameter name ("{}" is the layer index).
 _LAYER_TENSORS = {
@@ -66,7 +59,7 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_root / CONVERTED_SUBDIR / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    target = converted_gguf_dir(gguf_path, cache_root)
     if target.is_dir():
         return target
     started = time.monotonic()
@@ -229,16 +222,6 @@ def _hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
 def _float32_as_written(value: float) -> float:
     """1e-05, not 9.999999747378752e-06: the shortest decimal that rounds to the stored float32."""
     return float(str(np.float32(value)))
-
-
-def _fingerprint(gguf_path: Path) -> str:
-    size = gguf_path.stat().st_size
-    digest = hashlib.sha256(f"headroom-gguf-v{CONVERTER_VERSION}:{size}:".encode())
-    with open(gguf_path, "rb") as file:
-        digest.update(file.read(_FINGERPRINT_BYTES))
-        file.seek(max(0, size - _FINGERPRINT_BYTES))
-        digest.update(file.read(_FINGERPRINT_BYTES))
-    return digest.hexdigest()[:16]
 
 
 def _write_json(path: Path, content: dict) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from replica.model.builtin import bytes_to_unicode
-from replica.model.loader import ModelLoadError
+from replica.model.config import ModelLoadError
 
 # llama.cpp's token types (llama_token_type): what each vocabulary entry is.
 TOKEN_TYPE_CONTROL = 3  # special: <|im_start|>, <s>; never split, skipped when decoding

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from replica.attention import get_attention_backend
-from replica.model.config import ModelConfig, ModelConfigError, parse_dtype
+from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError, parse_dtype
 from replica.config import DEFAULT_FUSED_OPS
 from replica.model.fused_ops import get_fused_ops
 from replica.model.llama import LlamaForCausalLM, MergedLinear
@@ -29,10 +29,6 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
-
-
-class ModelLoadError(ValueError):
-    """A model directory that cannot be loaded; the message names the file or tensor at fault."""
 
 
 def load_model(
@@ -56,7 +52,7 @@ def load_model(
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
     cfg = read_model_config(model_dir)
     try:
-        weights_dtype = cfg.dtype if dtype in (None, "auto") else parse_dtype(dtype)
+        weights_dtype = cfg.torch_dtype if dtype in (None, "auto") else parse_dtype(dtype)
     except ModelConfigError as err:
         raise ModelLoadError(str(err)) from err
     device = torch.device(device)

