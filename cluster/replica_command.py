@@ -20,8 +20,7 @@ from replica.server.auth import (
     Credentials, CredentialsError, add_api_key_arguments, api_key_credentials_from_args, open_door_warning,
 )
 from replica.server.metrics import ReplicaMetrics
-from replica.model import ModelConfigError
-from replica.model.loader import ModelLoadError
+from replica.model import ModelConfigError, ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.server.replica_server import ReplicaServer
 from replica.core.process import freeze_startup_heap

@@ -26,7 +26,7 @@ from cluster.config import DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig
 from cluster.deployment import node_ip
 from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
-from replica.model.loader import ModelLoadError
+from replica.model import ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from replica.config import ConfigError
 from replica.server.auth import (

@@ -29,7 +29,8 @@ assert 'torch' not in sys.modules
 print('imported', len(sys.argv) - 1)
 """
 
-LIGHT_MODULES = ("cluster.ingress", "cluster.deployment", "cluster.config", "cluster.cli", "router",
+LIGHT_MODULES = ("cluster.ingress", "cluster.deployment", "cluster.config", "cluster.cli", "cluster.replica_command",
+                 "cluster.serve_command", "router",
                  "router.serve_router", "replica.config", "replica.errors", "replica.core.load",
                  "replica.server.metrics", "replica.model.registry")
 

@@ -28,8 +28,8 @@ GC_GEN0_THRESHOLD = 20_000
 
 def freeze_startup_heap() -> None:
     """Once a serving process is built: everything alive now (in the core the model's
-    modules, the tokenizer, the block pool, imported code: ~300k objects; in the front torch,
-    grpc and protobuf's modules) lives as long as the process, so it is moved out of the
+    modules, the tokenizer, the block pool, imported code: ~300k objects; in the front grpc's
+    and protobuf's modules) lives as long as the process, so it is moved out of the
     collector's reach. A full collection then scans only what serving created since, a
     millisecond or two where it stopped the core's busy loop for ~100 ms and the front's event
     loop for 55-80 ms, and young collections run about once every 20k surviving objects
