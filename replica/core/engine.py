@@ -27,7 +27,7 @@ from replica.executor.preemption_profile import preemption_costs
 from replica.executor.model_runner import StepInFlight
 from replica.core.outputs import RequestOutput, StepStats, make_request
 from replica.core.request import Request, RequestStatus, SamplingParams, validate_request
-from replica.core.structured_output import GrammarCompiler
+from replica.core.structured_output import GrammarCompiler, compiled_in_time
 from replica.core.load import SchedulerLoad
 from replica.core.scheduler import Scheduler, SchedulerOutput
 from replica.errors import QueueFullError
@@ -173,7 +173,7 @@ class LLMEngine:
 
     def _add_constrained(self, request: Request) -> None:
         """Check it now, compile its grammar on the compiler's thread (a cached grammar is done
-        at once) and schedule it when compiled: a slow schema never stalls a step."""
+        at once) and schedule it when compiled, at the next step: a slow schema never stalls one."""
         self.scheduler.check_request(request)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
@@ -183,9 +183,10 @@ class LLMEngine:
                 self.config.structured_output_compile_timeout_s)
         future = self.grammar_compiler.compile(request.sampling_params.structured_output)
         deadline = time.monotonic() + self.config.structured_output_compile_timeout_s
+        # Parked even when the compile is already done (a cached grammar, or a cached failure):
+        # the next step adopts it before it schedules, and reports a failure as the request's
+        # end; adopting here would drop that report and leave the request's stream open forever.
         self._compiling[request.request_id] = (request, future, deadline)
-        if future.done():
-            self._adopt_compiled()
 
     def _adopt_compiled(self) -> list[Request]:
         """Schedule the requests whose grammar compiled; the ones it failed for (the edge
@@ -198,7 +199,7 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             try:
-                if not future.done():
+                if not compiled_in_time(future, deadline):
                     raise TimeoutError(f"its grammar took longer than "
                                        f"{self.config.structured_output_compile_timeout_s:g} s to compile")
                 request.grammar = self.grammar_compiler.matcher(request.sampling_params.structured_output)

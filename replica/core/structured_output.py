@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
@@ -143,6 +144,7 @@ class GrammarCompiler:
                 self._compiled.move_to_end(constraint)
                 return future
             future = self._pool.submit(self._compile, constraint)
+            future.add_done_callback(_stamp_done)
             self._compiled[constraint] = future
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -189,6 +191,19 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stamp_done(future: concurrent.futures.Future) -> None:
+    future.done_at = time.monotonic()  # read by compiled_in_time
+
+
+def compiled_in_time(future: concurrent.futures.Future, deadline: float) -> bool:
+    """Whether `future` (from GrammarCompiler.compile) finished by `deadline` (time.monotonic):
+    a compile that finished late is late however soon after it is looked at."""
+    if not future.done():
+        return False
+    done_at = getattr(future, "done_at", None)  # None: it finished this instant, its callback not yet run
+    return (time.monotonic() if done_at is None else done_at) <= deadline
 
 
 class RequestGrammar:

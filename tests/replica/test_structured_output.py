@@ -92,6 +92,20 @@ def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_r
     slow.shutdown()
 
 
+def test_a_constraint_whose_failed_compile_is_cached_still_ends_its_request(builtin_engine):
+    # In-process callers reach the core without the edge's compile check. The first request
+    # compiles on the compiler's thread and fails; the second finds that failure cached, done
+    # at once, and must still be reported as its request's end, not dropped with no output.
+    bad = StructuredOutput("regex", "a(b")
+    for name in ("cached-failure-1", "cached-failure-2"):
+        request = builtin_engine.make_request(name, [1, 2, 3], SamplingParams(max_tokens=4, structured_output=bad))
+        builtin_engine.add_request(request, detokenize=False)
+        finished = [(output.request_id, output.finish_reason)
+                    for _ in range(50) for output in builtin_engine.step() if output.finished]
+        assert finished == [(name, "abort")]
+        assert not builtin_engine.has_unfinished_requests()
+
+
 def test_a_schema_given_as_text_that_is_not_json_is_refused():
     with pytest.raises(InvalidRequestError, match="json_schema: not valid JSON"):
         StructuredOutput.json_schema("{not json")
