@@ -112,7 +112,7 @@ def simulate(config: EngineConfig, cost: CostModel, workload: list[Arrival], see
             clock.now = requests[next_arrival][0].arrival_time
             continue
         output = scheduler.schedule()
-        step_start, step_s = clock.now, cost.step_time_s(output)
+        step_start, step_s = clock.now, cost.step_time_s(output, config.block_size)
         aborted_at = None
         if monitor is not None:
             aborted_at = _monitor_during_step(monitor, scheduler, output, requests, next_arrival, step_start, step_s,

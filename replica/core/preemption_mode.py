@@ -13,12 +13,22 @@ room; `recompute` never swaps. The two rates are measured when the engine starts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from replica.core.kv_cache_manager import KVCacheManager
 from replica.core.request import Request
 
+if TYPE_CHECKING:
+    from replica.config import EngineConfig
+
 RECOMPUTE, SWAP = "recompute", "swap"
+# The recompute rate is one prompt of this many tokens prefilled alone, over its tokens (a
+# chunk of a typical re-prefill); fewer where the step budget or the context is smaller.
+PREFILL_PROBE_TOKENS = 256
+
+
+def prefill_probe_tokens(config: "EngineConfig") -> int:
+    return min(PREFILL_PROBE_TOKENS, config.max_num_batched_tokens, config.max_model_len)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ import torch
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import EngineConfig
 from replica.core.host_pool import BlockCopies
-from replica.core.preemption_mode import PreemptionCosts
+from replica.core.preemption_mode import PreemptionCosts, prefill_probe_tokens
 from replica.executor.kv_swap import KVSwapper
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
 
 logger = logging.getLogger(__name__)
 
-PREFILL_PROBE_TOKENS = 256  # at most; a chunk of a typical re-prefill
 SWAP_PROBE_BLOCKS = 16  # at most, each way
 REPEATS = 3  # the fastest of these counts: the others met a cold cache or a busy host
 
@@ -36,7 +35,7 @@ def _synchronize(device: torch.device) -> None:
 def measure_prefill_s_per_token(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
                                 device: torch.device) -> float:
     """One prompt's forward pass on dummy tokens, over a scratch KV cache."""
-    num_tokens = min(PREFILL_PROBE_TOKENS, config.max_num_batched_tokens, config.max_model_len)
+    num_tokens = prefill_probe_tokens(config)
     block_size = config.block_size
     num_blocks = -(-num_tokens // block_size)
     dtype = next(model.parameters()).dtype
