@@ -62,6 +62,16 @@ class ReplicaCache:
         copied back instead of prefilled."""
         return _leading(self.host_hashes, prefix_hashes, num_device_blocks) - num_device_blocks
 
+    def hit_blocks(self, prefix_hashes: Sequence[bytes], load: Optional[pb.ReplicaLoad]) -> int:
+        """The prompt's leading blocks this replica would serve from cache, as a routing score:
+        its device hit, and the host tier's continuation of it counted at what those blocks
+        save after their copy back (host_hit_worth of the replica's latest load report)."""
+        num_blocks = self.leading_blocks(prefix_hashes)
+        num_host_blocks = self.leading_host_blocks(prefix_hashes, num_blocks)
+        if num_host_blocks:
+            num_blocks += int(num_host_blocks * host_hit_worth(load))
+        return num_blocks
+
 
 def _leading(hashes: dict[bytes, None], prefix_hashes: Sequence[bytes], start: int) -> int:
     for count in range(start, len(prefix_hashes)):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from replica.server.auth import authorization_metadata
-from router.cache_index import PrefixCacheIndex, host_hit_worth
+from router.cache_index import PrefixCacheIndex
 from router.inflight import InflightCounts, InflightTracker
 from router.kv_event_subscriber import KVEventSubscriber
 from router.load_subscriber import Backoff, LoadSubscriber
@@ -167,14 +167,9 @@ class HeadroomRouter:
         cache = self.cache_index.get(replica_id)
         if cache is None or not cache.block_size or not request.prompt_token_ids:
             return 0, 0
-        prefix_hashes = request.prefix_hashes(cache.block_size)
-        num_blocks = cache.leading_blocks(prefix_hashes)
-        # The host KV tier (issue 23): the blocks it holds past the device hit count at what
-        # they save after their copy back, as the replica reports it (host_hit_worth).
-        num_host_blocks = cache.leading_host_blocks(prefix_hashes, num_blocks)
-        if num_host_blocks:
-            subscription = self.loads.get(replica_id)
-            num_blocks += int(num_host_blocks * host_hit_worth(subscription.load if subscription else None))
+        subscription = self.loads.get(replica_id)
+        num_blocks = cache.hit_blocks(request.prefix_hashes(cache.block_size),
+                                      subscription.load if subscription else None)
         return num_blocks, cache.block_size
 
     def _view(self, request: RoutingRequest, replica_id: str, queue_len: int) -> ReplicaView:
