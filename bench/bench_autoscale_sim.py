@@ -171,7 +171,7 @@ class AutoscaleSim:
 
         def add_replica(now: float, ready_at: float) -> None:
             index = len(replicas)
-            replica = Replica(SimReplica(f"replica-{index}", self.config), now, ready_at,
+            replica = Replica(SimReplica(f"replica-{index}", self.config, self.cost), now, ready_at,
                               ReplicaID(unique_id=f"replica-{index}", deployment_id=DEPLOYMENT))
             replicas.append(replica)
             push(ready_at, self.READY, index)

@@ -4,8 +4,9 @@ step-time cost model; each policy routes from what it would really see: ReplicaL
 snapshots every 100 ms and each replica's KV events (optionally late or lost), real prompt
 token ids hashed into the same prefix-cache keys the replicas use.
 
-    python bench/bench_router_sim.py [--quick] [--sections capacity,tables] [--seeds N] [--jobs N]
+    python bench/bench_router_sim.py [--quick] [--sections capacity,tables,swap] [--seeds N] [--jobs N]
                                      [--cost-model assumed|NAME|FILE] [--trace PATH] [--plot PATH]
+                                     [--host-kv-blocks N]
 
 The headline (--sections capacity): per workload and policy, the highest offered rate at which
 P90 TTFT stays within the workload's bound and P90 TPOT within 100 ms (bisection per seed), its
@@ -17,6 +18,14 @@ best baseline's median TTFT doubles over its unloaded value, at most the rate at
 best baseline completes requests when saturated (both printed). The tables run one
 seed; the target points rerun over --seeds workload seeds and the targets are checked on
 the means.
+
+The host KV tier (--sections swap, issue 23; not run by default): mixed_long and long_output
+at 85%, 100% and 120% of the calibrated rate, ours over replicas with a host tier whose every
+preemption swaps or recomputes its victim, whichever the engine's own choice
+(replica/core/preemption_mode.py, inside each replica's real Scheduler) finds cheaper at the
+rates the cost model gives, against ours recomputing and every baseline (recompute only, as
+deployed): recomputed tokens, p99 TTFT and ITL, goodput. Copies over the host link are a term
+of the cost model (bytes per block / link bandwidth), charged before the step that needs them.
 
 Trace replay: Azure Public Dataset, Azure LLM inference trace 2023 (conversation), Patel et
 al., "Splitwise", ISCA 2024; CC-BY 4.0. Read from --trace, never copied into the repository.
@@ -43,10 +52,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cost_model.py, however this file is loaded
-from cost_model import ASSUMED, SHIPPED_DIR, CostModel  # noqa: E402  (re-exported: the sim's one step-time model)
+from cost_model import ASSUMED, SHIPPED_DIR, CostModel, blocks_copied  # noqa: E402  (re-exported: the sim's one step-time model)
 from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
+from replica.core.kv_events import medium_of
 from replica.config import EngineConfig, make_engine_config
 from replica.core.outputs import StepStats
 from replica.server.grpc_service import DEFAULT_WATCH_INTERVAL_MS
@@ -69,9 +79,15 @@ POLICY_NAMES = (OURS,) + BASELINES
 OPTIMISTIC_OURS = "headroom (optimistic admission)"
 ORACLE = "oracle"
 LATE_STATS = "headroom (stats 500 ms late)"
+# Ours over replicas with a host KV tier (issue 23), each preemption swapping or recomputing
+# its victim, whichever costs less; every other name runs without one: recompute only, as
+# vLLM v1 (and so every baseline as deployed) does.
+OURS_AUTO = "headroom (host tier, auto)"
+HOST_TIER = (OURS_AUTO,)
 # Ours runs its replicas with the admission mode it was built with; the baselines run vLLM's
 # (optimistic), which is what they are deployed on.
-ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "reserve_expected"}
+ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "reserve_expected",
+                                       OURS_AUTO: "reserve_expected"}
 WORKLOADS = ("multi_tenant", "multi_turn", "hot_tenant", "chat", "mixed_long", "long_output", "azure_trace")
 LOADS = (0.5, 0.85, 1.2)  # of the workload's latency-calibrated rate
 # Goodput SLO.
@@ -244,16 +260,24 @@ class RunStats:
     completed_rps: float  # measured requests ending per second between the 10th and 90th percentile of their ends
     goodput_rps: float
     spills_per_1k: float  # sent where fewer prompt blocks were cached than on the best holder
+    recomputed_tokens: int = 0  # computed tokens preemption threw away and the engines computed again
+    computed_tokens: int = 0  # every token the engines computed (prompts, outputs, recompute)
+    swap_preemptions_per_1k: float = 0.0  # of the preemptions, the victims swapped to the host tier
+    copied_blocks_per_1k: float = 0.0  # KV blocks over the host link either way (swaps, spills, host hits)
 
 
 class SimReplica:
     """One engine on its own virtual timeline, the ReplicaLoad reports it publishes (built by
     the replica's own LoadReportBuilder, on the virtual clock) and its KV events."""
 
-    def __init__(self, replica_id: str, config: EngineConfig):
+    def __init__(self, replica_id: str, config: EngineConfig, cost: CostModel):
         self.replica_id = replica_id
         self.now = 0.0
         self.scheduler = Scheduler(config, clock=lambda: self.now)
+        # What an engine of the modelled device measures at start-up for its per-victim choice
+        # between swap and recompute (replica/core/preemption_mode.py), as LLMEngine sets it.
+        self.scheduler.preemption.costs = cost.preemption_costs(config)
+        self.scheduler.kv_block_bytes = cost.kv_block_bytes(config.block_size)
         self.step_stats = StepStats()  # observed after every step, as LLMEngine does
         self.load_reports = LoadReportBuilder(
             replica_id, self.step_stats, monotonic_clock=lambda: self.now, wall_clock=lambda: self.now
@@ -294,13 +318,13 @@ class RouterCacheView:
     def catch_up(self, now: float) -> None:
         pending = self.pending
         while pending and pending[0][0] <= now:
-            self.cache.apply_events((kind, block_hash) for kind, block_hash, _ in pending.popleft()[1])
+            self.cache.apply_events((event[0], event[1], medium_of(event)) for event in pending.popleft()[1])
 
 
 def policy_for(name: str, rng: random.Random, replicas: list[SimReplica]) -> RoutingPolicy:
     if name == ORACLE:
         return CommittedMemoryOracle(replicas)
-    return make_policy(OURS if name in (OPTIMISTIC_OURS, LATE_STATS) else name, rng)
+    return make_policy(OURS if name in (OPTIMISTIC_OURS, LATE_STATS, OURS_AUTO) else name, rng)
 
 
 class ClusterSim:
@@ -308,20 +332,26 @@ class ClusterSim:
 
     ARRIVAL, STEP_DONE, REPORT, DELIVER = range(4)
 
-    def __init__(self, config: EngineConfig, num_replicas: int, cost: CostModel, feed: StatsFeed, seed: int):
+    def __init__(self, config: EngineConfig, num_replicas: int, cost: CostModel, feed: StatsFeed, seed: int,
+                 host_kv_blocks: int = 0):
         self.config = config
         self.num_replicas = num_replicas
         self.cost = cost
         self.feed = feed
         self.seed = seed
+        self.host_kv_blocks = host_kv_blocks  # per replica, for the policies in HOST_TIER
 
     def run(self, name: str, workload: Workload, rate_rps: float, ttft_slo_s: float = TTFT_SLO_S) -> RunStats:
         """`name` routing `workload` offered at `rate_rps`; goodput counts requests within
         `ttft_slo_s` and TPOT_SLO_S."""
-        rng = random.Random(f"{self.seed}:{name}")
+        # Ours with and without the host tier draw the same stream: what differs is the tier.
+        rng = random.Random(f"{self.seed}:{OURS if name == OURS_AUTO else name}")
         feed_rng = random.Random(f"{self.seed}:feed")  # same drops for every policy
-        config = self.config.model_copy(update={"admission_mode": ADMISSION.get(name, "optimistic")})
-        replicas = [SimReplica(f"replica-{i}", config) for i in range(self.num_replicas)]
+        update = {"admission_mode": ADMISSION.get(name, "optimistic")}
+        if name in HOST_TIER:
+            update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")
+        config = self.config.model_copy(update=update)
+        replicas = [SimReplica(f"replica-{i}", config, self.cost) for i in range(self.num_replicas)]
         policy = policy_for(name, rng, replicas)
         block_size = config.block_size
         latest_load: list[Optional[ReplicaLoad]] = [None] * self.num_replicas
@@ -354,9 +384,9 @@ class ClusterSim:
             routing = RoutingRequest(len(prompt), spec.max_tokens, prompt_token_ids=tuple(prompt))
             hashes = routing.prefix_hashes(block_size)
             cached = []
-            for cache in caches:
+            for cache, load in zip(caches, latest_load):
                 cache.catch_up(now)
-                cached.append(cache.cache.leading_blocks(hashes) if hashes else 0)
+                cached.append(cache.cache.hit_blocks(hashes, load) if hashes else 0)
             views = [
                 ReplicaView(replica.replica_id, latest_load[i],
                             now - latest_load[i].timestamp if latest_load[i] is not None else math.inf,
@@ -447,15 +477,18 @@ def start_replica_step(replica: "SimReplica", index: int, now: float, cost: Cost
     """Schedule `replica`'s next step at `now` and push its completion event (step_done, index,
     output, step seconds); False, the replica idle, when it has nothing to run."""
     replica.now = now
+    block_size = replica.scheduler.config.block_size
+    carried_s = 0.0  # the host-tier copies of a step that scheduled nothing run before the next one's
     for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
         output = replica.scheduler.schedule()
         if not output.is_empty:
-            step_s = cost.step_time_s(output)
+            step_s = carried_s + cost.step_time_s(output, block_size)
             replica.busy = True
             push(now + step_s, step_done, index, output, step_s)
             return True
         if not replica.scheduler.has_unfinished_requests():
             break
+        carried_s += blocks_copied(output) * cost.block_copy_ms(block_size) / 1000.0
     else:
         raise RuntimeError(f"{replica.replica_id} has requests but schedules nothing")
     replica.busy = False
@@ -483,6 +516,8 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
     recomputed = sum(s.counters.recomputed_tokens for s in schedulers)
     computed = sum(s.counters.scheduled_tokens for s in schedulers)
     queries = sum(s.kv_cache.prefix_cache_queries for s in schedulers)
+    copied = sum(s.kv_cache.swapped_out_blocks + s.kv_cache.swapped_in_blocks + s.kv_cache.spilled_blocks
+                 + s.kv_cache.host_hit_blocks for s in schedulers)
     hits = sum(s.kv_cache.prefix_cache_hits for s in schedulers)
     return RunStats(
         num_requests=len(measured),
@@ -498,6 +533,10 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
         completed_rps=completion_rate([r.last_token_time for r in measured]),
         goodput_rps=good / arrivals_window_s if arrivals_window_s > 0 else 0.0,
         spills_per_1k=1000.0 * spills / num_requests,
+        recomputed_tokens=recomputed,
+        computed_tokens=computed,
+        swap_preemptions_per_1k=1000.0 * sum(s.counters.swap_preemptions for s in schedulers) / num_requests,
+        copied_blocks_per_1k=1000.0 * copied / num_requests,
     )
 
 
@@ -945,6 +984,90 @@ def save_goodput_plot(results: dict[str, CapacityResult], path: str) -> None:
     plt.close(figure)
 
 
+# ---- the host KV tier: swap or recompute per victim (issue 23) ----------------------------
+# The workloads that preempt (long prompts beside short ones; long outputs), at and around the
+# calibrated rate; ours with a host tier and `preemption_mode: auto` against ours recomputing
+# and every baseline as deployed (recompute only).
+SWAP_WORKLOADS = ("mixed_long", "long_output")
+SWAP_LOADS = (0.85, 1.0, 1.2)
+SWAP_POLICIES = (OURS_AUTO, OURS) + BASELINES
+SWAP_COLUMNS = (  # (header, RunStats field, scale, format)
+    ("preempt/1k req", "preemptions_per_1k", 1, ".1f"),
+    ("swapped/1k req", "swap_preemptions_per_1k", 1, ".1f"),
+    ("recomputed tokens", "recomputed_tokens", 1, ".0f"),
+    ("recomputed %", "recomputed_fraction", 100, ".2f"),
+    ("TTFT p99 s", "ttft_p99_s", 1, ".3f"),
+    ("ITL p99 ms", "itl_p99_s", 1000, ".1f"),
+    ("goodput req/s", "goodput_rps", 1, ".2f"),
+    ("output tok/s", "output_tokens_per_s", 1, ".0f"),
+    ("blocks over the link/1k req", "copied_blocks_per_1k", 1, ".0f"),
+)
+
+
+def run_swap(setup: Setup, out, runner: Runner) -> dict[tuple[str, float, str], list[RunStats]]:
+    """SWAP_WORKLOADS at SWAP_LOADS of their calibrated rate (the tables' calibration when
+    that section ran, else calibrated here), every policy of SWAP_POLICIES over --seeds;
+    prints the table (means ± sample standard deviation) and the ratios; returns
+    {(workload, load, policy): [RunStats per seed]}."""
+    args = setup.args
+    names = [name for name in SWAP_WORKLOADS if name in args.workloads]
+    uncalibrated = [name for name in names if name not in setup.calibrations]
+    for name, calibration in zip(uncalibrated, runner.map(calibrate_workload, [(setup, n) for n in uncalibrated])):
+        setup.calibrations[name] = calibration
+    seeds = range(args.seed, args.seed + args.seeds)
+    keys = [(name, load, policy) for name in names for load in SWAP_LOADS for policy in SWAP_POLICIES]
+    jobs = [(setup, seed, StatsFeed(), policy, name, load * setup.calibrations[name].rate_rps)
+            for name, load, policy in keys for seed in seeds]
+    outcomes = iter(runner.map(simulate, jobs))
+    results = {key: [next(outcomes) for _ in seeds] for key in keys}
+    cost, config = setup.cost, setup.config
+    costs = cost.preemption_costs(config)
+    print(f"\n## Host KV tier: swap or recompute per victim (issue 23), seeds {seeds.start}-{seeds.stop - 1}: "
+          f"mean ± sample standard deviation", file=out)
+    print(f"{OURS_AUTO}: {args.host_kv_blocks} host blocks per replica beside {config.num_usable_blocks} on the "
+          f"device, preemption_mode auto; {OURS} and every baseline recompute (no host tier). The replicas' "
+          f"rates, from the cost model as an engine measures them at start-up: recompute "
+          f"{costs.recompute_s_per_token * 1e3:.4f} ms per token ({costs.recompute_s_per_token * 1e3 * config.block_size:.3f} "
+          f"ms per block), a block's copy {costs.swap_s_per_block * 1e3:.4f} ms each way "
+          f"({cost.kv_block_bytes(config.block_size) / 2**20:.3g} MiB at {cost.swap_bytes_per_s / 1e9:.3g} GB/s), "
+          f"charged before the step that needs it. Goodput: TTFT <= {TTFT_SLO_S} s and TPOT <= "
+          f"{TPOT_SLO_S * 1000:.0f} ms.", file=out)
+    print("\n| workload | load | policy | " + " | ".join(header for header, *_ in SWAP_COLUMNS) + " |\n"
+          + "|---" * (3 + len(SWAP_COLUMNS)) + "|", file=out)
+    for (name, load, policy), runs in results.items():
+        cells = [name, f"{load:.0%}", policy] + [
+            "{0:{2}} ± {1:{2}}".format(*mean_spread([getattr(s, metric) * scale for s in runs]), fmt)
+            if len(runs) > 1 else f"{getattr(runs[0], metric) * scale:{fmt}}"
+            for _, metric, scale, fmt in SWAP_COLUMNS]
+        print("| " + " | ".join(cells) + " |", file=out)
+    print("", file=out)
+    for line in swap_report(results, names):
+        print(line, file=out)
+    return results
+
+
+def swap_report(results: dict[tuple[str, float, str], list[RunStats]], names: Sequence[str]) -> list[str]:
+    """Per workload and load, on the means over seeds: ours with auto against ours recomputing
+    and against the baseline with the most goodput there."""
+    lines = [f"{OURS_AUTO} vs {OURS} (recompute) and vs the baseline with the most goodput, means over seeds:"]
+    for name in names:
+        for load in SWAP_LOADS:
+            def mean(policy: str, metric: str) -> float:
+                return mean_of(results[(name, load, policy)], metric)
+
+            best = max(BASELINES, key=lambda policy: mean(policy, "goodput_rps"))
+            parts = []
+            for other in (OURS, best):
+                parts.append(f"vs {other}: recomputed tokens {mean(OURS_AUTO, 'recomputed_tokens'):.0f} vs "
+                             f"{mean(other, 'recomputed_tokens'):.0f} "
+                             f"({ratio(mean(OURS_AUTO, 'recomputed_tokens'), mean(other, 'recomputed_tokens')):.2f}x), "
+                             + ", ".join(f"{label} {ratio(mean(OURS_AUTO, metric), mean(other, metric)):.2f}x"
+                                         for label, metric in (("p99 TTFT", "ttft_p99_s"), ("p99 ITL", "itl_p99_s"),
+                                                               ("goodput", "goodput_rps"))))
+            lines.append(f"- {name} at {load:.0%}: " + "; ".join(parts))
+    return lines
+
+
 # ---- entry point -------------------------------------------------------------------------
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -970,7 +1093,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "shipped fit by name (bench/cost_models/NAME.json), or 'assumed' (bench/cost_model.py's ASSUMED)")
     parser.add_argument("--sections", default="capacity,tables",
                         help="capacity (the headline: capacity at SLO, goodput past it), tables (fixed loads, "
-                             "stale stats, the issue-12 target points)")
+                             "stale stats, the issue-12 target points), swap (issue 23: a host KV tier, swap or "
+                             "recompute per victim, on mixed_long and long_output at 85-120%% load)")
     parser.add_argument("--capacity-policies", default=",".join(CAPACITY_POLICIES),
                         help="policies whose capacity is searched ('all': every policy)")
     parser.add_argument("--capacity-requests", type=int, default=None,
@@ -981,6 +1105,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--goodput-plot", default="bench/out/router_sim_goodput.png")
     parser.add_argument("--num-kv-blocks", type=int, default=3073,
                         help="KV pool per replica incl. the null block (default: 3072 x 16 = 49k tokens)")
+    parser.add_argument("--host-kv-blocks", type=int, default=None,
+                        help="host KV tier per replica of the swap section's ours (default: twice the device "
+                             "pool; 12 GiB of the assumed model's KV by default)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.requests = args.requests or (150 if quick else 1000)
@@ -993,8 +1120,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--capacity-requests: need at least 20 for percentiles to mean anything")
     args.sections = args.sections.split(",")
     for section in args.sections:
-        if section not in ("capacity", "tables"):
-            parser.error(f"--sections: unknown {section!r}; expected some of capacity,tables")
+        if section not in ("capacity", "tables", "swap"):
+            parser.error(f"--sections: unknown {section!r}; expected some of capacity,tables,swap")
     args.capacity_policies = (list(POLICY_NAMES) if args.capacity_policies == "all"
                               else args.capacity_policies.split(","))
     for policy in args.capacity_policies:
@@ -1013,6 +1140,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if workload not in WORKLOADS:
             parser.error(f"--workloads: unknown {workload!r}; expected some of {','.join(WORKLOADS)}")
     args.loads = [float(load) for load in args.loads.split(",")]
+    if args.host_kv_blocks is None:
+        args.host_kv_blocks = 2 * (args.num_kv_blocks - 1)
+    elif args.host_kv_blocks < 1:
+        parser.error(f"--host-kv-blocks: must be >= 1, got {args.host_kv_blocks}")
+    if "swap" in args.sections and not any(name in args.workloads for name in SWAP_WORKLOADS):
+        parser.error(f"--workloads: the swap section runs {' and '.join(SWAP_WORKLOADS)}; include one")
     return args
 
 
@@ -1043,7 +1176,7 @@ class Setup:
     calibrations: dict[str, Calibration] = field(default_factory=dict)
 
     def sim(self, seed: int, feed: StatsFeed = StatsFeed()) -> ClusterSim:
-        return ClusterSim(self.config, self.args.replicas, self.cost, feed, seed)
+        return ClusterSim(self.config, self.args.replicas, self.cost, feed, seed, self.args.host_kv_blocks)
 
     def workload(self, name: str, seed: int, calibration: bool = False, capacity: bool = False) -> Workload:
         args = self.args
@@ -1057,8 +1190,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     workload x load x policy, the stale-stats runs and the target points over seeds); prints
     the report; returns {"capacity": {workload: CapacityResult}, "results": {(workload,
     load, policy): RunStats}, "stale": {(condition, policy): RunStats}, "points": {target:
-    {policy: [RunStats per seed]}}, "calibrations": {workload: Calibration}} (empty for a
-    section not run)."""
+    {policy: [RunStats per seed]}}, "swap": {(workload, load, policy): [RunStats per seed]},
+    "calibrations": {workload: Calibration}} (empty for a section not run)."""
     started = time.perf_counter()
     setup = Setup(args, engine_config(args.num_kv_blocks), args.cost)
     config, cost = setup.config, setup.cost
@@ -1077,6 +1210,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     results: dict = {}
     stale: dict = {}
     points: dict = {}
+    swap: dict = {}
     with Runner(args.jobs) as runner:
         if "capacity" in args.sections:
             capacity = run_capacity(setup, out, runner)
@@ -1087,6 +1221,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
             run_tables(setup, results, out, runner)
             stale = run_stale_stats(setup, out, runner)
             points = run_target_points(setup, results, out, runner)
+        if "swap" in args.sections:
+            swap = run_swap(setup, out, runner)
     if "tables" in args.sections:
         print("", file=out)
         for line in check_targets(results, points):
@@ -1095,7 +1231,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
             save_plot(results, args.workloads, args.loads, args.plot)
             print(f"\nplot: {args.plot}", file=out)
     print(f"wall time {time.perf_counter() - started:.0f} s", file=out)
-    return {"capacity": capacity, "results": results, "stale": stale, "points": points,
+    return {"capacity": capacity, "results": results, "stale": stale, "points": points, "swap": swap,
             "calibrations": setup.calibrations}
 
 
@@ -1151,12 +1287,17 @@ class Runner:
 def workload_table(setup: Setup, workload_name: str) -> tuple[Calibration, int, list[tuple[float, str, RunStats]]]:
     """One workload's calibration and its table rows (load, policy, stats), on the table seed."""
     args = setup.args
-    calibration = calibrate(setup.workload(workload_name, args.seed, calibration=True), setup.config, setup.cost,
-                            args.replicas, args.seed, args.calibration_steps)
+    calibration = calibrate_workload(setup, workload_name)
     workload = setup.workload(workload_name, args.seed)
     rows = [(load, policy, setup.sim(args.seed).run(policy, workload, load * calibration.rate_rps))
             for load in args.loads for policy in POLICY_NAMES]
     return calibration, len(workload.requests), rows
+
+
+def calibrate_workload(setup: Setup, workload_name: str) -> Calibration:
+    args = setup.args
+    return calibrate(setup.workload(workload_name, args.seed, calibration=True), setup.config, setup.cost,
+                     args.replicas, args.seed, args.calibration_steps)
 
 
 def simulate(setup: Setup, seed: int, feed: StatsFeed, policy: str, workload_name: str, rate_rps: float) -> RunStats:

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,81 @@ def test_every_shipped_fit_loads_by_name_and_says_where_it_came_from():
         model = bench.parse_args(["--cost-model", path.stem]).cost
         assert model == bench.CostModel.load(path)
         assert model.source.startswith("fitted by bench/bench_engine.py") and model.fit_steps > 0
+
+
+# ---- the host KV tier in the simulation (issue 23) -------------------------------------------------
+def crowded_replica(bench, host_kv_blocks: int, cost=None):
+    """One replica whose 300-block pool holds about a fifth of 12 long outputs that arrive at
+    once: every run preempts (13 times on this workload)."""
+    config = bench.make_engine_config(block_size=16, num_kv_blocks=301, max_model_len=4096,
+                                      max_num_batched_tokens=2048, max_num_seqs=256)
+    return bench.ClusterSim(config, 1, cost or bench.ASSUMED, bench.StatsFeed(), 0, host_kv_blocks)
+
+
+def test_the_sim_swaps_a_victim_when_swap_is_cheaper_recomputes_when_the_host_is_full_and_conserves_tokens():
+    bench = load_bench_module()
+    workload = bench.make_workload("long_output", 12, 0, "")
+    # Prompts are unique: each prompt and output token is computed once (the last sampled
+    # token never is), plus what preemption threw away.
+    expected = sum(spec.body_len + spec.output_tokens - 1 for spec in workload.requests)
+
+    def preemptions(stats) -> tuple[int, int]:
+        return round(stats.preemptions_per_1k * 12 / 1000), round(stats.swap_preemptions_per_1k * 12 / 1000)
+
+    recompute = crowded_replica(bench, 1000).run(bench.OURS, workload, 100.0)
+    assert preemptions(recompute)[0] > 0 and preemptions(recompute)[1] == 0 and recompute.recomputed_tokens > 1000
+    assert recompute.copied_blocks_per_1k == 0  # no host tier: nothing crosses the link
+    # The assumed GPU: a block's round trip to the host ~0.17 ms, its re-prefill ~0.87 ms.
+    roomy = crowded_replica(bench, 1000).run(bench.OURS_AUTO, workload, 100.0)
+    num_preempted, num_swapped = preemptions(roomy)
+    assert num_swapped == num_preempted > 0 and roomy.recomputed_tokens == 0 and roomy.copied_blocks_per_1k > 0
+    # 150 host blocks hold some victims' KV, not all: the rest are recomputed.
+    full = crowded_replica(bench, 150).run(bench.OURS_AUTO, workload, 100.0)
+    num_preempted, num_swapped = preemptions(full)
+    assert 0 < num_swapped < num_preempted and 0 < full.recomputed_tokens < recompute.recomputed_tokens
+    # A link 10x slower makes a round trip (~1.7 ms a block) dearer than re-prefill: recompute.
+    slow = crowded_replica(bench, 1000, replace(bench.ASSUMED, swap_bytes_per_s=2.5e9)).run(bench.OURS_AUTO, workload,
+                                                                                           100.0)
+    assert preemptions(slow)[0] > 0 and preemptions(slow)[1] == 0
+    for stats in (recompute, roomy, full, slow):
+        assert stats.computed_tokens == expected + stats.recomputed_tokens
+
+
+def test_a_steps_copies_over_the_host_link_are_charged_at_its_bandwidth_and_set_the_engines_rates():
+    bench = load_bench_module()
+    import cost_model
+    from replica.core.host_pool import BlockCopies
+    from replica.core.scheduler import SchedulerOutput
+
+    model = cost_model.ASSUMED
+    assert model.kv_block_bytes(16) == 2 * 2**20  # an 8B-class model: 128 KiB of KV per token
+    assert model.block_copy_ms(16) == pytest.approx(2 * 2**20 / 25e9 * 1000)
+    empty = SchedulerOutput(0, [], 0, [], [])
+    copying = SchedulerOutput(0, [], 0, [], [], block_copies=BlockCopies(((1, 1), (2, 2)), ((3, 4),)))
+    assert model.step_time_s(copying, 16) - model.step_time_s(empty, 16) == pytest.approx(3 * model.block_copy_ms(16) / 1000)
+    costs = model.preemption_costs(bench.engine_config(3073))  # what an engine measures at start-up
+    assert costs.recompute_s_per_token == pytest.approx(model.step_ms(256, 256) / 256 / 1000)
+    assert costs.swap_s_per_block == pytest.approx(model.block_copy_ms(16) / 1000)
+
+
+def test_the_swap_section_reports_ours_with_auto_and_recompute_against_every_baseline_at_each_load():
+    bench = load_bench_module()
+    args = bench.parse_args(["--quick", "--sections", "swap", "--workloads", "long_output", "--requests", "50", "--replicas", "2",
+                             "--num-kv-blocks", "301", "--host-kv-blocks", "600"])
+    setup = bench.Setup(args, bench.make_engine_config(block_size=16, num_kv_blocks=301, max_model_len=4096,
+                                                       max_num_batched_tokens=2048, max_num_seqs=256), args.cost)
+    setup.calibrations["long_output"] = bench.Calibration(2.0, "pow2", {}, {}, {})  # a crowded rate, not calibrated
+    report = io.StringIO()
+    with bench.Runner(1) as runner:
+        results = bench.run_swap(setup, report, runner)
+    text = report.getvalue()
+    assert set(results) == {("long_output", load, policy) for load in bench.SWAP_LOADS for policy in bench.SWAP_POLICIES}
+    for load in bench.SWAP_LOADS:
+        for policy in bench.SWAP_POLICIES:
+            assert f"| long_output | {load:.0%} | {policy} |" in text
+        assert f"- long_output at {load:.0%}: vs headroom: recomputed tokens" in text
+        auto, recompute = (results[("long_output", load, name)][0] for name in (bench.OURS_AUTO, bench.OURS))
+        assert auto.swap_preemptions_per_1k > 0 and auto.recomputed_tokens < recompute.recomputed_tokens
+    assert "600 host blocks per replica beside 300 on the device" in text
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "swap", "--workloads", "multi_tenant"])
