@@ -10,7 +10,9 @@ are forced to their length (ignore_eos / min_new_tokens). HF pads each batch and
 its longest output; only each request's own tokens count as useful output. --profile runs
 headroom once more under cProfile and prints where its time goes. --cost-model FILE fits the
 router simulation's step-time model (bench/cost_model.py: fixed + per batched token + per KV
-token read) to the timed run's steps and writes it to FILE as JSON.
+token read) to the timed run's steps, measures the host KV tier's link for it (the model's KV
+bytes per token, and whole blocks copied through the engine's own copy path as an engine with a
+host tier does at start-up) and writes it to FILE as JSON.
 """
 
 from __future__ import annotations
@@ -219,7 +221,7 @@ def main() -> None:
     recorder = StepRecorder(engine) if args.cost_model else None
     ours = run_workload(engine, requests, on_step=recorder.on_step if recorder is not None else None)
     if recorder is not None:  # before the HF runs, which take longest and do not touch it
-        write_cost_model(recorder.samples, args)
+        write_cost_model(recorder.samples, args, engine)
     hf_runs = {size: run_hf(model_dir, requests, size, args.device, args.dtype) for size in hf_batch_sizes}
     print(f"{'engine':>22} {'output tok/s':>13} {'wall s':>8} {'latency p50 s':>14} {'p99 s':>8}")
     rows = [("headroom (continuous)", ours)] + [(f"HF generate (batch {size})", run) for size, run in hf_runs.items()]
@@ -234,7 +236,20 @@ def main() -> None:
         profile_headroom(engine, requests)
 
 
-def write_cost_model(samples: list[tuple[int, int, float]], args: argparse.Namespace) -> None:
+def measure_host_link(engine) -> tuple[float, float]:
+    """(KV bytes per token, bytes per second each way) of whole blocks copied between the
+    engine's KV cache and a scratch host tier, by the engine's start-up probe (a round trip:
+    the device blocks end as they were)."""
+    from replica.executor.kv_swap import KVSwapper
+    from replica.executor.preemption_profile import SWAP_PROBE_BLOCKS, measure_swap_bytes_per_s
+
+    swapper = KVSwapper(engine.runner.kv_caches, SWAP_PROBE_BLOCKS, engine.device)
+    swap_bytes_per_s = measure_swap_bytes_per_s(swapper, engine.config.num_usable_blocks, SWAP_PROBE_BLOCKS)
+    return swapper.bytes_per_block / engine.config.block_size, swap_bytes_per_s
+
+
+def write_cost_model(samples: list[tuple[int, int, float]], args: argparse.Namespace, engine) -> None:
+    import dataclasses
     import datetime
     import platform
 
@@ -245,7 +260,11 @@ def write_cost_model(samples: list[tuple[int, int, float]], args: argparse.Names
     where = f"{torch.cuda.get_device_name()}" if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     source = (f"fitted by bench/bench_engine.py: model {args.model}, {args.dtype} on {where}, "
               f"{platform.node() or 'unknown host'}, {datetime.date.today().isoformat()}")
-    model = cost_model.fit(kept, source)
+    kv_bytes_per_token, swap_bytes_per_s = measure_host_link(engine)
+    model = dataclasses.replace(cost_model.fit(kept, source), kv_bytes_per_token=kv_bytes_per_token,
+                                swap_bytes_per_s=swap_bytes_per_s,
+                                swap_source=f"measured by bench/bench_engine.py: {args.model}'s KV in {args.dtype}, "
+                                            f"device <-> host copies on {where}")
     model.save(args.cost_model)
     print(f"cost model -> {args.cost_model}: {model.describe()}")
 
