@@ -1,7 +1,8 @@
 """Preemption that swaps (or recomputes, per victim) against preemption that only recomputes,
 on the engine at equal device pool size, in one run (issue 23's targets).
 
-    python bench/bench_swap.py [--model builtin|smollm2-135m|DIR] [--requests 12] [--rounds 2]
+    python bench/bench_swap.py [--model builtin|wide|smollm2-135m|DIR] [--requests 12] [--rounds 2]
+                               [--outputs 320-448] [--device cpu|cuda] [--dtype float32|bfloat16]
     python bench/bench_swap.py --workload multiturn [--model ...] [--users 12] [--turns 4]
 
 Workload: short prompts (16-32 tokens) and long outputs (320-448 tokens), all queued at once,
@@ -11,7 +12,11 @@ same engine configuration runs with preemption_mode recompute and with auto over
 twice the device pool, in turns, `--rounds` times each (the rates auto weighs are measured at
 its start). Printed: recomputed tokens (auto / recompute, target <= 0.3x) and output tok/s
 (auto / recompute, medians, target >= 1.15x), with preemptions of each mode and the blocks
-swapped; both modes' greedy tokens must be equal.
+swapped; both modes' greedy tokens must be equal. Then where the time went: each mode's
+step times fitted to fixed + per token (bench/cost_model.py's fit), the recompute-only runs'
+re-prefill at that per-token cost, the auto runs' copies as timed, and the most auto can gain
+from them. --model wide is bench_tp.py's random 1024-wide 4-layer Llama, whose steps cost
+mostly their tokens' GEMMs on a CPU (the built-in model's cost mostly per-step host work).
 
 --workload multiturn: the spilling prefix cache. Conversations take turns round-robin: each
 turn sends the whole history so far plus 32 new tokens and generates 16; the histories of all
@@ -24,16 +29,24 @@ conversation's greedy tokens equal in both.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine.py, bench_tp.py, cost_model.py
 
 BLOCK_SIZE = 16
+OUTPUTS = (320, 448)
 
 
-def workload(num_requests: int, vocab_size: int, seed: int = 0):
+def workload(num_requests: int, vocab_size: int, seed: int = 0, outputs: tuple[int, int] = OUTPUTS):
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(16, 32))], rng.randint(320, 448))
+    return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(16, 32))], rng.randint(*outputs))
             for _ in range(num_requests)]
 
 
@@ -46,7 +59,7 @@ def pool_blocks(requests) -> int:
     return max(prompts + (final - prompts) // 2, longest) + 1
 
 
-def make_engine(model: str, requests, mode: str):
+def make_engine(model: str, requests, mode: str, device: str = "cpu", dtype: str = "float32"):
     from replica.config import make_engine_config
     from replica.core.engine import LLMEngine
 
@@ -55,10 +68,38 @@ def make_engine(model: str, requests, mode: str):
     config = make_engine_config(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_num_seqs=len(requests),
                                 max_model_len=max(len(p) + n for p, n in requests), max_num_batched_tokens=512,
                                 preemption_mode=mode, **host)
-    return LLMEngine(config, model, device="cpu", dtype="float32")
+    return LLMEngine(config, model, device=device, dtype=dtype)
 
 
-def run(engine, requests) -> dict:
+class StepProfile:
+    """Every step's (tokens, KV tokens read, wall ms) through bench_engine.py's StepRecorder,
+    and the host tier's copies timed as they run (to their end, on CUDA too)."""
+
+    def __init__(self, engine):
+        from bench_engine import StepRecorder
+
+        self.recorder = StepRecorder(engine)
+        self.copy_s = 0.0
+        self.copied_blocks = 0
+        kv_swap = engine.runner.kv_swap
+        if kv_swap is not None:
+            copy = kv_swap.copy
+
+            def timed_copy(copies):
+                start = time.perf_counter()
+                copy(copies)
+                kv_swap.synchronize()
+                self.copy_s += time.perf_counter() - start
+                self.copied_blocks += len(copies.swap_out) + len(copies.swap_in)
+
+            kv_swap.copy = timed_copy
+
+    @property
+    def samples(self) -> list[tuple[int, int, float]]:
+        return self.recorder.samples
+
+
+def run(engine, requests, profile: StepProfile | None = None) -> dict:
     from replica.core.request import SamplingParams
 
     counters = engine.scheduler.counters
@@ -72,9 +113,13 @@ def run(engine, requests) -> dict:
                                       SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True))
         engine.add_request(request, detokenize=False)
         handles.append(request)
+    num_samples = len(profile.samples) if profile is not None else 0
+    copy_s = profile.copy_s if profile is not None else 0.0
     while engine.has_unfinished_requests():
         engine.step()
         engine.take_kv_events()
+        if profile is not None:
+            profile.recorder.on_step(engine)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens)
@@ -85,7 +130,9 @@ def run(engine, requests) -> dict:
     num_tokens = sum(n for _, n in requests)
     return dict(tokens_per_s=num_tokens / elapsed, tokens_per_cpu_s=num_tokens / cpu, elapsed=elapsed, preemptions=preemptions,
                 swaps=swaps, recomputed=recomputed, avoided=avoided, swapped_out_blocks=swapped_out, computed=computed,
-                outputs=[list(r.output_token_ids) for r in handles])
+                outputs=[list(r.output_token_ids) for r in handles],
+                steps=profile.samples[num_samples:] if profile is not None else [],
+                copy_s=profile.copy_s - copy_s if profile is not None else 0.0)
 
 
 def multiturn(args, model: str) -> None:
@@ -141,37 +188,67 @@ def multiturn(args, model: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--model", default="builtin", help="builtin | wide | smollm2-135m | a model directory")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--outputs", default=f"{OUTPUTS[0]}-{OUTPUTS[1]}",
+                        help="the range output lengths are drawn from (default %(default)s)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--workload", choices=("preemption", "multiturn"), default="preemption")
     parser.add_argument("--users", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
     args = parser.parse_args()
+    try:
+        low, high = (int(bound) for bound in args.outputs.split("-"))
+        if not 1 <= low <= high:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--outputs: expected LOW-HIGH with 1 <= LOW <= HIGH, got {args.outputs!r}")
+    args.outputs = (low, high)
 
     import torch
 
     from replica.model.registry import resolve_model_path
 
     torch.manual_seed(0)
-    model = str(resolve_model_path(args.model))
-    if args.workload == "multiturn":
-        multiturn(args, model)
-        return
-    requests = workload(args.requests, vocab_size=256)  # ids every tokenizer here has
-    engines = {mode: make_engine(model, requests, mode) for mode in ("recompute", "auto")}
+    scratch = None
+    if args.model == "wide":
+        from bench_tp import write_wide_model
+
+        scratch = Path(tempfile.mkdtemp(prefix="bench-swap-"))
+        model = str(write_wide_model(scratch / "wide"))
+    else:
+        model = str(resolve_model_path(args.model))
+    try:
+        if args.workload == "multiturn":
+            multiturn(args, model)
+        else:
+            preemption(args, model)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch)
+
+
+def preemption(args, model: str) -> None:
+    import torch
+
+    requests = workload(args.requests, vocab_size=256, outputs=args.outputs)  # ids every tokenizer here has
+    engines = {mode: make_engine(model, requests, mode, args.device, args.dtype) for mode in ("recompute", "auto")}
     costs = engines["auto"].scheduler.preemption.costs
-    print(f"model {args.model}: {args.requests} requests, prompts 16-32, outputs 320-448 tokens; device pool "
+    print(f"model {args.model} ({args.dtype} on {args.device}, {torch.get_num_threads()} torch threads): "
+          f"{args.requests} requests, prompts 16-32, outputs {args.outputs[0]}-{args.outputs[1]} tokens; device pool "
           f"{pool_blocks(requests) - 1} blocks of {BLOCK_SIZE}, host tier {engines['auto'].config.num_host_kv_blocks}; "
           f"auto's rates: recompute {costs.recompute_s_per_token * 1e3:.3f} ms/token, swap "
           f"{costs.swap_s_per_block * 1e3:.4f} ms/block each way")
     for engine in engines.values():  # warm-up, outside the measurement
         run(engine, requests[:2])
+    profiles = {mode: StepProfile(engine) for mode, engine in engines.items()}
     results: dict[str, list[dict]] = {"recompute": [], "auto": []}
     for round_index in range(args.rounds):
         # ABBA order: a load that drifts over the run (a shared machine) favours neither mode.
         for mode in ("recompute", "auto") if round_index % 2 == 0 else ("auto", "recompute"):
-            result = run(engines[mode], requests)
+            result = run(engines[mode], requests, profiles[mode])
             results[mode].append(result)
             print(f"round {round_index + 1} {mode:9s}: {result['tokens_per_s']:8.1f} tok/s ({result['tokens_per_cpu_s']:7.1f} per CPU s)  "
                   f"{result['elapsed']:6.1f} s  "
@@ -195,6 +272,39 @@ def main() -> None:
     print(f"tokens the model computed (prompts, outputs, recompute; machine-independent): auto {computed['auto']} vs "
           f"recompute {computed['recompute']} = {computed['auto'] / computed['recompute']:.3f}x")
     print("greedy tokens: identical in both modes")
+    for line in time_budget(results):
+        print(line)
+
+
+def time_budget(results: dict[str, list[dict]]) -> list[str]:
+    """Where each mode's step time went, over all its rounds: the steps fitted to fixed + per
+    batched token + per KV token read (bench/cost_model.py), the recompute-only runs'
+    re-prefill priced at their fitted per-token cost, the auto runs' copies as timed, and the
+    ratio auto could reach if everything else cost the same in both."""
+    import cost_model
+
+    lines = ["where the time went (all rounds; step wall times, fitted per mode):"]
+    fits, step_s = {}, {}
+    for mode, runs in results.items():
+        samples = [sample for run in runs for sample in run["steps"]]
+        fits[mode] = cost_model.fit(samples, source=mode)
+        step_s[mode] = sum(ms for _, _, ms in samples) / 1000
+        lines.append(f"  {mode:9s}: {len(samples)} steps, {step_s[mode]:.1f} s; {fits[mode].describe().split(' (')[0]}, "
+                     f"R^2 {fits[mode].fit_r2:.2f}")
+    recompute_runs, auto_runs = results["recompute"], results["auto"]
+    recomputed = sum(run["recomputed"] for run in recompute_runs)
+    num_recomputes = sum(run["preemptions"] - run["swaps"] for run in recompute_runs)
+    reprefill_s = recomputed * fits["recompute"].per_batched_token_ms / 1000
+    copy_s = sum(run["copy_s"] for run in auto_runs)
+    num_swaps = sum(run["swaps"] for run in auto_runs)
+    lines.append(f"  recompute-only re-prefilled {recomputed} tokens in {num_recomputes} preemptions: ~{reprefill_s:.2f} s "
+                 f"at its fitted per-token cost ({1e3 * reprefill_s / max(num_recomputes, 1):.1f} ms per preemption), "
+                 f"{100 * reprefill_s / step_s['recompute']:.1f}% of its step time")
+    lines.append(f"  auto copied blocks for {num_swaps} swapped victims in {copy_s:.3f} s "
+                 f"({1e3 * copy_s / max(num_swaps, 1):.2f} ms per swapped victim, spills and host hits included)")
+    bound = step_s["recompute"] / max(step_s["recompute"] - reprefill_s + copy_s, 1e-9)
+    lines.append(f"  so auto's output tok/s can reach at most ~{bound:.2f}x recompute-only's here, all else equal")
+    return lines
 
 
 if __name__ == "__main__":
