@@ -2,14 +2,15 @@
 printed (and the JSON rewritten) as its section finishes, so a run cut at a time limit keeps
 what it measured.
 
-    python bench/bench_gpu.py [--sections tests,engine,smollm2,served] [--quick] [--json PATH]
+    python bench/bench_gpu.py [--sections tests,engine,smollm2,served,swap] [--quick] [--json PATH]
                               [--smollm2 FILE.gguf|DIR] [--cpu-smoke]
     python bench/bench_gpu.py --sections peers     # bench_attention.py and bench_fused_ops.py
 
 Sections (the default is all but `peers`, about 6 minutes on an H100):
 - tests: the engine's HF-parity tests on CUDA (fp32, Triton attention, CUDA graphs and async
-  scheduling on): tests/replica/test_engine.py and test_slo_engine.py with
-  HEADROOM_TEST_DEVICE=cuda, in a subprocess;
+  scheduling on): tests/replica/test_engine.py, test_slo_engine.py and test_kv_swap_engine.py
+  (the host KV tier's pinned copies on a copy stream) with HEADROOM_TEST_DEVICE=cuda, in a
+  subprocess;
 - engine: on a random 1.1B Llama (hidden 2048, 16 layers, 32 q / 8 kv heads, vocab 32000) in
   bf16: greedy agreement with HF (first 32 tokens of 16 prompts, HF's logit gap at each
   divergence); the engine against HF generate() (batch 64) on bench_engine.py's 256-request
@@ -21,6 +22,12 @@ Sections (the default is all but `peers`, about 6 minutes on an H100):
   chat prompts;
 - served: bench/bench_served.py on the GPU (the 1.1B checkpoint, bf16): served over gRPC by
   `headroom replica` / the offline engine, at 64 and 256 streams;
+- swap (issue 23; `--sections swap`, not in the default): the host KV tier on the 1.1B checkpoint in bf16: the link's bandwidth each
+  way through the engine's own copy path (pinned host blocks, a copy stream) at 16 and 256
+  blocks; the rates `preemption_mode: auto` weighs as the engine measured them at start-up and
+  the choice they make for a victim's private block; bench/bench_swap.py's preemption-heavy
+  workload, recompute-only against auto at equal device pool (recomputed tokens, output tok/s,
+  greedy tokens equal);
 - peers: bench/bench_attention.py --quick and bench/bench_fused_ops.py --quick.
 
 Needs torch, triton, transformers, safetensors, tokenizers, numpy, pytest and the wheels in
@@ -62,7 +69,7 @@ DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 256, 400, 32
 SERVED_WORKLOADS = "64x128,256x128"
 DEVICE = "cuda"
 PROFILE_DIR: Path | None = None
-ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers", "tp", "structured")
+ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers", "tp", "structured", "swap")
 DEFAULT_SECTIONS = ("tests", "engine", "smollm2", "served", "tp")
 # --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute or two.
 SMOKE_MODEL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -129,7 +136,7 @@ def main() -> None:
         ENGINE_CONFIG.clear()
         ENGINE_CONFIG.update(SMOKE_ENGINE_CONFIG)
         args.quick = True
-        sections = [name for name in sections if name in ("engine", "smollm2")]
+        sections = [name for name in sections if name in ("engine", "smollm2", "swap")]
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device (--cpu-smoke checks the script on a CPU)")
     else:
@@ -150,7 +157,7 @@ def main() -> None:
         section(report, "tests", parity_tests)
     if "smollm2" in sections:
         section(report, "smollm2", lambda: smollm2_agreement(args.smollm2, cpu_smoke=args.cpu_smoke))
-    if "engine" in sections or "served" in sections:
+    if "engine" in sections or "served" in sections or "swap" in sections:
         with tempfile.TemporaryDirectory(prefix="bench-gpu-") as model_dir:
             section(report, "setup", lambda: build_checkpoint(Path(model_dir)))
             if "engine" in sections:
@@ -158,6 +165,8 @@ def main() -> None:
                                 eager=not args.no_eager)
             if "served" in sections:
                 section(report, "served", lambda: served(model_dir))
+            if "swap" in sections:
+                section(report, "swap", lambda: host_tier(model_dir, cpu_smoke=args.cpu_smoke))
     if "tp" in sections:
         section(report, "tp", tensor_parallel)
     if "structured" in sections:
@@ -239,11 +248,11 @@ def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[
 # ---- tests: the HF-parity tests on CUDA ---------------------------------------------------------
 def parity_tests() -> list[tuple]:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-               "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py"]
+               "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py", "tests/replica/test_kv_swap_engine.py"]
     output, returncode = run_subprocess(command, {**repo_env(), "HEADROOM_TEST_DEVICE": "cuda"}, timeout_s=240)
     summary = output.strip().splitlines()[-1] if output.strip() else ""
-    return [("test_engine + test_slo_engine on CUDA (fp32, Triton, graphs, async)", f"{summary} (exit {returncode})",
-             "all pass")]
+    return [("test_engine + test_slo_engine + test_kv_swap_engine on CUDA (fp32, Triton, graphs, async; the host "
+             "tier's pinned copies)", f"{summary} (exit {returncode})", "all pass")]
 
 
 # ---- the 1.1B checkpoint and HF's side ------------------------------------------------------------
@@ -509,6 +518,78 @@ def served(model_dir: str) -> list[tuple]:
     lines = [line for line in output.splitlines() if line.startswith("targets:") or " x " in line[:20]]
     return [("bench_served.py " + SERVED_WORKLOADS, f"exit {returncode}", ">= 0.9 at 64 and 256 streams")] + [
         ("served", line.strip(), "") for line in lines]
+
+
+# ---- swap: the host KV tier on the GPU (issue 23) --------------------------------------------------
+SWAP_BANDWIDTH_BLOCKS = (16, 256)
+SWAP_HOST_BLOCKS = 1024  # 1 GiB of pinned host memory for the 1.1B model's 1 MiB blocks
+SWAP_REPEATS = 5
+
+
+def host_tier(model_dir: str, cpu_smoke: bool) -> list[tuple]:
+    """The link's bandwidth each way through the engine's copy path, the rates auto weighs and
+    its choice for a private block, then bench_swap.py's preemption-heavy workload."""
+    from replica.config import make_engine_config
+    from replica.core.engine import LLMEngine
+
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    host_blocks = 300 if cpu_smoke else SWAP_HOST_BLOCKS
+    engine = LLMEngine(make_engine_config(**ENGINE_CONFIG, num_host_kv_blocks=host_blocks, preemption_mode="auto"),
+                       model_dir, device=DEVICE, dtype=dtype)
+    try:
+        kv_swap = engine.runner.kv_swap
+        block_kib = kv_swap.bytes_per_block / 1024
+        rows = [("host tier", f"{host_blocks} blocks of {engine.config.block_size} tokens, {block_kib:.0f} KiB each "
+                              f"({'pinned' if kv_swap.host_cache.is_pinned() else 'pageable'})")]
+        for num_blocks in SWAP_BANDWIDTH_BLOCKS:
+            num_blocks = min(num_blocks, host_blocks, engine.config.num_usable_blocks)
+            for label, seconds in block_copy_seconds(kv_swap, num_blocks).items():
+                rows.append((f"link {label}, {num_blocks} blocks at once (median of {SWAP_REPEATS})",
+                             f"{num_blocks * kv_swap.bytes_per_block / seconds / 1e9:.2f} GB/s "
+                             f"({seconds / num_blocks * 1e3:.4f} ms per block)", "PCIe 4/5 x16: ~25/50 GB/s"))
+        costs = engine.scheduler.preemption.costs
+        round_trip_ms = 2 * costs.swap_s_per_block * 1e3
+        reprefill_ms = engine.config.block_size * costs.recompute_s_per_token * 1e3
+        rows += [
+            ("auto's rates, measured at start-up", f"recompute {costs.recompute_s_per_token * 1e3:.4f} ms per token, "
+                                                   f"swap {costs.swap_s_per_block * 1e3:.4f} ms per block each way"),
+            ("a private block: round trip to the host vs re-prefill",
+             f"{round_trip_ms:.4f} vs {reprefill_ms:.4f} ms: auto {'swaps' if round_trip_ms < reprefill_ms else 'recomputes'}"),
+        ]
+    finally:
+        engine.shutdown()
+        del engine
+    free_device_memory()
+    workload = ["--requests", "4", "--outputs", "40-60", "--rounds", "1"] if cpu_smoke else ["--requests", "64",
+                                                                                            "--rounds", "4"]
+    output, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_swap.py"), "--model", model_dir,
+                                         "--device", DEVICE, "--dtype", dtype, *workload], timeout_s=600)
+    lines = [line.strip() for line in output.splitlines()
+             if line.startswith(("recomputed tokens:", "output tok/s:", "tokens the model computed", "  so auto"))]
+    return rows + [("bench_swap.py " + " ".join(workload), f"exit {returncode}",
+                    "recomputed <= 0.3x, output tok/s >= 1.15x")] + [("bench_swap", line, "") for line in lines]
+
+
+def block_copy_seconds(kv_swap, num_blocks: int) -> dict[str, float]:
+    """Median seconds of `num_blocks` whole blocks copied device -> host, then host -> device,
+    through the engine's KVSwapper (its copy stream and pinned host memory on CUDA), to the end
+    of the copies. A round trip: the device blocks end as they began."""
+    from replica.core.host_pool import BlockCopies
+
+    pairs = tuple((block_id, block_id) for block_id in range(1, num_blocks + 1))
+    timings: dict[str, list[float]] = {"device -> host": [], "host -> device": []}
+    for repeat in range(SWAP_REPEATS + 1):  # the first warms up
+        for label, copies in (("device -> host", BlockCopies(pairs, ())), ("host -> device", BlockCopies((), pairs))):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            kv_swap.copy(copies)
+            kv_swap.synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            if repeat:
+                timings[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in timings.items()}
 
 
 # ---- peers: the kernel benchmarks ------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """The host KV tier through the whole engine on the built-in model: a cramped pool that
 swaps, the same pool recomputing and a roomy pool that never preempts produce the same
 tokens, greedy and seeded, with the real block copies between the device cache and host
-memory; each paired with a probe that the swap happened, and no block of either pool leaks."""
+memory; each paired with a probe that the swap happened, and no block of either pool leaks.
+HEADROOM_TEST_DEVICE=cuda runs the engines on a GPU (pinned host blocks, the copy stream)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -18,12 +20,13 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=7, ignore_eos=True)
 # Rates given, so the engines skip the start-up measurement (one test measures them).
 FIXED_COSTS = dict(preemption_recompute_s_per_token=1e-3, preemption_swap_bytes_per_s=1e9)
+TEST_DEVICE = os.environ.get("HEADROOM_TEST_DEVICE", "cpu")
 
 
 def _engine(num_kv_blocks: int, **overrides) -> LLMEngine:
     config = dict(block_size=4, max_model_len=40, max_num_batched_tokens=64, max_num_seqs=8,
                   num_kv_blocks=num_kv_blocks, **FIXED_COSTS)
-    return LLMEngine(make_engine_config(**{**config, **overrides}), "builtin", device="cpu")
+    return LLMEngine(make_engine_config(**{**config, **overrides}), "builtin", device=TEST_DEVICE)
 
 
 def _prompts(shared_prefix: int = 0) -> list[list[int]]:
@@ -102,7 +105,7 @@ def test_a_full_host_pool_falls_back_to_recompute_with_the_same_tokens(roomy):
 
 def test_the_engine_measures_the_preemption_costs_it_is_not_given():
     engine = LLMEngine(make_engine_config(block_size=4, max_model_len=64, num_kv_blocks=32, num_host_kv_blocks=8),
-                       "builtin", device="cpu")
+                       "builtin", device=TEST_DEVICE)
     costs = engine.scheduler.preemption.costs
     assert costs != UNMEASURED_COSTS and costs.recompute_s_per_token > 0 and costs.swap_s_per_block > 0
     assert engine.scheduler.kv_block_bytes == engine.runner.kv_swap.bytes_per_block > 0
