@@ -1032,6 +1032,10 @@ def run_swap(setup: Setup, out, runner: Runner) -> dict[tuple[str, float, str], 
           f"({cost.kv_block_bytes(config.block_size) / 2**20:.3g} MiB at {cost.swap_bytes_per_s / 1e9:.3g} GB/s), "
           f"charged before the step that needs it. Goodput: TTFT <= {TTFT_SLO_S} s and TPOT <= "
           f"{TPOT_SLO_S * 1000:.0f} ms.", file=out)
+    for name in names:
+        calibration = setup.calibrations[name]
+        print(f"{name}: {requests_for(name, args.requests)} requests per run; calibrated rate "
+              f"{calibration.rate_rps:.2f} req/s ({calibration_reason(calibration)})", file=out)
     print("\n| workload | load | policy | " + " | ".join(header for header, *_ in SWAP_COLUMNS) + " |\n"
           + "|---" * (3 + len(SWAP_COLUMNS)) + "|", file=out)
     for (name, load, policy), runs in results.items():
