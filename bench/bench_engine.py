@@ -97,12 +97,14 @@ class StepRecorder:
 
         engine.scheduler.schedule = recording_schedule
 
-    def on_step(self, engine) -> None:
+    def on_step(self, engine, step_ms: float | None = None) -> None:
+        """After a step: its sample, timed by the engine's wall clock unless `step_ms` is given."""
         from cost_model import kv_tokens_read
 
         output, self._output = self._output, None
         if output is not None and not output.is_empty:
-            self.samples.append((output.num_scheduled_tokens, kv_tokens_read(output), engine.last_step.wall_s * 1000))
+            step_ms = engine.last_step.wall_s * 1000 if step_ms is None else step_ms
+            self.samples.append((output.num_scheduled_tokens, kv_tokens_read(output), step_ms))
 
 
 def load_hf_model(model_dir, dtype: str | torch.dtype, device: str):

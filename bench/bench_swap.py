@@ -72,13 +72,17 @@ def make_engine(model: str, requests, mode: str, device: str = "cpu", dtype: str
 
 
 class StepProfile:
-    """Every step's (tokens, KV tokens read, wall ms) through bench_engine.py's StepRecorder,
-    and the host tier's copies timed as they run (to their end, on CUDA too)."""
+    """Every step's (tokens, KV tokens read, ms) through bench_engine.py's StepRecorder, and the
+    host tier's copies as they run (to their end, on CUDA too). On a CPU both are timed in this
+    process's CPU seconds (every thread's: the engine runs in this process), which a shared
+    machine's load moves far less than wall time; on CUDA, in wall seconds."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, on_cpu: bool):
         from bench_engine import StepRecorder
 
         self.recorder = StepRecorder(engine)
+        self.clock = time.process_time if on_cpu else time.perf_counter
+        self.unit = "CPU s" if on_cpu else "wall s"
         self.copy_s = 0.0
         self.copied_blocks = 0
         kv_swap = engine.runner.kv_swap
@@ -86,10 +90,10 @@ class StepProfile:
             copy = kv_swap.copy
 
             def timed_copy(copies):
-                start = time.perf_counter()
+                start = self.clock()
                 copy(copies)
                 kv_swap.synchronize()
-                self.copy_s += time.perf_counter() - start
+                self.copy_s += self.clock() - start
                 self.copied_blocks += len(copies.swap_out) + len(copies.swap_in)
 
             kv_swap.copy = timed_copy
@@ -116,10 +120,11 @@ def run(engine, requests, profile: StepProfile | None = None) -> dict:
     num_samples = len(profile.samples) if profile is not None else 0
     copy_s = profile.copy_s if profile is not None else 0.0
     while engine.has_unfinished_requests():
+        step_start = profile.clock() if profile is not None else 0.0
         engine.step()
         engine.take_kv_events()
         if profile is not None:
-            profile.recorder.on_step(engine)
+            profile.recorder.on_step(engine, (profile.clock() - step_start) * 1000)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens)
@@ -194,6 +199,8 @@ def main() -> None:
     parser.add_argument("--outputs", default=f"{OUTPUTS[0]}-{OUTPUTS[1]}",
                         help="the range output lengths are drawn from (default %(default)s)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); 1 makes CPU seconds the steps' own work")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--workload", choices=("preemption", "multiturn"), default="preemption")
     parser.add_argument("--users", type=int, default=12)
@@ -212,6 +219,8 @@ def main() -> None:
     from replica.model.registry import resolve_model_path
 
     torch.manual_seed(0)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     scratch = None
     if args.model == "wide":
         from bench_tp import write_wide_model
@@ -243,7 +252,7 @@ def preemption(args, model: str) -> None:
           f"{costs.swap_s_per_block * 1e3:.4f} ms/block each way")
     for engine in engines.values():  # warm-up, outside the measurement
         run(engine, requests[:2])
-    profiles = {mode: StepProfile(engine) for mode, engine in engines.items()}
+    profiles = {mode: StepProfile(engine, args.device == "cpu") for mode, engine in engines.items()}
     results: dict[str, list[dict]] = {"recompute": [], "auto": []}
     for round_index in range(args.rounds):
         # ABBA order: a load that drifts over the run (a shared machine) favours neither mode.
@@ -272,24 +281,24 @@ def preemption(args, model: str) -> None:
     print(f"tokens the model computed (prompts, outputs, recompute; machine-independent): auto {computed['auto']} vs "
           f"recompute {computed['recompute']} = {computed['auto'] / computed['recompute']:.3f}x")
     print("greedy tokens: identical in both modes")
-    for line in time_budget(results):
+    for line in time_budget(results, profiles["auto"].unit):
         print(line)
 
 
-def time_budget(results: dict[str, list[dict]]) -> list[str]:
+def time_budget(results: dict[str, list[dict]], unit: str) -> list[str]:
     """Where each mode's step time went, over all its rounds: the steps fitted to fixed + per
     batched token + per KV token read (bench/cost_model.py), the recompute-only runs'
     re-prefill priced at their fitted per-token cost, the auto runs' copies as timed, and the
     ratio auto could reach if everything else cost the same in both."""
     import cost_model
 
-    lines = ["where the time went (all rounds; step wall times, fitted per mode):"]
+    lines = [f"where the time went (all rounds; steps timed in {unit}, fitted per mode):"]
     fits, step_s = {}, {}
     for mode, runs in results.items():
         samples = [sample for run in runs for sample in run["steps"]]
         fits[mode] = cost_model.fit(samples, source=mode)
         step_s[mode] = sum(ms for _, _, ms in samples) / 1000
-        lines.append(f"  {mode:9s}: {len(samples)} steps, {step_s[mode]:.1f} s; {fits[mode].describe().split(' (')[0]}, "
+        lines.append(f"  {mode:9s}: {len(samples)} steps, {step_s[mode]:.1f} {unit}; {fits[mode].describe().split(' (')[0]}, "
                      f"R^2 {fits[mode].fit_r2:.2f}")
     recompute_runs, auto_runs = results["recompute"], results["auto"]
     recomputed = sum(run["recomputed"] for run in recompute_runs)
