@@ -272,7 +272,8 @@ def test_the_swap_section_reports_ours_with_auto_and_recompute_against_every_bas
                              "--num-kv-blocks", "301", "--host-kv-blocks", "600"])
     setup = bench.Setup(args, bench.make_engine_config(block_size=16, num_kv_blocks=301, max_model_len=4096,
                                                        max_num_batched_tokens=2048, max_num_seqs=256), args.cost)
-    setup.calibrations["long_output"] = bench.Calibration(2.0, "pow2", {}, {}, {})  # a crowded rate, not calibrated
+    # A crowded rate given, not calibrated (calibration alone runs dozens of simulations).
+    setup.calibrations["long_output"] = bench.Calibration(2.0, "pow2", {"pow2": 0.05}, {"pow2": 2.0}, {"pow2": 3.0})
     report = io.StringIO()
     with bench.Runner(1) as runner:
         results = bench.run_swap(setup, report, runner)
