@@ -15,8 +15,9 @@ its start). Printed: recomputed tokens (auto / recompute, target <= 0.3x) and ou
 swapped; both modes' greedy tokens must be equal. Then where the time went: each mode's
 step times fitted to fixed + per token (bench/cost_model.py's fit), the recompute-only runs'
 re-prefill at that per-token cost, the auto runs' copies as timed, and the most auto can gain
-from them. --model wide is bench_tp.py's random 1024-wide 4-layer Llama, whose steps cost
-mostly their tokens' GEMMs on a CPU (the built-in model's cost mostly per-step host work).
+from them. --model wide is bench_tp.py's random 1024-wide 4-layer Llama: its CPU steps cost
+mostly model compute (weight reads, tokens, attention over each request's KV), where the
+built-in model's cost mostly per-step host work.
 
 --workload multiturn: the spilling prefix cache. Conversations take turns round-robin: each
 turn sends the whole history so far plus 32 new tokens and generates 16; the histories of all
