@@ -57,7 +57,12 @@ def emulate_device(engine, ms_per_step: float, ms_per_token: float) -> None:
     runner.enable_decode_padding()  # as graph replays pad every decode step
     largest = max(engine.config.max_num_batched_tokens, max(runner.decode_sizes))
     hidden = torch.zeros(largest, engine.model_config.hidden_size, dtype=runner.dtype)
-    engine.model.forward = lambda input_ids, *args, **kwargs: hidden[:input_ids.shape[0]]
+
+    def forward(input_ids, positions, kv_caches, metadata, layer_hook=None, output_rows=None):
+        # A pass pruned to its sampling rows returns those rows alone, as the model's does.
+        return hidden[:input_ids.shape[0] if output_rows is None else output_rows.token_index.shape[0]]
+
+    engine.model.forward = forward
     launch = runner.launch
     device_free_at = 0.0
 
