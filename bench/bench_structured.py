@@ -2,6 +2,8 @@
 
     python bench/bench_structured.py [--model smollm2-135m] [--batch 64] [--max-tokens 32] [--repeat 2]
                                      [--validate-max-tokens 160] [--threads 2] [--device cpu]
+                                     [--async-scheduling on|off] [--emulated-device]
+                                     [--sections compile,throughput,validity]
 
 On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --device cuda.
 
@@ -13,7 +15,10 @@ On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --devic
    (ignore_eos, greedy), every request under one of the schemas against none, taken in turns
    (none, constrained, none, constrained, ...) so drift weighs on both; medians quoted.
    Ratio = constrained tok/s / unconstrained tok/s (target >= 0.9). Also the host time of the
-   masks: per step, and per constrained row and step.
+   masks: per step, and per constrained row and step. --async-scheduling picks the engine's
+   overlapped step (default: the engine's, on for CUDA only); --emulated-device runs the
+   engine on bench/emulated_device.py's device (CPU only: a GPU's step time, the host's work
+   overlapping it), where what the overlap of masks and forward pass saves shows.
 3. Validity: every schema once at temperature 0 and once at temperature 1 (seeded), run to
    EOS (`--validate-max-tokens` bound): the share of outputs that parse and validate
    (`jsonschema`), and the share that ended on EOS rather than max_tokens.
@@ -91,7 +96,14 @@ def main() -> None:
     parser.add_argument("--num-schemas", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--async-scheduling", choices=("on", "off"), default=None,
+                        help="overlapped scheduling (default: the engine's, on for CUDA only)")
+    parser.add_argument("--emulated-device", action="store_true",
+                        help="bench/emulated_device.py's device instead of the model's forward pass (CPU)")
+    parser.add_argument("--sections", default="compile,throughput,validity",
+                        help="comma-separated: compile, throughput, validity")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
 
     import jsonschema
@@ -104,21 +116,34 @@ def main() -> None:
 
     schemas = schema_set(args.num_schemas)
     constraints = [StructuredOutput.json_schema(schema) for schema in schemas]
-    config = make_engine_config(max_model_len=512, num_kv_blocks=args.batch * 16 + 64, max_num_seqs=args.batch)
+    async_scheduling = None if args.async_scheduling is None else args.async_scheduling == "on"
+    config = make_engine_config(max_model_len=512, num_kv_blocks=args.batch * 16 + 64, max_num_seqs=args.batch,
+                                async_scheduling=async_scheduling)
     engine = LLMEngine(config, str(resolve_model_path(args.model)), device=args.device)
+    if args.emulated_device:
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from bench.emulated_device import device_model, emulate_device
+
+        emulate_device(engine, *device_model())
+    print(f"engine: {args.model} on {args.device}{' (emulated device)' if args.emulated_device else ''}, "
+          f"async scheduling {'on' if engine.async_scheduling else 'off'}")
     tokenizer = engine.tokenizer
 
     # 1. Cold compile times: one fresh compiler per schema, so nothing is cached.
-    compile_s = []
-    for constraint in constraints:
-        compiler = GrammarCompiler.for_tokenizer(tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
-        start = time.perf_counter()
-        compiler.compile(constraint).result()
-        compile_s.append(time.perf_counter() - start)
-        compiler.shutdown()
-    compile_ms = sorted(1000 * value for value in compile_s)
-    print(f"compile ({len(schemas)} schemas, cold): median {statistics.median(compile_ms):.2f} ms, "
-          f"p90 {compile_ms[int(0.9 * len(compile_ms))]:.2f} ms, max {compile_ms[-1]:.2f} ms")
+    if "compile" in sections:
+        compile_s = []
+        for constraint in constraints:
+            compiler = GrammarCompiler.for_tokenizer(tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+            start = time.perf_counter()
+            compiler.compile(constraint).result()
+            compile_s.append(time.perf_counter() - start)
+            compiler.shutdown()
+        compile_ms = sorted(1000 * value for value in compile_s)
+        print(f"compile ({len(schemas)} schemas, cold): median {statistics.median(compile_ms):.2f} ms, "
+              f"p90 {compile_ms[int(0.9 * len(compile_ms))]:.2f} ms, max {compile_ms[-1]:.2f} ms")
 
     def prompt_ids(schema: dict) -> list[int]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "Reply with JSON for this schema: "
@@ -148,30 +173,38 @@ def main() -> None:
             engine.add_request(request, detokenize=False)
             requests.append(request)
         start = time.perf_counter()
+        num_steps = 0
         while engine.has_unfinished_requests():
             engine.step()
             engine.take_kv_events()
+            num_steps += 1
         elapsed = time.perf_counter() - start
         assert all(request.num_output_tokens == args.max_tokens for request in requests)
+        steps[constrained] = num_steps
         return len(requests) * args.max_tokens / elapsed
 
-    run(True)  # warm-up: the engine's compiler caches every schema, the allocator warms
-    mask_times.clear()
-    rates = {False: [], True: []}
-    for _ in range(args.repeat):
-        for constrained in (False, True):
-            rates[constrained].append(run(constrained))
-    free, constrained = statistics.median(rates[False]), statistics.median(rates[True])
-    steps = len(mask_times)
-    per_step_ms = 1000 * sum(seconds for seconds, _ in mask_times) / max(steps, 1)
-    per_row_us = 1e6 * sum(seconds for seconds, _ in mask_times) / max(sum(rows for _, rows in mask_times), 1)
-    print(f"throughput, batch {args.batch} x {args.max_tokens} tokens: unconstrained {free:.1f} tok/s, "
-          f"all constrained {constrained:.1f} tok/s, ratio {constrained / free:.3f} (target >= 0.9: "
-          f"{'met' if constrained / free >= 0.9 else 'missed'})")
-    print(f"mask build: {per_step_ms:.2f} ms per step ({steps} steps), {per_row_us:.1f} us per constrained row and step")
+    steps = {}  # engine steps of the latest run of each side
 
-    # 3. Validity at temperature 0 and 1.
-    for temperature in (0.0, 1.0):
+    if "throughput" in sections:
+        run(True)  # warm-up: the engine's compiler caches every schema, the allocator warms
+        mask_times.clear()
+        rates = {False: [], True: []}
+        for _ in range(args.repeat):
+            for constrained in (False, True):
+                rates[constrained].append(run(constrained))
+        free, constrained = statistics.median(rates[False]), statistics.median(rates[True])
+        num_masks = len(mask_times)
+        per_step_ms = 1000 * sum(seconds for seconds, _ in mask_times) / max(num_masks, 1)
+        per_row_us = 1e6 * sum(seconds for seconds, _ in mask_times) / max(sum(rows for _, rows in mask_times), 1)
+        print(f"throughput, batch {args.batch} x {args.max_tokens} tokens: unconstrained {free:.1f} tok/s, "
+              f"all constrained {constrained:.1f} tok/s, ratio {constrained / free:.3f} (target >= 0.9: "
+              f"{'met' if constrained / free >= 0.9 else 'missed'}); engine steps per run: "
+              f"unconstrained {steps[False]}, constrained {steps[True]}")
+        print(f"mask build: {per_step_ms:.2f} ms per step ({num_masks} steps), {per_row_us:.1f} us per constrained "
+              f"row and step")
+
+    # 3. Validity at temperature 0 and 1 (the emulated device has no model to write with).
+    for temperature in ((0.0, 1.0) if "validity" in sections and not args.emulated_device else ()):
         requests = []
         for index, (schema, constraint) in enumerate(zip(schemas, constraints)):
             params = SamplingParams(max_tokens=args.validate_max_tokens, temperature=temperature, seed=index,
