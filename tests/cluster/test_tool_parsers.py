@@ -1,13 +1,16 @@
 """Tool calls out of a chat completion's text without a cluster: each parser finds the calls
 of its model family (and leaves text that only looks like one as content), streamed deltas
-hold back what may be a call and, concatenated, equal the whole response's calls, and the
+hold back what may be a call, name each call on its first delta and stream its arguments as
+written, and, however the reply is cut, assemble into the whole response's message; and the
 request side turns tool_choice into the schema the output must match."""
 
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from cluster.openai_api import ChatCompletionRequest, parse_body
 from cluster.openai_structured import ToolCalling
@@ -39,38 +42,100 @@ def test_llama3_json_reads_calls_separated_by_semicolons_after_the_python_tag():
     assert [(call.name, json.loads(call.arguments)) for call in parsed.calls] == [("a", {"x": 1}), ("b", {})]
 
 
-@pytest.mark.parametrize("parser, text", [("hermes", HERMES_REPLY),
-                                          ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
-                                          ("hermes", "plain answer, <tool_ no call after all")])
-@pytest.mark.parametrize("piece", [1, 3, 7])
-def test_streamed_auto_deltas_hold_back_a_call_and_assemble_into_the_whole_message(parser, text, piece):
-    calling = ToolCalling("auto", parser=parser)
-    message, finish_reason = ToolCallOutput(calling).message(text, "stop")
+REPLIES = [  # (mode, parser, reply), whole replies the streams below are cut from
+    ("auto", "hermes", HERMES_REPLY),
+    ("auto", "hermes", "plain answer, <tool_ no call after all"),
+    ("auto", "hermes", "<tool_call> {not json} </tool_call> then text"),
+    ("auto", "hermes", 'A <tool_call>{"name": "f", "arguments": "{\\"q\\": 1}"}</tool_call>\nB <tool_call>\n'
+                       '{"arguments": {"x": 1}, "name": "g"}</tool_call> <tool_call>{"name": "h", "arguments": '
+                       '{"s": "a } ] \\" {", "n": [1, {"m": null}]}}</tool_call>'),
+    ("auto", "hermes", 'cut <tool_call>{"name": "f", "arguments": {"city": "Par'),
+    ("auto", "llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    ("auto", "llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": [1, 2]}}; {"name": "b", "parameters": {}}'),
+    ("auto", "llama3_json", "It is noon."),
+    ("required", None, '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'),
+    ("required", None, '[{"name": "f", "argu'),
+]
+
+
+def assemble(calling: ToolCalling, pieces: list[str], finish_reason: str = "stop") -> tuple[str, list[dict], list]:
+    """A streamed choice as the openai client assembles it: content, calls, finish reasons;
+    checking each delta's shape on the way (a call's first delta names it, later ones carry
+    argument text only, calls are numbered 0, 1, ... in order)."""
     stream = ToolCallOutput(calling)
-    content, calls, reasons = "", {}, []
-    pieces = [text[start:start + piece] for start in range(0, len(text), piece)]
-    for index, delta_text in enumerate(pieces):
-        delta_content, deltas, reason = stream.feed(delta_text, "stop" if index == len(pieces) - 1 else None)
+    content, calls, reasons = "", [], []
+    for number, piece in enumerate(pieces):
+        delta_content, deltas, reason = stream.feed(piece, finish_reason if number == len(pieces) - 1 else None)
         content += delta_content
         reasons.append(reason)
         for delta in deltas:
-            call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
-            call["name"] += delta["function"].get("name", "")
-            call["arguments"] += delta["function"].get("arguments", "")
-        assert "<tool_call>" not in content and "{" not in content.lstrip()[:1], "a call leaked out as content"
-    assert reasons[-1] == finish_reason and all(reason is None for reason in reasons[:-1])
-    expected = [{"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
-                for call in message.get("tool_calls", [])]
-    assert [calls[index] for index in sorted(calls)] == expected
-    assert content.strip() == (message["content"] or "").strip()
+            if delta["index"] == len(calls):
+                assert delta["id"].startswith("call_") and delta["type"] == "function" and delta["function"]["name"]
+                calls.append({"id": delta["id"], "name": delta["function"]["name"], "arguments": ""})
+            else:
+                assert delta["index"] == len(calls) - 1 and set(delta) == {"index", "function"}
+                assert set(delta["function"]) == {"arguments"}
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    assert stream.decided == len(stream.text), "at the end every character is settled"
+    return content, calls, reasons
 
 
-def test_named_function_arguments_stream_as_the_model_writes_them():
-    stream = ToolCallOutput(ToolCalling("named", function_name="f"))
-    first = stream.feed('{"a"', None)
-    last = stream.feed(': 1}', "stop")
-    assert first[1][0]["id"].startswith("call_") and first[1][0]["function"] == {"name": "f", "arguments": '{"a"'}
-    assert last == ("", [{"index": 0, "function": {"arguments": ": 1}"}}], "tool_calls")
+def whole(calling: ToolCalling, text: str, finish_reason: str = "stop") -> tuple[Optional[str], list[dict], str]:
+    message, reason = ToolCallOutput(calling).message(text, finish_reason)
+    calls = [{"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+             for call in message.get("tool_calls", [])]
+    return message["content"], calls, reason
+
+
+def _calling(mode: str, parser: Optional[str]) -> ToolCalling:
+    return ToolCalling(mode, parser=parser)
+
+
+@pytest.mark.parametrize("mode, parser, text", REPLIES)
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_streamed_deltas_assemble_into_the_whole_message(mode, parser, text, piece):
+    calling = _calling(mode, parser)
+    content, calls, reason = whole(calling, text)
+    pieces = [text[start:start + piece] for start in range(0, len(text), piece)]
+    streamed_content, streamed_calls, reasons = assemble(calling, pieces)
+    assert [{"name": call["name"], "arguments": call["arguments"]} for call in streamed_calls] == calls
+    assert streamed_content == (content or "")
+    assert reasons[-1] == reason and all(reason is None for reason in reasons[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(reply=st.sampled_from(REPLIES), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_every_chunking_of_a_reply_assembles_into_the_same_message(reply, cuts):
+    mode, parser, text = reply
+    calling = _calling(mode, parser)
+    bounds = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
+    pieces = [text[start:end] for start, end in zip(bounds, bounds[1:])] or [""]
+    content, calls, reason = whole(calling, text)
+    streamed_content, streamed_calls, reasons = assemble(calling, pieces)
+    assert [{"name": call["name"], "arguments": call["arguments"]} for call in streamed_calls] == calls
+    assert streamed_content == (content or "") and reasons[-1] == reason
+
+
+def test_a_call_streams_as_it_is_written_name_first_then_argument_fragments():
+    stream = ToolCallOutput(ToolCalling("auto", parser="hermes"))
+    assert stream.feed("Sure. <tool_call>\n{\"name\": \"get_weather\", ", None) == ("Sure.", [], None)
+    _, (first,), _ = stream.feed('"arguments": {"city": "Pa', None)
+    assert first["index"] == 0 and first["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert stream.feed('ris"}}\n</tool', None)[1] == [{"index": 0, "function": {"arguments": 'ris"}'}}]
+    _, (second,), _ = stream.feed('_call>\n<tool_call>{"name": "get_time", "arguments": {', None)
+    assert second["index"] == 1 and second["id"] != first["id"] and second["function"]["name"] == "get_time"
+    assert stream.feed('}}</tool_call>', "stop") == ("", [{"index": 1, "function": {"arguments": "}"}}], "tool_calls")
+
+
+def test_required_calls_stream_as_the_grammar_writes_them():
+    stream = ToolCallOutput(ToolCalling("required"))
+    assert stream.feed('[{"name": "f", "arguments": {"a"', None)[1][0]["function"] == {"name": "f", "arguments": '{"a"'}
+    assert stream.feed(': 1}}]', "stop") == ("", [{"index": 0, "function": {"arguments": ": 1}"}}], "tool_calls")
+
+
+def test_a_call_cut_by_max_tokens_keeps_the_arguments_written_and_finishes_with_length():
+    assert whole(ToolCalling("required"), '[{"name": "f", "arguments": {"a": [1', "length") == (
+        None, [{"name": "f", "arguments": '{"a": [1'}], "length")
 
 
 def test_required_output_cut_by_max_tokens_is_content_with_finish_reason_length():
@@ -92,3 +157,4 @@ def test_the_configs_parser_names_are_the_parsers_implemented():
     from cluster.tool_parsers import PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+
