@@ -114,6 +114,10 @@ class CompletionBodies:
         self._pending: dict[int, ChoiceResult] = {}  # streamed tokens whose text is not out yet
         self.tool_calling = tool_calling
         self._tool_outputs: dict[int, ToolCallOutput] = {}  # per streamed choice, with tools
+        # Per streamed choice with tools: engine outputs whose text is not settled yet (the end
+        # of their text in the choice's, and the output), and tokens settled but not yet sent.
+        self._unsettled: dict[int, list[tuple[int, RequestOutput]]] = {}
+        self._settled: dict[int, ChoiceResult] = {}
 
     @property
     def _chunk_object(self) -> str:
@@ -140,6 +144,8 @@ class CompletionBodies:
     def chunk(self, index: int, prompt_index: int, chunk: RequestOutput) -> Optional[dict[str, Any]]:
         """The SSE body for one engine output of choice `index`, or None when it carries
         nothing to show yet (its tokens' text is held back: they go out with the next one)."""
+        if self.chat and self.tool_calling is not None:
+            return self._tool_chunk(index, prompt_index, chunk)
         pending = self._pending.setdefault(index, ChoiceResult(index, prompt_index))
         pending.add(chunk)
         if not chunk.text and chunk.finish_reason is None:
@@ -149,28 +155,37 @@ class CompletionBodies:
         if not self.chat and pending.token_ids:
             self._text_offsets[index] = self._text_offsets.get(index, 0) + sum(
                 len(self.token_text(token_id)) for token_id in pending.token_ids)
-        finish_reason = chunk.finish_reason
         if self.chat:
-            delta = {"content": chunk.text} if chunk.text else {}
-            if self.tool_calling is not None:
-                delta, finish_reason = self._tool_delta(index, chunk)
-                if not delta and finish_reason is None:
-                    return None  # held back: it may be part of a tool call
-            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+            choice = {"index": index, "delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": chunk.text, "logprobs": logprobs}
-        choice.update(finish_reason=finish_reason, stop_reason=chunk.stop_reason)
+        choice.update(finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason)
         return self._chunk(choice)
 
-    def _tool_delta(self, index: int, chunk: RequestOutput) -> tuple[dict[str, Any], Optional[str]]:
+    def _tool_chunk(self, index: int, prompt_index: int, chunk: RequestOutput) -> Optional[dict[str, Any]]:
+        """A chat choice with tools: content and tool-call deltas as the parser releases them.
+        Each output's logprobs go out with the first chunk sent once all its text is settled
+        (sent as content, read into a call, or dropped as the calls' syntax), so text held
+        back as a possible call and then released as content keeps its logprobs, and the
+        tokens of a call carry theirs in its deltas (as vLLM's do)."""
         output = self._tool_outputs.get(index)
         if output is None:
             output = self._tool_outputs[index] = ToolCallOutput(self.tool_calling)
+        unsettled = self._unsettled.setdefault(index, [])
+        unsettled.append((len(output.text) + len(chunk.text), chunk))
         content, tool_calls, finish_reason = output.feed(chunk.text, chunk.finish_reason)
+        settled = self._settled.setdefault(index, ChoiceResult(index, prompt_index))
+        while unsettled and unsettled[0][0] <= output.decided:
+            settled.add(unsettled.pop(0)[1])
         delta: dict[str, Any] = {"content": content} if content else {}
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        return delta, finish_reason
+        if not delta and finish_reason is None:
+            return None  # held back: it may be part of a tool call
+        del self._settled[index]
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(settled, 0),
+                  "finish_reason": finish_reason, "stop_reason": chunk.stop_reason}
+        return self._chunk(choice)
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self._chunk_object), "choices": [choice]}

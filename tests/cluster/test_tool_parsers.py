@@ -158,3 +158,47 @@ def test_the_configs_parser_names_are_the_parsers_implemented():
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
 
+
+def _stream_logprobs(text_pieces: list[str]) -> tuple[list[dict], list[float], list[float]]:
+    """A hermes-parsed chat choice streamed one token per piece, token i with logprob -i: the
+    chunks sent, the logprobs they carried in order, and the whole response's."""
+    from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText
+    from replica.core.outputs import RequestOutput
+
+    def output(number: int, piece: str) -> RequestOutput:
+        finish = "stop" if number == len(text_pieces) - 1 else None
+        return RequestOutput("r", [number], piece, finish, 3, number + 1, 0, [-float(number)])
+
+    def make_bodies() -> CompletionBodies:
+        return CompletionBodies("chat", "id", "m", TokenText(lambda ids: str(ids[0])), 0, [""],
+                                ToolCalling("auto", parser="hermes"))
+
+    stream = make_bodies()
+    sent = [body for number, piece in enumerate(text_pieces)
+            if (body := stream.chunk(0, 0, output(number, piece))) is not None]
+    streamed = [entry["logprob"] for body in sent for entry in body["choices"][0]["logprobs"]["content"]]
+    result = ChoiceResult(0, 0)
+    for number, piece in enumerate(text_pieces):
+        result.add(output(number, piece))
+    response = make_bodies().response([result], [result])
+    return sent, streamed, [entry["logprob"] for entry in response["choices"][0]["logprobs"]["content"]]
+
+
+def test_text_held_back_as_a_possible_call_keeps_its_logprobs_when_released_as_content():
+    sent, streamed, whole_logprobs = _stream_logprobs(["Hi", " <", "tool", " no", "pe."])
+    assert streamed == whole_logprobs == [0.0, -1.0, -2.0, -3.0, -4.0]
+    # " <" and "tool" were held (a call may have been starting): their logprobs went out with
+    # the text once it was released, never before it.
+    contents = [(body["choices"][0]["delta"].get("content"),
+                 [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]) for body in sent]
+    assert contents == [("Hi", [0.0]), (" <tool no", [-1.0, -2.0, -3.0]), ("pe.", [-4.0])]
+
+
+def test_a_calls_tokens_carry_their_logprobs_in_its_deltas_as_vllm_sends_them():
+    pieces = ["Ok", " <tool_call>", '{"name": "f", ', '"arguments": {"a"', ": 1}}", "</tool_call>"]
+    sent, streamed, whole_logprobs = _stream_logprobs(pieces)
+    assert streamed == whole_logprobs == [-float(number) for number in range(len(pieces))]
+    call_chunks = [body["choices"][0] for body in sent if body["choices"][0]["delta"].get("tool_calls")]
+    assert [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in call_chunks] == [
+        [-1.0, -2.0, -3.0], [-4.0]]
+    assert sent[-1]["choices"][0]["finish_reason"] == "tool_calls"
