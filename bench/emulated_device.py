@@ -76,6 +76,17 @@ def emulate_device(engine, ms_per_step: float, ms_per_token: float) -> None:
         return in_flight
 
     runner.launch = launch_on_device
+    sample_tokens = runner.sample_tokens
+
+    def sample_on_device(in_flight):
+        # A step with structured-output rows samples later: its tokens are ready no earlier
+        # than the device time its launch was given, and no earlier than now.
+        sampled = sample_tokens(in_flight)
+        if in_flight.done is not None:
+            sampled.done = _ReadyAt(max(in_flight.done.ready_at, time.perf_counter()))
+        return sampled
+
+    runner.sample_tokens = sample_on_device
 
 
 def emulated_device_engine(config, model, **options):

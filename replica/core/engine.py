@@ -246,7 +246,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A step aborted at a layer boundary (SLO policy) yields no
         outputs. With async scheduling the step launches the next forward pass before it
-        waits for the previous one, and returns the previous one's outputs."""
+        waits for the previous one, and returns the previous one's outputs; a step with
+        structured-output rows is sampled once the previous one's tokens are taken in."""
         return self._step(as_rows=False)
 
     def step_rows(self) -> list[tuple]:
@@ -275,18 +276,30 @@ class LLMEngine:
         else:
             previous = launched
         completing = time.perf_counter()
-        outputs = not_served + (self._complete(previous, as_rows) if previous is not None else [])
+        outputs = not_served
+        wait_s = sample_s = 0.0
+        if launched is not None and launched.in_flight.unsampled is not None:
+            # Its constrained rows' masks stand on the previous step's tokens: take those in
+            # first (their matchers advance), while the forward pass just launched runs.
+            if previous is not launched and previous is not None:
+                outputs = outputs + self._complete(previous, as_rows)
+                wait_s, previous = previous.in_flight.wait_s, None
+            sampling = time.perf_counter()
+            launched.in_flight = self.runner.sample_tokens(launched.in_flight)
+            sample_s = time.perf_counter() - sampling  # counted in launch_s, not update_s
+        if previous is not None:
+            outputs = outputs + self._complete(previous, as_rows)
+            wait_s = previous.in_flight.wait_s
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Everything finished with the previous step: what is in flight is all discarded.
             self._complete(self._in_flight, as_rows)
             self._in_flight = None
         end = time.perf_counter()
-        wait_s = previous.in_flight.wait_s if previous is not None else 0.0
         self.last_step = StepTiming(
             end - start, wait_s, launched.in_flight.launch_s if launched is not None else 0.0,
             len(scheduler_output.scheduled), scheduler_output.num_scheduled_tokens,
             launched.in_flight.graph_batch_size if launched is not None else None,
-            scheduled - start, end - completing - wait_s,
+            scheduled - start, end - completing - wait_s - sample_s,
         )
         elapsed = end - start
         if launched is not None or previous is not None:

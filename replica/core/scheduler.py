@@ -231,9 +231,6 @@ class Scheduler:
             if num_pending and (len(request.output_token_ids) + num_pending >= request.sampling_params.max_tokens):
                 index += 1  # the token still being sampled is its last: nothing left to run
                 continue
-            if num_pending and request.grammar is not None:
-                index += 1  # its grammar's next mask needs the token still being sampled
-                continue
             num_remaining = len(request.all_token_ids) + num_pending - request.num_computed_tokens
             if num_remaining <= token_budget and num_remaining <= whole_limit:
                 num_new_tokens = num_remaining

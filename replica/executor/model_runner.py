@@ -6,7 +6,10 @@ Inputs live in persistent device buffers filled by one non-blocking copy per ste
 decode-only steps replay a CUDA graph captured for their padded batch size (on CUDA,
 unless `enforce_eager`); sampling runs on the device and its token ids come back with one
 asynchronous copy. `launch` queues a step and returns at once; `StepInFlight.result()`
-waits for its tokens, so the engine can schedule the next step in between.
+waits for its tokens, so the engine can schedule the next step in between. A step with
+structured-output rows is launched up to its logits only: its grammars' masks need the tokens
+of the step before, so the engine takes those in first and then calls `sample_tokens`, while
+the forward pass runs on the device (vLLM's execute_model / sample_tokens split).
 
 Padded rows of a graph batch are harmless: slot -1 (the KV write skips it), sequence
 length 1 on the null block 0 (attention stays finite), never sampled.
@@ -65,8 +68,12 @@ class StepInFlight:
     graph_batch_size: Optional[int] = None  # the padded size replayed, None for an eager pass
     launch_s: float = 0.0  # host time launch() took: input preparation and kernel launches
     wait_s: float = field(default=0.0)  # host time result() spent waiting for the device
+    # Launched up to its logits; sampling waits for its grammars (ModelRunner.sample_tokens).
+    unsampled: Optional["_UnsampledStep"] = None
 
     def result(self) -> ModelRunnerOutput:
+        if self.unsampled is not None:
+            raise RuntimeError("the step's constrained rows were never sampled (ModelRunner.sample_tokens)")
         if not self.request_ids:
             return ModelRunnerOutput({}, {})
         if self.done is not None:
@@ -203,7 +210,10 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its tokens."""
-        return self.launch(scheduler_output).result()
+        in_flight = self.launch(scheduler_output)
+        if in_flight.unsampled is not None:
+            in_flight = self.sample_tokens(in_flight)
+        return in_flight.result()
 
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> StepInFlight:
@@ -232,6 +242,24 @@ class ModelRunner:
         in_flight = self._sample(step, hidden, scheduled)
         in_flight.launch_s = time.perf_counter() - start
         return in_flight
+
+    @torch.inference_mode()
+    def sample_tokens(self, in_flight: StepInFlight) -> StepInFlight:
+        """Sample a step that launch() left at its logits: the constrained rows' masks are built
+        now, from grammars that have taken in every token of the steps before (the caller saw to
+        it), and the whole step samples in one pass. Returns the step with its tokens on the way."""
+        start = time.perf_counter()
+        unsampled = in_flight.unsampled
+        step, scheduled = unsampled.step, unsampled.scheduled
+        constrained_seqs = step.constrained_seqs
+        if self.grammar_bitmask is None:
+            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.vocab_size, self.device)
+        grammar = self.grammar_bitmask.build(np.searchsorted(step.sampling_seqs, constrained_seqs),
+                                             [scheduled[index].request.grammar for index in constrained_seqs])
+        sampled = self._sample_logits(step, unsampled.logits, scheduled, grammar)
+        in_flight.unsampled = None
+        sampled.launch_s = in_flight.launch_s + time.perf_counter() - start
+        return sampled
 
     def _layer_check(self, step_id: int) -> Callable[[int], None]:
         """The model's layer hook for an abortable step: StepAborted when step_abort says so."""
@@ -369,17 +397,8 @@ class ModelRunner:
             facts=sampling.facts, wants_logprobs=sampling.wants_logprobs,
             num_top_logprobs=sampling.num_top_logprobs, pending_rows_of_samples=processed_rows,
             sample_request_ids=sample_request_ids,
-            grammar=self._grammar_mask(scheduled, constrained_seqs, sampling_seqs) if constrained_seqs else None,
+            constrained_seqs=constrained_seqs or None,
         )
-
-    def _grammar_mask(self, scheduled: list[ScheduledRequest], constrained_seqs: list[int],
-                      sampling_seqs: np.ndarray) -> GrammarMask:
-        """The token bitmasks of the constrained sampling rows, filled on the host now (while a
-        step in flight still runs on the device) and sent with one asynchronous copy."""
-        if self.grammar_bitmask is None:
-            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.vocab_size, self.device)
-        rows = np.searchsorted(sampling_seqs, constrained_seqs)
-        return self.grammar_bitmask.build(rows, [scheduled[index].request.grammar for index in constrained_seqs])
 
     def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot
@@ -472,6 +491,8 @@ class ModelRunner:
 
     def _sample(self, step: "_StepPlan", hidden: Optional[torch.Tensor],
                 scheduled: list[ScheduledRequest]) -> StepInFlight:
+        """The step's logits, then its sampling queued; a step with constrained rows stops at its
+        logits (queued on the device) and waits for sample_tokens."""
         num_samples = len(step.sampling_seqs)
         if not num_samples:
             return StepInFlight([], [], graph_batch_size=step.graph_size)
@@ -485,10 +506,19 @@ class ModelRunner:
             logits = self.decode_logits[:num_samples] if every_row else self.decode_logits.index_select(0, logits_indices)
             facts = step.facts
             if (facts["all_greedy"] and not facts["any_logprobs"] and step.pending_rows_of_samples is None
-                    and step.grammar is None):
+                    and step.constrained_seqs is None):
                 greedy = self.decode_greedy
                 return self._send_sampled(step, greedy[:num_samples] if every_row else greedy.index_select(
                     0, logits_indices), None, None, None)
+        if step.constrained_seqs is not None:
+            return StepInFlight(step.sample_request_ids, step.wants_logprobs, graph_batch_size=step.graph_size,
+                                unsampled=_UnsampledStep(step, logits, scheduled))
+        return self._sample_logits(step, logits, scheduled, None)
+
+    def _sample_logits(self, step: "_StepPlan", logits: torch.Tensor, scheduled: list[ScheduledRequest],
+                       grammar: Optional[GrammarMask]) -> StepInFlight:
+        device_views = self.staged.device_views
+        num_samples = len(step.sampling_seqs)
         batch = SamplingBatch(
             temperature=device_views["temperature"][:num_samples],
             top_k=device_views["top_k"][:num_samples],
@@ -499,7 +529,7 @@ class ModelRunner:
             step_indices=device_views["seed_steps"][:step.num_seeded],
             **step.facts,
             processors=self._logits_processing(step, scheduled),
-            grammar=step.grammar,
+            grammar=grammar,
         )
         sampled = self.sampler.sample(logits, batch)
         return self._send_sampled(step, sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
@@ -573,10 +603,20 @@ class _StepPlan:
     pending_rows_of_samples: Optional[np.ndarray]
     sample_request_ids: list[str]  # of the sampling rows, in order
     max_sampling_seq_len: int  # the longest context among the sequences that sample (0: none does)
-    grammar: Optional[GrammarMask] = None  # bitmasks of the rows with a structured-output grammar
+    # The sampling sequences with a structured-output grammar (indices into the step's), if any.
+    constrained_seqs: Optional[list[int]] = None
 
     @property
     def prunes_last_layer(self) -> bool:
         """An eager pass with tokens that do not sample runs its last layer, past the K/V write, for
         the sampling rows alone (a prefill's other tokens only fill the cache)."""
         return self.graph_size is None and len(self.sampling_seqs) < self.num_tokens
+
+
+@dataclass
+class _UnsampledStep:
+    """A launched step's logits (queued on the device), waiting for its grammars' masks."""
+
+    step: _StepPlan
+    logits: torch.Tensor
+    scheduled: list[ScheduledRequest]

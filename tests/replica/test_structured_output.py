@@ -3,7 +3,8 @@ field), the sampler's batched bitmask forbids exactly what the grammar forbids, 
 under a constraint matches it (on the built-in random model, which left alone would never
 write JSON), EOS comes only where the grammar may end, max_tokens still ends a request with
 `length`, and constrained greedy output does not depend on the pool (preemption, probed) or on
-overlapped scheduling; with the real SmolLM2, greedy output under a constraint that admits the
+overlapped scheduling, under which a constrained request runs every step (its mask built once
+the step before's token is taken in); with the real SmolLM2, greedy output under a constraint that admits the
 unconstrained answer is that answer."""
 
 from __future__ import annotations
@@ -157,23 +158,60 @@ def test_max_tokens_still_ends_a_constrained_request_with_length(builtin_engine)
     assert re.fullmatch("[a-z]+", text) and len(text) <= 20
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_constrained_greedy_output_is_the_same_in_a_cramped_pool_that_preempts(async_scheduling):
+def test_constrained_greedy_output_is_the_same_in_a_cramped_pool_that_preempts_and_with_async_scheduling():
     schema = StructuredOutput.json_schema(PERSON)
     prompts = [f"person {index}:" for index in range(6)]
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, structured_output=schema)] * 6
     outputs = {}
-    for name, blocks in (("roomy", 256), ("cramped", 24)):
-        engine = LLMEngine(make_engine_config(block_size=4, max_model_len=80, num_kv_blocks=blocks, max_num_seqs=6,
-                                              max_num_batched_tokens=64, async_scheduling=async_scheduling),
-                           "builtin", device="cpu")
-        outputs[name] = [text for text, _, _ in _run(engine, prompts, params)]
-        preemptions = engine.scheduler.counters.preemptions
-        engine.shutdown()
-        if name == "cramped":
-            assert preemptions > 0, "the cramped pool must really preempt"
-    assert outputs["cramped"] == outputs["roomy"]
-    assert all(text.startswith('{"name": "') for text in outputs["roomy"])  # constrained, cut at max_tokens
+    for async_scheduling in (False, True):
+        for name, blocks in (("roomy", 256), ("cramped", 24)):
+            engine = LLMEngine(make_engine_config(block_size=4, max_model_len=80, num_kv_blocks=blocks, max_num_seqs=6,
+                                                  max_num_batched_tokens=64, async_scheduling=async_scheduling),
+                               "builtin", device="cpu")
+            outputs[name, async_scheduling] = [text for text, _, _ in _run(engine, prompts, params)]
+            preemptions = engine.scheduler.counters.preemptions
+            engine.shutdown()
+            if name == "cramped":
+                assert preemptions > 0, "the cramped pool must really preempt"
+    assert all(texts == outputs["roomy", False] for texts in outputs.values()), outputs
+    assert all(text.startswith('{"name": "') for text in outputs["roomy", False])  # constrained, cut at max_tokens
+
+
+def test_under_async_scheduling_a_constrained_request_runs_every_step_its_mask_built_on_its_latest_token():
+    """The overlap: step N+1 is launched before step N's tokens are taken in, and its constrained
+    rows are sampled after, from matchers that have consumed every token up to N's."""
+    engine = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=64, max_num_seqs=4, async_scheduling=True),
+                       "builtin", device="cpu")
+    constrained = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                  structured_output=StructuredOutput("regex", "[a-z]{30}"))] * 2
+    free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # Compiled and cached first, so the requests below all join the first step.
+    engine.generate([[1]], SamplingParams(max_tokens=1, structured_output=constrained[0].structured_output))
+    requests = [engine.make_request(f"overlap-{index}", [1, 2, 3 + index], param)
+                for index, param in enumerate(constrained + [free])]
+    behind = []  # per constrained row and mask build: output tokens its matcher had not consumed
+    sample_tokens = engine.runner.sample_tokens
+
+    def checked_sample_tokens(in_flight):
+        for request in requests[:2]:
+            if request.num_output_tokens < 16:
+                behind.append(request.num_output_tokens - request.grammar.num_consumed)
+        return sample_tokens(in_flight)
+
+    engine.runner.sample_tokens = checked_sample_tokens
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    batch_sizes = []  # sequences launched per step
+    while engine.has_unfinished_requests():
+        engine.step()
+        batch_sizes.append(engine.last_step.num_seqs)
+    engine.shutdown()
+    assert [request.num_output_tokens for request in requests] == [16, 16, 16]
+    # One prefill and 15 decodes, all three requests in each: no step skipped for a mask.
+    assert [size for size in batch_sizes if size] == [3] * 16
+    assert len(behind) == 2 * 16 and set(behind) == {0}
+    for request in requests[:2]:
+        assert re.fullmatch("[a-z]{16}", engine.tokenizer.decode(request.output_token_ids))
 
 
 def _char_class(text: str) -> str:
