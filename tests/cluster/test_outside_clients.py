@@ -519,27 +519,29 @@ def test_openai_client_tools_required_and_named_return_calls_that_validate(clien
     assert not follow_up.choices[0].message.tool_calls
 
 
-def test_streamed_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
-    tools = [WEATHER_TOOL, TIME_TOOL]
+def test_streamed_tool_calls_arrive_as_written_and_the_clients_accumulator_assembles_the_whole_responses(client):
+    # Strict tools: the client's stream helper parses each call's arguments once they are done.
+    tools = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in (WEATHER_TOOL, TIME_TOOL)]
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         kwargs = dict(model=APP_NAME, messages=[USER], tools=tools, tool_choice=tool_choice, max_tokens=200,
                       temperature=0)
         whole = client.chat.completions.create(**kwargs)
-        calls: dict[int, dict] = {}
-        finish_reasons = []
-        for chunk in client.chat.completions.create(**kwargs, stream=True):
-            for choice in chunk.choices:
-                finish_reasons.append(choice.finish_reason)
-                for delta in choice.delta.tool_calls or ():
-                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                    call["name"] += delta.function.name or "" if delta.function else ""
-                    call["arguments"] += (delta.function.arguments or "") if delta.function else ""
-        expected = [{"name": call.function.name, "arguments": call.function.arguments}
-                    for call in whole.choices[0].message.tool_calls]
-        assert [calls[index] for index in sorted(calls)] == expected
-        assert finish_reasons[-1] == "tool_calls"
-        for call in whole.choices[0].message.tool_calls:
+        fragments: dict[int, int] = {}  # argument deltas per call
+        with client.chat.completions.stream(**kwargs) as stream:
+            for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    fragments[event.index] = fragments.get(event.index, 0) + 1
+            final = stream.get_final_completion()
+        streamed = final.choices[0].message.tool_calls
+        assert [(call.function.name, call.function.arguments) for call in streamed] == [
+            (call.function.name, call.function.arguments) for call in whole.choices[0].message.tool_calls]
+        assert final.choices[0].finish_reason == "tool_calls"
+        for call in streamed:
+            assert call.id.startswith("call_") and call.type == "function"
+            assert call.function.parsed_arguments == json.loads(call.function.arguments)
             _arguments_valid(call, tools)
+        # As the grammar writes them, not whole at the end: every call's arguments in several deltas.
+        assert len(fragments) == len(streamed) and all(count > 1 for count in fragments.values()), fragments
 
 
 def test_headroom_generate_constrains_its_output_through_serves_grpc_proxy(cluster, tmp_path):
