@@ -126,6 +126,20 @@ def test_tp2_greedy_equals_tp1_with_kv_heads_divided(builtin_tp1, builtin_tp2):
     assert_same_greedy_run(builtin_tp1, builtin_tp2, PROMPTS)
 
 
+def test_tp2_constrained_rows_sampled_after_the_previous_steps_tokens_give_tp1s_output(builtin_tp1, builtin_tp2):
+    """Under async scheduling a step with constrained rows samples once the previous step's
+    tokens are taken in (ModelRunner.sample_tokens), the workers waiting in the token broadcast
+    meanwhile; a constrained request beside a free one decodes as at TP=1, synchronous."""
+    schema = StructuredOutput.json_schema({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "n"], "additionalProperties": False})
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=schema)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    outputs = [[builtin_tp1.tokenizer.decode(tokens) for tokens in engine.generate(prompts, params)]
+               for engine in (builtin_tp1, builtin_tp2)]
+    assert outputs[0] == outputs[1] and all(json.loads(text)["n"] in range(100) for text in outputs[0])
+
+
 def test_block_table_changes_past_the_staged_capacity_reach_the_workers_too(builtin_tp1, builtin_tp2):
     """Rare on rank 0 (many long admissions at once), so forced here: one change fits the
     staged buffer, the rest go as the step's overflow copy, which the workers must apply too."""
