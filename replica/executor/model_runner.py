@@ -256,7 +256,8 @@ class ModelRunner:
             self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.vocab_size, self.device)
         grammar = self.grammar_bitmask.build(np.searchsorted(step.sampling_seqs, constrained_seqs),
                                              [scheduled[index].request.grammar for index in constrained_seqs])
-        sampled = self._sample_logits(step, unsampled.logits, scheduled, grammar)
+        # The engine appended the step before's tokens first: the histories hold every token.
+        sampled = self._sample_logits(step, unsampled.logits, scheduled, grammar, histories_complete=True)
         in_flight.unsampled = None
         sampled.launch_s = in_flight.launch_s + time.perf_counter() - start
         return sampled
@@ -513,10 +514,10 @@ class ModelRunner:
         if step.constrained_seqs is not None:
             return StepInFlight(step.sample_request_ids, step.wants_logprobs, graph_batch_size=step.graph_size,
                                 unsampled=_UnsampledStep(step, logits, scheduled))
-        return self._sample_logits(step, logits, scheduled, None)
+        return self._sample_logits(step, logits, scheduled, None, histories_complete=False)
 
     def _sample_logits(self, step: "_StepPlan", logits: torch.Tensor, scheduled: list[ScheduledRequest],
-                       grammar: Optional[GrammarMask]) -> StepInFlight:
+                       grammar: Optional[GrammarMask], histories_complete: bool) -> StepInFlight:
         device_views = self.staged.device_views
         num_samples = len(step.sampling_seqs)
         batch = SamplingBatch(
@@ -528,7 +529,7 @@ class ModelRunner:
             seeded_rows=device_views["seeded_rows"][:step.num_seeded],
             step_indices=device_views["seed_steps"][:step.num_seeded],
             **step.facts,
-            processors=self._logits_processing(step, scheduled),
+            processors=self._logits_processing(step, scheduled, histories_complete),
             grammar=grammar,
         )
         sampled = self.sampler.sample(logits, batch)
@@ -567,16 +568,18 @@ class ModelRunner:
             host_top_logprobs, done, step.graph_size,
         )
 
-    def _logits_processing(self, step: "_StepPlan", scheduled: list[ScheduledRequest]) -> Optional[LogitsProcessing]:
+    def _logits_processing(self, step: "_StepPlan", scheduled: list[ScheduledRequest],
+                           histories_complete: bool) -> Optional[LogitsProcessing]:
         """logit_bias and penalties of a batch where some row has them: the rows' parameters and
-        token histories, and (async scheduling) the output token each history still lacks,
-        read on the device from the rows' latest samples."""
+        token histories, and (async scheduling, unless `histories_complete`: the tokens in flight
+        at launch were appended since) the output token each history still lacks, read on the
+        device from the rows' latest samples."""
         if step.pending_rows_of_samples is None:
             return None
         requests = [scheduled[index].request for index in step.sampling_seqs.tolist()]
         pending_token_ids = None
         pending_rows = step.pending_rows_of_samples
-        if (pending_rows >= 0).any():
+        if not histories_complete and (pending_rows >= 0).any():
             rows = to_device(pending_rows, None, self.device)
             pending_token_ids = torch.where(rows >= 0, self.last_token_by_row.index_select(0, rows.clamp(min=0)), -1)
         return LogitsProcessing([request.sampling_params for request in requests], requests, pending_token_ids)

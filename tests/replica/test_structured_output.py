@@ -188,6 +188,27 @@ def test_constrained_greedy_output_is_the_same_in_a_cramped_pool_that_preempts_a
     assert all(text.startswith('{"name": "') for text in outputs["roomy", False])  # constrained, cut at max_tokens
 
 
+def test_penalties_beside_a_grammar_count_each_token_once_with_async_scheduling():
+    """A step with constrained rows samples after the step before's tokens are appended: the
+    frequency penalty must not count those tokens again as still in flight. On four letters the
+    random model's choices turn on a penalty counted once or twice."""
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=penalty,
+                             structured_output=StructuredOutput("regex", "[a-d]{40}")) for penalty in (0.02, 0.05, 0.1)]
+    params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=0.5))
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = LLMEngine(make_engine_config(max_model_len=64, num_kv_blocks=64, async_scheduling=async_scheduling),
+                           "builtin", device="cpu")
+        requests = [engine.make_request(f"pen-{index}", [1, 2, 3 + index], param) for index, param in enumerate(params)]
+        for request in requests:
+            engine.add_request(request, detokenize=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+        outputs[async_scheduling] = [request.output_token_ids for request in requests]
+        engine.shutdown()
+    assert outputs[True] == outputs[False]
+
+
 def test_under_async_scheduling_a_constrained_request_runs_every_step_its_mask_built_on_its_latest_token():
     """The overlap: step N+1 is launched before step N's tokens are taken in, and its constrained
     rows are sampled after, from matchers that have consumed every token up to N's."""
