@@ -1,7 +1,8 @@
-"""Live Ray Serve: two CPU LLMReplicas behind HeadroomRequestRouter with its KV event index.
-A request sharing a long prefix with an earlier one lands on the replica that cached it (its
-prefix-cache hit proves it), until that replica's committed KV is full: then it receives
-nothing, even for prompts it caches, and the other replica takes them (the prefix spreads).
+"""Live Ray Serve: two CPU LLMReplicas behind HeadroomRequestRouter with its KV event index. A
+request sharing a long prefix with an earlier one lands on the replica that cached it (its
+prefix-cache hit proves it), one under an output constraint too, until that replica's committed
+KV is full: then it receives nothing, even for prompts it caches, and the other replica takes
+them (the prefix spreads).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Optional
 
 import pytest
 
@@ -19,6 +21,7 @@ from cluster.config import ClusterConfig  # noqa: E402
 from cluster.deployment import GenerationRequest, build_llm_replica, generate_stream  # noqa: E402
 from protos.block_hash import block_hashes  # noqa: E402
 from replica.core.request import SamplingParams  # noqa: E402
+from replica.core.structured_output import StructuredOutput  # noqa: E402
 from router.headroom_router import HeadroomRouter  # noqa: E402
 from tests.cluster.serve_harness import generate_on_replica  # noqa: E402
 
@@ -36,9 +39,10 @@ FILLER = GenerationRequest(prompt_token_ids=list(range(20, 36)),
                            sampling=SamplingParams(max_tokens=496, temperature=0.0, ignore_eos=True))
 
 
-def shared_prefix_request(suffix: int) -> GenerationRequest:
+def shared_prefix_request(suffix: int, structured_output: Optional[StructuredOutput] = None) -> GenerationRequest:
     return GenerationRequest(prompt_token_ids=PREFIX + [suffix] * 8,
-                             sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+                             sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                     structured_output=structured_output))
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +107,13 @@ def test_a_shared_prefix_goes_to_its_holder_until_the_holders_committed_kv_is_fu
         for suffix in range(1, 5):
             replica_id, cached_tokens = await generate(handle, shared_prefix_request(suffix))
             assert replica_id == holder and cached_tokens >= len(PREFIX)
+        # A constrained follow-up routes the same (issue 22): the prompt, not the grammar, is the key.
+        constrained = shared_prefix_request(9, StructuredOutput("regex", "[a-z]{20}"))
+        assert constrained.routing_request() == shared_prefix_request(9).routing_request()
+        replica_id, cached_tokens = await generate(handle, constrained)
+        assert replica_id == holder and cached_tokens >= len(PREFIX)
         hits_before = router.metrics.sample("headroom_router_prefix_hit_tokens_total", replica=holder)
-        assert hits_before >= 4 * len(PREFIX)
+        assert hits_before >= 5 * len(PREFIX)
 
         # 2. Fill the holder's committed KV with long decodes sent to it directly, past the router.
         fillers = [generate_on_replica(APP_NAME, holder, FILLER) for _ in range(2)]

@@ -1,10 +1,11 @@
-"""Structured outputs in the engine core: constraints compile (or are refused naming the
-field), the sampler's batched bitmask forbids exactly what the grammar forbids, every output
-under a constraint matches it (on the built-in random model, which left alone would never
-write JSON), EOS comes only where the grammar may end, max_tokens still ends a request with
-`length`, and constrained greedy output does not depend on the pool (preemption, probed) or on
-overlapped scheduling, under which a constrained request runs every step (its mask built once
-the step before's token is taken in); with the real SmolLM2, greedy output under a constraint that admits the
+"""Structured outputs in the engine core: constraints compile, once per compiler (or are refused
+naming the field, unimplemented schema keywords too), the sampler's batched bitmask forbids
+exactly what the grammar forbids, every output under a constraint matches it (on the built-in
+random model, which left alone would never write JSON), EOS comes only where the grammar may end
+(even with EOS pushed by a bias), max_tokens still ends a request with `length`, and constrained
+greedy output does not depend on the pool (preemption, probed) or on overlapped scheduling,
+under which a constrained request runs every step (its mask built once the step before's token
+is taken in); with the real SmolLM2, greedy output under a constraint that admits the
 unconstrained answer is that answer; and every output under bench_structured's 64 agent-style
 JSON schemas that the grammar lets end parses and validates (`jsonschema`), at temperature 0 and
 1, on the random model and, one schema per family, on SmolLM2."""
@@ -68,6 +69,10 @@ def _run(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) ->
 
 @pytest.mark.parametrize("constraint, message", [
     (StructuredOutput("json", '{"type": "frobnicate"}'), "frobnicate"),
+    # Valid JSON Schema that llguidance does not implement: refused, not silently ignored.
+    (StructuredOutput.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+     "Unimplemented keys: [\"uniqueItems\"]"),
+    (StructuredOutput.json_schema({"not": {"type": "string"}}), "Unimplemented keys: [\"not\"]"),
     (StructuredOutput("regex", "a(b"), "regex"),
     (StructuredOutput("grammar", "start: foo bar baz ("), ""),
     (StructuredOutput("choice", ()), "empty"),
@@ -116,6 +121,40 @@ def test_a_constraint_whose_failed_compile_is_cached_still_ends_its_request(buil
                     for _ in range(50) for output in builtin_engine.step() if output.finished]
         assert finished == [(name, "abort")]
         assert not builtin_engine.has_unfinished_requests()
+
+
+def test_a_constraint_compiles_once_per_compiler_and_each_request_gets_its_own_matcher(builtin_engine):
+    """The cache: one compile per constraint for a tokenizer's compiler, whatever whitespace the
+    schema's text had; each request's matcher is a fresh copy, so one request's tokens never
+    move another's."""
+    compiler = _compiler(builtin_engine)
+    try:
+        first = compiler.compile(StructuredOutput.json_schema('{"type": "object", "required": ["a"]}'))
+        again = compiler.compile(StructuredOutput.json_schema('{ "type":"object","required":[ "a" ] }'))
+        assert again is first
+        assert compiler.compile(StructuredOutput.json_schema('{"type": "array"}')) is not first
+        constraint = StructuredOutput("regex", "[a-z]{4}")
+        one, two = compiler.matcher(constraint), compiler.matcher(constraint)
+        assert one.matcher is not two.matcher
+        assert one.accept(builtin_engine.tokenizer.encode("a", add_special_tokens=False)[0])
+        assert (one.num_consumed, two.num_consumed) == (1, 0)
+    finally:
+        compiler.shutdown()
+
+
+def test_eos_comes_only_where_the_grammar_can_end_even_when_the_model_pushes_it(builtin_engine):
+    """A logit_bias of +100 on EOS makes the model stop at once (the probe); under a grammar it
+    must still write the whole of what the grammar requires, and stop the first moment it may."""
+    push_eos = tuple((token_id, 100.0) for token_id in builtin_engine.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = [SamplingParams(max_tokens=24, temperature=0.0, logit_bias=push_eos, structured_output=constraint)
+              for constraint in (None, StructuredOutput("regex", "[a-z]{6}"), StructuredOutput.json_schema(schema))]
+    (free, free_end, free_request), (code, code_end, _), (document, document_end, _) = _run(
+        builtin_engine, ["eos?", "eos?", "eos?"], params)
+    assert (free, free_end, free_request.num_output_tokens) == ("", "stop", 1), "the bias did not push EOS"
+    assert re.fullmatch("[a-z]{6}", code) and code_end == "stop"
+    assert isinstance(json.loads(document)["a"], int) and document_end == "stop"
 
 
 def test_a_schema_given_as_text_that_is_not_json_is_refused():
