@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import secrets
+import time
 
 import grpc
 import pytest
@@ -40,6 +42,52 @@ def test_every_secret_is_compared_with_compare_digest(monkeypatch):
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
     Credentials(["first", "second", "third"]).accepts("first")  # matches the first: still compares all three
     assert [secret for _, secret in calls] == [b"first", b"second", b"third"]
+
+
+def _fastest_check_s(check, values: dict[str, str], rounds: int = 30, calls: int = 40) -> dict[str, float]:
+    """The fastest of `rounds` batches of `calls` checks of each value, the values' batches
+    interleaved (so load on the machine falls on all of them alike), in this thread's CPU time
+    (so time spent preempted is not counted)."""
+    fastest = {name: float("inf") for name in values}
+    for _ in range(rounds):
+        for name, value in values.items():
+            start = time.thread_time_ns()
+            for _ in range(calls):
+                check(value)
+            fastest[name] = min(fastest[name], (time.thread_time_ns() - start) / calls / 1e9)
+    return fastest
+
+
+def test_a_wrong_key_of_the_right_length_and_of_another_length_take_the_same_time():
+    """Through the check every door runs (Credentials.accepts_authorization). A 64 KiB key
+    makes the comparison most of the call: at a real key's 64 characters it is ~30 ns of a
+    ~1 us call, and a leak would drown in the interpreter's noise. The probe: the same
+    measurement of `==`, which stops at the first difference or a length mismatch, tells a
+    one-character key from a right-length one many times over."""
+    secret = secrets.token_hex(32 * 1024)
+    other = "0" if secret[-1] != "0" else "1"
+    wrong_keys = {
+        "right length, last character wrong": secret[:-1] + other,
+        "right length, first character wrong": other + secret[1:],
+        "one character longer": secret + other,
+        "one character shorter": secret[:-1],
+        "one character": other,
+    }
+    credentials = Credentials([secret])
+    headers = {name: f"Bearer {key}" for name, key in wrong_keys.items()}
+    assert not any(credentials.accepts_authorization(header) for header in headers.values())
+    fastest = _fastest_check_s(credentials.accepts_authorization, headers)
+    baseline = fastest["right length, last character wrong"]
+    ratios = {name: seconds / baseline for name, seconds in fastest.items()}
+    # Within noise; what is left of a difference is the handling of the presented value's own
+    # bytes (the one-character key skips copying 64 KiB), which its sender knows anyway.
+    assert all(0.75 <= ratio <= 1.33 for ratio in ratios.values()), ratios
+
+    encoded_secret = secret.encode()
+    leaky = {name: fastest_s for name, fastest_s in _fastest_check_s(
+        lambda key: key.encode() == encoded_secret,
+        {name: wrong_keys[name] for name in ("right length, last character wrong", "one character")}).items()}
+    assert leaky["one character"] < 0.5 * leaky["right length, last character wrong"], leaky
 
 
 def test_empty_or_padded_secrets_are_refused_without_echoing_them():
