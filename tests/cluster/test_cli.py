@@ -171,6 +171,41 @@ def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
         assert app.args.ports.grpc == config.grpc_options.port == 9500
 
 
+def test_serve_tls_flags_become_serves_ssl_options_as_absolute_paths(tmp_path, monkeypatch):
+    from tests.cluster.tls_harness import self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    monkeypatch.chdir(tmp_path)  # Serve's proxies run elsewhere: relative paths are made absolute
+    args = build_parser().parse_args(["serve", "--model", "builtin", "--tls-cert", cert.name, "--tls-key", key.name])
+    http_options = serve_config_from_args(args).http_options
+    assert Path(http_options.ssl_certfile) == cert.resolve() and Path(http_options.ssl_keyfile) == key.resolve()
+    assert Path(http_options.ssl_certfile).is_absolute() and http_options.ssl_ca_certs is None
+
+
+class RayWouldStart(Exception):
+    pass
+
+
+def test_serve_beyond_loopback_without_a_key_warns_in_one_line_before_ray_starts(monkeypatch, caplog):
+    from cluster import serve_command
+
+    def stop_before_ray(*args, **kwargs):
+        raise RayWouldStart
+
+    monkeypatch.setattr(serve_command, "init_local_ray", stop_before_ray)
+    for name in ("HEADROOM_API_KEY", "HEADROOM_API_KEY_FILE"):  # restored after the test, --api-key exports it
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+    for flags, warnings_expected in ((["--host", "0.0.0.0"], 1), (["--host", "0.0.0.0", "--api-key", "k"], 0),
+                                     (["--host", "127.0.0.1"], 0), ([], 0)):
+        caplog.clear()
+        with pytest.raises(RayWouldStart):
+            main(["serve", "--model", "builtin", *flags])
+        warnings = [record.getMessage() for record in caplog.records if "without an API key" in record.getMessage()]
+        assert len(warnings) == warnings_expected, (flags, warnings)
+        assert all(warning.startswith("warning: serving on 0.0.0.0") and "\n" not in warning for warning in warnings)
+
+
 @pytest.mark.timeout(240)
 def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
     # --api-key reaches Serve's proxy (in a Ray worker) through the environment Ray inherits.
