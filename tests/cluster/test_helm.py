@@ -1,7 +1,8 @@
 """The Helm chart: lints and renders for the CPU defaults and values-gpu.yaml; core
 manifests, and the pod templates and Service inside the RayService, pass kubernetes-validate;
 serveConfigV2 is our config schema; dashboard and rules are deploy/'s, byte for byte; the API
-key reaches both pod templates from a Secret; the NetworkPolicy keeps the replicas' internal
+key reaches both pod templates from a Secret, and so do the HTTPS certificate and key (tls), with
+a readiness probe that speaks HTTPS; the NetworkPolicy keeps the replicas' internal
 port inside the release and lets clients, Prometheus and KubeRay's operator in."""
 
 from __future__ import annotations
@@ -293,6 +294,43 @@ def test_without_a_key_no_container_gets_one_and_both_sources_at_once_fail_to_re
         assert api_key_env(container) == []
     with pytest.raises(helm.HelmError, match="apiKey: set existingSecret"):
         render({"apiKey": {"existingSecret": "serving-keys", "value": "sk-1"}})
+
+
+# ---- HTTPS on Serve's HTTP proxy ---------------------------------------------------------
+def test_a_tls_secret_gives_serves_http_proxy_https_on_every_pod_with_a_probe_that_speaks_it():
+    documents = render({"tls": {"existingSecret": "serve-cert"}})
+    service = rayservice(documents)
+    http_options = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).http_options
+    assert (http_options.ssl_certfile, http_options.ssl_keyfile) == ("/etc/headroom/tls/tls.crt",
+                                                                     "/etc/headroom/tls/tls.key")
+    for template in pod_templates(service):  # Serve's proxies run on the head and on every worker
+        assert template["spec"]["volumes"] == [{"name": "serve-tls", "secret": {"secretName": "serve-cert"}}]
+        (container,) = template["spec"]["containers"]
+        assert container["volumeMounts"] == [{"name": "serve-tls", "mountPath": "/etc/headroom/tls", "readOnly": True}]
+        for kubernetes_version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                          "template": template}, kubernetes_version, strict=True)
+    # KubeRay's injected probe would ask http://localhost:8000/-/healthz; the chart's asks HTTPS
+    # (test_api_keys runs this command against a live HTTPS proxy).
+    raylet_check, proxy_check = worker_container(service)["readinessProbe"]["exec"]["command"][2].split(" && ")
+    assert "http://localhost:52365/api/local_raylet_healthz" in raylet_check
+    assert "https://localhost:8000/-/healthz" in proxy_check and proxy_check.endswith("| grep success")
+
+
+def test_without_tls_serve_speaks_plain_http_and_kuberay_keeps_its_own_probes(documents):
+    service = rayservice(documents)
+    http_options = yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]
+    assert "ssl_certfile" not in http_options and "ssl_keyfile" not in http_options
+    for template in pod_templates(service):
+        (container,) = template["spec"]["containers"]
+        assert "volumes" not in template["spec"] and "volumeMounts" not in container
+        assert "readinessProbe" not in container  # KubeRay injects its own where none is set
+
+
+def test_a_tls_secret_beside_ssl_options_of_its_own_fails_to_render():
+    with pytest.raises(helm.HelmError, match="tls: set tls.existingSecret or serve.http_options.ssl_certfile"):
+        render({"tls": {"existingSecret": "serve-cert"},
+                "serve": {"http_options": {"ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem"}}})
 
 
 # ---- the NetworkPolicy ----------------------------------------------------------------------

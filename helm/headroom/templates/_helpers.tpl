@@ -85,3 +85,39 @@ env:
         key: {{ $.Values.apiKey.secretKey }}
 {{- end }}
 {{- end }}
+
+{{/* Serve's config as the RayService runs it: the `serve` values, with HTTPS on the HTTP
+     proxy from the mounted tls.existingSecret when one is set. */}}
+{{- define "headroom.serveConfig" -}}
+{{- $serve := deepCopy .Values.serve }}
+{{- if .Values.tls.existingSecret }}
+{{- $http := $serve.http_options | default dict }}
+{{- if or $http.ssl_certfile $http.ssl_keyfile }}
+{{- fail "tls: set tls.existingSecret or serve.http_options.ssl_certfile/ssl_keyfile, not both" }}
+{{- end }}
+{{- $_ := set $http "ssl_certfile" (printf "%s/tls.crt" (trimSuffix "/" .Values.tls.mountPath)) }}
+{{- $_ := set $http "ssl_keyfile" (printf "%s/tls.key" (trimSuffix "/" .Values.tls.mountPath)) }}
+{{- $_ := set $serve "http_options" $http }}
+{{- end }}
+{{- toYaml $serve }}
+{{- end }}
+
+{{/* The pod's volume holding the HTTPS certificate and key (tls.existingSecret). */}}
+{{- define "headroom.tlsVolumes" -}}
+{{- if .Values.tls.existingSecret -}}
+volumes:
+  - name: serve-tls
+    secret:
+      secretName: {{ .Values.tls.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{/* Where the Ray container finds them: serveConfigV2's ssl_certfile and ssl_keyfile. */}}
+{{- define "headroom.tlsVolumeMounts" -}}
+{{- if .Values.tls.existingSecret -}}
+volumeMounts:
+  - name: serve-tls
+    mountPath: {{ .Values.tls.mountPath }}
+    readOnly: true
+{{- end }}
+{{- end }}
