@@ -126,6 +126,27 @@ def test_tp2_greedy_equals_tp1_with_kv_heads_divided(builtin_tp1, builtin_tp2):
     assert_same_greedy_run(builtin_tp1, builtin_tp2, PROMPTS)
 
 
+def test_the_load_report_counts_the_whole_replicas_kv_as_at_tp1(builtin_tp1, builtin_tp2):
+    """Each rank holds its shard of every block, so a block in the load report is the whole
+    replica's (every rank's heads of those tokens): the router sees the same blocks, headroom and
+    usage as from the same pool at TP=1, never a rank's share nor N times the blocks."""
+    assert worker_stats(builtin_tp2)["num_kv_blocks"] == builtin_tp2.runner.kv_caches[0][0].shape[0]
+    fields = ("kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens")
+    idle = [tuple(getattr(engine.load(), name) for name in fields) for engine in (builtin_tp1, builtin_tp2)]
+    assert idle[1] == idle[0] and idle[0][0] == TIGHT["num_kv_blocks"] - 1  # less the null block
+    busy = []
+    for engine in (builtin_tp1, builtin_tp2):  # one request's prefill held: its blocks count once
+        request = engine.make_request(f"load-{engine.config.tensor_parallel_size}", PROMPTS[2], GREEDY)
+        engine.add_request(request, detokenize=False)
+        engine.step()
+        busy.append(tuple(getattr(engine.load(), name) for name in fields))
+        engine.abort_request(request.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.load().kv_blocks_free == idle[0][1], "the aborted request's blocks were not freed"
+    assert busy[1] == busy[0] and busy[0][1] < idle[0][1]
+
+
 def test_tp2_constrained_rows_sampled_after_the_previous_steps_tokens_give_tp1s_output(builtin_tp1, builtin_tp2):
     """Under async scheduling a step with constrained rows samples once the previous step's
     tokens are taken in (ModelRunner.sample_tokens), the workers waiting in the token broadcast
