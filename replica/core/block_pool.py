@@ -8,7 +8,7 @@ then is the hash removed, so a BLOCK_REMOVED event means the KV is really gone.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from replica.core.kv_events import ALL_BLOCKS_CLEARED, MEDIUM_DEVICE, KVEvent, removed, stored
 
@@ -109,6 +109,16 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
         return self.cached_blocks.get(block_hash)
+
+    def get_cached_prefix(self, block_hashes: Sequence[bytes]) -> list[KVBlock]:
+        """The cached blocks of the leading run of `block_hashes`, up to the first miss."""
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         if num_blocks > self.num_free_blocks:

@@ -101,15 +101,13 @@ class KVCacheManager:
         always left to compute, because the model must run to produce the next logits."""
         if not self.enable_caching:
             return [], 0
-        hashes = self._update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit_blocks = []
-        for block_hash in hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit_blocks.append(block)
+        hit_blocks = self.pool.get_cached_prefix(self._hit_hashes(request))
         return hit_blocks, len(hit_blocks) * self.block_size
+
+    def _hit_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's blocks a prefix hit may cover: its full blocks, short of
+        its last token (whose logits the model must still compute)."""
+        return self._update_block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
 
     def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_caching:
@@ -122,15 +120,7 @@ class KVCacheManager:
         left to compute, as for device hits)."""
         if self.host_pool is None or not self.enable_caching:
             return []
-        hashes = self._update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for block_hash in hashes[num_device_hit_blocks:max_hit_blocks]:
-            block = self.host_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.host_pool.get_cached_prefix(self._hit_hashes(request)[num_device_hit_blocks:])
 
     def hold_host_hits(self, host_hits: Sequence[KVBlock]) -> None:
         """Keep host hits from being reused while an allocation may spill into the host tier;
