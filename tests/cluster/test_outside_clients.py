@@ -716,6 +716,8 @@ HTTP_PROBES = [
     ("functions", "POST", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     ("json_schema_invalid", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "frobnicate"}}}), 400, "response_format.json_schema.schema"),
+    ("json_schema_unsupported_keyword", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}), 400, "response_format.json_schema.schema"),
     ("json_schema_missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
      "response_format.json_schema"),
     ("response_format_unknown_type", "POST", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
@@ -830,6 +832,11 @@ GRPC_PROBES = [
      grpc.StatusCode.INVALID_ARGUMENT, "regex: "),
     ("choice_empty", pb.GenerateRequest(text="hi", choice=pb.Choices(), sampling=sampling()), (),
      grpc.StatusCode.INVALID_ARGUMENT, "choice: "),
+    ("grammar_syntax_error", pb.GenerateRequest(text="hi", grammar="start: ( ", sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "grammar: "),
+    ("json_schema_unsupported_keyword", pb.GenerateRequest(text="hi", json_schema='{"not": {"type": "string"}}',
+                                                           sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "json_schema: "),
 ]
 
 
