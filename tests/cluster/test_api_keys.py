@@ -199,6 +199,22 @@ def test_http_health_is_open_and_plain_http_is_not_served(https):
         requests.get(f"http://127.0.0.1:{BASE_PORT}/health", timeout=10)
 
 
+def test_the_helm_charts_https_readiness_probe_passes_where_kuberays_plain_http_one_fails(cluster):
+    """The proxy half of the readiness probe the chart gives worker pods with tls set, as
+    rendered, run against this HTTPS proxy; KubeRay's own (plain HTTP) fails against it."""
+    pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
+    from tests.cluster.test_helm import rayservice, render, worker_container
+
+    probe = worker_container(rayservice(render({"tls": {"existingSecret": "serve-cert"}})))["readinessProbe"]
+    proxy_check = probe["exec"]["command"][2].split(" && ")[1]
+    assert "https://localhost:8000/" in proxy_check
+    here = proxy_check.replace("localhost:8000", f"127.0.0.1:{BASE_PORT}")
+    kuberays = here.replace(" --no-check-certificate", "").replace("https://", "http://")
+    for command, passes in ((here, True), (kuberays, False)):
+        ran = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+        assert (ran.returncode == 0) == passes, (command, ran.returncode, ran.stdout, ran.stderr)
+
+
 def test_https_needs_the_certificate_to_be_trusted(cluster):
     with pytest.raises(requests.exceptions.SSLError):
         requests.get(f"{HTTPS}/health", timeout=10)  # the system's CAs do not know a self-signed one
