@@ -115,6 +115,11 @@ def test_an_unusable_key_file_exits_2_naming_the_flag(tmp_path, capsys):
     (["--max-model-len", "0"], "error: engine.max_model_len:"),
     (["--replicas", "0"], "error: replicas.num_replicas:"),
     (["--model", "/nonexistent/model"], "error: model '/nonexistent/model': not a known model name"),
+    (["--autoscaling", "headroom", "--min-replicas", "4", "--max-replicas", "2"],
+     "error: replicas.autoscaling.max_replicas: 2 is below min_replicas 4\n"),
+    (["--min-replicas", "0"], "error: replicas.autoscaling.min_replicas: Input should be greater than or equal to 1\n"),
+    (["--replicas", "3", "--autoscaling", "requests"],
+     "error: replicas.num_replicas: set either num_replicas or autoscaling, not both\n"),
 ])
 def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -169,6 +174,27 @@ def test_serve_flags_override_every_application_of_the_config_file(tmp_path):
         assert app.args.replicas.num_replicas == 3 and app.args.engine.max_num_seqs == 8
         assert app.args.engine.max_num_batched_tokens == 2048  # from the file, untouched
         assert app.args.ports.grpc == config.grpc_options.port == 9500
+
+
+def test_serve_autoscaling_flags_set_the_policy_and_bounds_and_keep_the_files_knobs(tmp_path):
+    """--autoscaling/--min-replicas/--max-replicas write the config's replicas.autoscaling
+    (the schema the Serve config and the Helm values use); the file's other knobs stay."""
+    document = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.yaml").read_text())
+    replicas = document["applications"][0]["args"]["replicas"]
+    del replicas["num_replicas"]
+    replicas["autoscaling"] = {"policy": "headroom", "max_replicas": 3, "target_utilization": 0.7,
+                               "replica_startup_s": 90}
+    config_file = tmp_path / "autoscaled.yaml"
+    config_file.write_text(yaml.safe_dump(document))
+    args = build_parser().parse_args(["serve", "--config", str(config_file), "--autoscaling", "requests",
+                                      "--max-replicas", "6"])
+    autoscaling = serve_config_from_args(args).applications[0].args.replicas.autoscaling
+    assert (autoscaling.policy, autoscaling.min_replicas, autoscaling.max_replicas) == ("requests", 1, 6)
+    assert (autoscaling.target_utilization, autoscaling.replica_startup_s) == (0.7, 90)
+    # --replicas on the command line replaces the file's autoscaling with a fixed count.
+    fixed = serve_config_from_args(build_parser().parse_args(["serve", "--config", str(config_file), "--replicas", "2"]))
+    assert fixed.applications[0].args.replicas.autoscaling is None
+    assert fixed.applications[0].args.replicas.num_replicas == 2
 
 
 def test_serve_tls_flags_become_serves_ssl_options_as_absolute_paths(tmp_path, monkeypatch):

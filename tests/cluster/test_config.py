@@ -15,6 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import (
     APP_IMPORT_PATH,
+    AutoscalingConfig,
     GRPC_SERVICER_FUNCTIONS,
     ClusterConfig,
     RouterConfig,
@@ -133,6 +134,32 @@ def test_deploy_serve_config_validates_against_our_schema():
     assert config.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
     assert config.http_options.port == 8000 and config.http_options.host == "127.0.0.1"
     assert app.args.router.policy == "headroom"
+
+
+def uncommented_autoscaling(text: str) -> str:
+    """deploy/serve_config.yaml with its commented-out `autoscaling:` block switched on in
+    place of the num_replicas line above it."""
+    lines = text.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.strip() == "# autoscaling:")
+    indent = lines[start].index("#")
+    end = start + 1
+    while lines[end].startswith(" " * indent + "#   "):
+        end += 1
+    assert lines[start - 1].strip().startswith("num_replicas:"), lines[start - 1]
+    block = [line[:indent] + line[indent + 2:] for line in lines[start:end]]
+    return "\n".join(lines[:start - 1] + block + lines[end:]) + "\n"
+
+
+def test_deploy_serve_configs_autoscaling_block_switched_on_is_the_documented_defaults():
+    """The commented-out block an operator uncomments names every AutoscalingConfig field, with
+    its default value (one source of truth: the comment may not drift from the config)."""
+    document = yaml.safe_load(uncommented_autoscaling(SERVE_CONFIG.read_text()))
+    replicas = document["applications"][0]["args"]["replicas"]
+    assert "num_replicas" not in replicas
+    assert replicas["autoscaling"] == AutoscalingConfig().model_dump()
+    config = load_config(document)
+    assert config.applications[0].args.replicas.autoscaling == AutoscalingConfig()
+    ServeDeploySchema.model_validate(document)
 
 
 def test_deploy_serve_config_validates_against_ray_serves_schema():
