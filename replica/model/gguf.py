@@ -2,6 +2,10 @@
 `gguf` package, every tensor dequantized once to float32, q/k rows un-permuted back to Hugging
 Face's rotary layout, and written as the Hugging Face-style directory the normal loader reads
 (config.json, model.safetensors, tokenizer files, chat template), cached by the file's content.
+
+The weights are converted one safetensors shard at a time (at most MAX_SHARD_BYTES of float32
+each, with Hugging Face's index when there are several), so converting a model never holds
+more of it than one shard; the loader then reads each tensor-parallel rank's slices alone.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,10 +24,14 @@ from safetensors.torch import save_file
 
 from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
 from replica.model.config import ModelLoadError
+from replica.model.loader import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE
 from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
 
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# A converted shard's float32 bytes at most (a single larger tensor is a shard of its own):
+# Hugging Face's own default shard size, and what conversion holds in memory at once.
+MAX_SHARD_BYTES = 5 * 10**9
 _T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
     _T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
@@ -69,12 +77,12 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
     return target
 
 
-def write_hf_checkpoint(gguf_path: Path, model_dir: Path) -> None:
+def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Every file of a Hugging Face Llama checkpoint equivalent to the GGUF file."""
     reader = read_gguf(gguf_path)
     metadata = gguf_metadata(reader)
     config = hf_config_from_gguf(metadata, reader, gguf_path)
-    weights = hf_weights_from_gguf(reader, config, gguf_path)
+    check_tensor_types(reader, gguf_path)
     tokenizer = tokenizer_from_gguf_metadata(metadata)
     _write_json(model_dir / "config.json", config)
     _write_json(model_dir / "generation_config.json",
@@ -84,7 +92,33 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path) -> None:
     tokenizer.save(str(model_dir / "tokenizer.json"))
     if chat_template := metadata.get("tokenizer.chat_template"):
         (model_dir / "chat_template.jinja").write_text(chat_template)
-    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    write_weight_shards(reader, config, gguf_path, model_dir, max_shard_bytes)
+
+
+def write_weight_shards(reader: GGUFReader, config: dict[str, Any], gguf_path: Path, model_dir: Path,
+                        max_shard_bytes: int) -> None:
+    """The weights as model.safetensors, or as numbered shards of at most max_shard_bytes with
+    model.safetensors.index.json; each shard is dequantized, written and dropped before the next."""
+    shards: list[list] = [[]]
+    shard_bytes = 0
+    for tensor in reader.tensors:  # float32 once converted: four bytes per element
+        tensor_bytes = 4 * int(tensor.n_elements)
+        if shards[-1] and shard_bytes + tensor_bytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(tensor)
+        shard_bytes += tensor_bytes
+    metadata = {"format": "pt", "source": gguf_path.name}
+    weight_map, total_bytes = {}, 0
+    for number, tensors in enumerate(shards, start=1):
+        file_name = SINGLE_WEIGHTS_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        weights = hf_weights_from_gguf(reader, config, gguf_path, tensors)
+        save_file(weights, str(model_dir / file_name), metadata=metadata)
+        weight_map.update(dict.fromkeys(weights, file_name))
+        total_bytes += sum(weight.numel() * weight.element_size() for weight in weights.values())
+        del weights  # before the next shard is dequantized
+    if len(shards) > 1:
+        _write_json(model_dir / SHARD_INDEX_FILE, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
 
 
 def read_gguf(gguf_path: Path) -> GGUFReader:
@@ -175,8 +209,7 @@ def _rope_scaling(metadata: dict[str, Any], gguf_path: Path) -> dict[str, Any] |
     raise GGUFError(f"{gguf_path}: llama.rope.scaling.type {scaling_type!r} is not supported; supported: none, linear")
 
 
-def hf_weights_from_gguf(reader: GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, torch.Tensor]:
-    """float32 tensors under Hugging Face's names, each dequantized once, q/k un-permuted."""
+def check_tensor_types(reader: GGUFReader, gguf_path: Path) -> None:
     unsupported = [tensor for tensor in reader.tensors if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES]
     if unsupported:
         names = ", ".join(f"{tensor.name} ({tensor.tensor_type.name})" for tensor in unsupported[:4])
@@ -184,8 +217,14 @@ def hf_weights_from_gguf(reader: GGUFReader, config: dict[str, Any], gguf_path: 
             f"{gguf_path}: unsupported quantization type {unsupported[0].tensor_type.name} in tensor(s) {names}; "
             f"supported: {', '.join(tensor_type.name for tensor_type in SUPPORTED_TENSOR_TYPES)}"
         )
+
+
+def hf_weights_from_gguf(reader: GGUFReader, config: dict[str, Any], gguf_path: Path,
+                         tensors: Optional[Sequence] = None) -> dict[str, torch.Tensor]:
+    """float32 tensors under Hugging Face's names, each dequantized once, q/k un-permuted: all of
+    the file's, or only `tensors` (some of reader.tensors). The caller checked their types."""
     weights = {}
-    for tensor in reader.tensors:
+    for tensor in reader.tensors if tensors is None else tensors:
         name = _hf_tensor_name(tensor.name, gguf_path)
         # A copy: F32 tensors dequantize to a read-only view of the mapped file.
         weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
