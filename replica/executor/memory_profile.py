@@ -80,6 +80,48 @@ def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: 
             * model_config.head_dim * element_size)
 
 
+@dataclass(frozen=True)
+class DummyPrefill:
+    """A prefill step of whole prompts of dummy tokens over a scratch KV cache of its own
+    (block 0 the null block, then each prompt's blocks in turn), for a measurement's forward
+    pass: `model(*prefill.model_inputs())`."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_caches: list
+    metadata: AttentionMetadata
+    num_kv_blocks: int  # the scratch cache's, the null block included
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM, model_config: ModelConfig, seq_lens: list[int], block_size: int,
+           device: torch.device) -> "DummyPrefill":
+        blocks_per_seq = [-(-length // block_size) for length in seq_lens]
+        table = np.zeros((len(seq_lens), max(blocks_per_seq)), dtype=np.int32)
+        next_block = 1  # block 0 is the null block
+        for row, num_blocks in enumerate(blocks_per_seq):
+            table[row, :num_blocks] = np.arange(next_block, next_block + num_blocks)
+            next_block += num_blocks
+        positions = np.concatenate([np.arange(length) for length in seq_lens])
+        rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
+        slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        kv_caches = allocate_kv_cache(model_config.num_hidden_layers, next_block, block_size,
+                                      model_config.num_key_value_heads, model_config.head_dim,
+                                      next(model.parameters()).dtype, device)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.from_numpy(table).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            max_query_len=max(seq_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return cls(torch.zeros(len(positions), dtype=torch.int64, device=device), torch.from_numpy(positions).to(device),
+                   kv_caches, metadata, next_block)
+
+    def model_inputs(self) -> tuple:
+        return self.input_ids, self.positions, self.kv_caches, self.metadata
+
+
 @torch.inference_mode()
 def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
                 device: torch.device) -> int:
@@ -87,33 +129,13 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
     it allocated (part of the measured peak, but not activation memory)."""
     num_tokens, max_len, block_size = config.max_num_batched_tokens, config.max_model_len, config.block_size
     seq_lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-    blocks_per_seq = [-(-length // block_size) for length in seq_lens]
-    table = np.zeros((len(seq_lens), max(blocks_per_seq)), dtype=np.int32)
-    next_block = 1  # block 0 is the null block
-    for row, num_blocks in enumerate(blocks_per_seq):
-        table[row, :num_blocks] = np.arange(next_block, next_block + num_blocks)
-        next_block += num_blocks
-    positions = np.concatenate([np.arange(length) for length in seq_lens])
-    rows = np.repeat(np.arange(len(seq_lens)), seq_lens)
-    slots = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    dtype = next(model.parameters()).dtype
-    kv_caches = allocate_kv_cache(model_config.num_hidden_layers, next_block, block_size,
-                                  model_config.num_key_value_heads, model_config.head_dim, dtype, device)
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(table).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        max_query_len=max(seq_lens),
-        max_seq_len=max(seq_lens),
-    )
-    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device),
-                   torch.from_numpy(positions).to(device), kv_caches, metadata)
+    prefill = DummyPrefill.of(model, model_config, seq_lens, block_size, device)
+    hidden = model(*prefill.model_inputs())
     num_rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:num_rows])
     Sampler().sample(logits, SamplingBatch.of_params([_WORST_CASE_SAMPLING] * num_rows, [0] * num_rows,
                                                      model_config.vocab_size, device))
-    return next_block * kv_cache_bytes_per_block(model_config, block_size, dtype)
+    return prefill.num_kv_blocks * kv_cache_bytes_per_block(model_config, block_size, next(model.parameters()).dtype)
 
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,

@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
-from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import EngineConfig
 from replica.core.host_pool import BlockCopies
 from replica.core.preemption_mode import PreemptionCosts, prefill_probe_tokens
 from replica.executor.kv_swap import KVSwapper
+from replica.executor.memory_profile import DummyPrefill
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
 
@@ -36,27 +35,12 @@ def measure_prefill_s_per_token(model: LlamaForCausalLM, model_config: ModelConf
                                 device: torch.device) -> float:
     """One prompt's forward pass on dummy tokens, over a scratch KV cache."""
     num_tokens = prefill_probe_tokens(config)
-    block_size = config.block_size
-    num_blocks = -(-num_tokens // block_size)
-    dtype = next(model.parameters()).dtype
-    kv_caches = allocate_kv_cache(model_config.num_hidden_layers, num_blocks + 1, block_size,
-                                  model_config.num_key_value_heads, model_config.head_dim, dtype, device)
-    positions = np.arange(num_tokens)
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(1, num_blocks + 1, dtype=torch.int32, device=device).view(1, -1),
-        slot_mapping=torch.from_numpy(positions + block_size).to(device),
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-    )
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    positions_t = torch.from_numpy(positions).to(device)
+    prefill = DummyPrefill.of(model, model_config, [num_tokens], config.block_size, device)
     timings = []
     for _ in range(REPEATS + 1):  # the first warms up
         _synchronize(device)
         start = time.perf_counter()
-        hidden = model(input_ids, positions_t, kv_caches, metadata)
+        hidden = model(*prefill.model_inputs())
         model.compute_logits(hidden[-1:])
         _synchronize(device)
         timings.append(time.perf_counter() - start)
