@@ -497,11 +497,9 @@ class ModelRunner:
         num_samples = len(step.sampling_seqs)
         if not num_samples:
             return StepInFlight([], [], graph_batch_size=step.graph_size)
-        device_views = self.staged.device_views
-        logits_indices = device_views["logits_indices"][:num_samples]
-        if hidden is not None:  # a pruned pass returned the sampling rows' hidden states alone, in order
-            logits = self.model.compute_logits(hidden if step.prunes_last_layer
-                                               else hidden.index_select(0, logits_indices))
+        logits_indices = self.staged.device_views["logits_indices"][:num_samples]
+        if hidden is not None:
+            logits = self.logits_of(step, hidden)
         else:  # a padded decode pass: a decode's token is its row, so the sampling rows lead
             every_row = num_samples == step.num_seqs
             logits = self.decode_logits[:num_samples] if every_row else self.decode_logits.index_select(0, logits_indices)
@@ -515,6 +513,17 @@ class ModelRunner:
             return StepInFlight(step.sample_request_ids, step.wants_logprobs, graph_batch_size=step.graph_size,
                                 unsampled=_UnsampledStep(step, logits, scheduled))
         return self._sample_logits(step, logits, scheduled, None, histories_complete=False)
+
+    def logits_of(self, step: "_StepPlan", hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the step's sampling rows from its forward pass's hidden states (a pass
+        pruned to those rows returned theirs alone, in order)."""
+        if not step.prunes_last_layer:
+            hidden = hidden.index_select(0, self.staged.device_views["logits_indices"][:len(step.sampling_seqs)])
+        return self.model.compute_logits(hidden)
+
+    def keep_sampled(self, token_ids: torch.Tensor) -> None:
+        """The step's sampled tokens stay on the device, in their rows, as the next step's inputs."""
+        self.last_token_by_row.index_copy_(0, self.staged.device_views["sample_rows"][:len(token_ids)], token_ids)
 
     def _sample_logits(self, step: "_StepPlan", logits: torch.Tensor, scheduled: list[ScheduledRequest],
                        grammar: Optional[GrammarMask], histories_complete: bool) -> StepInFlight:
@@ -541,7 +550,7 @@ class ModelRunner:
         """Keep the sampled tokens on the device for the next step's inputs and copy them (and
         any logprobs) to the host without waiting; the StepInFlight waits when read."""
         num_samples = len(token_ids)
-        self.last_token_by_row.index_copy_(0, self.staged.device_views["sample_rows"][:num_samples], token_ids)
+        self.keep_sampled(token_ids)
         # Two host buffers alternate: with overlapped scheduling the next step's copy lands
         # while this step's tokens are still being read.
         slot = self._num_launched % 2

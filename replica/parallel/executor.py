@@ -317,16 +317,13 @@ class _Worker:
         num_samples = len(plan.sampling_seqs)
         if not num_samples:
             return
-        device_views = runner.staged.device_views
         if hidden is None:  # a padded decode pass: it gathered every row's logits itself, as a graph would
             self.num_padded_decode_steps += 1
         else:
-            if not plan.prunes_last_layer:
-                hidden = hidden.index_select(0, device_views["logits_indices"][:num_samples])
-            runner.model.compute_logits(hidden)  # this rank's vocabulary block, for rank 0's gather
+            runner.logits_of(plan, hidden)  # this rank's vocabulary block, for rank 0's gather
         token_ids = torch.empty(num_samples, dtype=torch.int64, device=runner.device)
         self.tp.broadcast(token_ids, src=0)
-        runner.last_token_by_row.index_copy_(0, device_views["sample_rows"][:num_samples], token_ids)
+        runner.keep_sampled(token_ids)
 
 
 def start_tensor_parallel(config: EngineConfig, model_dir, device: torch.device, dtype: Optional[str],
