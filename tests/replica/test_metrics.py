@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.headroom_pb2 import ReplicaLoad
-from replica.core.load import SchedulerLoad
+from replica.core.load import COUNTER_FOR_FIELD, SchedulerLoad
 from replica.server.metrics import (
     FINISH_REASONS,
     METRIC_NAMES,
@@ -24,28 +24,9 @@ DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 LABELS = {"replica": "replica-0", "model": "tiny-llama"}
 
 
-@dataclass(frozen=True)
-class Totals:
-    """What the engine passes to sync_counters (its SchedulerLoad has these fields)."""
-
-    preemptions_total: int = 0
-    recomputed_tokens_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    admissions_held_total: int = 0
-    admissions_relaxed_total: int = 0
-    slo_preemptions_total: int = 0
-    slo_discarded_layers_total: int = 0
-    swap_preemptions_total: int = 0
-    recompute_tokens_avoided_total: int = 0
-    swapped_out_blocks_total: int = 0
-    swapped_in_blocks_total: int = 0
-    swapped_out_bytes_total: int = 0
-    swapped_in_bytes_total: int = 0
-    spilled_blocks_total: int = 0
-    host_prefix_hit_blocks_total: int = 0
+# What the engine passes to sync_counters: its SchedulerLoad's counter fields (declared once, in
+# replica/core/load.py), each 0 unless a test sets it.
+Totals = make_dataclass("Totals", [(name, int, 0) for name in COUNTER_FOR_FIELD], frozen=True)
 
 
 @pytest.fixture
@@ -175,7 +156,7 @@ def test_sync_counters_rejects_a_total_that_went_backwards_and_moves_no_counter(
 
 
 def test_sync_counters_accepts_the_schedulers_load_snapshot(metrics: ReplicaMetrics):
-    from replica.core.load import SchedulerLoad
+    from replica.core.load import COUNTER_FOR_FIELD, SchedulerLoad
 
     fields = {name: 0 for name in SchedulerLoad.__dataclass_fields__}
     load = SchedulerLoad(**{**fields, "preemptions_total": 9, "prefix_cache_hits": 32, "kv_usage": 0.5})
