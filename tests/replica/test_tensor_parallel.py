@@ -2,7 +2,8 @@
 Greedy output at TP=2 equals TP=1 token for token, with KV heads divided (the built-in model's
 4) and replicated (a tiny model with 1 KV head and an odd vocabulary, padded), under chunked
 prefill, prefix caching, preemption and padded decode; seeded samples and a grammar's
-constraint too; each rank loads only its slices; a cramped pool swapping to every rank's host
+constraint too; SmolLM2 at TP=3 (its 9 heads rule out 2) as at TP=1; the load report counts
+the whole replica's KV; each rank loads only its slices; a cramped pool swapping to every rank's host
 shard, and a prefix spilled there, give TP=1's tokens; the ranks size a profiled pool to the
 tightest GPU; the SLO abort is a vote every rank reaches at every layer boundary of an
 abortable step; a dead worker takes the replica down."""
@@ -320,6 +321,27 @@ def test_smollm2_from_its_gguf_divides_among_three_ranks_not_two(smollm2_dir):
     assert torch.equal(ours, torch.cat([q[384:], k[128:], v[128:]]))  # heads 6-8 and KV head 2
     # Tied embeddings: the LM head is the rank's block of the embedding's rows.
     assert torch.equal(shard.lm_head.weight, whole.model.embed_tokens.weight[2 * 16384:])
+
+
+@pytest.mark.timeout(600)  # four SmolLM2 loads (TP=1, then three ranks) on a shared 2-core machine
+def test_smollm2_greedy_at_tp3_equals_tp1_token_for_token(smollm2_dir):
+    """The real default model sharded for real (3 heads and its 1 of 3 KV heads per rank, the
+    49,152-token vocabulary in three blocks), prompts chunked into 32-token slices, one a prefix
+    of another (a prefix-cache hit): greedy tokens and logprobs as at TP=1."""
+    prompts = [PROMPTS[1], PROMPTS[1][:32] + [11, 12, 13]]
+    prompts = [[1000 + 37 * token for token in prompt] for prompt in prompts]  # real words, not bytes
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    results = {}
+    for size in (1, 3):
+        engine = make_engine(smollm2_dir, tensor_parallel_size=size, num_kv_blocks=64)
+        try:
+            results[size] = run(engine, prompts, params)
+            assert engine.scheduler.kv_cache.prefix_cache_hits > 0, "no prefix-cache hit happened"
+        finally:
+            engine.shutdown()
+    assert results[3][0] == results[1][0]
+    for ours, theirs in zip(results[3][1], results[1][1]):
+        assert ours == pytest.approx(theirs, abs=1e-3)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_a_one_line_error_at_start():
