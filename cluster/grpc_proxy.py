@@ -80,11 +80,12 @@ async def parsed(raw: bytes, message_type: type, limits: RequestLimits, credenti
         await context.abort(*grpc_status(missing_credential("API key")))
     try:
         limits.check_request_bytes(len(raw))
-        return message_type.FromString(raw)
+        try:
+            return message_type.FromString(raw)
+        except DecodeError as error:
+            raise InvalidRequestError("request", f"not a valid {message_type.__name__}: {error}") from None
     except InvalidRequestError as error:  # names `request`, the same in the proto as in the engine
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    except DecodeError as error:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {message_type.__name__}: {error}")
+        await context.abort(*grpc_status(error))
 
 
 class ContextUntilEnd:

@@ -36,7 +36,7 @@ from cluster.deployment import (
 )
 from cluster.openai_api import (
     ChatCompletionRequest, Choice, CompletionRequest, OpenAIError, choice_sampling_params, error_body,
-    invalid_request_body, openai_error, parse_body,
+    openai_error, parse_body,
 )
 from cluster.openai_responses import (
     SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
@@ -497,7 +497,8 @@ class Ingress:
                         request_id=f"{request_id}-{choice.index}",
                     )))
         except InvalidRequestError as error:
-            return JSONResponse(invalid_request_body(error, param_for_field), status_code=400)
+            status, error_json = openai_error(error, param_for_field)
+            return JSONResponse(error_json, status_code=status)
         bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,
                                   body.num_logprobs, echo_texts,
                                   body.tool_calling(self.tool_call_parser) if chat else None)
