@@ -6,6 +6,7 @@ where importing torch (or triton) fails."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -153,3 +154,38 @@ def test_errors_cross_to_the_front_as_themselves_or_named():
         assert error_for_front(error) is error
     oom = error_for_front(torch.OutOfMemoryError("CUDA out of memory"))
     assert type(oom) is RuntimeError and str(oom) == "OutOfMemoryError: CUDA out of memory"
+
+
+# What cluster/ and router/ may import from replica/: its light roots (config, errors, the
+# model registry), the request and output types the ingress builds and streams, the front a
+# Serve replica embeds and the server pieces it runs beside it. Never the engine core's
+# scheduler, KV cache, executor or model internals: those stay behind the front's process
+# boundary. A new import from replica/ in cluster/ or router/ lands here on purpose, or not.
+REPLICA_SURFACE = {
+    "replica.config", "replica.errors", "replica.model", "replica.model.registry",
+    "replica.core.request", "replica.core.outputs", "replica.core.structured_output", "replica.core.process",
+    "replica.ipc.messages", "replica.front.async_engine", "replica.text.tokenizer",
+    "replica.server.auth", "replica.server.grpc_reflection", "replica.server.grpc_service", "replica.server.metrics",
+    "replica.server.replica_server", "replica.server.request_limits", "replica.server.status",
+}
+
+
+def replica_imports(package: str) -> dict[str, set[str]]:
+    """Each replica module that a file of `package` imports (at the top or inside a function)."""
+    imported: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [])
+            for name in names:
+                if name == "replica" or name.startswith("replica."):
+                    imported.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return imported
+
+
+def test_the_cluster_and_the_router_import_only_the_replica_surface():
+    imported = {**replica_imports("cluster"), **replica_imports("router")}
+    assert "replica.config" in imported and "replica.server.metrics" in imported  # the walk sees imports
+    outside = {module: sorted(files) for module, files in imported.items() if module not in REPLICA_SURFACE}
+    assert not outside, f"replica internals imported by cluster/ or router/: {outside}"
