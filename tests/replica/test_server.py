@@ -219,6 +219,34 @@ def test_an_output_constraint_holds_on_the_replicas_own_grpc_server(replica):
             assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
+def test_a_constraint_slower_to_compile_than_the_bound_is_invalid_argument_and_the_replica_serves_on(fresh_replica):
+    """structured_output_compile_timeout_s at the edge: refused naming the field, never queued."""
+    running = fresh_replica(structured_output_compile_timeout_s=1e-4)
+    schema = json.dumps({"type": "object", "properties": {
+        f"field_{index}": {"type": "string", "pattern": f"^[a-z]{{{index % 7 + 1}}}[0-9]+$"} for index in range(300)},
+        "required": [f"field_{index}" for index in range(300)]})
+    with grpc.insecure_channel(running.address) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            list(generation_stub(channel).Generate(
+                pb.GenerateRequest(text="slow", json_schema=schema, sampling=sampling(max_tokens=4)), timeout=60))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details() == "json_schema: took longer than 0.0001 s to compile"
+        responses = list(generation_stub(channel).Generate(
+            pb.GenerateRequest(text="next", sampling=sampling(max_tokens=3, ignore_eos=True)), timeout=60))
+        assert responses[-1].usage.completion_tokens == 3
+    # One request ended, the one served: the refused one never reached the engine (there a
+    # compile past the bound ends a request with abort).
+
+    def finished() -> dict[str, float]:
+        return {dict(labels)["finish_reason"]: value for (name, labels), value in running.scrape().items()
+                if name == "headroom_request_success_total"}
+
+    deadline = time.monotonic() + 10
+    while finished().get("length") != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the metrics follow the engine's next published load
+    assert sum(finished().values()) == 1 and finished()["length"] == 1, finished()
+
+
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_input_is_invalid_argument_naming_the_field_and_leaves_other_streams_alone(replica, case):
     bad_request, field = BAD_REQUESTS[case]
