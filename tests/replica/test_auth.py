@@ -65,13 +65,16 @@ def test_a_wrong_key_of_the_right_length_and_of_another_length_take_the_same_tim
     measurement of `==`, which stops at the first difference or a length mismatch, tells a
     one-character key from a right-length one many times over."""
     secret = secrets.token_hex(32 * 1024)
-    other = "0" if secret[-1] != "0" else "1"
+
+    def other_than(character: str) -> str:
+        return "0" if character != "0" else "1"
+
     wrong_keys = {
-        "right length, last character wrong": secret[:-1] + other,
-        "right length, first character wrong": other + secret[1:],
-        "one character longer": secret + other,
+        "right length, last character wrong": secret[:-1] + other_than(secret[-1]),
+        "right length, first character wrong": other_than(secret[0]) + secret[1:],
+        "one character longer": secret + "0",
         "one character shorter": secret[:-1],
-        "one character": other,
+        "one character": "0",
     }
     credentials = Credentials([secret])
     headers = {name: f"Bearer {key}" for name, key in wrong_keys.items()}
