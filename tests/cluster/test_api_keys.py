@@ -8,7 +8,8 @@ replicas' loads with that token; every /v1 route and every Generation method ref
 without an accepted key (missing, wrong, wrong case, in another header, an empty bearer) in the
 documented shape, and serves it with either key; health and reflection stay open; the official
 `openai` client works with api_key=; gRPC over TLS works through a TLS-terminating proxy in
-front of Serve's gRPC proxy; and no key or token shows up in the logs, the metrics, Serve's
+front of Serve's gRPC proxy; the Helm chart's HTTPS readiness probe passes against the HTTPS
+proxy, where KubeRay's plain-HTTP one fails; and no key or token shows up in the logs, the metrics, Serve's
 application details, an error or `headroom status`. The doors' checks are also probed
 in-process: each presented key is compared with hmac.compare_digest against every configured
 key, whatever its length.
