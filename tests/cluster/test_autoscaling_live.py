@@ -7,7 +7,8 @@ turn: twelve long generations that together commit nearly all of one replica's K
 of sixteen more once the headroom application's second replica serves. Under headroom, the
 committed KV asks for a second replica while the ramp arrives, long before any preemption, and
 the tail goes to it; when the ramp ends, the demand fits one replica again and Serve removes
-the newer one while the tail's long streams still run, and they finish. Under requests, 28
+the newer one while the tail's long streams still run, and they finish; requests sent while it
+is being removed all go to the other one (the router dropped it at once). Under requests, 28
 streams are less than one replica's worth (32): its one replica takes the tail too, its pool
 runs out and its preemption rate passes the threshold with no scale-up (the run is cancelled
 there, its streams having sent the same tokens as far as they got). Each event is probed from
@@ -38,7 +39,9 @@ from tests.cluster.serve_harness import (  # noqa: E402
 )
 import grpc  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+# The module's one test starts Ray and two applications, runs the ramp twice and shuts them
+# down: ~5 minutes on two quiet cores, over 10 on a loaded machine (the timeout counts all).
+pytestmark = pytest.mark.timeout(900)
 
 # 894 usable blocks of 16 = 14,304 tokens per replica. A stream commits its whole length
 # (optimistic admission counts its growth to max_tokens) and its prompt ("ramp 10": 7 tokens),
@@ -74,6 +77,9 @@ AUTOSCALING = {
 }
 HEADROOM, REQUESTS = "headroom-policy", "requests-policy"  # the applications, named after their policies
 PROBE_PERIOD_S = 0.5
+# One-token requests sent while a replica is being removed (STOPPING, its streams still
+# running): the router must send every one of them elsewhere.
+DRAIN_PROBES = 6
 
 
 def autoscaled_config():
@@ -143,6 +149,11 @@ class Probe:
                 if status.load.preemption_rate > PREEMPTION_RATE_THRESHOLD:
                     self.preemption_rate_passed_at.setdefault(status.replica_id, now)
 
+    def stopping(self) -> Optional[str]:
+        """The replica last probed STOPPING, if any."""
+        return next((replica_id for replica_id, states in list(self.replica_states.items())  # the prober adds to it
+                     if states[-1][1] == "STOPPING"), None)
+
     def first(self, predicate, since: float = -math.inf) -> Optional[float]:
         """The first probed time from `since` on when `predicate(target, running, draining)` held."""
         return next((t for t, target, running, draining in self.counts
@@ -174,14 +185,25 @@ class TimedStream:
 
 
 @dataclass
+class DrainProbe:
+    """A one-token request sent while `removing` was probed STOPPING, and where it went."""
+
+    sent_at: float
+    removing: str
+    result: StreamResult
+
+
+@dataclass
 class Run:
     """One application's run: its probe, its streams (the ramp's, then the tail's), when the
-    ramp started and how long after it the tail was sent."""
+    ramp started and how long after it the tail was sent, and the requests sent while a
+    replica was being removed."""
 
     probe: Probe
     streams: list[TimedStream]
     started_at: float
     tail_offset_s: float
+    drain_probes: list[DrainProbe]
 
     @property
     def long_tail(self) -> list[TimedStream]:
@@ -205,13 +227,16 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
              until_preemption_rate_passes: bool = False) -> Run:
     """The ramp to `application`: its streams RAMP_GAP_S apart, then the tail tail_offset_s
     after the first (None: as soon as a second replica runs and the router ranks it).
-    Returns once every stream has ended and the application is back to one replica; or,
-    with until_preemption_rate_passes, as soon as a replica's preemption rate passes the
-    threshold, once what was sent has been cancelled and the replicas hold none of it."""
+    While a replica is being removed and the streams still run, up to DRAIN_PROBES one-token
+    requests are sent, one per probe period. Returns once every stream has ended and the
+    application is back to one replica; or, with until_preemption_rate_passes, as soon as a
+    replica's preemption rate passes the threshold, once what was sent has been cancelled and
+    the replicas hold none of it."""
     probe = Probe(application)
     prober = threading.Thread(target=probe.run, daemon=True)
     prober.start()
     calls: list[grpc.Call] = []
+    drain_probes: list[DrainProbe] = []
 
     def timed_stream(max_tokens: int, prompt: str) -> TimedStream:
         started = time.monotonic()
@@ -242,6 +267,11 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
             futures += [pool.submit(timed_stream, max_tokens, f"tail {index}")
                         for index, max_tokens in enumerate(TAIL_MAX_TOKENS)]
             while not all(future.done() for future in futures) and not stopped():
+                if len(drain_probes) < DRAIN_PROBES and (removing := probe.stopping()) is not None:
+                    sent_at = time.monotonic()
+                    result = stream_generate(channel, generate_request(1, prompt=f"drain {len(drain_probes)}"),
+                                             application=application)
+                    drain_probes.append(DrainProbe(sent_at, removing, result))
                 time.sleep(PROBE_PERIOD_S)
             for call in calls:  # none is left running unless stopped
                 call.cancel()
@@ -259,7 +289,7 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
     finally:
         probe.stop.set()
         prober.join(timeout=30)
-    return Run(probe, streams, started_at, tail_offset_s)
+    return Run(probe, streams, started_at, tail_offset_s, drain_probes)
 
 
 def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_preempts_first(
@@ -276,8 +306,9 @@ def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_pree
     theirs = run_ramp(channel, REQUESTS, ours.tail_offset_s, until_preemption_rate_passes=True)
     for name, run in ((HEADROOM, ours), (REQUESTS, theirs)):  # shown if the test fails
         ends = [f"{stream.ended_at - run.started_at:.1f}" for stream in run.streams]
+        drains = [(f"{drain.sent_at - run.started_at:.1f}", drain.result.replica_id) for drain in run.drain_probes]
         print(f"{name}: ramp from {run.started_at:.1f}, tail {run.tail_offset_s:.1f} s after, streams ended after "
-              f"{ends}; {run.probe.report()}")
+              f"{ends}; sent while a replica was STOPPING (after, to) {drains}; {run.probe.report()}")
 
     # headroom: Serve's target went to 2 on the KV demand, before any replica's preemption
     # rate passed the threshold (if one ever did).
@@ -323,6 +354,15 @@ def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_pree
         assert stream.result.replica_id == removed, [(s.result.replica_id, s.started_at, s.ended_at)
                                                      for s in ours.streams]
         assert stream.started_at < stopping_at < stream.ended_at, (stream.started_at, stopping_at, stream.ended_at)
+    # Drain: requests sent while it was STOPPING and its long streams still ran (so it was
+    # still there to be chosen) all went to the replica that stays.
+    still_streaming_until = max(stream.ended_at for stream in ours.long_tail)
+    drained = [(drain.sent_at, drain.result.code, drain.result.replica_id) for drain in ours.drain_probes]
+    assert drained and all(drain.removing == removed for drain in ours.drain_probes), (removed, drained)
+    for drain in ours.drain_probes:
+        assert stopping_at <= drain.sent_at < still_streaming_until, (stopping_at, still_streaming_until, drained)
+        assert drain.result.code == grpc.StatusCode.OK and drain.result.num_tokens == 1, drained
+        assert drain.result.replica_id != removed, (removed, drained)
 
     # Observability: the status command and the ingress' metrics say what the policy wanted.
     assert f"{HEADROOM}: 1 replicas running, desired 1 (headroom policy:" in status_text, status_text
