@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -107,6 +108,34 @@ def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_r
     (tokens,) = slow.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(tokens) == 3
     slow.shutdown()
+
+
+def test_a_compile_in_progress_never_stalls_the_step_loop_for_other_requests(builtin_engine):
+    """Compiling off the step loop: while a constrained request's grammar cannot finish (the
+    compiler's one thread held until the free request is done), a free request arriving with it
+    runs to its end; the constrained one then compiles, starts and keeps to its constraint."""
+    engine = builtin_engine
+    engine.generate([[1]], SamplingParams(max_tokens=1, structured_output=StructuredOutput("regex", "a")))
+    release = threading.Event()
+    holding = engine.grammar_compiler._pool.submit(release.wait, 60)  # the compile queues behind it
+    constrained = engine.make_request("held-grammar", [1, 2, 3], SamplingParams(
+        max_tokens=8, temperature=0.0, structured_output=StructuredOutput("regex", "[0-9]{3}-[a-z]{3}")))
+    free = engine.make_request("beside-it", [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True))
+    try:
+        for request in (constrained, free):
+            engine.add_request(request, detokenize=False)
+        for _ in range(100):
+            engine.step()
+            if free.is_finished:
+                break
+        assert free.num_output_tokens == 6, "the free request waited for the compile"
+        assert "held-grammar" in engine._compiling and constrained.num_output_tokens == 0
+    finally:
+        release.set()
+        holding.result()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert re.fullmatch("[0-9]{3}-[a-z]{3}", engine.tokenizer.decode(constrained.output_token_ids))
 
 
 def test_a_constraint_whose_failed_compile_is_cached_still_ends_its_request(builtin_engine):
