@@ -1,14 +1,15 @@
 """Structured outputs in the engine core: constraints compile, once per compiler (or are refused
-naming the field, unimplemented schema keywords too), the sampler's batched bitmask forbids
-exactly what the grammar forbids, every output under a constraint matches it (on the built-in
-random model, which left alone would never write JSON), EOS comes only where the grammar may end
-(even with EOS pushed by a bias), max_tokens still ends a request with `length`, and constrained
-greedy output does not depend on the pool (preemption, probed) or on overlapped scheduling,
-under which a constrained request runs every step (its mask built once the step before's token
-is taken in); with the real SmolLM2, greedy output under a constraint that admits the
-unconstrained answer is that answer; and every output under bench_structured's 64 agent-style
-JSON schemas that the grammar lets end parses and validates (`jsonschema`), at temperature 0 and
-1, on the random model and, one schema per family, on SmolLM2."""
+naming the field, unimplemented schema keywords too) beside the step loop, which a compile in
+progress never stalls, the sampler's batched bitmask forbids exactly what the grammar forbids,
+every output under a constraint matches it (on the built-in random model, which left alone would
+never write JSON), EOS comes only where the grammar may end (even with EOS pushed by a bias),
+max_tokens still ends a request with `length`, and constrained greedy output does not depend on
+the pool (preemption, probed) or on overlapped scheduling, under which a constrained request
+runs every step (its mask built once the step before's token is taken in); with the real
+SmolLM2, greedy output under a constraint that admits the unconstrained answer is that answer;
+and every output under bench_structured's 64 agent-style JSON schemas that the grammar lets end
+parses and validates (`jsonschema`), at temperature 0 and 1, on the random model and, one schema
+per family, on SmolLM2."""
 
 from __future__ import annotations
 
