@@ -10,6 +10,7 @@ from attention_harness import PagedBatch  # first: it sets TRITON_INTERPRET befo
 import torch
 
 from replica.attention import allocate_kv_cache
+from replica.attention import torch_plan
 from replica.attention.torch_plan import TorchAttentionPlan
 from replica.attention.torch_ref import TorchAttentionBackend
 
@@ -97,3 +98,24 @@ def test_passes_gather_into_the_backends_buffers_which_grow_only_when_a_pass_nee
     assert len({id(plan) for plan in plans}) == 3  # a plan per pass...
     buffers = {(plan.key_blocks.data_ptr(), plan.value_blocks.data_ptr()) for plan in plans}
     assert len(buffers) == 1  # ...and one pair of buffers: the smaller pass fits in the larger's
+
+
+def test_decode_groups_gather_no_more_than_the_byte_budget_and_attend_as_the_reference(monkeypatch):
+    # 20 decodes of 1-40 tokens (block size 4): one block's K+V is 2 x 4 x 2 x 16 x 4 = 1 KiB.
+    decodes = [(cached, 1) for cached in (0, 39, 3, 20, 7, 11, 30, 2, 15, 25, 5, 9, 33, 1, 18, 27, 6, 13, 36, 22)]
+    batch = PagedBatch(decodes, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    block_bytes = 2 * batch.key_cache[0].numel() * batch.key_cache.element_size()
+    budget = 24 * block_bytes
+    monkeypatch.setattr(torch_plan, "DECODE_GROUP_BYTES", budget)
+    backend = TorchAttentionBackend()
+
+    output = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale)
+
+    torch.testing.assert_close(output.double(), batch.dense_causal_attention(), atol=1e-5, rtol=1e-5)
+    groups = backend._plan._value.decode_groups
+    rows = sorted(row for group in groups for row in group.token_index.tolist())
+    assert rows == list(range(len(decodes)))  # every decode in exactly one group
+    for group in groups:
+        assert group.num_rows <= torch_plan.DECODE_GROUP_SIZE
+        assert group.num_rows == 1 or group.block_index.numel() * block_bytes <= budget
+    assert 1 < len(groups) < len(decodes)  # the budget split the batch, yet rows still share calls
