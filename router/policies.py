@@ -164,6 +164,14 @@ class HeadroomPolicy(RoutingPolicy):
     router sent there to requests still live (`live_blocks`), so a tenant's burst that
     arrives before any KV event stays together.
 
+    Pinning (`pin_prefix_fraction`, off by default): a replica that caches at least that
+    fraction of the prompt and holds rather than preempts (it reports expected output lengths)
+    counts as fitting whatever its room, so a tenant stays on its replica as approx_prefix keeps
+    it; with `prefill_weight` 16 it spills only past a backlog of ~2 pools. It is a trade,
+    measured on the router simulation (docs/benchmarks.md, issue 27, 2026-11-28): under overload
+    it keeps the excess on the replicas whose tenants brought it, where spreading drags every
+    replica past its SLO; at capacity it stops a hot tenant from spreading, which costs more.
+
     The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
     Near-ties (scores within `tie_epsilon` = 0.02 of a pool, about one chat request)
@@ -182,6 +190,7 @@ class HeadroomPolicy(RoutingPolicy):
         prefill_weight: float = 4.0,
         saturated_prefill_weight: float = 16.0,
         preemption_weight: float = 1.0,
+        pin_prefix_fraction: Optional[float] = None,
         tie_epsilon: float = 0.02,
         staleness_s: float = DEFAULT_STALENESS_S,
         rng: Optional[random.Random] = None,
@@ -191,6 +200,9 @@ class HeadroomPolicy(RoutingPolicy):
         self.prefill_weight = prefill_weight
         self.saturated_prefill_weight = saturated_prefill_weight
         self.preemption_weight = preemption_weight
+        if pin_prefix_fraction is not None and not 0 < pin_prefix_fraction <= 1:
+            raise ValueError(f"pin_prefix_fraction: must be in (0, 1] or None, got {pin_prefix_fraction}")
+        self.pin_prefix_fraction = pin_prefix_fraction
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
         self.rng = rng or random.Random()
@@ -264,6 +276,10 @@ class HeadroomPolicy(RoutingPolicy):
         # there for at most that much memory to free costs the cluster no more memory, and
         # evicts no other tenant's prefix to make room for a copy.
         lent_tokens = cached_tokens if load.expected_output_tokens > 0 else 0
+        # Pinned (opt-in): a holder of that much of the prompt that holds rather than preempts
+        # keeps the request whatever its room, as approx_prefix keeps a tenant on one replica.
+        pinned = (self.pin_prefix_fraction is not None and load.expected_output_tokens > 0
+                  and cached_tokens >= self.pin_prefix_fraction * request.prompt_tokens)
         backlog = (load.waiting_prefill_tokens + inflight.prefill_tokens) / pool_tokens
         own_prefill = (request.prompt_tokens - cached_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
@@ -272,7 +288,7 @@ class HeadroomPolicy(RoutingPolicy):
                  - (self.saturated_prefill_weight if saturated else self.prefill_weight) * own_prefill
                  - self.preemption_weight * preemption_risk)
         return HeadroomScore(
-            view.replica_id, free_after_tokens + lent_tokens >= 0, headroom_after, backlog, own_prefill,
+            view.replica_id, pinned or free_after_tokens + lent_tokens >= 0, headroom_after, backlog, own_prefill,
             preemption_risk, score, inflight.requests, cached_tokens,
         )
 

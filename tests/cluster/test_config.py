@@ -101,7 +101,7 @@ def test_bad_field_raises_config_error_naming_its_dotted_path(document, message)
 def test_router_knobs_are_the_policy_constructor_parameters():
     assert policy_knobs("headroom") == (
         "headroom_weight", "backlog_weight", "prefill_weight", "saturated_prefill_weight", "preemption_weight",
-        "tie_epsilon")
+        "pin_prefix_fraction", "tie_epsilon")
     config = load_config(app_document(router={"policy": "least_loaded", "knobs": {"kv_cache_weight": 3}}))
     assert config.applications[0].args.router.knobs == {"kv_cache_weight": 3.0}
 

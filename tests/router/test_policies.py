@@ -340,3 +340,26 @@ def test_when_most_of_the_cluster_is_full_a_transient_room_does_not_pull_a_reque
     second_roomy = view("roomy2", make_load("roomy2", free_blocks=600))
     for seed in range(10):
         assert headroom_policy(seed).rank(request, [holder, roomy, second_roomy, others[0]])[0] in ("roomy", "roomy2")
+
+
+def test_a_pinned_prefix_holder_keeps_its_tenant_however_short_of_room_it_is():
+    # pin_prefix_fraction 0.5: the holder caches 3,200 of the 4,000 prompt tokens (0.8), so
+    # it counts as fitting though it is short by more than the prefix (unpinned, the request
+    # goes where it fits, as test_a_holder_that_admits_by_expected_growth_may_be_short_by_the_prefix_it_saves says).
+    request = shared_prefix_request()
+    roomy = view("roomy", make_load("roomy", free_blocks=600, expected_output_tokens=200))
+    shorter = view("holder", make_load("holder", free_blocks=0, expected_output_tokens=200,
+                                       kv_committed_tokens=2_300), cached_blocks=200)
+    pinned = HeadroomPolicy(rng=random.Random(0), pin_prefix_fraction=0.5)
+    assert headroom_policy().rank(request, [roomy, shorter]) == ["roomy", "holder"]
+    assert pinned.rank(request, [roomy, shorter]) == ["holder", "roomy"]
+    # Less than the fraction cached, or a replica that would preempt for it: not pinned.
+    assert HeadroomPolicy(pin_prefix_fraction=0.9).rank(request, [roomy, shorter]) == ["roomy", "holder"]
+    optimistic = view("holder", make_load("holder", free_blocks=0), cached_blocks=200)
+    assert pinned.rank(request, [roomy, optimistic]) == ["roomy", "holder"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.2])
+def test_pin_prefix_fraction_outside_0_1_is_a_clear_error(fraction):
+    with pytest.raises(ValueError, match="pin_prefix_fraction"):
+        HeadroomPolicy(pin_prefix_fraction=fraction)
