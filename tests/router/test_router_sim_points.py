@@ -1,0 +1,32 @@
+"""bench/router_sim_points.py: fixed-rate runs of the router simulation with variants of ours.
+Variants run beside the baselines with ratios against them, and a malformed variant is a one-line error naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "router_sim_points.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_a_variant_runs_beside_the_baselines_and_prints_its_ratio():
+    done = run("--workload", "chat", "--rates", "4", "--bound", "2", "--seeds", "0", "--requests", "30",
+               "--jobs", "1", "--policies", "headroom,pow2",
+               "--variant", 'pinned={"knobs": {"pin_prefix_fraction": 0.5}, "engine": {"admission_max_hold_ms": 1}}')
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 4 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["headroom", "pow2", "pinned"]
+    assert rows[1].endswith("| 1.00x |")  # pow2 is the only baseline: the ratios are against it
+
+
+def test_a_variant_that_is_not_label_equals_json_is_a_clear_error():
+    done = run("--rates", "4", "--bound", "2", "--variant", "pinned={knobs}")
+    assert done.returncode != 0
+    assert "--variant: 'pinned' is not LABEL=JSON" in done.stderr.strip().splitlines()[-1]
