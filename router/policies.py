@@ -288,8 +288,8 @@ class HeadroomPolicy(RoutingPolicy):
                  - (self.saturated_prefill_weight if saturated else self.prefill_weight) * own_prefill
                  - self.preemption_weight * preemption_risk)
         return HeadroomScore(
-            view.replica_id, pinned or free_after_tokens + lent_tokens >= 0, headroom_after, backlog, own_prefill,
-            preemption_risk, score, inflight.requests, cached_tokens,
+            view.replica_id, pinned or free_after_tokens + lent_tokens >= 0, headroom_after, backlog,
+            own_prefill, preemption_risk, score, inflight.requests, cached_tokens,
         )
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
