@@ -6,7 +6,7 @@ between the tiers each step needs.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from protos.block_hash import extend_block_hashes
 from replica.core.block_pool import BlockPool, KVBlock
@@ -19,6 +19,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class SwappedOut(NamedTuple):
+    """A swapped-out request's KV in the host tier."""
+
+    host_blocks: list[KVBlock]
+    num_tokens: int  # the computed tokens those blocks hold
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
@@ -26,8 +33,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.host_pool: Optional[HostBlockPool] = HostBlockPool(num_host_blocks) if num_host_blocks else None
         # Swapped-out requests: the host blocks holding their KV, and how many tokens that is.
-        self.req_to_host_blocks: dict[str, list[KVBlock]] = {}
-        self.num_swapped_tokens: dict[str, int] = {}
+        self.swapped: dict[str, SwappedOut] = {}
         # This step's copies, taken by the scheduler into its output (take_block_copies).
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
@@ -306,10 +312,9 @@ class KVCacheManager:
         if blocks:
             self.num_request_blocks -= len(blocks)
             self.pool.free_blocks(reversed(blocks))
-        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
-        if host_blocks is not None:
-            del self.num_swapped_tokens[request.request_id]
-            self.host_pool.free_blocks(reversed(host_blocks))
+        swapped = self.swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.host_pool.free_blocks(reversed(swapped.host_blocks))
 
     # ---- the host tier -----------------------------------------------------------------
     @property
@@ -319,6 +324,11 @@ class KVCacheManager:
     @property
     def num_free_host_blocks(self) -> int:
         return self.host_pool.num_free_blocks if self.host_pool is not None else 0
+
+    def num_swapped_tokens(self, request: Request) -> int:
+        """Computed tokens the request holds in the host tier (swapped out), else 0."""
+        swapped = self.swapped.get(request.request_id)
+        return swapped.num_tokens if swapped is not None else 0
 
     def num_swappable_tokens(self, request: Request) -> int:
         """Computed tokens a swap would keep: all but the request's last known token, whose
@@ -342,8 +352,7 @@ class KVCacheManager:
         host_blocks = self.host_pool.get_new_blocks(len(device_blocks))
         self._swap_out.extend((device.block_id, host.block_id) for device, host in zip(device_blocks, host_blocks))
         self.free(request)
-        self.req_to_host_blocks[request.request_id] = host_blocks
-        self.num_swapped_tokens[request.request_id] = num_tokens
+        self.swapped[request.request_id] = SwappedOut(host_blocks, num_tokens)
         self.swapped_out_blocks += len(host_blocks)
         return num_tokens
 
@@ -353,8 +362,7 @@ class KVCacheManager:
         prefix cache already had; its host blocks are freed once the copies are taken.
         Returns the number of blocks copied."""
         request_id = request.request_id
-        host_blocks = self.req_to_host_blocks.pop(request_id)
-        del self.num_swapped_tokens[request_id]
+        host_blocks = self.swapped.pop(request_id).host_blocks
         device_blocks = self.req_to_blocks[request_id]
         copies = [(host.block_id, device.block_id)
                   for host, device in zip(host_blocks[num_hit_blocks:], device_blocks[num_hit_blocks:])]

@@ -195,7 +195,7 @@ class Scheduler:
         (memory it will share rather than claim)."""
         hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
         num_hit_tokens += len(self.kv_cache.get_host_hits(request, len(hit_blocks))) * self.kv_cache.block_size
-        num_hit_tokens = max(num_hit_tokens, self.kv_cache.num_swapped_tokens.get(request.request_id, 0))
+        num_hit_tokens = max(num_hit_tokens, self.kv_cache.num_swapped_tokens(request))
         self._waiting_hit_tokens[request.request_id] = num_hit_tokens
         self.waiting_prefill_tokens += request.num_tokens - num_hit_tokens
         return sum(1 for block in hit_blocks if block.ref_cnt > 0)
@@ -317,7 +317,7 @@ class Scheduler:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
             # A swapped-out request starts where it stopped: its host blocks are copied back.
-            num_restored = kv_cache.num_swapped_tokens.get(request.request_id, 0)
+            num_restored = kv_cache.num_swapped_tokens(request)
             # Past its device hit, the prefix blocks spilled to the host tier are copied back too.
             host_hits = kv_cache.get_host_hits(request, len(hit_blocks)) if not num_restored else []
             num_start = max(num_hit_tokens + len(host_hits) * kv_cache.block_size, num_restored)
@@ -582,14 +582,14 @@ class Scheduler:
         """Host blocks are held by swapped-out waiting requests (and, within a step, by the
         swap-ins reading them) and by nothing else: none leaks, none is free and held."""
         kv_cache, host_pool = self.kv_cache, self.kv_cache.host_pool
-        assert set(kv_cache.req_to_host_blocks) <= waiting_ids, "a request that is not waiting holds host blocks"
-        assert set(kv_cache.req_to_host_blocks) == set(kv_cache.num_swapped_tokens)
+        assert set(kv_cache.swapped) <= waiting_ids, "a request that is not waiting holds host blocks"
         if host_pool is None:
-            assert not kv_cache.req_to_host_blocks
+            assert not kv_cache.swapped
             return
-        for request_id, host_blocks in kv_cache.req_to_host_blocks.items():
-            assert len(host_blocks) == cdiv(kv_cache.num_swapped_tokens[request_id], kv_cache.block_size)
-        _check_pool(host_pool, itertools.chain(itertools.chain.from_iterable(kv_cache.req_to_host_blocks.values()),
+        for host_blocks, num_tokens in kv_cache.swapped.values():
+            assert len(host_blocks) == cdiv(num_tokens, kv_cache.block_size)
+        _check_pool(host_pool, itertools.chain(itertools.chain.from_iterable(
+                                                   swapped.host_blocks for swapped in kv_cache.swapped.values()),
                                                kv_cache._host_blocks_read), "host ")
 
     def check_invariants(self) -> None:

@@ -50,10 +50,10 @@ def test_a_swapped_out_request_stays_in_the_demand_and_its_host_blocks_are_the_p
                                num_host_kv_blocks=64, preemption_mode="swap")
     for index in range(6):
         scheduler.add_request(make_request(f"r{index}", [index + 1, 2 * index + 3, 5], max_tokens=30))
-    while not scheduler.kv_cache.req_to_host_blocks:
+    while not scheduler.kv_cache.swapped:
         run_step(scheduler)
     stats = autoscaling_stats(SimpleNamespace(**vars(scheduler.load()), preemption_rate=0.0))
-    parked_blocks = sum(len(blocks) for blocks in scheduler.kv_cache.req_to_host_blocks.values())
+    parked_blocks = sum(len(swapped.host_blocks) for swapped in scheduler.kv_cache.swapped.values())
     assert stats[HOST_PARKED_STAT] == parked_blocks * 4 > 0 and stats[HOST_CAPACITY_STAT] == 64 * 4
     # The demand is every live request's whole final size (optimistic admission counts growth to
     # max_tokens), the parked ones' included though they hold no device block.

@@ -82,10 +82,10 @@ def test_the_load_reports_the_host_tier_and_what_swapping_moved():
     scheduler.kv_block_bytes = 1024
     for request in _requests():
         scheduler.add_request(request)
-    while not scheduler.kv_cache.req_to_host_blocks:
+    while not scheduler.kv_cache.swapped:
         run_step(scheduler)
     load = scheduler.load()
-    held = sum(len(blocks) for blocks in scheduler.kv_cache.req_to_host_blocks.values())
+    held = sum(len(swapped.host_blocks) for swapped in scheduler.kv_cache.swapped.values())
     assert (load.host_kv_blocks_total, load.host_kv_blocks_free) == (64, 64 - held)
     assert load.host_kv_usage == pytest.approx(held / 64)
     assert load.swap_preemptions_total == scheduler.counters.swap_preemptions > 0
@@ -126,11 +126,11 @@ def test_aborting_a_request_on_the_host_frees_its_host_blocks():
         scheduler.add_request(request)
     simulated = SimulatedKV(4)
     step = 0
-    while not scheduler.kv_cache.req_to_host_blocks:
+    while not scheduler.kv_cache.swapped:
         simulated(step, run_step(scheduler))
         step += 1
-    swapped_id = next(iter(scheduler.kv_cache.req_to_host_blocks))
-    held = len(scheduler.kv_cache.req_to_host_blocks[swapped_id])
+    swapped_id = next(iter(scheduler.kv_cache.swapped))
+    held = len(scheduler.kv_cache.swapped[swapped_id].host_blocks)
     free_before = scheduler.kv_cache.num_free_host_blocks
     aborted = scheduler.abort_request(swapped_id)
     assert aborted.status == RequestStatus.FINISHED_ABORTED
@@ -329,4 +329,4 @@ def test_any_mix_of_swaps_spills_host_hits_and_aborts_reads_the_right_kv_and_lea
             assert request.output_token_ids == expected[request.request_id]
     kv_cache = scheduler.kv_cache
     assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
-    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.req_to_host_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.swapped

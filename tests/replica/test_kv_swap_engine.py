@@ -81,11 +81,11 @@ def test_a_request_aborted_on_the_host_frees_its_host_blocks_and_the_rest_are_un
     for request in requests:
         engine.add_request(request, detokenize=False)
     kv_cache = engine.scheduler.kv_cache
-    while not kv_cache.req_to_host_blocks:
+    while not kv_cache.swapped:
         engine.step()
-    swapped_id = next(iter(kv_cache.req_to_host_blocks))
+    swapped_id = next(iter(kv_cache.swapped))
     engine.abort_request(swapped_id)
-    assert not kv_cache.req_to_host_blocks and kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
+    assert not kv_cache.swapped and kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
     while engine.has_unfinished_requests():
         engine.step()
     expected = roomy[(None, 0)]
