@@ -6,7 +6,6 @@ missing stats fall back to queue length, never to an error.
 
 from __future__ import annotations
 
-import collections
 import math
 import random
 from dataclasses import dataclass, replace
@@ -14,6 +13,7 @@ from typing import Callable, Optional, Sequence
 
 from router.policy_base import (  # noqa: F401  (re-exported: callers import the views from here)
     DEFAULT_STALENESS_S,
+    LiveBlocks,
     ReplicaView,
     RoutingPolicy,
     RoutingRequest,
@@ -206,11 +206,7 @@ class HeadroomPolicy(RoutingPolicy):
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
         self.rng = rng or random.Random()
-        # The prompt blocks of the requests this router sent that have not finished, per
-        # replica (a block shared by several counted once per request): a live request holds
-        # its prefix there, or will once it is admitted, before any KV event can say so.
-        self._live_blocks: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self._live: dict[str, tuple[str, tuple[bytes, ...]]] = {}  # request key -> (replica, its prompt blocks)
+        self._live = LiveBlocks()  # the prompt blocks of the requests this router sent, still live
         self._block_sizes: dict[str, int] = {}  # per replica, as its KV events (else its loads) give it
 
     def live_blocks(self, request: RoutingRequest, view: ReplicaView) -> int:
@@ -219,7 +215,7 @@ class HeadroomPolicy(RoutingPolicy):
         block_size = view.cache_block_size or (view.load.block_size if view.load is not None else 0)
         if block_size:
             self._block_sizes[view.replica_id] = block_size
-        blocks = self._live_blocks.get(view.replica_id)
+        blocks = self._live.of(view.replica_id)
         if not blocks or not block_size:
             return 0
         count = 0
@@ -233,30 +229,18 @@ class HeadroomPolicy(RoutingPolicy):
         return max(view.cached_blocks, self.live_blocks(request, view))
 
     def on_routed(self, request: RoutingRequest, replica_id: str, request_key: str, cached_blocks: int) -> None:
-        self.on_finished(request_key)  # a retry replaces the earlier send
         block_size = self._block_sizes.get(replica_id, 0)
         if not block_size:
+            self._live.remove(request_key)  # a retry replaces the earlier send
             return
-        hashes = tuple(request.prefix_hashes(block_size))
-        self._live[request_key] = (replica_id, hashes)
-        self._live_blocks[replica_id].update(hashes)
+        self._live.add(request_key, replica_id, tuple(request.prefix_hashes(block_size)))
 
     def on_finished(self, request_key: str) -> None:
-        routed = self._live.pop(request_key, None)
-        if routed is None:
-            return
-        replica_id, hashes = routed
-        blocks = self._live_blocks[replica_id]
-        blocks.subtract(hashes)
-        for block_hash in hashes:
-            if blocks[block_hash] <= 0:
-                del blocks[block_hash]
+        self._live.remove(request_key)
 
     def forget_replica(self, replica_id: str) -> None:
-        self._live_blocks.pop(replica_id, None)
+        self._live.forget_replica(replica_id)
         self._block_sizes.pop(replica_id, None)
-        for key in [key for key, (owner, _) in self._live.items() if owner == replica_id]:
-            del self._live[key]
 
     def score(self, request: RoutingRequest, view: ReplicaView, saturated: bool = False) -> HeadroomScore:
         """The replica's score for this request; `view` must carry a snapshot. `saturated`:

@@ -6,6 +6,7 @@ extension's load scorers (llm-d and the Gateway API inference extension use them
 from __future__ import annotations
 
 import abc
+import collections
 import random
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -121,6 +122,42 @@ class RoutingPolicy(abc.ABC):
 
     def forget_replica(self, replica_id: str) -> None:
         """The replica is gone."""
+
+
+class LiveBlocks:
+    """The prompt blocks of the requests a router sent that have not finished, per replica (a
+    block shared by several live requests counted once per request): a live request holds its
+    prefix there, or will once admitted, before any KV event can say so. Ours reads it as
+    cache the replica is about to have; Dynamo's router as the replica's active blocks."""
+
+    def __init__(self) -> None:
+        self._per_replica: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._sent: dict[str, tuple[str, tuple[bytes, ...]]] = {}  # request key -> (replica, its prompt blocks)
+
+    def of(self, replica_id: str) -> collections.Counter:
+        """The replica's live blocks, each with the number of live requests holding it."""
+        return self._per_replica.get(replica_id) or collections.Counter()
+
+    def add(self, request_key: str, replica_id: str, block_hashes: tuple[bytes, ...]) -> None:
+        self.remove(request_key)  # a retry replaces the earlier send
+        self._sent[request_key] = (replica_id, block_hashes)
+        self._per_replica[replica_id].update(block_hashes)
+
+    def remove(self, request_key: str) -> None:
+        sent = self._sent.pop(request_key, None)
+        if sent is None:
+            return
+        replica_id, block_hashes = sent
+        blocks = self._per_replica[replica_id]
+        blocks.subtract(block_hashes)
+        for block_hash in block_hashes:
+            if blocks[block_hash] <= 0:
+                del blocks[block_hash]
+
+    def forget_replica(self, replica_id: str) -> None:
+        self._per_replica.pop(replica_id, None)
+        for key in [key for key, (owner, _) in self._sent.items() if owner == replica_id]:
+            del self._sent[key]
 
 
 def rank_by_queue_len(replicas: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaView]:

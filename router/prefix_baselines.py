@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import collections
 import random
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from router.policy_base import (
     DEFAULT_STALENESS_S,
+    LiveBlocks,
     ReplicaView,
     RoutingPolicy,
     RoutingRequest,
@@ -164,22 +164,6 @@ class PrecisePrefixPolicy(RoutingPolicy):
         return merge_stale_by_queue_len(fresh, stale, self.rng)
 
 
-@dataclass
-class _ActiveSequences:
-    """Dynamo's per-worker slot tracking: blocks of active requests (shared prompt blocks
-    counted once) and prompt tokens still to prefill."""
-
-    block_refs: collections.Counter = field(default_factory=collections.Counter)
-    prefill_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class _Routed:
-    replica_id: str
-    block_hashes: tuple[bytes, ...]
-    prefill_tokens: int
-
-
 class DynamoPolicy(RoutingPolicy):
     """NVIDIA Dynamo's KV router (lib/llm/src/kv_router: scheduler.rs DefaultWorkerSelector,
     sequence.rs ActiveSequences): for each worker,
@@ -200,20 +184,23 @@ class DynamoPolicy(RoutingPolicy):
     def __init__(self, overlap_score_weight: float = 1.0, rng: Optional[random.Random] = None) -> None:
         self.overlap_score_weight = overlap_score_weight
         self.rng = rng or random.Random()
-        self._workers: dict[str, _ActiveSequences] = collections.defaultdict(_ActiveSequences)
-        self._routed: dict[str, _Routed] = {}
+        # Dynamo's per-worker slot tracking (ActiveSequences): the blocks of active requests
+        # (shared prompt blocks counted once) and the prompt tokens still to prefill.
+        self._active_blocks = LiveBlocks()
+        self._prefill_tokens: collections.Counter = collections.Counter()  # per worker
+        self._routed: dict[str, tuple[str, int]] = {}  # request key -> (worker, its prompt tokens still to prefill)
         self._block_sizes: dict[str, int] = {}  # as each worker's KV events announce it
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
         logits = {}
         for view in replicas:
             block_size = self._block_sizes[view.replica_id] = view.cache_block_size or DEFAULT_BLOCK_SIZE
-            worker = self._workers[view.replica_id]
+            active_blocks = self._active_blocks.of(view.replica_id)
             hashes = request.prefix_hashes(block_size)
             new_tokens = max(0, request.prompt_tokens - view.cached_blocks * block_size)
-            prefill_blocks = (worker.prefill_tokens + new_tokens) / block_size
-            new_blocks = sum(1 for block_hash in hashes if block_hash not in worker.block_refs)
-            decode_blocks = len(worker.block_refs) + new_blocks
+            prefill_blocks = (self._prefill_tokens[view.replica_id] + new_tokens) / block_size
+            new_blocks = sum(1 for block_hash in hashes if block_hash not in active_blocks)
+            decode_blocks = len(active_blocks) + new_blocks
             logits[view.replica_id] = self.overlap_score_weight * prefill_blocks + decode_blocks
         order = [view.replica_id for view in replicas]
         self.rng.shuffle(order)
@@ -222,32 +209,28 @@ class DynamoPolicy(RoutingPolicy):
     def on_routed(self, request: RoutingRequest, replica_id: str, request_key: str, cached_blocks: int) -> None:
         self.on_finished(request_key)  # a retry replaces the earlier send
         block_size = self._block_sizes.get(replica_id, DEFAULT_BLOCK_SIZE)
-        hashes = request.prefix_hashes(block_size)
-        routed = _Routed(replica_id, tuple(hashes), max(0, request.prompt_tokens - cached_blocks * block_size))
-        worker = self._workers[replica_id]
-        worker.block_refs.update(routed.block_hashes)
-        worker.prefill_tokens += routed.prefill_tokens
-        self._routed[request_key] = routed
+        self._active_blocks.add(request_key, replica_id, tuple(request.prefix_hashes(block_size)))
+        prefill_tokens = max(0, request.prompt_tokens - cached_blocks * block_size)
+        self._prefill_tokens[replica_id] += prefill_tokens
+        self._routed[request_key] = (replica_id, prefill_tokens)
 
     def on_first_token(self, request_key: str) -> None:
-        routed = self._routed.get(request_key)
-        if routed is not None and routed.prefill_tokens:
-            self._workers[routed.replica_id].prefill_tokens -= routed.prefill_tokens
-            self._routed[request_key] = _Routed(routed.replica_id, routed.block_hashes, 0)
+        replica_id, prefill_tokens = self._routed.get(request_key, (None, 0))
+        if prefill_tokens:
+            self._prefill_tokens[replica_id] -= prefill_tokens
+            self._routed[request_key] = (replica_id, 0)
 
     def on_finished(self, request_key: str) -> None:
         routed = self._routed.pop(request_key, None)
         if routed is None:
             return
-        worker = self._workers[routed.replica_id]
-        worker.prefill_tokens -= routed.prefill_tokens
-        worker.block_refs.subtract(routed.block_hashes)
-        for block_hash in routed.block_hashes:
-            if worker.block_refs[block_hash] <= 0:
-                del worker.block_refs[block_hash]
+        replica_id, prefill_tokens = routed
+        self._prefill_tokens[replica_id] -= prefill_tokens
+        self._active_blocks.remove(request_key)
 
     def forget_replica(self, replica_id: str) -> None:
-        self._workers.pop(replica_id, None)
+        self._active_blocks.forget_replica(replica_id)
+        self._prefill_tokens.pop(replica_id, None)
         self._block_sizes.pop(replica_id, None)
-        for key in [key for key, routed in self._routed.items() if routed.replica_id == replica_id]:
+        for key in [key for key, (owner, _) in self._routed.items() if owner == replica_id]:
             del self._routed[key]
