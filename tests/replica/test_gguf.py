@@ -6,10 +6,10 @@ file, another architecture or an unsupported quantization is an error naming it.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -173,41 +173,35 @@ def test_second_conversion_reuses_the_cache_and_a_changed_file_gets_its_own_entr
                                                                                                    second.name])
 
 
-def live_cpu_tensor_bytes() -> int:
-    """Bytes of every CPU tensor storage this process holds now (each storage counted once)."""
-    storages = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def test_a_model_past_the_shard_bound_is_converted_one_shard_at_a_time_and_each_rank_reads_its_slices(
         tmp_path, f32_gguf, f32_dir, monkeypatch):
-    """Conversion holds one shard, never the whole model (a 70B GGUF is 280 GB as float32): at
-    every shard's write the process's live tensors stand below the bound; the shards and their
-    index load as the one-file conversion does, whole and as rank 1 of 2's slices."""
+    """Conversion holds one shard, never the whole model (a 70B GGUF is 280 GB as float32): each
+    shard written is within the bound, and when it is written every tensor of the shards before
+    it is already freed; the shards and their index load as the one-file conversion does, whole
+    and as rank 1 of 2's slices. (Weak references, not a count of the process's live tensors:
+    in a full test run other threads' tensors would count too.)"""
     bound = 600_000  # bytes: the tiny model's 2.6 MB of float32 in five shards
     model_bytes = sum(weight.numel() * 4 for weight in hf_llama_weights(len(tokenizer_vocab()[0])).values())
-    live_at_write = []
+    written: list[tuple[int, int]] = []  # per shard: (its bytes, earlier shards' tensors still alive)
+    earlier: list[weakref.ref] = []
     save_file = gguf_module.save_file
 
     def save_and_measure(weights, path, metadata=None):
-        live_at_write.append(live_cpu_tensor_bytes() - baseline)
+        shard_bytes = sum(weight.numel() * weight.element_size() for weight in weights.values())
+        written.append((shard_bytes, sum(1 for ref in earlier if ref() is not None)))
         save_file(weights, path, metadata=metadata)
+        earlier.extend(weakref.ref(weight) for weight in weights.values())
 
     monkeypatch.setattr(gguf_module, "save_file", save_and_measure)
-    gc.collect()
-    baseline = live_cpu_tensor_bytes()
     model_dir = tmp_path / "sharded"
     model_dir.mkdir()
     gguf_module.write_hf_checkpoint(f32_gguf, model_dir, max_shard_bytes=bound)
     shard_files = sorted(path.name for path in model_dir.glob("model-*.safetensors"))
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    assert len(shard_files) == len(live_at_write) >= 4 and not (model_dir / "model.safetensors").exists()
+    assert len(shard_files) == len(written) >= 4 and not (model_dir / "model.safetensors").exists()
     assert sorted(set(index["weight_map"].values())) == shard_files and index["metadata"]["total_size"] == model_bytes
-    assert 0 < max(live_at_write) <= bound < model_bytes / 4, live_at_write
+    assert all(0 < shard_bytes <= bound for shard_bytes, _ in written) and bound < model_bytes / 4, written
+    assert all(alive == 0 for _, alive in written), written  # no shard outlives its write
     for tp in (None, TensorParallel(rank=1, size=2)):
         kwargs = {} if tp is None else {"tp": tp}
         ours, _ = load_model(model_dir, dtype="float32", **kwargs)
