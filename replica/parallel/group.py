@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,15 +91,34 @@ class TensorParallel:
         self._run("all_reduce(MIN)", lambda group: group.allreduce([box], options))
         return box.item()
 
+    def extremes_at_start(self, values: Sequence[int], device: torch.device) -> tuple[list[int], list[int]]:
+        """The smallest and the largest of every rank's `values`, element by element, on every
+        rank (one all_reduce(MAX) of the values and their negations): how the ranks check at start
+        that they agree on something each decided alone. Bounded as min_at_start is."""
+        count = len(values)
+        if self.size == 1:
+            return list(values), list(values)
+        box = torch.tensor([*values, *(-value for value in values)], dtype=torch.int64, device=device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        options.timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        self._run("all_reduce(MAX)", lambda group: group.allreduce([box], options))
+        extremes = box.tolist()
+        return [-value for value in extremes[count:]], extremes[:count]
+
     def all_gather_last_dim(self, tensor: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last dimension, in rank order; with
-        `width`, only that many leading columns (the rest, padding, is left out of the one copy)."""
+        `width`, only that many leading columns (the rest, padding, is left out of the one copy).
+        One collective into one tensor (all-gather into a tensor, as vLLM gathers): nothing the
+        collective itself copies afterwards, so a CUDA graph captures it whole."""
         if self.size == 1:
             return tensor
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        gathered = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                               device=tensor.device)
         options = self._bound(distributed_c10d.AllgatherOptions())
-        self._run("all_gather", lambda group: group.allgather([parts], [tensor], options))
+        self._run("all_gather", lambda group: group._allgather_base(gathered, tensor, options))
+        parts = list(gathered.view(self.size, *tensor.shape).unbind(0))
         columns = tensor.shape[-1]
         if width is not None and width < columns * self.size:
             parts = [part[..., :max(0, min(columns, width - rank * columns))] for rank, part in enumerate(parts)]
@@ -127,6 +147,11 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     replica's GPUs on one node, STRICT_PACK); returns when every rank has joined. Each
     collective then fails (TensorParallelDead) after timeout_s without its peers."""
     if torch.device(device).type == "cuda":
+        # Collectives run inside captured decode graphs (parallel/graphs.py): without the
+        # record_stream calls ProcessGroupNCCL otherwise makes on their tensors (graph-pool
+        # memory), torch's NCCL all-reduce captures safely (vLLM's finding, vllm#2152). Read
+        # when the group is built.
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
         group = dist.ProcessGroupNCCL(store, rank, size)
     else:  # this timeout bounds the joining; each collective passes its own
         group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
