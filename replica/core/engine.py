@@ -112,7 +112,8 @@ class LLMEngine:
         if self.tp_workers is None:
             self.runner = ModelRunner(self.model, self.model_config, config, self.device, cuda_graphs=cuda_graphs)
         else:
-            self.runner = TensorParallelRunner(self.model, self.model_config, config, self.device, self.tp_workers)
+            self.runner = TensorParallelRunner(self.model, self.model_config, config, self.device, self.tp_workers,
+                                               cuda_graphs=cuda_graphs)
         if config.num_host_kv_blocks:  # what swapping a victim costs against recomputing it, per token and block
             self.scheduler.preemption.costs = preemption_costs(self.model, self.model_config, config, self.device,
                                                                self.runner.kv_swap, tp)
@@ -141,7 +142,8 @@ class LLMEngine:
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.runner.dtype)
         logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens (%.2f GiB) cuda_graphs=%s "
                     "async_scheduling=%s", self.model_name, self.device, config.num_kv_blocks, config.block_size,
-                    config.num_kv_blocks * per_block / 2**30, cuda_graphs, self.async_scheduling)
+                    config.num_kv_blocks * per_block / 2**30, self.runner.graphs is not None,
+                    self.async_scheduling)
 
     # ---- requests --------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,

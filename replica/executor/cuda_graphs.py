@@ -6,6 +6,9 @@ sets the step time; one graph replay launches them all at once. The captured pas
 model, the logits and the greedy pick of every row) reads its inputs from the runner's
 persistent device buffers and writes persistent outputs, so a replay needs only those
 buffers refilled. Padding rows are harmless by construction (see ModelRunner).
+
+Under tensor parallelism every rank captures the same ladder in the same order (capture_order),
+its collectives inside its graphs; replica/parallel/graphs.py says what keeps the ranks in step.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ MAX_CAPTURE_SIZE = 512
 def use_cuda_graphs(device: torch.device, enforce_eager: bool, supports_cuda_graphs: bool) -> bool:
     """Whether decode steps replay CUDA graphs: on CUDA, unless `enforce_eager`, with an
     attention backend whose forward pass never waits for the host (the Triton one; the torch
-    reference reads sequence lengths on the host)."""
+    reference reads sequence lengths on the host). Never on a CPU, so never with gloo. Each
+    tensor-parallel rank decides with this, and the ranks then agree (parallel/graphs.py)."""
     return device.type == "cuda" and not enforce_eager and supports_cuda_graphs
 
 
@@ -37,6 +41,13 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, largest: int =
     top = min(max_num_seqs, max_num_batched_tokens, largest)
     sizes = [size for size in (1, 2, 4) if size < top] + list(range(8, top, 8))
     return sizes + [top]
+
+
+def capture_order(sizes: Sequence[int]) -> list[int]:
+    """The order sizes are captured in: largest first, so the smaller graphs fit in the memory
+    the largest one pooled. Every tensor-parallel rank captures in this order, so each size's
+    warm-up pass (collectives included) meets the other ranks' warm-up of the same size."""
+    return sorted(sizes, reverse=True)
 
 
 def padded_batch_size(sizes: Sequence[int], num_seqs: int) -> Optional[int]:
@@ -53,14 +64,16 @@ class DecodeGraphs:
         self.sizes = list(sizes)
         self._decode_pass = decode_pass
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured: list[int] = []  # the sizes in the order they were captured
 
     def capture(self) -> None:
         start = time.perf_counter()
         pool = None
-        # Largest first: the smaller graphs then fit in the memory the largest one pooled.
-        for size in sorted(self.sizes, reverse=True):
+        for size in capture_order(self.sizes):
             # Warm-up outside the graph: compiles Triton kernels for this shape and runs any
-            # lazy initialisation, neither of which may happen during capture.
+            # lazy initialisation, neither of which may happen during capture. Under tensor
+            # parallelism its collectives run for real, meeting the other ranks' warm-up of
+            # the same size (the capture that follows records them without communicating).
             self._decode_pass(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -69,6 +82,7 @@ class DecodeGraphs:
             if pool is None:
                 pool = graph.pool()
             self._graphs[size] = graph
+            self.captured.append(size)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
                     len(self._graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start)

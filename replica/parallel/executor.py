@@ -6,17 +6,21 @@ inputs as the one-device runner does, then ships exactly what it copied to its d
 staged input bytes and the host-side step plan) to every worker over a pipe; each worker puts
 those bytes on its own device and runs the same forward pass on its shard, meeting the others
 in the row-parallel all-reduces, the logits all-gather and (steps that may be aborted) the
-vote at every layer boundary. Rank 0 samples; one broadcast gives every rank the sampled ids
-that the next step's inputs read on the device.
+vote at every layer boundary; a padded decode step replays the rank's own CUDA graph of the
+size rank 0 padded to, those collectives captured inside (parallel/graphs.py). Rank 0
+samples; one broadcast gives every rank the sampled ids that the next step's inputs read on
+the device.
 
 A dead or silent worker never hangs the replica: rank 0 checks the workers before each step,
-a collective with a dead peer fails at once (gloo: connection closed) and every collective
-has a timeout; TensorParallelDead then takes the engine core down, and the front reports the
-replica dead (EngineDeadError). A worker exits when rank 0 goes away.
+a collective with a dead peer fails at once (gloo: connection closed) and every eager
+collective has a timeout (a replayed graph's have none, but the broadcast after it has);
+TensorParallelDead then takes the engine core down, and the front reports the replica dead
+(EngineDeadError). A worker exits when rank 0 goes away.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
@@ -31,6 +35,7 @@ import torch
 
 from replica.config import ConfigError, EngineConfig
 from replica.core.host_pool import BlockCopies
+from replica.executor.cuda_graphs import capture_sizes, use_cuda_graphs
 from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
 from replica.executor.preemption_profile import preemption_costs
 from replica.executor.rank_config import resolve_rank_config
@@ -39,12 +44,15 @@ from replica.model import ModelConfig, load_model
 from replica.parallel.group import (
     RENDEZVOUS_TIMEOUT_S, TensorParallel, TensorParallelDead, join_group, rendezvous_store,
 )
+from replica.parallel.graphs import agree_on_decode_graphs
 from replica.parallel.vote import WorkerVote
 
 logger = logging.getLogger(__name__)
 
 # How often an idle worker checks that rank 0 is still there.
 PARENT_WATCH_INTERVAL_S = 1.0
+# How many of its latest padded decode steps' sizes a worker keeps for its stats.
+RECENT_GRAPH_SIZES = 4096
 
 
 @dataclass
@@ -166,12 +174,22 @@ def _stop_workers(connections, processes) -> None:
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: the one-device runner, plus shipping each step to the workers
-    and broadcasting the sampled ids. CUDA graphs are off (their collectives are not captured
-    yet), though every rank can run the padded decode pass a graph would replay."""
+    and broadcasting the sampled ids. With CUDA graphs every rank captures the same decode
+    ladder at start, each its own collectives inside (parallel/graphs.py), and replays the
+    size rank 0's plan names."""
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, device: torch.device,
-                 workers: TensorParallelWorkers):
-        super().__init__(model, model_config, config, device, cuda_graphs=False)
+                 workers: TensorParallelWorkers, *, cuda_graphs: bool = False):
+        """cuda_graphs: this rank's use_cuda_graphs; the ranks capture only if all would."""
+        self.workers: Optional[TensorParallelWorkers] = None  # set once every rank has its runner
+        try:
+            cuda_graphs = agree_on_decode_graphs(workers.tp, cuda_graphs, capture_sizes(
+                config.max_num_seqs, config.max_num_batched_tokens), device)
+            # With graphs, every rank captures now, the workers as they build their runners.
+            super().__init__(model, model_config, config, device, cuda_graphs=cuda_graphs)
+        except TensorParallelDead:
+            workers.wait_ready()  # a worker that failed to start says why
+            raise
         workers.wait_ready()
         self.workers = workers
         self.tp = workers.tp
@@ -180,9 +198,10 @@ class TensorParallelRunner(ModelRunner):
     def enable_decode_padding(self) -> None:
         """Pad decode-only steps to the graph ladder on every rank: each runs the padded pass
         (what a captured decode graph replays, collectives included) on the same rows. Graph
-        capture itself stays off under TP; this runs the pass eagerly (CPU tests)."""
+        capture turns it on at start on every rank; on its own it runs the pass eagerly (CPU tests)."""
         super().enable_decode_padding()
-        self.workers.call("enable_decode_padding")
+        if self.workers is not None:  # after start: the workers pad too (during it, each rank pads itself)
+            self.workers.call("enable_decode_padding")
 
     def launch(self, scheduler_output) -> StepInFlight:
         self._step_id = scheduler_output.step_id
@@ -204,7 +223,8 @@ class TensorParallelRunner(ModelRunner):
             plan = super()._prepare(scheduled, graphable)
         finally:
             del block_tables.apply_on_device
-        # Graphs are off, so a step is graphable exactly when it may not be aborted.
+        # A step is graphable exactly when it may not be aborted (launch): the workers vote
+        # on the same steps rank 0 does, and never on one padded for a graph.
         self.workers.send(StepMessage(self._step_id, not graphable, plan, self.staged.last_sent(), overflow))
         return plan
 
@@ -273,7 +293,11 @@ def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, boar
     # Decided as rank 0's engine decides it, from the same config and model (agreeing with the
     # other ranks on a profiled pool): the same pool shape.
     config = resolve_rank_config(spec.config, model, model_config, device, tp)
-    runner = ModelRunner(model, model_config, config, device)
+    # As rank 0's TensorParallelRunner decides, at the same point of the start (one collective).
+    cuda_graphs = agree_on_decode_graphs(
+        tp, use_cuda_graphs(device, config.enforce_eager, model.attn_backend.supports_cuda_graphs),
+        capture_sizes(config.max_num_seqs, config.max_num_batched_tokens), device)
+    runner = ModelRunner(model, model_config, config, device, cuda_graphs=cuda_graphs)  # captures with rank 0's
     max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
     vote = WorkerVote(tp, device, board, max_abort_layer)
     runner.step_abort = vote
@@ -285,6 +309,9 @@ class _Worker:
         self.runner, self.tp, self.vote = runner, tp, vote
         self.num_steps = 0
         self.num_padded_decode_steps = 0
+        # The padded size of each of the latest padded decode steps, in order (tests and tools
+        # check the ranks replayed the same sizes; num_padded_decode_steps counts them all).
+        self.graph_sizes: collections.deque[int] = collections.deque(maxlen=RECENT_GRAPH_SIZES)
 
     def answer(self, question: str) -> Any:
         if question == "enable_decode_padding":
@@ -292,8 +319,11 @@ class _Worker:
             return None
         if question == "stats":
             kv_swap = self.runner.kv_swap
+            runner = self.runner
             return {"steps": self.num_steps, "aborts": list(self.vote.aborts), "votes": self.vote.ballot.num_votes,
-                    "padded_decode_steps": self.num_padded_decode_steps,
+                    "padded_decode_steps": self.num_padded_decode_steps, "graph_sizes": list(self.graph_sizes),
+                    "cuda_graphs": runner.graphs is not None, "decode_sizes": list(runner.decode_sizes),
+                    "capture_order": list(runner.graphs.captured) if runner.graphs is not None else [],
                     "num_kv_blocks": self.runner.kv_caches[0][0].shape[0],
                     "swapped_out_blocks": kv_swap.swapped_out_blocks if kv_swap is not None else 0,
                     "swapped_in_blocks": kv_swap.swapped_in_blocks if kv_swap is not None else 0}
@@ -317,8 +347,9 @@ class _Worker:
         num_samples = len(plan.sampling_seqs)
         if not num_samples:
             return
-        if hidden is None:  # a padded decode pass: it gathered every row's logits itself, as a graph would
+        if hidden is None:  # a padded decode pass (a graph replayed, or run eagerly): it gathered every row's logits
             self.num_padded_decode_steps += 1
+            self.graph_sizes.append(plan.graph_size)
         else:
             runner.logits_of(plan, hidden)  # this rank's vocabulary block, for rank 0's gather
         token_ids = torch.empty(num_samples, dtype=torch.int64, device=runner.device)

@@ -30,6 +30,7 @@ from replica.core.request import RequestStatus, SamplingParams
 from replica.core.slo import AbortOrder
 from replica.core.preemption_mode import UNMEASURED_COSTS
 from replica.core.structured_output import StructuredOutput
+from replica.executor.cuda_graphs import capture_sizes, padded_batch_size
 from replica.executor.memory_profile import MemoryProfile, kv_cache_bytes_per_block
 from replica.executor.rank_config import resolve_rank_config
 from replica.front.async_engine import AsyncEngine
@@ -187,15 +188,40 @@ def test_block_table_changes_past_the_staged_capacity_reach_the_workers_too(buil
 
 def test_decode_steps_padded_to_the_graph_ladder_on_every_rank_give_the_tp1_tokens(builtin_tp1, builtin_tp2):
     """What a captured decode graph replays (the padded pass: every row's logits gathered, the
-    rows' inputs read on the device), run eagerly by both ranks; graph capture is off under TP."""
-    builtin_tp2.runner.enable_decode_padding()
-    padded_before = worker_stats(builtin_tp2)["padded_decode_steps"]
-    tokens2, logprobs2 = run(builtin_tp2, PROMPTS[:4])
+    rows' inputs read on the device), run eagerly by both ranks: graphs are off on a CPU (gloo)
+    on every rank. Both ranks pad to the one ladder the config gives, the worker each step to
+    the size rank 0 padded that step to, which is what a single rank pads the batch to."""
+    runner = builtin_tp2.runner
+    runner.enable_decode_padding()
+    before = worker_stats(builtin_tp2)
+    ladder = capture_sizes(builtin_tp2.config.max_num_seqs, builtin_tp2.config.max_num_batched_tokens)
+    assert runner.decode_sizes == before["decode_sizes"] == ladder
+    assert (runner.graphs, before["cuda_graphs"]) == (None, False), "no CUDA graph exists on a CPU"
+    steps = []  # rank 0's (sequences, padded size) of each step launched
+
+    def run_recording(engine, prompts):
+        requests = [engine.make_request(f"padded-{index}-{time.monotonic_ns()}", prompt, GREEDY)
+                    for index, prompt in enumerate(prompts)]
+        for request in requests:
+            engine.add_request(request, detokenize=False)
+        logprobs = {request.request_id: [] for request in requests}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                logprobs[output.request_id] += output.logprobs
+            steps.append((engine.last_step.num_seqs, engine.last_step.graph_batch_size))
+        return [r.output_token_ids for r in requests], [logprobs[r.request_id] for r in requests]
+
+    tokens2, logprobs2 = run_recording(builtin_tp2, PROMPTS[:4])
     tokens1, logprobs1 = run(builtin_tp1, PROMPTS[:4])
     assert tokens2 == tokens1
     for ours, theirs in zip(logprobs2, logprobs1):
         assert ours == pytest.approx(theirs, abs=1e-4)
-    assert worker_stats(builtin_tp2)["padded_decode_steps"] > padded_before + 5, "no padded decode step ran"
+    padded = [(num_seqs, size) for num_seqs, size in steps if size is not None]
+    assert len(padded) > 5, "no padded decode step ran"
+    assert all(size == padded_batch_size(ladder, num_seqs) for num_seqs, size in padded)
+    assert any(size > num_seqs for num_seqs, size in padded), "no step had padding rows"
+    assert graph_sizes_since(before, worker_stats(builtin_tp2)) == [size for _, size in padded], \
+        "the worker ran other padded sizes than rank 0"
 
 
 def write_tiny_model(model_dir, num_key_value_heads: int, vocab_size: int):
@@ -483,6 +509,12 @@ def worker_stats(engine: LLMEngine) -> dict:
     return stats
 
 
+def graph_sizes_since(before: dict, after: dict) -> list[int]:
+    """The padded size of each padded decode step the worker ran between two of its stats."""
+    count = after["padded_decode_steps"] - before["padded_decode_steps"]
+    return after["graph_sizes"][len(after["graph_sizes"]) - count:]
+
+
 def start_long(engine: LLMEngine, request_id: str):
     """A fresh long prompt (its first token differs per request: no prefix-cache hit) that runs
     its first 32-token chunk in the next step."""
@@ -571,6 +603,27 @@ def test_steps_without_a_prefill_cast_no_vote(slo_tp2):
     finish(engine)
     after = worker_stats(engine)
     assert len(request.output_token_ids) == 10 and after["steps"] - before["steps"] == 10
+    assert after["votes"] - before["votes"] == 3, "only the prefill step votes, once per layer"
+
+
+def test_padded_decode_steps_the_graph_replays_cast_no_vote_and_a_prefill_is_never_padded(slo_tp2):
+    """With decode padding on (graphs pad so; on a CPU it runs eagerly): the one step with a
+    prefill votes at every layer on both ranks and runs unpadded; each decode step runs padded
+    on both ranks, without a vote. (The later tests run this engine padded too.)"""
+    engine = slo_tp2
+    engine.runner.enable_decode_padding()
+    before = worker_stats(engine)
+    request = engine.make_request("short-padded", PROMPTS[3], GREEDY, ttft_slo_ms=60_000.0)
+    engine.add_request(request, detokenize=False)
+    padded = []
+    hooked(engine, None)
+    while engine.has_unfinished_requests():
+        engine.step()
+        padded.append(engine.last_step.graph_batch_size)
+    after = worker_stats(engine)
+    assert len(request.output_token_ids) == 10 and after["steps"] - before["steps"] == 10
+    assert padded[0] is None and padded[1:] == [1] * 9, "the prefill step ran padded, or a decode step did not"
+    assert graph_sizes_since(before, after) == [1] * 9
     assert after["votes"] - before["votes"] == 3, "only the prefill step votes, once per layer"
 
 
