@@ -28,6 +28,13 @@ Sections (the default is all but `peers`, about 6 minutes on an H100):
   the choice they make for a victim's private block; bench/bench_swap.py's preemption-heavy
   workload, recompute-only against auto at equal device pool (recomputed tokens, output tok/s,
   greedy tokens equal);
+- tp (issue 26; needs >= 2 GPUs, one row saying so otherwise): bench/bench_tp.py --device cuda
+  (TP=2 vs TP=1 step time, the SLO vote's cost per layer, NCCL); then on the 1.1B checkpoint in
+  bf16, TP=1 with graphs, TP=2 with graphs (both ranks capture the same ladder, NCCL inside)
+  and TP=2 eager, one engine at a time: decode step wall ms at batch 8 and 256 (graphs / eager
+  and TP=2 / TP=1 ratios), each rank's captured sizes and order, the worker replaying every
+  size rank 0 did, greedy tokens of the three compared. --cpu-smoke runs this second part on
+  two gloo ranks, the padded pass run eagerly (no graphs on a CPU);
 - peers: bench/bench_attention.py --quick and bench/bench_fused_ops.py --quick.
 
 Needs torch, triton, transformers, safetensors, tokenizers, numpy, pytest and the wheels in
@@ -136,7 +143,7 @@ def main() -> None:
         ENGINE_CONFIG.clear()
         ENGINE_CONFIG.update(SMOKE_ENGINE_CONFIG)
         args.quick = True
-        sections = [name for name in sections if name in ("engine", "smollm2", "swap")]
+        sections = [name for name in sections if name in ("engine", "smollm2", "swap", "tp")]
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device (--cpu-smoke checks the script on a CPU)")
     else:
@@ -157,7 +164,11 @@ def main() -> None:
         section(report, "tests", parity_tests)
     if "smollm2" in sections:
         section(report, "smollm2", lambda: smollm2_agreement(args.smollm2, cpu_smoke=args.cpu_smoke))
-    if "engine" in sections or "served" in sections or "swap" in sections:
+    tp_not_run = tensor_parallel_gpus() if "tp" in sections else None
+    if tp_not_run is not None:  # fewer than 2 GPUs: one row, and no checkpoint built for it
+        section(report, "tp", lambda: [("TP=2 vs TP=1; TP=2 decode with graphs vs eager", tp_not_run)])
+    tp_runs = "tp" in sections and tp_not_run is None
+    if "engine" in sections or "served" in sections or "swap" in sections or tp_runs:
         with tempfile.TemporaryDirectory(prefix="bench-gpu-") as model_dir:
             section(report, "setup", lambda: build_checkpoint(Path(model_dir)))
             if "engine" in sections:
@@ -167,8 +178,8 @@ def main() -> None:
                 section(report, "served", lambda: served(model_dir))
             if "swap" in sections:
                 section(report, "swap", lambda: host_tier(model_dir, cpu_smoke=args.cpu_smoke))
-    if "tp" in sections:
-        section(report, "tp", tensor_parallel)
+            if tp_runs:
+                section(report, "tp", lambda: tensor_parallel(model_dir, decode_steps))
     if "structured" in sections:
         section(report, "structured", lambda: structured_outputs(args.smollm2))
     if "peers" in sections:
@@ -593,15 +604,122 @@ def block_copy_seconds(kv_swap, num_blocks: int) -> dict[str, float]:
 
 
 # ---- peers: the kernel benchmarks ------------------------------------------------------------------
-def tensor_parallel() -> list[tuple]:
-    """bench_tp.py on the GPUs: TP=2 against TP=1 step time and the SLO vote's cost per layer
-    (NCCL), when the machine has two GPUs; one row saying so when it has fewer."""
+def tensor_parallel_gpus() -> Optional[str]:
+    """Why the tp section cannot run here (None when it can: >= 2 GPUs, or the CPU smoke run)."""
+    if DEVICE == "cpu":
+        return None
     num_gpus = torch.cuda.device_count()
-    if num_gpus < 2:
-        return [("TP=2 vs TP=1", f"not run: this machine has {num_gpus} GPU (needs >= 2)")]
-    _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_tp.py"), "--device", "cuda",
-                                    "--model", "wide"], timeout_s=600)
-    return [("bench_tp.py --device cuda --model wide", f"exit {returncode} (its table is printed above)")]
+    return None if num_gpus >= 2 else f"not run: this machine has {num_gpus} GPU (needs >= 2)"
+
+
+def tensor_parallel(model_dir: str, decode_steps: int) -> list[tuple]:
+    """bench_tp.py on the GPUs: TP=2 against TP=1 step time and the SLO vote's cost per layer
+    (NCCL); then TP=2 decode steps replaying CUDA graphs (both ranks, NCCL inside) against TP=2
+    eager and TP=1 with graphs, on the 1.1B checkpoint. The CPU smoke run (gloo, no graphs on a
+    CPU) runs the second part with the padded decode pass run eagerly in place of the graphs."""
+    rows = []
+    if DEVICE == "cuda":
+        _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_tp.py"), "--device", "cuda",
+                                        "--model", "wide"], timeout_s=600)
+        rows.append(("bench_tp.py --device cuda --model wide", f"exit {returncode} (its table is printed above)"))
+    return rows + tp_decode_graphs(model_dir, decode_steps)
+
+
+def tp_decode_graphs(model_dir: str, decode_steps: int) -> list[tuple]:
+    """Decode step time at two batch sizes and greedy tokens: TP=1 with graphs, TP=2 with graphs,
+    TP=2 eager (enforce_eager), one engine at a time (a fixed pool: each would otherwise take
+    gpu_memory_utilization of the GPUs while the one before is freed). Graphs vs eager and TP=2 vs
+    TP=1 are ratios within this run."""
+    from replica.config import make_engine_config
+    from replica.core.engine import LLMEngine
+    from replica.core.request import SamplingParams
+
+    config = {**ENGINE_CONFIG, "gpu_memory_utilization": None, "num_kv_blocks": ENGINE_CONFIG.get("num_kv_blocks", 8192)}
+    prompts = random_prompts(AGREEMENT_PROMPTS, MODEL_SHAPE["vocab_size"], seed=26)
+    greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
+    modes = (("TP=1, graphs", 1, False), ("TP=2, graphs", 2, False), ("TP=2, eager", 2, True))
+    batches = tuple(sorted({8, DECODE_BATCH}))
+    step_ms: dict[str, dict[int, float]] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    rows = []
+    for label, size, eager in modes:
+        engine = LLMEngine(make_engine_config(**config, tensor_parallel_size=size, enforce_eager=eager), model_dir,
+                           device=DEVICE, dtype="bfloat16")
+        try:
+            runner = engine.runner
+            if not eager and runner.graphs is None:  # a CPU: the pass a graph holds, run eagerly
+                runner.enable_decode_padding()
+            in_step = size > 1 and not eager  # rows checking the ranks capture and replay alike
+            if in_step:
+                (stats,) = engine.tp_workers.call("stats")
+                captured = runner.graphs.captured if runner.graphs is not None else []
+                rows.append((f"{label}: decode graphs captured, rank 0 / rank 1 (same sizes in the same order)",
+                             f"{len(captured)} / {len(stats['capture_order'])} "
+                             f"({captured == stats['capture_order']})", "equal, > 0 on CUDA"))
+            tokens[label] = engine.generate(prompts, greedy)
+            step_ms[label] = {}
+            for batch in batches:
+                if in_step:
+                    (stats,) = engine.tp_workers.call("stats")
+                    before = stats["padded_decode_steps"]
+                ms, padded = tp_decode_ms(engine, batch, decode_steps, seed=batch)
+                step_ms[label][batch] = ms
+                if in_step:  # the worker ran every padded size rank 0 did, in order
+                    (stats,) = engine.tp_workers.call("stats")
+                    count = stats["padded_decode_steps"] - before
+                    same = count == len(padded) and stats["graph_sizes"][len(stats["graph_sizes"]) - count:] == padded
+                    rows.append((f"{label}: padded decode steps at batch {batch}, rank 0 / the worker in step",
+                                 f"{len(padded)} / {same}", "> 0 / True"))
+        finally:
+            engine.shutdown()
+            del engine
+            free_device_memory()
+    for batch in batches:
+        tp1, graphs, eager = (step_ms[label][batch] for label, _, _ in modes)
+        rows.append((f"TP=2 decode step at batch {batch}, ~{DECODE_CONTEXT}-token contexts: graphs / eager, wall ms",
+                     f"{graphs:.2f} / {eager:.2f} ({eager / graphs:.2f}x)", "graphs faster"))
+        rows.append((f"TP=2 / TP=1 decode step at batch {batch}, both with graphs, wall ms",
+                     f"{graphs:.2f} / {tp1:.2f} ({tp1 / graphs:.2f}x)", ""))
+    total = sum(map(len, tokens[modes[0][0]]))
+    for ours, theirs in (("TP=2, graphs", "TP=2, eager"), ("TP=2, graphs", "TP=1, graphs")):
+        same = sum(a == b for x, y in zip(tokens[ours], tokens[theirs]) for a, b in zip(x, y))
+        rows.append((f"greedy tokens, {ours} = {theirs} ({AGREEMENT_PROMPTS} prompts)", f"{same}/{total}",
+                     "near 100% (bf16)"))
+    return rows
+
+
+def tp_decode_ms(engine, batch: int, steps: int, seed: int) -> tuple[float, list[int]]:
+    """Mean wall ms of `steps` decode steps at `batch` sequences of ~DECODE_CONTEXT tokens, and
+    the padded size of each step rank 0 launched (graph replays, or the padded pass on a CPU)."""
+    from replica.core.request import SamplingParams
+
+    rng = random.Random(2600 + seed)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    requests = [engine.make_request(f"tp-decode-{batch}-{i}",
+                                    [rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(DECODE_CONTEXT)],
+                                    params) for i in range(batch)]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    padded = []
+    while any(r.num_output_tokens == 0 for r in requests):
+        engine.step()
+        if engine.last_step.graph_batch_size is not None:
+            padded.append(engine.last_step.graph_batch_size)
+    timings = []
+    for _ in range(steps):
+        engine.step()
+        timings.append(engine.last_step.wall_s)
+        if engine.last_step.graph_batch_size is not None:
+            padded.append(engine.last_step.graph_batch_size)
+    for request in requests:
+        engine.abort_request(request.request_id)
+    while True:
+        engine.step()  # the last one drains a step still in flight
+        if engine.last_step.graph_batch_size is not None:
+            padded.append(engine.last_step.graph_batch_size)
+        if not engine.has_unfinished_requests():
+            break
+    return _mean_ms(timings), padded
 
 
 def structured_outputs(smollm2: Optional[str]) -> list[tuple]:
