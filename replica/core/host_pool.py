@@ -32,9 +32,14 @@ class HostBlockPool(BlockPool):
 
 @dataclass(frozen=True)
 class BlockCopies:
-    """The whole-block copies between the tiers one step needs before its forward pass: every
-    swap-out first (its device blocks may be handed to this very step's new KV), then every
-    swap-in (its device blocks are read by this step's attention)."""
+    """The whole-block copies between the tiers one step needs: every swap-out first (its device
+    blocks may be handed to this very step's new KV), then every swap-in (its device blocks are
+    read by this step's attention); the step's forward pass waits for those. Then the
+    write-throughs of the spilling prefix cache (device blocks filled by an earlier step, free
+    or held, that this step neither writes nor frees for reuse): they overlap this step's
+    forward pass, and the next step's forward pass waits for them (the scheduler sends a
+    BlockCopies, empty if need be, with every step after one that had write-throughs)."""
 
     swap_out: tuple[tuple[int, int], ...]  # (device block id, host block id)
     swap_in: tuple[tuple[int, int], ...]  # (host block id, device block id)
+    write_through: tuple[tuple[int, int], ...] = ()  # (device block id, host block id)

@@ -2,6 +2,17 @@
 over a hash chain of full blocks, `allocate_slots`, which says no when memory is short, and
 (with a host tier) the blocks a swapped-out request holds in host memory and the copies
 between the tiers each step needs.
+
+The spilling prefix cache writes through: a full block registered in the prefix cache in one
+step (and written by that step's forward pass) is copied to the host tier in the next step,
+in the background (BlockCopies.write_through: the copy overlaps that step's forward pass and
+only the step after it waits for it), so that when the device pool later evicts the block its
+KV is already on the host and the step that reuses the block copies nothing. A cached block
+freed without a host copy (the host evicted it while the device held the block) is written
+through again, the same way. A block the device evicts with no copy on the host (in the step
+right after it was filled or freed) is forgotten, as without a host tier, rather than copied
+in a step that would wait for the copy. A swap-out takes the host copies that are there
+instead of copying those blocks again.
 """
 
 from __future__ import annotations
@@ -42,12 +53,32 @@ class KVCacheManager:
         self._host_blocks_read: list[KVBlock] = []
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
-        # The spilling prefix cache: a cached block the device pool reuses is copied to the
-        # host tier first (keeping its hash), and a prefix hit there is copied back.
+        # The spilling prefix cache: every full cached block is written through to the host
+        # tier (keeping its hash) the step after it was filled, and again when it is freed
+        # without one; a prefix hit there is copied back. spilled_blocks counts those copies;
+        # evicted_without_host_copy_blocks the cached blocks the device evicted before the host
+        # had (or while it no longer had) a copy: forgotten.
         self.spilled_blocks = 0
+        self.evicted_without_host_copy_blocks = 0
         self.host_hit_blocks = 0
-        if self.host_pool is not None and enable_caching:
-            self.pool.on_evict = self._spill
+        # Blocks of swap-outs whose copy the host tier already held (written through): taken
+        # there, not copied again (not counted in swapped_out_blocks, which counts copies).
+        self.swap_out_blocks_on_host = 0
+        self.writes_through = self.host_pool is not None and enable_caching
+        # (block, hash) registered this step, and those registered the step before: its forward
+        # pass has written them, so this step's copies may read them.
+        self._filled: list[tuple[KVBlock, bytes]] = []
+        self._filled_before: list[tuple[KVBlock, bytes]] = []
+        # Cached blocks freed since the last plan without a host copy (theirs was evicted from
+        # the host while the device held them): written through again before the device
+        # evicts them, where it does not in the very step they were freed.
+        self._freed: list[tuple[KVBlock, bytes]] = []
+        self._write_through: list[tuple[int, int]] = []
+        # The previous step's copies had write-throughs: this step's copies must be issued (if
+        # empty) so that its forward pass waits for them (it may overwrite the blocks they read).
+        self._write_through_in_flight = False
+        if self.writes_through:
+            self.pool.on_evict = self._on_evict
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading full blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -144,18 +175,44 @@ class KVCacheManager:
         self._host_blocks_read.extend(host_hits)
         self.host_hit_blocks += len(host_hits)
 
-    def _spill(self, block: KVBlock) -> None:
-        """The device pool is about to reuse a cached block: keep its KV and hash in the host
-        tier (copied before this step's forward pass overwrites it), unless the host already
-        has that hash or has no free block."""
-        host_pool = self.host_pool
-        if host_pool.get_cached_block(block.block_hash) is not None or not host_pool.num_free_blocks:
+    def _on_evict(self, block: KVBlock) -> None:
+        """The device pool is about to reuse a cached block. Its host copy (written through),
+        if the host tier still has one, becomes the host's most recently used: the host's LRU
+        order is the order blocks left the device, so copies of blocks still on the device go
+        first. A block without one is forgotten, as without a host tier: copying it now would
+        be a copy this step's forward pass (which overwrites the block) waits for."""
+        host_block = self.host_pool.get_cached_block(block.block_hash)
+        if host_block is None:
+            self.evicted_without_host_copy_blocks += 1
             return
-        (host_block,) = host_pool.get_new_blocks(1)  # the least recently used, its old hash evicted
-        self._swap_out.append((block.block_id, host_block.block_id))
-        host_pool.cache_block(host_block, block.block_hash, block.parent_hash)
-        host_pool.free_blocks((host_block,))  # held by nobody: found by its hash until reused
-        self.spilled_blocks += 1
+        self.host_pool.touch((host_block,))
+        self.host_pool.free_blocks((host_block,))
+
+    def _plan_write_through(self) -> None:
+        """Write through the blocks registered the step before (its forward pass wrote them),
+        and the cached blocks freed since the last plan, that the device still caches under
+        that hash and the host tier lacks, each into the host's least recently used free block,
+        which takes its hash (held by nobody: found by its hash until reused). Blocks registered
+        this step wait for the next one (their KV is written by this step's forward pass)."""
+        filled_before, self._filled_before, self._filled = self._filled_before, self._filled, []
+        if self._freed:
+            filled_before += self._freed
+            self._freed = []
+        if not filled_before:
+            return
+        host_pool = self.host_pool
+        cached, host_cached = self.pool.cached_blocks, host_pool.cached_blocks
+        filled_now = {id(block) for block, _ in self._filled_before}
+        for block, block_hash in filled_before:
+            if (cached.get(block_hash) is block and block_hash not in host_cached
+                    and id(block) not in filled_now):
+                if not host_pool.num_free_blocks:
+                    break
+                (host_block,) = host_pool.get_new_blocks(1)  # its old hash evicted
+                self._write_through.append((block.block_id, host_block.block_id))
+                host_pool.cache_block(host_block, block_hash, block.parent_hash)
+                host_pool.free_blocks((host_block,))
+                self.spilled_blocks += 1
 
     def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache blocks stored and removed since the previous call, in order within
@@ -271,8 +328,12 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._update_block_hashes(request)
+        filled = self._filled if self.writes_through else None
         for i in range(start, num_full):
-            self.pool.cache_block(req_blocks[i], hashes[i], hashes[i - 1] if i else None)
+            block = req_blocks[i]
+            self.pool.cache_block(block, hashes[i], hashes[i - 1] if i else None)
+            if filled is not None and block.block_hash is hashes[i]:
+                filled.append((block, hashes[i]))
         self.num_cached_blocks[request.request_id] = num_full
 
     def forget_unwritten_blocks(self, requests: Sequence[Request]) -> None:
@@ -297,6 +358,11 @@ class KVCacheManager:
                 self.num_cached_blocks[request_id] = num_written_blocks
         if not unwritten_ids:
             return
+        if self.writes_through:  # never written, so never to be written through
+            self._filled = [entry for entry in self._filled if entry[0].block_id not in unwritten_ids]
+            self._filled_before = [entry for entry in self._filled_before
+                                   if entry[0].block_id not in unwritten_ids]
+            self._freed = [entry for entry in self._freed if entry[0].block_id not in unwritten_ids]
         for request in requests:
             blocks = self.req_to_blocks.get(request.request_id, [])
             for index in range(request.num_computed_tokens // block_size):
@@ -312,6 +378,13 @@ class KVCacheManager:
         if blocks:
             self.num_request_blocks -= len(blocks)
             self.pool.free_blocks(reversed(blocks))
+            if self.writes_through:
+                host_cached = self.host_pool.cached_blocks
+                # Tail first, as they joined the free queue: the prefix is written last, so the
+                # host's LRU keeps it longest.
+                self._freed.extend((block, block.block_hash) for block in reversed(blocks)
+                                   if block.ref_cnt == 0 and block.block_hash is not None
+                                   and block.block_hash not in host_cached)
         swapped = self.swapped.pop(request.request_id, None)
         if swapped is not None:
             self.host_pool.free_blocks(reversed(swapped.host_blocks))
@@ -346,14 +419,31 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> int:
         """Copy the request's computed KV into host blocks it then holds and free its device
         blocks (shared prefix blocks stay with their other holders); returns the tokens kept.
-        The copies run at the start of this step, before anything overwrites the freed blocks."""
+        The copies run at the start of this step, before anything overwrites the freed blocks.
+        A full cached block whose copy the host tier already has (written through) is not
+        copied again: the request holds that host block; a copied one takes the block's hash
+        there, so the block's eviction from the device later copies nothing."""
+        host_pool = self.host_pool
         num_tokens = self.num_swappable_tokens(request)
         device_blocks = self.req_to_blocks[request.request_id][:cdiv(num_tokens, self.block_size)]
-        host_blocks = self.host_pool.get_new_blocks(len(device_blocks))
-        self._swap_out.extend((device.block_id, host.block_id) for device, host in zip(device_blocks, host_blocks))
+        # Hold the host copies first, so that the new host blocks cannot evict them.
+        on_host = [host_pool.get_cached_block(device.block_hash) if device.block_hash is not None else None
+                   for device in device_blocks]
+        host_pool.touch([host for host in on_host if host is not None])
+        num_copies = sum(host is None for host in on_host)
+        new_blocks = iter(host_pool.get_new_blocks(num_copies))
+        host_blocks = []
+        for device, host in zip(device_blocks, on_host):
+            if host is None:
+                host = next(new_blocks)
+                self._swap_out.append((device.block_id, host.block_id))
+                if device.block_hash is not None:
+                    host_pool.cache_block(host, device.block_hash, device.parent_hash)
+            host_blocks.append(host)
         self.free(request)
         self.swapped[request.request_id] = SwappedOut(host_blocks, num_tokens)
-        self.swapped_out_blocks += len(host_blocks)
+        self.swapped_out_blocks += num_copies
+        self.swap_out_blocks_on_host += len(host_blocks) - num_copies
         return num_tokens
 
     def swap_in(self, request: Request, num_hit_blocks: int) -> int:
@@ -372,16 +462,24 @@ class KVCacheManager:
         return len(copies)
 
     def take_block_copies(self) -> Optional[BlockCopies]:
-        """The copies planned since the previous call (once per step, with the step's output),
-        or None. The host blocks those swap-ins read become free now: later steps' copies are
-        issued after this step's, in order."""
+        """The copies planned since the previous call (once per step, with the step's output,
+        after its allocations), with the write-throughs of the blocks the previous step filled;
+        None when there are none and none of the previous step's are in flight. The host
+        blocks this step's swap-ins read become free now: later steps' copies are issued after
+        this step's, in order."""
+        if self.writes_through:
+            self._plan_write_through()  # before the held host blocks are freed: none is reused
         if self._host_blocks_read:
             self.host_pool.free_blocks(reversed(self._host_blocks_read))
             self._host_blocks_read = []
-        if not self._swap_out and not self._swap_in:
-            return None
-        copies = BlockCopies(tuple(self._swap_out), tuple(self._swap_in))
-        self._swap_out, self._swap_in = [], []
+        if not self._swap_out and not self._swap_in and not self._write_through:
+            if not self._write_through_in_flight:
+                return None
+            self._write_through_in_flight = False
+            return BlockCopies((), ())  # this step's forward pass waits for the previous one's
+        copies = BlockCopies(tuple(self._swap_out), tuple(self._swap_in), tuple(self._write_through))
+        self._write_through_in_flight = bool(self._write_through)
+        self._swap_out, self._swap_in, self._write_through = [], [], []
         return copies
 
     # ---- preemption cost ---------------------------------------------------------------

@@ -4,13 +4,17 @@ The host cache is one tensor, block-major: [host blocks, layers, key/value, bloc
 kv heads, head_dim], so a host block is contiguous (one copy moves it on CUDA). On CUDA it is
 pinned and the copies run on a stream of their own: they start once the compute stream has
 queued everything before them (the steps that wrote the blocks swapped out, or still read
-the blocks swapped into), and the compute stream waits on an event after them, so the step
-that reads swapped-in blocks, or overwrites swapped-out ones, runs only once they are done,
-while the host goes on preparing the step. On CPU the copies are plain tensor ops, done
-when `copy` returns.
+the blocks swapped into), and the compute stream waits on an event after the step's swap-outs
+and swap-ins, so the step that reads swapped-in blocks, or overwrites swapped-out ones, runs
+only once they are done, while the host goes on preparing the step. The step's
+write-throughs (the spilling prefix cache's copies of blocks filled earlier) are queued after
+that event: they overlap the step's forward pass, and the next step's event, recorded after
+them on the same stream, makes its forward pass (which may overwrite their blocks) wait for
+them. On CPU the copies are plain tensor ops, done when `copy` returns.
 
-Order within a step: every swap-out, then every swap-in (BlockCopies' contract): a device
-block a swap-out frees may be the destination of a swap-in of the same step.
+Order within a step: every swap-out, then every swap-in, then every write-through
+(BlockCopies' contract): a device block a swap-out frees may be the destination of a swap-in
+of the same step.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class KVSwapper:
         self.host_cache = torch.zeros(shape, dtype=key_cache.dtype, pin_memory=self.on_cuda)
         self.bytes_per_block = self.host_cache[0].numel() * self.host_cache.element_size()
         # Blocks this rank copied each way (under tensor parallelism every rank copies its shard).
-        self.swapped_out_blocks = self.swapped_in_blocks = 0
+        self.swapped_out_blocks = self.swapped_in_blocks = self.written_through_blocks = 0
         self.stream: Optional[torch.cuda.Stream] = None
         self.staging: Optional[torch.Tensor] = None
         if self.on_cuda:
@@ -49,23 +53,30 @@ class KVSwapper:
 
     @torch.inference_mode()
     def copy(self, copies: BlockCopies) -> None:
-        """Run a step's copies: swap-outs, then swap-ins. On CUDA the step's kernels queued
-        after this call wait for them."""
+        """Run a step's copies: swap-outs, then swap-ins, then write-throughs. On CUDA the
+        step's kernels queued after this call wait for the swaps and for every earlier step's
+        write-throughs, not for this step's."""
         self.swapped_out_blocks += len(copies.swap_out)
         self.swapped_in_blocks += len(copies.swap_in)
+        self.written_through_blocks += len(copies.write_through)
         if self.on_cuda:
             self._copy_cuda(copies)
             return
-        if copies.swap_out:
-            device_ids, host_ids = _id_tensors(copies.swap_out, self.device)
-            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-                self.host_cache[:, layer, 0].index_copy_(0, host_ids, key_cache.index_select(0, device_ids))
-                self.host_cache[:, layer, 1].index_copy_(0, host_ids, value_cache.index_select(0, device_ids))
+        self._copy_out_cpu(copies.swap_out)
         if copies.swap_in:
             host_ids, device_ids = _id_tensors(copies.swap_in, self.device)
             for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
                 key_cache.index_copy_(0, device_ids, self.host_cache[:, layer, 0].index_select(0, host_ids))
                 value_cache.index_copy_(0, device_ids, self.host_cache[:, layer, 1].index_select(0, host_ids))
+        self._copy_out_cpu(copies.write_through)
+
+    def _copy_out_cpu(self, pairs) -> None:
+        if not pairs:
+            return
+        device_ids, host_ids = _id_tensors(pairs, self.device)
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            self.host_cache[:, layer, 0].index_copy_(0, host_ids, key_cache.index_select(0, device_ids))
+            self.host_cache[:, layer, 1].index_copy_(0, host_ids, value_cache.index_select(0, device_ids))
 
     def _copy_cuda(self, copies: BlockCopies) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -74,15 +85,7 @@ class KVSwapper:
         stream = self.stream
         with torch.cuda.stream(stream):
             stream.wait_event(queued)  # the steps before this one have written / read the blocks
-            for start in range(0, len(copies.swap_out), CUDA_STAGING_BLOCKS):
-                chunk = copies.swap_out[start:start + CUDA_STAGING_BLOCKS]
-                device_ids, _ = _id_tensors(chunk, self.device)
-                staging = self.staging[:len(chunk)]
-                for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-                    staging[:, layer, 0].copy_(key_cache.index_select(0, device_ids))
-                    staging[:, layer, 1].copy_(value_cache.index_select(0, device_ids))
-                for index, (_, host_id) in enumerate(chunk):
-                    self.host_cache[host_id].copy_(staging[index], non_blocking=True)
+            self._copy_out_cuda(copies.swap_out)
             for start in range(0, len(copies.swap_in), CUDA_STAGING_BLOCKS):
                 chunk = copies.swap_in[start:start + CUDA_STAGING_BLOCKS]
                 _, device_ids = _id_tensors(chunk, self.device)
@@ -92,9 +95,25 @@ class KVSwapper:
                 for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
                     key_cache.index_copy_(0, device_ids, staging[:, layer, 0])
                     value_cache.index_copy_(0, device_ids, staging[:, layer, 1])
+            # After this step's swaps and the previous steps' write-throughs (one stream, in order).
             done = torch.cuda.Event()
             done.record(stream)
+            # Blocks filled by earlier steps, which this step's forward pass neither writes nor
+            # reuses: overlapped with it; the next step's `done` follows them.
+            self._copy_out_cuda(copies.write_through)
         compute.wait_event(done)  # the step's forward pass reads / overwrites these blocks
+
+    def _copy_out_cuda(self, pairs) -> None:
+        """Device -> host on the copy stream (the caller's), in rounds through the staging buffer."""
+        for start in range(0, len(pairs), CUDA_STAGING_BLOCKS):
+            chunk = pairs[start:start + CUDA_STAGING_BLOCKS]
+            device_ids, _ = _id_tensors(chunk, self.device)
+            staging = self.staging[:len(chunk)]
+            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+                staging[:, layer, 0].copy_(key_cache.index_select(0, device_ids))
+                staging[:, layer, 1].copy_(value_cache.index_select(0, device_ids))
+            for index, (_, host_id) in enumerate(chunk):
+                self.host_cache[host_id].copy_(staging[index], non_blocking=True)
 
     def synchronize(self) -> None:
         if self.stream is not None:

@@ -1,7 +1,9 @@
 """The host KV tier in the scheduler: preemption that swaps victims to host blocks and back
-(or recomputes them, per victim), checked against a simulation of what every device and
-host block slot holds, so a copy planned in the wrong order, to the wrong block or not at
-all fails the step that reads it; outputs equal the reference token for token."""
+(or recomputes them, per victim), and the spilling prefix cache's write-through, checked
+against a simulation of what every device and host block slot holds, so a copy planned in
+the wrong order, to the wrong block, before its block was written, overlapping a forward
+pass that writes its block, or not at all fails the step that reads it; outputs equal the
+reference token for token."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from tests.replica.sched_harness import make_request, make_scheduler, reference_
 class SimulatedKV:
     """Each device and host block slot as the token prefix whose K/V it holds. Every step runs
     the step's copies, writes its new tokens' slots, then checks that each scheduled request's
-    block table holds its own prefix at every position its attention reads."""
+    block table holds its own prefix at every position its attention reads.
+
+    Write-throughs run beside the step's forward pass (on CUDA the compute stream does not
+    wait for them): each must read a block already fully written, which this step's forward
+    pass does not write, and the next step must carry a BlockCopies (its forward pass waits
+    for them through it)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -25,6 +32,8 @@ class SimulatedKV:
         self.host: dict[int, list] = {}
         self.tables: dict[str, list[int]] = {}
         self.num_checked_positions = 0
+        self.num_written_through = 0
+        self.write_through_in_flight = False
 
     def _slots(self, tier: dict[int, list], block_id: int) -> list:
         return tier.setdefault(block_id, [None] * self.block_size)
@@ -32,17 +41,31 @@ class SimulatedKV:
     def __call__(self, step: int, output: SchedulerOutput) -> None:
         for request_id in output.finished_req_ids + output.preempted_req_ids:
             self.tables.pop(request_id, None)
-        if output.block_copies is not None:
-            for device_id, host_id in output.block_copies.swap_out:  # all swap-outs first
+        copies = output.block_copies
+        assert copies is not None or not self.write_through_in_flight, (
+            f"step {step}: no BlockCopies to order its forward pass after the previous step's write-throughs")
+        writing_through = set()
+        if copies is not None:
+            for device_id, host_id in copies.swap_out:  # all swap-outs first
                 self.host[host_id] = list(self._slots(self.device, device_id))
-            for host_id, device_id in output.block_copies.swap_in:
+            for host_id, device_id in copies.swap_in:
                 self.device[device_id] = list(self._slots(self.host, host_id))
+            for device_id, host_id in copies.write_through:
+                slots = self._slots(self.device, device_id)
+                assert None not in slots, f"step {step}: writes through block {device_id} before it is written"
+                self.host[host_id] = list(slots)
+                writing_through.add(device_id)
+            self.num_written_through += len(copies.write_through)
+            self.write_through_in_flight = bool(copies.write_through)
         for entry in output.scheduled:  # the forward pass writes every new K/V...
             request_id = entry.request.request_id
             table = self.tables[request_id] = (list(entry.new_block_ids) if entry.is_new
                                                else self.tables[request_id] + list(entry.new_block_ids))
             tokens = entry.request.all_token_ids
             for position in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
+                assert table[position // self.block_size] not in writing_through, (
+                    f"step {step}: the forward pass writes block {table[position // self.block_size]} "
+                    "while its write-through runs")
                 slots = self._slots(self.device, table[position // self.block_size])
                 slots[position % self.block_size] = tuple(tokens[:position + 1])
         for entry in output.scheduled:  # ...before any attention reads the cache
@@ -73,7 +96,9 @@ def test_cramped_pool_swaps_victims_and_resumes_them_without_recomputing_a_token
     assert counters.swap_preemptions == counters.preemptions > 0, "the cramped pool must really swap"
     assert counters.recomputed_tokens == 0 and counters.recompute_tokens_avoided > 0
     kv_cache = scheduler.kv_cache
-    assert kv_cache.swapped_out_blocks == kv_cache.swapped_in_blocks > 0
+    # Every block swapped back in went out by a copy, or was found on the host, written through.
+    assert kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host == kv_cache.swapped_in_blocks > 0
+    assert kv_cache.swap_out_blocks_on_host > 0, "full blocks written through must not be copied out again"
 
 
 def test_the_load_reports_the_host_tier_and_what_swapping_moved():
@@ -89,11 +114,14 @@ def test_the_load_reports_the_host_tier_and_what_swapping_moved():
     assert (load.host_kv_blocks_total, load.host_kv_blocks_free) == (64, 64 - held)
     assert load.host_kv_usage == pytest.approx(held / 64)
     assert load.swap_preemptions_total == scheduler.counters.swap_preemptions > 0
-    assert load.swapped_out_blocks_total == held and load.swapped_out_bytes_total == held * 1024
+    # Copied out, or already on the host (written through): the metric counts the copies.
+    copied = held - scheduler.kv_cache.swap_out_blocks_on_host
+    assert load.swapped_out_blocks_total == copied and load.swapped_out_bytes_total == copied * 1024
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
     load = scheduler.load()
-    assert load.host_kv_blocks_free == 64 and load.swapped_in_blocks_total == load.swapped_out_blocks_total
+    assert load.host_kv_blocks_free == 64
+    assert load.swapped_in_blocks_total == load.swapped_out_blocks_total + scheduler.kv_cache.swap_out_blocks_on_host
     assert load.recompute_tokens_avoided_total == scheduler.counters.recompute_tokens_avoided > 0
     assert make_scheduler().load().host_kv_blocks_total == 0  # no host tier: all zero
 
@@ -114,8 +142,9 @@ def test_a_swapped_request_whose_prefix_blocks_were_shared_resumes_on_the_device
     assert outputs == reference_outputs(_requests(prefix, max_tokens=20))
     assert scheduler.counters.swap_preemptions > 0
     # Resuming, a victim takes the shared prefix from the device cache and copies back only
-    # the rest: fewer blocks come back than went out.
-    assert 0 < scheduler.kv_cache.swapped_in_blocks < scheduler.kv_cache.swapped_out_blocks
+    # the rest: fewer blocks come back than went out (copied, or found on the host).
+    kv_cache = scheduler.kv_cache
+    assert 0 < kv_cache.swapped_in_blocks < kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host
 
 
 def test_aborting_a_request_on_the_host_frees_its_host_blocks():
@@ -204,12 +233,11 @@ def test_a_bad_host_tier_configuration_fails_with_one_line_naming_the_field(over
 SHARED_PROMPT = list(range(200, 224))  # six full blocks of 4
 
 
-def _spill_then_hit(**config):
+def _spill_then_hit(simulated, **config):
     """Run a request with SHARED_PROMPT, then a filler that reuses every device block, then a
     request sharing that prompt; returns (its output, its reference, the scheduler)."""
     scheduler = make_scheduler(**{"block_size": 4, "max_model_len": 48, "max_num_batched_tokens": 64,
                                   "num_kv_blocks": 13, **config})
-    simulated = SimulatedKV(4)
     run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)], on_step=simulated)
     # 44 + 4 tokens: every one of the 12 usable device blocks.
     run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(44)], 4)], on_step=simulated)
@@ -220,16 +248,72 @@ def _spill_then_hit(**config):
 
 
 def test_a_prefix_evicted_from_the_device_spills_to_the_host_and_a_hit_there_is_copied_back():
-    output, reference, scheduler = _spill_then_hit(num_host_kv_blocks=16)
+    # The host tier holds copies of blocks still on the device too (written through): 24
+    # blocks keep the first prompt's 7 beside the filler's 12.
+    simulated = SimulatedKV(4)
+    output, reference, scheduler = _spill_then_hit(simulated, num_host_kv_blocks=24)
     assert output == reference
     kv_cache = scheduler.kv_cache
     assert kv_cache.spilled_blocks >= 6, "the first prompt's blocks must have been spilled, not forgotten"
     assert kv_cache.host_hit_blocks == 6, "the second request must take all six from the host"
+    # Every copy to the host was a write-through beside a forward pass: no step waited for one.
+    assert simulated.num_written_through == kv_cache.spilled_blocks
     assert scheduler.requests == {} and kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
     # Without a host tier the filler made the device forget the prefix: no hit at all.
-    output, _, device_only = _spill_then_hit()
+    output, _, device_only = _spill_then_hit(SimulatedKV(4))
     assert output == reference and device_only.kv_cache.prefix_cache_hits == 0
     assert kv_cache.prefix_cache_hits == 24
+
+
+def test_a_block_the_device_evicts_without_a_host_copy_is_forgotten_not_copied_by_the_step_reusing_it():
+    # Two host blocks: the first prompt's write-throughs leave copies of its last two blocks only.
+    scheduler = make_scheduler(block_size=4, max_model_len=48, max_num_batched_tokens=64, num_kv_blocks=13,
+                               num_host_kv_blocks=2)
+    simulated = SimulatedKV(4)
+    run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)], on_step=simulated)
+    copies = []
+
+    def on_step(step, output):
+        copies.append(output.block_copies)
+        simulated(step, output)
+
+    filler = make_request("filler", [300 + j for j in range(44)], 4)
+    assert run_to_completion(scheduler, [filler], on_step=on_step) == reference_outputs(
+        [make_request("filler", [300 + j for j in range(44)], 4)])
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.evicted_without_host_copy_blocks >= 3, "the filler must evict blocks the host lost"
+    assert all(not c.swap_out and not c.swap_in for c in copies if c is not None), "no step waits for a copy"
+    assert any(c is not None and c.write_through for c in copies), "the filler's own blocks are written through"
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
+
+
+def test_a_cached_block_freed_without_a_host_copy_is_written_through_again():
+    # Six host blocks: a running request's copies are evicted there by another's write-throughs.
+    scheduler = make_scheduler(block_size=4, max_model_len=48, max_num_batched_tokens=64, num_kv_blocks=25,
+                               num_host_kv_blocks=6)
+    kv_cache, simulated = scheduler.kv_cache, SimulatedKV(4)
+    request = make_request("a", SHARED_PROMPT, 12)
+    scheduler.add_request(request)
+    simulated(0, run_step(scheduler))
+    simulated(1, run_step(scheduler))
+    prompt_hashes = list(request.block_hashes[:6])
+
+    def on_host() -> int:
+        return sum(block_hash in kv_cache.host_pool.cached_blocks for block_hash in prompt_hashes)
+
+    assert on_host() == 6, "written through the step after the prefill"
+    scheduler.add_request(make_request("b", [300 + j for j in range(24)], 2))
+    step = 2
+    while scheduler.has_unfinished_requests():
+        simulated(step, run_step(scheduler))
+        step += 1
+    assert request.output_token_ids == reference_outputs([make_request("a", SHARED_PROMPT, 12)])["a"]
+    assert on_host() == 0, "b's write-throughs must have evicted a's copies while a ran"
+    scheduler.add_request(make_request("c", [7, 8, 9], 2))
+    simulated(step, run_step(scheduler))  # the step after a's end writes its blocks through again
+    assert on_host() == 6, "the freed prefix, written last, is what the host keeps"
+    assert simulated.num_written_through == kv_cache.spilled_blocks
 
 
 def test_kv_events_name_the_medium_of_each_cached_block():
@@ -239,12 +323,14 @@ def test_kv_events_name_the_medium_of_each_cached_block():
                                num_host_kv_blocks=16)
     kv_cache = scheduler.kv_cache
     run_to_completion(scheduler, [make_request("first", SHARED_PROMPT, 4)])
-    stored_on_device = {event[1] for event in kv_cache.take_kv_events() if event[0] == BLOCK_STORED}
-    run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(40)], 4)])
     events = kv_cache.take_kv_events()
-    moved = {event[1] for event in events if event[0] == BLOCK_STORED and medium_of(event) == MEDIUM_HOST}
+    run_to_completion(scheduler, [make_request("filler", [300 + j for j in range(40)], 4)])
+    events += kv_cache.take_kv_events()
+    stored = {event[1] for event in events if event[0] == BLOCK_STORED and medium_of(event) != MEDIUM_HOST}
+    on_host = {event[1] for event in events if event[0] == BLOCK_STORED and medium_of(event) == MEDIUM_HOST}
     removed_from_device = {event[1] for event in events if event[0] == BLOCK_REMOVED and len(event) == 3}
-    assert moved and moved <= stored_on_device and moved <= removed_from_device
+    # Every host copy is of a block the device stored; every block the device dropped has one.
+    assert removed_from_device and removed_from_device <= on_host <= stored
     snapshot = kv_cache.kv_snapshot_events()
     assert {event[1] for event in snapshot if medium_of(event) == MEDIUM_HOST} == set(kv_cache.host_pool.cached_blocks)
 

@@ -124,6 +124,10 @@ def test_a_prefix_spilled_to_the_host_and_hit_there_gives_a_roomy_pools_tokens()
     engine.generate([filler], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     kv_cache = engine.scheduler.kv_cache
     assert kv_cache.spilled_blocks > 0
+    # Written through the step after each block filled, by the executor's copies beside the
+    # forward pass; the filler's steps copied nothing before theirs.
+    assert engine.runner.kv_swap.written_through_blocks == kv_cache.spilled_blocks
+    assert engine.runner.kv_swap.swapped_out_blocks == 0
     assert engine.generate([prompt], GREEDY) == expected
-    assert kv_cache.host_hit_blocks > 0, "the shared prefix must have been copied back from the host"
+    assert kv_cache.host_hit_blocks == 5, "the shared prefix must have been copied back from the host"
     _check_pools_empty(engine)
