@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cost_model.py, however this file is loaded
-from cost_model import ASSUMED, SHIPPED_DIR, CostModel, blocks_copied  # noqa: E402  (re-exported: the sim's one step-time model)
+from cost_model import ASSUMED, SHIPPED_DIR, CostModel, blocks_copied, blocks_written_through  # noqa: E402  (re-exported: the sim's one step-time model)
 from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
@@ -264,6 +264,9 @@ class RunStats:
     computed_tokens: int = 0  # every token the engines computed (prompts, outputs, recompute)
     swap_preemptions_per_1k: float = 0.0  # of the preemptions, the victims swapped to the host tier
     copied_blocks_per_1k: float = 0.0  # KV blocks over the host link either way (swaps, spills, host hits)
+    # Of those, the blocks a step waited for before its forward pass (swaps, host hits); the rest
+    # are the prefix cache's write-throughs, which overlap the forward pass.
+    waited_blocks_per_1k: float = 0.0
 
 
 class SimReplica:
@@ -283,6 +286,7 @@ class SimReplica:
             replica_id, self.step_stats, monotonic_clock=lambda: self.now, wall_clock=lambda: self.now
         )
         self.busy = False
+        self.link_free_s = 0.0  # when the host link has copied everything queued on it (start_replica_step)
 
     def report(self, now: float) -> ReplicaLoad:
         """What this replica's WatchLoad stream would send at `now`."""
@@ -475,20 +479,27 @@ class ClusterSim:
 def start_replica_step(replica: "SimReplica", index: int, now: float, cost: CostModel, push: Callable,
                        step_done: object) -> bool:
     """Schedule `replica`'s next step at `now` and push its completion event (step_done, index,
-    output, step seconds); False, the replica idle, when it has nothing to run."""
+    output, step seconds); False, the replica idle, when it has nothing to run.
+
+    The host link is one queue, as the engine's copy stream is: a step's copies (swaps, host
+    hits) start once the link has finished everything queued before them,
+    its forward pass starts once they are done, and its write-throughs follow them on the
+    link beside the forward pass (replica.link_free_s: when the link is next idle)."""
     replica.now = now
-    block_size = replica.scheduler.config.block_size
-    carried_s = 0.0  # the host-tier copies of a step that scheduled nothing run before the next one's
+    copy_s = cost.block_copy_ms(replica.scheduler.config.block_size) / 1000.0
+    link_s = max(now, replica.link_free_s)
     for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
         output = replica.scheduler.schedule()
+        link_s += blocks_copied(output) * copy_s  # copies of a step that scheduled nothing run before the next one's
+        replica.link_free_s = link_s + blocks_written_through(output) * copy_s
         if not output.is_empty:
-            step_s = carried_s + cost.step_time_s(output, block_size)
+            step_s = link_s + cost.compute_time_s(output) - now
             replica.busy = True
             push(now + step_s, step_done, index, output, step_s)
             return True
+        link_s = replica.link_free_s
         if not replica.scheduler.has_unfinished_requests():
             break
-        carried_s += blocks_copied(output) * cost.block_copy_ms(block_size) / 1000.0
     else:
         raise RuntimeError(f"{replica.replica_id} has requests but schedules nothing")
     replica.busy = False
@@ -516,8 +527,9 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
     recomputed = sum(s.counters.recomputed_tokens for s in schedulers)
     computed = sum(s.counters.scheduled_tokens for s in schedulers)
     queries = sum(s.kv_cache.prefix_cache_queries for s in schedulers)
-    copied = sum(s.kv_cache.swapped_out_blocks + s.kv_cache.swapped_in_blocks + s.kv_cache.spilled_blocks
-                 + s.kv_cache.host_hit_blocks for s in schedulers)
+    waited = sum(s.kv_cache.swapped_out_blocks + s.kv_cache.swapped_in_blocks + s.kv_cache.host_hit_blocks
+                 for s in schedulers)
+    copied = waited + sum(s.kv_cache.spilled_blocks for s in schedulers)  # written through
     hits = sum(s.kv_cache.prefix_cache_hits for s in schedulers)
     return RunStats(
         num_requests=len(measured),
@@ -537,6 +549,7 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
         computed_tokens=computed,
         swap_preemptions_per_1k=1000.0 * sum(s.counters.swap_preemptions for s in schedulers) / num_requests,
         copied_blocks_per_1k=1000.0 * copied / num_requests,
+        waited_blocks_per_1k=1000.0 * waited / num_requests,
     )
 
 
@@ -1001,6 +1014,7 @@ SWAP_COLUMNS = (  # (header, RunStats field, scale, format)
     ("goodput req/s", "goodput_rps", 1, ".2f"),
     ("output tok/s", "output_tokens_per_s", 1, ".0f"),
     ("blocks over the link/1k req", "copied_blocks_per_1k", 1, ".0f"),
+    ("of which waited for/1k req", "waited_blocks_per_1k", 1, ".0f"),
 )
 
 

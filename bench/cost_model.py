@@ -8,10 +8,13 @@ or runs the assumed model, and prints which.
                        + blocks copied between device and host x block bytes / swap_bytes_per_s
 
 New terms enter here and nowhere else: the host KV tier's copies (issue 23: swapped victims
-out and back, spilled prefix blocks out, host prefix hits back) are charged at the link's
-bandwidth for the model's KV bytes per token, serially with the step's compute, as the
-engine's compute stream waits for them (replica/executor/kv_swap.py); the simulation's
-replicas charge whatever this class charges. The same model gives the rates the engine
+out and back, host prefix hits back) are charged at the
+link's bandwidth for the model's KV bytes per token, serially with the step's compute, as the
+engine's compute stream waits for them (replica/executor/kv_swap.py); the spilling prefix
+cache's write-throughs (BlockCopies.write_through) are not part of the step: they overlap its
+compute on the link, and the simulation's replicas queue them there (bench_router_sim.py's
+start_replica_step), so a step waits for them only where the link is still busy with them
+when its own copies or compute would start. The same model gives the rates the engine
 measures at start-up for its per-victim swap-or-recompute choice (`preemption_costs`).
 
 The files are JSON: the three step coefficients, `source` (what produced them: the machine,
@@ -80,9 +83,13 @@ class CostModel:
         return self.kv_block_bytes(block_size) / self.swap_bytes_per_s * 1000.0
 
     def step_time_s(self, output: "SchedulerOutput", block_size: int) -> float:
-        """The step's compute, after its copies between the tiers (the forward pass waits for them)."""
-        return (self.step_ms(output.num_scheduled_tokens, kv_tokens_read(output))
-                + blocks_copied(output) * self.block_copy_ms(block_size)) / 1000.0
+        """The step's compute, after its copies between the tiers (the forward pass waits for
+        them); not its write-throughs, which overlap it."""
+        return self.compute_time_s(output) + blocks_copied(output) * self.block_copy_ms(block_size) / 1000.0
+
+    def compute_time_s(self, output: "SchedulerOutput") -> float:
+        """The step's forward pass alone."""
+        return self.step_ms(output.num_scheduled_tokens, kv_tokens_read(output)) / 1000.0
 
     def preemption_costs(self, config: "EngineConfig") -> PreemptionCosts:
         """The rates an engine running this model measures at start-up
@@ -134,9 +141,16 @@ def kv_tokens_read(output: "SchedulerOutput") -> int:
 
 
 def blocks_copied(output: "SchedulerOutput") -> int:
-    """Whole KV blocks the step copies between the device and the host tier, both ways."""
+    """Whole KV blocks the step copies between the device and the host tier, both ways, before
+    its forward pass (swaps, host hits)."""
     copies = output.block_copies
     return len(copies.swap_out) + len(copies.swap_in) if copies is not None else 0
+
+
+def blocks_written_through(output: "SchedulerOutput") -> int:
+    """Whole KV blocks the step writes through to the host tier beside its forward pass."""
+    copies = output.block_copies
+    return len(copies.write_through) if copies is not None else 0
 
 
 def fit(samples: Sequence[tuple[int, int, float]], source: str) -> CostModel:

@@ -266,6 +266,38 @@ def test_a_steps_copies_over_the_host_link_are_charged_at_its_bandwidth_and_set_
     assert costs.swap_s_per_block == pytest.approx(model.block_copy_ms(16) / 1000)
 
 
+def test_write_throughs_overlap_the_step_on_the_host_link_and_delay_the_next_only_by_what_is_left():
+    bench = load_bench_module()
+    import cost_model
+    from replica.core.request import Request, SamplingParams
+
+    # A link slow enough that four blocks' write-through outlasts a decode step's compute.
+    cost = replace(cost_model.ASSUMED, swap_bytes_per_s=2e8)
+    copy_s = cost.block_copy_ms(16) / 1000
+    config = bench.make_engine_config(block_size=16, num_kv_blocks=65, max_model_len=512,
+                                      max_num_batched_tokens=2048, num_host_kv_blocks=64)
+    replica = bench.SimReplica("r0", config, cost)
+    replica.scheduler.add_request(Request("a", list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                     ignore_eos=True)))
+    pushed = []
+    now = 0.0
+    steps = []
+    for _ in range(3):
+        assert bench.start_replica_step(replica, 0, now, cost, lambda at, *payload: pushed.append((at, payload)), 1)
+        at, (_, _, output, step_s) = pushed[-1]
+        steps.append((now, output, step_s))
+        replica.scheduler.update(output, {"a": 7} if output.scheduled[0].samples else {})
+        now = at
+    (start1, prefill, step1), (start2, decode, step2), (start3, third, step3) = steps
+    assert cost_model.blocks_written_through(prefill) == 0 and step1 == pytest.approx(cost.compute_time_s(prefill))
+    # The prompt's four blocks go through the link beside the first decode step, not before it...
+    assert cost_model.blocks_written_through(decode) == 4 and cost_model.blocks_copied(decode) == 0
+    assert step2 == pytest.approx(cost.compute_time_s(decode))
+    assert 4 * copy_s > step2, "the link outlasts the step"
+    # ...and the next step's forward pass waits only for what is left of them.
+    assert step3 == pytest.approx(start2 + 4 * copy_s - start3 + cost.compute_time_s(third))
+
+
 def test_the_swap_section_reports_ours_with_auto_and_recompute_against_every_baseline_at_each_load():
     bench = load_bench_module()
     args = bench.parse_args(["--quick", "--sections", "swap", "--workloads", "long_output", "--requests", "50", "--replicas", "2",
