@@ -19,7 +19,9 @@ from them. --model wide is bench_tp.py's random 1024-wide 4-layer Llama: its CPU
 mostly model compute (weight reads, tokens, attention over each request's KV), where the
 built-in model's cost mostly per-step host work.
 
---workload multiturn: the spilling prefix cache. Conversations take turns round-robin: each
+--workload multiturn: the spilling prefix cache (written through to the host tier beside the
+forward passes; the blocks written through and those the device evicted before the host had a
+copy are printed). Conversations take turns round-robin: each
 turn sends the whole history so far plus 32 new tokens and generates 16; the histories of all
 users together outgrow the device pool, so by a user's next turn its history has been evicted
 from the device. The same device pool with and without a host tier (4x the device pool):
@@ -178,10 +180,14 @@ def multiturn(args, model: str) -> None:
         kv_cache = engine.scheduler.kv_cache
         results[name] = dict(hits=kv_cache.prefix_cache_hits, queries=kv_cache.prefix_cache_queries,
                              host_hits=kv_cache.host_hit_blocks * BLOCK_SIZE, outputs=outputs,
+                             written_through=kv_cache.spilled_blocks,
+                             forgotten=kv_cache.evicted_without_host_copy_blocks,
                              ttft_p90=sorted(ttfts)[int(0.9 * (len(ttfts) - 1))], elapsed=time.perf_counter() - start)
         print(f"{name:11s}: prefix tokens from cache {results[name]['hits']:6d} of {results[name]['queries']:6d} "
               f"({results[name]['host_hits']} from the host tier), TTFT p90 {results[name]['ttft_p90'] * 1e3:7.1f} ms, "
-              f"{results[name]['elapsed']:.1f} s")
+              f"{results[name]['elapsed']:.1f} s" + (f"; blocks written through to the host {results[name]['written_through']}, "
+                                                   f"evicted from the device with no host copy "
+                                                   f"{results[name]['forgotten']}" if host else ""))
     assert results["device only"]["outputs"] == results["host tier"]["outputs"], "greedy tokens differ"
     hits, device_hits = results["host tier"]["hits"], results["device only"]["hits"]
     met = hits >= 1.3 * device_hits and hits > 0
