@@ -73,7 +73,7 @@ class SchedulerLoad:
     swapped_in_bytes_total: int = reported(counter="headroom_kv_swapped_in_bytes_total", default=0)
     # A host-tier prefix hit's copy back over the prefill it saves (routers weigh host hits by it).
     host_hit_cost_ratio: float = reported(proto=True, default=0.0)
-    # Prefix-cache blocks the device pool evicted into the host tier, and hits there copied back.
+    # Prefix-cache blocks written through to the host tier, and hits there copied back.
     spilled_blocks_total: int = reported(counter="headroom_kv_spilled_blocks_total", default=0)
     host_prefix_hit_blocks_total: int = reported(counter="headroom_host_prefix_cache_hit_blocks_total", default=0)
 

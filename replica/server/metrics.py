@@ -100,8 +100,8 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_kv_spilled_blocks_total": MetricSpec(
         "counter",
-        "Prefix-cache blocks the device pool evicted into the host KV tier (kept, hash and all) instead of "
-        "forgetting them.",
+        "Prefix-cache blocks copied to the host KV tier (kept, hash and all): written through the step after they "
+        "filled, beside its forward pass, so the device evicts them without a copy.",
         None,
         REPLICA_LABELS,
     ),
