@@ -450,9 +450,16 @@ class Scheduler:
         self.growth.left_running(request, self._count_waiting(request))
 
     # ---- SLO preemption ----------------------------------------------------------------
+    def _num_tokens_to_first_token(self, request: Request) -> int:
+        """Tokens a request computes before its first token: a waiting one's prompt net of the
+        prefix it found cached when it joined the queue, as the predictor is fitted (tokens
+        prefilled since admission). Its whole prompt would doom a cached tenant's request on
+        arrival wherever the bare prompt's prefill exceeds the SLO."""
+        num_hit_tokens = self._waiting_hit_tokens.get(request.request_id, 0)
+        return request.num_tokens - max(request.num_computed_tokens, num_hit_tokens)
+
     def _urgency(self, request: Request, now: float) -> float:
-        num_tokens_to_compute = request.num_tokens - request.num_computed_tokens
-        return urgency(request.ttft_deadline, now, self.ttft_predictor.predict(num_tokens_to_compute))
+        return urgency(request.ttft_deadline, now, self.ttft_predictor.predict(self._num_tokens_to_first_token(request)))
 
     def slo_snapshot(self, output: SchedulerOutput) -> StepSnapshot:
         """What the SLO monitor needs of the step about to run: its requests still before
@@ -461,7 +468,8 @@ class Scheduler:
         # still being sampled by the step before, under overlapped scheduling, is output).
         prefills = tuple(SLOView.of(entry.request, entry.start_pos) for entry in output.scheduled
                          if entry.request.num_output_tokens == 0 and entry.start_pos < entry.request.num_prompt_tokens)
-        waiters = (SLOView.of(r) for r in self.waiting if r.num_output_tokens == 0)
+        waiters = (SLOView.of(r, r.num_tokens - self._num_tokens_to_first_token(r))
+                   for r in self.waiting if r.num_output_tokens == 0)
         return StepSnapshot(output.step_id, prefills, tuple(itertools.islice(waiters, SLO_SNAPSHOT_WAITERS)))
 
     def abort_step(self, output: SchedulerOutput, victim_request_id: str, num_discarded_layers: int) -> None:

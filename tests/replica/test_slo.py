@@ -85,6 +85,22 @@ def test_slo_policy_admits_the_most_urgent_waiter_first_and_reranks_as_time_pass
     assert [entry.request.request_id for entry in scheduler.schedule().scheduled] == ["relaxed"]
 
 
+def test_a_waiters_urgency_counts_its_prompt_net_of_the_prefix_it_found_cached():
+    # 1 ms per token: the cached tenant's 42-token prompt would take 42 ms, but 40 of its tokens
+    # are cached (the running request holds them), so it prefills 2 (2 ms) and its 20 ms are enough.
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=1, block_size=4, slo_predictor_per_token_ms=1.0)
+    prefix = list(range(1, 41))
+    scheduler.add_request(make_request("holder", prefix, arrival_time=0.0))
+    scheduler.schedule()  # runs alone (max_num_seqs 1): its prompt's blocks are cached and held
+    scheduler.add_request(make_request("relaxed", [50, 51], arrival_time=0.0, ttft_deadline=5.0))
+    scheduler.add_request(make_request("cached", prefix + [60, 61], arrival_time=0.0, ttft_deadline=0.02))
+    scheduler.waiting.reorder()
+    # Rescuable, earliest deadline first; on its whole prompt it would be doomed and sink last.
+    assert [r.request_id for r in scheduler.waiting] == ["cached", "relaxed"]
+    assert [view.num_tokens_to_compute for view in scheduler.slo_snapshot(SchedulerOutput(1, [], 0, [], [])).waiters] == [2, 2]
+
+
 def test_default_ttft_slo_sets_the_deadline_and_an_explicit_one_wins():
     scheduler = slo_scheduler(FakeClock(), default_ttft_slo_ms=300.0)
     plain = make_request("plain", [1, 2], arrival_time=5.0)
