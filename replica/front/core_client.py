@@ -174,8 +174,25 @@ class EngineCoreClient:
         self._on_dead(self.dead)
 
 
+# The OpenMP settings that say how idle intra-op threads wait; when the front's environment
+# sets none of them, the core's wait asleep (OMP_WAIT_POLICY=PASSIVE, which libgomp and
+# Intel's runtime both read when torch loads them).
+OPENMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
 def _child_environment() -> dict[str, str]:
     """The front's environment, with its import path: the core must import the same code
-    (this checkout, a test directory), not whatever an installed copy would resolve to."""
+    (this checkout, a test directory), not whatever an installed copy would resolve to.
+
+    The core's OpenMP threads wait passively unless the environment chose otherwise: by
+    default libgomp spins an idle worker for ~300k iterations after each parallel region, so
+    between the forward pass's ops the core holds every core it has a thread on, and the
+    front (and anything else on the host) gets the CPU only by preempting a worker that the
+    next op then waits for. Measured on the 2-core VM under other load (bench_served.py,
+    64x128): the core spent 55 CPU-s on what takes it 6 when its workers sleep, and the
+    served run took 73 s instead of 7 (docs/benchmarks.md)."""
     paths = [os.path.abspath(path or os.getcwd()) for path in sys.path]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    if not any(name in environment for name in OPENMP_WAIT_SETTINGS):
+        environment["OMP_WAIT_POLICY"] = "PASSIVE"
+    return environment

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.front.async_engine import AsyncEngine
+from replica.front.core_client import OPENMP_WAIT_SETTINGS, _child_environment
 from replica.errors import EngineDeadError
 from replica.config import ConfigError, make_engine_config
 from replica.core.kv_events import KVEventKind
@@ -93,6 +94,22 @@ def test_a_stop_string_matched_in_the_front_ends_the_stream_and_the_core_drops_t
     assert stopped[-1].num_output_tokens < 40
     # The probe: the core dropped it at once instead of generating on to max_tokens.
     assert state is None and load.num_running == 0
+
+
+@pytest.mark.parametrize("chosen", [None, ("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "10000"),
+                                    ("KMP_BLOCKTIME", "1")])
+def test_the_cores_openmp_threads_wait_asleep_unless_the_environment_chose_a_wait(monkeypatch, chosen):
+    # A spinning intra-op worker holds a core the front needs (docs/benchmarks.md, served vs offline).
+    for name in OPENMP_WAIT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    if chosen is not None:
+        monkeypatch.setenv(*chosen)
+    environment = _child_environment()
+    if chosen is None:
+        assert environment["OMP_WAIT_POLICY"] == "PASSIVE"
+    else:
+        assert {name: environment.get(name) for name in OPENMP_WAIT_SETTINGS} == {
+            name: (chosen[1] if name == chosen[0] else None) for name in OPENMP_WAIT_SETTINGS}
 
 
 def test_a_core_that_cannot_build_its_engine_raises_the_engines_error_naming_the_field():
