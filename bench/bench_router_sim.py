@@ -500,7 +500,9 @@ def start_replica_step(replica: "SimReplica", index: int, now: float, cost: Cost
         link_s += blocks_copied(output) * copy_s  # copies of a step that scheduled nothing run before the next one's
         replica.link_free_s = link_s + blocks_written_through(output) * copy_s
         if not output.is_empty:
-            step_s = link_s + cost.compute_time_s(output) - now
+            # (waited for the link) + compute: exactly the compute where the link was idle, so a
+            # replica without a host tier steps as it did before the link had a queue.
+            step_s = (link_s - now) + cost.compute_time_s(output)
             replica.busy = True
             push(now + step_s, step_done, index, output, step_s)
             return True
