@@ -21,6 +21,10 @@ channel, the core's loop, the client) show as they would beside a GPU; one torch
 --repeat N runs each workload N times on each side (prompts from seeds 0..N-1, so no served
 run hits the prefix cache of an earlier one) and reports the median throughput: a served run
 can lose a lot to one unlucky pause, so single runs are noisy.
+--grpc-floor also runs a bare grpc.aio Generate server (no engine: it writes a one-token
+GenerateResponse per stream each tick, the tick the served run's ITL p50) to this script's
+client, and prints the CPU per message of that server and client beside the front's and the
+served run's client: the part of the served side's CPU that is gRPC's own.
 """
 
 from __future__ import annotations
@@ -179,6 +183,49 @@ async def run_served(address: str, pids: dict[str, int], prompts: list[list[int]
     return Result(len(prompts) * max_tokens / elapsed, itl_ms, cpu_s, messages)
 
 
+class _FloorServicer(pb_grpc.GenerationServicer):
+    """Generate without an engine: one one-token response per stream per tick, as a step
+    whose writers keep up sends them."""
+
+    def __init__(self):
+        self.tick = asyncio.Event()
+
+    async def Generate(self, request, context):
+        count = request.sampling.max_tokens
+        for index in range(count):
+            await self.tick.wait()
+            await context.write(pb.GenerateResponse(
+                request_id=request.request_id, token_ids=[index % VOCAB], text="x",
+                finish_reason=pb.FINISH_REASON_LENGTH if index == count - 1 else pb.FINISH_REASON_UNSPECIFIED,
+                usage=pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=index + 1),
+                replica_id="replica-0"))
+
+
+async def serve_grpc_floor(tick_s: float) -> None:
+    server = grpc.aio.server()
+    servicer = _FloorServicer()
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    while True:
+        await asyncio.sleep(tick_s)
+        ticked, servicer.tick = servicer.tick, asyncio.Event()
+        ticked.set()
+
+
+def run_grpc_floor(prompts: list[list[int]], max_tokens: int, tick_s: float) -> Result:
+    process = subprocess.Popen([sys.executable, __file__, "--serve-grpc-floor", str(tick_s)],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
+    try:
+        address = re.match(r"listening on (\S+)", process.stdout.readline()).group(1)
+        return asyncio.run(run_served(address, {"server": process.pid, "client": os.getpid()}, prompts, max_tokens))
+    finally:
+        process.kill()
+        process.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="64x128,200x64,256x128", help="STREAMSxTOKENS, comma-separated")
@@ -193,7 +240,13 @@ def main() -> None:
                         help="both engines on bench/emulated_device.py's device: a GPU's step rate on the CPU")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per workload and side, fresh prompts each; the median is reported (default 1)")
+    parser.add_argument("--grpc-floor", action="store_true",
+                        help="also time a bare grpc.aio server writing the same messages (gRPC's own CPU)")
+    parser.add_argument("--serve-grpc-floor", type=float, default=None, help=argparse.SUPPRESS)  # tick, s
     args = parser.parse_args()
+    if args.serve_grpc_floor is not None:
+        asyncio.run(serve_grpc_floor(args.serve_grpc_floor))
+        return
     ENGINE["num_kv_blocks"] = args.num_kv_blocks
     if args.emulated_device:
         if args.device != "cpu":
@@ -263,6 +316,19 @@ def main() -> None:
             verdicts.append(f"ITL p99 at 64 streams {itl_p99:.0f} ms vs 2x step p99 {ITL_TARGET_STEPS * step_p99:.0f} ms "
                             f"({'MET' if itl_p99 <= ITL_TARGET_STEPS * step_p99 else 'MISSED'})")
     print("targets: " + "; ".join(verdicts))
+    if args.grpc_floor:
+        print("gRPC's own CPU: a bare grpc.aio server writing the same messages at the served ITL p50, to this client")
+        for key in workloads:
+            (ours, _), (base, _) = served[key], offline[key]
+            floor = run_grpc_floor(workload(key[0]), key[1], percentile(ours.itl_ms, 0.5) / 1000)
+            per_message = lambda cpu_s, result: f"{cpu_s / max(result.messages, 1) * 1e6:.0f}"
+            bound = base.cpu_s["engine"] / (ours.cpu_s["core"] + floor.cpu_s["server"] + floor.cpu_s["client"])
+            print(f"{f'{key[0]} x {key[1]}':>17}   CPU us per message: front {per_message(ours.cpu_s['front'], ours)}"
+                  f" vs bare server {per_message(floor.cpu_s['server'], floor)} "
+                  f"({ours.cpu_s['front'] / max(floor.cpu_s['server'], 1e-9):.2f}x); served client "
+                  f"{per_message(ours.cpu_s['client'], ours)} vs {per_message(floor.cpu_s['client'], floor)}; "
+                  f"served/offline if the front cost only gRPC's CPU (offline CPU / core + bare server + client): "
+                  f"{bound:.2f}")
 
 
 if __name__ == "__main__":
