@@ -725,3 +725,42 @@ async def _health_status_when_not_serving(channel, timeout: float = 10.0) -> int
         if status != health_pb2.HealthCheckResponse.SERVING or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.005)
+
+
+def _keyword_generate_response(output, replica_id: str) -> pb.GenerateResponse:
+    """generate_response as it was first written: every field by keyword, the reference."""
+    from replica.server.grpc_service import FINISH_REASON_TO_PROTO
+
+    stop = ({"stop_string": output.stop_reason} if isinstance(output.stop_reason, str) else
+            {"stop_token_id": output.stop_reason} if isinstance(output.stop_reason, int) else {})
+    return pb.GenerateResponse(
+        request_id=output.request_id, token_ids=output.new_token_ids, text=output.text,
+        finish_reason=FINISH_REASON_TO_PROTO[output.finish_reason],
+        usage=pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                       cached_prompt_tokens=output.num_cached_tokens),
+        replica_id=replica_id, logprobs=output.logprobs or (),
+        top_logprobs=[pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs) for top in output.top_logprobs or ()],
+        **stop)
+
+
+def test_each_output_field_reaches_its_generate_response_field():
+    # generate_response sets only the fields an output has (it runs once per message); it must
+    # give the message the keyword form gives, usage included when every count is 0.
+    from replica.core.outputs import RequestOutput, TopLogprobs
+    from replica.server.grpc_service import generate_response
+
+    outputs = [
+        RequestOutput("r", [], "", None, 0, 0, 0, None, None, None),
+        RequestOutput("r-1", [17], "x", None, 12, 1, 16, None, None, None),
+        RequestOutput("r-2", [17, 18], "xy", "stop", 12, 9, 0, [-0.5, -1.25],
+                      [TopLogprobs([17, 3], [-0.5, -2.0]), TopLogprobs([18, 4], [-1.25, -1.5])], "STOP"),
+        RequestOutput("r-3", [257], "", "stop", 5, 3, 0, None, None, 257),
+        RequestOutput("r-4", [], "", "abort", 5, 3, 0, None, None, None),
+        RequestOutput("r-5", [9], "\t", "length", 5, 8, 0, [-0.0], None, None),
+    ]
+    for output in outputs:
+        response = generate_response(output, "replica-a")
+        assert response == _keyword_generate_response(output, "replica-a"), output
+        assert response.HasField("usage")
+        assert response.SerializeToString(deterministic=True) == _keyword_generate_response(
+            output, "replica-a").SerializeToString(deterministic=True)
