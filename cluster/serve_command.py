@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 
 import ray
 from ray import serve
+from ray.serve import RunTarget
 from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
@@ -153,7 +154,9 @@ def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
 
 def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
     """Starts Serve's proxies and every application on the connected Ray cluster; returns
-    each application's ingress handle once all of them are running."""
+    each application's ingress handle once all of them are running. The applications deploy
+    together (serve.run_many), so their replicas start side by side, not one application
+    after another."""
     serve.start(
         proxy_location=config.proxy_location,
         http_options=HTTPOptions(**config.http_options.model_dump()),
@@ -161,12 +164,10 @@ def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
             port=config.grpc_options.port, grpc_servicer_functions=list(config.grpc_options.grpc_servicer_functions)
         ),
     )
-    return {
-        app.name: serve.run(
-            build_app_from_config(app.args), name=app.name, route_prefix=app.route_prefix
-        )
-        for app in config.applications
-    }
+    targets = [RunTarget(build_app_from_config(app.args), name=app.name, route_prefix=app.route_prefix)
+               for app in config.applications]
+    handles = serve.run_many(targets)
+    return {app.name: handle for app, handle in zip(config.applications, handles)}
 
 
 def with_local_binds(config: ServeAppsConfig) -> ServeAppsConfig:
