@@ -313,7 +313,12 @@ def test_a_cached_block_freed_without_a_host_copy_is_written_through_again():
     scheduler.add_request(make_request("c", [7, 8, 9], 2))
     simulated(step, run_step(scheduler))  # the step after a's end writes its blocks through again
     assert on_host() == 6, "the freed prefix, written last, is what the host keeps"
+    while scheduler.has_unfinished_requests():
+        step += 1
+        simulated(step, run_step(scheduler))
     assert simulated.num_written_through == kv_cache.spilled_blocks
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
 
 
 def test_kv_events_name_the_medium_of_each_cached_block():
