@@ -422,17 +422,24 @@ def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
     return rows
 
 
-def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
-    """Time decode steps at batch 256 once every request is past its prefill."""
+def add_decode_requests(engine, name: str, batch: int, steps: int, seed: int) -> list:
+    """`batch` greedy requests of ~DECODE_CONTEXT random prompt tokens, each long enough to
+    decode `steps` steps past its prefill, added to `engine` (named name-0, name-1, ...)."""
     from replica.core.request import SamplingParams
 
-    rng = random.Random(1000 + seed)
+    rng = random.Random(seed)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    requests = [engine.make_request(f"decode-{label}-{i}",
+    requests = [engine.make_request(f"{name}-{i}",
                                     [rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(DECODE_CONTEXT)],
-                                    params) for i in range(DECODE_BATCH)]
+                                    params) for i in range(batch)]
     for request in requests:
         engine.add_request(request, detokenize=False)
+    return requests
+
+
+def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
+    """Time decode steps at batch 256 once every request is past its prefill."""
+    requests = add_decode_requests(engine, f"decode-{label}", DECODE_BATCH, steps, 1000 + seed)
     while any(r.num_output_tokens == 0 for r in requests):
         engine.step()
     timings = []
@@ -691,15 +698,7 @@ def tp_decode_graphs(model_dir: str, decode_steps: int) -> list[tuple]:
 def tp_decode_ms(engine, batch: int, steps: int, seed: int) -> tuple[float, list[int]]:
     """Mean wall ms of `steps` decode steps at `batch` sequences of ~DECODE_CONTEXT tokens, and
     the padded size of each step rank 0 launched (graph replays, or the padded pass on a CPU)."""
-    from replica.core.request import SamplingParams
-
-    rng = random.Random(2600 + seed)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    requests = [engine.make_request(f"tp-decode-{batch}-{i}",
-                                    [rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(DECODE_CONTEXT)],
-                                    params) for i in range(batch)]
-    for request in requests:
-        engine.add_request(request, detokenize=False)
+    requests = add_decode_requests(engine, f"tp-decode-{batch}", batch, steps, 2600 + seed)
     padded = []
     while any(r.num_output_tokens == 0 for r in requests):
         engine.step()

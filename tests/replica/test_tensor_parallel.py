@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -47,6 +46,7 @@ from tests.replica.test_kv_swap_engine import _check_pools_empty as check_pools_
 from tests.replica.test_kv_swap_engine import _engine as swap_engine
 from tests.replica.test_kv_swap_engine import _prompts as swap_prompts
 from tests.replica.test_slo_engine import hooked
+from tests.replica.tp_harness import beside_rank_1
 
 pytestmark = pytest.mark.timeout(120)  # a hung collective fails its test instead of the run
 
@@ -471,23 +471,13 @@ def test_the_ranks_size_the_kv_pool_to_the_tightest_gpu_and_fail_together_when_i
     both fail the start with the field named, and neither waits for the other in vain."""
     assert rank_profile(0).num_kv_blocks(0.9, GIB // 4, 2) == 258
     assert rank_profile(1).num_kv_blocks(0.9, GIB // 4, 2) == 218
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    store = rendezvous_store(2)
-    rank_1 = context.Process(target=_rank_1_sizes_its_pool, args=(store.port, results), daemon=True)
-    rank_1.start()
-    try:
-        tp = join_group(store, 0, 2, torch.device("cpu"), 30.0)
+    with beside_rank_1(_rank_1_sizes_its_pool) as (tp, results):
         assert pool_over_ranks(tp, 2) == 218
         assert results.get(timeout=60) == 218
         ours, theirs = pool_over_ranks(tp, 240), results.get(timeout=60)
         assert re.match(r"gpu_memory_utilization: .* 258 blocks \(another tensor-parallel rank holds only 218 "
                         r"blocks: see its log; this rank, 0\), but one max_model_len sequence needs 240$", ours)
         assert re.match(r"gpu_memory_utilization: 0.9 of 80.0 GiB .*: 218 blocks, but .* needs 240$", theirs)
-    finally:
-        rank_1.join(timeout=30)
-        if rank_1.is_alive():
-            rank_1.kill()
 
 
 # ---- the vote ------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ TP=1's. No such machine has run it yet; bench/bench_gpu.py --sections tp runs it
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
@@ -25,6 +24,7 @@ from replica.core.request import SamplingParams
 from replica.executor.cuda_graphs import capture_order, capture_sizes
 from replica.parallel.graphs import agree_on_decode_graphs
 from replica.parallel.group import TensorParallelConfigError, join_group, rendezvous_store
+from tests.replica.tp_harness import beside_rank_1
 
 pytestmark = pytest.mark.timeout(120)  # a hung collective fails its test instead of the run
 
@@ -49,18 +49,8 @@ def _rank_1_agrees(port: int, results) -> None:
 
 
 def test_the_ranks_capture_only_if_all_would_and_a_different_ladder_fails_every_ranks_start():
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    store = rendezvous_store(2)
-    rank_1 = context.Process(target=_rank_1_agrees, args=(store.port, results), daemon=True)
-    rank_1.start()
-    try:
-        tp = join_group(store, 0, 2, torch.device("cpu"), 30.0)
+    with beside_rank_1(_rank_1_agrees) as (tp, results):
         answers = [(agree(tp, *ours), results.get(timeout=60)) for ours, _ in CASES]
-    finally:
-        rank_1.join(timeout=30)
-        if rank_1.is_alive():
-            rank_1.kill()
     assert answers[:3] == [(True, True), (False, False), (False, False)]
     ours, theirs = answers[3]  # ladders to 16 and to 24 sequences: both ranks refuse to start
     assert ours.startswith("max_num_seqs / max_num_batched_tokens: the 2 tensor-parallel ranks would pad")

@@ -1,0 +1,30 @@
+"""Two real gloo ranks on this CPU: rank 0 in the test's process, rank 1 in a spawned one."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+from typing import Callable, Iterator
+
+import torch
+
+from replica.parallel.group import TensorParallel, join_group, rendezvous_store
+
+
+@contextlib.contextmanager
+def beside_rank_1(rank_1_target: Callable[[int, "multiprocessing.Queue"], None]
+                  ) -> Iterator[tuple[TensorParallel, "multiprocessing.Queue"]]:
+    """Starts rank 1 as `rank_1_target(store_port, results)` in a spawned process, joins rank 0
+    to the group here and yields (rank 0's group, the queue rank 1 puts its answers on); rank 1
+    is joined on exit, and killed if it is still alive then."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = rendezvous_store(2)
+    rank_1 = context.Process(target=rank_1_target, args=(store.port, results), daemon=True)
+    rank_1.start()
+    try:
+        yield join_group(store, 0, 2, torch.device("cpu"), 30.0), results
+    finally:
+        rank_1.join(timeout=30)
+        if rank_1.is_alive():
+            rank_1.kill()
