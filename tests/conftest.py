@@ -14,10 +14,9 @@ from pathlib import Path
 # test's model, its engine-core subprocess and Ray's processes each held both cores while
 # waiting and took them from one another (the engine core sets the same for itself:
 # replica/front/core_client.py, which imports no torch). A setting the environment has wins.
-from replica.front.core_client import OPENMP_WAIT_SETTINGS  # noqa: E402
+from replica.front.core_client import openmp_waits_asleep  # noqa: E402
 
-if not any(name in os.environ for name in OPENMP_WAIT_SETTINGS):
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+openmp_waits_asleep(os.environ)
 
 import pytest  # noqa: E402
 

@@ -14,7 +14,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, MutableMapping, Optional
 
 from replica.core.request import Request
 from replica.ipc.channel import AsyncFrameSocket, ChannelClosed
@@ -180,6 +180,13 @@ class EngineCoreClient:
 OPENMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
+def openmp_waits_asleep(environment: MutableMapping[str, str]) -> None:
+    """Sets OMP_WAIT_POLICY=PASSIVE in `environment` unless it already chose how idle OpenMP
+    threads wait (it must be in a process's environment before torch loads its runtime)."""
+    if not any(name in environment for name in OPENMP_WAIT_SETTINGS):
+        environment["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def _child_environment() -> dict[str, str]:
     """The front's environment, with its import path: the core must import the same code
     (this checkout, a test directory), not whatever an installed copy would resolve to.
@@ -193,6 +200,5 @@ def _child_environment() -> dict[str, str]:
     served run took 73 s instead of 7 (docs/benchmarks.md)."""
     paths = [os.path.abspath(path or os.getcwd()) for path in sys.path]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-    if not any(name in environment for name in OPENMP_WAIT_SETTINGS):
-        environment["OMP_WAIT_POLICY"] = "PASSIVE"
+    openmp_waits_asleep(environment)
     return environment
