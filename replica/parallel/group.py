@@ -85,10 +85,7 @@ class TensorParallel:
         if self.size == 1:
             return value
         box = torch.tensor([value], dtype=torch.float64, device=device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        options.timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        self._run("all_reduce(MIN)", lambda group: group.allreduce([box], options))
+        self._all_reduce_at_start(box, dist.ReduceOp.MIN, "all_reduce(MIN)")
         return box.item()
 
     def extremes_at_start(self, values: Sequence[int], device: torch.device) -> tuple[list[int], list[int]]:
@@ -99,12 +96,16 @@ class TensorParallel:
         if self.size == 1:
             return list(values), list(values)
         box = torch.tensor([*values, *(-value for value in values)], dtype=torch.int64, device=device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
-        options.timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        self._run("all_reduce(MAX)", lambda group: group.allreduce([box], options))
+        self._all_reduce_at_start(box, dist.ReduceOp.MAX, "all_reduce(MAX)")
         extremes = box.tolist()
         return [-value for value in extremes[count:]], extremes[:count]
+
+    def _all_reduce_at_start(self, box: torch.Tensor, op, what: str) -> None:
+        """`box` reduced in place over every rank, waiting as long as the joining may."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        options.timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        self._run(what, lambda group: group.allreduce([box], options))
 
     def all_gather_last_dim(self, tensor: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last dimension, in rank order; with
