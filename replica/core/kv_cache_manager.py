@@ -412,6 +412,13 @@ class KVCacheManager:
     def num_swap_blocks(self, request: Request) -> int:
         return cdiv(self.num_swappable_tokens(request), self.block_size)
 
+    def num_swap_out_copies(self, request: Request) -> int:
+        """Blocks a swap-out of the request would copy now: its swap blocks the host tier has no
+        copy of (the write-through copies of full cached blocks are taken, not copied again)."""
+        host_cached = self.host_pool.cached_blocks if self.host_pool is not None else {}
+        blocks = self.req_to_blocks.get(request.request_id, ())[:self.num_swap_blocks(request)]
+        return sum(1 for block in blocks if block.block_hash is None or block.block_hash not in host_cached)
+
     def can_swap_out(self, request: Request) -> bool:
         num_blocks = self.num_swap_blocks(request)
         return self.host_pool is not None and num_blocks > 0 and num_blocks <= self.host_pool.num_free_blocks

@@ -4,7 +4,8 @@ tier and back before its next step, without recomputing a token).
 
 Which is cheaper depends on the victim: recompute costs the tokens the prefix cache will not
 give back (`KVCacheManager.rebuild_cost`) times the time a token takes to prefill; swap
-costs its blocks out now and back later over the device<->host link, and host space. Under
+costs the blocks the host lacks out now (a spilling prefix cache has written its full cached
+blocks through already) and all of them back later over the device<->host link, and host space. Under
 `preemption_mode: auto` each victim gets the cheaper; `swap` swaps whenever the host tier has
 room; `recompute` never swaps. The two rates are measured when the engine starts
 (replica/executor/preemption_profile.py) or set in the config.
@@ -57,11 +58,14 @@ class PreemptionPlanner:
         return self.kv_cache.rebuild_cost(request) * self.costs.recompute_s_per_token
 
     def swap_cost(self, request: Request) -> Optional[float]:
-        """Seconds to copy its blocks out and back; None when it cannot swap (no host tier, no
-        room there, or nothing computed worth keeping)."""
-        if self.mode == RECOMPUTE or not self.kv_cache.can_swap_out(request):
+        """Seconds to copy out now the blocks the host tier lacks (full cached blocks written
+        through are there already) and all of them back later; None when it cannot swap (no
+        host tier, no room there, or nothing computed worth keeping)."""
+        kv_cache = self.kv_cache
+        if self.mode == RECOMPUTE or not kv_cache.can_swap_out(request):
             return None
-        return 2 * self.kv_cache.num_swap_blocks(request) * self.costs.swap_s_per_block
+        num_blocks = kv_cache.num_swap_out_copies(request) + kv_cache.num_swap_blocks(request)
+        return num_blocks * self.costs.swap_s_per_block
 
     def choose(self, request: Request) -> tuple[str, float]:
         """(mode, its estimated cost in seconds) for preempting `request` now."""

@@ -198,6 +198,29 @@ def test_auto_mode_swaps_a_victim_only_where_the_round_trip_costs_less_than_its_
     assert planner.choose(request)[0] == SWAP
 
 
+def test_auto_prices_a_victim_whose_blocks_were_written_through_at_the_copies_left_and_swaps_it():
+    # Its 4 full prompt blocks are written through the step after they filled: a swap-out then
+    # copies only its partial last block, and all 5 come back later (6 copies, not 10).
+    scheduler = make_scheduler(block_size=4, max_model_len=64, num_kv_blocks=64, num_host_kv_blocks=64)
+    request = make_request("r", list(range(1, 18)), 8)
+    scheduler.add_request(request)
+    run_step(scheduler)
+    kv_cache, planner = scheduler.kv_cache, scheduler.preemption
+    assert kv_cache.num_swap_out_copies(request) == kv_cache.num_swap_blocks(request) == 5  # nothing on the host yet
+    run_step(scheduler)  # writes the 4 full blocks through
+    assert kv_cache.spilled_blocks == 4
+    assert (kv_cache.num_swap_out_copies(request), kv_cache.num_swap_blocks(request)) == (1, 5)
+    # Recompute's 8 ms lies between the 6 copies (6 ms) and the 10 an unaware price counts.
+    planner.costs = PreemptionCosts(recompute_s_per_token=8e-3 / kv_cache.rebuild_cost(request),
+                                    swap_s_per_block=1e-3)
+    assert planner.choose(request) == (SWAP, pytest.approx(6e-3))
+    copied_before = kv_cache.swapped_out_blocks
+    scheduler._preempt(scheduler.running.index(request))
+    assert scheduler.counters.swap_preemptions == 1
+    assert kv_cache.swapped_out_blocks - copied_before == 1 and kv_cache.swap_out_blocks_on_host == 4
+    scheduler.check_invariants()
+
+
 def test_cheapest_victim_ranks_by_the_cost_of_the_mode_chosen_for_each():
     # Recompute-only, the shortest request is cheapest; with swapping cheap, each victim's
     # cost is its blocks' round trip, so the one with fewest blocks is cheapest either way,
