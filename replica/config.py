@@ -124,6 +124,13 @@ class EngineConfig(BaseModel):
         description="Longest a request's output constraint (JSON schema, regex, grammar, choice) may take to "
         "compile; a slower one is refused as invalid input where it enters.",
     )
+    stream_interval: int = Field(
+        1, ge=1,
+        description="Tokens per streamed message after a request's first (vLLM's and SGLang's --stream-interval): "
+        "the first token goes out at once, later ones are held until this many have accumulated, the last output "
+        "at once with whatever is held. 1 sends every step's tokens; more sends fewer gRPC/HTTP messages (less "
+        "front and client CPU per token) at the cost of burstier streams (inter-message latency up to N steps).",
+    )
     fused_ops: FusedOpsName = Field(
         DEFAULT_FUSED_OPS,
         description="RMSNorm, add + RMSNorm, rotary and SiLU-mul: auto (Triton kernels on CUDA, inplace "

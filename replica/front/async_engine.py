@@ -53,13 +53,24 @@ class RequestStream:
     message per output) catches up with one message instead of a backlog, so its cost per
     token falls exactly when it is the bottleneck; one that keeps up still gets every step.
 
+    With `stream_interval` N > 1 (EngineConfig.stream_interval, vLLM's and SGLang's
+    `--stream-interval`), the consumer is woken only when an output is due: the first output
+    at once (TTFT unchanged), then once N tokens have accumulated since the last one it read,
+    and the last output (or an error) at once with whatever is held. Held outputs are merged
+    as above, so every consumer (the gRPC Generate servicer, the cluster's HTTP and gRPC
+    streams) writes one message per N tokens; a consumer that falls behind still merges more.
+
     With `first_token_timeout_s`, waiting for the first output longer than that (from the
     stream's creation) raises FirstTokenDeadlineExceeded; the caller aborts the request."""
 
-    def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None):
+    def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None, stream_interval: int = 1):
         self.request = request
         self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()
+        # Set while something in _pending is due to the consumer (with interval 1: whenever
+        # anything is pending).
         self._arrived = asyncio.Event()
+        self._interval = stream_interval
+        self._released_first = False  # an output has been made due: later ones wait for N tokens
         self.finished = False
         self._first_token_by = (
             None if first_token_timeout_s is None else asyncio.get_running_loop().time() + first_token_timeout_s
@@ -75,6 +86,10 @@ class RequestStream:
             pending[-1] = merge_outputs(pending[-1], item)
         else:
             pending.append(item)
+        if self._interval > 1 and isinstance(item, RequestOutput) and item.finish_reason is None:
+            if self._released_first and len(pending[-1].new_token_ids) < self._interval:
+                return  # held: its group of N tokens is not full yet
+            self._released_first = True
         self._arrived.set()
 
     def __aiter__(self) -> "RequestStream":
@@ -83,7 +98,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        if not self._pending:
+        if not self._arrived.is_set():
             if self._first_token_by is None:
                 await self._arrived.wait()
             else:
@@ -265,7 +280,7 @@ class AsyncEngine:
         # within one step can still fill the queue: those adds come back rejected).
         if self._load.num_waiting >= bound:
             raise QueueFullError(f"waiting queue is full ({bound} requests)")
-        stream = RequestStream(request, first_token_timeout_s)
+        stream = RequestStream(request, first_token_timeout_s, engine.config.stream_interval)
         self._processor.track(stream)
         self.core.add(request)
         return stream

@@ -36,6 +36,7 @@ def test_every_engine_config_field_is_a_replica_flag():
     (["--max-model-len", "0"], "max_model_len"),
     (["--watermark", "1.5"], "watermark"),
     (["--max-model-len", "512", "--num-kv-blocks", "4"], "num_kv_blocks"),
+    (["--stream-interval", "0"], "stream_interval"),
 ])
 def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -113,6 +114,7 @@ def test_an_unusable_key_file_exits_2_naming_the_flag(tmp_path, capsys):
 # ---- headroom serve ----------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "0"], "error: engine.max_model_len:"),
+    (["--stream-interval", "0"], "error: engine.stream_interval: Input should be greater than or equal to 1\n"),
     (["--replicas", "0"], "error: replicas.num_replicas:"),
     (["--model", "/nonexistent/model"], "error: model '/nonexistent/model': not a known model name"),
     (["--autoscaling", "headroom", "--min-replicas", "4", "--max-replicas", "2"],

@@ -56,6 +56,9 @@ def test_router_policy_names_are_the_router_registry():
     (app_document(engine={"max_model_len": 0}), "applications[0].args.engine.max_model_len: "),
     (app_document(engine={"max_model_len": 4096, "num_kv_blocks": 8}), "applications[0].args.engine.num_kv_blocks: "),
     (app_document(engine={"watermark": 1.5}), "applications[0].args.engine.watermark: "),
+    (app_document(engine={"stream_interval": 0}),
+     "applications[0].args.engine.stream_interval: Input should be greater than or equal to 1"),
+    (app_document(engine={"stream_interval": 1.5}), "applications[0].args.engine.stream_interval: "),
     (app_document(engine={"max_model_lenn": 4096}), "applications[0].args.engine.max_model_lenn: Extra inputs"),
     (app_document(replicas={"num_replicas": 0}), "applications[0].args.replicas.num_replicas: "),
     (app_document(replicas={"num_replicas": 3, "autoscaling": {}}), "applications[0].args.replicas.num_replicas: "),
@@ -96,6 +99,12 @@ def test_bad_field_raises_config_error_naming_its_dotted_path(document, message)
     with pytest.raises(ConfigError) as raised:
         load_config(document)
     assert str(raised.value).startswith(message)
+
+
+def test_stream_interval_defaults_to_1_and_reaches_the_replicas_engine_config():
+    assert EngineConfig().stream_interval == 1
+    config = load_config(app_document(engine={"stream_interval": 4}))
+    assert config.applications[0].args.engine.stream_interval == 4
 
 
 def test_router_knobs_are_the_policy_constructor_parameters():

@@ -20,10 +20,15 @@ def output(tokens, text, finish_reason=None, logprobs=None) -> RequestOutput:
                          num_output_tokens=tokens[-1], num_cached_tokens=0, logprobs=logprobs)
 
 
-def stream() -> RequestStream:
+def stream(stream_interval: int = 1) -> RequestStream:
     request = make_request("r", [1, 2, 3], SamplingParams(max_tokens=8), config=make_engine_config(),
                            eos_token_ids=(0,), clock=time.monotonic)
-    return RequestStream(request)
+    return RequestStream(request, stream_interval=stream_interval)
+
+
+def due(outputs: RequestStream) -> bool:
+    """Whether a read would return at once (the consumer is woken)."""
+    return outputs._arrived.is_set()
 
 
 def test_outputs_that_arrive_together_are_read_as_one_in_order():
@@ -81,3 +86,55 @@ def test_a_merged_output_carries_every_field_of_the_later_one_but_the_concatenat
             assert getattr(merged, field.name) == getattr(later, field.name), field.name
     assert (merged.new_token_ids, merged.text, merged.logprobs, merged.top_logprobs) == (
         [1, 2], "ab", [-0.1, -0.2], [("t1",), ("t2",)])
+
+
+def test_with_an_interval_the_first_token_is_due_at_once_then_every_n_tokens_and_the_finish_at_once():
+    async def main():
+        outputs = stream(stream_interval=3)
+        read = []
+        for index in range(1, 9):
+            outputs.put(output([index], str(index), "length" if index == 8 else None, logprobs=[-index / 10]))
+            # Due after token 1 (the first), 4 and 7 (three more each), and 8 (the finish).
+            assert due(outputs) == (index in (1, 4, 7, 8)), index
+            if due(outputs):
+                read.append(await outputs.__anext__())
+        assert [item.new_token_ids for item in read] == [[1], [2, 3, 4], [5, 6, 7], [8]]
+        assert [item.text for item in read] == ["1", "234", "567", "8"]
+        assert [item.logprobs for item in read] == [[-0.1], [-0.2, -0.3, -0.4], [-0.5, -0.6, -0.7], [-0.8]]
+        assert [item.num_output_tokens for item in read] == [1, 4, 7, 8]
+        assert read[-1].finish_reason == "length" and outputs.finished
+        with pytest.raises(StopAsyncIteration):
+            await outputs.__anext__()
+
+    asyncio.run(main())
+
+
+def test_with_an_interval_a_reader_waits_for_the_group_and_an_error_flushes_what_is_held():
+    async def main():
+        outputs = stream(stream_interval=4)
+        outputs.put(output([1], "a"))
+        assert (await outputs.__anext__()).new_token_ids == [1]
+        reader = asyncio.ensure_future(outputs.__anext__())
+        outputs.put(output([2], "b"))
+        outputs.put(output([3], "c"))
+        await asyncio.sleep(0.01)
+        assert not reader.done()  # two tokens of a group of four: held
+        outputs.put(RuntimeError("core died"))
+        assert (await reader).new_token_ids == [2, 3]
+        with pytest.raises(RuntimeError, match="core died"):
+            await outputs.__anext__()
+
+    asyncio.run(main())
+
+
+def test_with_an_interval_a_consumer_that_falls_behind_still_gets_everything_merged():
+    async def main():
+        outputs = stream(stream_interval=2)
+        for index in range(1, 7):
+            outputs.put(output([index], str(index)))
+        outputs.put(output([7], "7", "stop"))
+        merged = [item async for item in outputs]
+        assert [item.new_token_ids for item in merged] == [[1, 2, 3, 4, 5, 6, 7]]
+        assert merged[0].finish_reason == "stop"
+
+    asyncio.run(main())
