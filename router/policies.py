@@ -6,6 +6,7 @@ missing stats fall back to queue length, never to an error.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 from dataclasses import dataclass, replace
@@ -95,6 +96,19 @@ class LeastLoadedPolicy(RoutingPolicy):
         return merge_stale_by_queue_len(fresh, stale, self.rng)
 
 
+# Pinning's defaults (HeadroomPolicy; cluster.config reads them from its constructor).
+PIN_PREFIX_FRACTION = 0.3  # a holder of this much of the prompt keeps it (approx_prefix's cache_threshold)
+PIN_SHARE_WINDOW = 256  # requests over which a tenant's share of the traffic is counted
+TENANT_KEY_TOKENS = 16  # a tenant is its prompts' first this many tokens (one block at the usual size)
+
+
+def tenant_key(request: RoutingRequest) -> Optional[tuple[int, ...]]:
+    """The request's tenant for pinning: its prompt's first TENANT_KEY_TOKENS token ids, or None
+    for a prompt no longer than that (or without token ids): no cacheable block to pin."""
+    ids = request.prompt_token_ids
+    return tuple(ids[:TENANT_KEY_TOKENS]) if len(ids) > TENANT_KEY_TOKENS else None
+
+
 @dataclass(frozen=True)
 class HeadroomScore:
     """Why a replica ranks where it does, in fractions of that replica's KV pool."""
@@ -164,13 +178,19 @@ class HeadroomPolicy(RoutingPolicy):
     router sent there to requests still live (`live_blocks`), so a tenant's burst that
     arrives before any KV event stays together.
 
-    Pinning (`pin_prefix_fraction`, off by default): a replica that caches at least that
-    fraction of the prompt and holds rather than preempts (it reports expected output lengths)
-    counts as fitting whatever its room, so a tenant stays on its replica as approx_prefix keeps
-    it; with `prefill_weight` 16 it spills only past a backlog of ~2 pools. It is a trade,
-    measured on the router simulation (docs/benchmarks.md, issue 27, 2026-11-28): under overload
-    it keeps the excess on the replicas whose tenants brought it, where spreading drags every
-    replica past its SLO; at capacity it stops a hot tenant from spreading, which costs more.
+    Pinning (`pin_prefix_fraction` = 0.3, gated by `pin_share_window` = 256): a replica that
+    caches at least that fraction of the prompt and holds rather than preempts (it reports
+    expected output lengths) counts as fitting whatever its room, so a tenant stays on its
+    replica as approx_prefix keeps it, but only while the tenant fits one replica: its share
+    of the last `pin_share_window` requests this router routed (a tenant is the prompt's
+    first `TENANT_KEY_TOKENS` tokens) is at most 1 / replicas. A pinned request's own prefill
+    weighs `saturated_prefill_weight` on every replica: leaving its holder copies a prefix the
+    cluster already holds. Under overload that keeps the excess on the replicas whose tenants
+    brought it, where spreading a tenant re-prefills its prefix on another replica and drags
+    every replica past its SLO; a hot tenant, more than a replica's share, still spreads, since
+    pinning it costs more than its prefill saves (docs/benchmarks.md, issue 27: ungated pinning
+    delivered 0.69x of hot_tenant's goodput at capacity). `pin_prefix_fraction` 0 turns pinning
+    off; `pin_share_window` 0 pins every tenant (no gate).
 
     The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
@@ -190,7 +210,8 @@ class HeadroomPolicy(RoutingPolicy):
         prefill_weight: float = 4.0,
         saturated_prefill_weight: float = 16.0,
         preemption_weight: float = 1.0,
-        pin_prefix_fraction: Optional[float] = None,
+        pin_prefix_fraction: Optional[float] = PIN_PREFIX_FRACTION,
+        pin_share_window: int = PIN_SHARE_WINDOW,
         tie_epsilon: float = 0.02,
         staleness_s: float = DEFAULT_STALENESS_S,
         rng: Optional[random.Random] = None,
@@ -200,9 +221,16 @@ class HeadroomPolicy(RoutingPolicy):
         self.prefill_weight = prefill_weight
         self.saturated_prefill_weight = saturated_prefill_weight
         self.preemption_weight = preemption_weight
-        if pin_prefix_fraction is not None and not 0 < pin_prefix_fraction <= 1:
-            raise ValueError(f"pin_prefix_fraction: must be in (0, 1] or None, got {pin_prefix_fraction}")
-        self.pin_prefix_fraction = pin_prefix_fraction
+        if pin_prefix_fraction is not None and not 0 <= pin_prefix_fraction <= 1:
+            raise ValueError(f"pin_prefix_fraction: must be in [0, 1] (0 or None: off), got {pin_prefix_fraction}")
+        self.pin_prefix_fraction = pin_prefix_fraction or None
+        if pin_share_window < 0 or pin_share_window != int(pin_share_window):
+            raise ValueError(f"pin_share_window: must be a whole number of requests >= 0 (0: no gate), got {pin_share_window}")
+        self.pin_share_window = int(pin_share_window)
+        # The tenants of the last `pin_share_window` requests routed, by request key (a retry
+        # is not counted twice), and how many of them each tenant has.
+        self._recent_tenants: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._tenant_counts: collections.Counter = collections.Counter()
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
         self.rng = rng or random.Random()
@@ -225,10 +253,40 @@ class HeadroomPolicy(RoutingPolicy):
             count += 1
         return count
 
+    def tenant_share(self, request: RoutingRequest) -> float:
+        """The request's tenant's share of the recent requests, this one counted in (1.0 when its
+        prompt is too short to name a tenant, or nothing was routed yet)."""
+        tenant = tenant_key(request)
+        if tenant is None:
+            return 1.0
+        return (self._tenant_counts[tenant] + 1) / (len(self._recent_tenants) + 1)
+
+    def pins(self, request: RoutingRequest, num_replicas: int) -> bool:
+        """Whether this request's tenant is pinned: pinning is on and the tenant's share of the
+        recent requests is at most one replica's (or the share is not gated)."""
+        if self.pin_prefix_fraction is None:
+            return False
+        return not self.pin_share_window or self.tenant_share(request) * max(num_replicas, 1) <= 1.0
+
+    def holds_enough(self, request: RoutingRequest, view: ReplicaView) -> bool:
+        """The replica caches at least `pin_prefix_fraction` of the prompt and holds rather than
+        preempts (it reports expected output lengths): where a pinned request stays."""
+        return (self.pin_prefix_fraction is not None and view.load.expected_output_tokens > 0
+                and min(view.cached_tokens, request.prompt_tokens) >= self.pin_prefix_fraction * request.prompt_tokens)
+
     def known_cached_blocks(self, request: RoutingRequest, view: ReplicaView) -> int:
         return max(view.cached_blocks, self.live_blocks(request, view))
 
     def on_routed(self, request: RoutingRequest, replica_id: str, request_key: str, cached_blocks: int) -> None:
+        tenant = tenant_key(request)
+        if self.pin_share_window and tenant is not None and request_key not in self._recent_tenants:
+            self._recent_tenants[request_key] = tenant
+            self._tenant_counts[tenant] += 1
+            if len(self._recent_tenants) > self.pin_share_window:
+                _, oldest = self._recent_tenants.popitem(last=False)
+                self._tenant_counts[oldest] -= 1
+                if not self._tenant_counts[oldest]:
+                    del self._tenant_counts[oldest]
         block_size = self._block_sizes.get(replica_id, 0)
         if not block_size:
             self._live.remove(request_key)  # a retry replaces the earlier send
@@ -242,9 +300,12 @@ class HeadroomPolicy(RoutingPolicy):
         self._live.forget_replica(replica_id)
         self._block_sizes.pop(replica_id, None)
 
-    def score(self, request: RoutingRequest, view: ReplicaView, saturated: bool = False) -> HeadroomScore:
+    def score(self, request: RoutingRequest, view: ReplicaView, saturated: bool = False,
+              pin: bool = False) -> HeadroomScore:
         """The replica's score for this request; `view` must carry a snapshot. `saturated`:
-        no replica has room for it (the own-prefill penalty is then `saturated_prefill_weight`)."""
+        no replica has room for it (the own-prefill penalty is then `saturated_prefill_weight`).
+        `pin`: the request is pinned (`pins`, and some replica `holds_enough`): a holder fits
+        whatever its room, and the own-prefill penalty is `saturated_prefill_weight`."""
         load = view.load
         block_size = load.block_size
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
@@ -260,16 +321,15 @@ class HeadroomPolicy(RoutingPolicy):
         # there for at most that much memory to free costs the cluster no more memory, and
         # evicts no other tenant's prefix to make room for a copy.
         lent_tokens = cached_tokens if load.expected_output_tokens > 0 else 0
-        # Pinned (opt-in): a holder of that much of the prompt that holds rather than preempts
-        # keeps the request whatever its room, as approx_prefix keeps a tenant on one replica.
-        pinned = (self.pin_prefix_fraction is not None and load.expected_output_tokens > 0
-                  and cached_tokens >= self.pin_prefix_fraction * request.prompt_tokens)
+        # Pinned: a holder of enough of the prompt keeps the request of a tenant that fits one
+        # replica whatever its room, as approx_prefix keeps a tenant on one replica.
+        pinned = pin and self.holds_enough(request, view)
         backlog = (load.waiting_prefill_tokens + inflight.prefill_tokens) / pool_tokens
         own_prefill = (request.prompt_tokens - cached_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
         preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
         score = (self.headroom_weight * headroom_after - self.backlog_weight * backlog
-                 - (self.saturated_prefill_weight if saturated else self.prefill_weight) * own_prefill
+                 - (self.saturated_prefill_weight if saturated or pin else self.prefill_weight) * own_prefill
                  - self.preemption_weight * preemption_risk)
         return HeadroomScore(
             view.replica_id, pinned or free_after_tokens + lent_tokens >= 0, headroom_after, backlog,
@@ -280,7 +340,8 @@ class HeadroomPolicy(RoutingPolicy):
         fresh, stale = split_by_freshness(replicas, self.staleness_s)
         fresh = [replace(view, cached_blocks=known) if (known := self.known_cached_blocks(request, view)) != view.cached_blocks
                  else view for view in fresh]
-        scores = {view.replica_id: self.score(request, view) for view in fresh}
+        pin = self.pins(request, len(replicas)) and any(self.holds_enough(request, view) for view in fresh)
+        scores = {view.replica_id: self.score(request, view, pin=pin) for view in fresh}
         fitting = [view for view in fresh if scores[view.replica_id].fits]
         if len(fitting) * 2 < len(fresh):
             # Most of the cluster has no room for it: the few replicas that do hold it only
@@ -288,7 +349,7 @@ class HeadroomPolicy(RoutingPolicy):
             # prefix (memory and prefill the saturated cluster pays for) and waits as long
             # anyway. Under that pressure the score alone ranks, with the own-prefill
             # penalty at `saturated_prefill_weight`.
-            scores = {view.replica_id: self.score(request, view, saturated=True) for view in fresh}
+            scores = {view.replica_id: self.score(request, view, saturated=True, pin=pin) for view in fresh}
             ranked = self._rank_with_ties(list(fresh), scores)
         else:
             not_fitting = [view for view in fresh if not scores[view.replica_id].fits]

@@ -343,23 +343,69 @@ def test_when_most_of_the_cluster_is_full_a_transient_room_does_not_pull_a_reque
 
 
 def test_a_pinned_prefix_holder_keeps_its_tenant_however_short_of_room_it_is():
-    # pin_prefix_fraction 0.5: the holder caches 3,200 of the 4,000 prompt tokens (0.8), so
-    # it counts as fitting though it is short by more than the prefix (unpinned, the request
-    # goes where it fits, as test_a_holder_that_admits_by_expected_growth_may_be_short_by_the_prefix_it_saves says).
+    # pin_prefix_fraction 0.5, every tenant pinned (pin_share_window 0): the holder caches
+    # 3,200 of the 4,000 prompt tokens (0.8), so it counts as fitting though it is short by
+    # more than the prefix (unpinned, the request goes where it fits, as
+    # test_a_holder_that_admits_by_expected_growth_may_be_short_by_the_prefix_it_saves says).
     request = shared_prefix_request()
     roomy = view("roomy", make_load("roomy", free_blocks=600, expected_output_tokens=200))
     shorter = view("holder", make_load("holder", free_blocks=0, expected_output_tokens=200,
                                        kv_committed_tokens=2_300), cached_blocks=200)
-    pinned = HeadroomPolicy(rng=random.Random(0), pin_prefix_fraction=0.5)
-    assert headroom_policy().rank(request, [roomy, shorter]) == ["roomy", "holder"]
+    pinned = HeadroomPolicy(rng=random.Random(0), pin_prefix_fraction=0.5, pin_share_window=0)
+    assert HeadroomPolicy(pin_prefix_fraction=0).rank(request, [roomy, shorter]) == ["roomy", "holder"]
     assert pinned.rank(request, [roomy, shorter]) == ["holder", "roomy"]
     # Less than the fraction cached, or a replica that would preempt for it: not pinned.
-    assert HeadroomPolicy(pin_prefix_fraction=0.9).rank(request, [roomy, shorter]) == ["roomy", "holder"]
+    assert HeadroomPolicy(pin_prefix_fraction=0.9, pin_share_window=0).rank(request, [roomy, shorter]) == ["roomy", "holder"]
     optimistic = view("holder", make_load("holder", free_blocks=0), cached_blocks=200)
     assert pinned.rank(request, [roomy, optimistic]) == ["roomy", "holder"]
 
 
-@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.2])
+def tenant_request(tenant: int, prefix_blocks: int = 200, query_tokens: int = 800) -> RoutingRequest:
+    """A prompt of `tenant`'s own 3,200-token prefix (its first tokens name the tenant) and a query."""
+    tokens = tuple(tenant * 100_000 + i for i in range(prefix_blocks * BLOCK_SIZE)) + (7,) * query_tokens
+    return RoutingRequest(prompt_tokens=len(tokens), max_tokens=200, prompt_token_ids=tokens)
+
+
+def test_pinning_keeps_a_tenant_within_a_replicas_share_of_traffic_and_spreads_a_hot_one():
+    # Four replicas: the prefix holder is short of room (its queue is promised the pool), three
+    # are roomy. Of the last 256 requests routed, tenant 0 sent half (hot: more than one
+    # replica's share, 1/4) and tenants 1-8 one sixteenth each. By default (pin_prefix_fraction
+    # 0.3, share gated over 256 requests) a small tenant stays on its holder whatever its room;
+    # the hot tenant goes where it fits, spreading its prefix.
+    def cluster() -> list[ReplicaView]:
+        holder = view("holder", make_load("holder", free_blocks=0, expected_output_tokens=200,
+                                          kv_committed_tokens=2_300), cached_blocks=200)
+        return [holder] + [view(f"roomy{i}", make_load(f"roomy{i}", free_blocks=600, expected_output_tokens=200))
+                           for i in range(3)]
+
+    policy = headroom_policy()
+    assert policy.pin_prefix_fraction == 0.3 and policy.pin_share_window == 256  # the defaults: on
+    for i in range(256):
+        tenant = 0 if i % 2 == 0 else 1 + (i // 2) % 8
+        policy.on_routed(tenant_request(tenant), f"roomy{i % 3}", f"old{i}", cached_blocks=0)
+    policy.on_routed(tenant_request(1), "roomy0", "old1", cached_blocks=0)  # a retry: counted once
+    assert policy.tenant_share(tenant_request(0)) == pytest.approx(129 / 257)
+    assert policy.tenant_share(tenant_request(3)) == pytest.approx(17 / 257)
+    for seed in range(10):
+        policy.rng = random.Random(seed)
+        assert policy.rank(tenant_request(3), cluster())[0] == "holder"
+        assert policy.rank(tenant_request(0), cluster())[0] != "holder"
+        # Without pinning the small tenant leaves its holder too.
+        assert HeadroomPolicy(rng=random.Random(seed), pin_prefix_fraction=0).rank(tenant_request(3), cluster())[0] != "holder"
+    # The window slides: 256 requests of tenants 9-16 later, tenant 0 is a small tenant again.
+    for i in range(256):
+        policy.on_routed(tenant_request(9 + i % 8), "roomy0", f"new{i}", cached_blocks=0)
+    assert policy.tenant_share(tenant_request(0)) == pytest.approx(1 / 257)
+    assert policy.rank(tenant_request(0), cluster())[0] == "holder"
+
+
+@pytest.mark.parametrize("fraction", [1.5, -0.2])
 def test_pin_prefix_fraction_outside_0_1_is_a_clear_error(fraction):
     with pytest.raises(ValueError, match="pin_prefix_fraction"):
         HeadroomPolicy(pin_prefix_fraction=fraction)
+
+
+@pytest.mark.parametrize("window", [-1, 2.5])
+def test_pin_share_window_must_be_a_whole_number_of_requests(window):
+    with pytest.raises(ValueError, match="pin_share_window"):
+        HeadroomPolicy(pin_share_window=window)
