@@ -36,10 +36,18 @@ class BlockCopies:
     blocks may be handed to this very step's new KV), then every swap-in (its device blocks are
     read by this step's attention); the step's forward pass waits for those. Then the
     write-throughs of the spilling prefix cache (device blocks filled by an earlier step, free
-    or held, that this step neither writes nor frees for reuse): they overlap this step's
-    forward pass, and the next step's forward pass waits for them (the scheduler sends a
-    BlockCopies, empty if need be, with every step after one that had write-throughs)."""
+    or held, that this step neither writes nor frees for reuse), then the prefetches (swap-ins
+    of a request that resumes next step, into device blocks this step's forward pass neither
+    reads nor writes): they overlap this step's forward pass, and the next step's forward pass
+    waits for them (the scheduler sends a BlockCopies, empty if need be, with every step after
+    one that had write-throughs or prefetches)."""
 
     swap_out: tuple[tuple[int, int], ...]  # (device block id, host block id)
     swap_in: tuple[tuple[int, int], ...]  # (host block id, device block id)
     write_through: tuple[tuple[int, int], ...] = ()  # (device block id, host block id)
+    prefetch: tuple[tuple[int, int], ...] = ()  # (host block id, device block id)
+
+    @property
+    def beside_forward(self) -> bool:
+        """Whether some copies overlap the step's forward pass (the next step must wait for them)."""
+        return bool(self.write_through or self.prefetch)

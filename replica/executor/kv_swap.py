@@ -1,32 +1,71 @@
 """The host KV tier's memory and the whole-block copies between it and the device cache.
 
 The host cache is one tensor, block-major: [host blocks, layers, key/value, block_size,
-kv heads, head_dim], so a host block is contiguous (one copy moves it on CUDA). On CUDA it is
-pinned and the copies run on a stream of their own: they start once the compute stream has
+kv heads, head_dim], so a run of consecutive host blocks is one contiguous range. A batch of
+copies one way goes through a staging buffer on the device, [blocks, layers, key/value, ...]
+like the host cache: device -> host gathers the device blocks into it (one gather per layer
+and key/value, in the order of their host blocks) and then copies it out in one copy per run
+of consecutive host block ids, straight into the (pinned, on CUDA) host blocks; host -> device
+copies each run of host blocks into it and scatters it into the device blocks (one
+index_copy_ per layer and key/value). The host pool hands its blocks out in the order they
+were freed, so a step's blocks are mostly one run: one copy per direction per step (`runs`
+counts them). No host-side bounce buffer: a copy through one would cost the CPU a memcpy of
+every byte on top of the link's, where a run's copy is the DMA engine's alone. The CPU path
+is the same code, its copies plain tensor ops done when `copy` returns.
+
+On CUDA the copies run on a stream of their own: they start once the compute stream has
 queued everything before them (the steps that wrote the blocks swapped out, or still read
 the blocks swapped into), and the compute stream waits on an event after the step's swap-outs
 and swap-ins, so the step that reads swapped-in blocks, or overwrites swapped-out ones, runs
 only once they are done, while the host goes on preparing the step. The step's
-write-throughs (the spilling prefix cache's copies of blocks filled earlier) are queued after
-that event: they overlap the step's forward pass, and the next step's event, recorded after
-them on the same stream, makes its forward pass (which may overwrite their blocks) wait for
-them. On CPU the copies are plain tensor ops, done when `copy` returns.
+write-throughs (the spilling prefix cache's copies of blocks filled earlier) and prefetches
+(swap-ins of a request that resumes next step) are queued after that event: they overlap the
+step's forward pass, and the next step's event, recorded after them on the same stream, makes
+its forward pass (which may overwrite or read their blocks) wait for them.
 
-Order within a step: every swap-out, then every swap-in, then every write-through
-(BlockCopies' contract): a device block a swap-out frees may be the destination of a swap-in
-of the same step.
+Order within a step: every swap-out, then every swap-in, then every write-through, then every
+prefetch (BlockCopies' contract): a device block a swap-out frees may be the destination of a
+swap-in of the same step.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from replica.core.host_pool import BlockCopies
 
-# Blocks gathered on the device per round of a CUDA copy: bounds the staging buffer.
-CUDA_STAGING_BLOCKS = 32
+# Blocks staged on the device per round of copies: bounds the staging buffer.
+STAGING_BLOCKS = 32
+
+
+class CopyRound(NamedTuple):
+    """One round of copies one way, at most STAGING_BLOCKS blocks, in the order of their host
+    blocks: staging row i holds device block device_ids[i]; runs are (first staging row,
+    first host block id, blocks) of consecutive host block ids, one copy each."""
+
+    device_ids: list[int]
+    runs: list[tuple[int, int, int]]
+
+
+def plan_rounds(host_device_pairs: Sequence[tuple[int, int]]) -> list[CopyRound]:
+    """(host id, device id) pairs as rounds of runs over consecutive host ids. Pairs with the
+    same host id keep their order (a small host tier's write-throughs may reuse a host block
+    within a step: the later copy must land last)."""
+    pairs = sorted(host_device_pairs, key=lambda pair: pair[0])
+    rounds = []
+    for start in range(0, len(pairs), STAGING_BLOCKS):
+        chunk = pairs[start:start + STAGING_BLOCKS]
+        runs: list[tuple[int, int, int]] = []
+        for row, (host_id, _) in enumerate(chunk):
+            if runs and runs[-1][1] + runs[-1][2] == host_id:
+                first_row, first_host, length = runs[-1]
+                runs[-1] = (first_row, first_host, length + 1)
+            else:
+                runs.append((row, host_id, 1))
+        rounds.append(CopyRound([device_id for _, device_id in chunk], runs))
+    return rounds
 
 
 class KVSwapper:
@@ -45,84 +84,79 @@ class KVSwapper:
         self.bytes_per_block = self.host_cache[0].numel() * self.host_cache.element_size()
         # Blocks this rank copied each way (under tensor parallelism every rank copies its shard).
         self.swapped_out_blocks = self.swapped_in_blocks = self.written_through_blocks = 0
-        self.stream: Optional[torch.cuda.Stream] = None
-        self.staging: Optional[torch.Tensor] = None
-        if self.on_cuda:
-            self.stream = torch.cuda.Stream(self.device)
-            self.staging = torch.empty((CUDA_STAGING_BLOCKS,) + shape[1:], dtype=key_cache.dtype, device=self.device)
+        self.prefetched_blocks = 0  # of swapped_in_blocks, those copied beside the step before
+        self.runs = 0  # copies over the link: one per run of consecutive host blocks
+        self.staging = torch.empty((STAGING_BLOCKS,) + shape[1:], dtype=key_cache.dtype, device=self.device)
+        self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(self.device) if self.on_cuda else None
 
     @torch.inference_mode()
     def copy(self, copies: BlockCopies) -> None:
-        """Run a step's copies: swap-outs, then swap-ins, then write-throughs. On CUDA the
+        """Run a step's copies: swap-outs, swap-ins, write-throughs, prefetches. On CUDA the
         step's kernels queued after this call wait for the swaps and for every earlier step's
-        write-throughs, not for this step's."""
+        write-throughs and prefetches, not for this step's."""
         self.swapped_out_blocks += len(copies.swap_out)
-        self.swapped_in_blocks += len(copies.swap_in)
+        self.swapped_in_blocks += len(copies.swap_in) + len(copies.prefetch)
+        self.prefetched_blocks += len(copies.prefetch)
         self.written_through_blocks += len(copies.write_through)
-        if self.on_cuda:
-            self._copy_cuda(copies)
+        if not self.on_cuda:
+            self._to_host(copies.swap_out)
+            self._from_host(copies.swap_in)
+            self._to_host(copies.write_through)
+            self._from_host(copies.prefetch)
             return
-        self._copy_out_cpu(copies.swap_out)
-        if copies.swap_in:
-            host_ids, device_ids = _id_tensors(copies.swap_in, self.device)
-            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-                key_cache.index_copy_(0, device_ids, self.host_cache[:, layer, 0].index_select(0, host_ids))
-                value_cache.index_copy_(0, device_ids, self.host_cache[:, layer, 1].index_select(0, host_ids))
-        self._copy_out_cpu(copies.write_through)
-
-    def _copy_out_cpu(self, pairs) -> None:
-        if not pairs:
-            return
-        device_ids, host_ids = _id_tensors(pairs, self.device)
-        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-            self.host_cache[:, layer, 0].index_copy_(0, host_ids, key_cache.index_select(0, device_ids))
-            self.host_cache[:, layer, 1].index_copy_(0, host_ids, value_cache.index_select(0, device_ids))
-
-    def _copy_cuda(self, copies: BlockCopies) -> None:
         compute = torch.cuda.current_stream(self.device)
         queued = torch.cuda.Event()
         queued.record(compute)
         stream = self.stream
         with torch.cuda.stream(stream):
             stream.wait_event(queued)  # the steps before this one have written / read the blocks
-            self._copy_out_cuda(copies.swap_out)
-            for start in range(0, len(copies.swap_in), CUDA_STAGING_BLOCKS):
-                chunk = copies.swap_in[start:start + CUDA_STAGING_BLOCKS]
-                _, device_ids = _id_tensors(chunk, self.device)
-                staging = self.staging[:len(chunk)]
-                for index, (host_id, _) in enumerate(chunk):
-                    staging[index].copy_(self.host_cache[host_id], non_blocking=True)
-                for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-                    key_cache.index_copy_(0, device_ids, staging[:, layer, 0])
-                    value_cache.index_copy_(0, device_ids, staging[:, layer, 1])
-            # After this step's swaps and the previous steps' write-throughs (one stream, in order).
+            self._to_host(copies.swap_out)
+            self._from_host(copies.swap_in)
+            # After this step's swaps and the previous steps' write-throughs and prefetches (one
+            # stream, in order).
             done = torch.cuda.Event()
             done.record(stream)
-            # Blocks filled by earlier steps, which this step's forward pass neither writes nor
-            # reuses: overlapped with it; the next step's `done` follows them.
-            self._copy_out_cuda(copies.write_through)
+            # Blocks this step's forward pass neither reads nor writes: overlapped with it; the
+            # next step's `done` follows them.
+            self._to_host(copies.write_through)
+            self._from_host(copies.prefetch)
         compute.wait_event(done)  # the step's forward pass reads / overwrites these blocks
 
-    def _copy_out_cuda(self, pairs) -> None:
-        """Device -> host on the copy stream (the caller's), in rounds through the staging buffer."""
-        for start in range(0, len(pairs), CUDA_STAGING_BLOCKS):
-            chunk = pairs[start:start + CUDA_STAGING_BLOCKS]
-            device_ids, _ = _id_tensors(chunk, self.device)
-            staging = self.staging[:len(chunk)]
+    def _to_host(self, device_host_pairs: Sequence[tuple[int, int]]) -> None:
+        """Device -> host: each round gathered into the staging buffer, then one copy per run
+        (on the copy stream, the caller's, on CUDA)."""
+        if not device_host_pairs:
+            return
+        for round_ in plan_rounds([(host_id, device_id) for device_id, host_id in device_host_pairs]):
+            staging = self.staging[:len(round_.device_ids)]
+            device_ids = self._ids(round_.device_ids)
             for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
                 staging[:, layer, 0].copy_(key_cache.index_select(0, device_ids))
                 staging[:, layer, 1].copy_(value_cache.index_select(0, device_ids))
-            for index, (_, host_id) in enumerate(chunk):
-                self.host_cache[host_id].copy_(staging[index], non_blocking=True)
+            for row, host_id, length in round_.runs:
+                self.host_cache[host_id:host_id + length].copy_(staging[row:row + length], non_blocking=self.on_cuda)
+            self.runs += len(round_.runs)
+
+    def _from_host(self, host_device_pairs: Sequence[tuple[int, int]]) -> None:
+        """Host -> device: each round's runs copied into the staging buffer, one copy each, then
+        scattered into the device blocks."""
+        if not host_device_pairs:
+            return
+        for round_ in plan_rounds(host_device_pairs):
+            staging = self.staging[:len(round_.device_ids)]
+            for row, host_id, length in round_.runs:
+                staging[row:row + length].copy_(self.host_cache[host_id:host_id + length], non_blocking=self.on_cuda)
+            self.runs += len(round_.runs)
+            device_ids = self._ids(round_.device_ids)
+            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+                key_cache.index_copy_(0, device_ids, staging[:, layer, 0])
+                value_cache.index_copy_(0, device_ids, staging[:, layer, 1])
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids as an int64 index tensor on the device (from pinned memory, asynchronously, on CUDA)."""
+        tensor = torch.tensor(ids, dtype=torch.int64)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else tensor
 
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
-
-
-def _id_tensors(pairs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two columns of (id, id) pairs as int64 index tensors on `device`."""
-    ids = torch.tensor(pairs, dtype=torch.int64).t()
-    if device.type != "cpu":
-        ids = ids.pin_memory().to(device, non_blocking=True)
-    return ids[0], ids[1]
