@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cost_model.py, however this file is loaded
-from cost_model import ASSUMED, SHIPPED_DIR, CostModel, blocks_copied, blocks_written_through  # noqa: E402  (re-exported: the sim's one step-time model)
+from cost_model import ASSUMED, SHIPPED_DIR, CostModel, blocks_copied, blocks_copied_beside, blocks_written_through  # noqa: E402  (re-exported: the sim's one step-time model)
 from cluster.trace import DEFAULT_TRACE_PATH, read_trace
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.admission import AdmissionMode
@@ -270,7 +270,7 @@ class RunStats:
     swap_preemptions_per_1k: float = 0.0  # of the preemptions, the victims swapped to the host tier
     copied_blocks_per_1k: float = 0.0  # KV blocks over the host link either way (swaps, spills, host hits)
     # Of those, the blocks a step waited for before its forward pass (swaps, host hits); the rest
-    # are the prefix cache's write-throughs, which overlap the forward pass.
+    # are the prefix cache's write-throughs and prefetched swap-ins, which overlap the forward pass.
     waited_blocks_per_1k: float = 0.0
 
 
@@ -490,15 +490,16 @@ def start_replica_step(replica: "SimReplica", index: int, now: float, cost: Cost
 
     The host link is one queue, as the engine's copy stream is: a step's copies (swaps, host
     hits) start once the link has finished everything queued before them,
-    its forward pass starts once they are done, and its write-throughs follow them on the
-    link beside the forward pass (replica.link_free_s: when the link is next idle)."""
+    its forward pass starts once they are done, and its write-throughs and prefetched swap-ins
+    follow them on the link beside the forward pass (replica.link_free_s: when the link is next
+    idle)."""
     replica.now = now
     copy_s = cost.block_copy_ms(replica.scheduler.config.block_size) / 1000.0
     link_s = max(now, replica.link_free_s)
     for _ in range(3):  # a step that only preempts schedules nothing; the next one admits
         output = replica.scheduler.schedule()
         link_s += blocks_copied(output) * copy_s  # copies of a step that scheduled nothing run before the next one's
-        replica.link_free_s = link_s + blocks_written_through(output) * copy_s
+        replica.link_free_s = link_s + blocks_copied_beside(output) * copy_s
         if not output.is_empty:
             # (waited for the link) + compute: exactly the compute where the link was idle, so a
             # replica without a host tier steps as it did before the link had a queue.
@@ -536,9 +537,10 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
     recomputed = sum(s.counters.recomputed_tokens for s in schedulers)
     computed = sum(s.counters.scheduled_tokens for s in schedulers)
     queries = sum(s.kv_cache.prefix_cache_queries for s in schedulers)
-    waited = sum(s.kv_cache.swapped_out_blocks + s.kv_cache.swapped_in_blocks + s.kv_cache.host_hit_blocks
-                 for s in schedulers)
-    copied = waited + sum(s.kv_cache.spilled_blocks for s in schedulers)  # written through
+    waited = sum(s.kv_cache.swapped_out_blocks + s.kv_cache.swapped_in_blocks - s.kv_cache.prefetched_blocks
+                 + s.kv_cache.host_hit_blocks for s in schedulers)
+    # Beside the forward pass: written through, and swap-ins prefetched a step ahead.
+    copied = waited + sum(s.kv_cache.spilled_blocks + s.kv_cache.prefetched_blocks for s in schedulers)
     hits = sum(s.kv_cache.prefix_cache_hits for s in schedulers)
     return RunStats(
         num_requests=len(measured),

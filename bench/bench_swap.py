@@ -97,7 +97,7 @@ class StepProfile:
                 copy(copies)
                 kv_swap.synchronize()
                 self.copy_s += self.clock() - start
-                self.copied_blocks += len(copies.swap_out) + len(copies.swap_in)
+                self.copied_blocks += len(copies.swap_out) + len(copies.swap_in) + len(copies.prefetch)
 
             kv_swap.copy = timed_copy
 

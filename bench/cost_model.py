@@ -11,8 +11,9 @@ New terms enter here and nowhere else: the host KV tier's copies (issue 23: swap
 out and back, host prefix hits back) are charged at the
 link's bandwidth for the model's KV bytes per token, serially with the step's compute, as the
 engine's compute stream waits for them (replica/executor/kv_swap.py); the spilling prefix
-cache's write-throughs (BlockCopies.write_through) are not part of the step: they overlap its
-compute on the link, and the simulation's replicas queue them there (bench_router_sim.py's
+cache's write-throughs and the prefetched swap-ins of requests resuming next step
+(BlockCopies.write_through, .prefetch) are not part of the step: they overlap its compute on
+the link, and the simulation's replicas queue them there (bench_router_sim.py's
 start_replica_step), so a step waits for them only where the link is still busy with them
 when its own copies or compute would start. The same model gives the rates the engine
 measures at start-up for its per-victim swap-or-recompute choice (`preemption_costs`).
@@ -151,6 +152,13 @@ def blocks_written_through(output: "SchedulerOutput") -> int:
     """Whole KV blocks the step writes through to the host tier beside its forward pass."""
     copies = output.block_copies
     return len(copies.write_through) if copies is not None else 0
+
+
+def blocks_copied_beside(output: "SchedulerOutput") -> int:
+    """Whole KV blocks the step copies beside its forward pass, both ways: write-throughs to the
+    host tier and prefetches of swapped-out requests that resume next step."""
+    copies = output.block_copies
+    return len(copies.write_through) + len(copies.prefetch) if copies is not None else 0
 
 
 def fit(samples: Sequence[tuple[int, int, float]], source: str) -> CostModel:

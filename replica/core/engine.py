@@ -118,6 +118,9 @@ class LLMEngine:
             self.scheduler.preemption.costs = preemption_costs(self.model, self.model_config, config, self.device,
                                                                self.runner.kv_swap, tp)
             self.scheduler.kv_block_bytes = self.runner.kv_swap.bytes_per_block * tp.size  # every rank's shard
+            # A prefetched swap-in overlaps the step before on a copy stream; on the CPU the copies
+            # run in turn with the step, so a prefetch would only make its request resume a step later.
+            self.scheduler.prefetch_swap_ins = on_cuda
         self.async_scheduling = on_cuda if config.async_scheduling is None else config.async_scheduling
         self._in_flight: Optional[_LaunchedStep] = None  # the step launched but not yet updated (overlap)
         self.last_step = StepTiming()

@@ -37,6 +37,15 @@ class SwappedOut(NamedTuple):
     num_tokens: int  # the computed tokens those blocks hold
 
 
+class Prefetched(NamedTuple):
+    """A swapped-out request whose KV is being copied back beside a step's forward pass, into
+    device blocks it holds while it waits to resume the step after (its host blocks too)."""
+
+    step_id: int  # the step whose copies carry the prefetch
+    num_start: int  # tokens its device blocks hold once the copies are done
+    num_hit_tokens: int  # of those, found in the device's prefix cache rather than copied
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
@@ -48,6 +57,11 @@ class KVCacheManager:
         # This step's copies, taken by the scheduler into its output (take_block_copies).
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        self._prefetch: list[tuple[int, int]] = []
+        # Swapped-out requests prefetched a step ahead of resuming (prefetch_swap_in).
+        self.prefetched: dict[str, Prefetched] = {}
+        self.prefetched_blocks = 0  # swap-in copies that overlapped the step before the resuming one
+        self.prefetches_cancelled = 0  # prefetches whose device blocks were taken back unused
         # Host blocks this step's swap-ins read: held until the step's copies are taken, so no
         # swap-out of the same step (copied first) can overwrite them.
         self._host_blocks_read: list[KVBlock] = []
@@ -74,9 +88,10 @@ class KVCacheManager:
         # evicts them, where it does not in the very step they were freed.
         self._freed: list[tuple[KVBlock, bytes]] = []
         self._write_through: list[tuple[int, int]] = []
-        # The previous step's copies had write-throughs: this step's copies must be issued (if
-        # empty) so that its forward pass waits for them (it may overwrite the blocks they read).
-        self._write_through_in_flight = False
+        # The previous step's copies had write-throughs or prefetches: this step's copies must be
+        # issued (if empty) so that its forward pass waits for them (it may overwrite the blocks
+        # they read, or read the blocks they write).
+        self._copies_beside_in_flight = False
         if self.writes_through:
             self.pool.on_evict = self._on_evict
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -373,6 +388,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return every block the request holds, on the device and (swapped out) on the host."""
+        self.prefetched.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
@@ -468,6 +484,44 @@ class KVCacheManager:
         self.swapped_in_blocks += len(copies)
         return len(copies)
 
+    def prefetch_swap_in(self, request: Request, num_hit_blocks: int, num_start: int, num_hit_tokens: int,
+                         step_id: int) -> int:
+        """Plan the copies that bring a swapped-out request's KV back into the device blocks
+        allocate_slots just gave it (past its `num_hit_blocks` device hits) beside this step's
+        forward pass: it stays waiting, holding both tiers' blocks, and resumes next step
+        (admit_prefetched) on a copy already done or under way. Returns the blocks copied."""
+        host_blocks = self.swapped[request.request_id].host_blocks
+        device_blocks = self.req_to_blocks[request.request_id]
+        copies = [(host.block_id, device.block_id)
+                  for host, device in zip(host_blocks[num_hit_blocks:], device_blocks[num_hit_blocks:])]
+        self._prefetch.extend(copies)
+        self.prefetched[request.request_id] = Prefetched(step_id, num_start, num_hit_tokens)
+        self.swapped_in_blocks += len(copies)
+        self.prefetched_blocks += len(copies)
+        return len(copies)
+
+    def admit_prefetched(self, request: Request) -> None:
+        """The prefetched request resumes: its host blocks, read by the step before's copies,
+        become free once this step's copies are taken."""
+        del self.prefetched[request.request_id]
+        self._host_blocks_read.extend(self.swapped.pop(request.request_id).host_blocks)
+
+    def cancel_prefetches(self, made_before_step: Optional[int] = None) -> bool:
+        """Give back the device blocks of prefetched requests that did not resume (all, or
+        those prefetched before step `made_before_step`); they keep their host blocks. Their
+        prefix blocks stay cached: the KV is there once the prefetch's step is. Returns whether
+        any was cancelled."""
+        cancelled = [request_id for request_id, prefetched in self.prefetched.items()
+                     if made_before_step is None or prefetched.step_id < made_before_step]
+        for request_id in cancelled:
+            del self.prefetched[request_id]
+            blocks = self.req_to_blocks.pop(request_id)
+            del self.num_cached_blocks[request_id]
+            self.num_request_blocks -= len(blocks)
+            self.pool.free_blocks(reversed(blocks))
+        self.prefetches_cancelled += len(cancelled)
+        return bool(cancelled)
+
     def take_block_copies(self) -> Optional[BlockCopies]:
         """The copies planned since the previous call (once per step, with the step's output,
         after its allocations), with the write-throughs of the blocks the previous step filled;
@@ -479,14 +533,15 @@ class KVCacheManager:
         if self._host_blocks_read:
             self.host_pool.free_blocks(reversed(self._host_blocks_read))
             self._host_blocks_read = []
-        if not self._swap_out and not self._swap_in and not self._write_through:
-            if not self._write_through_in_flight:
+        if not self._swap_out and not self._swap_in and not self._write_through and not self._prefetch:
+            if not self._copies_beside_in_flight:
                 return None
-            self._write_through_in_flight = False
+            self._copies_beside_in_flight = False
             return BlockCopies((), ())  # this step's forward pass waits for the previous one's
-        copies = BlockCopies(tuple(self._swap_out), tuple(self._swap_in), tuple(self._write_through))
-        self._write_through_in_flight = bool(self._write_through)
-        self._swap_out, self._swap_in, self._write_through = [], [], []
+        copies = BlockCopies(tuple(self._swap_out), tuple(self._swap_in), tuple(self._write_through),
+                             tuple(self._prefetch))
+        self._copies_beside_in_flight = copies.beside_forward
+        self._swap_out, self._swap_in, self._write_through, self._prefetch = [], [], [], []
         return copies
 
     # ---- preemption cost ---------------------------------------------------------------

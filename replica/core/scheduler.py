@@ -114,6 +114,10 @@ class Scheduler:
         # Per victim: recompute or swap (the engine sets the costs it measured at start).
         self.preemption = PreemptionPlanner(config.preemption_mode, self.kv_cache)
         self.kv_block_bytes = 0  # of one block across layers, for the swap byte counts (the engine knows it)
+        # A swapped-out request at the head of the queue whose blocks fit is prefetched: its
+        # copy-in runs beside this step's forward pass and it resumes the next step. Where the
+        # copies cannot overlap a forward pass (the CPU) the engine turns this off.
+        self.prefetch_swap_ins = True
         self.ttft_predictor = TTFTPredictor.from_config(config)
         self.waiting = make_waiting_queue(config.scheduling_policy, self._urgency, clock)
         self.running: list[Request] = []
@@ -247,6 +251,8 @@ class Scheduler:
                 new_blocks = kv_cache.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
+                if kv_cache.cancel_prefetches():  # a running request's memory before a prefetch's
+                    continue
                 victim_index = self.select_victim(running, self.preemption.cost)
                 victim = running[victim_index]
                 undone = next((entry for entry in scheduled if entry.request is victim), None)
@@ -276,6 +282,9 @@ class Scheduler:
         if not preempted:
             self.waiting.reorder()
             token_budget = self._admit_waiting(token_budget, scheduled)
+        # A prefetch lives one step: one whose request did not resume now gives its device blocks back.
+        if kv_cache.prefetched:
+            kv_cache.cancel_prefetches(made_before_step=self._step_id + 1)
 
         for entry in scheduled:
             request = entry.request
@@ -315,12 +324,17 @@ class Scheduler:
         now = self.clock()
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
-            # A swapped-out request starts where it stopped: its host blocks are copied back.
+            # A swapped-out request starts where it stopped: its host blocks are copied back
+            # (or were, beside the step before: prefetched into the device blocks it holds).
             num_restored = kv_cache.num_swapped_tokens(request)
-            # Past its device hit, the prefix blocks spilled to the host tier are copied back too.
-            host_hits = kv_cache.get_host_hits(request, len(hit_blocks)) if not num_restored else []
-            num_start = max(num_hit_tokens + len(host_hits) * kv_cache.block_size, num_restored)
+            prefetched = kv_cache.prefetched.get(request.request_id)
+            if prefetched is not None:
+                hit_blocks, num_hit_tokens, host_hits, num_start = [], prefetched.num_hit_tokens, [], prefetched.num_start
+            else:
+                hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
+                # Past its device hit, the prefix blocks spilled to the host tier are copied back too.
+                host_hits = kv_cache.get_host_hits(request, len(hit_blocks)) if not num_restored else []
+                num_start = max(num_hit_tokens + len(host_hits) * kv_cache.block_size, num_restored)
             num_new_tokens = self._step_tokens(request.num_tokens - num_start, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
@@ -347,6 +361,16 @@ class Scheduler:
                     if growth.reserves_growth and share > 0 else optimistic_fit,
                 )
 
+            if (num_restored and prefetched is None and scheduled and self.prefetch_swap_ins
+                    and kv_cache.can_allocate(request, num_new_tokens, hit_blocks, num_start,
+                                              reserved_blocks=watermark_blocks + growth_blocks,
+                                              num_tokens_to_fit=(request.num_tokens + own_growth
+                                                                 if growth.reserves_growth else optimistic_fit))):
+                # It fits now and this step has a forward pass to overlap: its copy-in runs
+                # beside it and it resumes next step, first in line (nothing overtakes it).
+                kv_cache.allocate_slots(request, 0, hit_blocks, num_start)
+                kv_cache.prefetch_swap_in(request, len(hit_blocks), num_start, num_hit_tokens, self._step_id + 1)
+                break
             if host_hits:  # no spill of this very allocation may reuse them
                 kv_cache.hold_host_hits(host_hits)
             new_blocks = allocate(1.0)
@@ -373,7 +397,10 @@ class Scheduler:
                 num_hit_tokens += len(host_hits) * kv_cache.block_size
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             if num_restored:
-                kv_cache.swap_in(request, len(hit_blocks))
+                if prefetched is not None:
+                    kv_cache.admit_prefetched(request)
+                else:
+                    kv_cache.swap_in(request, len(hit_blocks))
                 self.counters.recompute_tokens_avoided += max(0, num_restored - num_hit_tokens)
             if request.num_computed_tokens_lost:
                 self.counters.recomputed_tokens += max(0, request.num_computed_tokens_lost - num_start)
@@ -613,7 +640,9 @@ class Scheduler:
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
         assert self.waiting_prefill_tokens == sum(r.num_tokens - self._waiting_hit_tokens[r.request_id] for r in waiting)
         kv_cache = self.kv_cache
-        assert set(kv_cache.req_to_blocks) <= running_ids, "a request outside running holds blocks"
+        assert set(kv_cache.prefetched) <= waiting_ids & set(kv_cache.swapped), "a prefetched request is not swapped out"
+        assert set(kv_cache.req_to_blocks) <= running_ids | set(kv_cache.prefetched), (
+            "a request outside running holds blocks")
         _check_pool(kv_cache.pool, itertools.chain.from_iterable(kv_cache.req_to_blocks.values()))
         self._check_host_tier(waiting_ids)
         # The committed-KV figure load() reports, recomputed from scratch.

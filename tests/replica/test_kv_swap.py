@@ -21,10 +21,11 @@ class SimulatedKV:
     the step's copies, writes its new tokens' slots, then checks that each scheduled request's
     block table holds its own prefix at every position its attention reads.
 
-    Write-throughs run beside the step's forward pass (on CUDA the compute stream does not
-    wait for them): each must read a block already fully written, which this step's forward
-    pass does not write, and the next step must carry a BlockCopies (its forward pass waits
-    for them through it)."""
+    Write-throughs and prefetches run beside the step's forward pass (on CUDA the compute
+    stream does not wait for them): a write-through must read a block already fully written,
+    which this step's forward pass does not write; a prefetch must write a block this step's
+    forward pass neither writes nor reads; and the next step must carry a BlockCopies (its
+    forward pass waits for them through it)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -34,6 +35,7 @@ class SimulatedKV:
         self.num_checked_positions = 0
         self.num_written_through = 0
         self.write_through_in_flight = False
+        self.num_prefetched = 0
 
     def _slots(self, tier: dict[int, list], block_id: int) -> list:
         return tier.setdefault(block_id, [None] * self.block_size)
@@ -44,7 +46,7 @@ class SimulatedKV:
         copies = output.block_copies
         assert copies is not None or not self.write_through_in_flight, (
             f"step {step}: no BlockCopies to order its forward pass after the previous step's write-throughs")
-        writing_through = set()
+        writing_through, prefetching = set(), set()
         if copies is not None:
             for device_id, host_id in copies.swap_out:  # all swap-outs first
                 self.host[host_id] = list(self._slots(self.device, device_id))
@@ -55,13 +57,19 @@ class SimulatedKV:
                 assert None not in slots, f"step {step}: writes through block {device_id} before it is written"
                 self.host[host_id] = list(slots)
                 writing_through.add(device_id)
+            for host_id, device_id in copies.prefetch:
+                self.device[device_id] = list(self._slots(self.host, host_id))
+                prefetching.add(device_id)
             self.num_written_through += len(copies.write_through)
-            self.write_through_in_flight = bool(copies.write_through)
+            self.num_prefetched += len(copies.prefetch)
+            self.write_through_in_flight = bool(copies.write_through or copies.prefetch)
         for entry in output.scheduled:  # the forward pass writes every new K/V...
             request_id = entry.request.request_id
             table = self.tables[request_id] = (list(entry.new_block_ids) if entry.is_new
                                                else self.tables[request_id] + list(entry.new_block_ids))
             tokens = entry.request.all_token_ids
+            assert not prefetching & set(table), (
+                f"step {step}: {request_id}'s forward pass touches blocks a prefetch beside it writes")
             for position in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
                 assert table[position // self.block_size] not in writing_through, (
                     f"step {step}: the forward pass writes block {table[position // self.block_size]} "
@@ -96,8 +104,11 @@ def test_cramped_pool_swaps_victims_and_resumes_them_without_recomputing_a_token
     assert counters.swap_preemptions == counters.preemptions > 0, "the cramped pool must really swap"
     assert counters.recomputed_tokens == 0 and counters.recompute_tokens_avoided > 0
     kv_cache = scheduler.kv_cache
-    # Every block swapped back in went out by a copy, or was found on the host, written through.
-    assert kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host == kv_cache.swapped_in_blocks > 0
+    # Every block that went out by a copy, or was found on the host (written through), came back
+    # by a copy, or was still in the device's prefix cache (no two prompts share a block).
+    num_device_hits = kv_cache.prefix_cache_hits // 4
+    assert kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host == kv_cache.swapped_in_blocks + num_device_hits
+    assert kv_cache.swapped_in_blocks > 0
     assert kv_cache.swap_out_blocks_on_host > 0, "full blocks written through must not be copied out again"
 
 
@@ -121,7 +132,9 @@ def test_the_load_reports_the_host_tier_and_what_swapping_moved():
         run_step(scheduler)
     load = scheduler.load()
     assert load.host_kv_blocks_free == 64
-    assert load.swapped_in_blocks_total == load.swapped_out_blocks_total + scheduler.kv_cache.swap_out_blocks_on_host
+    # Back by a copy, or still in the device's prefix cache (no two prompts share a block).
+    assert (load.swapped_in_blocks_total + scheduler.kv_cache.prefix_cache_hits // 4
+            == load.swapped_out_blocks_total + scheduler.kv_cache.swap_out_blocks_on_host)
     assert load.recompute_tokens_avoided_total == scheduler.counters.recompute_tokens_avoided > 0
     assert make_scheduler().load().host_kv_blocks_total == 0  # no host tier: all zero
 
@@ -172,6 +185,97 @@ def test_aborting_a_request_on_the_host_frees_its_host_blocks():
     expected = reference_outputs(_requests())
     assert {r.request_id: r.output_token_ids for r in others} == {r.request_id: expected[r.request_id] for r in others}
     assert scheduler.kv_cache.num_free_host_blocks == scheduler.kv_cache.num_host_blocks
+
+
+def test_a_resuming_request_is_prefetched_beside_the_step_before_and_its_step_waits_for_no_new_copy():
+    scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
+                               num_host_kv_blocks=64, preemption_mode="swap")
+    requests = _requests()
+    for request in requests:
+        scheduler.add_request(request)
+    simulated = SimulatedKV(4)
+    previous, resumed = None, 0
+    for step in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        prefetched = dict(scheduler.kv_cache.prefetched)
+        avoided = scheduler.counters.recompute_tokens_avoided
+        output = run_step(scheduler)
+        simulated(step, output)
+        for entry in output.scheduled:
+            if entry.request.request_id in prefetched:
+                # Its blocks came in beside the step before; this step copies none of them.
+                record = prefetched[entry.request.request_id]
+                assert entry.is_new and record.step_id == previous.step_id
+                blocks = set(entry.new_block_ids)
+                assert blocks.isdisjoint(device for _, device in output.block_copies.swap_in)
+                assert {device for _, device in previous.block_copies.prefetch} & blocks
+                assert scheduler.counters.recompute_tokens_avoided - avoided >= record.num_start - record.num_hit_tokens > 0
+                resumed += 1
+        previous = output
+    assert resumed > 0 and simulated.num_prefetched == scheduler.kv_cache.prefetched_blocks > 0
+    assert {r.request_id: r.output_token_ids for r in requests} == reference_outputs(_requests())
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks and kv_cache.num_free_host_blocks == 64
+    # Without prefetching the same tokens, every swap-in a copy its own step waits for.
+    unprefetched = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
+                                  num_host_kv_blocks=64, preemption_mode="swap")
+    unprefetched.prefetch_swap_ins = False
+    assert run_to_completion(unprefetched, _requests(), on_step=SimulatedKV(4)) == reference_outputs(_requests())
+    assert unprefetched.kv_cache.prefetched_blocks == 0 and unprefetched.kv_cache.swapped_in_blocks > 0
+
+
+def _prefetch_one(**config):
+    """`a` (31 prompt tokens) runs while `b` (30), preempted by a swap, is prefetched back into
+    the 8 blocks left; returns the scheduler, both requests and the K/V simulation."""
+    scheduler = make_scheduler(**{"block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
+                                  "num_kv_blocks": 17, "num_host_kv_blocks": 64, "preemption_mode": "swap",
+                                  "enable_prefix_caching": False, **config})
+    a, b = make_request("a", list(range(1, 32)), 20), make_request("b", list(range(100, 130)), 12)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    simulated = SimulatedKV(4)
+    simulated(0, run_step(scheduler))  # both prompts: all 16 blocks
+    scheduler._preempt(scheduler.running.index(b))  # as an SLO abort does, between steps
+    simulated(1, run_step(scheduler))
+    assert set(scheduler.kv_cache.prefetched) == {"b"} and scheduler.kv_cache.num_free_blocks == 0
+    return scheduler, a, b, simulated
+
+
+def _finish(scheduler, simulated, first_step):
+    for step in range(first_step, first_step + 200):
+        if not scheduler.has_unfinished_requests():
+            break
+        simulated(step, run_step(scheduler))
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.swapped
+
+
+def test_a_running_request_short_of_a_block_takes_back_a_prefetch_before_preempting_anyone():
+    scheduler, a, b, simulated = _prefetch_one()
+    output = run_step(scheduler)  # a's 33rd token opens a block: b's prefetch gives its 8 back
+    simulated(2, output)
+    assert [entry.request for entry in output.scheduled] == [a]
+    kv_cache = scheduler.kv_cache
+    assert kv_cache.prefetches_cancelled == 1 and scheduler.counters.preemptions == 1  # b's, none since
+    assert not kv_cache.prefetched and "b" in kv_cache.swapped  # still on the host, to resume later
+    _finish(scheduler, simulated, 3)
+    assert {"a": a.output_token_ids, "b": b.output_token_ids} == reference_outputs(
+        [make_request("a", list(range(1, 32)), 20), make_request("b", list(range(100, 130)), 12)])
+
+
+def test_aborting_a_request_mid_prefetch_frees_both_tiers():
+    scheduler, a, b, simulated = _prefetch_one()
+    kv_cache = scheduler.kv_cache
+    held_host = len(kv_cache.swapped["b"].host_blocks)
+    free_host = kv_cache.num_free_host_blocks
+    scheduler.abort_request("b")
+    assert kv_cache.num_free_blocks == 8 and kv_cache.num_free_host_blocks == free_host + held_host
+    assert not kv_cache.prefetched and not kv_cache.swapped
+    scheduler.check_invariants()
+    _finish(scheduler, simulated, 2)
+    assert a.output_token_ids == reference_outputs([make_request("a", list(range(1, 32)), 20)])["a"]
 
 
 def test_a_full_host_pool_falls_back_to_recompute():

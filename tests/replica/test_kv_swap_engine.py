@@ -51,16 +51,23 @@ def roomy():
     return outputs
 
 
-@pytest.mark.parametrize("params, async_scheduling", [(GREEDY, False), (SEEDED, False), (GREEDY, True)],
-                         ids=["greedy", "seeded", "greedy-async"])
-def test_cramped_swap_equals_cramped_recompute_equals_a_roomy_pool(roomy, params, async_scheduling):
+@pytest.mark.parametrize("params, async_scheduling, prefetch",
+                         [(GREEDY, False, False), (SEEDED, False, False), (GREEDY, True, False),
+                          (GREEDY, False, True), (SEEDED, True, True)],
+                         ids=["greedy", "seeded", "greedy-async", "greedy-prefetch", "seeded-async-prefetch"])
+def test_cramped_swap_equals_cramped_recompute_equals_a_roomy_pool(roomy, params, async_scheduling, prefetch):
     # 10 usable blocks of 4 tokens for six requests growing to 19-25 tokens each.
     swap = _engine(11, num_host_kv_blocks=64, preemption_mode="swap", async_scheduling=async_scheduling)
+    # The engine prefetches swap-ins where a copy stream overlaps them (CUDA); the CPU runs the
+    # same copies in the same order, in turn.
+    swap.scheduler.prefetch_swap_ins = prefetch
     recompute = _engine(11, preemption_mode="recompute", async_scheduling=async_scheduling)
     assert swap.generate(_prompts(), params) == recompute.generate(_prompts(), params) == roomy[(params.seed, 0)]
     counters = swap.scheduler.counters
     assert counters.swap_preemptions == counters.preemptions > 0, "the cramped pool must really swap"
     assert swap.scheduler.kv_cache.swapped_in_blocks > 0 and counters.recompute_tokens_avoided > 0
+    prefetched = swap.scheduler.kv_cache.prefetched_blocks
+    assert (prefetched > 0) == prefetch and swap.runner.kv_swap.prefetched_blocks == prefetched
     assert recompute.scheduler.counters.recomputed_tokens > 0 and recompute.scheduler.counters.swap_preemptions == 0
     _check_pools_empty(swap)
     _check_pools_empty(recompute)
