@@ -260,11 +260,16 @@ def test_the_sim_swaps_a_victim_when_swap_is_cheaper_recomputes_when_the_host_is
     full = crowded_replica(bench, 150).run(bench.OURS_AUTO, workload, 100.0)
     num_preempted, num_swapped = preemptions(full)
     assert 0 < num_swapped < num_preempted and 0 < full.recomputed_tokens < recompute.recomputed_tokens
-    # A link 10x slower makes a round trip (~1.7 ms a block) dearer than re-prefill: recompute.
-    slow = crowded_replica(bench, 1000, replace(bench.ASSUMED, swap_bytes_per_s=2.5e9)).run(bench.OURS_AUTO, workload,
-                                                                                           100.0)
+    # A link 10x slower: a block's round trip (~1.7 ms) is dearer than its re-prefill, but a
+    # victim whose blocks were written through copies them only back (~0.84 ms): some swap.
+    slower = crowded_replica(bench, 1000, replace(bench.ASSUMED, swap_bytes_per_s=2.5e9)).run(bench.OURS_AUTO,
+                                                                                             workload, 100.0)
+    assert 0 < preemptions(slower)[1] < preemptions(slower)[0]
+    # 20x slower, even the way back alone (~1.7 ms a block) is dearer: recompute.
+    slow = crowded_replica(bench, 1000, replace(bench.ASSUMED, swap_bytes_per_s=1.25e9)).run(bench.OURS_AUTO, workload,
+                                                                                            100.0)
     assert preemptions(slow)[0] > 0 and preemptions(slow)[1] == 0
-    for stats in (recompute, roomy, full, slow):
+    for stats in (recompute, roomy, full, slower, slow):
         assert stats.computed_tokens == expected + stats.recomputed_tokens
 
 
