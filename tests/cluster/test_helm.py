@@ -232,6 +232,13 @@ def test_serve_autoscales_with_the_headroom_policy_and_kuberay_adds_the_pods(doc
         assert schema.graceful_shutdown_timeout_s == app.args.replicas.drain_timeout_s
 
 
+def test_an_engine_knob_in_the_values_reaches_the_replicas_config():
+    values = {"serve": {"applications": [{"name": "builtin", "import_path": "cluster.app:build_app",
+                                          "args": {"engine": {"stream_interval": 4}}}]}}
+    serve_config = yaml.safe_load(rayservice(render(values))["spec"]["serveConfigV2"])
+    assert load_config(serve_config).applications[0].args.engine.stream_interval == 4
+
+
 def test_worker_metrics_port_defaults_to_the_config_default():
     values = {"serve": {"applications": [{"name": "builtin", "import_path": "cluster.app:build_app", "args": {}}]}}
     assert container_ports(worker_container(rayservice(render(values))))["replica-metrics"] == PortsConfig().metrics
