@@ -4,7 +4,7 @@ process (this one), on the same workloads in one run; prints served / offline.
 
     python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
                                  [--model builtin|DIR] [--device cpu|cuda] [--dtype D] [--num-kv-blocks N]
-                                 [--emulated-device] [--repeat N]
+                                 [--emulated-device] [--repeat N] [--stream-interval N]
 
 Engine: built-in model on the CPU by default, max_model_len 1024, 4,096 blocks, max_num_seqs
 256, budget 2048 (bench/bench_gpu.py runs it on a GPU with a 1.1B checkpoint).
@@ -21,6 +21,11 @@ channel, the core's loop, the client) show as they would beside a GPU; one torch
 --repeat N runs each workload N times on each side (prompts from seeds 0..N-1, so no served
 run hits the prefix cache of an earlier one) and reports the median throughput: a served run
 can lose a lot to one unlucky pause, so single runs are noisy.
+--stream-interval N starts the replica with `--stream-interval N` (EngineConfig.stream_interval:
+the first token of a stream at once, then messages of N tokens); the offline loop has no
+messages. The served ITL is then between tokens as the client reads them: 0 within a message.
+The "CPU ratio" column is the offline engine's CPU seconds over the served side's (core +
+front + client): the comparison that holds when other load moves the wall ratio.
 --grpc-floor also runs a bare grpc.aio Generate server (no engine: it writes a one-token
 GenerateResponse per stream each tick, the tick the served run's ITL p50) to this script's
 client, and prints the CPU per message of that server and client beside the front's and the
@@ -134,7 +139,8 @@ def release_device_memory(device: str) -> None:
 
 
 def start_replica(core_torch_threads: int | None, model: str, device: str,
-                  dtype: str | None, emulated_device: bool = False) -> tuple[subprocess.Popen, str]:
+                  dtype: str | None, emulated_device: bool = False,
+                  stream_interval: int | None = None) -> tuple[subprocess.Popen, str]:
     flags = [(f"--{name.replace('_', '-')}" if value is True else f"--{name.replace('_', '-')}={value}")
              for name, value in ENGINE.items()]
     if emulated_device:
@@ -143,6 +149,8 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
         flags.append(f"--torch-threads={core_torch_threads}")
     if dtype is not None:
         flags.append(f"--dtype={dtype}")
+    if stream_interval is not None:
+        flags.append(f"--stream-interval={stream_interval}")
     # The replica's default model is the real one, so name the offline loop's.
     process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", model, "--port", "0",
                                 "--device", device, *flags],
@@ -242,6 +250,9 @@ def main() -> None:
                         help="runs per workload and side, fresh prompts each; the median is reported (default 1)")
     parser.add_argument("--grpc-floor", action="store_true",
                         help="also time a bare grpc.aio server writing the same messages (gRPC's own CPU)")
+    parser.add_argument("--stream-interval", type=int, default=None,
+                        help="the replica's stream_interval: tokens per message after a stream's first "
+                             "(default: the replica's, 1)")
     parser.add_argument("--serve-grpc-floor", type=float, default=None, help=argparse.SUPPRESS)  # tick, s
     args = parser.parse_args()
     if args.serve_grpc_floor is not None:
@@ -278,7 +289,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
-                                     args.emulated_device)
+                                     args.emulated_device, args.stream_interval)
     try:
         pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
         served = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
@@ -292,9 +303,10 @@ def main() -> None:
     print(f"{args.model} model, {args.device}, {args.dtype or 'checkpoint dtype'}, {os.cpu_count()} cores, torch threads: offline {torch.get_num_threads()}, "
           f"core {args.core_torch_threads or 'default'}; engine {ENGINE}"
           + (f"; emulated device: {emulated_device_ms} ms per step + per token" if args.emulated_device else "")
+          + (f"; stream interval {args.stream_interval}" if args.stream_interval is not None else "")
           + (f"; median of {args.repeat} runs" if args.repeat > 1 else ""))
     print(f"{'streams x tokens':>17}{'offline tok/s':>15}{'served tok/s':>14}{'served/offline':>16}"
-          f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}{'tokens/msg':>11}"
+          f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}{'tokens/msg':>11}{'CPU ratio':>10}"
           f"   CPU s: offline engine | core, front, client")
     verdicts = []
     for key in workloads:
@@ -305,7 +317,8 @@ def main() -> None:
         print(f"{f'{key[0]} x {key[1]}':>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
               f"{f'{percentile(base.itl_ms, 0.5):.0f} / {step_p99:.0f}':>17}"
               f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}"
-              f"{key[0] * key[1] / max(ours.messages, 1):>11.1f}   {base.cpu_s['engine']:.2f} | "
+              f"{key[0] * key[1] / max(ours.messages, 1):>11.1f}"
+              f"{base.cpu_s['engine'] / max(sum(ours.cpu_s.values()), 1e-9):>10.2f}   {base.cpu_s['engine']:.2f} | "
               + ", ".join(f"{ours.cpu_s[name]:.2f}" for name in ("core", "front", "client"))
               + (f"   runs served/offline: {' '.join(f'{rate / base.tokens_per_s:.2f}' for rate in served_rates)}"
                  if args.repeat > 1 else ""))
