@@ -76,13 +76,27 @@ class PriorityQueue:
 class SLOQueue:
     """Most urgent first (replica.core.slo.urgency), ties by arrival. Urgency moves with the clock,
     so the order is recomputed by `reorder()`, once per step: O(n log n) over the waiting
-    requests, which is cheap next to a forward pass."""
+    requests, which is cheap next to a forward pass.
 
-    def __init__(self, urgency_of: Callable[[Request, float], float], clock: Callable[[], float]):
+    Doomed requests sink below every rescuable one, so under a sustained overload they wait
+    for as long as rescuable ones keep arriving. The bound (`doomed_wait_factor`, off when
+    None): a request that has waited that many times its TTFT SLO since it arrived is overdue,
+    and the oldest overdue request goes first, ahead of rescuable ones, for at most
+    `doomed_share` of the admissions (each admission earns that share of a credit, at most one
+    banked, and an overdue request that goes first spends one), so the rescuable ones keep the
+    rest.
+    """
+
+    def __init__(self, urgency_of: Callable[[Request, float], float], clock: Callable[[], float],
+                 doomed_wait_factor: Optional[float] = None, doomed_share: float = 1.0):
         self._urgency_of = urgency_of
         self._clock = clock
         self._requests: list[Request] = []
         self._sorted = True
+        self._doomed_wait_factor = doomed_wait_factor
+        self._doomed_share = doomed_share
+        self._credit = 1.0  # overdue requests that may go first now (each costs 1)
+        self._promoted: Optional[Request] = None  # the overdue request put first by the last ordering
 
     def add(self, request: Request) -> None:
         self._requests.append(request)
@@ -93,10 +107,23 @@ class SLOQueue:
     def reorder(self) -> None:
         self._sorted = False
 
+    def _overdue(self, request: Request, now: float) -> bool:
+        deadline = request.ttft_deadline
+        return (deadline is not None and request.num_output_tokens == 0
+                and now - request.arrival_time >= self._doomed_wait_factor * (deadline - request.arrival_time))
+
     def _ordered(self) -> list[Request]:
         if not self._sorted:
             now = self._clock()
             self._requests.sort(key=lambda r: (-self._urgency_of(r, now), r.arrival_time))
+            self._promoted = None
+            if self._doomed_wait_factor is not None and self._credit >= 1.0:
+                oldest = min((r for r in self._requests if self._overdue(r, now)),
+                             key=lambda r: r.arrival_time, default=None)
+                if oldest is not None:
+                    self._requests.remove(oldest)
+                    self._requests.insert(0, oldest)
+                    self._promoted = oldest
             self._sorted = True
         return self._requests
 
@@ -104,10 +131,24 @@ class SLOQueue:
         return self._ordered()[0]
 
     def pop(self) -> Request:
-        return self._ordered().pop(0)
+        request = self._ordered().pop(0)
+        if self._doomed_wait_factor is not None:
+            had_credit = self._credit >= 1.0
+            self._credit += self._doomed_share
+            if request is self._promoted:
+                self._credit -= 1.0
+                self._promoted = None
+                self._sorted = False  # the next overdue one, if its credit is there
+            self._credit = min(self._credit, 1.0)
+            if self._credit >= 1.0 and not had_credit:
+                self._sorted = False  # an overdue one may go first again
+        return request
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
+        if request is self._promoted:
+            self._promoted = None
+            self._sorted = False
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -117,8 +158,10 @@ class SLOQueue:
 
 
 def make_waiting_queue(policy: str, urgency_of: Optional[Callable[[Request, float], float]] = None,
-                       clock: Optional[Callable[[], float]] = None):
-    """urgency_of(request, now) and clock: required for the "slo" policy."""
+                       clock: Optional[Callable[[], float]] = None, doomed_wait_factor: Optional[float] = None,
+                       doomed_share: float = 1.0):
+    """urgency_of(request, now) and clock: required for the "slo" policy; the doomed bound is
+    its (SLOQueue)."""
     if policy == "slo":
-        return SLOQueue(urgency_of, clock)
+        return SLOQueue(urgency_of, clock, doomed_wait_factor, doomed_share)
     return PriorityQueue() if policy == "priority" else FCFSQueue()

@@ -119,7 +119,8 @@ class Scheduler:
         # copies cannot overlap a forward pass (the CPU) the engine turns this off.
         self.prefetch_swap_ins = True
         self.ttft_predictor = TTFTPredictor.from_config(config)
-        self.waiting = make_waiting_queue(config.scheduling_policy, self._urgency, clock)
+        self.waiting = make_waiting_queue(config.scheduling_policy, self._urgency, clock,
+                                          config.slo_doomed_wait_factor, config.slo_doomed_share)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]

@@ -101,6 +101,39 @@ def test_a_waiters_urgency_counts_its_prompt_net_of_the_prefix_it_found_cached()
     assert [view.num_tokens_to_compute for view in scheduler.slo_snapshot(SchedulerOutput(1, [], 0, [], [])).waiters] == [2, 2]
 
 
+def test_a_doomed_waiter_overdue_by_the_bound_goes_first_for_its_share_of_admissions():
+    # "old" (SLO 100 ms) is doomed at 0.15 s; rescuable arrivals keep coming. Unbounded, it waits
+    # behind every one of them; with slo_doomed_wait_factor 2 it is overdue once it has waited
+    # 0.2 s and goes first, the oldest overdue first, for at most half the admissions (share 0.5).
+    def fill(scheduler: Scheduler, clock: FakeClock) -> None:
+        scheduler.add_request(make_request("old", [1, 2], arrival_time=0.0, ttft_deadline=0.1))
+        scheduler.add_request(make_request("older", [1, 2], arrival_time=-0.01, ttft_deadline=0.09))
+        clock.now = 0.15
+        for i, name in enumerate(("a", "b", "c")):
+            scheduler.add_request(make_request(name, [3, 4], arrival_time=0.15, ttft_deadline=1.0 + i))
+
+    def order(scheduler: Scheduler) -> list[str]:
+        scheduler.waiting.reorder()
+        return [r.request_id for r in scheduler.waiting]
+
+    clock = FakeClock(0.0)
+    unbounded = slo_scheduler(clock, slo_predictor_base_ms=50.0)
+    fill(unbounded, clock)
+    clock.now = 0.3
+    assert unbounded.config.slo_doomed_wait_factor is None  # off unless the operator sets it
+    assert order(unbounded) == ["a", "b", "c", "older", "old"]
+
+    clock = FakeClock(0.0)
+    bounded = slo_scheduler(clock, slo_predictor_base_ms=50.0, slo_doomed_wait_factor=2.0, slo_doomed_share=0.5)
+    fill(bounded, clock)
+    assert order(bounded) == ["a", "b", "c", "older", "old"]  # waited 0.15 s of the 0.2 s bound
+    clock.now = 0.3
+    assert order(bounded) == ["older", "a", "b", "c", "old"]
+    admitted = [bounded.waiting.pop().request_id for _ in range(5)]
+    # older (its credit), then a rescuable one earns half a credit each: old after a.
+    assert admitted == ["older", "a", "old", "b", "c"]
+
+
 def test_default_ttft_slo_sets_the_deadline_and_an_explicit_one_wins():
     scheduler = slo_scheduler(FakeClock(), default_ttft_slo_ms=300.0)
     plain = make_request("plain", [1, 2], arrival_time=5.0)
