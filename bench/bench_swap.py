@@ -111,8 +111,10 @@ def run(engine, requests, profile: StepProfile | None = None) -> dict:
 
     counters = engine.scheduler.counters
     kv_cache = engine.scheduler.kv_cache
+    kv_swap = engine.runner.kv_swap
     before = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
-              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens)
+              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens,
+              kv_swap.runs if kv_swap is not None else 0)
     handles = []
     start, start_cpu = time.perf_counter(), time.process_time()
     for index, (prompt, num_out) in enumerate(requests):
@@ -130,14 +132,16 @@ def run(engine, requests, profile: StepProfile | None = None) -> dict:
             profile.recorder.on_step(engine, (profile.clock() - step_start) * 1000)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
-             counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens)
-    preemptions, swaps, recomputed, avoided, swapped_out, computed = (b - a for a, b in zip(before, after))
+             counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens,
+             kv_swap.runs if kv_swap is not None else 0)
+    preemptions, swaps, recomputed, avoided, swapped_out, computed, runs = (b - a for a, b in zip(before, after))
     engine.scheduler.check_invariants()
     assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
     assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
     num_tokens = sum(n for _, n in requests)
     return dict(tokens_per_s=num_tokens / elapsed, tokens_per_cpu_s=num_tokens / cpu, elapsed=elapsed, preemptions=preemptions,
                 swaps=swaps, recomputed=recomputed, avoided=avoided, swapped_out_blocks=swapped_out, computed=computed,
+                runs=runs,
                 outputs=[list(r.output_token_ids) for r in handles],
                 steps=profile.samples[num_samples:] if profile is not None else [],
                 copy_s=profile.copy_s - copy_s if profile is not None else 0.0)
@@ -160,6 +164,14 @@ def multiturn(args, model: str) -> None:
         config = make_engine_config(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_model_len=longest,
                                     max_num_seqs=4, max_num_batched_tokens=512, **host)
         engine = LLMEngine(config, model, device="cpu", dtype="float32")
+        kv_swap = engine.runner.kv_swap
+
+        def link() -> tuple[int, int]:  # (blocks copied, copies issued) so far
+            if kv_swap is None:
+                return 0, 0
+            return kv_swap.written_through_blocks + kv_swap.swapped_in_blocks + kv_swap.swapped_out_blocks, kv_swap.runs
+
+        link_at_start = link()  # the start-up measurement's copies
         conversation = [list(history) for history in histories]
         ttfts, outputs = [], []
         start = time.perf_counter()
@@ -178,6 +190,9 @@ def multiturn(args, model: str) -> None:
                 conversation[user] += request.output_token_ids
                 outputs.append(list(request.output_token_ids))
         kv_cache = engine.scheduler.kv_cache
+        # The blocks copied over the link against the copies issued (one per run of consecutive host blocks).
+        blocks, copies = (now - start for now, start in zip(link(), link_at_start))
+        links = f"; {blocks} blocks copied in {copies} copies" if kv_swap is not None else ""
         results[name] = dict(hits=kv_cache.prefix_cache_hits, queries=kv_cache.prefix_cache_queries,
                              host_hits=kv_cache.host_hit_blocks * BLOCK_SIZE, outputs=outputs,
                              written_through=kv_cache.spilled_blocks,
@@ -187,7 +202,7 @@ def multiturn(args, model: str) -> None:
               f"({results[name]['host_hits']} from the host tier), TTFT p90 {results[name]['ttft_p90'] * 1e3:7.1f} ms, "
               f"{results[name]['elapsed']:.1f} s" + (f"; blocks written through to the host {results[name]['written_through']}, "
                                                    f"evicted from the device with no host copy "
-                                                   f"{results[name]['forgotten']}" if host else ""))
+                                                   f"{results[name]['forgotten']}" if host else "") + links)
     assert results["device only"]["outputs"] == results["host tier"]["outputs"], "greedy tokens differ"
     hits, device_hits = results["host tier"]["hits"], results["device only"]["hits"]
     met = hits >= 1.3 * device_hits and hits > 0
@@ -270,7 +285,8 @@ def preemption(args, model: str) -> None:
                   f"{result['elapsed']:6.1f} s  "
                   f"preemptions {result['preemptions']:4d} (swapped {result['swaps']:4d})  recomputed tokens "
                   f"{result['recomputed']:6d}  avoided {result['avoided']:6d}  blocks swapped out "
-                  f"{result['swapped_out_blocks']:5d}  tokens computed {result['computed']:6d}")
+                  f"{result['swapped_out_blocks']:5d}  tokens computed {result['computed']:6d}  copies over the link "
+                  f"{result['runs']:4d}")
     assert all(r["outputs"] == results["recompute"][0]["outputs"] for rs in results.values() for r in rs), \
         "greedy tokens differ between the modes"
     recomputed = {mode: statistics.median(r["recomputed"] for r in rs) for mode, rs in results.items()}
