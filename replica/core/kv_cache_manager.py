@@ -484,6 +484,10 @@ class KVCacheManager:
         self.swapped_in_blocks += len(copies)
         return len(copies)
 
+    def num_swap_in_copies(self, request: Request, num_hit_blocks: int) -> int:
+        """Blocks a swapped-out request's resumption would copy back past its device hits."""
+        return max(0, len(self.swapped[request.request_id].host_blocks) - num_hit_blocks)
+
     def prefetch_swap_in(self, request: Request, num_hit_blocks: int, num_start: int, num_hit_tokens: int,
                          step_id: int) -> int:
         """Plan the copies that bring a swapped-out request's KV back into the device blocks

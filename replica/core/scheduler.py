@@ -363,6 +363,7 @@ class Scheduler:
                 )
 
             if (num_restored and prefetched is None and scheduled and self.prefetch_swap_ins
+                    and kv_cache.num_swap_in_copies(request, len(hit_blocks))
                     and kv_cache.can_allocate(request, num_new_tokens, hit_blocks, num_start,
                                               reserved_blocks=watermark_blocks + growth_blocks,
                                               num_tokens_to_fit=(request.num_tokens + own_growth

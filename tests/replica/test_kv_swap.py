@@ -209,7 +209,7 @@ def test_a_resuming_request_is_prefetched_beside_the_step_before_and_its_step_wa
                 assert entry.is_new and record.step_id == previous.step_id
                 blocks = set(entry.new_block_ids)
                 assert blocks.isdisjoint(device for _, device in output.block_copies.swap_in)
-                assert {device for _, device in previous.block_copies.prefetch} & blocks
+                assert {device for _, device in previous.block_copies.prefetch} & blocks, "a prefetch copies something"
                 assert scheduler.counters.recompute_tokens_avoided - avoided >= record.num_start - record.num_hit_tokens > 0
                 resumed += 1
         previous = output
