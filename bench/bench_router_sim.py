@@ -1055,8 +1055,9 @@ def run_swap(setup: Setup, out, runner: Runner) -> dict[tuple[str, float, str], 
           f"{costs.recompute_s_per_token * 1e3:.4f} ms per token ({costs.recompute_s_per_token * 1e3 * config.block_size:.3f} "
           f"ms per block), a block's copy {costs.swap_s_per_block * 1e3:.4f} ms each way "
           f"({cost.kv_block_bytes(config.block_size) / 2**20:.3g} MiB at {cost.swap_bytes_per_s / 1e9:.3g} GB/s): "
-          f"swaps and host hits charged before the step that needs them, the prefix cache's write-throughs on the "
-          f"link beside the step (a step waits for them only where they outlast the one before). Goodput: TTFT <= {TTFT_SLO_S} s and TPOT <= "
+          f"swaps and host hits charged before the step that needs them, the prefix cache's write-throughs and the "
+          f"swap-ins prefetched a step ahead on the link beside the step (a step waits for them only where they "
+          f"outlast the one before). Goodput: TTFT <= {TTFT_SLO_S} s and TPOT <= "
           f"{TPOT_SLO_S * 1000:.0f} ms.", file=out)
     for name in names:
         calibration = setup.calibrations[name]
