@@ -12,7 +12,11 @@ freed without a host copy (the host evicted it while the device held the block) 
 through again, the same way. A block the device evicts with no copy on the host (in the step
 right after it was filled or freed) is forgotten, as without a host tier, rather than copied
 in a step that would wait for the copy. A swap-out takes the host copies that are there
-instead of copying those blocks again.
+instead of copying those blocks again. A swapped-out request about to resume may be
+prefetched: its device blocks taken a step early and its copy-in run beside that step's
+forward pass (prefetch_swap_in); it holds both tiers' blocks until it resumes
+(admit_prefetched), gives the device blocks back if it does not (cancel_prefetches), and an
+abort frees both.
 """
 
 from __future__ import annotations
