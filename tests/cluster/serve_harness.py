@@ -48,30 +48,65 @@ def enable_local_ray() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-@contextlib.contextmanager
-def local_ray(config: ServeAppsConfig, num_cpus: int = 3):
-    """Ray started as `headroom serve` starts it, for `config` (its endpoints on loopback);
-    yields that config, and shuts Serve and Ray down on exit."""
+# The live modules share one Ray (marked `shared_ray`; tests/conftest.py runs them one after
+# another and shuts it down after the last): each shuts Serve down when it ends, and the next
+# keeps the Ray if it would have started it the same way. A Ray start-up and shut-down costs
+# ~5 s on two quiet cores (11 s and 2 s at load 8). Ray's CPUs are a scheduling count, not
+# cores: every module gets the same 4, enough for two applications' replicas at once.
+SHARED_RAY_CPUS = 4
+_shared_ray_started_with: Optional[frozenset] = None
+
+
+def _ray_environment() -> frozenset:
+    """What Ray's processes inherit from this one that a module may set: Ray's, ours, OpenMP's."""
+    return frozenset((name, value) for name, value in os.environ.items()
+                     if name.startswith(("RAY_", "HEADROOM_", "OMP_", "GOMP_", "KMP_")))
+
+
+def shared_ray() -> None:
+    """Ray for a live module, started as `headroom serve` starts it: the one already running if
+    it was started with this environment, else a fresh one (set the environment first)."""
     import ray
+
+    global _shared_ray_started_with
+    enable_local_ray()
+    environment = _ray_environment()
+    if ray.is_initialized() and _shared_ray_started_with != environment:
+        ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, num_cpus=SHARED_RAY_CPUS, log_to_driver=False)
+        _shared_ray_started_with = environment
+
+
+def release_shared_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_ray(config: ServeAppsConfig):
+    """Ray as `headroom serve` starts it for `config` (its endpoints on loopback), the module's
+    shared one where it can be; yields that config, and shuts Serve down on exit."""
     from ray import serve
 
-    from cluster.serve_command import init_local_ray, with_local_binds
+    from cluster.serve_command import set_ray_environment, with_local_binds
 
     config = with_local_binds(config)
-    init_local_ray(config, num_cpus, log_to_driver=False)
+    set_ray_environment(config)
+    shared_ray()
     try:
         yield config
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 @contextlib.contextmanager
-def local_cluster(config: ServeAppsConfig, num_cpus: int = 3):
+def local_cluster(config: ServeAppsConfig):
     """Ray and the applications as `headroom serve` starts them, torn down on exit."""
     from cluster.serve_command import start_applications
 
-    with local_ray(config, num_cpus) as config:
+    with local_ray(config) as config:
         start_applications(config)
         yield config
 

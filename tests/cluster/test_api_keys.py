@@ -55,7 +55,7 @@ from tests.cluster.serve_harness import (  # noqa: E402
 from tests.cluster.tls_harness import TLSTerminatingProxy, self_signed_certificate  # noqa: E402
 from tests.replica.replica_harness import reflect  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 BASE_PORT = 29500  # HTTP; gRPC +1, replica metrics +10, router metrics +20 (away from the other live modules)
 # Fresh and distinctive on every run, so that finding one in the logs means this run leaked it.

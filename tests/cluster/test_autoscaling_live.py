@@ -42,7 +42,7 @@ import grpc  # noqa: E402
 
 # The module's one test starts Ray and two applications, runs the ramp twice and shuts them
 # down: ~5 minutes on two quiet cores, over 10 on a loaded machine (the timeout counts all).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 # 894 usable blocks of 16 = 14,304 tokens per replica. A stream commits its whole length
 # (optimistic admission counts its growth to max_tokens) and its prompt ("ramp 10": 7 tokens),
@@ -108,8 +108,9 @@ CONFIG = autoscaled_config()
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Two replicas of one application and one of the other at most at once, and a CPU to spare.
-    with local_cluster(CONFIG, num_cpus=4) as config:
+    # Two replicas of one application and one of the other at most at once (the shared Ray's 4
+    # CPUs: a CPU to spare).
+    with local_cluster(CONFIG) as config:
         yield config
 
 

@@ -35,7 +35,7 @@ from tests.cluster.serve_harness import (  # noqa: E402
     stream_generate,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 CONFIG = small_config(28400)
 HTTP = http_base(CONFIG)

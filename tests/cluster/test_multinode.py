@@ -20,7 +20,7 @@ from cluster import status_command  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME  # noqa: E402
 from cluster.serve_command import start_applications  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
-    APP_NAME, enable_local_ray, generate_request, grpc_target, small_config, stream_generate,
+    APP_NAME, enable_local_ray, generate_request, release_shared_ray, grpc_target, small_config, stream_generate,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,6 +33,7 @@ CONFIG = small_config(28500, num_cpus=CPUS_PER_NODE, proxy_location="HeadOnly")
 
 @pytest.fixture(scope="module")
 def cluster():
+    release_shared_ray()  # a Ray of its own, two nodes
     enable_local_ray()
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": CPUS_PER_NODE})
     try:

@@ -46,7 +46,7 @@ from tests.cluster.serve_harness import (  # noqa: E402
 from tests.cluster.test_dashboard import alert_expressions, dashboard_queries, metric_names  # noqa: E402
 from tests.replica.replica_harness import reflect  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 # A small KV pool (47 usable blocks of 16 per replica) so that the load run really preempts,
 # and no prefix cache to serve a preempted request's blocks back: it recomputes them, so

@@ -23,9 +23,9 @@ from protos.block_hash import block_hashes  # noqa: E402
 from replica.core.request import SamplingParams  # noqa: E402
 from replica.core.structured_output import StructuredOutput  # noqa: E402
 from router.headroom_router import HeadroomRouter  # noqa: E402
-from tests.cluster.serve_harness import generate_on_replica  # noqa: E402
+from tests.cluster.serve_harness import generate_on_replica, shared_ray  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 APP_NAME = "prefix"
 BLOCK_SIZE = 16
@@ -47,8 +47,7 @@ def shared_prefix_request(suffix: int, structured_output: Optional[StructuredOut
 
 @pytest.fixture(scope="module")
 def handle():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False)
+    shared_ray()
     try:
         serve.start(proxy_location="Disabled")
         config = ClusterConfig.model_validate({
@@ -63,7 +62,6 @@ def handle():
         yield serve.run(build_llm_replica(config), name=APP_NAME, route_prefix=None)
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def router_of(handle) -> HeadroomRouter:

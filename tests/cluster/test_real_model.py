@@ -21,7 +21,7 @@ from protos import headroom_pb2 as pb  # noqa: E402
 from replica.model.registry import DEFAULT_MODEL_NAME  # noqa: E402
 from tests.cluster.serve_harness import grpc_target, http_base, local_cluster, small_config, stream_generate  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 MODEL = DEFAULT_MODEL_NAME
 # One replica: the point is the real model through every hop, not routing between replicas.

@@ -37,7 +37,7 @@ from tests.cluster.serve_harness import (  # noqa: E402
     stream_generate,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 # Two requests run per replica and the rest queue: a kill then finds both kinds on its victim.
 CONFIG = small_config(28600, engine={"max_num_seqs": 2})

@@ -18,7 +18,7 @@ from tests.cluster.test_replica_failure import (  # noqa: E402
 )
 from tests.replica.test_tensor_parallel import process_gone, tp_worker_pids  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 # Half a CPU per rank: each two-rank replica reserves one of the local cluster's three.
 CONFIG = small_config(28900, engine={"max_num_seqs": 2, "tensor_parallel_size": 2}, num_cpus=0.5)

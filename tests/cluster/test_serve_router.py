@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import time
 import urllib.request
 
@@ -21,8 +20,9 @@ from cluster.config import ClusterConfig  # noqa: E402
 from cluster.deployment import DEPLOYMENT_NAME, GenerationRequest, build_llm_replica, generate_stream  # noqa: E402
 from replica.core.request import SamplingParams  # noqa: E402
 from router.headroom_router import HeadroomRouter  # noqa: E402
+from tests.cluster.serve_harness import shared_ray  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.shared_ray]  # Ray: serve_harness.shared_ray
 
 APP_NAME = "llm"
 BLOCK_SIZE = 16
@@ -43,8 +43,7 @@ REQUEST = GenerationRequest(
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False)
+    shared_ray()
     try:
         serve.start(proxy_location="Disabled")
         config = ClusterConfig.model_validate(
@@ -70,7 +69,6 @@ def cluster():
         yield handle
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def router_of(handle) -> HeadroomRouter:
