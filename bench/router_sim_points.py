@@ -9,8 +9,11 @@ overload figure (issue 27) without a whole capacity search.
         [--variant 'no holds={"engine": {"admission_max_hold_ms": 1}}'] [--requests 400] [--jobs 2]
 
 Runs are bench_router_sim.py's ClusterSim (each replica a real Scheduler), requests per run as
-its capacity section (--capacity-requests), virtual time: the figures do not depend on the
-machine's load.
+its capacity section (--capacity-requests), or with --full-workload its fixed-load tables'
+workload (--requests per run): with --bound 2 (the tables' TTFT SLO) and 1,000 requests, the
+never-worse-than-pow2 p99 check (--policies headroom,pow2 at 120% of the calibrated rate) and
+the staleness check (--policies 'headroom,headroom (stats 500 ms late)'). Virtual time: the
+figures do not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import bench_router_sim as sim  # noqa: E402
 MAKE_POLICY = sim.make_policy  # before any run replaces it with one that adds its variant's knobs
 
 FIELDS = (("goodput req/s", "goodput_rps", "{:.2f}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
-          ("TTFT p90 s", "ttft_p90_s", "{:.3f}"), ("preempt/1k", "preemptions_per_1k", "{:.1f}"),
+          ("TTFT p90 s", "ttft_p90_s", "{:.3f}"), ("TTFT p99 s", "ttft_p99_s", "{:.3f}"),
+          ("preempt/1k", "preemptions_per_1k", "{:.1f}"),
           ("prefix hit", "prefix_hit_rate", "{:.3f}"), ("spills/1k", "spills_per_1k", "{:.1f}"))
 
 
@@ -46,18 +50,18 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def run_one(job: tuple) -> tuple:
-    """One run: (label, variant, workload, seed, rate, bound, requests) -> (label, rate, seed, RunStats)."""
-    label, variant, workload, seed, rate, bound, requests = job
+    """One run: (label, variant, workload, seed, rate, bound, requests, full) -> (label, rate, seed, RunStats)."""
+    label, variant, workload, seed, rate, bound, requests, full = job
     knobs = variant.get("knobs", {})
 
     def with_knobs(name, rng=None, **more):
         return MAKE_POLICY(name, rng, **(knobs if name == sim.OURS else {}), **more)
 
     sim.make_policy = with_knobs  # this process's runs only (each job sets its own)
-    args = sim.parse_args(["--capacity-requests", str(requests)])
+    args = sim.parse_args(["--requests" if full else "--capacity-requests", str(requests)])
     config = sim.engine_config(args.num_kv_blocks).model_copy(update=variant.get("engine", {}))
     setup = sim.Setup(args, config, args.cost)
-    stats = setup.sim(seed).run(variant.get("policy", sim.OURS), setup.workload(workload, seed, capacity=True),
+    stats = setup.sim(seed).run(variant.get("policy", sim.OURS), setup.workload(workload, seed, capacity=not full),
                                 rate, ttft_slo_s=bound)
     return label, rate, seed, stats
 
@@ -72,6 +76,10 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                         help='ours with {"knobs": {...}} (HeadroomPolicy) and/or {"engine": {...}} (EngineConfig)')
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--full-workload", action="store_true",
+                        help="the fixed-load tables' workload (--requests per run, long_output 40%%) instead of the "
+                             "capacity section's; with --bound 2 and 1,000 requests, the never-worse-than-pow2 and "
+                             "staleness checks")
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args(argv)
     first, _, last = args.seeds.partition("-")
@@ -79,17 +87,18 @@ def main(argv=None) -> None:
     rates = [float(rate) for rate in args.rates.split(",")]
     runs = {name: {"policy": name} for name in args.policies.split(",")}
     for name in runs:
-        if name not in sim.POLICY_NAMES and name != sim.OPTIMISTIC_OURS:
+        if name not in sim.POLICY_NAMES and name not in (sim.OPTIMISTIC_OURS, sim.LATE_STATS):
             raise SystemExit(f"--policies: unknown {name!r}; expected some of {', '.join(sim.POLICY_NAMES)}")
     runs.update(parse_variant(text) for text in args.variant)
-    jobs = [(label, variant, args.workload, seed, rate, args.bound, args.requests)
+    jobs = [(label, variant, args.workload, seed, rate, args.bound, args.requests, args.full_workload)
             for rate in rates for label, variant in runs.items() for seed in seeds]
     results: dict = {}
     with ProcessPoolExecutor(args.jobs) as pool:
         for label, rate, seed, stats in pool.map(run_one, jobs):
             results.setdefault((rate, label), []).append(stats)
     print(f"{args.workload}, P90 TTFT bound {args.bound} s, seeds {seeds.start}-{seeds.stop - 1}, "
-          f"{args.requests} requests per run (means; goodput per seed in brackets)")
+          f"{args.requests} requests per run{' (the tables workload)' if args.full_workload else ''} "
+          "(means; goodput per seed in brackets)")
     print("| rate req/s | policy | " + " | ".join(header for header, _, _ in FIELDS) + " | goodput vs best baseline |")
     print("|---" * (3 + len(FIELDS)) + "|")
     for rate in rates:

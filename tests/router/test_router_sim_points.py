@@ -30,3 +30,13 @@ def test_a_variant_that_is_not_label_equals_json_is_a_clear_error():
     done = run("--rates", "4", "--bound", "2", "--variant", "pinned={knobs}")
     assert done.returncode != 0
     assert "--variant: 'pinned' is not LABEL=JSON" in done.stderr.strip().splitlines()[-1]
+
+
+def test_the_full_workload_runs_the_stale_stats_policy_and_prints_the_p99():
+    done = run("--workload", "chat", "--rates", "4", "--bound", "2", "--seeds", "0", "--requests", "30",
+               "--jobs", "1", "--full-workload", "--policies", "headroom,headroom (stats 500 ms late),pow2")
+    assert done.returncode == 0, done.stderr
+    assert "TTFT p99 s" in done.stdout and "(the tables workload)" in done.stdout
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| 4 |")]
+    assert [row[1] for row in rows] == ["headroom", "headroom (stats 500 ms late)", "pow2"]
+    assert all(float(row[5]) >= float(row[4]) > 0 for row in rows)  # p99 >= p90, both measured
