@@ -7,11 +7,14 @@ like the host cache: device -> host gathers the device blocks into it (one gathe
 and key/value, in the order of their host blocks) and then copies it out in one copy per run
 of consecutive host block ids, straight into the (pinned, on CUDA) host blocks; host -> device
 copies each run of host blocks into it and scatters it into the device blocks (one
-index_copy_ per layer and key/value). The host pool hands its blocks out in the order they
-were freed, so a step's blocks are mostly one run: one copy per direction per step (`runs`
-counts them). No host-side bounce buffer: a copy through one would cost the CPU a memcpy of
-every byte on top of the link's, where a run's copy is the DMA engine's alone. The CPU path
-is the same code, its copies plain tensor ops done when `copy` returns.
+index_copy_ per layer and key/value). One copy per direction per step where the step's host
+blocks are consecutive; the host pool hands them out in its LRU order, so in practice runs
+average 2.5-4.5 blocks (`runs` counts the copies: the router simulation's mixed_long at 100%,
+write-throughs 2.9 blocks a copy, swap-outs 4.1, prefetches 2.5; bench_swap's multi-turn run
+4.5). No host-side bounce buffer, which would make every step one copy each way: a copy
+through one costs the CPU a memcpy of every byte on top of the link's, where a run's copy is
+the DMA engine's alone. The CPU path is the same code, its copies plain tensor ops done when
+`copy` returns.
 
 On CUDA the copies run on a stream of their own: they start once the compute stream has
 queued everything before them (the steps that wrote the blocks swapped out, or still read
