@@ -160,13 +160,19 @@ def test_a_swapped_request_whose_prefix_blocks_were_shared_resumes_on_the_device
     assert 0 < kv_cache.swapped_in_blocks < kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host
 
 
-def test_aborting_a_request_on_the_host_frees_its_host_blocks():
+def _cramped_swapping_scheduler():
+    """A pool of 16 usable blocks of 4 under _requests(), swapping to a roomy host tier: the
+    scheduler (requests added), the requests and the K/V simulation its steps run on."""
     scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
                                num_host_kv_blocks=64, preemption_mode="swap")
     requests = _requests()
     for request in requests:
         scheduler.add_request(request)
-    simulated = SimulatedKV(4)
+    return scheduler, requests, SimulatedKV(4)
+
+
+def test_aborting_a_request_on_the_host_frees_its_host_blocks():
+    scheduler, requests, simulated = _cramped_swapping_scheduler()
     step = 0
     while not scheduler.kv_cache.swapped:
         simulated(step, run_step(scheduler))
@@ -188,12 +194,7 @@ def test_aborting_a_request_on_the_host_frees_its_host_blocks():
 
 
 def test_a_resuming_request_is_prefetched_beside_the_step_before_and_its_step_waits_for_no_new_copy():
-    scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
-                               num_host_kv_blocks=64, preemption_mode="swap")
-    requests = _requests()
-    for request in requests:
-        scheduler.add_request(request)
-    simulated = SimulatedKV(4)
+    scheduler, requests, simulated = _cramped_swapping_scheduler()
     previous, resumed = None, 0
     for step in range(500):
         if not scheduler.has_unfinished_requests():
