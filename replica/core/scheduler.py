@@ -16,7 +16,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from replica.core.admission import GrowthLedger
 from replica.config import EngineConfig
@@ -353,21 +353,19 @@ class Scheduler:
                 growth_blocks = growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
                 own_growth = growth.final_tokens(request) - request.num_tokens
 
+            def room(share: float) -> dict[str, Any]:
+                """What must stay free beside it: this share of the growth reserve (none: the
+                optimistic check)."""
+                return dict(reserved_blocks=watermark_blocks + int(growth_blocks * share),
+                            num_tokens_to_fit=request.num_tokens + int(own_growth * share)
+                            if growth.reserves_growth and share > 0 else optimistic_fit)
+
             def allocate(share: float) -> Optional[list]:
-                """With this share of the growth reserve left free (none: the optimistic check)."""
-                return kv_cache.allocate_slots(
-                    request, num_new_tokens, hit_blocks, num_start,
-                    reserved_blocks=watermark_blocks + int(growth_blocks * share),
-                    num_tokens_to_fit=request.num_tokens + int(own_growth * share)
-                    if growth.reserves_growth and share > 0 else optimistic_fit,
-                )
+                return kv_cache.allocate_slots(request, num_new_tokens, hit_blocks, num_start, **room(share))
 
             if (num_restored and prefetched is None and scheduled and self.prefetch_swap_ins
                     and kv_cache.num_swap_in_copies(request, len(hit_blocks))
-                    and kv_cache.can_allocate(request, num_new_tokens, hit_blocks, num_start,
-                                              reserved_blocks=watermark_blocks + growth_blocks,
-                                              num_tokens_to_fit=(request.num_tokens + own_growth
-                                                                 if growth.reserves_growth else optimistic_fit))):
+                    and kv_cache.can_allocate(request, num_new_tokens, hit_blocks, num_start, **room(1.0))):
                 # It fits now and this step has a forward pass to overlap: its copy-in runs
                 # beside it and it resumes next step, first in line (nothing overtakes it).
                 kv_cache.allocate_slots(request, 0, hit_blocks, num_start)
