@@ -71,6 +71,11 @@ class KVCacheManager:
         self._host_blocks_read: list[KVBlock] = []
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        # Steps whose forward pass waited for copies planned in the step itself (swap-outs,
+        # swap-ins not prefetched, host prefix hits: BlockCopies.swap_out and swap_in), and
+        # those blocks; what the prefetch and the write-through take off the step's path.
+        self.copy_wait_steps = 0
+        self.copy_wait_blocks = 0
         # The spilling prefix cache: every full cached block is written through to the host
         # tier (keeping its hash) the step after it was filled, and again when it is freed
         # without one; a prefix hit there is copied back. spilled_blocks counts those copies;
@@ -548,6 +553,9 @@ class KVCacheManager:
             return BlockCopies((), ())  # this step's forward pass waits for the previous one's
         copies = BlockCopies(tuple(self._swap_out), tuple(self._swap_in), tuple(self._write_through),
                              tuple(self._prefetch))
+        if copies.swap_out or copies.swap_in:
+            self.copy_wait_steps += 1
+            self.copy_wait_blocks += len(copies.swap_out) + len(copies.swap_in)
         self._copies_beside_in_flight = copies.beside_forward
         self._swap_out, self._swap_in, self._write_through, self._prefetch = [], [], [], []
         return copies

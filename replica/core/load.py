@@ -76,6 +76,13 @@ class SchedulerLoad:
     # Prefix-cache blocks written through to the host tier, and hits there copied back.
     spilled_blocks_total: int = reported(counter="headroom_kv_spilled_blocks_total", default=0)
     host_prefix_hit_blocks_total: int = reported(counter="headroom_host_prefix_cache_hit_blocks_total", default=0)
+    # Of swapped_in_blocks_total, those prefetched (copied beside the step before their request
+    # resumed), and the prefetches given back unused; the steps whose forward pass waited for
+    # copies planned in the step (swap-outs, swap-ins not prefetched, host hits), and those blocks.
+    prefetched_blocks_total: int = reported(proto=True, counter="headroom_kv_prefetched_blocks_total", default=0)
+    prefetches_cancelled_total: int = reported(counter="headroom_kv_prefetches_cancelled_total", default=0)
+    copy_wait_steps_total: int = reported(proto=True, counter="headroom_kv_copy_wait_steps_total", default=0)
+    copy_wait_blocks_total: int = reported(proto=True, counter="headroom_kv_copy_wait_blocks_total", default=0)
 
 
 _FIELDS = dataclasses.fields(SchedulerLoad)

@@ -603,6 +603,10 @@ class Scheduler:
             host_hit_cost_ratio=self.preemption.host_hit_cost_ratio(kv_cache.block_size) if kv_cache.num_host_blocks else 0.0,
             spilled_blocks_total=kv_cache.spilled_blocks,
             host_prefix_hit_blocks_total=kv_cache.host_hit_blocks,
+            prefetched_blocks_total=kv_cache.prefetched_blocks,
+            prefetches_cancelled_total=kv_cache.prefetches_cancelled,
+            copy_wait_steps_total=kv_cache.copy_wait_steps,
+            copy_wait_blocks_total=kv_cache.copy_wait_blocks,
         )
 
     def _committed_blocks(self) -> int:

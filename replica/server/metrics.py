@@ -112,6 +112,35 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         None,
         REPLICA_LABELS,
     ),
+    "headroom_kv_prefetched_blocks_total": MetricSpec(
+        "counter",
+        "Of headroom_kv_swapped_in_blocks_total, the blocks prefetched: copied back beside the forward pass of "
+        "the step before their request resumed, so no step waited for them (CUDA; the CPU copies in turn).",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_prefetches_cancelled_total": MetricSpec(
+        "counter",
+        "Swap-in prefetches whose device blocks were taken back before their request resumed (a running request "
+        "needed them, or it did not resume the next step): link time spent for nothing; the request stays on "
+        "the host.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_copy_wait_steps_total": MetricSpec(
+        "counter",
+        "Engine steps whose forward pass waited for KV copies between the host tier and the device planned in "
+        "the step itself: swap-outs, swap-ins not prefetched, host-tier prefix hits.",
+        None,
+        REPLICA_LABELS,
+    ),
+    "headroom_kv_copy_wait_blocks_total": MetricSpec(
+        "counter",
+        "KV blocks copied by the copies headroom_kv_copy_wait_steps_total counts, which the steps' forward "
+        "passes waited for.",
+        None,
+        REPLICA_LABELS,
+    ),
     "headroom_recomputed_tokens_total": MetricSpec(
         "counter",
         "Tokens computed again because their request had been preempted: the compute preemption wastes.",

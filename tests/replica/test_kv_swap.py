@@ -36,6 +36,9 @@ class SimulatedKV:
         self.num_written_through = 0
         self.write_through_in_flight = False
         self.num_prefetched = 0
+        # Steps whose forward pass waits for copies of their own (swap-outs and swap-ins), and those blocks.
+        self.num_waited_steps = 0
+        self.num_waited_blocks = 0
 
     def _slots(self, tier: dict[int, list], block_id: int) -> list:
         return tier.setdefault(block_id, [None] * self.block_size)
@@ -62,6 +65,9 @@ class SimulatedKV:
                 prefetching.add(device_id)
             self.num_written_through += len(copies.write_through)
             self.num_prefetched += len(copies.prefetch)
+            if copies.swap_out or copies.swap_in:
+                self.num_waited_steps += 1
+                self.num_waited_blocks += len(copies.swap_out) + len(copies.swap_in)
             self.write_through_in_flight = bool(copies.write_through or copies.prefetch)
         for entry in output.scheduled:  # the forward pass writes every new K/V...
             request_id = entry.request.request_id
@@ -218,12 +224,23 @@ def test_a_resuming_request_is_prefetched_beside_the_step_before_and_its_step_wa
     assert {r.request_id: r.output_token_ids for r in requests} == reference_outputs(_requests())
     kv_cache = scheduler.kv_cache
     assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks and kv_cache.num_free_host_blocks == 64
+    # The load (and so ReplicaLoad and the metrics) counts the prefetched blocks and the copies
+    # the steps waited for, as the simulation saw them.
+    load = scheduler.load()
+    assert load.prefetched_blocks_total == simulated.num_prefetched
+    assert (load.copy_wait_steps_total, load.copy_wait_blocks_total) == (
+        simulated.num_waited_steps, simulated.num_waited_blocks)
     # Without prefetching the same tokens, every swap-in a copy its own step waits for.
     unprefetched = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=17,
                                   num_host_kv_blocks=64, preemption_mode="swap")
     unprefetched.prefetch_swap_ins = False
-    assert run_to_completion(unprefetched, _requests(), on_step=SimulatedKV(4)) == reference_outputs(_requests())
+    unprefetched_simulated = SimulatedKV(4)
+    assert run_to_completion(unprefetched, _requests(), on_step=unprefetched_simulated) == reference_outputs(_requests())
     assert unprefetched.kv_cache.prefetched_blocks == 0 and unprefetched.kv_cache.swapped_in_blocks > 0
+    unprefetched_load = unprefetched.load()
+    assert unprefetched_load.prefetched_blocks_total == 0
+    assert unprefetched_load.copy_wait_blocks_total == unprefetched_simulated.num_waited_blocks
+    assert unprefetched_load.copy_wait_blocks_total > load.copy_wait_blocks_total
 
 
 def _prefetch_one(**config):
@@ -260,6 +277,7 @@ def test_a_running_request_short_of_a_block_takes_back_a_prefetch_before_preempt
     assert [entry.request for entry in output.scheduled] == [a]
     kv_cache = scheduler.kv_cache
     assert kv_cache.prefetches_cancelled == 1 and scheduler.counters.preemptions == 1  # b's, none since
+    assert scheduler.load().prefetches_cancelled_total == 1
     assert not kv_cache.prefetched and "b" in kv_cache.swapped  # still on the host, to resume later
     _finish(scheduler, simulated, 3)
     assert {"a": a.output_token_ids, "b": b.output_token_ids} == reference_outputs(
@@ -549,3 +567,11 @@ def test_any_mix_of_swaps_spills_host_hits_and_aborts_reads_the_right_kv_and_lea
     kv_cache = scheduler.kv_cache
     assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
     assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.swapped
+    # The steps waited for every copy of their own, and only those: swap-outs, the swap-ins
+    # not prefetched, host hits (the router simulation's waited blocks are this sum).
+    load = scheduler.load()
+    assert (load.copy_wait_steps_total, load.copy_wait_blocks_total) == (
+        simulated.num_waited_steps, simulated.num_waited_blocks)
+    assert load.copy_wait_blocks_total == (kv_cache.swapped_out_blocks + kv_cache.swapped_in_blocks
+                                           - kv_cache.prefetched_blocks + kv_cache.host_hit_blocks)
+    assert load.prefetched_blocks_total == simulated.num_prefetched

@@ -73,6 +73,42 @@ def test_cramped_swap_equals_cramped_recompute_equals_a_roomy_pool(roomy, params
     _check_pools_empty(recompute)
 
 
+def test_the_load_report_and_the_metrics_carry_what_the_executor_copied_and_when_the_steps_waited(roomy):
+    from prometheus_client import generate_latest
+
+    from replica.core.outputs import StepStats
+    from replica.server.load_report import LoadReportBuilder
+    from replica.server.metrics import ReplicaMetrics
+
+    engine = _engine(11, num_host_kv_blocks=64, preemption_mode="swap")
+    engine.scheduler.prefetch_swap_ins = True  # the engine prefetches on CUDA only
+    assert engine.generate(_prompts(), GREEDY) == roomy[(None, 0)]
+    load = engine.scheduler.load()
+    report = LoadReportBuilder("r0", StepStats()).build(load)
+    metrics = ReplicaMetrics("r0", "builtin")
+    metrics.update(load, report)
+    # The executor's own counts of what it copied: prefetched beside a step, and (swap-outs,
+    # swap-ins, host hits) before one, which that step's forward pass waited for.
+    swapper = engine.runner.kv_swap
+    prefetched = swapper.prefetched_blocks
+    waited = swapper.swapped_out_blocks + swapper.swapped_in_blocks - prefetched
+    assert prefetched > 0 and waited > 0
+    assert (report.prefetched_blocks_total, report.copy_wait_blocks_total) == (prefetched, waited)
+    assert 0 < report.copy_wait_steps_total <= waited
+    assert report.swap_preemptions_total == engine.scheduler.counters.swap_preemptions > 0
+    labels = {"replica": "r0", "model": "builtin"}
+    sample = lambda name: metrics.registry.get_sample_value(name, labels)  # noqa: E731
+    assert sample("headroom_kv_prefetched_blocks_total") == prefetched
+    assert sample("headroom_kv_copy_wait_blocks_total") == waited
+    assert sample("headroom_kv_copy_wait_steps_total") == report.copy_wait_steps_total
+    swapped_in = swapper.swapped_in_blocks - engine.scheduler.kv_cache.host_hit_blocks  # host hits counted apart
+    assert sample("headroom_kv_swapped_in_blocks_total") == swapped_in
+    assert sample("headroom_kv_swapped_in_bytes_total") == swapped_in * swapper.bytes_per_block
+    assert sample("headroom_num_swap_preemptions_total") == report.swap_preemptions_total
+    assert b"headroom_kv_prefetches_cancelled_total" in generate_latest(metrics.registry)
+    _check_pools_empty(engine)
+
+
 def test_swapped_requests_sharing_prefix_blocks_resume_on_the_device_copy(roomy):
     engine = _engine(14, num_host_kv_blocks=64, preemption_mode="swap")
     assert engine.generate(_prompts(12), GREEDY) == roomy[(None, 12)]
