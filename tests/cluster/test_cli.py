@@ -37,12 +37,31 @@ def test_every_engine_config_field_is_a_replica_flag():
     (["--watermark", "1.5"], "watermark"),
     (["--max-model-len", "512", "--num-kv-blocks", "4"], "num_kv_blocks"),
     (["--stream-interval", "0"], "stream_interval"),
+    (["--preemption-mode", "swap"], "preemption_mode"),  # swapping needs a host KV tier
 ])
 def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["replica", *flags])
     assert exited.value.code == 2
     assert f"error: {field}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--num-host-kv-blocks", "100000000000"], "num_host_kv_blocks"),  # past the host's memory
+    (["--max-model-len", "4096", "--num-kv-blocks", "300"], "max_model_len"),  # past the model's 2048
+])
+def test_a_setting_refused_once_the_model_is_known_exits_2_in_one_line_naming_the_field(flags, field):
+    # Checked in the engine core's process against the model (and the host): the core sends the
+    # error to the front without a traceback, and the command says it once.
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0",
+         "--num-kv-blocks", "32", *flags],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if f"{field}:" in line] == [
+        next(line for line in result.stderr.splitlines() if line.startswith(f"headroom replica: error: {field}:"))]
 
 
 def start_replica(*flags: str, stderr=subprocess.DEVNULL, env=None) -> tuple[subprocess.Popen, int]:
