@@ -94,6 +94,8 @@ def test_router_policy_names_are_the_router_registry():
     ({"applications": [{"name": "a", "import_path": "my.app:app"}]}, "applications[0].import_path: "),
     ({"applications": []}, "applications: "),
     ({"engine": {"block_size": 0}}, "engine.block_size: "),
+    ({"engine": {"preemption_mode": "swap"}}, "engine.preemption_mode: 'swap' needs a host KV tier"),
+    ({"engine": {"host_kv_bytes": 1 << 62}}, "engine.host_kv_bytes: 4611686018427387904 bytes exceeds the host's memory"),
 ])
 def test_bad_field_raises_config_error_naming_its_dotted_path(document, message):
     with pytest.raises(ConfigError) as raised:
