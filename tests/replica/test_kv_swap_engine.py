@@ -109,13 +109,32 @@ def test_the_load_report_and_the_metrics_carry_what_the_executor_copied_and_when
     _check_pools_empty(engine)
 
 
-def test_swapped_requests_sharing_prefix_blocks_resume_on_the_device_copy(roomy):
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_swapped_requests_sharing_prefix_blocks_resume_on_the_device_copy(roomy, params):
+    # Six prompts share 12 tokens (three blocks of 4) through the prefix cache; 13 usable blocks.
     engine = _engine(14, num_host_kv_blocks=64, preemption_mode="swap")
-    assert engine.generate(_prompts(12), GREEDY) == roomy[(None, 12)]
+    requests = [engine.make_request(f"r{i}", prompt, params) for i, prompt in enumerate(_prompts(12))]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
     kv_cache = engine.scheduler.kv_cache
-    assert engine.scheduler.counters.swap_preemptions > 0
-    assert kv_cache.prefix_cache_hits > 0, "the prompts must share cached prefix blocks"
+    # Requests swapped out with the shared prefix while a request on the device holds it too.
+    swapped_sharing = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        shared_hash = requests[0].block_hashes[0]
+        if any(blocks[0].block_hash == shared_hash for blocks in kv_cache.req_to_blocks.values()):
+            swapped_sharing |= {request_id for request_id, swapped in kv_cache.swapped.items()
+                                if swapped.host_blocks[0].block_hash == shared_hash}
+    recomputed = _engine(14, preemption_mode="recompute")
+    assert [list(r.output_token_ids) for r in requests] == recomputed.generate(_prompts(12), params) == roomy[
+        (params.seed, 12)]
+    assert swapped_sharing, "a request holding the shared prefix blocks must have been swapped"
+    assert kv_cache.prefix_cache_hits > 0 and recomputed.scheduler.counters.recomputed_tokens > 0
+    # Resuming, they took the shared blocks from the device's prefix cache and copied back only
+    # the rest: fewer blocks came back than went out (copied, or found on the host).
+    assert 0 < kv_cache.swapped_in_blocks < kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host
     _check_pools_empty(engine)
+    _check_pools_empty(recomputed)
 
 
 def test_a_request_aborted_on_the_host_frees_its_host_blocks_and_the_rest_are_unchanged(roomy):
