@@ -27,7 +27,8 @@ Sections (the default is all but `peers`, about 6 minutes on an H100):
   blocks; the rates `preemption_mode: auto` weighs as the engine measured them at start-up and
   the choice they make for a victim's private block; bench/bench_swap.py's preemption-heavy
   workload, recompute-only against auto at equal device pool (recomputed tokens, output tok/s,
-  greedy tokens equal);
+  the swap-ins the prefetch overlapped and the steps that still waited for copies, greedy
+  tokens equal);
 - tp (issue 26; needs >= 2 GPUs, one row saying so otherwise): bench/bench_tp.py --device cuda
   (TP=2 vs TP=1 step time, the SLO vote's cost per layer, NCCL); then on the 1.1B checkpoint in
   bf16, TP=1 with graphs, TP=2 with graphs (both ranks capture the same ladder, NCCL inside)
@@ -583,7 +584,8 @@ def host_tier(model_dir: str, cpu_smoke: bool) -> list[tuple]:
     output, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_swap.py"), "--model", model_dir,
                                          "--device", DEVICE, "--dtype", dtype, *workload], timeout_s=600)
     lines = [line.strip() for line in output.splitlines()
-             if line.startswith(("recomputed tokens:", "output tok/s:", "tokens the model computed", "  so auto"))]
+             if line.startswith(("recomputed tokens:", "output tok/s:", "tokens the model computed", "auto's swap-ins:",
+                                 "  so auto"))]
     return rows + [("bench_swap.py " + " ".join(workload), f"exit {returncode}",
                     "recomputed <= 0.3x, output tok/s >= 1.15x")] + [("bench_swap", line, "") for line in lines]
 

@@ -12,7 +12,9 @@ same engine configuration runs with preemption_mode recompute and with auto over
 twice the device pool, in turns, `--rounds` times each (the rates auto weighs are measured at
 its start). Printed: recomputed tokens (auto / recompute, target <= 0.3x) and output tok/s
 (auto / recompute, medians, target >= 1.15x), with preemptions of each mode and the blocks
-swapped; both modes' greedy tokens must be equal. Then where the time went: each mode's
+swapped; auto's swap-ins and the part of them prefetched beside the step before (CUDA only),
+and the steps that waited for copies of their own (ReplicaLoad's copy_wait_steps_total and
+blocks); both modes' greedy tokens must be equal. Then where the time went: each mode's
 step times fitted to fixed + per token (bench/cost_model.py's fit), the recompute-only runs'
 re-prefill at that per-token cost, the auto runs' copies as timed, and the most auto can gain
 from them. --model wide is bench_tp.py's random 1024-wide 4-layer Llama: its CPU steps cost
@@ -114,7 +116,8 @@ def run(engine, requests, profile: StepProfile | None = None) -> dict:
     kv_swap = engine.runner.kv_swap
     before = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
               counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens,
-              kv_swap.runs if kv_swap is not None else 0)
+              kv_swap.runs if kv_swap is not None else 0, kv_cache.prefetched_blocks, kv_cache.copy_wait_steps,
+              kv_cache.copy_wait_blocks, kv_cache.swapped_in_blocks)
     handles = []
     start, start_cpu = time.perf_counter(), time.process_time()
     for index, (prompt, num_out) in enumerate(requests):
@@ -133,15 +136,17 @@ def run(engine, requests, profile: StepProfile | None = None) -> dict:
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after = (counters.preemptions, counters.swap_preemptions, counters.recomputed_tokens,
              counters.recompute_tokens_avoided, kv_cache.swapped_out_blocks, counters.scheduled_tokens,
-             kv_swap.runs if kv_swap is not None else 0)
-    preemptions, swaps, recomputed, avoided, swapped_out, computed, runs = (b - a for a, b in zip(before, after))
+             kv_swap.runs if kv_swap is not None else 0, kv_cache.prefetched_blocks, kv_cache.copy_wait_steps,
+             kv_cache.copy_wait_blocks, kv_cache.swapped_in_blocks)
+    (preemptions, swaps, recomputed, avoided, swapped_out, computed, runs, prefetched, wait_steps,
+     wait_blocks, swapped_in) = (b - a for a, b in zip(before, after))
     engine.scheduler.check_invariants()
     assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
     assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks
     num_tokens = sum(n for _, n in requests)
     return dict(tokens_per_s=num_tokens / elapsed, tokens_per_cpu_s=num_tokens / cpu, elapsed=elapsed, preemptions=preemptions,
                 swaps=swaps, recomputed=recomputed, avoided=avoided, swapped_out_blocks=swapped_out, computed=computed,
-                runs=runs,
+                runs=runs, swapped_in_blocks=swapped_in, prefetched_blocks=prefetched, copy_wait_steps=wait_steps, copy_wait_blocks=wait_blocks,
                 outputs=[list(r.output_token_ids) for r in handles],
                 steps=profile.samples[num_samples:] if profile is not None else [],
                 copy_s=profile.copy_s - copy_s if profile is not None else 0.0)
@@ -286,7 +291,8 @@ def preemption(args, model: str) -> None:
                   f"preemptions {result['preemptions']:4d} (swapped {result['swaps']:4d})  recomputed tokens "
                   f"{result['recomputed']:6d}  avoided {result['avoided']:6d}  blocks swapped out "
                   f"{result['swapped_out_blocks']:5d}  tokens computed {result['computed']:6d}  copies over the link "
-                  f"{result['runs']:4d}")
+                  f"{result['runs']:4d}  blocks prefetched {result['prefetched_blocks']:4d}  steps that waited for "
+                  f"copies {result['copy_wait_steps']:4d} ({result['copy_wait_blocks']:5d} blocks)")
     assert all(r["outputs"] == results["recompute"][0]["outputs"] for rs in results.values() for r in rs), \
         "greedy tokens differ between the modes"
     recomputed = {mode: statistics.median(r["recomputed"] for r in rs) for mode, rs in results.items()}
@@ -303,6 +309,13 @@ def preemption(args, model: str) -> None:
     computed = {mode: rs[0]["computed"] for mode, rs in results.items()}
     print(f"tokens the model computed (prompts, outputs, recompute; machine-independent): auto {computed['auto']} vs "
           f"recompute {computed['recompute']} = {computed['auto'] / computed['recompute']:.3f}x")
+    auto_runs = results["auto"]
+    # The prefetch's share of the swap-ins (CUDA only: the engine copies in turn on the CPU) and
+    # the copies the steps still waited for (the counters ReplicaLoad and /metrics report).
+    print(f"auto's swap-ins: {sum(r['swapped_in_blocks'] for r in auto_runs)} blocks, "
+          f"{sum(r['prefetched_blocks'] for r in auto_runs)} prefetched beside the step before; steps that waited for "
+          f"copies {sum(r['copy_wait_steps'] for r in auto_runs)} of {sum(len(r['steps']) for r in auto_runs)} "
+          f"({sum(r['copy_wait_blocks'] for r in auto_runs)} blocks)")
     print("greedy tokens: identical in both modes")
     for line in time_budget(results, profiles["auto"].unit):
         print(line)
