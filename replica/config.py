@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -168,7 +169,8 @@ class EngineConfig(BaseModel):
     host_kv_bytes: Optional[int] = Field(
         None, gt=0,
         description="The host tier's size in bytes instead of num_host_kv_blocks (turned into whole blocks of the "
-        "model at start); must fit the host's memory. Under tensor parallelism, all ranks' shards together.",
+        "model at start); must fit the host's memory and, checked where the replica starts, its container's "
+        "memory limit. Under tensor parallelism, all ranks' shards together.",
     )
     preemption_mode: PreemptionMode = Field(
         "auto",
@@ -241,8 +243,50 @@ class EngineConfig(BaseModel):
 
 
 def host_memory_bytes() -> int:
-    """The host's physical memory: the bound of the host KV tier."""
+    """The host's physical memory: the bound of the host KV tier wherever the config is read
+    (the replica, once started, also bounds it by its container's limit: replica_memory_bytes)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def container_memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup",
+                                 proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
+    """The lowest memory limit of this process's cgroup and its ancestors (a container's, such as
+    a Kubernetes pod's limits.memory); None where none is readable. cgroup v2 (memory.max, "max"
+    when unlimited) and v1 (memory/memory.limit_in_bytes, a number near 2**63 when unlimited). A
+    container that mounts only its own cgroup sees it at the root, whatever path
+    /proc/self/cgroup names, so every ancestor of that path down to the root is read."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:
+            base, name = Path(cgroup_root), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = Path(cgroup_root) / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):
+            try:
+                text = base.joinpath(*parts[:depth], name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limits.append(int(text))
+    return min(limits, default=None)
+
+
+def replica_memory_bytes() -> tuple[int, str]:
+    """The memory a started replica may use, and what bounds it: the host's physical memory, or
+    its container's lower limit (a host tier past it would be killed for memory, not refused)."""
+    physical = host_memory_bytes()
+    limit = container_memory_limit_bytes()
+    if limit is not None and limit < physical:
+        return limit, "its container's memory limit"
+    return physical, "the host's memory"
 
 
 def make_engine_config(**overrides) -> EngineConfig:
@@ -262,16 +306,21 @@ def make_engine_config(**overrides) -> EngineConfig:
 
 def resolve_host_kv_blocks(config: EngineConfig, bytes_per_block: int) -> EngineConfig:
     """`config` with its host KV tier in blocks of `bytes_per_block` (a block's keys and values
-    across all layers), checked against the host's memory."""
+    across all layers), checked against the memory this replica may use (replica_memory_bytes:
+    the host's, or its container's lower limit). Runs where the replica starts, so the bound is
+    that machine's and that container's, not the one that read the config."""
+    memory_bytes, bound = replica_memory_bytes()
     if config.host_kv_bytes is not None:
         num_blocks = config.host_kv_bytes // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(f"host_kv_bytes: {config.host_kv_bytes} bytes hold no KV block of this model "
                               f"({bytes_per_block} bytes)")
+        if config.host_kv_bytes > memory_bytes:
+            raise ConfigError(f"host_kv_bytes: {config.host_kv_bytes} bytes exceeds {bound} ({memory_bytes} bytes)")
         return make_engine_config(**{**config.model_dump(), "host_kv_bytes": None, "num_host_kv_blocks": num_blocks})
-    if config.num_host_kv_blocks * bytes_per_block > (host_bytes := host_memory_bytes()):
+    if config.num_host_kv_blocks * bytes_per_block > memory_bytes:
         raise ConfigError(f"num_host_kv_blocks: {config.num_host_kv_blocks} blocks of {bytes_per_block} bytes exceed "
-                          f"the host's memory ({host_bytes} bytes)")
+                          f"{bound} ({memory_bytes} bytes)")
     return config
 
 

@@ -509,6 +509,46 @@ def test_a_host_tier_in_bytes_becomes_whole_blocks_and_one_larger_than_the_host_
         resolve_host_kv_blocks(make_engine_config(host_kv_bytes=100), bytes_per_block=4096)
 
 
+def test_a_started_replica_bounds_its_host_tier_by_its_containers_memory_limit(monkeypatch):
+    # A pod's limits.memory (32Gi in helm/headroom/values-gpu.yaml) on a node with far more: a tier
+    # the node holds but the pod does not is refused at start, naming the field, not killed later.
+    import replica.config
+    from replica.config import resolve_host_kv_blocks
+
+    monkeypatch.setattr(replica.config, "container_memory_limit_bytes", lambda: 1 << 20)
+    assert replica.config.replica_memory_bytes() == (1 << 20, "its container's memory limit")
+    with pytest.raises(ConfigError, match=r"^num_host_kv_blocks: 1000 blocks of 4096 bytes exceed its container's "):
+        resolve_host_kv_blocks(make_engine_config(num_host_kv_blocks=1000), bytes_per_block=4096)
+    with pytest.raises(ConfigError, match=r"^host_kv_bytes: 2097152 bytes exceeds its container's memory limit "):
+        resolve_host_kv_blocks(make_engine_config(host_kv_bytes=2 << 20), bytes_per_block=4096)
+    assert resolve_host_kv_blocks(make_engine_config(host_kv_bytes=1 << 19), 4096).num_host_kv_blocks == 128
+    monkeypatch.setattr(replica.config, "container_memory_limit_bytes", lambda: None)  # none: the host's memory
+    assert resolve_host_kv_blocks(make_engine_config(num_host_kv_blocks=1000), 4096).num_host_kv_blocks == 1000
+
+
+@pytest.mark.parametrize("proc_cgroup, files, limit", [
+    # cgroup v2: the process's cgroup and its ancestors, the lowest limit ("max": none).
+    ("0::/kubepods/pod1\n", {"kubepods/pod1/memory.max": "1073741824", "kubepods/memory.max": "max"}, 1 << 30),
+    ("0::/kubepods/pod1\n", {"kubepods/pod1/memory.max": "max", "kubepods/memory.max": "536870912"}, 1 << 29),
+    # A container that mounts only its own cgroup: the path names the host's, the root holds it.
+    ("0::/kubepods/pod1\n", {"memory.max": "2147483648"}, 1 << 31),
+    ("0::/\n", {"memory.max": "max"}, None),
+    # cgroup v1 (hybrid: the v2 line has no memory controller to read).
+    ("4:memory:/docker/abc\n0::/\n", {"memory/docker/abc/memory.limit_in_bytes": "8589934592"}, 1 << 33),
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712"}, 9223372036854771712),
+    ("4:cpu:/\n", {"memory/memory.limit_in_bytes": "1024"}, None),  # no memory controller: not this limit
+])
+def test_the_containers_memory_limit_is_read_from_cgroup_v2_or_v1(tmp_path, proc_cgroup, files, limit):
+    from replica.config import container_memory_limit_bytes
+
+    (tmp_path / "self_cgroup").write_text(proc_cgroup)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text + "\n")
+    assert container_memory_limit_bytes(str(tmp_path / "fs"), str(tmp_path / "self_cgroup")) == limit
+    assert container_memory_limit_bytes(str(tmp_path / "fs"), str(tmp_path / "missing")) is None
+
+
 # ---- properties ---------------------------------------------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
