@@ -225,6 +225,20 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def store_linear_weights_input_major(self) -> None:
+        """Store each projection's [out, in] weight as the transpose of a contiguous [in, out] one.
+
+        For the CPU: F.linear(x, weight) is x @ weight.t(), and with weight.t() contiguous the GEMM
+        runs untransposed, which MKL does faster at decode's row counts (SmolLM2's four projections
+        of a layer, one thread: 1.16x at 64 rows, 1.3-1.4x at 16-32; 1.00x at prefill's 1-2k rows)
+        with bitwise-equal results from 16 rows up. Values, shapes and names do not change. A weight
+        shared with the embedding (tied lm_head) stays as it is: the embedding reads its rows.
+        """
+        embedding = self.model.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight is not embedding:
+                module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+
     def forward(
         self,
         input_ids: torch.Tensor,

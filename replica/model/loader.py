@@ -73,6 +73,8 @@ def load_model(
     # The weights arrived on device in dtype; this moves what construction computed (the rotary table).
     model.to(device=device, dtype=weights_dtype)
     model.requires_grad_(False)
+    if device.type == "cpu":
+        model.store_linear_weights_input_major()
     model.eval()
     logger.info("loaded %s from %s: %d layers, %s on %s%s", cfg.architecture, model_dir, cfg.num_hidden_layers,
                 weights_dtype, device, f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.size > 1 else "")

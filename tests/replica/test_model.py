@@ -167,6 +167,27 @@ def test_tied_checkpoint_shares_the_embedding_with_lm_head(checkpoint):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == cfg.tie_word_embeddings
 
 
+def test_cpu_projections_are_stored_input_major_with_the_checkpoints_values(checkpoint):
+    """On the CPU each projection's [out, in] weight is the transpose of a contiguous [in, out]
+    tensor (the GEMM runs untransposed, faster at decode's row counts); a tied lm_head stays the
+    embedding's rows. Values and the forward's output are those of the checkpoint as stored."""
+    model_dir, _ = checkpoint
+    model, cfg = load_model(model_dir, attention_backend="torch")
+    weights = load_file(model_dir / "model.safetensors")
+    attention = model.model.layers[0].self_attn
+    projections = [attention.qkv_proj, attention.o_proj, model.model.layers[0].mlp.gate_up_proj,
+                   model.model.layers[0].mlp.down_proj]
+    if not cfg.tie_word_embeddings:
+        projections.append(model.lm_head)
+    for linear in projections:
+        assert linear.weight.t().is_contiguous() and not linear.weight.is_contiguous()
+    assert model.model.embed_tokens.weight.is_contiguous()
+    assert torch.equal(attention.o_proj.weight, weights["model.layers.0.self_attn.o_proj.weight"])
+    hidden = torch.randn(24, cfg.hidden_size)
+    torch.testing.assert_close(attention.o_proj(hidden),
+                               hidden @ weights["model.layers.0.self_attn.o_proj.weight"].t(), rtol=1e-5, atol=1e-5)
+
+
 def test_sharded_checkpoint_loads_the_same_weights(llama_dir, tmp_path):
     hf_model = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
     hf_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
