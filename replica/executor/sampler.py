@@ -162,6 +162,15 @@ class SamplerOutput:
     top_logprobs: Optional[torch.Tensor] = None  # float32
 
 
+def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the lowest index on ties (NaN wins, as in argmax).
+    On the CPU through max(): its kernel is vectorised and argmax's is not (64 x 49,152 fp32, one
+    thread: ~3 vs ~13 ms, the sampler's whole cost in a greedy decode step)."""
+    if scores.device.type == "cpu":
+        return scores.max(dim=-1).indices
+    return scores.argmax(dim=-1)
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] -> one token id per row (and logprobs when asked)."""
@@ -174,7 +183,7 @@ class Sampler:
                                              processors.pending_token_ids)
         if batch.grammar is not None:  # structured outputs: what the grammar forbids is at -inf
             logits = apply_grammar_bitmask(logits, batch.grammar)
-        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # ties go to the lowest id
+        greedy_ids = _argmax_rows(logits) if batch.any_greedy else None  # ties go to the lowest id
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
@@ -182,7 +191,7 @@ class Sampler:
             # Exponential race (Gumbel-max): argmax of logits - log(E), E ~ Exp(1), is a draw
             # from softmax(logits); masked tokens stay at -inf and never win.
             scores.sub_(self._exponential_noise(scores, batch).log_())
-            token_ids = scores.argmax(dim=-1)
+            token_ids = _argmax_rows(scores)
             if greedy_ids is not None:
                 token_ids = torch.where(batch.temperature == 0.0, greedy_ids, token_ids)
         if not batch.any_logprobs:
