@@ -148,6 +148,13 @@ class EngineConfig(BaseModel):
         "elsewhere), torch (the reference), inplace (the reference's results bit for bit, in fewer passes), "
         "triton or compile (torch.compile of the reference).",
     )
+    borrow_idle_cpus_min_tokens: int = Field(
+        256, ge=0,
+        description="CPU engine-core process only: a step of at least this many tokens also runs on the cores "
+        "no other thread is using at that moment, beyond its base torch threads (Ray's reservation under Serve, "
+        "--torch-threads, or torch's default), so a lone long prefill is not held to one reserved core while the "
+        "others idle; shorter steps keep the base. 0: never (replica/executor/cpu_threads.py).",
+    )
 
     tensor_parallel_size: int = Field(
         1, ge=1,

@@ -20,6 +20,7 @@ from replica.config import EngineConfig
 from replica.core.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
+from replica.executor.cpu_threads import StepThreads
 from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block
 from replica.executor.rank_config import resolve_rank_config
@@ -132,6 +133,8 @@ class LLMEngine:
         # Each with the time its compile must be done by (structured_output_compile_timeout_s).
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
         self.stats = StepStats()
+        # Set by borrow_idle_cpus (the engine-core process); in-process engines keep their threads.
+        self.step_threads: Optional[StepThreads] = None
         self.slo_monitor: Optional[SLOMonitor] = None
         if config.scheduling_policy == "slo":
             self.slo_monitor = SLOMonitor(config, self.scheduler.ttft_predictor, clock)
@@ -311,12 +314,26 @@ class LLMEngine:
             self.stats.observe(elapsed, len(outputs))
         return outputs
 
+    def borrow_idle_cpus(self) -> None:
+        """Let large steps on the CPU run on the cores nothing else uses at that moment, beyond the
+        threads torch has now (config.borrow_idle_cpus_min_tokens; replica/executor/cpu_threads.py).
+        The engine-core process calls it: there the base count is its environment's (one thread per
+        CPU Ray reserved a replica). Not under tensor parallelism, whose ranks keep one count."""
+        if self.device.type == "cpu" and self.tp_workers is None:
+            self.step_threads = StepThreads.for_this_process(self.config.borrow_idle_cpus_min_tokens or None)
+            if self.step_threads is not None:
+                logger.info("steps of >= %d tokens may run on up to %d torch threads when those cores are idle "
+                            "(%d otherwise)", self.step_threads.min_tokens, self.step_threads.limit,
+                            self.step_threads.base)
+
     def _launch(self, scheduler_output: SchedulerOutput) -> Optional[_LaunchedStep]:
         """Queue the step on the device; None when it has nothing to run or its forward pass
         was aborted at a layer boundary (the runner's step_abort said so)."""
         if scheduler_output.is_empty:
             self.runner.launch(scheduler_output)  # drops the state of finished and preempted requests
             return None
+        if self.step_threads is not None:
+            self.step_threads.before_step(scheduler_output.num_scheduled_tokens)
         try:
             in_flight = self.runner.launch(scheduler_output)
         except StepAborted as aborted:

@@ -46,6 +46,9 @@ class EngineCore:
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
         """Serve until the front sends Shutdown or closes the channel."""
+        # This process's base thread count is its environment's (under Serve, the one CPU Ray
+        # reserved the replica): large steps may run on the cores nothing else uses.
+        self.engine.borrow_idle_cpus()
         receiver = threading.Thread(target=self._receive_loop, name="core-receive", daemon=True)
         sender = threading.Thread(target=self._send_loop, name="core-send", daemon=True)
         receiver.start()
