@@ -34,6 +34,15 @@ RUNNABLE_READS = 5
 RUNNABLE_READ_PAUSE_S = 0.001
 
 
+def spin(seconds: float) -> None:
+    """Wait without sleeping: a core deciding is itself runnable throughout, so another core
+    deciding at the same moment (a burst fanned out to both replicas) sees it and stays on its
+    base, instead of both borrowing the same idle core."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 def runnable_threads(path: str = "/proc/loadavg") -> Optional[int]:
     """Threads runnable on the machine right now, the reader included (the fourth field of
     /proc/loadavg, "runnable/total"); None where there is no such file."""
@@ -95,7 +104,7 @@ class StepThreads:
                  runnable: Optional[Callable[[], Optional[int]]] = None,
                  set_threads: Optional[Callable[[int], None]] = None,
                  reads: int = RUNNABLE_READS, pause_s: float = RUNNABLE_READ_PAUSE_S,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = spin):
         self.min_tokens = min_tokens
         self.base = base
         self.limit = limit
