@@ -17,7 +17,9 @@ of the kernel's count of runnable threads (`/proc/loadavg`), up to the CPUs this
 use (affinity, physical cores, the cgroup's quota); every other step, and every step where
 that count is unreadable, runs on the base (torch's count at engine start: Ray's reservation,
 OMP_NUM_THREADS or torch's default). A lone replica's long prefill gets both cores; two busy
-replicas stay on one core each, as reserved.
+replicas stay on one core each, as reserved. /proc/loadavg counts every thread of the kernel
+it reads, in a container the whole host's: on a shared host a step borrows only while the host
+has idle cores, never less than its base.
 """
 
 from __future__ import annotations
