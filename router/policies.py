@@ -109,6 +109,71 @@ def tenant_key(request: RoutingRequest) -> Optional[tuple[int, ...]]:
     return tuple(ids[:TENANT_KEY_TOKENS]) if len(ids) > TENANT_KEY_TOKENS else None
 
 
+class RecentRoutes:
+    """The last `window` requests a router routed that name a tenant: per request key its tenant,
+    replica and prompt blocks, and from them each tenant's count, each tenant's count per replica
+    and each replica's distinct prompt blocks (a block routed there by several of them counted
+    once). A retry replaces the request's earlier route, counted once."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._routes: collections.OrderedDict[str, tuple[tuple[int, ...], str, tuple[bytes, ...]]] = collections.OrderedDict()
+        self.tenant_counts: collections.Counter = collections.Counter()
+        self._tenant_replicas: dict[tuple[int, ...], collections.Counter] = {}
+        self._replica_blocks: dict[str, collections.Counter] = {}
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def add(self, request_key: str, tenant: tuple[int, ...], replica_id: str, block_hashes: tuple[bytes, ...]) -> None:
+        if not self.window:
+            return
+        self._drop(request_key)
+        self._routes[request_key] = (tenant, replica_id, block_hashes)
+        self.tenant_counts[tenant] += 1
+        self._tenant_replicas.setdefault(tenant, collections.Counter())[replica_id] += 1
+        self._replica_blocks.setdefault(replica_id, collections.Counter()).update(block_hashes)
+        while len(self._routes) > self.window:
+            self._drop(next(iter(self._routes)))
+
+    def _drop(self, request_key: str) -> None:
+        route = self._routes.pop(request_key, None)
+        if route is None:
+            return
+        tenant, replica_id, block_hashes = route
+        _decrement(self.tenant_counts, tenant)
+        _decrement(self._tenant_replicas[tenant], replica_id)
+        if not self._tenant_replicas[tenant]:
+            del self._tenant_replicas[tenant]
+        blocks = self._replica_blocks[replica_id]
+        for block_hash in block_hashes:
+            _decrement(blocks, block_hash)
+
+    def home(self, tenant: tuple[int, ...]) -> Optional[str]:
+        """The replica that received most of the tenant's requests in the window (None: none did)."""
+        replicas = self._tenant_replicas.get(tenant)
+        return replicas.most_common(1)[0][0] if replicas else None
+
+    def other_blocks(self, replica_id: str, block_hashes: Sequence[bytes]) -> int:
+        """Distinct prompt blocks routed to the replica in the window, less those of `block_hashes`."""
+        blocks = self._replica_blocks.get(replica_id)
+        if not blocks:
+            return 0
+        return len(blocks) - sum(1 for block_hash in block_hashes if block_hash in blocks)
+
+    def forget_replica(self, replica_id: str) -> None:
+        for key in [key for key, (_, owner, _) in self._routes.items() if owner == replica_id]:
+            self._drop(key)
+        self._replica_blocks.pop(replica_id, None)
+
+
+def _decrement(counter: collections.Counter, key) -> None:
+    """Counts `key` one less, deleting it at zero."""
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
+
+
 @dataclass(frozen=True)
 class HeadroomScore:
     """Why a replica ranks where it does, in fractions of that replica's KV pool."""
@@ -189,8 +254,18 @@ class HeadroomPolicy(RoutingPolicy):
     brought it, where spreading a tenant re-prefills its prefix on another replica and drags
     every replica past its SLO; a hot tenant, more than a replica's share, still spreads, since
     pinning it costs more than its prefill saves (docs/benchmarks.md, issue 27: ungated pinning
-    delivered 0.69x of hot_tenant's goodput at capacity). `pin_prefix_fraction` 0 turns pinning
-    off; `pin_share_window` 0 pins every tenant (no gate).
+    delivered 0.69x of hot_tenant's goodput at capacity). Since pinning keeps a tenant where it
+    first lands, a pinned tenant that no replica holds is placed (`placement`): on its home, the
+    replica that received most of its requests in the window, if it has one (its prefix was
+    evicted there), else on the replica that received the fewest distinct prompt blocks in the
+    window, as approx_prefix places a new prefix on its smallest tree; the score breaks ties, and
+    a replica without room is still ranked after every one with it. A prompt of its own (no
+    other request shares its first block) is such a tenant too, so unique prompts spread by the
+    prompt blocks (prefill and prefix memory) each replica was recently sent. Placing by the
+    score's load of the moment had put five of sixteen tenants on one replica and three on
+    another, and pinning kept them there (docs/benchmarks.md, issue 27). `pin_prefix_fraction` 0
+    turns pinning and placement off; `pin_share_window` 0 pins every tenant (no gate, no window:
+    no placement).
 
     The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
@@ -227,10 +302,9 @@ class HeadroomPolicy(RoutingPolicy):
         if pin_share_window < 0 or pin_share_window != int(pin_share_window):
             raise ValueError(f"pin_share_window: must be a whole number of requests >= 0 (0: no gate), got {pin_share_window}")
         self.pin_share_window = int(pin_share_window)
-        # The tenants of the last `pin_share_window` requests routed, by request key (a retry
-        # is not counted twice), and how many of them each tenant has.
-        self._recent_tenants: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
-        self._tenant_counts: collections.Counter = collections.Counter()
+        # The last `pin_share_window` requests routed that name a tenant: the tenants' shares,
+        # where each tenant went, and the prompt blocks each replica received.
+        self._recent = RecentRoutes(self.pin_share_window)
         self.tie_epsilon = tie_epsilon
         self.staleness_s = staleness_s
         self.rng = rng or random.Random()
@@ -259,7 +333,7 @@ class HeadroomPolicy(RoutingPolicy):
         tenant = tenant_key(request)
         if tenant is None:
             return 1.0
-        return (self._tenant_counts[tenant] + 1) / (len(self._recent_tenants) + 1)
+        return (self._recent.tenant_counts[tenant] + 1) / (len(self._recent) + 1)
 
     def pins(self, request: RoutingRequest, num_replicas: int) -> bool:
         """Whether this request's tenant is pinned: pinning is on and the tenant's share of the
@@ -279,26 +353,37 @@ class HeadroomPolicy(RoutingPolicy):
 
     def on_routed(self, request: RoutingRequest, replica_id: str, request_key: str, cached_blocks: int) -> None:
         tenant = tenant_key(request)
-        if self.pin_share_window and tenant is not None and request_key not in self._recent_tenants:
-            self._recent_tenants[request_key] = tenant
-            self._tenant_counts[tenant] += 1
-            if len(self._recent_tenants) > self.pin_share_window:
-                _, oldest = self._recent_tenants.popitem(last=False)
-                self._tenant_counts[oldest] -= 1
-                if not self._tenant_counts[oldest]:
-                    del self._tenant_counts[oldest]
         block_size = self._block_sizes.get(replica_id, 0)
+        hashes = tuple(request.prefix_hashes(block_size)) if block_size else ()
+        if tenant is not None:
+            self._recent.add(request_key, tenant, replica_id, hashes)
         if not block_size:
             self._live.remove(request_key)  # a retry replaces the earlier send
             return
-        self._live.add(request_key, replica_id, tuple(request.prefix_hashes(block_size)))
+        self._live.add(request_key, replica_id, hashes)
 
     def on_finished(self, request_key: str) -> None:
         self._live.remove(request_key)
 
     def forget_replica(self, replica_id: str) -> None:
         self._live.forget_replica(replica_id)
+        self._recent.forget_replica(replica_id)
         self._block_sizes.pop(replica_id, None)
+
+    def placement(self, request: RoutingRequest, views: Sequence[ReplicaView]) -> dict[str, int]:
+        """Where a pinned tenant that no replica holds lands, as a key per replica, lowest first:
+        the tenant's home (the replica that received most of its recent requests: its prefix was
+        evicted there, and approx_prefix's tree would send it back too) first, then the fewest
+        distinct prompt blocks routed there over the window (not counting this prompt's own), the
+        prefix memory and prefill each replica was recently given, as approx_prefix places a new
+        prefix on its smallest tree."""
+        home = self._recent.home(tenant_key(request))
+        keys = {}
+        for view in views:
+            block_size = self._block_sizes.get(view.replica_id, 0)
+            hashes = request.prefix_hashes(block_size) if block_size else ()
+            keys[view.replica_id] = -1 if view.replica_id == home else self._recent.other_blocks(view.replica_id, hashes)
+        return keys
 
     def score(self, request: RoutingRequest, view: ReplicaView, saturated: bool = False,
               pin: bool = False) -> HeadroomScore:
@@ -340,7 +425,10 @@ class HeadroomPolicy(RoutingPolicy):
         fresh, stale = split_by_freshness(replicas, self.staleness_s)
         fresh = [replace(view, cached_blocks=known) if (known := self.known_cached_blocks(request, view)) != view.cached_blocks
                  else view for view in fresh]
-        pin = self.pins(request, len(replicas)) and any(self.holds_enough(request, view) for view in fresh)
+        pins = self.pins(request, len(replicas))
+        pin = pins and any(self.holds_enough(request, view) for view in fresh)
+        # A pinned tenant nobody holds yet: where it lands now is where pinning keeps it.
+        placement = self.placement(request, fresh) if pins and not pin and self.pin_share_window else None
         scores = {view.replica_id: self.score(request, view, pin=pin) for view in fresh}
         fitting = [view for view in fresh if scores[view.replica_id].fits]
         if len(fitting) * 2 < len(fresh):
@@ -350,11 +438,22 @@ class HeadroomPolicy(RoutingPolicy):
             # anyway. Under that pressure the score alone ranks, with the own-prefill
             # penalty at `saturated_prefill_weight`.
             scores = {view.replica_id: self.score(request, view, saturated=True, pin=pin) for view in fresh}
-            ranked = self._rank_with_ties(list(fresh), scores)
+            ranked = self._placed(list(fresh), scores, placement)
         else:
             not_fitting = [view for view in fresh if not scores[view.replica_id].fits]
-            ranked = self._rank_with_ties(fitting, scores) + self._rank_with_ties(not_fitting, scores)
+            ranked = self._placed(fitting, scores, placement) + self._rank_with_ties(not_fitting, scores)
         return merge_stale_by_queue_len(ranked, stale, self.rng)
+
+    def _placed(self, views: list[ReplicaView], scores: dict[str, HeadroomScore],
+                placement: Optional[dict[str, int]]) -> list[ReplicaView]:
+        """By the placement key (`placement`), lowest first, each key's replicas by score; by score
+        alone without one."""
+        if placement is None:
+            return self._rank_with_ties(views, scores)
+        groups: dict[int, list[ReplicaView]] = collections.defaultdict(list)
+        for view in views:
+            groups[placement[view.replica_id]].append(view)
+        return [ranked for key in sorted(groups) for ranked in self._rank_with_ties(groups[key], scores)]
 
     def _rank_with_ties(self, views: list[ReplicaView], scores: dict[str, HeadroomScore]) -> list[ReplicaView]:
         """Best score first; the near-tie group at the top is reordered by fewest requests

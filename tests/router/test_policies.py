@@ -399,6 +399,39 @@ def test_pinning_keeps_a_tenant_within_a_replicas_share_of_traffic_and_spreads_a
     assert policy.rank(tenant_request(0), cluster())[0] == "holder"
 
 
+def test_a_new_tenant_lands_where_the_fewest_prompt_blocks_were_routed_and_an_evicted_one_goes_home():
+    # Four replicas with room, r3 with less of it (the lowest score). The router sent tenants
+    # 1-12 to r0-r2 (four each), so a tenant no replica holds is placed on r3, where the fewest
+    # prompt blocks went, as approx_prefix places a new prefix on its smallest tree; pinning
+    # keeps it there. Without pinning the score alone ranks, and r3 comes last.
+    def cluster() -> list[ReplicaView]:
+        return [view(f"r{i}", make_load(f"r{i}", free_blocks=800 if i < 3 else 600, expected_output_tokens=200))
+                for i in range(4)]
+
+    def routed(policy: HeadroomPolicy) -> HeadroomPolicy:
+        policy.rank(tenant_request(0), cluster())  # learns the replicas' block size
+        for tenant in range(1, 13):
+            policy.on_routed(tenant_request(tenant), f"r{tenant % 3}", f"t{tenant}", cached_blocks=0)
+        return policy
+
+    for seed in range(10):
+        assert routed(headroom_policy(seed)).rank(tenant_request(20), cluster())[0] == "r3"
+        assert routed(HeadroomPolicy(rng=random.Random(seed), pin_prefix_fraction=0)).rank(
+            tenant_request(20), cluster())[-1] == "r3"
+    # Tenant 5 went to r2; its request ended and r2 evicted its prefix, so no replica holds it:
+    # it goes back to r2, not to r3 where fewer blocks went (a second copy of its tenants' spread).
+    policy = routed(headroom_policy())
+    policy.on_finished("t5")
+    assert policy.rank(tenant_request(5), cluster())[0] == "r2"
+    # Where r3 has no room for it, the placement is among the replicas that fit.
+    full = cluster()[:3] + [view("r3", make_load("r3", free_blocks=0, expected_output_tokens=200))]
+    assert policy.rank(tenant_request(20), full)[0] in ("r0", "r1", "r2")
+    # A replica gone takes its routes with it: r2's tenants are new again, placed on r3.
+    policy.forget_replica("r2")
+    assert policy.tenant_share(tenant_request(5)) == pytest.approx(1 / 9)
+    assert policy.rank(tenant_request(5), [v for v in cluster() if v.replica_id != "r2"])[0] == "r3"
+
+
 @pytest.mark.parametrize("fraction", [1.5, -0.2])
 def test_pin_prefix_fraction_outside_0_1_is_a_clear_error(fraction):
     with pytest.raises(ValueError, match="pin_prefix_fraction"):
