@@ -258,14 +258,19 @@ class HeadroomPolicy(RoutingPolicy):
     first lands, a pinned tenant that no replica holds is placed (`placement`): on its home, the
     replica that received most of its requests in the window, if it has one (its prefix was
     evicted there), else on the replica that received the fewest distinct prompt blocks in the
-    window, as approx_prefix places a new prefix on its smallest tree; the score breaks ties, and
-    a replica without room is still ranked after every one with it. A prompt of its own (no
-    other request shares its first block) is such a tenant too, so unique prompts spread by the
-    prompt blocks (prefill and prefix memory) each replica was recently sent. Placing by the
-    score's load of the moment had put five of sixteen tenants on one replica and three on
-    another, and pinning kept them there (docs/benchmarks.md, issue 27). `pin_prefix_fraction` 0
-    turns pinning and placement off; `pin_share_window` 0 pins every tenant (no gate, no window:
-    no placement).
+    window, as approx_prefix places a new prefix on its smallest tree. The placement chooses
+    only among the replicas with room scoring within `placement_margin` (0.1 of a pool) of the
+    best, so a replica whose queue or memory the score counts against it by more is not
+    chosen for its few blocks; the score breaks ties, and a replica without room is still
+    ranked after every one with it. A prompt of its own (no other request shares its first
+    block) is such a tenant too, so near-equal replicas take unique prompts by the prompt
+    blocks (prefill and prefix memory) each was recently sent. Placing by the score's load of
+    the moment had put five of sixteen tenants on one replica and three on another, and
+    pinning kept them there; placing without the margin balanced prompt blocks but not the
+    queues, which the score sees and the blocks do not, and with stats 500 ms late it sent
+    one replica 1.6x the others' requests (docs/benchmarks.md, issue 27). `pin_prefix_fraction`
+    0 turns pinning and placement off; `pin_share_window` 0 pins every tenant (no gate, no
+    window: no placement).
 
     The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
@@ -288,9 +293,13 @@ class HeadroomPolicy(RoutingPolicy):
         pin_prefix_fraction: Optional[float] = PIN_PREFIX_FRACTION,
         pin_share_window: int = PIN_SHARE_WINDOW,
         tie_epsilon: float = 0.02,
+        placement_margin: float = 0.1,
         staleness_s: float = DEFAULT_STALENESS_S,
         rng: Optional[random.Random] = None,
     ) -> None:
+        if placement_margin < 0:
+            raise ValueError(f"placement_margin: must be >= 0 (a fraction of a replica's pool), got {placement_margin}")
+        self.placement_margin = placement_margin
         self.headroom_weight = headroom_weight
         self.backlog_weight = backlog_weight
         self.prefill_weight = prefill_weight
@@ -446,14 +455,19 @@ class HeadroomPolicy(RoutingPolicy):
 
     def _placed(self, views: list[ReplicaView], scores: dict[str, HeadroomScore],
                 placement: Optional[dict[str, int]]) -> list[ReplicaView]:
-        """By the placement key (`placement`), lowest first, each key's replicas by score; by score
-        alone without one."""
-        if placement is None:
+        """By score alone without a placement; with one, the replicas scoring within
+        `placement_margin` of the best by the placement key (`placement`), lowest first, each
+        key's by score, then the rest by score."""
+        if placement is None or not views:
             return self._rank_with_ties(views, scores)
+        best = max(scores[view.replica_id].score for view in views)
+        near = [view for view in views if best - scores[view.replica_id].score <= self.placement_margin]
+        rest = [view for view in views if best - scores[view.replica_id].score > self.placement_margin]
         groups: dict[int, list[ReplicaView]] = collections.defaultdict(list)
-        for view in views:
+        for view in near:
             groups[placement[view.replica_id]].append(view)
-        return [ranked for key in sorted(groups) for ranked in self._rank_with_ties(groups[key], scores)]
+        placed = [ranked for key in sorted(groups) for ranked in self._rank_with_ties(groups[key], scores)]
+        return placed + self._rank_with_ties(rest, scores)
 
     def _rank_with_ties(self, views: list[ReplicaView], scores: dict[str, HeadroomScore]) -> list[ReplicaView]:
         """Best score first; the near-tie group at the top is reordered by fewest requests

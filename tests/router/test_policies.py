@@ -418,6 +418,12 @@ def test_a_new_tenant_lands_where_the_fewest_prompt_blocks_were_routed_and_an_ev
         assert routed(headroom_policy(seed)).rank(tenant_request(20), cluster())[0] == "r3"
         assert routed(HeadroomPolicy(rng=random.Random(seed), pin_prefix_fraction=0)).rank(
             tenant_request(20), cluster())[-1] == "r3"
+    # Unless r3 scores worse by more than `placement_margin` (0.1 of a pool): a queue of 4,000
+    # prefill tokens (0.25 of its pool) ahead of it there.
+    queued = cluster()[:3] + [view("r3", make_load("r3", free_blocks=600, expected_output_tokens=200,
+                                                   waiting_prefill_tokens=4_000))]
+    for seed in range(10):
+        assert routed(headroom_policy(seed)).rank(tenant_request(20), queued)[-1] == "r3"
     # Tenant 5 went to r2; its request ended and r2 evicted its prefix, so no replica holds it:
     # it goes back to r2, not to r3 where fewer blocks went (a second copy of its tenants' spread).
     policy = routed(headroom_policy())
@@ -436,6 +442,11 @@ def test_a_new_tenant_lands_where_the_fewest_prompt_blocks_were_routed_and_an_ev
 def test_pin_prefix_fraction_outside_0_1_is_a_clear_error(fraction):
     with pytest.raises(ValueError, match="pin_prefix_fraction"):
         HeadroomPolicy(pin_prefix_fraction=fraction)
+
+
+def test_placement_margin_below_0_is_a_clear_error():
+    with pytest.raises(ValueError, match="placement_margin"):
+        HeadroomPolicy(placement_margin=-0.1)
 
 
 @pytest.mark.parametrize("window", [-1, 2.5])
