@@ -79,6 +79,7 @@ POLICY_NAMES = (OURS,) + BASELINES
 OPTIMISTIC_OURS = "headroom (optimistic admission)"
 ORACLE = "oracle"
 LATE_STATS = "headroom (stats 500 ms late)"
+LATE_STATS_DELAY_S = 0.5  # how late LATE_STATS' load reports and KV events reach the router
 # Ours over replicas with a host KV tier (issue 23), each preemption swapping or recomputing
 # its victim, whichever costs less; every other name runs without one: recompute only, as
 # vLLM v1 (and so every baseline as deployed) does.
@@ -248,6 +249,11 @@ class StatsFeed:
         if self.drop_fraction:
             return f"{self.drop_fraction:.0%} of updates dropped"
         return f"stats delayed {self.delay_s * 1000:.0f} ms" if self.delay_s else "fresh stats"
+
+
+def feed_for(name: str) -> StatsFeed:
+    """How stats reach policy `name`'s router: LATE_STATS_DELAY_S late for LATE_STATS, else fresh."""
+    return StatsFeed(delay_s=LATE_STATS_DELAY_S) if name == LATE_STATS else StatsFeed()
 
 
 @dataclass(frozen=True)
@@ -1391,8 +1397,7 @@ def run_target_points(setup: Setup, results: dict, out, runner: Runner) -> dict[
             for name in point.policies:
                 reused = results.get((point.workload, point.load, name)) if seed == args.seed else None
                 if reused is None:
-                    feed = StatsFeed(delay_s=0.5) if name == LATE_STATS else StatsFeed()
-                    todo.append((setup, seed, feed, name, point.workload, rate))
+                    todo.append((setup, seed, feed_for(name), name, point.workload, rate))
                 slots.append((outcome[point.label][name], reused))
     simulated = iter(runner.map(simulate, todo))
     for runs, reused in slots:  # in the order the slots were made, which is the order of `todo`

@@ -61,8 +61,9 @@ def run_one(job: tuple) -> tuple:
     args = sim.parse_args(["--requests" if full else "--capacity-requests", str(requests)])
     config = sim.engine_config(args.num_kv_blocks).model_copy(update=variant.get("engine", {}))
     setup = sim.Setup(args, config, args.cost)
-    stats = setup.sim(seed).run(variant.get("policy", sim.OURS), setup.workload(workload, seed, capacity=not full),
-                                rate, ttft_slo_s=bound)
+    policy = variant.get("policy", sim.OURS)
+    stats = setup.sim(seed, sim.feed_for(policy)).run(policy, setup.workload(workload, seed, capacity=not full),
+                                                      rate, ttft_slo_s=bound)
     return label, rate, seed, stats
 
 

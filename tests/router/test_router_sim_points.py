@@ -40,3 +40,15 @@ def test_the_full_workload_runs_the_stale_stats_policy_and_prints_the_p99():
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| 4 |")]
     assert [row[1] for row in rows] == ["headroom", "headroom (stats 500 ms late)", "pow2"]
     assert all(float(row[5]) >= float(row[4]) > 0 for row in rows)  # p99 >= p90, both measured
+
+
+def test_the_stale_stats_policy_gets_its_stats_late():
+    # The late policy's router reads stats LATE_STATS_DELAY_S late, as bench_router_sim's target
+    # points run it (before, the script ran it on fresh stats: the staleness check compared ours
+    # with itself on another random stream).
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_router_sim as sim
+
+    assert sim.feed_for(sim.LATE_STATS).delay_s == sim.LATE_STATS_DELAY_S == 0.5
+    assert sim.feed_for(sim.OURS).delay_s == 0 and sim.feed_for("pow2").delay_s == 0
+    assert "sim.feed_for(policy)" in SCRIPT.read_text()
