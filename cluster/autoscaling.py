@@ -32,6 +32,7 @@ where it is used, so the config (which reads the policy names here) stays light.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -341,27 +342,52 @@ class RequestsAutoscalingPolicy:
 BOARD_NAME = "headroom-autoscaler-decisions"
 BOARD_NAMESPACE = "headroom"
 # A policy that found no board looks again after this long (the ingress creates it at start).
-BOARD_LOOKUP_PERIOD_S = 10.0
+BOARD_LOOKUP_PERIOD_S = 1.0
 
 
 class DecisionPublisher:
     """The policy's side of the board: fire-and-forget, never blocking the controller's loop
-    for more than a name lookup now and then."""
+    for more than a name lookup now and then.
+
+    Serve runs the policy as soon as an application deploys, which can be before its ingress
+    has created the board: what it decides meanwhile is kept (each application's latest
+    decision and its last BOARD_CHANGES_KEPT count changes) and handed over, in order, once the
+    board is found, so a scale-up decided in an application's first seconds is not lost."""
 
     def __init__(self) -> None:
         self._board = None
         self._looked_up_at = -math.inf
+        self._unsent_changes: collections.deque = collections.deque(maxlen=BOARD_CHANGES_KEPT)
+        self._unsent_latest: dict[str, dict[str, Any]] = {}
 
     def publish(self, app_name: Optional[str], decision: Decision, running: int, target: int, policy: str) -> None:
-        board = self._lookup()
-        if board is None:
-            return
         record = {**asdict(decision), "running_replicas": running, "target_replicas": target, "policy": policy,
                   "timestamp": time.time()}
+        app_name = app_name or ""
+        board = self._lookup()
+        if board is None:
+            if record["desired_replicas"] != record["target_replicas"]:
+                self._unsent_changes.append((app_name, record))
+            self._unsent_latest[app_name] = record
+            return
         try:
-            board.record.remote(app_name or "", record)
+            for unsent_app, unsent in self._unsent_records():
+                board.record.remote(unsent_app, unsent)
+            board.record.remote(app_name, record)
         except Exception:  # the board died with its ingress: find the next one
             self._board = None
+
+    def _unsent_records(self) -> list[tuple[str, dict[str, Any]]]:
+        """What was decided while no board was found, oldest first: the count changes, then each
+        application's latest decision where it was not the last change (the board records a change
+        when it gets one); emptied."""
+        records = list(self._unsent_changes)
+        changes = {id(record) for _, record in records}
+        records += [(app, record) for app, record in self._unsent_latest.items() if id(record) not in changes]
+        records.sort(key=lambda item: item[1]["timestamp"])
+        self._unsent_changes.clear()
+        self._unsent_latest.clear()
+        return records
 
     def _lookup(self):
         if self._board is None and time.monotonic() - self._looked_up_at >= BOARD_LOOKUP_PERIOD_S:

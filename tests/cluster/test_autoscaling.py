@@ -13,7 +13,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from cluster.autoscaling import (
     HOST_CAPACITY_STAT, HOST_PARKED_STAT, KV_CAPACITY_STAT, KV_DEMAND_STAT, PREEMPTION_RATE_STAT,
     WAITING_PREFILL_STAT, HeadroomAutoscalingPolicy, HeadroomPolicyParams, PolicyState, ReplicaSignal,
-    RequestsAutoscalingPolicy, autoscaling_stats, decide,
+    Decision, DecisionBoard, DecisionPublisher, RequestsAutoscalingPolicy, autoscaling_stats, decide,
 )
 from cluster.config import ClusterConfig
 from cluster.deployment import ReplicaCounts
@@ -288,3 +288,29 @@ def test_status_prints_running_against_desired_with_the_reason_and_the_draining(
                                "last change to 3 (kv_demand)")
     assert lines[1].endswith(", 1 draining")
     assert lines[2] == "starting: 1 replicas running, Serve's target 1 (autoscaling: no decision published yet)"
+
+
+class _BoardByHand:
+    """The real DecisionBoard behind the actor-handle shape the publisher calls (board.record.remote)."""
+
+    def __init__(self):
+        self.board = DecisionBoard()
+        self.record = SimpleNamespace(remote=self.board.record)
+
+
+def test_decisions_made_before_the_board_is_found_reach_it_in_order_once_it_is():
+    publisher = DecisionPublisher()
+    found = [None]
+    publisher._lookup = lambda: found[0]
+    # Serve runs the policy before the ingress has created the board: a scale-up then.
+    publisher.publish("app", Decision(1, "low_demand"), 1, 1, "headroom")
+    publisher.publish("app", Decision(2, "kv_demand"), 1, 1, "headroom")
+    publisher.publish("app", Decision(2, "kv_demand"), 1, 2, "headroom")
+    found[0] = _BoardByHand()
+    publisher.publish("app", Decision(1, "low_demand"), 2, 2, "headroom")
+    board = found[0].board
+    assert [(change["desired_replicas"], change["target_replicas"]) for change in board.get_changes("app")] == \
+        [(2, 1), (1, 2)]
+    assert board.get("app")["desired_replicas"] == 1 and board.get("app")["target_replicas"] == 2
+    publisher.publish("app", Decision(1, "low_demand"), 1, 1, "headroom")  # nothing left over to replay
+    assert len(board.get_changes("app")) == 2 and board.get("app")["target_replicas"] == 1
