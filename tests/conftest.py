@@ -8,15 +8,16 @@ import faulthandler
 import os
 from pathlib import Path
 
-# Before anything imports torch: OpenMP threads wait asleep between parallel regions, in this
-# process and every process it starts (Ray's, the engine cores', the TP workers'). libgomp's
+# Before anything imports torch: idle OpenMP threads spin only briefly (~10k iterations), then
+# sleep, in this process and every process it starts (Ray's, the engine cores', the TP
+# workers'). libgomp's
 # default spins each idle worker ~300k iterations after every region, so on a 2-core machine a
 # test's model, its engine-core subprocess and Ray's processes each held both cores while
 # waiting and took them from one another (the engine core sets the same for itself:
 # replica/front/core_client.py, which imports no torch). A setting the environment has wins.
-from replica.front.core_client import openmp_waits_asleep  # noqa: E402
+from replica.front.core_client import openmp_waits_briefly  # noqa: E402
 
-openmp_waits_asleep(os.environ)
+openmp_waits_briefly(os.environ)
 
 import pytest  # noqa: E402
 

@@ -175,30 +175,39 @@ class EngineCoreClient:
 
 
 # The OpenMP settings that say how idle intra-op threads wait; when the front's environment
-# sets none of them, the core's wait asleep (OMP_WAIT_POLICY=PASSIVE, which libgomp and
-# Intel's runtime both read when torch loads them).
+# sets none of them, the core's idle workers spin briefly, then sleep (OPENMP_SHORT_WAIT).
 OPENMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+# libgomp (torch's runtime on Linux) spins an idle worker this many iterations (~10-30 us) after
+# a parallel region, then sleeps: long enough to bridge the gap between one op of a forward pass
+# and the next, too short to hold a core another process needs. Its default, 300k, held both
+# cores of a 2-core machine and collapsed a served run 10x under other load; sleeping at once
+# (OMP_WAIT_POLICY=PASSIVE, the default until 2026-11-29) woke a worker through the kernel at
+# every region: SmolLM2's served steps took 1.8x the offline loop's. Measured on that machine
+# (bench_served.py, 64x128, docs/benchmarks.md): SmolLM2 served/offline 0.62 passive -> 0.97;
+# the built-in model under two full-priority CPU hogs 1,106 -> 1,299 served tok/s, under three
+# nice-10 hogs 2,044-2,146 -> 2,751-2,774. Intel's runtime (KMP_BLOCKTIME=0) still sleeps at once.
+OPENMP_SHORT_WAIT = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
 
 
-def openmp_waits_asleep(environment: MutableMapping[str, str]) -> None:
-    """Sets OMP_WAIT_POLICY=PASSIVE in `environment` unless it already chose how idle OpenMP
-    threads wait (it must be in a process's environment before torch loads its runtime)."""
+def openmp_waits_briefly(environment: MutableMapping[str, str]) -> None:
+    """Sets OPENMP_SHORT_WAIT in `environment` unless it already chose how idle OpenMP threads
+    wait (it must be in a process's environment before torch loads its runtime)."""
     if not any(name in environment for name in OPENMP_WAIT_SETTINGS):
-        environment["OMP_WAIT_POLICY"] = "PASSIVE"
+        environment.update(OPENMP_SHORT_WAIT)
 
 
 def _child_environment() -> dict[str, str]:
     """The front's environment, with its import path: the core must import the same code
     (this checkout, a test directory), not whatever an installed copy would resolve to.
 
-    The core's OpenMP threads wait passively unless the environment chose otherwise: by
-    default libgomp spins an idle worker for ~300k iterations after each parallel region, so
-    between the forward pass's ops the core holds every core it has a thread on, and the
-    front (and anything else on the host) gets the CPU only by preempting a worker that the
-    next op then waits for. Measured on the 2-core VM under other load (bench_served.py,
-    64x128): the core spent 55 CPU-s on what takes it 6 when its workers sleep, and the
-    served run took 73 s instead of 7 (docs/benchmarks.md)."""
+    The core's OpenMP threads spin only briefly before they sleep unless the environment chose
+    otherwise (OPENMP_SHORT_WAIT): by default libgomp spins an idle worker for ~300k iterations
+    after each parallel region, so between the forward pass's ops the core holds every core it
+    has a thread on, and the front (and anything else on the host) gets the CPU only by
+    preempting a worker that the next op then waits for. Measured on the 2-core VM under other
+    load (bench_served.py, 64x128): the core spent 55 CPU-s on what takes it 6 when its workers
+    sleep, and the served run took 73 s instead of 7 (docs/benchmarks.md)."""
     paths = [os.path.abspath(path or os.getcwd()) for path in sys.path]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-    openmp_waits_asleep(environment)
+    openmp_waits_briefly(environment)
     return environment
