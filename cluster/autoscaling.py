@@ -378,13 +378,12 @@ class DecisionPublisher:
             self._board = None
 
     def _unsent_records(self) -> list[tuple[str, dict[str, Any]]]:
-        """What was decided while no board was found, oldest first: the count changes, then each
-        application's latest decision where it was not the last change (the board records a change
-        when it gets one); emptied."""
+        """What was decided while no board was found, each application's in order: the count
+        changes, then its latest decision where that was not the last change (the board records a
+        change when it gets one); emptied."""
         records = list(self._unsent_changes)
         changes = {id(record) for _, record in records}
         records += [(app, record) for app, record in self._unsent_latest.items() if id(record) not in changes]
-        records.sort(key=lambda item: item[1]["timestamp"])
         self._unsent_changes.clear()
         self._unsent_latest.clear()
         return records

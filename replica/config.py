@@ -255,35 +255,58 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def container_memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup",
-                                 proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
-    """The lowest memory limit of this process's cgroup and its ancestors (a container's, such as
-    a Kubernetes pod's limits.memory); None where none is readable. cgroup v2 (memory.max, "max"
-    when unlimited) and v1 (memory/memory.limit_in_bytes, a number near 2**63 when unlimited). A
-    container that mounts only its own cgroup sees it at the root, whatever path
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def cgroup_control_files(v2_name: str, v1_controller: str, v1_name: Optional[str],
+                         cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_SELF_CGROUP) -> list[str]:
+    """The text of one control file in this process's cgroup and in each of its ancestors, where
+    readable: `v2_name` under cgroup v2, `v1_name` under the `v1_controller` hierarchy of v1 (None:
+    v2 only). A container that mounts only its own cgroup sees it at the root, whatever path
     /proc/self/cgroup names, so every ancestor of that path down to the root is read."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    texts = []
     for line in lines:
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and not controllers:
-            base, name = Path(cgroup_root), "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = Path(cgroup_root) / "memory", "memory.limit_in_bytes"
+            base, name = Path(cgroup_root), v2_name
+        elif v1_name is not None and v1_controller in controllers.split(","):
+            base, name = Path(cgroup_root) / v1_controller, v1_name
         else:
             continue
         parts = [part for part in path.split("/") if part]
         for depth in range(len(parts), -1, -1):
             try:
-                text = base.joinpath(*parts[:depth], name).read_text().strip()
+                texts.append(base.joinpath(*parts[:depth], name).read_text().strip())
             except OSError:
                 continue
-            if text.isdigit():
-                limits.append(int(text))
-    return min(limits, default=None)
+    return texts
+
+
+def container_memory_limit_bytes(cgroup_root: str = CGROUP_ROOT,
+                                 proc_cgroup: str = PROC_SELF_CGROUP) -> Optional[int]:
+    """The lowest memory limit of this process's cgroup and its ancestors (a container's, such as
+    a Kubernetes pod's limits.memory); None where none is readable. cgroup v2 (memory.max, "max"
+    when unlimited) and v1 (memory/memory.limit_in_bytes, a number near 2**63 when unlimited)."""
+    texts = cgroup_control_files("memory.max", "memory", "memory.limit_in_bytes", cgroup_root, proc_cgroup)
+    return min((int(text) for text in texts if text.isdigit()), default=None)
+
+
+def container_cpu_quota(cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_SELF_CGROUP) -> Optional[float]:
+    """The CPUs the lowest cgroup v2 quota of this process's cgroup and its ancestors allows
+    (cpu.max "200000 100000" -> 2.0); None without a quota."""
+    quotas = []
+    for text in cgroup_control_files("cpu.max", "cpu", None, cgroup_root, proc_cgroup):
+        try:
+            quota, period = text.split()[:2]
+            quotas.append(int(quota) / int(period))
+        except (ValueError, ZeroDivisionError):  # "max": no quota there
+            continue
+    return min(quotas, default=None)
 
 
 def replica_memory_bytes() -> tuple[int, str]:

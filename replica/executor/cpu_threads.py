@@ -29,6 +29,8 @@ import os
 import time
 from typing import Callable, Optional
 
+from replica.config import container_cpu_quota
+
 # Reads of the runnable-thread count per decision, and the pause between them: a busy engine
 # core (a thread that computes) is runnable at every read, a front or proxy handling a message
 # at few of them; the fewest runnable threads seen is what really competes for the cores.
@@ -55,21 +57,6 @@ def runnable_threads(path: str = "/proc/loadavg") -> Optional[int]:
         return None
 
 
-def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> Optional[float]:
-    """The CPUs a cgroup v2 quota allows ("200000 100000" -> 2.0); None without a quota."""
-    try:
-        with open(path) as file:
-            quota, period = file.read().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return int(quota) / int(period)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 def physical_cores(cpus: set[int], topology: str = "/sys/devices/system/cpu") -> int:
     """How many physical cores `cpus` (logical CPU ids) span: hyperthread siblings count once,
     as torch's own default thread count does. len(cpus) where the topology is unreadable."""
@@ -92,7 +79,7 @@ def usable_cpus() -> int:
     except AttributeError:  # not Linux
         cpus = set(range(os.cpu_count() or 1))
     count = physical_cores(cpus)
-    quota = cgroup_cpu_quota()
+    quota = container_cpu_quota()
     if quota is not None:
         count = min(count, max(1, math.ceil(quota)))
     return max(1, count)

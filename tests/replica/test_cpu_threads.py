@@ -15,7 +15,8 @@ from replica.config import EngineConfig, make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
 from replica.executor import cpu_threads
-from replica.executor.cpu_threads import StepThreads, cgroup_cpu_quota, physical_cores, runnable_threads
+from replica.config import container_cpu_quota
+from replica.executor.cpu_threads import StepThreads, physical_cores, runnable_threads
 from replica.front.async_engine import AsyncEngine
 
 
@@ -90,10 +91,18 @@ def test_the_machine_readers(tmp_path):
     (tmp_path / "loadavg").write_text("5.36 5.08 3.21 5/113 14195\n")
     assert runnable_threads(str(tmp_path / "loadavg")) == 5
     assert runnable_threads(str(tmp_path / "absent")) is None
-    (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert cgroup_cpu_quota(str(tmp_path / "cpu.max")) == 1.5
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert cgroup_cpu_quota(str(tmp_path / "cpu.max")) is None
+    (tmp_path / "self_cgroup").write_text("0::/\n")
+    (tmp_path / "fs").mkdir()
+    (tmp_path / "fs" / "cpu.max").write_text("150000 100000\n")
+    assert container_cpu_quota(str(tmp_path / "fs"), str(tmp_path / "self_cgroup")) == 1.5
+    (tmp_path / "fs" / "cpu.max").write_text("max 100000\n")
+    assert container_cpu_quota(str(tmp_path / "fs"), str(tmp_path / "self_cgroup")) is None
+    # A nested cgroup: the lowest quota of it and its ancestors.
+    (tmp_path / "self_cgroup").write_text("0::/slice/replica\n")
+    (tmp_path / "fs" / "slice" / "replica").mkdir(parents=True)
+    (tmp_path / "fs" / "slice" / "cpu.max").write_text("100000 100000\n")
+    (tmp_path / "fs" / "slice" / "replica" / "cpu.max").write_text("300000 100000\n")
+    assert container_cpu_quota(str(tmp_path / "fs"), str(tmp_path / "self_cgroup")) == 1.0
     # Four logical CPUs, two hyperthreads on each of two cores.
     for cpu, core in enumerate((0, 0, 1, 1)):
         topology = tmp_path / f"cpu{cpu}" / "topology"
