@@ -94,6 +94,13 @@ ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "re
 # make theirs after everyone else), so under overload the requests already late do not make
 # the rest late too. The baselines' replicas queue first come, first served, as vLLM does.
 SLO_SCHEDULED = (OURS, OPTIMISTIC_OURS, LATE_STATS, OURS_AUTO)
+# Ours' replicas hold a request for growth (admission_max_hold_ms) at most this many of its
+# TTFT SLO, and never past the engine's 500 ms (None: 500 ms whatever the SLO). A request held
+# past its SLO misses it whatever follows, so a longer hold buys no goodput; under a sustained
+# overload it only queues the next arrivals behind a reserve that never frees (long_output,
+# 80 ms bound: goodput at 1.2x the best baseline's capacity 0.84x with 500 ms holds, 1.00x
+# with 80 ms; docs/benchmarks.md, issue 27). The tables' 2 s SLO keeps 500 ms.
+OURS_HOLD_SLO_MULTIPLE: Optional[float] = 1.0
 WORKLOADS = ("multi_tenant", "multi_turn", "hot_tenant", "chat", "mixed_long", "long_output", "azure_trace")
 LOADS = (0.5, 0.85, 1.2)  # of the workload's latency-calibrated rate
 # Goodput SLO.
@@ -278,6 +285,7 @@ class RunStats:
     # Of those, the blocks a step waited for before its forward pass (swaps, host hits); the rest
     # are the prefix cache's write-throughs and prefetched swap-ins, which overlap the forward pass.
     waited_blocks_per_1k: float = 0.0
+    latency_mean_s: float = 0.0  # measured requests' mean arrival to last token
 
 
 class SimReplica:
@@ -365,6 +373,9 @@ class ClusterSim:
         update = {"admission_mode": ADMISSION.get(name, "optimistic")}
         if name in SLO_SCHEDULED:
             update.update(scheduling_policy="slo", default_ttft_slo_ms=ttft_slo_s * 1000)
+        hold_ms = self.config.admission_max_hold_ms
+        if update["admission_mode"] != "optimistic" and OURS_HOLD_SLO_MULTIPLE and hold_ms is not None:
+            update.update(admission_max_hold_ms=min(hold_ms, OURS_HOLD_SLO_MULTIPLE * ttft_slo_s * 1000))
         if name in HOST_TIER:
             update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")
         config = self.config.model_copy(update=update)
@@ -567,6 +578,7 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
         swap_preemptions_per_1k=1000.0 * sum(s.counters.swap_preemptions for s in schedulers) / num_requests,
         copied_blocks_per_1k=1000.0 * copied / num_requests,
         waited_blocks_per_1k=1000.0 * waited / num_requests,
+        latency_mean_s=float(np.mean([r.last_token_time - r.arrival_time for r in measured])),
     )
 
 
@@ -816,6 +828,14 @@ TPOT_P90_BOUND_S = TPOT_SLO_S
 # a bound below their unloaded prefill would leave no capacity at all), never above 2 s.
 CAPACITY_TTFT_MULTIPLE = 5.0
 CAPACITY_TTFT_CAP_S = TTFT_SLO_S
+# A capacity or goodput run's arrivals span at least this many of the workload's unloaded mean
+# request durations (arrival to last token), whatever its rate: a run shorter than that is a
+# burst the cluster absorbs at once, not a load it sustains (Little's law: a run of N requests
+# at rate r holds N / (r W) times the requests in flight at once). long_output's 160 requests
+# at 340 req/s were 0.47 s of arrivals against a 6.5 s request: every request was admitted
+# before the first finished, and the capacity found was 22x the 15 req/s the cluster completes.
+# The other workloads' 400 requests span 7-19 durations at their capacity; the rule adds none.
+CAPACITY_MIN_SPAN_DURATIONS = 5.0
 OVERLOADS = (1.2, 1.5)  # goodput targets: these multiples of the best baseline's capacity
 GOODPUT_CURVE = (1.0,) + OVERLOADS  # the plot's offered rates, in the same multiples
 
@@ -827,11 +847,18 @@ class SLOBound:
     ttft_p90_s: float
     unloaded_p50_s: float  # precise_prefix (exact cache knowledge) almost idle (1% of the token-capacity bound)
     unloaded_p99_s: float
+    unloaded_duration_s: float = 0.0  # mean arrival to last token, unloaded
 
     @classmethod
     def of(cls, unloaded: "RunStats") -> "SLOBound":
         bound = max(CAPACITY_TTFT_MULTIPLE * unloaded.ttft_p50_s, unloaded.ttft_p99_s)
-        return cls(min(CAPACITY_TTFT_CAP_S, bound), unloaded.ttft_p50_s, unloaded.ttft_p99_s)
+        return cls(min(CAPACITY_TTFT_CAP_S, bound), unloaded.ttft_p50_s, unloaded.ttft_p99_s,
+                   unloaded.latency_mean_s)
+
+    @property
+    def min_span_s(self) -> float:
+        """The shortest arrival window of a capacity or goodput run (CAPACITY_MIN_SPAN_DURATIONS)."""
+        return CAPACITY_MIN_SPAN_DURATIONS * self.unloaded_duration_s
 
     def excess(self, stats: "RunStats") -> float:
         """How far a run is past the SLO: < 1 within it."""
@@ -852,15 +879,16 @@ def capacity_at_slo(setup: "Setup", workload_name: str, policy: str, seed: int, 
     doubling while the SLO still holds at the top and halving while it fails at the bottom
     (to 1/64 of the token-capacity bound at most, below which the capacity is reported as 0),
     then --capacity-steps geometric bisections."""
-    workload = setup.workload(workload_name, seed, capacity=True)
     sim = setup.sim(seed)
     seen: dict[float, bool] = {}
 
     def holds(rate: float) -> bool:
         if rate not in seen:
+            workload = setup.capacity_workload(workload_name, seed, rate, bound)
             seen[rate] = bound.excess(sim.run(policy, workload, rate, ttft_slo_s=bound.ttft_p90_s)) < 1.0
         return seen[rate]
 
+    workload = setup.workload(workload_name, seed, capacity=True)
     token_bound = token_capacity_rps(workload, setup.config, setup.cost, setup.args.replicas)
     low, high = (hint / 1.4, hint * 1.4) if hint else (token_bound / 4, token_bound)
     while not holds(low):
@@ -877,7 +905,7 @@ def capacity_at_slo(setup: "Setup", workload_name: str, policy: str, seed: int, 
 
 def goodput_run(setup: "Setup", workload_name: str, policy: str, seed: int, rate_rps: float,
                 bound: SLOBound) -> RunStats:
-    return setup.sim(seed).run(policy, setup.workload(workload_name, seed, capacity=True), rate_rps,
+    return setup.sim(seed).run(policy, setup.capacity_workload(workload_name, seed, rate_rps, bound), rate_rps,
                                ttft_slo_s=bound.ttft_p90_s)
 
 
@@ -956,6 +984,13 @@ def capacity_report(results: dict[str, CapacityResult], seeds: range) -> list[st
             lines.append(f"| {name} | {result.bound.ttft_p90_s:.3f} | {policy} | {mean:.2f} ± {spread:.2f} | {vs} | "
                          + " | ".join(f"{g:.2f} ± {sd:.2f}" for g, sd in goodputs) + " | "
                          + " | ".join(f"{ratio(g, b):.2f}x" for (g, _), b in zip(goodputs, best_goodputs)) + " |")
+    lines.append("")
+    lines.append(f"Runs: --capacity-requests (long_output 40%), or more so that arrivals span at least "
+                 f"{CAPACITY_MIN_SPAN_DURATIONS:g} unloaded mean request durations: "
+                 + "; ".join(f"{name} {r.bound.min_span_s:.1f} s (duration {r.bound.unloaded_duration_s:.2f} s; "
+                             f"{capacity_requests(name, 0, r.mean_capacity(r.best_baseline()), r.bound.min_span_s)} "
+                             f"requests at the best baseline's capacity)"
+                             for name, r in results.items()))
     lines += capacity_targets(results)
     return lines
 
@@ -1205,6 +1240,12 @@ def requests_for(workload: str, num_requests: int) -> int:
     return max(20, int(num_requests * 0.4)) if workload == "long_output" else num_requests
 
 
+def capacity_requests(workload: str, num_requests: int, rate_rps: float, min_span_s: float) -> int:
+    """requests_for(workload, num_requests), or enough that their arrivals at `rate_rps` span
+    `min_span_s` (CAPACITY_MIN_SPAN_DURATIONS)."""
+    return max(requests_for(workload, num_requests), math.ceil(rate_rps * min_span_s))
+
+
 @dataclass
 class Setup:
     args: argparse.Namespace
@@ -1219,6 +1260,12 @@ class Setup:
         args = self.args
         num = args.calibration_requests if calibration else args.capacity_requests if capacity else args.requests
         return make_workload(name, requests_for(name, num), seed, self.args.trace)
+
+    def capacity_workload(self, name: str, seed: int, rate_rps: float, bound: SLOBound) -> Workload:
+        """A capacity or goodput run's requests at `rate_rps`: --capacity-requests (long_output
+        40%), or more where their arrivals would span less than `bound.min_span_s`."""
+        num = capacity_requests(name, self.args.capacity_requests, rate_rps, bound.min_span_s)
+        return make_workload(name, num, seed, self.args.trace)
 
 
 def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
@@ -1236,7 +1283,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     print(f"{args.replicas} replicas; engine: block {config.block_size}, {config.num_usable_blocks} KV blocks "
           f"({config.num_usable_blocks * config.block_size} tokens), max_num_batched_tokens "
           f"{config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}; "
-          f"admission: {OURS} reserve_expected, queued by TTFT SLO; baselines optimistic, first come first served",
+          f"admission: {OURS} reserve_expected (holds at most {OURS_HOLD_SLO_MULTIPLE or 0:g}x the TTFT SLO, "
+          f"{config.admission_max_hold_ms:g} ms at most), queued by TTFT SLO; baselines optimistic, first come first served",
           file=out)
     print(f"cost model: {args.cost_model} -- {cost.describe()}", file=out)
     print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms, KV events every step, stale after 1 s; goodput SLO: "

@@ -51,7 +51,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def run_one(job: tuple) -> tuple:
     """One run: (label, variant, workload, seed, rate, bound, requests, full) -> (label, rate, seed, RunStats)."""
-    label, variant, workload, seed, rate, bound, requests, full = job
+    label, variant, workload, seed, rate, bound, requests, full, min_span = job
     knobs = variant.get("knobs", {})
 
     def with_knobs(name, rng=None, **more):
@@ -62,8 +62,11 @@ def run_one(job: tuple) -> tuple:
     config = sim.engine_config(args.num_kv_blocks).model_copy(update=variant.get("engine", {}))
     setup = sim.Setup(args, config, args.cost)
     policy = variant.get("policy", sim.OURS)
-    stats = setup.sim(seed, sim.feed_for(policy)).run(policy, setup.workload(workload, seed, capacity=not full),
-                                                      rate, ttft_slo_s=bound)
+    if full:
+        runs = setup.workload(workload, seed)
+    else:
+        runs = sim.make_workload(workload, sim.capacity_requests(workload, requests, rate, min_span), seed, args.trace)
+    stats = setup.sim(seed, sim.feed_for(policy)).run(policy, runs, rate, ttft_slo_s=bound)
     return label, rate, seed, stats
 
 
@@ -77,6 +80,9 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                         help='ours with {"knobs": {...}} (HeadroomPolicy) and/or {"engine": {...}} (EngineConfig)')
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--min-span", type=float, default=0.0, metavar="S",
+                        help="more requests where the capacity section would run more: arrivals span at least S "
+                             "seconds (its report's per-workload span: 5 unloaded request durations)")
     parser.add_argument("--full-workload", action="store_true",
                         help="the fixed-load tables' workload (--requests per run, long_output 40%%) instead of the "
                              "capacity section's; with --bound 2 and 1,000 requests, the never-worse-than-pow2 and "
@@ -91,14 +97,15 @@ def main(argv=None) -> None:
         if name not in sim.POLICY_NAMES and name not in (sim.OPTIMISTIC_OURS, sim.LATE_STATS):
             raise SystemExit(f"--policies: unknown {name!r}; expected some of {', '.join(sim.POLICY_NAMES)}")
     runs.update(parse_variant(text) for text in args.variant)
-    jobs = [(label, variant, args.workload, seed, rate, args.bound, args.requests, args.full_workload)
+    jobs = [(label, variant, args.workload, seed, rate, args.bound, args.requests, args.full_workload, args.min_span)
             for rate in rates for label, variant in runs.items() for seed in seeds]
     results: dict = {}
     with ProcessPoolExecutor(args.jobs) as pool:
         for label, rate, seed, stats in pool.map(run_one, jobs):
             results.setdefault((rate, label), []).append(stats)
     print(f"{args.workload}, P90 TTFT bound {args.bound} s, seeds {seeds.start}-{seeds.stop - 1}, "
-          f"{args.requests} requests per run{' (the tables workload)' if args.full_workload else ''} "
+          f"{args.requests} requests per run{' (the tables workload)' if args.full_workload else ''}"
+          f"{f', arrivals at least {args.min_span:g} s' if args.min_span and not args.full_workload else ''} "
           "(means; goodput per seed in brackets)")
     print("| rate req/s | policy | " + " | ".join(header for header, _, _ in FIELDS) + " | goodput vs best baseline |")
     print("|---" * (3 + len(FIELDS)) + "|")

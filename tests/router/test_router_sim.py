@@ -143,7 +143,7 @@ def test_capacity_at_slo_finds_a_rate_that_holds_and_reports_goodput_past_the_be
     # What the search reports holds: the same run at that rate keeps P90 TTFT and TPOT in bounds.
     setup = bench.Setup(args, bench.engine_config(args.num_kv_blocks), args.cost)
     rate = result.capacity["headroom"][0]
-    workload = setup.workload("multi_tenant", 0, capacity=True)
+    workload = setup.capacity_workload("multi_tenant", 0, rate, result.bound)
     assert result.bound.excess(setup.sim(0).run("headroom", workload, rate, ttft_slo_s=result.bound.ttft_p90_s)) < 1.0
     for multiple in bench.GOODPUT_CURVE:
         assert all(len(runs) == 2 for runs in result.goodput[multiple].values())
@@ -168,7 +168,12 @@ def test_ours_replicas_queue_by_the_runs_ttft_slo_and_the_baselines_first_come_f
             policy, workload, 5.0, ttft_slo_s=0.25)
     assert configs[bench.OURS].scheduling_policy == "slo" and configs[bench.OURS].default_ttft_slo_ms == 250.0
     assert configs[bench.OURS].admission_mode == "reserve_expected"
+    assert configs[bench.OURS].admission_max_hold_ms == 250.0  # held at most its TTFT SLO
     assert configs["approx_prefix"].scheduling_policy == "fcfs" and configs["approx_prefix"].default_ttft_slo_ms is None
+    configs.clear()
+    policy = bench.OURS
+    bench.ClusterSim(bench.engine_config(3072), 2, bench.ASSUMED, bench.StatsFeed(), 0).run(policy, workload, 5.0)
+    assert configs[bench.OURS].admission_max_hold_ms == 500.0  # the tables' 2 s SLO: the engine's 500 ms
 
 
 def test_the_slo_bound_is_five_unloaded_medians_or_the_unloaded_p99_and_at_most_2_s():
@@ -181,6 +186,24 @@ def test_the_slo_bound_is_five_unloaded_medians_or_the_unloaded_p99_and_at_most_
     assert bench.SLOBound.of(unloaded(0.047, 0.136)).ttft_p90_s == pytest.approx(0.235)
     assert bench.SLOBound.of(unloaded(0.025, 0.58)).ttft_p90_s == pytest.approx(0.58)  # long prompts' prefill
     assert bench.SLOBound.of(unloaded(1.0, 3.0)).ttft_p90_s == 2.0
+
+
+def test_a_capacity_run_spans_five_unloaded_request_durations_whatever_its_rate():
+    bench = load_bench_module()
+    fields = {name: 0.0 for name in bench.RunStats.__dataclass_fields__}
+    bound = bench.SLOBound.of(bench.RunStats(**{**fields, "num_requests": 100, "ttft_p50_s": 0.016,
+                                                "ttft_p99_s": 0.03, "latency_mean_s": 6.5}))
+    assert bound.min_span_s == pytest.approx(32.5)
+    # long_output's 160 requests at 340 req/s were a 0.47 s burst: now 11,050 requests, 32.5 s.
+    assert bench.capacity_requests("long_output", 400, 340.0, bound.min_span_s) == 11050
+    assert bench.capacity_requests("long_output", 400, 4.0, bound.min_span_s) == 160  # 40 s already
+    args = bench.parse_args(["--quick"])
+    setup = bench.Setup(args, bench.engine_config(args.num_kv_blocks), args.cost)
+    workload = setup.capacity_workload("long_output", 0, 20.0, bound)
+    assert len(workload.requests) == 650
+    # The first requests are the shorter run's: a longer run adds requests, it changes none.
+    shorter = setup.capacity_workload("long_output", 0, 1.0, bound).requests  # --quick: 40 requests
+    assert len(shorter) == 40 and workload.requests[:40] == shorter
 
 
 def test_the_cost_model_fit_recovers_its_coefficients_and_keeps_them_non_negative(tmp_path):

@@ -52,3 +52,15 @@ def test_the_stale_stats_policy_gets_its_stats_late():
     assert sim.feed_for(sim.LATE_STATS).delay_s == sim.LATE_STATS_DELAY_S == 0.5
     assert sim.feed_for(sim.OURS).delay_s == 0 and sim.feed_for("pow2").delay_s == 0
     assert "sim.feed_for(policy)" in SCRIPT.read_text()
+
+
+def test_min_span_runs_as_many_requests_as_the_capacity_section_would():
+    done = run("--workload", "chat", "--rates", "4", "--bound", "2", "--seeds", "0", "--requests", "30",
+               "--jobs", "1", "--policies", "pow2", "--min-span", "10")
+    assert done.returncode == 0, done.stderr
+    assert "30 requests per run, arrivals at least 10 s" in done.stdout
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_router_sim as sim
+
+    assert sim.capacity_requests("chat", 30, 4.0, 10.0) == 40  # 10 s of arrivals at 4 req/s
+    assert "sim.capacity_requests(workload, requests, rate, min_span)" in SCRIPT.read_text()
