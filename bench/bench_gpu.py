@@ -36,6 +36,10 @@ Sections (the default is all but `peers`, about 6 minutes on an H100):
   and TP=2 / TP=1 ratios), each rank's captured sizes and order, the worker replaying every
   size rank 0 did, greedy tokens of the three compared. --cpu-smoke runs this second part on
   two gloo ranks, the padded pass run eagerly (no graphs on a CPU);
+- structured (issue 22; `--sections structured`, not in the default): bench/bench_structured.py
+  --device cuda on SmolLM2 (cold compiles, a batch of 64 all constrained against none, the
+  masks' host time, outputs that validate); needs llguidance and jsonschema (gpu_wheels.txt).
+  --cpu-smoke runs it with 4 schemas and 4 rows;
 - peers: bench/bench_attention.py --quick and bench/bench_fused_ops.py --quick.
 
 Needs torch, triton, transformers, safetensors, tokenizers, numpy, pytest and the wheels in
@@ -144,7 +148,7 @@ def main() -> None:
         ENGINE_CONFIG.clear()
         ENGINE_CONFIG.update(SMOKE_ENGINE_CONFIG)
         args.quick = True
-        sections = [name for name in sections if name in ("engine", "smollm2", "swap", "tp")]
+        sections = [name for name in sections if name in ("engine", "smollm2", "swap", "tp", "structured")]
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device (--cpu-smoke checks the script on a CPU)")
     else:
@@ -182,7 +186,7 @@ def main() -> None:
             if tp_runs:
                 section(report, "tp", lambda: tensor_parallel(model_dir, decode_steps))
     if "structured" in sections:
-        section(report, "structured", lambda: structured_outputs(args.smollm2))
+        section(report, "structured", lambda: structured_outputs(args.smollm2, cpu_smoke=args.cpu_smoke))
     if "peers" in sections:
         for script in ("bench_attention.py", "bench_fused_ops.py"):
             section(report, f"peers {script}", lambda script=script: peer_benchmark(script))
@@ -723,12 +727,16 @@ def tp_decode_ms(engine, batch: int, steps: int, seed: int) -> tuple[float, list
     return _mean_ms(timings), padded
 
 
-def structured_outputs(smollm2: Optional[str]) -> list[tuple]:
+def structured_outputs(smollm2: Optional[str], cpu_smoke: bool = False) -> list[tuple]:
     """bench_structured.py on the GPU: a batch of 64 all constrained against none (SmolLM2), the
-    masks' host time per step and per row, cold compile times, outputs that validate."""
+    masks' host time per step and per row, cold compile times, outputs that validate. With
+    --cpu-smoke a few schemas and rows on the CPU: its imports (llguidance, jsonschema) and
+    plumbing, nothing measured."""
+    size = (["--batch", "4", "--max-tokens", "8", "--repeat", "1", "--num-schemas", "4", "--validate-max-tokens", "24"]
+            if cpu_smoke else ["--max-tokens", "64", "--repeat", "3"])
     output, returncode = run_subprocess(
         [sys.executable, str(REPO / "bench" / "bench_structured.py"), "--device", DEVICE, "--model",
-         smollm2 or "smollm2-135m", "--max-tokens", "64", "--repeat", "3"], timeout_s=600)
+         smollm2 or "smollm2-135m", *size], timeout_s=600)
     lines = [line.strip() for line in output.splitlines() if line.startswith(("compile", "throughput", "mask", "valid"))]
     return [("bench_structured.py", f"exit {returncode}", "constrained / none >= 0.9")] + [
         ("structured", line, "") for line in lines]
