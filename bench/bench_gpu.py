@@ -9,8 +9,8 @@ what it measured.
 Sections (the default is all but `peers`, about 6 minutes on an H100):
 - tests: the engine's HF-parity tests on CUDA (fp32, Triton attention, CUDA graphs and async
   scheduling on): tests/replica/test_engine.py, test_slo_engine.py and test_kv_swap_engine.py
-  (the host KV tier's pinned copies on a copy stream) with HEADROOM_TEST_DEVICE=cuda, in a
-  subprocess;
+  (the host KV tier's pinned copies on a copy stream), then test_step_host_reads.py (no read of
+  a CUDA tensor while a step launches), with HEADROOM_TEST_DEVICE=cuda, in a subprocess;
 - engine: on a random 1.1B Llama (hidden 2048, 16 layers, 32 q / 8 kv heads, vocab 32000) in
   bf16: greedy agreement with HF (first 32 tokens of 16 prompts, HF's logit gap at each
   divergence); the engine against HF generate() (batch 64) on bench_engine.py's 256-request
@@ -264,11 +264,13 @@ def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[
 # ---- tests: the HF-parity tests on CUDA ---------------------------------------------------------
 def parity_tests() -> list[tuple]:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-               "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py", "tests/replica/test_kv_swap_engine.py"]
+               "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py", "tests/replica/test_kv_swap_engine.py",
+               "tests/replica/test_step_host_reads.py"]
     output, returncode = run_subprocess(command, {**repo_env(), "HEADROOM_TEST_DEVICE": "cuda"}, timeout_s=240)
     summary = output.strip().splitlines()[-1] if output.strip() else ""
-    return [("test_engine + test_slo_engine + test_kv_swap_engine on CUDA (fp32, Triton, graphs, async; the host "
-             "tier's pinned copies)", f"{summary} (exit {returncode})", "all pass")]
+    return [("test_engine + test_slo_engine + test_kv_swap_engine + test_step_host_reads on CUDA (fp32, Triton, "
+             "graphs, async; the host tier's pinned copies; no device reads in a launch)",
+             f"{summary} (exit {returncode})", "all pass")]
 
 
 # ---- the 1.1B checkpoint and HF's side ------------------------------------------------------------

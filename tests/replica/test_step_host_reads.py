@@ -12,7 +12,8 @@ TorchFunctionMode sees every such call made from the engine's code while the CPU
 The CPU's own attention backend (replica/attention/torch_*.py) reads sequence lengths on the host by
 design and never runs on CUDA (the Triton backend keeps them on the device), so its calls are left
 out. Reading a step's results (the runner's StepInFlight.result()) is where the host is meant to
-wait, and is not probed.
+wait, and is not probed. HEADROOM_TEST_DEVICE=cuda runs the same engines on a GPU (Triton
+attention, CUDA graphs for the padded decode steps), where only reads of CUDA tensors count.
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ HOST_READS = {
     _T.nonzero, torch.nonzero, _T.unique, torch.unique, _T.bincount, torch.bincount, _T.masked_select,
     torch.masked_select, _T.any, _T.all, _T.__iter__,
 }
+TEST_DEVICE = os.environ.get("HEADROOM_TEST_DEVICE", "cpu")
 REPLICA_DIR = str(Path(replica.__file__).resolve().parent) + os.sep
 # Calls whose innermost engine frame is here run only on the CPU's attention backend.
 CPU_ONLY = tuple(REPLICA_DIR + name for name in ("attention/torch_ref.py", "attention/torch_plan.py"))
+
+
+def _of_the_device(args) -> bool:
+    """On the CPU every tensor may be the device's; on a GPU only a CUDA tensor is."""
+    return TEST_DEVICE == "cpu" or any(isinstance(arg, torch.Tensor) and arg.device.type != "cpu" for arg in args)
 
 
 class HostReadProbe(TorchFunctionMode):
@@ -52,7 +59,7 @@ class HostReadProbe(TorchFunctionMode):
         self.calls: Counter = Counter()  # of the probed methods, by name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
+        if func in HOST_READS and _of_the_device(args):
             frames = [frame for frame in traceback.extract_stack()[:-1] if frame.filename.startswith(REPLICA_DIR)]
             if frames and not frames[-1].filename.startswith(CPU_ONLY):
                 site = " <- ".join(f"{frame.filename[len(REPLICA_DIR):]}:{frame.lineno} ({frame.name})"
@@ -112,16 +119,18 @@ def _assert_no_reads(probe: HostReadProbe) -> None:
 
 @pytest.mark.parametrize("padded_decode", [False, True], ids=["eager-decode", "padded-decode"])
 def test_launching_steps_with_every_sampling_feature_reads_nothing_back(padded_decode):
-    # Chunked prefill (budget 32), a shared prefix, decode batches of up to 6 rows.
+    # Chunked prefill (budget 32), a shared prefix, decode batches of up to 6 rows. On CUDA the
+    # padded decode steps replay graphs; the eager case turns them off.
     engine = LLMEngine(make_engine_config(block_size=4, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8,
-                                          num_kv_blocks=64, async_scheduling=True), "builtin", device="cpu")
-    if padded_decode:
+                                          num_kv_blocks=64, async_scheduling=True, enforce_eager=not padded_decode),
+                       "builtin", device=TEST_DEVICE)
+    if padded_decode and engine.runner.graphs is None:
         engine.runner.enable_decode_padding()
     probe = _probe_launches(engine)
     params = _mixed_params(12)
     _run(engine, params, [5 + 3 * index for index in range(len(params))], shared_prefix=12)
     assert probe.calls["launch"] > 0
-    if padded_decode:
+    if padded_decode and engine.runner.graphs is None:
         assert probe.calls["_decode_pass"] > 0, "decode steps must have run the padded pass a graph captures"
     _assert_no_reads(probe)
 
@@ -131,8 +140,9 @@ def test_launching_steps_that_swap_and_prefetch_reads_nothing_back():
     engine = LLMEngine(make_engine_config(block_size=4, max_model_len=48, max_num_batched_tokens=32, max_num_seqs=8,
                                           num_kv_blocks=14, num_host_kv_blocks=64, preemption_mode="swap",
                                           preemption_recompute_s_per_token=1e-3, preemption_swap_bytes_per_s=1e9,
-                                          async_scheduling=True), "builtin", device="cpu")
-    engine.runner.enable_decode_padding()
+                                          async_scheduling=True), "builtin", device=TEST_DEVICE)
+    if engine.runner.graphs is None:
+        engine.runner.enable_decode_padding()
     engine.scheduler.prefetch_swap_ins = True  # as on CUDA
     probe = _probe_launches(engine)
     params = _mixed_params(12)
@@ -146,8 +156,9 @@ def test_launching_constrained_steps_reads_nothing_back():
     from replica.core.structured_output import StructuredOutput
 
     engine = LLMEngine(make_engine_config(block_size=4, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8,
-                                          num_kv_blocks=64, async_scheduling=True), "builtin", device="cpu")
-    engine.runner.enable_decode_padding()
+                                          num_kv_blocks=64, async_scheduling=True), "builtin", device=TEST_DEVICE)
+    if engine.runner.graphs is None:
+        engine.runner.enable_decode_padding()
     probe = _probe_launches(engine)
     choice = StructuredOutput("choice", ("yes please", "no thanks"))
     params = [SamplingParams(max_tokens=8, temperature=0.0, structured_output=choice),
