@@ -1,0 +1,43 @@
+"""The engine's eager steps through the kernels CUDA runs, on a CPU under Triton's interpreter.
+
+A chunked prefill beside decodes, whose last decoder layer runs past its K/V write for the
+sampling rows alone (their queries gathered out of the fused QKV projection, attended as
+one-token queries with the decode plan), through the Triton attention kernel and the Triton
+fused ops (in-place add + RMSNorm on the gathered residual), gives the tokens the torch path
+gives. The CPU's own defaults (the torch attention backend, the in-place torch ops) are what
+every other engine test runs; this is the GPU's combination, which CUDA graphs do not cover
+(a graph replays only the padded decode pass).
+"""
+
+import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+
+import random
+
+import pytest
+
+from replica.config import make_engine_config
+from replica.core.engine import LLMEngine
+from replica.core.request import SamplingParams
+
+
+def _generate(attention_backend: str, fused_ops: str, prompts, params) -> tuple[list, int]:
+    """Output tokens, and the rows the last layer's MLP saw."""
+    engine = LLMEngine(make_engine_config(block_size=4, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=8,
+                                          num_kv_blocks=64, fused_ops=fused_ops), "builtin", device="cpu",
+                       dtype="float32", attention_backend=attention_backend)
+    rows = [0]
+    engine.model.model.layers[-1].mlp.register_forward_hook(
+        lambda module, inputs, output: rows.__setitem__(0, rows[0] + len(inputs[0])))
+    return engine.generate(prompts, params), rows[0]
+
+
+@pytest.mark.parametrize("fused_ops", ["inplace", "triton"])
+def test_pruned_last_layer_through_the_triton_kernels_equals_the_torch_path(fused_ops):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(length)] for length in (3, 19, 30, 9)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected, _ = _generate("torch", "torch", prompts, params)
+    tokens, last_layer_rows = _generate("triton", fused_ops, prompts, params)
+    assert tokens == expected
+    # Budget 16: the 19- and 30-token prompts prefill in chunks; only sampled rows reach the MLP.
+    assert last_layer_rows == len(prompts) * params.max_tokens
