@@ -6,7 +6,8 @@ one-token queries with the decode plan), through the Triton attention kernel and
 fused ops (in-place add + RMSNorm on the gathered residual), gives the tokens the torch path
 gives. The CPU's own defaults (the torch attention backend, the in-place torch ops) are what
 every other engine test runs; this is the GPU's combination, which CUDA graphs do not cover
-(a graph replays only the padded decode pass).
+(a graph replays only the padded decode pass). And launching steps through these kernels reads
+nothing back from the device (test_step_host_reads' probe, with the Triton backend in).
 """
 
 import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
@@ -41,3 +42,18 @@ def test_pruned_last_layer_through_the_triton_kernels_equals_the_torch_path(fuse
     assert tokens == expected
     # Budget 16: the 19- and 30-token prompts prefill in chunks; only sampled rows reach the MLP.
     assert last_layer_rows == len(prompts) * params.max_tokens
+
+
+def test_launching_steps_through_the_triton_kernels_reads_nothing_back():
+    # test_step_host_reads leaves the CPU's torch attention out; here the kernels CUDA runs are in.
+    from test_step_host_reads import _assert_no_reads, _mixed_params, _probe_launches, _run
+
+    engine = LLMEngine(make_engine_config(block_size=4, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8,
+                                          num_kv_blocks=64, async_scheduling=True, fused_ops="triton"), "builtin",
+                       device="cpu", attention_backend="triton")
+    engine.runner.enable_decode_padding()
+    probe = _probe_launches(engine)
+    params = _mixed_params(5)
+    _run(engine, params, [5 + 3 * index for index in range(len(params))], shared_prefix=12)
+    assert probe.calls["launch"] > 0 and probe.calls["_decode_pass"] > 0
+    _assert_no_reads(probe)
