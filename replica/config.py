@@ -209,6 +209,19 @@ class EngineConfig(BaseModel):
             raise ConfigError("preemption_mode: 'swap' needs a host KV tier (set num_host_kv_blocks or host_kv_bytes)")
         if self.max_model_len is None:  # checked once the model's context is known (resolve_max_model_len)
             return self
+        if self.gpu_memory_utilization is None:
+            # With it, a profiling run on CUDA sizes the pool (memory_profile checks it holds one
+            # max_model_len sequence); elsewhere it is ignored and resolve_rank_config checks this.
+            self.check_pool_holds_max_model_len()
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens: with chunked prefill off it must be >= max_model_len "
+                f"({self.max_model_len}) or long prompts could never run; got {self.max_num_batched_tokens}"
+            )
+        return self
+
+    def check_pool_holds_max_model_len(self) -> None:
+        """ConfigError naming num_kv_blocks unless the pool holds one max_model_len sequence."""
         blocks_per_max_seq = -(-self.max_model_len // self.block_size)
         if self.num_usable_blocks < blocks_per_max_seq:
             raise ConfigError(
@@ -216,12 +229,6 @@ class EngineConfig(BaseModel):
                 f"one max_model_len={self.max_model_len} sequence, which needs {blocks_per_max_seq} "
                 f"blocks of {self.block_size} tokens plus the null block"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens: with chunked prefill off it must be >= max_model_len "
-                f"({self.max_model_len}) or long prompts could never run; got {self.max_num_batched_tokens}"
-            )
-        return self
 
     @property
     def has_host_tier(self) -> bool:
@@ -354,20 +361,23 @@ def resolve_host_kv_blocks(config: EngineConfig, bytes_per_block: int) -> Engine
     return config
 
 
-def resolve_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig:
+def resolve_max_model_len(config: EngineConfig, model_max_len: int, pool_sized_later: bool = False) -> EngineConfig:
     """`config` with max_model_len decided for a model whose context is model_max_len tokens.
 
     An explicit max_model_len must fit the model. None follows the model, as vLLM's default does,
     where the KV pool (num_kv_blocks) can hold one sequence that long and, with chunked prefill
     off, one step's budget can run its prompt; else it is as long as they allow, and a warning
-    says which bound it met (vLLM refuses to start there instead).
+    says which bound it met (vLLM refuses to start there instead). `pool_sized_later`: a
+    profiling run sizes the pool after this (gpu_memory_utilization on CUDA), so num_kv_blocks
+    is no bound yet; the caller resolves again once the pool is sized.
     """
     if config.max_model_len is not None:
         if config.max_model_len > model_max_len:
             raise ConfigError(f"max_model_len: {config.max_model_len} exceeds the model's {model_max_len}")
         return config
-    bounds = {"the model's context": model_max_len,
-              "the KV pool (num_kv_blocks x block_size, less the null block)": config.pool_tokens}
+    bounds = {"the model's context": model_max_len}
+    if not pool_sized_later:
+        bounds["the KV pool (num_kv_blocks x block_size, less the null block)"] = config.pool_tokens
     if not config.enable_chunked_prefill:
         bounds["max_num_batched_tokens (chunked prefill is off)"] = config.max_num_batched_tokens
     bound, max_model_len = min(bounds.items(), key=lambda item: item[1])

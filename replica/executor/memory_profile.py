@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ class MemoryProfile:
         return int(self.total * utilization) - self.weights - self.peak_activations - self.non_torch
 
     def num_kv_blocks(self, utilization: float, bytes_per_block: int, min_blocks: int,
-                      tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+                      tp: TensorParallel = NO_TENSOR_PARALLEL, needed_for: str = "one max_model_len sequence") -> int:
         """KV blocks that fit, on every rank of `tp` the fewest any rank's device holds (one
         scheduler plans for all ranks, each holding its shard of every block); ConfigError
         (naming gpu_memory_utilization) on every rank when that is below min_blocks. Every rank
@@ -68,7 +69,7 @@ class MemoryProfile:
                 f"gpu_memory_utilization: {utilization} of {self.total / gib:.1f} GiB leaves {budget / gib:.2f} GiB "
                 f"for the KV cache after weights ({self.weights / gib:.2f} GiB), peak activations "
                 f"({self.peak_activations / gib:.2f} GiB) and memory outside torch ({self.non_torch / gib:.2f} GiB): "
-                f"{own_blocks} blocks{tightest}, but one max_model_len sequence needs {min_blocks}"
+                f"{own_blocks} blocks{tightest}, but {needed_for} needs {min_blocks}"
             )
         return num_blocks
 
@@ -139,9 +140,11 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
 
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                          device: torch.device, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+                          device: torch.device, tp: TensorParallel = NO_TENSOR_PARALLEL,
+                          min_tokens: Optional[int] = None) -> int:
     """KV blocks (the null block included) that fit the engine's share of the GPU; under tensor
-    parallelism every rank profiles its own GPU and they agree on the fewest."""
+    parallelism every rank profiles its own GPU and they agree on the fewest. ConfigError unless
+    they hold `min_tokens` (default: one max_model_len sequence)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -153,8 +156,10 @@ def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, co
     free, total = torch.cuda.mem_get_info(device)
     profile = MemoryProfile(total, free, torch.cuda.memory_reserved(device), weights, peak, device)
     per_block = kv_cache_bytes_per_block(model_config, config.block_size, next(model.parameters()).dtype)
-    num_blocks = profile.num_kv_blocks(config.gpu_memory_utilization, per_block,
-                                       min_blocks=-(-config.max_model_len // config.block_size) + 1, tp=tp)
+    min_tokens = min_tokens or config.max_model_len
+    num_blocks = profile.num_kv_blocks(
+        config.gpu_memory_utilization, per_block, min_blocks=-(-min_tokens // config.block_size) + 1, tp=tp,
+        needed_for="one max_model_len sequence" if min_tokens == config.max_model_len else f"{min_tokens} tokens")
     gib = 2**30
     logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (%.2f of %.1f GiB; weights %.2f GiB, "
                 "peak activations %.2f GiB, outside torch %.2f GiB)", num_blocks, config.block_size,

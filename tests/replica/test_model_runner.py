@@ -16,16 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica.model.registry import resolve_model_path
-from replica.config import ConfigError, make_engine_config
+from replica.config import ConfigError, make_engine_config, resolve_max_model_len
 from replica.executor.block_table import BlockTables
 from replica.executor.cuda_graphs import capture_sizes, padded_batch_size, use_cuda_graphs
 from replica.executor.memory_profile import MemoryProfile, kv_cache_bytes_per_block, profile_run
 from replica.executor.model_runner import ModelRunner
+from replica.executor.rank_config import resolve_rank_config
 from replica.executor.request_rows import RequestRows
 from replica.executor.staging import FIELD_ALIGNMENT, StagedField, StagedInputs
 from replica.model import load_model
 from replica.core.request import Request, SamplingParams
 from replica.core.scheduler import Scheduler
+from replica.parallel.group import NO_TENSOR_PARALLEL
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +236,26 @@ def test_the_kv_pool_gets_the_engines_share_minus_weights_peak_activations_and_m
     assert profile.num_kv_blocks(0.9, bytes_per_block=gib // 4, min_blocks=2) == int(64.5 * 4)
     with pytest.raises(ConfigError, match="gpu_memory_utilization: 0.1 of 80.0 GiB .* needs 129"):
         profile.num_kv_blocks(0.1, bytes_per_block=gib // 4, min_blocks=129)
+
+
+def test_a_pool_that_profiling_will_size_does_not_bound_max_model_len_before_it_exists(builtin_model):
+    # With gpu_memory_utilization, CUDA sizes the pool by a profiling run after max_model_len is
+    # decided: the default num_kv_blocks (2,047 usable blocks, 32,752 tokens) must not cap a
+    # 128k-context model, nor refuse an explicit max_model_len the profiled pool may hold.
+    config = make_engine_config(gpu_memory_utilization=0.9)
+    assert resolve_max_model_len(config, 131072, pool_sized_later=True).max_model_len == 131072
+    assert resolve_max_model_len(config, 131072).max_model_len == 32752  # a pool that is not profiled bounds it
+    assert make_engine_config(max_model_len=65536, gpu_memory_utilization=0.9).max_model_len == 65536
+    with pytest.raises(ConfigError, match="^num_kv_blocks: 2048 blocks .* max_model_len=65536"):
+        make_engine_config(max_model_len=65536)
+    # Where nothing profiles (here, the CPU: gpu_memory_utilization is CUDA's), the rank's config
+    # holds max_model_len to num_kv_blocks as validation would have.
+    model, model_config = builtin_model
+    too_long = make_engine_config(max_model_len=model_config.max_model_len, num_kv_blocks=9, gpu_memory_utilization=0.9)
+    with pytest.raises(ConfigError, match=f"^num_kv_blocks: 9 blocks .* max_model_len={model_config.max_model_len}"):
+        resolve_rank_config(too_long, model, model_config, torch.device("cpu"), NO_TENSOR_PARALLEL)
+    follows = make_engine_config(num_kv_blocks=9, gpu_memory_utilization=0.9)
+    assert resolve_rank_config(follows, model, model_config, torch.device("cpu"), NO_TENSOR_PARALLEL).max_model_len == 128
 
 
 def test_the_profile_run_executes_the_largest_step_the_scheduler_can_form(builtin_model):
