@@ -957,12 +957,12 @@ def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityRes
     measured = runner.map(goodput_run, goodput_jobs)
     for (_, name, policy, _, _, _), multiple, stats in zip(goodput_jobs, multiples, measured):
         results[name].goodput[multiple][policy].append(stats)
-    for line in capacity_report(results, seeds):
+    for line in capacity_report(results, seeds, args.capacity_requests):
         print(line, file=out)
     return results
 
 
-def capacity_report(results: dict[str, CapacityResult], seeds: range) -> list[str]:
+def capacity_report(results: dict[str, CapacityResult], seeds: range, capacity_requests_flag: int = 0) -> list[str]:
     lines = [f"\n## Capacity at SLO (seeds {seeds.start}-{seeds.stop - 1}: mean ± sample standard deviation)",
              f"Capacity: the highest offered rate at which P90 TTFT <= the workload's bound (max({CAPACITY_TTFT_MULTIPLE:g}x "
              f"the unloaded median, the unloaded P99), at most "
@@ -988,7 +988,7 @@ def capacity_report(results: dict[str, CapacityResult], seeds: range) -> list[st
     lines.append(f"Runs: --capacity-requests (long_output 40%), or more so that arrivals span at least "
                  f"{CAPACITY_MIN_SPAN_DURATIONS:g} unloaded mean request durations: "
                  + "; ".join(f"{name} {r.bound.min_span_s:.1f} s (duration {r.bound.unloaded_duration_s:.2f} s; "
-                             f"{capacity_requests(name, 0, r.mean_capacity(r.best_baseline()), r.bound.min_span_s)} "
+                             f"{capacity_requests(name, capacity_requests_flag, r.mean_capacity(r.best_baseline()), r.bound.min_span_s)} "
                              f"requests at the best baseline's capacity)"
                              for name, r in results.items()))
     lines += capacity_targets(results)
