@@ -431,10 +431,17 @@ class Scheduler:
         of long generations, which frees nothing for seconds, costs its held requests at most
         that long to their first token; and after a preemption (a waived reserve that did not
         pay) the whole reserve is needed again (SGLang's new_token_ratio decays the same way
-        over steps and is reset by a retraction)."""
+        over steps and is reset by a retraction). A request with a TTFT SLO shorter than
+        admission_max_hold_ms is held at most its SLO: held longer it misses its deadline
+        whatever follows, and under a sustained overload it would only queue the next
+        arrivals behind a reserve that never frees (docs/benchmarks.md, issue 27)."""
         max_hold_ms = self.config.admission_max_hold_ms
         if max_hold_ms is None:
             return 1.0
+        if request.ttft_deadline is not None:
+            max_hold_ms = min(max_hold_ms, (request.ttft_deadline - request.arrival_time) * 1000)
+            if max_hold_ms <= 0:
+                return 0.0
         held_s = now - max(request.waiting_since, self._last_reserve_met_time, self._last_preemption_time)
         return min(1.0, max(0.0, 1.0 - held_s * 1000 / max_hold_ms))
 

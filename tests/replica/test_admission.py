@@ -93,6 +93,22 @@ def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
     assert first.num_output_tokens == second.num_output_tokens == 28
 
 
+def test_a_request_is_held_at_most_its_ttft_slo():
+    """Held past its TTFT deadline a request misses it whatever follows: with an SLO of 80 ms
+    the 500 ms hold ends at 80 ms (a request without an SLO keeps the whole hold)."""
+    now = [100.0]
+    scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=500.0,
+                                                    default_ttft_slo_ms=80.0)
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a"]
+    assert scheduler._reserve_share(second, 100.04) == pytest.approx(0.5)
+    now[0] = 100.08
+    run_step(scheduler)
+    assert len(scheduler.running) == 2 and scheduler.load().admissions_relaxed_total == 1
+    second.ttft_deadline = None
+    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)  # 180 of 500 ms held
+
+
 def test_a_hold_runs_from_the_last_admission_on_the_whole_reserve_not_from_arrival():
     """A request that queued long behind others is not waved through: the hold times how long
     the reserve has blocked the queue (under a sustained overload, the queue drains on whole
