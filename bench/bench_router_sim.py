@@ -92,15 +92,10 @@ ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "re
 # Ours' requests carry the run's TTFT SLO (the goodput bound) and its replicas queue by it
 # (scheduling_policy "slo": rescuable requests by earliest deadline, those that can no longer
 # make theirs after everyone else), so under overload the requests already late do not make
-# the rest late too. The baselines' replicas queue first come, first served, as vLLM does.
+# the rest late too; the engine then holds a request for growth at most its SLO (under the
+# reserve admission modes; scheduler._reserve_share). The baselines' replicas queue first come,
+# first served, as vLLM does.
 SLO_SCHEDULED = (OURS, OPTIMISTIC_OURS, LATE_STATS, OURS_AUTO)
-# Ours' replicas hold a request for growth (admission_max_hold_ms) at most this many of its
-# TTFT SLO, and never past the engine's 500 ms (None: 500 ms whatever the SLO). A request held
-# past its SLO misses it whatever follows, so a longer hold buys no goodput; under a sustained
-# overload it only queues the next arrivals behind a reserve that never frees (long_output,
-# 80 ms bound: goodput at 1.2x the best baseline's capacity 0.84x with 500 ms holds, 1.00x
-# with 80 ms; docs/benchmarks.md, issue 27). The tables' 2 s SLO keeps 500 ms.
-OURS_HOLD_SLO_MULTIPLE: Optional[float] = 1.0
 WORKLOADS = ("multi_tenant", "multi_turn", "hot_tenant", "chat", "mixed_long", "long_output", "azure_trace")
 LOADS = (0.5, 0.85, 1.2)  # of the workload's latency-calibrated rate
 # Goodput SLO.
@@ -373,9 +368,6 @@ class ClusterSim:
         update = {"admission_mode": ADMISSION.get(name, "optimistic")}
         if name in SLO_SCHEDULED:
             update.update(scheduling_policy="slo", default_ttft_slo_ms=ttft_slo_s * 1000)
-        hold_ms = self.config.admission_max_hold_ms
-        if update["admission_mode"] != "optimistic" and OURS_HOLD_SLO_MULTIPLE and hold_ms is not None:
-            update.update(admission_max_hold_ms=min(hold_ms, OURS_HOLD_SLO_MULTIPLE * ttft_slo_s * 1000))
         if name in HOST_TIER:
             update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")
         config = self.config.model_copy(update=update)
@@ -1283,8 +1275,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     print(f"{args.replicas} replicas; engine: block {config.block_size}, {config.num_usable_blocks} KV blocks "
           f"({config.num_usable_blocks * config.block_size} tokens), max_num_batched_tokens "
           f"{config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}; "
-          f"admission: {OURS} reserve_expected (holds at most {OURS_HOLD_SLO_MULTIPLE or 0:g}x the TTFT SLO, "
-          f"{config.admission_max_hold_ms:g} ms at most), queued by TTFT SLO; baselines optimistic, first come first served",
+          f"admission: {OURS} reserve_expected (a request held for growth at most "
+          f"{config.admission_max_hold_ms:g} ms or its TTFT SLO, the engine's rule), queued by TTFT SLO; baselines optimistic, first come first served",
           file=out)
     print(f"cost model: {args.cost_model} -- {cost.describe()}", file=out)
     print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms, KV events every step, stale after 1 s; goodput SLO: "
