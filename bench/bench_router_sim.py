@@ -876,7 +876,7 @@ def capacity_at_slo(setup: "Setup", workload_name: str, policy: str, seed: int, 
 
     def holds(rate: float) -> bool:
         if rate not in seen:
-            workload = setup.capacity_workload(workload_name, seed, rate, bound)
+            workload = setup.capacity_workload(workload_name, seed, rate, bound.min_span_s)
             seen[rate] = bound.excess(sim.run(policy, workload, rate, ttft_slo_s=bound.ttft_p90_s)) < 1.0
         return seen[rate]
 
@@ -897,7 +897,7 @@ def capacity_at_slo(setup: "Setup", workload_name: str, policy: str, seed: int, 
 
 def goodput_run(setup: "Setup", workload_name: str, policy: str, seed: int, rate_rps: float,
                 bound: SLOBound) -> RunStats:
-    return setup.sim(seed).run(policy, setup.capacity_workload(workload_name, seed, rate_rps, bound), rate_rps,
+    return setup.sim(seed).run(policy, setup.capacity_workload(workload_name, seed, rate_rps, bound.min_span_s), rate_rps,
                                ttft_slo_s=bound.ttft_p90_s)
 
 
@@ -1253,10 +1253,10 @@ class Setup:
         num = args.calibration_requests if calibration else args.capacity_requests if capacity else args.requests
         return make_workload(name, requests_for(name, num), seed, self.args.trace)
 
-    def capacity_workload(self, name: str, seed: int, rate_rps: float, bound: SLOBound) -> Workload:
+    def capacity_workload(self, name: str, seed: int, rate_rps: float, min_span_s: float) -> Workload:
         """A capacity or goodput run's requests at `rate_rps`: --capacity-requests (long_output
-        40%), or more where their arrivals would span less than `bound.min_span_s`."""
-        num = capacity_requests(name, self.args.capacity_requests, rate_rps, bound.min_span_s)
+        40%), or more where their arrivals would span less than `min_span_s` (SLOBound.min_span_s)."""
+        num = capacity_requests(name, self.args.capacity_requests, rate_rps, min_span_s)
         return make_workload(name, num, seed, self.args.trace)
 
 

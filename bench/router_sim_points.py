@@ -50,7 +50,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def run_one(job: tuple) -> tuple:
-    """One run: (label, variant, workload, seed, rate, bound, requests, full) -> (label, rate, seed, RunStats)."""
+    """One run: (label, variant, workload, seed, rate, bound, requests, full, min_span) -> (label, rate, seed, RunStats)."""
     label, variant, workload, seed, rate, bound, requests, full, min_span = job
     knobs = variant.get("knobs", {})
 
@@ -62,10 +62,7 @@ def run_one(job: tuple) -> tuple:
     config = sim.engine_config(args.num_kv_blocks).model_copy(update=variant.get("engine", {}))
     setup = sim.Setup(args, config, args.cost)
     policy = variant.get("policy", sim.OURS)
-    if full:
-        runs = setup.workload(workload, seed)
-    else:
-        runs = sim.make_workload(workload, sim.capacity_requests(workload, requests, rate, min_span), seed, args.trace)
+    runs = setup.workload(workload, seed) if full else setup.capacity_workload(workload, seed, rate, min_span)
     stats = setup.sim(seed, sim.feed_for(policy)).run(policy, runs, rate, ttft_slo_s=bound)
     return label, rate, seed, stats
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -140,11 +139,11 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
 
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                          device: torch.device, tp: TensorParallel = NO_TENSOR_PARALLEL,
-                          min_tokens: Optional[int] = None) -> int:
+                          min_tokens: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
     """KV blocks (the null block included) that fit the engine's share of the GPU; under tensor
     parallelism every rank profiles its own GPU and they agree on the fewest. ConfigError unless
-    they hold `min_tokens` (default: one max_model_len sequence)."""
+    they hold `min_tokens` (one max_model_len sequence, or a block where max_model_len follows
+    the pool)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -156,10 +155,9 @@ def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, co
     free, total = torch.cuda.mem_get_info(device)
     profile = MemoryProfile(total, free, torch.cuda.memory_reserved(device), weights, peak, device)
     per_block = kv_cache_bytes_per_block(model_config, config.block_size, next(model.parameters()).dtype)
-    min_tokens = min_tokens or config.max_model_len
     num_blocks = profile.num_kv_blocks(
         config.gpu_memory_utilization, per_block, min_blocks=-(-min_tokens // config.block_size) + 1, tp=tp,
-        needed_for="one max_model_len sequence" if min_tokens == config.max_model_len else f"{min_tokens} tokens")
+        needed_for="one max_model_len sequence" if min_tokens == config.max_model_len else f"a {min_tokens}-token block")
     gib = 2**30
     logger.info("KV pool sized by profiling: %d blocks x %d tokens = %.2f GiB (%.2f of %.1f GiB; weights %.2f GiB, "
                 "peak activations %.2f GiB, outside torch %.2f GiB)", num_blocks, config.block_size,

@@ -33,8 +33,8 @@ def resolve_rank_config(config: EngineConfig, model: LlamaForCausalLM, model_con
     if profiled:
         # An explicit max_model_len must fit the profiled pool (else a ConfigError naming
         # gpu_memory_utilization); one that follows the model is then cut to what the pool holds.
-        num_blocks = profile_num_kv_blocks(model, model_config, config, device, tp,
-                                           min_tokens=config.block_size if follows_model else config.max_model_len)
+        num_blocks = profile_num_kv_blocks(model, model_config, config, device,
+                                           config.block_size if follows_model else config.max_model_len, tp)
         config = resolve_max_model_len(make_engine_config(**{
             **config.model_dump(), "num_kv_blocks": num_blocks,
             "max_model_len": None if follows_model else config.max_model_len}), model_config.max_model_len)

@@ -143,7 +143,7 @@ def test_capacity_at_slo_finds_a_rate_that_holds_and_reports_goodput_past_the_be
     # What the search reports holds: the same run at that rate keeps P90 TTFT and TPOT in bounds.
     setup = bench.Setup(args, bench.engine_config(args.num_kv_blocks), args.cost)
     rate = result.capacity["headroom"][0]
-    workload = setup.capacity_workload("multi_tenant", 0, rate, result.bound)
+    workload = setup.capacity_workload("multi_tenant", 0, rate, result.bound.min_span_s)
     assert result.bound.excess(setup.sim(0).run("headroom", workload, rate, ttft_slo_s=result.bound.ttft_p90_s)) < 1.0
     for multiple in bench.GOODPUT_CURVE:
         assert all(len(runs) == 2 for runs in result.goodput[multiple].values())
@@ -194,10 +194,10 @@ def test_a_capacity_run_spans_five_unloaded_request_durations_whatever_its_rate(
     assert bench.capacity_requests("long_output", 400, 4.0, bound.min_span_s) == 160  # 40 s already
     args = bench.parse_args(["--quick"])
     setup = bench.Setup(args, bench.engine_config(args.num_kv_blocks), args.cost)
-    workload = setup.capacity_workload("long_output", 0, 20.0, bound)
+    workload = setup.capacity_workload("long_output", 0, 20.0, bound.min_span_s)
     assert len(workload.requests) == 650
     # The first requests are the shorter run's: a longer run adds requests, it changes none.
-    shorter = setup.capacity_workload("long_output", 0, 1.0, bound).requests  # --quick: 40 requests
+    shorter = setup.capacity_workload("long_output", 0, 1.0, bound.min_span_s).requests  # --quick: 40 requests
     assert len(shorter) == 40 and workload.requests[:40] == shorter
 
 

@@ -63,4 +63,4 @@ def test_min_span_runs_as_many_requests_as_the_capacity_section_would():
     import bench_router_sim as sim
 
     assert sim.capacity_requests("chat", 30, 4.0, 10.0) == 40  # 10 s of arrivals at 4 req/s
-    assert "sim.capacity_requests(workload, requests, rate, min_span)" in SCRIPT.read_text()
+    assert "setup.capacity_workload(workload, seed, rate, min_span)" in SCRIPT.read_text()  # capacity_requests' count
