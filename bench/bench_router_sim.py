@@ -646,8 +646,7 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
     complete about 14 a second."""
     capacity = token_capacity_rps(workload, config, cost, num_replicas)
     sim = ClusterSim(config, num_replicas, cost, StatsFeed(), seed)
-    # The rate scales only first turns' gaps (the next turns follow answers): count completions in those.
-    first_turns = sum(1 for spec in workload.requests if spec.after < 0) / len(workload.requests)
+    first_turns = first_turn_share(workload)
     # The same requests almost idle: a subset's median need not be the whole's (the trace's
     # first requests are shorter than its average, and then no rate ever looked unloaded).
     unloaded, doubling, saturated = {}, {}, {}
@@ -658,6 +657,13 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
         saturated[name] = sim.run(name, workload, capacity * 2).completed_rps * first_turns
     rate, best = calibrated_rate(doubling, capacity, max(saturated.values()))
     return Calibration(rate, best, unloaded, doubling, saturated)
+
+
+def first_turn_share(workload: Workload) -> float:
+    """The share of the workload's requests that are first turns: an offered rate scales only
+    first turns' gaps (the next turns follow answers), so a completion rate times this is in
+    the offered rate's units (1 but for multi_turn)."""
+    return sum(1 for spec in workload.requests if spec.after < 0) / len(workload.requests)
 
 
 CAPACITY_BOUND = "none (token-capacity bound)"
@@ -830,6 +836,10 @@ CAPACITY_TTFT_CAP_S = TTFT_SLO_S
 CAPACITY_MIN_SPAN_DURATIONS = 5.0
 OVERLOADS = (1.2, 1.5)  # goodput targets: these multiples of the best baseline's capacity
 GOODPUT_CURVE = (1.0,) + OVERLOADS  # the plot's offered rates, in the same multiples
+# Saturated throughput, the physical limit on capacity: what each policy completes per second
+# (completion_rate: ramp and drain left out) offered these multiples of the best baseline's
+# capacity, sustained as a goodput run; the second doubles the first, to show it no longer rises.
+SATURATION_OFFERED = (2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -901,6 +911,14 @@ def goodput_run(setup: "Setup", workload_name: str, policy: str, seed: int, rate
                                ttft_slo_s=bound.ttft_p90_s)
 
 
+def saturated_rps(setup: "Setup", workload_name: str, policy: str, seed: int, rate_rps: float,
+                  bound: SLOBound) -> float:
+    """Requests per second `policy` completes offered `rate_rps` (a goodput run), in the offered
+    rate's units (first turns: calibrate's rule)."""
+    workload = setup.capacity_workload(workload_name, seed, rate_rps, bound.min_span_s)
+    return goodput_run(setup, workload_name, policy, seed, rate_rps, bound).completed_rps * first_turn_share(workload)
+
+
 @dataclass
 class CapacityResult:
     """One workload's capacity table: per policy, per seed."""
@@ -908,9 +926,16 @@ class CapacityResult:
     bound: SLOBound
     capacity: dict[str, list[float]]  # req/s, per seed
     goodput: dict[float, dict[str, list[RunStats]]]  # multiple of the best baseline's capacity -> policy -> per seed
+    # SATURATION_OFFERED multiple -> policy -> completed req/s per seed (saturated_rps)
+    saturated: dict[float, dict[str, list[float]]] = field(default_factory=dict)
 
     def mean_capacity(self, policy: str) -> float:
         return mean_spread(self.capacity[policy])[0]
+
+    def most_completed(self) -> tuple[float, str, float]:
+        """(req/s, policy, offered multiple): the highest mean saturated throughput of any policy."""
+        return max((mean_spread(runs)[0], policy, multiple)
+                   for multiple, by_policy in self.saturated.items() for policy, runs in by_policy.items())
 
     def best_baseline(self, among: Sequence[str] = PREFIX_AWARE) -> str:
         present = [name for name in among if name in self.capacity]
@@ -940,15 +965,20 @@ def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityRes
     for name in args.workloads:
         result = results[name]
         base = result.mean_capacity(result.best_baseline())
-        for multiple in GOODPUT_CURVE:
-            result.goodput[multiple] = {policy: [] for policy in policies}
-            for policy in policies:
-                for seed in seeds:
-                    goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
-                    multiples.append(multiple)
-    measured = runner.map(goodput_run, goodput_jobs)
-    for (_, name, policy, _, _, _), multiple, stats in zip(goodput_jobs, multiples, measured):
-        results[name].goodput[multiple][policy].append(stats)
+        for table, curve in ((result.goodput, GOODPUT_CURVE), (result.saturated, SATURATION_OFFERED)):
+            for multiple in curve:
+                table[multiple] = {policy: [] for policy in policies}
+                for policy in policies:
+                    for seed in seeds:
+                        goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
+                        multiples.append((table is result.saturated, multiple))
+    measured = runner.map(goodput_run, [job for job, (saturation, _) in zip(goodput_jobs, multiples) if not saturation])
+    completed = runner.map(saturated_rps, [job for job, (saturation, _) in zip(goodput_jobs, multiples) if saturation])
+    for (_, name, policy, _, _, _), (saturation, multiple) in zip(goodput_jobs, multiples):
+        if saturation:
+            results[name].saturated[multiple][policy].append(next(completed))
+        else:
+            results[name].goodput[multiple][policy].append(next(measured))
     for line in capacity_report(results, seeds, args.capacity_requests):
         print(line, file=out)
     return results
@@ -983,7 +1013,37 @@ def capacity_report(results: dict[str, CapacityResult], seeds: range, capacity_r
                              f"{capacity_requests(name, capacity_requests_flag, r.mean_capacity(r.best_baseline()), r.bound.min_span_s)} "
                              f"requests at the best baseline's capacity)"
                              for name, r in results.items()))
+    lines += saturation_report(results)
     lines += capacity_targets(results)
+    return lines
+
+
+def saturation_report(results: dict[str, CapacityResult]) -> list[str]:
+    """The physical limit: capacity at a P90 TTFT bound cannot exceed what the cluster completes,
+    so max saturated throughput / the best baseline's capacity (the ceiling) is the most any
+    router could reach over that baseline on this engine and cost model."""
+    low, high = SATURATION_OFFERED
+    lines = ["", f"Saturated throughput: requests completed per second (ramp and drain left out) offered "
+                 f"{low:g}x and {high:g}x the best prefix-aware baseline's capacity, sustained as a goodput run; "
+                 f"ceiling = the highest of any policy / the best baseline's capacity.",
+             "", f"| workload | policy | capacity req/s | completed at {low:g}x req/s | completed at {high:g}x req/s | "
+                 f"{high:g}x / {low:g}x | capacity / max completed |",
+             "|---" * 7 + "|"]
+    for name, result in results.items():
+        most = result.most_completed()[0]
+        for policy, capacities in result.capacity.items():
+            (at_low, sd_low), (at_high, sd_high) = (mean_spread(result.saturated[m][policy]) for m in SATURATION_OFFERED)
+            lines.append(f"| {name} | {policy} | {mean_spread(capacities)[0]:.2f} | {at_low:.2f} ± {sd_low:.2f} | "
+                         f"{at_high:.2f} ± {sd_high:.2f} | {ratio(at_high, at_low):.3f} | "
+                         f"{ratio(mean_spread(capacities)[0], most):.2f} |")
+    lines += ["", "| workload | best baseline | its capacity req/s | max completed req/s (whose, offered) | ceiling | "
+                  + f"{OURS} capacity / max completed |", "|---" * 6 + "|"]
+    for name, result in results.items():
+        best = result.best_baseline()
+        most, whose, multiple = result.most_completed()
+        ours = f"{ratio(result.mean_capacity(OURS), most):.2f}" if OURS in result.capacity else "not run"
+        lines.append(f"| {name} | {best} | {result.mean_capacity(best):.2f} | {most:.2f} ({whose}, {multiple:g}x) | "
+                     f"{ratio(most, result.mean_capacity(best)):.3f}x | {ours} |")
     return lines
 
 
