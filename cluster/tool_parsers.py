@@ -426,9 +426,21 @@ def tool_call_json(call: ParsedCall, index: Optional[int] = None, call_id: Optio
     return body if index is None else {"index": index, **body}
 
 
-def _calls_finish_reason(finish_reason: Optional[str]) -> Optional[str]:
-    """A reply that ends in tool calls finishes with `tool_calls`, unless max_tokens cut it."""
-    return "tool_calls" if finish_reason not in (None, "length") else finish_reason
+def _calls_finish_reason(finish_reason: Optional[str], calls: list[ParsedCall]) -> Optional[str]:
+    """A reply that ends in tool calls finishes with `tool_calls`, unless one was cut short:
+    by max_tokens (`length`), or by a stop string or stop token before its arguments closed
+    (`stop`, as the engine said: arguments that do not parse are no call to make)."""
+    if finish_reason != "stop" or not all(_is_json(call.arguments) for call in calls):
+        return finish_reason
+    return "tool_calls"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ToolCallOutput:
@@ -459,7 +471,7 @@ class ToolCallOutput:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [tool_call_json(call) for call in calls]
-            return message, _calls_finish_reason(finish_reason)
+            return message, _calls_finish_reason(finish_reason, calls)
         return message, finish_reason
 
     # ---- streaming ------------------------------------------------------------------------
@@ -467,10 +479,11 @@ class ToolCallOutput:
         """One engine delta in: the content to stream now, the tool-call deltas, the finish reason."""
         self.text += text
         if self.parser is None:
-            return "", self._named_delta(text), _calls_finish_reason(finish_reason)
+            return "", self._named_delta(text), _calls_finish_reason(
+                finish_reason, [ParsedCall(self.calling.function_name, self.text)])
         content, deltas = self.parser.feed(text, final=finish_reason is not None)
         if self.parser.calls:
-            finish_reason = _calls_finish_reason(finish_reason)
+            finish_reason = _calls_finish_reason(finish_reason, self.parser.calls)
         return content, [self._delta_json(delta) for delta in deltas], finish_reason
 
     def _delta_json(self, delta: CallDelta) -> dict[str, Any]:

@@ -138,6 +138,25 @@ def test_a_call_cut_by_max_tokens_keeps_the_arguments_written_and_finishes_with_
         None, [{"name": "f", "arguments": '{"a": [1'}], "length")
 
 
+@pytest.mark.parametrize("calling, text", [
+    (ToolCalling("required"), '[{"name": "f", "arguments": {"'),
+    (ToolCalling("named", function_name="f"), '{"city": "Pa'),
+    (ToolCalling("auto", parser="hermes"), '<tool_call>{"name": "f", "arguments": {"a": '),
+])
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_a_call_cut_by_a_stop_string_finishes_with_stop_not_tool_calls(calling, text, piece):
+    """A stop string (or stop token) that ends the reply mid-arguments leaves no call to make:
+    finish_reason stays `stop` (it said `tool_calls` with arguments `{"`), streamed and whole."""
+    _, calls, reason = whole(calling, text, "stop")
+    assert calls and reason == "stop"
+    _, streamed_calls, reasons = assemble(calling, [text[start:start + piece] for start in range(0, len(text), piece)])
+    assert [call["arguments"] for call in streamed_calls] == [call["arguments"] for call in calls]
+    assert reasons[-1] == "stop"
+    # The same call closed finishes with tool_calls.
+    closed = {"required": text + '": 1}}]', "named": text + 'ris"}', "auto": text + "1}}</tool_call>"}[calling.mode]
+    assert whole(calling, closed, "stop")[2] == "tool_calls"
+
+
 def test_required_output_cut_by_max_tokens_is_content_with_finish_reason_length():
     message, finish_reason = ToolCallOutput(ToolCalling("required")).message('[{"name": "f", "argu', "length")
     assert message == {"role": "assistant", "content": '[{"name": "f", "argu'} and finish_reason == "length"
