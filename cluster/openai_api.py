@@ -104,10 +104,37 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(document)
     except ValidationError as error:
-        first = error.errors()[0]
-        param = param_path(first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
+        errors = [(body_loc(item["loc"], document, item["type"] == "missing"), item) for item in error.errors()]
+        # A value of a union type (guided_json: text or schema; tool_choice: a mode or a
+        # function) fails once per member: of the first field's errors, the one that got
+        # deepest into the body says best what is wrong (tool_choice.function: Field required).
+        first_loc = errors[0][0]
+        loc, first = max((entry for entry in errors if entry[0][:len(first_loc)] == first_loc),
+                         key=lambda entry: len(entry[0]))
+        param = param_path(loc) or None
+        # Each member's complaint about the value, once: "a valid string; or a valid dictionary".
+        messages = dict.fromkeys(item["msg"].removeprefix("Value error, ") for item_loc, item in errors
+                                 if item_loc == loc)
+        message = "; or ".join(messages) if first["type"] != "missing" else first["msg"]
         raise OpenAIError(400, f"{param or 'body'}: {message}", param) from None
+
+
+def body_loc(loc: tuple[Union[str, int], ...], document: Any, missing: bool) -> tuple[Union[str, int], ...]:
+    """pydantic's error location without what is not in the body: the members of a union
+    (`guided_json.str`, `tool_choice.literal['none','auto','required']`) name no parameter.
+    A part is kept where the body has it, or as the last of a missing field's location."""
+    kept: list[Union[str, int]] = []
+    node = document
+    for index, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            kept.append(part)
+            node = node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and part in node:
+            kept.append(part)
+            node = node[part]
+        elif missing and index == len(loc) - 1 and isinstance(node, dict):
+            kept.append(part)
+    return tuple(kept)
 
 
 def param_path(loc: tuple[Union[str, int], ...]) -> str:

@@ -17,12 +17,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from replica.core.request import InvalidRequestError
 from replica.core.structured_output import StructuredOutput
 
-JsonSchema = Union[dict[str, Any], bool]
+JsonSchema = Union[dict[str, Any], StrictBool]  # strict: 1 is no schema
 
 
 class OutputConstraint(NamedTuple):

@@ -44,6 +44,29 @@ def test_completion_body_errors_name_the_parameter_not_a_pydantic_location(field
     assert error.body["error"]["message"].startswith(f"{param}: ")
 
 
+@pytest.mark.parametrize("model, fields, param, says", [
+    (CompletionRequest, {"prompt": "hi", "guided_json": 5}, "guided_json", "a valid dictionary"),
+    (CompletionRequest, {"prompt": "hi", "guided_json": 1}, "guided_json", "a valid boolean"),  # 1 is no schema
+    (CompletionRequest, {"prompt": "hi", "structured_outputs": {"json": [1]}}, "structured_outputs.json", "dictionary"),
+    (CompletionRequest, {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "object"}}}, "response_format.json_schema.schema", "a valid dictionary"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"},
+     "tool_choice", "'none', 'auto' or 'required'"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function"}},
+     "tool_choice.function", "Field required"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}],
+                             "tool_choice": {"type": "function", "function": {"name": 5}}},
+     "tool_choice.function.name", "a valid string"),
+])
+def test_a_union_fields_error_names_the_parameter_not_the_member_type(model, fields, param, says):
+    """A field that takes one of several types failed in each; the error named pydantic's member
+    (`guided_json.str`, `response_format.json_schema.schema.dict[str,any]`,
+    `tool_choice.literal['none','auto','required']`), a parameter no body has."""
+    error = refused(model, json.dumps({"model": "m", **fields}).encode()).body["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+    assert says in error["message"], error
+
+
 def test_chat_body_errors_name_the_message_and_field():
     body = {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}]}
     assert refused(ChatCompletionRequest, json.dumps(body).encode()).body["error"]["param"] == "messages[1].role"
