@@ -838,7 +838,8 @@ OVERLOADS = (1.2, 1.5)  # goodput targets: these multiples of the best baseline'
 GOODPUT_CURVE = (1.0,) + OVERLOADS  # the plot's offered rates, in the same multiples
 # Saturated throughput, the physical limit on capacity: what each policy completes per second
 # (completion_rate: ramp and drain left out) offered these multiples of the best baseline's
-# capacity, sustained as a goodput run; the second doubles the first, to show it no longer rises.
+# capacity, sustained as goodput runs; the second doubles the first, to show it rises no more.
+# The limit is the most completed at any offered multiple (these and GOODPUT_CURVE's).
 SATURATION_OFFERED = (2.0, 4.0)
 
 
@@ -911,14 +912,6 @@ def goodput_run(setup: "Setup", workload_name: str, policy: str, seed: int, rate
                                ttft_slo_s=bound.ttft_p90_s)
 
 
-def saturated_rps(setup: "Setup", workload_name: str, policy: str, seed: int, rate_rps: float,
-                  bound: SLOBound) -> float:
-    """Requests per second `policy` completes offered `rate_rps` (a goodput run), in the offered
-    rate's units (first turns: calibrate's rule)."""
-    workload = setup.capacity_workload(workload_name, seed, rate_rps, bound.min_span_s)
-    return goodput_run(setup, workload_name, policy, seed, rate_rps, bound).completed_rps * first_turn_share(workload)
-
-
 @dataclass
 class CapacityResult:
     """One workload's capacity table: per policy, per seed."""
@@ -926,16 +919,18 @@ class CapacityResult:
     bound: SLOBound
     capacity: dict[str, list[float]]  # req/s, per seed
     goodput: dict[float, dict[str, list[RunStats]]]  # multiple of the best baseline's capacity -> policy -> per seed
-    # SATURATION_OFFERED multiple -> policy -> completed req/s per seed (saturated_rps)
-    saturated: dict[float, dict[str, list[float]]] = field(default_factory=dict)
+    # The same runs' (GOODPUT_CURVE + SATURATION_OFFERED) requests completed per second, in the
+    # offered rate's units (first turns: calibrate's rule): multiple -> policy -> per seed
+    completed: dict[float, dict[str, list[float]]] = field(default_factory=dict)
 
     def mean_capacity(self, policy: str) -> float:
         return mean_spread(self.capacity[policy])[0]
 
     def most_completed(self) -> tuple[float, str, float]:
-        """(req/s, policy, offered multiple): the highest mean saturated throughput of any policy."""
+        """(req/s, policy, offered multiple): the highest mean completion rate of any policy at
+        any offered multiple: the cluster's saturated throughput."""
         return max((mean_spread(runs)[0], policy, multiple)
-                   for multiple, by_policy in self.saturated.items() for policy, runs in by_policy.items())
+                   for multiple, by_policy in self.completed.items() for policy, runs in by_policy.items())
 
     def best_baseline(self, among: Sequence[str] = PREFIX_AWARE) -> str:
         present = [name for name in among if name in self.capacity]
@@ -965,20 +960,18 @@ def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityRes
     for name in args.workloads:
         result = results[name]
         base = result.mean_capacity(result.best_baseline())
-        for table, curve in ((result.goodput, GOODPUT_CURVE), (result.saturated, SATURATION_OFFERED)):
-            for multiple in curve:
-                table[multiple] = {policy: [] for policy in policies}
-                for policy in policies:
-                    for seed in seeds:
-                        goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
-                        multiples.append((table is result.saturated, multiple))
-    measured = runner.map(goodput_run, [job for job, (saturation, _) in zip(goodput_jobs, multiples) if not saturation])
-    completed = runner.map(saturated_rps, [job for job, (saturation, _) in zip(goodput_jobs, multiples) if saturation])
-    for (_, name, policy, _, _, _), (saturation, multiple) in zip(goodput_jobs, multiples):
-        if saturation:
-            results[name].saturated[multiple][policy].append(next(completed))
-        else:
-            results[name].goodput[multiple][policy].append(next(measured))
+        for multiple in GOODPUT_CURVE + SATURATION_OFFERED:
+            result.goodput[multiple] = {policy: [] for policy in policies}
+            result.completed[multiple] = {policy: [] for policy in policies}
+            for policy in policies:
+                for seed in seeds:
+                    goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
+                    multiples.append(multiple)
+    measured = runner.map(goodput_run, goodput_jobs)
+    for (_, name, policy, seed, rate, bound), multiple, stats in zip(goodput_jobs, multiples, measured):
+        results[name].goodput[multiple][policy].append(stats)
+        share = first_turn_share(setup.capacity_workload(name, seed, rate, bound.min_span_s))
+        results[name].completed[multiple][policy].append(stats.completed_rps * share)
     for line in capacity_report(results, seeds, args.capacity_requests):
         print(line, file=out)
     return results
@@ -1020,24 +1013,25 @@ def capacity_report(results: dict[str, CapacityResult], seeds: range, capacity_r
 
 def saturation_report(results: dict[str, CapacityResult]) -> list[str]:
     """The physical limit: capacity at a P90 TTFT bound cannot exceed what the cluster completes,
-    so max saturated throughput / the best baseline's capacity (the ceiling) is the most any
-    router could reach over that baseline on this engine and cost model."""
+    so the most completed / the best baseline's capacity (the ceiling) is the most a router
+    could reach over that baseline on this engine and cost model, with these admissions."""
+    offered = sorted(next(iter(results.values())).completed)
     low, high = SATURATION_OFFERED
-    lines = ["", f"Saturated throughput: requests completed per second (ramp and drain left out) offered "
-                 f"{low:g}x and {high:g}x the best prefix-aware baseline's capacity, sustained as a goodput run; "
-                 f"ceiling = the highest of any policy / the best baseline's capacity.",
-             "", f"| workload | policy | capacity req/s | completed at {low:g}x req/s | completed at {high:g}x req/s | "
-                 f"{high:g}x / {low:g}x | capacity / max completed |",
-             "|---" * 7 + "|"]
+    lines = ["", f"Requests completed per second (ramp and drain left out), offered multiples of the best prefix-aware "
+                 f"baseline's capacity as goodput runs: the cluster's saturated throughput, the most it completes at any "
+                 f"(doubling {low:g}x to {high:g}x shows whether it still rises); ceiling = the most of any policy / the "
+                 f"best baseline's capacity.",
+             "", "| workload | policy | capacity req/s | " + " | ".join(f"completed at {m:g}x req/s" for m in offered)
+             + f" | {high:g}x / {low:g}x | capacity / most completed |", "|---" * (5 + len(offered)) + "|"]
     for name, result in results.items():
         most = result.most_completed()[0]
         for policy, capacities in result.capacity.items():
-            (at_low, sd_low), (at_high, sd_high) = (mean_spread(result.saturated[m][policy]) for m in SATURATION_OFFERED)
-            lines.append(f"| {name} | {policy} | {mean_spread(capacities)[0]:.2f} | {at_low:.2f} ± {sd_low:.2f} | "
-                         f"{at_high:.2f} ± {sd_high:.2f} | {ratio(at_high, at_low):.3f} | "
-                         f"{ratio(mean_spread(capacities)[0], most):.2f} |")
-    lines += ["", "| workload | best baseline | its capacity req/s | max completed req/s (whose, offered) | ceiling | "
-                  + f"{OURS} capacity / max completed |", "|---" * 6 + "|"]
+            rates = {m: mean_spread(result.completed[m][policy]) for m in offered}
+            lines.append(f"| {name} | {policy} | {mean_spread(capacities)[0]:.2f} | "
+                         + " | ".join(f"{mean:.2f} ± {sd:.2f}" for mean, sd in rates.values())
+                         + f" | {ratio(rates[high][0], rates[low][0]):.3f} | {ratio(mean_spread(capacities)[0], most):.2f} |")
+    lines += ["", "| workload | best baseline | its capacity req/s | most completed req/s (whose, offered) | ceiling | "
+                  + f"{OURS} capacity / most completed |", "|---" * 6 + "|"]
     for name, result in results.items():
         best = result.best_baseline()
         most, whose, multiple = result.most_completed()
