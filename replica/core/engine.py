@@ -208,6 +208,7 @@ class LLMEngine:
             del self._compiling[request_id]
             try:
                 if not compiled_in_time(future, deadline):
+                    self._drop_compile_if_unwanted(request, future)
                     raise TimeoutError(f"its grammar took longer than "
                                        f"{self.config.structured_output_compile_timeout_s:g} s to compile")
                 request.grammar = self.grammar_compiler.matcher(request.sampling_params.structured_output)
@@ -225,8 +226,15 @@ class LLMEngine:
         parked = self._compiling.pop(request_id, None)
         if parked is not None:  # not in the scheduler yet: nothing allocated
             parked[0].status = RequestStatus.FINISHED_ABORTED
+            self._drop_compile_if_unwanted(parked[0], parked[1])
             return parked[0]
         return self.scheduler.abort_request(request_id)
+
+    def _drop_compile_if_unwanted(self, request: Request, future: Future) -> None:
+        """A parked request left (aborted, or its compile timed out): its compile leaves the
+        compiler's queue if it has not started and no other parked request waits for it."""
+        if all(other is not future for _, other, _ in self._compiling.values()):
+            self.grammar_compiler.cancel_queued(request.sampling_params.structured_output, future)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
@@ -358,9 +366,14 @@ class LLMEngine:
             token_id = update.token_id
             finished = update.finished
             grammar = request.grammar
-            if grammar is not None and not grammar.accept(token_id):
-                logger.warning("request %s: token %d left its grammar; the rest of it is unconstrained",
-                               request_id, token_id)
+            if grammar is not None and not grammar.accept(token_id) and finished is None:
+                # The mask allowed the token, so the matcher failed consuming it: one of
+                # llguidance's limits (a rule of more than 2,000 alternatives). The request ends
+                # here rather than going on unconstrained, which no client asked for.
+                logger.warning("request %s: its grammar failed at token %d, the request ends (abort): %s",
+                               request_id, token_id, " ".join(grammar.matcher.get_error().split())[:300])
+                self.scheduler.abort_request(request_id)
+                finished = RequestStatus.FINISHED_ABORTED
             text = ""
             if detokenizers:
                 detokenizer = detokenizers.get(request_id)

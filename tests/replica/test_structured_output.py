@@ -79,6 +79,11 @@ def _run(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) ->
     (StructuredOutput("grammar", "start: foo bar baz ("), ""),
     (StructuredOutput("choice", ()), "empty"),
     (StructuredOutput("choice", ("yes", "")), "non-empty"),
+    # Nothing can be written under these (not even EOS): said so, not llguidance's parser dump.
+    (StructuredOutput("regex", "[^\\s\\S]"), "no output can match it"),
+    (StructuredOutput.json_schema({"$ref": "#"}), "no output can match it"),
+    (StructuredOutput.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}), "no output can match it"),
 ])
 def test_a_bad_constraint_is_refused_naming_the_parameter(builtin_engine, constraint, message):
     compiler = _compiler(builtin_engine)
@@ -86,6 +91,97 @@ def test_a_bad_constraint_is_refused_naming_the_parameter(builtin_engine, constr
         compiler.check(constraint, "response_format")
     assert raised.value.field == "response_format"
     assert message in str(raised.value)
+
+
+def test_the_boolean_schemas_true_admits_any_json_and_false_is_refused_by_name(builtin_engine):
+    # true was refused with llguidance's "Expecting object schema to apply options".
+    assert StructuredOutput.json_schema(True) == StructuredOutput.json_schema({})
+    assert StructuredOutput.json_schema("true") == StructuredOutput.json_schema({})
+    _compiler(builtin_engine).check(StructuredOutput.json_schema(True), "guided_json")
+    with pytest.raises(InvalidRequestError, match="admits no value") as raised:
+        StructuredOutput.of("json", False, "guided_json")
+    assert raised.value.field == "guided_json"
+
+
+def test_a_huge_choice_list_compiles_within_the_bound(builtin_engine):
+    """100,000 choices (2.3 MB, under the HTTP body limit): one alternative per grammar rule took
+    llguidance 19 s (quadratic) and then failed; as one terminal it takes about half a second."""
+    compiler = _compiler(builtin_engine)
+    try:
+        choices = tuple(f"choice number {index}" for index in range(100_000))
+        compiler.check(StructuredOutput("choice", choices), "guided_choice")  # default bound: 10 s
+        matcher = compiler.matcher(StructuredOutput("choice", choices))
+        assert matcher.matcher.consume_tokens(builtin_engine.tokenizer.encode("choice number 99999", add_special_tokens=False))
+        assert matcher.matcher.is_accepting()
+    finally:
+        compiler.shutdown()
+
+
+def test_compiles_given_up_or_abandoned_leave_the_compile_queue(builtin_engine):
+    """Behind a compile that holds the compile thread, compiles whose checks time out, and those
+    of parked requests that are aborted or time out, leave the queue instead of piling up."""
+    compiler = GrammarCompiler(builtin_engine.tokenizer.fast_tokenizer_json(), builtin_engine.model_config.vocab_size,
+                               builtin_engine.eos_token_ids, timeout_s=0.05)
+    release = threading.Event()
+    holding = compiler._pool.submit(release.wait, 60)
+    try:
+        futures = []
+        for index in range(5):
+            constraint = StructuredOutput("regex", f"[a-z]{{{index + 1}}}")
+            with pytest.raises(InvalidRequestError, match="took longer than 0.05 s"):
+                compiler.check(constraint, "guided_regex")
+            futures.append(compiler.compile(constraint))  # compiled afresh: the given-up one is not cached
+        assert compiler.num_queued == 5
+        for index, future in enumerate(futures):
+            assert compiler.cancel_queued(StructuredOutput("regex", f"[a-z]{{{index + 1}}}"), future)
+        assert compiler.num_queued == 0 and all(future.cancelled() for future in futures)
+    finally:
+        release.set()
+        holding.result()
+        compiler.shutdown()
+    # The engine core: an aborted parked request's compile leaves the queue, unless another waits for it.
+    engine = builtin_engine
+    engine.generate([[1]], SamplingParams(max_tokens=1, structured_output=StructuredOutput("regex", "a")))
+    release = threading.Event()
+    holding = engine.grammar_compiler._pool.submit(release.wait, 60)
+    try:
+        shared = StructuredOutput("regex", "[0-9]{7}")
+        for name, constraint in (("parked-1", shared), ("parked-2", shared),
+                                 ("parked-3", StructuredOutput("regex", "[0-9]{8}"))):
+            engine.add_request(engine.make_request(name, [1, 2], SamplingParams(max_tokens=2, structured_output=constraint)),
+                               detokenize=False)
+        assert engine.grammar_compiler.num_queued == 2
+        engine.abort_request("parked-1")  # parked-2 still waits for the same compile
+        engine.abort_request("parked-3")
+        assert engine.grammar_compiler.num_queued == 1
+        engine.abort_request("parked-2")
+        assert engine.grammar_compiler.num_queued == 0 and not engine.has_unfinished_requests()
+    finally:
+        release.set()
+        holding.result()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_that_fails_mid_output_ends_its_request_instead_of_going_on_unconstrained(async_scheduling):
+    """A rule of 3,000 alternatives compiles and masks its first token, then exceeds llguidance's
+    2,000 items per row consuming it: the matcher is in error. The request went on unconstrained
+    to max_tokens (finish_reason length, text no grammar allows); it now ends there (abort),
+    its blocks free, and a request beside it runs on."""
+    engine = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=32, async_scheduling=async_scheduling),
+                       "builtin", device="cpu")
+    try:
+        grammar = StructuredOutput("grammar", "start: " + " | ".join(json.dumps(f"rule choice {index}")
+                                                                      for index in range(3000)))
+        _compiler(engine).check(grammar, "guided_grammar")  # the edge lets it through
+        free_blocks = engine.load().kv_blocks_free
+        (text, reason, request), (_, beside_reason, beside) = _run(
+            engine, ["pick one", "go on"], [SamplingParams(max_tokens=12, temperature=0.0, structured_output=grammar),
+                                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)])
+        assert reason == "abort" and request.num_output_tokens == 1 and "rule choice".startswith(text), text
+        assert (beside_reason, beside.num_output_tokens) == ("length", 12)
+        assert engine.load().kv_blocks_free == free_blocks and not engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
 
 
 def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_request_ends(builtin_engine):
