@@ -135,6 +135,7 @@ class GrammarCompiler:
                                                    eos_token=list(eos_token_ids) or None)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[StructuredOutput, concurrent.futures.Future] = OrderedDict()
+        self._waiters: dict[concurrent.futures.Future, int] = {}  # check_async calls waiting on each
         self._lock = threading.Lock()
 
     @classmethod
@@ -192,6 +193,37 @@ class GrammarCompiler:
             raise InvalidRequestError(field_name, f"took longer than {self.timeout_s:g} s to compile") from None
         except InvalidRequestError as error:
             raise InvalidRequestError(field_name, error.message) from None
+
+    async def check_async(self, constraint: StructuredOutput, field_name: str) -> None:
+        """check() for an event loop (the edges). The wait is the caller's coroutine, so a client
+        that goes away (its request's task cancelled) stops waiting at once, and its compile
+        leaves the queue when nobody else waits for it and it has not started: clients that
+        disconnect while a slow compile holds the thread leave no compiles behind it."""
+        import asyncio
+
+        constraint.check_shape(field_name)
+        future = self.compile(constraint)
+        with self._lock:
+            self._waiters[future] = self._waiters.get(future, 0) + 1
+        gone = False
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as error:
+            if isinstance(error, asyncio.CancelledError) and not future.cancelled():
+                gone = True  # this caller was cancelled, not the compile
+                raise
+            # Timed out, or another waiter gave the same compile up: the same bound.
+            self.abandon(constraint, future)
+            raise InvalidRequestError(field_name, f"took longer than {self.timeout_s:g} s to compile") from None
+        except InvalidRequestError as error:
+            raise InvalidRequestError(field_name, error.message) from None
+        finally:
+            with self._lock:
+                left = self._waiters.pop(future) - 1
+                if left:
+                    self._waiters[future] = left
+            if gone and not left:
+                self.cancel_queued(constraint, future)
 
     def _forget(self, constraint: StructuredOutput, future: concurrent.futures.Future) -> None:
         with self._lock:

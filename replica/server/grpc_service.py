@@ -261,7 +261,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._grammars = await asyncio.to_thread(
                 GrammarCompiler.for_tokenizer, engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
                 engine.config.structured_output_compile_timeout_s)
-        await asyncio.to_thread(self._grammars.check, constraint, field_name)
+        await self._grammars.check_async(constraint, field_name)
         return replace(sampling, structured_output=constraint)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

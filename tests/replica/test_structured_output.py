@@ -184,6 +184,47 @@ def test_a_grammar_that_fails_mid_output_ends_its_request_instead_of_going_on_un
         engine.shutdown()
 
 
+def test_an_edge_check_whose_client_went_away_leaves_the_compile_queue(builtin_engine):
+    """The edges (ingress, replica servicer) wait for a compile in the request's coroutine: a
+    client that disconnects while a slow compile holds the thread cancels its wait, and its
+    compile leaves the queue once no other request waits for it. They waited on a worker
+    thread, which a disconnect does not stop: every such compile ran, one after another."""
+    import asyncio
+
+    compiler = _compiler(builtin_engine)
+    release = threading.Event()
+    holding = compiler._pool.submit(release.wait, 60)
+
+    async def scenario():
+        shared = StructuredOutput("regex", "[a-z]{9}")
+        waits = [asyncio.ensure_future(compiler.check_async(constraint, "guided_regex"))
+                 for constraint in (shared, shared, StructuredOutput("regex", "[a-z]{10}"))]
+        await asyncio.sleep(0.05)
+        assert compiler.num_queued == 2
+        waits[0].cancel()  # the other request still waits for the shared compile
+        waits[2].cancel()
+        await asyncio.sleep(0.05)
+        assert compiler.num_queued == 1
+        waits[1].cancel()
+        await asyncio.sleep(0.05)
+        assert compiler.num_queued == 0
+        for wait in waits:
+            with pytest.raises(asyncio.CancelledError):
+                await wait
+        # A compile given up is compiled afresh for the next request, which gets its answer.
+        release.set()
+        await compiler.check_async(shared, "guided_regex")
+        with pytest.raises(InvalidRequestError, match="^guided_regex: "):
+            await compiler.check_async(StructuredOutput("regex", "a(b"), "guided_regex")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        holding.result()
+        compiler.shutdown()
+
+
 def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_request_ends(builtin_engine):
     big = StructuredOutput.json_schema({"type": "object", "properties": {
         f"field_{index}": {"type": "string", "pattern": f"^[a-z]{{{index % 7 + 1}}}[0-9]+$"} for index in range(300)},
