@@ -453,7 +453,7 @@ class Ingress:
             self._grammars = asyncio.ensure_future(asyncio.to_thread(
                 GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids, self.compile_timeout_s))
         grammars = await self._grammars
-        await asyncio.to_thread(grammars.check, constraint.constraint, constraint.param)
+        await grammars.check_async(constraint.constraint, constraint.param)
 
     @staticmethod
     def _max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,
@@ -483,6 +483,8 @@ class Ingress:
             constraint = body.output_constraint()
             prompts, echo_texts = await self._prompts(body)
             info = await self.model_info()
+            for tool_schema in body.tool_parameter_schemas() if chat else ():
+                await self.check_constraint(tool_schema, info)
             if constraint is not None:
                 await self.check_constraint(constraint, info)
             choices = []

@@ -187,6 +187,14 @@ class ToolFields(BaseModel):
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
+    def tool_parameter_schemas(self) -> list[OutputConstraint]:
+        """Each offered tool's parameters schema, to be compiled on its own so that a bad one is
+        refused naming that tool (under `auto` too, where nothing else would compile it)."""
+        if self.tool_mode() == "none":
+            return []
+        return [OutputConstraint(StructuredOutput.of("json", tool.function.parameters_schema, param), param)
+                for index, tool in enumerate(self.tools) for param in (f"tools[{index}].function.parameters",)]
+
     def tool_constraint(self) -> Optional[OutputConstraint]:
         """The schema the output must match for `required` (a JSON array of calls) and a
         named function (its arguments object); None otherwise."""

@@ -171,6 +171,25 @@ def test_tools_reach_the_template_in_hugging_faces_form_and_none_offers_none():
     assert request.template_tools() is None and request.output_constraint() is None
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto", "required", {"type": "function", "function": {"name": "g"}}])
+def test_each_offered_tools_parameters_are_checked_under_its_own_name(tool_choice):
+    """The ingress compiles each offered tool's parameters schema on its own, so a bad one is
+    refused as tools[i].function.parameters, under `auto` too (it went to the template
+    unchecked), not as the `tools` / `tool_choice` schema built from all of them."""
+    tools = [{"type": "function", "function": {"name": "f"}},
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+                 "a": {"type": "frobnicate"}}}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            **({"tool_choice": tool_choice} if tool_choice else {})}
+    request = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    schemas = request.tool_parameter_schemas()
+    assert [schema.param for schema in schemas] == ["tools[0].function.parameters", "tools[1].function.parameters"]
+    assert json.loads(schemas[0].constraint.spec) == {"type": "object", "properties": {}}
+    assert json.loads(schemas[1].constraint.spec) == tools[1]["function"]["parameters"]
+    none = parse_body(json.dumps({**body, "tool_choice": "none"}).encode(), ChatCompletionRequest)
+    assert none.tool_parameter_schemas() == []
+
+
 def test_the_configs_parser_names_are_the_parsers_implemented():
     from cluster.config import TOOL_CALL_PARSERS
     from cluster.tool_parsers import PARSERS
