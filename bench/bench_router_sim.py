@@ -281,6 +281,8 @@ class RunStats:
     # are the prefix cache's write-throughs and prefetched swap-ins, which overlap the forward pass.
     waited_blocks_per_1k: float = 0.0
     latency_mean_s: float = 0.0  # measured requests' mean arrival to last token
+    # completed_rps weighted by size (prompt + output tokens): the run's own mix per second
+    completed_mix_rps: float = 0.0
 
 
 class SimReplica:
@@ -571,16 +573,27 @@ def summarize(measured: list[Request], inter_token_gaps: list[float], schedulers
         copied_blocks_per_1k=1000.0 * copied / num_requests,
         waited_blocks_per_1k=1000.0 * waited / num_requests,
         latency_mean_s=float(np.mean([r.last_token_time - r.arrival_time for r in measured])),
+        completed_mix_rps=completion_rate([r.last_token_time for r in measured],
+                                          [r.num_prompt_tokens + r.num_output_tokens for r in measured]),
     )
 
 
-def completion_rate(end_times: list[float]) -> float:
+def completion_rate(end_times: list[float], sizes: Optional[list[float]] = None) -> float:
     """Requests ending per second between the 10th and 90th percentile of their ends: the
-    cluster's pace with the ramp up and the drain (a run's last, longest requests) left out."""
+    cluster's pace with the ramp up and the drain (a run's last, longest requests) left out.
+    With `sizes` (each request's tokens), the requests of the run's own mix per second: the
+    tokens of those that ended in that window over their mean size. A scheduler that puts the
+    big requests off to the drain (ours' SLO queue under overload, mixed_long's 8-16k-token
+    prompts) finishes more small ones in the window than it could sustain; this does not count them."""
     if len(end_times) < 10:
         return 0.0
     first, last = np.percentile(end_times, [10, 90])
-    return 0.8 * len(end_times) / (last - first) if last > first else math.inf
+    if last <= first:
+        return math.inf
+    if sizes is None:
+        return 0.8 * len(end_times) / (last - first)
+    ends, weights = np.asarray(end_times), np.asarray(sizes, dtype=float)
+    return float(weights[(ends >= first) & (ends <= last)].sum() / weights.mean() / (last - first))
 
 
 # ---- load calibration ----------------------------------------------------------------------
@@ -919,18 +932,22 @@ class CapacityResult:
     bound: SLOBound
     capacity: dict[str, list[float]]  # req/s, per seed
     goodput: dict[float, dict[str, list[RunStats]]]  # multiple of the best baseline's capacity -> policy -> per seed
-    # The same runs' (GOODPUT_CURVE + SATURATION_OFFERED) requests completed per second, in the
-    # offered rate's units (first turns: calibrate's rule): multiple -> policy -> per seed
+    # The same runs' (GOODPUT_CURVE + SATURATION_OFFERED) requests of the workload's mix completed
+    # per second (completed_mix_rps), in the offered rate's units (first turns: calibrate's rule):
+    # multiple -> policy -> per seed; `counted`: the same, requests counted whatever their size
     completed: dict[float, dict[str, list[float]]] = field(default_factory=dict)
+    counted: dict[float, dict[str, list[float]]] = field(default_factory=dict)
 
     def mean_capacity(self, policy: str) -> float:
         return mean_spread(self.capacity[policy])[0]
 
-    def most_completed(self) -> tuple[float, str, float]:
+    def most_completed(self, counted: bool = False) -> tuple[float, str, float]:
         """(req/s, policy, offered multiple): the highest mean completion rate of any policy at
-        any offered multiple: the cluster's saturated throughput."""
+        any offered multiple: the cluster's saturated throughput (`counted`: requests counted
+        whatever their size)."""
         return max((mean_spread(runs)[0], policy, multiple)
-                   for multiple, by_policy in self.completed.items() for policy, runs in by_policy.items())
+                   for multiple, by_policy in (self.counted if counted else self.completed).items()
+                   for policy, runs in by_policy.items())
 
     def best_baseline(self, among: Sequence[str] = PREFIX_AWARE) -> str:
         present = [name for name in among if name in self.capacity]
@@ -963,6 +980,7 @@ def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityRes
         for multiple in GOODPUT_CURVE + SATURATION_OFFERED:
             result.goodput[multiple] = {policy: [] for policy in policies}
             result.completed[multiple] = {policy: [] for policy in policies}
+            result.counted[multiple] = {policy: [] for policy in policies}
             for policy in policies:
                 for seed in seeds:
                     goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
@@ -971,7 +989,8 @@ def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityRes
     for (_, name, policy, seed, rate, bound), multiple, stats in zip(goodput_jobs, multiples, measured):
         results[name].goodput[multiple][policy].append(stats)
         share = first_turn_share(setup.capacity_workload(name, seed, rate, bound.min_span_s))
-        results[name].completed[multiple][policy].append(stats.completed_rps * share)
+        results[name].completed[multiple][policy].append(stats.completed_mix_rps * share)
+        results[name].counted[multiple][policy].append(stats.completed_rps * share)
     for line in capacity_report(results, seeds, args.capacity_requests):
         print(line, file=out)
     return results
@@ -1017,27 +1036,32 @@ def saturation_report(results: dict[str, CapacityResult]) -> list[str]:
     could reach over that baseline on this engine and cost model, with these admissions."""
     offered = sorted(next(iter(results.values())).completed)
     low, high = SATURATION_OFFERED
-    lines = ["", f"Requests completed per second (ramp and drain left out), offered multiples of the best prefix-aware "
-                 f"baseline's capacity as goodput runs: the cluster's saturated throughput, the most it completes at any "
-                 f"(doubling {low:g}x to {high:g}x shows whether it still rises); ceiling = the most of any policy / the "
-                 f"best baseline's capacity.",
+    lines = ["", f"Requests of the workload's mix completed per second (tokens of the requests ending between the 10th "
+                 f"and 90th percentile of the ends, over the mean request's), offered multiples of the best prefix-aware "
+                 f"baseline's capacity as goodput runs: the cluster's saturated throughput is the most it completes at "
+                 f"any (doubling {low:g}x to {high:g}x shows whether it still rises); ceiling = the most of any policy / "
+                 f"the best baseline's capacity. Counted: requests whatever their size, the most at any multiple.",
              "", "| workload | policy | capacity req/s | " + " | ".join(f"completed at {m:g}x req/s" for m in offered)
-             + f" | {high:g}x / {low:g}x | capacity / most completed |", "|---" * (5 + len(offered)) + "|"]
+             + f" | {high:g}x / {low:g}x | counted req/s | capacity / most completed |", "|---" * (6 + len(offered)) + "|"]
     for name, result in results.items():
         most = result.most_completed()[0]
         for policy, capacities in result.capacity.items():
             rates = {m: mean_spread(result.completed[m][policy]) for m in offered}
+            counted = max(mean_spread(result.counted[m][policy])[0] for m in offered)
             lines.append(f"| {name} | {policy} | {mean_spread(capacities)[0]:.2f} | "
                          + " | ".join(f"{mean:.2f} ± {sd:.2f}" for mean, sd in rates.values())
-                         + f" | {ratio(rates[high][0], rates[low][0]):.3f} | {ratio(mean_spread(capacities)[0], most):.2f} |")
+                         + f" | {ratio(rates[high][0], rates[low][0]):.3f} | {counted:.2f} | "
+                         f"{ratio(mean_spread(capacities)[0], most):.2f} |")
     lines += ["", "| workload | best baseline | its capacity req/s | most completed req/s (whose, offered) | ceiling | "
-                  + f"{OURS} capacity / most completed |", "|---" * 6 + "|"]
+                  + f"{OURS} capacity / most completed | most counted req/s (whose, offered) |", "|---" * 7 + "|"]
     for name, result in results.items():
         best = result.best_baseline()
         most, whose, multiple = result.most_completed()
+        counted, counted_whose, counted_multiple = result.most_completed(counted=True)
         ours = f"{ratio(result.mean_capacity(OURS), most):.2f}" if OURS in result.capacity else "not run"
         lines.append(f"| {name} | {best} | {result.mean_capacity(best):.2f} | {most:.2f} ({whose}, {multiple:g}x) | "
-                     f"{ratio(most, result.mean_capacity(best)):.3f}x | {ours} |")
+                     f"{ratio(most, result.mean_capacity(best)):.3f}x | {ours} | "
+                     f"{counted:.2f} ({counted_whose}, {counted_multiple:g}x) |")
     return lines
 
 

@@ -107,6 +107,13 @@ def test_the_completion_rate_leaves_out_the_ramp_and_the_drain():
     # 100 requests ending one every 0.1 s, then one straggler 50 s later: 10 per second.
     ends = [0.1 * i for i in range(100)] + [60.0]
     assert bench.completion_rate(ends) == pytest.approx(10.0, rel=0.05)
+    # Weighted by size: a run that puts its big requests (19 of 199, 10x the tokens) off to the
+    # drain ends small ones at 10 a second, which is 10 / the mean size of its own mix.
+    sizes = [1.0] * 180 + [10.0] * 19
+    big_last = [0.1 * i for i in range(180)] + [100.0 + i for i in range(19)]
+    assert bench.completion_rate(big_last) == pytest.approx(10.0, rel=0.05)
+    assert bench.completion_rate(big_last, sizes) == pytest.approx(10.0 / (sum(sizes) / len(sizes)), rel=0.05)
+    assert bench.completion_rate(ends, [1.0] * len(ends)) == pytest.approx(bench.completion_rate(ends), rel=0.05)
     assert bench.completion_rate(ends[:5]) == 0.0  # too few to tell
 
 
