@@ -124,6 +124,117 @@ def test_closed_http_streams_stop_generating(cluster):
     assert_nothing_runs_one_second_after([status.load for status in status_command.replica_statuses()])
 
 
+def preemptions_so_far() -> float:
+    return sum(scrape_all_samples("headroom_num_preemptions_total"))
+
+
+def scrape_all_samples(name: str) -> list[float]:
+    values = []
+    for target in read_targets(replicas_file(TARGETS_DIR, APP_NAME)):
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
+            values += [sample.value for family in text_string_to_metric_families(response.read().decode())
+                       for sample in family.samples if sample.name == name]
+    return values
+
+
+def test_constrained_streams_closed_mid_stream_and_while_preempted_free_every_block(cluster):
+    """Constrained streams in a pool too small for them: once one is preempted (recomputed
+    later), every client closes its stream; nothing runs or holds a block a second later."""
+    wait_until_idle()
+    before = preemptions_so_far()
+    close = threading.Event()
+    body = {"model": APP_NAME, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "stream": True,
+            "guided_regex": f"[a-z]{{{LONG_MAX_TOKENS + 8}}}"}
+
+    def stream_until_closed(index: int) -> int:
+        chunks = 0
+        with requests.post(f"{HTTP}/v1/completions", json={**body, "prompt": f"constrained {index}"},
+                           stream=True, timeout=120) as response:
+            for line in response.iter_lines():
+                chunks += line.startswith(b"data: {")
+                if close.is_set():
+                    break  # leaving the block closes the connection
+        return chunks
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+        streams = [pool.submit(stream_until_closed, index) for index in range(32)]
+        deadline = time.monotonic() + 60
+        while preemptions_so_far() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        preempted = preemptions_so_far() > before
+        close.set()
+        assert all(stream.result() > 0 for stream in streams)
+    assert preempted, "no constrained request was preempted: the pool is too roomy for this test"
+    time.sleep(1.0)
+    assert_nothing_runs_one_second_after([status.load for status in status_command.replica_statuses()])
+
+
+def test_clients_gone_while_their_grammars_compile_leave_nothing_behind(cluster):
+    """Clients each send a grammar slow to compile (a rule of 20,000 alternatives) and
+    disconnect while it compiles or waits for the ingress's compile thread (their waits are
+    cancelled with them, and so are the compiles nobody else waits for: tests/replica/
+    test_structured_output.py); no block stays taken, and the next constrained request is served."""
+    wait_until_idle()
+    slow = "start: " + " | ".join(json.dumps(f"rule choice {index}") for index in range(20_000))
+
+    def send_and_go(index: int) -> bool:
+        body = completion(max_tokens=4, guided_grammar=f'{slow} | "gone {index} {time.time()}"')
+        try:
+            requests.post(f"{HTTP}{C}", json=body, timeout=(30, 0.2))
+        except requests.exceptions.ReadTimeout:
+            return True
+        return False
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(pool.map(send_and_go, range(4)))
+    response = requests.post(f"{HTTP}{C}", json=completion(max_tokens=4, guided_choice=["yes", "no", str(time.time())]),
+                             timeout=120)
+    assert response.status_code == 200, response.text
+    assert_nothing_runs_one_second_after(wait_until_idle())
+
+
+def test_a_slow_grammar_compile_stalls_no_other_stream(cluster):
+    """While a grammar slow to compile (seconds, at the ingress and again in the engine core)
+    waits for its compiles, an unconstrained stream beside it keeps streaming: its longest gap
+    between chunks is a fraction of the time the constrained request took. That request's
+    grammar then trips llguidance's 2,000-items limit on its first token: it ends there (abort)
+    instead of going on unconstrained."""
+    wait_until_idle()
+    stamps: list[float] = []
+    answered_event = threading.Event()
+
+    def stream() -> None:  # one stream after another, until the constrained request is answered
+        body = {"model": APP_NAME, "prompt": "x", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        while not answered_event.is_set():
+            with requests.post(f"{HTTP}{C}", json=body, stream=True, timeout=120) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith(b"data: {"):
+                        stamps.append(time.perf_counter())
+
+    slow = "start: " + " | ".join(json.dumps(f"rule choice {index}") for index in range(40_000))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        beside = pool.submit(stream)
+        while len(stamps) < 3 and not beside.done():
+            time.sleep(0.01)
+        sent = time.perf_counter()
+        try:
+            response = requests.post(f"{HTTP}{C}", json=completion(max_tokens=8, temperature=0, prompt="pick one",
+                                                                   guided_grammar=f'{slow} | "{time.time()}"'),
+                                     timeout=300)
+        finally:
+            answered = time.perf_counter()
+            answered_event.set()
+        beside.result()
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and "rule choice".startswith(choice["text"]), choice
+    during = [later - earlier for earlier, later in zip(stamps, stamps[1:]) if earlier >= sent and later <= answered]
+    assert during, "the stream ended before the compile began"
+    assert max(during) < (answered - sent) / 2, (max(during), answered - sent)
+
+
 # ---- one large request stalls nobody ------------------------------------------------------
 def small_call_latencies(channel, until: threading.Event) -> list[float]:
     """Round trips of small calls that only the ingress serves (Tokenize over gRPC, the model
@@ -732,6 +843,35 @@ HTTP_PROBES = [
     ("tool_choice_with_response_format", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
         response_format={"type": "json_object"}), 400, "response_format"),
+    ("guided_json_a_number", "POST", C, completion(guided_json=5), 400, "guided_json"),
+    ("guided_json_false", "POST", C, completion(guided_json=False), 400, "guided_json"),
+    ("guided_choice_not_strings", "POST", C, completion(guided_choice=[1, 2]), 400, "guided_choice[0]"),
+    ("guided_regex_matches_nothing", "POST", C, completion(guided_regex="[^\\s\\S]"), 400, "guided_regex"),
+    ("json_schema_ref_loop", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#"}}}), 400, "response_format.json_schema.schema"),
+    ("json_schema_a_string", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "object"}}), 400, "response_format.json_schema.schema"),
+    ("json_schema_strict_not_a_boolean", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": "very"}}), 400, "response_format.json_schema.strict"),
+    ("response_format_a_string", "POST", CHAT, chat(response_format="json_object"), 400, "response_format"),
+    ("tool_choice_unknown_mode", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                    tool_choice="sometimes"), 400, "tool_choice"),
+    ("tool_choice_function_missing", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                        tool_choice={"type": "function"}), 400, "tool_choice.function"),
+    ("tool_choice_required_empty_tools", "POST", CHAT, chat(tools=[], tool_choice="required"), 400, "tool_choice"),
+    ("tool_parameters_schema_invalid", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}]), 400,
+     "tools[0].function.parameters"),
+    ("tool_parameters_schema_invalid_required", "POST", CHAT, chat(tools=[
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "a(b"}}}}}], tool_choice="required"), 400,
+     "tools[1].function.parameters"),
+    ("assistant_tool_call_without_id", "POST", CHAT, chat(messages=[USER, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages[1].tool_calls[0].id"),
+    ("assistant_tool_call_arguments_an_object", "POST", CHAT, chat(messages=[USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]), 400,
+     "messages[1].tool_calls[0].function.arguments"),
     ("audio_output", "POST", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
     ("max_completion_tokens_negative", "POST", CHAT, without(chat(max_completion_tokens=-1), "max_tokens"), 400,
      "max_completion_tokens"),
@@ -834,6 +974,10 @@ GRPC_PROBES = [
      grpc.StatusCode.INVALID_ARGUMENT, "choice: "),
     ("grammar_syntax_error", pb.GenerateRequest(text="hi", grammar="start: ( ", sampling=sampling()), (),
      grpc.StatusCode.INVALID_ARGUMENT, "grammar: "),
+    ("json_schema_false", pb.GenerateRequest(text="hi", json_schema="false", sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "json_schema: "),
+    ("regex_matches_nothing", pb.GenerateRequest(text="hi", regex="[^\\s\\S]", sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "regex: "),
     ("json_schema_unsupported_keyword", pb.GenerateRequest(text="hi", json_schema='{"not": {"type": "string"}}',
                                                            sampling=sampling()), (),
      grpc.StatusCode.INVALID_ARGUMENT, "json_schema: "),
