@@ -56,6 +56,9 @@ UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_generation_prompt": (lambda value: value is False, "the generation prompt is always added"),
     "continue_final_message": (_ASKS, "continuing the final message is not supported"),
     "kv_transfer_params": (_ASKS, "KV transfer is not supported"),
+    # Chat's fields (ToolFields), so these reach this table only on /v1/completions.
+    "tools": (_ASKS, "tool calling needs /v1/chat/completions"),
+    "tool_choice": (lambda value: value not in (None, "none"), "tool calling needs /v1/chat/completions"),
 }
 
 

@@ -94,6 +94,12 @@ def test_unhonourable_parameters_are_refused_by_name_and_neutral_values_pass():
     neutral = parsed(ChatCompletionRequest, **chat, tools=[], tool_choice="none", response_format={"type": "text"},
                      user="u", metadata={"a": "b"}, parallel_tool_calls=True)
     neutral.check_supported(max_choices=8)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for fields, param in (({"tools": [tool]}, "tools"), ({"tool_choice": "auto"}, "tool_choice")):
+        with pytest.raises(InvalidRequestError, match="chat/completions") as raised:
+            parsed(CompletionRequest, prompt="hi", **fields).check_supported(max_choices=8)
+        assert raised.value.field == param
+    parsed(CompletionRequest, prompt="hi", tools=[], tool_choice="none").check_supported(max_choices=8)
 
 
 def test_list_of_parts_content_is_its_text_parts_joined():
