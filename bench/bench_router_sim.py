@@ -1092,7 +1092,8 @@ def capacity_targets(results: dict[str, CapacityResult]) -> list[str]:
 
 
 def save_goodput_plot(results: dict[str, CapacityResult], path: str) -> None:
-    """Goodput against offered rate per policy, one panel per workload (means over seeds)."""
+    """Goodput against offered rate per policy, one panel per workload (means over seeds), at
+    every offered multiple the capacity section ran (up to 4x: where goodput collapses)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1103,11 +1104,12 @@ def save_goodput_plot(results: dict[str, CapacityResult], path: str) -> None:
     for axis, name in zip(axes[0], names):
         result = results[name]
         base = result.mean_capacity(result.best_baseline())
+        offered = sorted(result.goodput)  # GOODPUT_CURVE and the saturation runs' SATURATION_OFFERED
         for policy in result.capacity:
-            rates = [m * base for m in GOODPUT_CURVE]
-            goodputs = [mean_of(result.goodput[m][policy], "goodput_rps") for m in GOODPUT_CURVE]
+            rates = [m * base for m in offered]
+            goodputs = [mean_of(result.goodput[m][policy], "goodput_rps") for m in offered]
             axis.plot(rates, goodputs, marker="o", label=policy)
-        axis.plot([0, GOODPUT_CURVE[-1] * base], [0, GOODPUT_CURVE[-1] * base], color="grey", linewidth=0.5)
+        axis.plot([0, offered[-1] * base], [0, offered[-1] * base], color="grey", linewidth=0.5)
         axis.set_title(f"{name} (P90 TTFT <= {result.bound.ttft_p90_s:.2g} s)", fontsize=9)
         axis.set_xlabel("offered req/s")
     axes[0][0].set_ylabel("goodput req/s")
