@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -240,7 +240,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def load(self) -> SchedulerLoad:
-        return self.scheduler.load()
+        load = self.scheduler.load()
+        if not self._compiling:
+            return load
+        # Requests parked for their grammar's compile are queued work too: the router scores
+        # and the autoscaler counts them as waiting, not as a replica with nothing to do.
+        parked = [request for request, _, _ in self._compiling.values()]
+        return replace(load, num_waiting=load.num_waiting + len(parked),
+                       waiting_prefill_tokens=load.waiting_prefill_tokens + sum(r.num_tokens for r in parked))
 
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix-cache events (blocks stored / removed) since the previous call, oldest

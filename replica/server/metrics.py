@@ -255,7 +255,7 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_num_requests_waiting": MetricSpec(
         "gauge",
-        "Requests in the waiting queue, preempted ones included.",
+        "Requests in the waiting queue, preempted ones and those waiting for their grammar to compile included.",
         "vllm:num_requests_waiting",
         REPLICA_LABELS,
     ),

@@ -268,6 +268,8 @@ def test_a_compile_in_progress_never_stalls_the_step_loop_for_other_requests(bui
                 break
         assert free.num_output_tokens == 6, "the free request waited for the compile"
         assert "held-grammar" in engine._compiling and constrained.num_output_tokens == 0
+        load = engine.load()  # the parked request is queued work the router and autoscaler see
+        assert (load.num_waiting, load.waiting_prefill_tokens) == (1, constrained.num_tokens)
     finally:
         release.set()
         holding.result()
