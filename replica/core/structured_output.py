@@ -18,6 +18,7 @@ the whole token trie per schema), and it speaks JSON schema, regex and Lark dire
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -181,26 +182,16 @@ class GrammarCompiler:
         return matcher
 
     def check(self, constraint: StructuredOutput, field_name: str) -> None:
-        """Compile (or find compiled) within the time bound; raise InvalidRequestError naming
-        `field_name` when the constraint is malformed, unsupported or too slow to compile."""
-        constraint.check_shape(field_name)
-        future = self.compile(constraint)
-        try:
-            future.result(timeout=self.timeout_s)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            # Another request's check gave the same compile up while it waited: the same bound.
-            self.abandon(constraint, future)
-            raise InvalidRequestError(field_name, f"took longer than {self.timeout_s:g} s to compile") from None
-        except InvalidRequestError as error:
-            raise InvalidRequestError(field_name, error.message) from None
+        """check_async for a caller without an event loop (tests, scripts)."""
+        asyncio.run(self.check_async(constraint, field_name))
 
     async def check_async(self, constraint: StructuredOutput, field_name: str) -> None:
-        """check() for an event loop (the edges). The wait is the caller's coroutine, so a client
-        that goes away (its request's task cancelled) stops waiting at once, and its compile
-        leaves the queue when nobody else waits for it and it has not started: clients that
-        disconnect while a slow compile holds the thread leave no compiles behind it."""
-        import asyncio
-
+        """Compile (or find compiled) within the time bound; raise InvalidRequestError naming
+        `field_name` when the constraint is malformed, unsupported or too slow to compile. The
+        wait is the caller's coroutine (the edges'), so a client that goes away (its request's
+        task cancelled) stops waiting at once, and its compile leaves the queue when nobody else
+        waits for it and it has not started: clients that disconnect while a slow compile holds
+        the thread leave no compiles behind it."""
         constraint.check_shape(field_name)
         future = self.compile(constraint)
         with self._lock:
