@@ -45,7 +45,7 @@ import time
 import zlib
 from array import array
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -283,6 +283,9 @@ class RunStats:
     latency_mean_s: float = 0.0  # measured requests' mean arrival to last token
     # completed_rps weighted by size (prompt + output tokens): the run's own mix per second
     completed_mix_rps: float = 0.0
+    # The workload's share of first turns (first_turn_share): a completion rate times this is in
+    # the offered rate's units
+    first_turn_share: float = 1.0
 
 
 class SimReplica:
@@ -491,7 +494,8 @@ class ClusterSim:
         measured_from_s = sorted(arrival_order)[int(len(arrival_order) * WARMUP_FRACTION)]
         measured = [r for r in finished if r.arrival_time >= measured_from_s]
         measured_gaps = [gap for arrival, gap in zip(gap_arrivals, gaps) if arrival >= measured_from_s]
-        return summarize(measured, measured_gaps, [r.scheduler for r in replicas], len(specs), spills, ttft_slo_s)
+        return replace(summarize(measured, measured_gaps, [r.scheduler for r in replicas], len(specs), spills, ttft_slo_s),
+                       first_turn_share=first_turn_share(workload))
 
 
 def start_replica_step(replica: "SimReplica", index: int, now: float, cost: CostModel, push: Callable,
@@ -659,7 +663,6 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
     complete about 14 a second."""
     capacity = token_capacity_rps(workload, config, cost, num_replicas)
     sim = ClusterSim(config, num_replicas, cost, StatsFeed(), seed)
-    first_turns = first_turn_share(workload)
     # The same requests almost idle: a subset's median need not be the whole's (the trace's
     # first requests are shorter than its average, and then no rate ever looked unloaded).
     unloaded, doubling, saturated = {}, {}, {}
@@ -667,7 +670,7 @@ def calibrate(workload: Workload, config: EngineConfig, cost: CostModel, num_rep
         unloaded[name] = sim.run(name, workload, capacity * 0.01).ttft_p50_s
         doubling[name] = rate_where(lambda rate: sim.run(name, workload, rate).ttft_p50_s / unloaded[name], 2.0,
                                     capacity * 0.05, capacity, steps, never=math.inf)
-        saturated[name] = sim.run(name, workload, capacity * 2).completed_rps * first_turns
+        saturated[name] = (stats := sim.run(name, workload, capacity * 2)).completed_rps * stats.first_turn_share
     rate, best = calibrated_rate(doubling, capacity, max(saturated.values()))
     return Calibration(rate, best, unloaded, doubling, saturated)
 
@@ -931,23 +934,25 @@ class CapacityResult:
 
     bound: SLOBound
     capacity: dict[str, list[float]]  # req/s, per seed
-    goodput: dict[float, dict[str, list[RunStats]]]  # multiple of the best baseline's capacity -> policy -> per seed
-    # The same runs' (GOODPUT_CURVE + SATURATION_OFFERED) requests of the workload's mix completed
-    # per second (completed_mix_rps), in the offered rate's units (first turns: calibrate's rule):
-    # multiple -> policy -> per seed; `counted`: the same, requests counted whatever their size
-    completed: dict[float, dict[str, list[float]]] = field(default_factory=dict)
-    counted: dict[float, dict[str, list[float]]] = field(default_factory=dict)
+    # multiple of the best baseline's capacity (GOODPUT_CURVE + SATURATION_OFFERED) -> policy -> per seed
+    goodput: dict[float, dict[str, list[RunStats]]]
 
     def mean_capacity(self, policy: str) -> float:
         return mean_spread(self.capacity[policy])[0]
+
+    def completed(self, multiple: float, policy: str, counted: bool = False) -> list[float]:
+        """Per seed, the goodput run's requests of the workload's mix completed per second
+        (completed_mix_rps), in the offered rate's units (first turns: calibrate's rule);
+        `counted`: requests counted whatever their size (completed_rps)."""
+        return [(stats.completed_rps if counted else stats.completed_mix_rps) * stats.first_turn_share
+                for stats in self.goodput[multiple][policy]]
 
     def most_completed(self, counted: bool = False) -> tuple[float, str, float]:
         """(req/s, policy, offered multiple): the highest mean completion rate of any policy at
         any offered multiple: the cluster's saturated throughput (`counted`: requests counted
         whatever their size)."""
-        return max((mean_spread(runs)[0], policy, multiple)
-                   for multiple, by_policy in (self.counted if counted else self.completed).items()
-                   for policy, runs in by_policy.items())
+        return max((mean_spread(self.completed(multiple, policy, counted))[0], policy, multiple)
+                   for multiple, by_policy in self.goodput.items() for policy in by_policy)
 
     def best_baseline(self, among: Sequence[str] = PREFIX_AWARE) -> str:
         present = [name for name in among if name in self.capacity]
@@ -979,18 +984,13 @@ def run_capacity(setup: "Setup", out, runner: "Runner") -> dict[str, CapacityRes
         base = result.mean_capacity(result.best_baseline())
         for multiple in GOODPUT_CURVE + SATURATION_OFFERED:
             result.goodput[multiple] = {policy: [] for policy in policies}
-            result.completed[multiple] = {policy: [] for policy in policies}
-            result.counted[multiple] = {policy: [] for policy in policies}
             for policy in policies:
                 for seed in seeds:
                     goodput_jobs.append((setup, name, policy, seed, multiple * base, result.bound))
                     multiples.append(multiple)
     measured = runner.map(goodput_run, goodput_jobs)
-    for (_, name, policy, seed, rate, bound), multiple, stats in zip(goodput_jobs, multiples, measured):
+    for (_, name, policy, _, _, _), multiple, stats in zip(goodput_jobs, multiples, measured):
         results[name].goodput[multiple][policy].append(stats)
-        share = first_turn_share(setup.capacity_workload(name, seed, rate, bound.min_span_s))
-        results[name].completed[multiple][policy].append(stats.completed_mix_rps * share)
-        results[name].counted[multiple][policy].append(stats.completed_rps * share)
     for line in capacity_report(results, seeds, args.capacity_requests):
         print(line, file=out)
     return results
@@ -1034,7 +1034,7 @@ def saturation_report(results: dict[str, CapacityResult]) -> list[str]:
     """The physical limit: capacity at a P90 TTFT bound cannot exceed what the cluster completes,
     so the most completed / the best baseline's capacity (the ceiling) is the most a router
     could reach over that baseline on this engine and cost model, with these admissions."""
-    offered = sorted(next(iter(results.values())).completed)
+    offered = sorted(next(iter(results.values())).goodput)
     low, high = SATURATION_OFFERED
     lines = ["", f"Requests of the workload's mix completed per second (tokens of the requests ending between the 10th "
                  f"and 90th percentile of the ends, over the mean request's), offered multiples of the best prefix-aware "
@@ -1046,8 +1046,8 @@ def saturation_report(results: dict[str, CapacityResult]) -> list[str]:
     for name, result in results.items():
         most = result.most_completed()[0]
         for policy, capacities in result.capacity.items():
-            rates = {m: mean_spread(result.completed[m][policy]) for m in offered}
-            counted = max(mean_spread(result.counted[m][policy])[0] for m in offered)
+            rates = {m: mean_spread(result.completed(m, policy)) for m in offered}
+            counted = max(mean_spread(result.completed(m, policy, counted=True))[0] for m in offered)
             lines.append(f"| {name} | {policy} | {mean_spread(capacities)[0]:.2f} | "
                          + " | ".join(f"{mean:.2f} ± {sd:.2f}" for mean, sd in rates.values())
                          + f" | {ratio(rates[high][0], rates[low][0]):.3f} | {counted:.2f} | "

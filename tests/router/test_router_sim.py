@@ -156,7 +156,8 @@ def test_capacity_at_slo_finds_a_rate_that_holds_and_reports_goodput_past_the_be
         assert all(len(runs) == 2 for runs in result.goodput[multiple].values())
     # The physical limit: what each policy completes offered past every capacity, and the ceiling.
     for multiple in bench.GOODPUT_CURVE + bench.SATURATION_OFFERED:
-        assert all(len(runs) == 2 and all(rps > 0 for rps in runs) for runs in result.completed[multiple].values())
+        assert all(len(runs) == 2 and all(rps > 0 for rps in runs)
+                   for runs in (result.completed(multiple, policy) for policy in result.goodput[multiple]))
     most, whose, _ = result.most_completed()
     assert whose in result.capacity and most > 0
     assert f"| multi_tenant | {result.best_baseline()} | {result.mean_capacity(result.best_baseline()):.2f} | {most:.2f} ({whose}," in text
