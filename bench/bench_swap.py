@@ -17,9 +17,9 @@ and the steps that waited for copies of their own (ReplicaLoad's copy_wait_steps
 blocks); both modes' greedy tokens must be equal. Then where the time went: each mode's
 step times fitted to fixed + per token (bench/cost_model.py's fit), the recompute-only runs'
 re-prefill at that per-token cost, the auto runs' copies as timed, the ratio that price gives
-auto, and the modes' measured step totals beside it. --model wide is bench_tp.py's random 1024-wide 4-layer Llama: its CPU steps cost
-mostly model compute (weight reads, tokens, attention over each request's KV), where the
-built-in model's cost mostly per-step host work.
+auto, and the modes' measured step totals beside it. --model wide is bench_tp.py's random
+1024-wide 4-layer Llama: its CPU steps cost mostly model compute (weight reads, tokens,
+attention over each request's KV), where the built-in model's cost mostly per-step host work.
 
 --workload multiturn: the spilling prefix cache (written through to the host tier beside the
 forward passes; the blocks written through and those the device evicted before the host had a
