@@ -55,7 +55,7 @@ WATCH_STOP_CHECK_S = 0.1
 async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer,
                                       limits: RequestLimits) -> list[int]:
     """The prompt's token ids; a request over `limits` fails before anything is tokenized."""
-    limits.check_request_bytes(request.ByteSize())
+    check_request_limits(request, limits)
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
         raise InvalidRequestError("prompt", "set exactly one of text, token_ids or chat")
@@ -68,6 +68,17 @@ async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: To
         raise InvalidRequestError("prompt", "must not be empty")
     return await encode_prompt(tokenizer, request.text, add_special_tokens=request.add_special_tokens,
                                limits=limits, field_name="text")
+
+
+def check_request_limits(request: pb.GenerateRequest, limits: RequestLimits) -> None:
+    """What a GenerateRequest may bring in beyond its prompt (RequestLimits), checked before any
+    work is spent on it: its size, its id, and the stop conditions and biases that cost every
+    token of its stream."""
+    limits.check_request_bytes(request.ByteSize())
+    limits.check_request_id(request.request_id)
+    sampling = request.sampling
+    limits.check_stop(sampling.stop)
+    limits.check_token_lists(len(sampling.stop_token_ids), len(sampling.logit_bias))
 
 
 async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str,

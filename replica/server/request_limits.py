@@ -1,12 +1,14 @@
 """Limits on what one client request may bring in, checked where it enters before any work
-is spent on it (request bytes, prompt characters), and tokenization of long prompts on a
-worker thread, so one large request never stalls the event loop the others share.
+is spent on it (request bytes, prompt characters, its id, its stop strings), and tokenization
+of long prompts on a worker thread, so one large request never stalls the event loop the
+others share.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Sequence
 
 from replica.core.request import check_text
 from replica.errors import InvalidRequestError
@@ -18,12 +20,31 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default receive limit
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
 # Shorter prompts tokenize in well under a millisecond: a thread hop would cost more.
 INLINE_TOKENIZE_MAX_CHARS = 4096
+# A request id rides in every message of its stream, in every step's output the engine core
+# sends the front and in every response: a 3 MB id slowed every other stream of the replica by
+# a third. Far beyond a UUID, a trace id or the ingress's "chatcmpl-<32 hex>-<n>".
+DEFAULT_MAX_REQUEST_ID_CHARS = 256
+# Stop strings are matched on the front's event loop, which every stream shares, after every
+# token of the request, at a cost that grows with their number and total length: 3,000 stop
+# strings of 300 characters held every other stream for seconds at a time. OpenAI takes 4.
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+# stop_token_ids are looked up after every token in the engine core's step loop, and every
+# logit_bias entry is gathered on the host for every step the request is in: a request must not
+# slow the steps of all the others it is batched with (a 4 MB request holds ~300,000 of either).
+DEFAULT_MAX_STOP_TOKEN_IDS = 1024
+DEFAULT_MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    max_request_id_chars: int = DEFAULT_MAX_REQUEST_ID_CHARS
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
 
     def check_request_bytes(self, num_bytes: int, field_name: str = "request") -> None:
         if num_bytes > self.max_request_bytes:
@@ -38,6 +59,32 @@ class RequestLimits:
                 field_name, f"{len(text)} characters exceeds the limit of {self.max_prompt_chars} characters"
             )
         check_text(field_name, text)
+
+    def check_request_id(self, request_id: str, field_name: str = "request_id") -> None:
+        if len(request_id) > self.max_request_id_chars:
+            raise InvalidRequestError(
+                field_name, f"{len(request_id)} characters exceeds the limit of {self.max_request_id_chars} characters"
+            )
+
+    def check_token_lists(self, num_stop_token_ids: int, num_logit_bias: int) -> None:
+        """Per-token work a request brings to every step it is in (engine field names, reported
+        as sampling.stop_token_ids and sampling.logit_bias by the gRPC edges)."""
+        if num_stop_token_ids > self.max_stop_token_ids:
+            raise InvalidRequestError("stop_token_ids", f"{num_stop_token_ids} token ids exceeds the limit of "
+                                                        f"{self.max_stop_token_ids}")
+        if num_logit_bias > self.max_logit_bias:
+            raise InvalidRequestError("logit_bias", f"{num_logit_bias} entries exceeds the limit of {self.max_logit_bias}")
+
+    def check_stop(self, stop: Sequence[str], field_name: str = "stop") -> None:
+        """Stop strings too many or too long to match after every token (the engine's field
+        name by default: the gRPC edges report it as sampling.stop)."""
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(field_name, f"{len(stop)} stop strings exceeds the limit of {self.max_stop_strings}")
+        total = sum(len(string) for string in stop)
+        if total > self.max_stop_chars:
+            raise InvalidRequestError(
+                field_name, f"{total} characters in all exceeds the limit of {self.max_stop_chars} characters"
+            )
 
 
 async def encode_prompt(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool, limits: RequestLimits,

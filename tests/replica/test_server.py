@@ -197,6 +197,18 @@ BAD_REQUESTS = {
     "grammar_syntax_error": (pb.GenerateRequest(text="hi", grammar="start: (", sampling=sampling(max_tokens=4)),
                              "grammar"),
     "choice_empty": (pb.GenerateRequest(text="hi", choice=pb.Choices(), sampling=sampling(max_tokens=4)), "choice"),
+    # Echoed in every step's output and every response: 3 MB slowed every other stream by a third.
+    "request_id_over_256_characters": (pb.GenerateRequest(request_id="r" * 257, text="hi", sampling=sampling(
+        max_tokens=4)), "request_id"),
+    # Matched after every token on the event loop all streams share: 3,000 of 300 characters
+    # (with logit_bias forcing text that keeps them pending) held other streams 3 s at a time.
+    "more_than_64_stop_strings": (pb.GenerateRequest(text="hi", sampling=sampling(
+        max_tokens=4, stop=[f"stop {index}" for index in range(65)])), "sampling.stop"),
+    "stop_strings_over_4096_characters": (pb.GenerateRequest(text="hi", sampling=sampling(
+        max_tokens=4, stop=["a" * 2048, "b" * 2049])), "sampling.stop"),
+    # Looked up after every token in the core's step loop (700,000 stalled other streams).
+    "more_than_1024_stop_token_ids": (pb.GenerateRequest(text="hi", sampling=sampling(
+        max_tokens=4, stop_token_ids=[7] * 1025)), "sampling.stop_token_ids"),
 }
 
 
@@ -266,6 +278,17 @@ def test_bad_input_is_invalid_argument_naming_the_field_and_leaves_other_streams
     assert error.details().startswith(f"{field}: "), error.details()
     assert good_responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert good_responses[-1].usage.completion_tokens == 32
+
+
+def test_logit_bias_over_the_limit_is_refused_where_it_enters():
+    # The built-in model's vocabulary (320) is below the default bound (1,024): a tighter one.
+    from replica.server.grpc_service import prompt_token_ids_from_proto
+    from replica.errors import InvalidRequestError
+
+    request = pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, logit_bias={1: 1.0, 2: 1.0, 3: 1.0}))
+    with pytest.raises(InvalidRequestError) as raised:
+        asyncio.run(prompt_token_ids_from_proto(request, tokenizer=None, limits=RequestLimits(max_logit_bias=2)))
+    assert raised.value.field == "logit_bias" and "3 entries exceeds the limit of 2" in raised.value.message
 
 
 def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
