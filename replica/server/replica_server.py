@@ -1,6 +1,7 @@
 """ReplicaServer: one AsyncEngine (the front of an engine-core process) as a grpc.aio service
 without Ray: Generation and LoadReporter, standard health checking (NOT_SERVING once the core
-is gone) and reflection (v1 and v1alpha), Prometheus metrics kept in step with every load the
+is gone) and reflection (v1 and v1alpha), request bytes that do not parse refused as INVALID_ARGUMENT
+(MalformedRequestInterceptor), Prometheus metrics kept in step with every load the
 core publishes and every output the front streams, and a graceful stop that lets in-flight
 streams end cleanly. Every other method is behind bearer credentials when some are
 configured (BearerAuthInterceptor; health checking and reflection stay open).
@@ -26,6 +27,7 @@ from replica.server.auth import BearerAuthInterceptor, Credentials
 from replica.server.grpc_reflection import enable_reflection
 from replica.server.grpc_service import GenerationServicer, LoadReporterServicer
 from replica.server.load_report import LoadReportBuilder
+from replica.server.malformed_requests import MalformedRequestInterceptor
 from replica.server.metrics import ReplicaMetrics
 from replica.server.request_limits import RequestLimits
 from replica.server.request_metrics import RequestMetrics
@@ -75,6 +77,7 @@ class ReplicaServer:
         Raises OSError, before the engine core starts, when none of them is free."""
         self._stopping = asyncio.Event()
         interceptors = [BearerAuthInterceptor(self.credentials, self.credential_name)] if self.credentials.required else []
+        interceptors.append(MalformedRequestInterceptor())  # after auth: unauthenticated calls are refused as such
         server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         if self.generation:
             pb_grpc.add_GenerationServicer_to_server(

@@ -291,6 +291,27 @@ def test_logit_bias_over_the_limit_is_refused_where_it_enters():
     assert raised.value.field == "logit_bias" and "3 entries exceeds the limit of 2" in raised.value.message
 
 
+def test_request_bytes_that_do_not_parse_are_invalid_argument_and_the_replica_serves_on(replica):
+    """A client that skips proto3's UTF-8 check (or sends a corrupt message) is told its
+    request is bad, as the cluster's proxy tells it, not UNKNOWN as if the server had failed."""
+    good = pb.GenerateRequest(text="AB", sampling=sampling(max_tokens=2)).SerializeToString()
+    not_utf8 = good.replace(b"\x12\x02AB", b"\x12\x03\xed\xa0\x80")  # text: an encoded lone surrogate
+    assert not_utf8 != good
+    with grpc.insecure_channel(replica.address) as channel:
+        raw_generate = channel.unary_stream("/headroom.v1.Generation/Generate", request_serializer=None,
+                                            response_deserializer=pb.GenerateResponse.FromString)
+        raw_tokenize = channel.unary_unary("/headroom.v1.Generation/Tokenize", request_serializer=None,
+                                           response_deserializer=pb.TokenizeResponse.FromString)
+        for call, body in ((raw_generate, not_utf8), (raw_generate, good[:-1]), (raw_tokenize, b"\x0a\x01\xff")):
+            with pytest.raises(grpc.RpcError) as raised:
+                result = call(body, timeout=30)
+                list(result) if call is raw_generate else result
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+            assert raised.value.details().startswith("request: not a valid "), raised.value.details()
+        responses = list(raw_generate(good, timeout=30))
+    assert responses[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+
 def test_full_waiting_queue_is_resource_exhausted(fresh_replica):
     replica = fresh_replica(max_num_seqs=1, max_waiting_requests=1)
     long_request = pb.GenerateRequest(text="long", sampling=sampling(max_tokens=200, ignore_eos=True))
