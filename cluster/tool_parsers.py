@@ -169,7 +169,7 @@ class _CallBody:
             return ""
         try:
             call = _call_of(json.loads(text))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # model output nested past json's limit is no call either
             call = None
         if self.name is None:
             if call is None:
@@ -438,7 +438,7 @@ def _calls_finish_reason(finish_reason: Optional[str], calls: list[ParsedCall]) 
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

@@ -157,6 +157,19 @@ def test_a_call_cut_by_a_stop_string_finishes_with_stop_not_tool_calls(calling, 
     assert whole(calling, closed, "stop")[2] == "tool_calls"
 
 
+def test_a_reply_nested_past_jsons_recursion_limit_is_parsed_without_raising():
+    """Python's json raises RecursionError (no JSONDecodeError) near 1,000 levels: a reply
+    nested 3,000 deep ended the response in a server error. Arguments first, it is no call;
+    name first, the call streams as written but, its arguments past what parses, finishes
+    with stop, not tool_calls."""
+    deep = "[" * 3000 + "]" * 3000
+    calling = ToolCalling("auto", parser="hermes")
+    text = '<tool_call>{"arguments": ' + deep + ', "name": "f"}</tool_call>'
+    assert whole(calling, text) == (text, [], "stop")
+    content, calls, reason = whole(calling, '<tool_call>{"name": "f", "arguments": ' + deep + '}</tool_call>')
+    assert [call["arguments"] for call in calls] == [deep] and reason == "stop"
+
+
 def test_required_output_cut_by_max_tokens_is_content_with_finish_reason_length():
     message, finish_reason = ToolCallOutput(ToolCalling("required")).message('[{"name": "f", "argu', "length")
     assert message == {"role": "assistant", "content": '[{"name": "f", "argu'} and finish_reason == "length"
