@@ -44,6 +44,29 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 _CACHE_SIZE = 256
+# llguidance builds a grammar by recursion over its rules' nesting: a Lark grammar whose rules
+# nest 3,000 deep (60 KB of text) overflowed a thread's default 8 MB stack and killed the
+# process (SIGSEGV), the ingress's or the engine core's. Compile threads get 256 MB (address
+# space, committed only as used); a chain of 16,000 rules (the deepest MAX_GRAMMAR_BYTES holds)
+# needs about 45 MB.
+COMPILE_THREAD_STACK_BYTES = 256 << 20
+_stack_size_lock = threading.Lock()
+# A started compile cannot be stopped, so what one may cost is bounded before it starts. JSON
+# schemas and regexes are bounded by llguidance's own limits (a 2 MB regex or enum is refused in
+# about a second); a Lark grammar is not: its build grows with the square of a rule's
+# alternatives (60,000: 7 s; 100,000: 20 s, then refused by an assertion). 128 KiB of the
+# densest grammar builds in about a second on a slow CPU; a choice among many strings is a
+# `choice` constraint, which has no such cost.
+MAX_GRAMMAR_BYTES = 128 << 10
+# JSON that arrives as text (a request body, a schema given as a string) is refused past this
+# nesting depth: Python's json module raises RecursionError near 1,000 levels (not a
+# JSONDecodeError: it surfaced as a server error), and whatever reads the document after it
+# (json.dumps, pydantic, a chat template's tojson, llguidance) recurses too. A request body's
+# own nesting is 3-4 levels; OpenAI's strict schemas allow 10 levels of objects (20 here).
+MAX_JSON_DEPTH = 64
+# Compiles run beside the step loop (llguidance releases the GIL). Two, so that one slow
+# compile never holds every other request's behind it; vLLM runs (CPUs + 1) // 2.
+DEFAULT_COMPILE_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -59,10 +82,7 @@ class StructuredOutput:
         """From a schema as a dict or JSON text, kept in its key order: a JSON object's keys
         come out in the order the schema's properties name them."""
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as error:
-                raise InvalidRequestError("json_schema", f"not valid JSON: {error.msg} at column {error.colno}") from None
+            schema = loads_json(schema, "json_schema")
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
         # The boolean schemas: true admits any JSON value (as {} does), false none.
@@ -120,20 +140,55 @@ class StructuredOutput:
                 raise InvalidRequestError(field_name, "every choice must be a non-empty string")
         elif self.kind in ("regex", "grammar", "json") and not self.spec:
             raise InvalidRequestError(field_name, "must not be empty")
+        elif self.kind == "grammar" and len(self.spec.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequestError(field_name, f"a grammar may be at most {MAX_GRAMMAR_BYTES >> 10} KiB (this one is "
+                                                  f"{len(self.spec.encode('utf-8', 'surrogatepass')) >> 10} KiB); "
+                                                  "to choose among many strings, use a choice")
+
+
+def loads_json(text: Union[str, bytes], field_name: str) -> object:
+    """`text` parsed as JSON; InvalidRequestError naming `field_name` where it is not JSON or is
+    nested deeper than MAX_JSON_DEPTH."""
+    too_deep = f"nested more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(field_name, f"not valid JSON: {error.msg} at column {error.colno}") from None
+    except RecursionError:
+        raise InvalidRequestError(field_name, too_deep) from None
+    if nested_deeper_than(document, MAX_JSON_DEPTH):
+        raise InvalidRequestError(field_name, too_deep)
+    return document
+
+
+def nested_deeper_than(document: object, limit: int) -> bool:
+    """Whether `document` (parsed JSON) has containers nested more than `limit` deep; without
+    recursion, whatever its depth."""
+    level, depth = [document], 0
+    while level:
+        containers = [node for node in level if isinstance(node, (dict, list))]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = [child for node in containers for child in (node.values() if isinstance(node, dict) else node)]
+    return False
 
 
 class GrammarCompiler:
-    """llguidance for one tokenizer: constraints compiled on a worker thread (bounded), each
+    """llguidance for one tokenizer: constraints compiled on worker threads (bounded), each
     compiled once (LRU), each request given its own copy of the compiled matcher."""
 
     def __init__(self, fast_tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_workers: int = 1):
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_workers: int = DEFAULT_COMPILE_WORKERS):
         import llguidance
 
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.ll_tokenizer = llguidance.LLTokenizer(fast_tokenizer_json, n_vocab=vocab_size,
                                                    eos_token=list(eos_token_ids) or None)
+        self.num_workers = max_workers
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[StructuredOutput, concurrent.futures.Future] = OrderedDict()
         self._waiters: dict[concurrent.futures.Future, int] = {}  # check_async calls waiting on each
@@ -153,12 +208,23 @@ class GrammarCompiler:
             if future is not None:
                 self._compiled.move_to_end(constraint)
                 return future
-            future = self._pool.submit(self._compile, constraint)
+            future = self._submit(self._compile, constraint)
             future.add_done_callback(_stamp_done)
             self._compiled[constraint] = future
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
             return future
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        """fn(*args) on a compile thread. The pool starts its threads inside submit, and
+        threading.stack_size applies to threads started while it is set (another thread
+        started in that instant gets the large stack too, which costs it nothing)."""
+        with _stack_size_lock:
+            previous = threading.stack_size(COMPILE_THREAD_STACK_BYTES)
+            try:
+                return self._pool.submit(fn, *args)
+            finally:
+                threading.stack_size(previous)
 
     def _compile(self, constraint: StructuredOutput) -> "llguidance.LLMatcher":
         import llguidance
@@ -230,7 +296,7 @@ class GrammarCompiler:
     def cancel_queued(self, constraint: StructuredOutput, future: concurrent.futures.Future) -> bool:
         """Drop a compile that no request waits for any more, if it has not started: so that
         compiles given up behind a slow one (timed out, their requests aborted) never pile up
-        on the compile thread. A started one runs to its end and stays cached."""
+        on the compile threads. A started one runs to its end and stays cached."""
         if not future.cancel():
             return False
         self._forget(constraint, future)
@@ -238,7 +304,7 @@ class GrammarCompiler:
 
     @property
     def num_queued(self) -> int:
-        """Compiles waiting for the compile thread (neither started nor given up)."""
+        """Compiles waiting for a compile thread (neither started nor given up)."""
         with self._lock:
             return sum(1 for future in self._compiled.values() if not future.running() and not future.done())
 

@@ -14,7 +14,10 @@ per family, on SmolLM2."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
+import subprocess
+import sys
 import threading
 
 import jsonschema
@@ -28,6 +31,7 @@ from replica.errors import InvalidRequestError
 from replica.core.structured_output import GrammarCompiler, GrammarMask, StructuredOutput, apply_grammar_bitmask
 from bench.bench_structured import schema_set  # bench/ is a namespace package under the repository root
 
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -53,6 +57,18 @@ def smollm2_engine(smollm2_dir) -> LLMEngine:
 
 def _compiler(engine: LLMEngine) -> GrammarCompiler:
     return GrammarCompiler.for_tokenizer(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+
+
+def _hold_compile_threads(compiler: GrammarCompiler) -> tuple[threading.Event, list]:
+    """Every compile thread held until the event is set: compiles queue behind them."""
+    release = threading.Event()
+    return release, [compiler._submit(release.wait, 60) for _ in range(compiler.num_workers)]
+
+
+def _release(release: threading.Event, holding: list) -> None:
+    release.set()
+    for held in holding:
+        held.result()
 
 
 def _run(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) -> list:
@@ -117,13 +133,65 @@ def test_a_huge_choice_list_compiles_within_the_bound(builtin_engine):
         compiler.shutdown()
 
 
+def test_a_grammar_of_rules_nested_thousands_deep_compiles_and_is_served(builtin_engine, tmp_path):
+    """llguidance builds a grammar by recursion: rules nested 3,000 deep (60 KB) overflowed the
+    compile thread's default 8 MB stack and killed the process (SIGSEGV), the ingress's or the
+    engine core's. Compile threads have room for the deepest grammar the size bound admits;
+    the matcher then advances on the step loop's own stack."""
+    depth = 4000
+    deep = StructuredOutput("grammar", "start: r0\n" + "\n".join(f'r{index}: "x" r{index + 1} | "y"' for index in range(depth))
+                            + f'\nr{depth}: "z"')
+    # As the edges compile it, first in a process of its own: a regression is this test's
+    # failure, not a crash of the test run.
+    tokenizer_json = tmp_path / "tokenizer.json"
+    tokenizer_json.write_text(builtin_engine.tokenizer.fast_tokenizer_json())
+    script = ("import sys, pathlib; from replica.core.structured_output import GrammarCompiler, StructuredOutput; "
+              "GrammarCompiler(pathlib.Path(sys.argv[1]).read_text(), int(sys.argv[2]), [int(sys.argv[3])])"
+              ".check(StructuredOutput('grammar', sys.stdin.read()), 'guided_grammar'); print('compiled')")
+    compiled = subprocess.run([sys.executable, "-c", script, str(tokenizer_json), str(builtin_engine.model_config.vocab_size),
+                               str(builtin_engine.eos_token_ids[0])], input=deep.spec, capture_output=True, text=True,
+                              timeout=120, cwd=REPOSITORY)
+    assert (compiled.returncode, compiled.stdout.strip()) == (0, "compiled"), compiled.stderr[-2000:]
+    (text, reason, _), = _run(builtin_engine, ["go"], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                                      structured_output=deep)])
+    assert reason in ("stop", "length") and re.fullmatch("x*y?", text), (text, reason)
+
+
+def test_a_grammar_past_the_size_bound_is_refused_by_name_before_it_compiles(builtin_engine):
+    """A started compile cannot be stopped, and a Lark grammar's build grows with the square of
+    a rule's alternatives (100,000: 20 s on the compile thread, then an assertion failed): one
+    over 128 KiB is refused before it is queued, pointing at a choice."""
+    compiler = _compiler(builtin_engine)
+    try:
+        grammar = StructuredOutput("grammar", "start: " + " | ".join(json.dumps(f"rule choice {index}")
+                                                                     for index in range(100_000)))
+        with pytest.raises(InvalidRequestError, match=r"^guided_grammar: a grammar may be at most 128 KiB \(this one "
+                                                      r"is 2\d{3} KiB\); to choose among many strings, use a choice"):
+            compiler.check(grammar, "guided_grammar")
+        assert not compiler._compiled, "refused before it was queued"
+    finally:
+        compiler.shutdown()
+
+
+def test_a_compile_holding_one_compile_thread_delays_no_other_compile(builtin_engine):
+    compiler = GrammarCompiler(builtin_engine.tokenizer.fast_tokenizer_json(), builtin_engine.model_config.vocab_size,
+                               builtin_engine.eos_token_ids, timeout_s=5.0)
+    release = threading.Event()
+    holding = [compiler._submit(release.wait, 60)]  # one slow compile in progress
+    try:
+        compiler.check(StructuredOutput("regex", "[a-z]{4}"), "guided_regex")
+        assert not holding[0].done()
+    finally:
+        _release(release, holding)
+        compiler.shutdown()
+
+
 def test_compiles_given_up_or_abandoned_leave_the_compile_queue(builtin_engine):
     """Behind a compile that holds the compile thread, compiles whose checks time out, and those
     of parked requests that are aborted or time out, leave the queue instead of piling up."""
     compiler = GrammarCompiler(builtin_engine.tokenizer.fast_tokenizer_json(), builtin_engine.model_config.vocab_size,
                                builtin_engine.eos_token_ids, timeout_s=0.05)
-    release = threading.Event()
-    holding = compiler._pool.submit(release.wait, 60)
+    release, holding = _hold_compile_threads(compiler)
     try:
         futures = []
         for index in range(5):
@@ -136,14 +204,12 @@ def test_compiles_given_up_or_abandoned_leave_the_compile_queue(builtin_engine):
             assert compiler.cancel_queued(StructuredOutput("regex", f"[a-z]{{{index + 1}}}"), future)
         assert compiler.num_queued == 0 and all(future.cancelled() for future in futures)
     finally:
-        release.set()
-        holding.result()
+        _release(release, holding)
         compiler.shutdown()
     # The engine core: an aborted parked request's compile leaves the queue, unless another waits for it.
     engine = builtin_engine
     engine.generate([[1]], SamplingParams(max_tokens=1, structured_output=StructuredOutput("regex", "a")))
-    release = threading.Event()
-    holding = engine.grammar_compiler._pool.submit(release.wait, 60)
+    release, holding = _hold_compile_threads(engine.grammar_compiler)
     try:
         shared = StructuredOutput("regex", "[0-9]{7}")
         for name, constraint in (("parked-1", shared), ("parked-2", shared),
@@ -157,8 +223,7 @@ def test_compiles_given_up_or_abandoned_leave_the_compile_queue(builtin_engine):
         engine.abort_request("parked-2")
         assert engine.grammar_compiler.num_queued == 0 and not engine.has_unfinished_requests()
     finally:
-        release.set()
-        holding.result()
+        _release(release, holding)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -192,8 +257,7 @@ def test_an_edge_check_whose_client_went_away_leaves_the_compile_queue(builtin_e
     import asyncio
 
     compiler = _compiler(builtin_engine)
-    release = threading.Event()
-    holding = compiler._pool.submit(release.wait, 60)
+    release, holding = _hold_compile_threads(compiler)
 
     async def scenario():
         shared = StructuredOutput("regex", "[a-z]{9}")
@@ -220,8 +284,7 @@ def test_an_edge_check_whose_client_went_away_leaves_the_compile_queue(builtin_e
     try:
         asyncio.run(scenario())
     finally:
-        release.set()
-        holding.result()
+        _release(release, holding)
         compiler.shutdown()
 
 
@@ -254,8 +317,7 @@ def test_a_compile_in_progress_never_stalls_the_step_loop_for_other_requests(bui
     runs to its end; the constrained one then compiles, starts and keeps to its constraint."""
     engine = builtin_engine
     engine.generate([[1]], SamplingParams(max_tokens=1, structured_output=StructuredOutput("regex", "a")))
-    release = threading.Event()
-    holding = engine.grammar_compiler._pool.submit(release.wait, 60)  # the compile queues behind it
+    release, holding = _hold_compile_threads(engine.grammar_compiler)  # the compile queues behind them
     constrained = engine.make_request("held-grammar", [1, 2, 3], SamplingParams(
         max_tokens=8, temperature=0.0, structured_output=StructuredOutput("regex", "[0-9]{3}-[a-z]{3}")))
     free = engine.make_request("beside-it", [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True))
@@ -271,8 +333,7 @@ def test_a_compile_in_progress_never_stalls_the_step_loop_for_other_requests(bui
         load = engine.load()  # the parked request is queued work the router and autoscaler see
         assert (load.num_waiting, load.waiting_prefill_tokens) == (1, constrained.num_tokens)
     finally:
-        release.set()
-        holding.result()
+        _release(release, holding)
     while engine.has_unfinished_requests():
         engine.step()
     assert re.fullmatch("[0-9]{3}-[a-z]{3}", engine.tokenizer.decode(constrained.output_token_ids))
