@@ -480,6 +480,9 @@ class Ingress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             body.check_supported(self.max_num_seqs)
+            # The bounds the gRPC edges hold (RequestLimits): work per token for every stream.
+            self.limits.check_stop(body.stop_strings)
+            self.limits.check_token_lists(len(body.stop_token_ids), len(body.logit_bias or {}))
             constraint = body.output_constraint()
             prompts, echo_texts = await self._prompts(body)
             info = await self.model_info()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
-from replica.core.structured_output import StructuredOutput
+from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loads_json, nested_deeper_than
 
 from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from replica.errors import HeadroomError, InvalidRequestError
@@ -102,6 +102,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise OpenAIError(400, f"body: not UTF-8 encoded JSON (byte {error.start} is invalid)") from None
     except json.JSONDecodeError as error:
         raise OpenAIError(400, f"body: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
+    except RecursionError:  # json's own limit, near 1,000 levels: no JSONDecodeError
+        raise OpenAIError(400, f"body: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    if nested_deeper_than(document, MAX_JSON_DEPTH):
+        raise OpenAIError(400, f"body: nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(document, dict):
         raise OpenAIError(400, f"body: expected a JSON object, got {type(document).__name__}")
     try:
@@ -392,8 +396,8 @@ class ChatMessage(BaseModel):
 
 def _json_or_text(text: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return loads_json(text, "arguments")
+    except InvalidRequestError:  # not JSON, or nested too deep for the template to render
         return text
 
 

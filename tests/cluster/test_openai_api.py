@@ -18,6 +18,7 @@ from cluster.openai_api import (
 from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText, best_choices, usage
 from cluster.serve_logging import ClientErrorLogFilter, DisconnectWhenReceiveIsCancelled
 from replica.core.outputs import RequestOutput, TopLogprobs
+from replica.core.structured_output import StructuredOutput
 from replica.errors import InvalidRequestError
 
 
@@ -80,6 +81,26 @@ def test_malformed_and_non_utf8_bodies_are_400_about_the_body():
         "body: invalid JSON at line 1")
     assert refused(CompletionRequest, b'{"model": "\xff"}').body["error"]["message"].startswith("body: not UTF-8")
     assert refused(CompletionRequest, b"[1]").body["error"]["param"] is None
+
+
+def test_json_nested_too_deep_is_400_where_it_enters_and_a_deep_tool_history_renders_as_text():
+    """Python's json raises RecursionError near 1,000 levels (no JSONDecodeError: it was a 500),
+    and what reads a deep document after it recurses too: a body is refused past 64 levels,
+    as is a schema given as text; a history call's arguments that deep reach the template as
+    the text they were, as arguments that do not parse do."""
+    too_deep = "nested more than 64 levels deep"
+    deep = lambda levels: "[" * levels + "]" * levels  # noqa: E731
+    for levels in (65, 5_000):
+        error = refused(CompletionRequest, b'{"model": "m", "prompt": ' + deep(levels).encode() + b"}").body["error"]
+        assert error["message"] == f"body: {too_deep}" and error["param"] is None, error
+    assert parse_body(json.dumps({"model": "m", "prompt": "hi", "guided_json": {"type": "object"}}).encode(),
+                      CompletionRequest).guided_json == {"type": "object"}
+    with pytest.raises(InvalidRequestError, match=f"^guided_json: {too_deep}$"):
+        StructuredOutput.of("json", deep(5_000), "guided_json")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep(5_000)}}
+    chat = parse_body(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]}).encode(), ChatCompletionRequest)
+    assert chat.messages[1].template_message()["tool_calls"][0]["function"]["arguments"] == deep(5_000)
 
 
 def test_unhonourable_parameters_are_refused_by_name_and_neutral_values_pass():

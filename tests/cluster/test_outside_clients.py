@@ -170,15 +170,15 @@ def test_constrained_streams_closed_mid_stream_and_while_preempted_free_every_bl
 
 
 def test_clients_gone_while_their_grammars_compile_leave_nothing_behind(cluster):
-    """Clients each send a grammar slow to compile (a rule of 20,000 alternatives) and
-    disconnect while it compiles or waits for the ingress's compile thread (their waits are
+    """Clients each send a constraint slow to compile (a JSON schema's enum of 30,000 strings)
+    and disconnect while it compiles or waits for an ingress compile thread (their waits are
     cancelled with them, and so are the compiles nobody else waits for: tests/replica/
     test_structured_output.py); no block stays taken, and the next constrained request is served."""
     wait_until_idle()
-    slow = "start: " + " | ".join(json.dumps(f"rule choice {index}") for index in range(20_000))
+    slow = [f"value {index}" for index in range(30_000)]
 
     def send_and_go(index: int) -> bool:
-        body = completion(max_tokens=4, guided_grammar=f'{slow} | "gone {index} {time.time()}"')
+        body = completion(max_tokens=4, guided_json={"enum": [*slow, f"gone {index} {time.time()}"]})
         try:
             requests.post(f"{HTTP}{C}", json=body, timeout=(30, 0.2))
         except requests.exceptions.ReadTimeout:
@@ -194,11 +194,10 @@ def test_clients_gone_while_their_grammars_compile_leave_nothing_behind(cluster)
 
 
 def test_a_slow_grammar_compile_stalls_no_other_stream(cluster):
-    """While a grammar slow to compile (seconds, at the ingress and again in the engine core)
-    waits for its compiles, an unconstrained stream beside it keeps streaming: its longest gap
-    between chunks is a fraction of the time the constrained request took. That request's
-    grammar then trips llguidance's 2,000-items limit on its first token: it ends there (abort)
-    instead of going on unconstrained."""
+    """While a constraint slow to compile (seconds, at the ingress and again in the engine core:
+    a JSON schema's enum of 60,000 strings) waits for its compiles, an unconstrained stream
+    beside it keeps streaming: its longest gap between chunks is a fraction of the time the
+    constrained request took, whose output then keeps to the schema."""
     wait_until_idle()
     stamps: list[float] = []
     answered_event = threading.Event()
@@ -213,26 +212,37 @@ def test_a_slow_grammar_compile_stalls_no_other_stream(cluster):
                     if line.startswith(b"data: {"):
                         stamps.append(time.perf_counter())
 
-    slow = "start: " + " | ".join(json.dumps(f"rule choice {index}") for index in range(40_000))
+    values = [f"value {index}" for index in range(60_000)] + [f"fresh {time.time()}"]  # compiled afresh
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         beside = pool.submit(stream)
         while len(stamps) < 3 and not beside.done():
             time.sleep(0.01)
         sent = time.perf_counter()
         try:
-            response = requests.post(f"{HTTP}{C}", json=completion(max_tokens=8, temperature=0, prompt="pick one",
-                                                                   guided_grammar=f'{slow} | "{time.time()}"'),
-                                     timeout=300)
+            response = requests.post(f"{HTTP}{C}", json=completion(max_tokens=32, temperature=0, prompt="pick one",
+                                                                   guided_json={"enum": values}), timeout=300)
         finally:
             answered = time.perf_counter()
             answered_event.set()
         beside.result()
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
-    assert choice["finish_reason"] == "abort" and "rule choice".startswith(choice["text"]), choice
+    assert choice["finish_reason"] == "stop" and json.loads(choice["text"]) in values, choice
     during = [later - earlier for earlier, later in zip(stamps, stamps[1:]) if earlier >= sent and later <= answered]
     assert during, "the stream ended before the compile began"
     assert max(during) < (answered - sent) / 2, (max(during), answered - sent)
+
+
+def test_a_grammar_of_rules_nested_thousands_deep_is_served_and_the_ingress_lives_on(cluster):
+    """Rules nested 4,000 deep (80 KB) overflowed the compile thread's stack and killed the
+    ingress's process (SIGSEGV) as it checked the grammar."""
+    depth = 4000
+    grammar = "start: r0\n" + "\n".join(f'r{index}: "x" r{index + 1} | "y"' for index in range(depth)) + f'\nr{depth}: "z"'
+    response = requests.post(f"{HTTP}{C}", json=completion(max_tokens=8, temperature=0, guided_grammar=grammar),
+                             timeout=120)
+    assert response.status_code == 200, response.text
+    assert re.fullmatch("x*y?", response.json()["choices"][0]["text"]), response.json()
+    assert good_http_request_succeeds()
 
 
 # ---- one large request stalls nobody ------------------------------------------------------
@@ -805,6 +815,16 @@ HTTP_PROBES = [
     ("not_utf8", "POST", C, b'{"model": "builtin", "prompt": "\xff\xfe"}', 400, "body: not UTF-8"),
     ("json_array_body", "POST", C, raw("[1, 2]"), 400, "body: expected a JSON object"),
     ("body_past_byte_limit", "POST", C, completion(prompt="y" * 4_300_000), 413, "body: "),
+    ("body_nested_past_jsons_recursion_limit", "POST", C,
+     raw('{"model": "builtin", "prompt": ' + "[" * 5000 + "]" * 5000 + "}"), 400, "body: nested more than 64 levels"),
+    ("guided_json_text_nested_past_64_levels", "POST", C, completion(guided_json="[" * 100 + "]" * 100), 400,
+     "guided_json"),
+    ("guided_grammar_past_128_kib", "POST", C, completion(guided_grammar="start: " + " | ".join(
+        f'"rule choice {index}"' for index in range(10_000))), 400, "guided_grammar"),
+    ("stop_past_64_strings", "POST", C, completion(stop=[f"s{index}" for index in range(65)]), 400, "stop"),
+    ("stop_token_ids_past_1024", "POST", C, completion(stop_token_ids=[1] * 1025), 400, "stop_token_ids"),
+    ("logit_bias_past_1024_entries", "POST", C, completion(logit_bias={str(index): 1 for index in range(1025)}), 400,
+     "logit_bias"),
     ("messages_empty", "POST", CHAT, chat(messages=[]), 400, "messages"),
     ("messages_missing", "POST", CHAT, without(chat(), "messages"), 400, "messages"),
     ("role_unknown", "POST", CHAT, chat(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role"),
@@ -976,6 +996,12 @@ GRPC_PROBES = [
      grpc.StatusCode.INVALID_ARGUMENT, "grammar: "),
     ("json_schema_false", pb.GenerateRequest(text="hi", json_schema="false", sampling=sampling()), (),
      grpc.StatusCode.INVALID_ARGUMENT, "json_schema: "),
+    ("json_schema_nested_past_64_levels", pb.GenerateRequest(text="hi", json_schema="[" * 5000 + "]" * 5000,
+                                                             sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "json_schema: nested more than 64 levels"),
+    ("grammar_past_128_kib", pb.GenerateRequest(text="hi", grammar="start: " + " | ".join(
+        f'"rule choice {index}"' for index in range(10_000)), sampling=sampling()), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "grammar: a grammar may be at most 128 KiB"),
     ("regex_matches_nothing", pb.GenerateRequest(text="hi", regex="[^\\s\\S]", sampling=sampling()), (),
      grpc.StatusCode.INVALID_ARGUMENT, "regex: "),
     ("json_schema_unsupported_keyword", pb.GenerateRequest(text="hi", json_schema='{"not": {"type": "string"}}',
