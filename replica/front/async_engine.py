@@ -271,17 +271,18 @@ class AsyncEngine:
             raise EngineShutdownError("the replica is shutting down")
         engine = self.engine
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        request = engine.make_request(request_id, prompt_token_ids, sampling_params, priority=priority,
-                                      ttft_deadline=ttft_deadline, cache_salt=cache_salt, ttft_slo_ms=ttft_slo_ms)
         if request_id in self._processor:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        request = engine.make_request(self._processor.core_id_for(request_id), prompt_token_ids, sampling_params,
+                                      priority=priority, ttft_deadline=ttft_deadline, cache_salt=cache_salt,
+                                      ttft_slo_ms=ttft_slo_ms)
         bound = engine.config.max_waiting_requests
         # A fast refusal from the latest load; the core's scheduler has the last word (a burst
         # within one step can still fill the queue: those adds come back rejected).
         if self._load.num_waiting >= bound:
             raise QueueFullError(f"waiting queue is full ({bound} requests)")
         stream = RequestStream(request, first_token_timeout_s, engine.config.stream_interval)
-        self._processor.track(stream)
+        self._processor.track(stream, request_id)
         self.core.add(request)
         return stream
 

@@ -7,6 +7,8 @@ a stop string) and where a dead core or a failed step fails the streams it holds
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -34,11 +36,20 @@ class RequestObserver(Protocol):
     def on_failed(self, request: Request) -> None: ...
 
 
+# A request the front ends early (an abort, a stop string matched here) may still have rows on
+# their way from the core: steps it ran before the abort reached it. Its id, added again soon
+# after (a client's retry), gets an id of its own in the core, so those rows, still carrying
+# the old request's id, are dropped instead of reaching the new stream. The ids ended early
+# are remembered this many at a time: rows are in flight for a step or two.
+RECENTLY_ENDED_IDS = 4096
+
+
 @dataclass
 class _Live:
     stream: Stream
     detokenizer: IncrementalDetokenizer
     stop_matcher: Optional[StopStringMatcher]  # only for requests with stop strings
+    request_id: str  # the client's; the core's (stream.request.request_id) differs after a reuse
 
 
 class OutputProcessor:
@@ -48,10 +59,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.abort_in_core = abort_in_core
         self.observer = observer
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}  # by the core's id
+        self._core_ids: dict[str, str] = {}  # a live request's core id, where it is not the client's
+        self._ended_early: OrderedDict[str, None] = OrderedDict()  # client ids, the latest RECENTLY_ENDED_IDS
+        self._reuses = itertools.count(1)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._live
+        """Whether a live request has this (client's) id."""
+        return request_id in self._core_ids or request_id in self._live
 
     def __len__(self) -> int:
         return len(self._live)
@@ -59,10 +74,32 @@ class OutputProcessor:
     def request_ids(self) -> list[str]:
         return list(self._live)
 
-    def track(self, stream: Stream) -> None:
+    def core_id_for(self, request_id: str) -> str:
+        """The id the core is to know a new request of this (client's) id by: the same, unless
+        a request of that id ended early here moments ago."""
+        if request_id not in self._ended_early:
+            return request_id
+        while True:
+            core_id = f"{request_id}#{next(self._reuses)}"
+            if core_id not in self._live and core_id not in self._ended_early:
+                return core_id
+
+    def track(self, stream: Stream, request_id: Optional[str] = None) -> None:
+        """Follow `stream`, whose request the core knows by its own id; `request_id`, the
+        client's, where core_id_for gave it another."""
         params = stream.request.sampling_params
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
-        self._live[stream.request.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer), matcher)
+        core_id = stream.request.request_id
+        request_id = request_id or core_id
+        self._live[core_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer), matcher, request_id)
+        if core_id != request_id:
+            self._core_ids[request_id] = core_id
+
+    def _drop(self, core_id: str) -> Optional[_Live]:
+        state = self._live.pop(core_id, None)
+        if state is not None and state.request_id != core_id:
+            del self._core_ids[state.request_id]
+        return state
 
     def process(self, rows: list[tuple]) -> None:
         """One StepOutputs' CoreOutput rows. Rows of requests the front already ended are dropped."""
@@ -94,14 +131,14 @@ class OutputProcessor:
             tops = [TopLogprobs._make(top) for top in top_logprobs] if top_logprobs else None
             # RequestOutput.of, built directly (lengths, not properties): this runs for every
             # request every step, and at batch 256 the front's event loop has ~2 ms per step.
-            output = RequestOutput(request_id, new_token_ids, text, finish_reason, len(request.prompt_token_ids),
+            output = RequestOutput(state.request_id, new_token_ids, text, finish_reason, len(request.prompt_token_ids),
                                    len(request.output_token_ids), num_cached_tokens, logprobs, tops,
                                    request.stop_reason if finish_reason is not None else None)
             if stop_string is not None and not core_finished:
                 self.finish(request_id, "stop", last=output)  # the core would generate on
                 continue
             if core_finished:
-                del live[request_id]
+                self._drop(request_id)
             self._put(state.stream, output)
 
     @staticmethod
@@ -120,28 +157,38 @@ class OutputProcessor:
         return match.text, match.stop
 
     def finish(self, request_id: str, finish_reason: str, last: Optional[RequestOutput] = None) -> None:
-        """End a live request on the front's side now and have the core drop it before its
-        next step: an abort, or a stop string matched here (`last` is then the output that
-        carries the text before it)."""
-        state = self._live.pop(request_id, None)
+        """End a live request (by the client's id or the core's) on the front's side now and have
+        the core drop it before its next step: an abort, or a stop string matched here (`last`
+        is then the output that carries the text before it)."""
+        core_id = self._core_ids.get(request_id, request_id)
+        state = self._drop(core_id)
         if state is None:
             return  # already ended
-        self._put(state.stream, last if last is not None else
-                  RequestOutput.of(state.stream.request, [], "", finish_reason))
-        self.abort_in_core(request_id)
+        ended = self._ended_early
+        ended[state.request_id] = None
+        ended.move_to_end(state.request_id)
+        if len(ended) > RECENTLY_ENDED_IDS:
+            ended.popitem(last=False)
+        if last is None:
+            last = RequestOutput.of(state.stream.request, [], "", finish_reason)
+            last.request_id = state.request_id
+        self._put(state.stream, last)
+        self.abort_in_core(core_id)
 
     def fail(self, request_id: str, error: BaseException) -> None:
-        state = self._live.pop(request_id, None)
+        """End a request the core failed or refused (by the core's id) with `error`."""
+        state = self._drop(request_id)
         if state is not None:
             self._put(state.stream, error)
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> None:
         live, self._live = self._live, {}
+        self._core_ids.clear()
         for state in live.values():
             self._put(state.stream, make_error())
 
     def stream_of(self, request_id: str) -> Optional[Stream]:
-        state = self._live.get(request_id)
+        state = self._live.get(self._core_ids.get(request_id, request_id))
         return state.stream if state is not None else None
 
     def _put(self, stream: Stream, item: RequestOutput | BaseException) -> None:
