@@ -70,32 +70,34 @@ def test_an_abort_frees_the_requests_blocks_before_the_cores_next_step():
     assert rest[-1].finish_reason == "abort"  # the stream ended at once, on the front's side
 
 
-@pytest.mark.parametrize("same_turn", [True, False])
-def test_an_id_aborted_and_added_again_gets_only_its_new_requests_outputs(same_turn):
+def test_an_id_aborted_and_added_again_gets_only_its_new_requests_outputs():
     """A client's retry under the id it just cancelled. Added again in the same turn of the
     event loop, the add reached the core before the queued abort, as a duplicate: refused.
     Added a turn later, the steps the core ran before the abort reached it delivered the old
     request's tokens into the new stream (6 tokens of a 5-token request). The new request runs
     under an id of its own in the core; clients see theirs."""
+    async def retry(front: AsyncEngine, request_id: str, same_turn: bool):
+        first = front.add_request(list(range(3, 40)), LONG, request_id=request_id)
+        await first.__anext__()
+        front.abort(request_id)
+        if not same_turn:
+            await asyncio.sleep(0)
+        again = front.add_request(list(range(3, 40)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                                  request_id=request_id)
+        return [output async for output in first], [output async for output in again]
+
     async def scenario():
         front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
         try:
-            first = front.add_request(list(range(3, 40)), LONG, request_id="retried")
-            await first.__anext__()
-            front.abort("retried")
-            if not same_turn:
-                await asyncio.sleep(0)
-            again = front.add_request(list(range(3, 40)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
-                                      request_id="retried")
-            return [output async for output in first], [output async for output in again]
+            return [await retry(front, "same-turn", True), await retry(front, "next-turn", False)]
         finally:
             await front.shutdown(grace_period_s=0)
 
-    first_rest, again = asyncio.run(scenario())
-    assert first_rest[-1].finish_reason == "abort" and first_rest[-1].request_id == "retried"
-    assert again[-1].finish_reason == "length" and again[-1].num_output_tokens == 5, again
-    assert sum(len(output.new_token_ids) for output in again) == 5 and {output.request_id for output in again} == {
-        "retried"}
+    for request_id, (first_rest, again) in zip(("same-turn", "next-turn"), asyncio.run(scenario())):
+        assert first_rest[-1].finish_reason == "abort" and first_rest[-1].request_id == request_id
+        assert again[-1].finish_reason == "length" and again[-1].num_output_tokens == 5, again
+        assert sum(len(output.new_token_ids) for output in again) == 5
+        assert {output.request_id for output in again} == {request_id}
 
 
 def test_a_stop_string_matched_in_the_front_ends_the_stream_and_the_core_drops_the_request():
