@@ -492,7 +492,8 @@ def test_a_long_prompt_being_tokenized_does_not_stall_other_calls(replica):
     big_s, round_trips, error = asyncio.run(run())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("prompt: ")
     assert big_s > 0.2 and len(round_trips) >= 3, (big_s, round_trips)  # long enough to stall, if it could
-    assert max(round_trips) < 0.1, round_trips
+    # Stalled, one round trip would take most of big_s; 0.1 s alone failed once on a slow VM.
+    assert max(round_trips) < max(0.1, big_s / 3), (big_s, round_trips)
 
 
 def test_a_conversation_of_many_messages_being_rendered_does_not_stall_other_calls(replica):
