@@ -47,8 +47,8 @@ _CACHE_SIZE = 256
 # llguidance builds a grammar by recursion over its rules' nesting: a Lark grammar whose rules
 # nest 3,000 deep (60 KB of text) overflowed a thread's default 8 MB stack and killed the
 # process (SIGSEGV), the ingress's or the engine core's. Compile threads get 256 MB (address
-# space, committed only as used); a chain of 16,000 rules (the deepest MAX_GRAMMAR_BYTES holds)
-# needs about 45 MB.
+# space, committed only as used): the deepest grammar MAX_GRAMMAR_BYTES holds, a chain of 13,371
+# rules, needs between 32 and 64 MB.
 COMPILE_THREAD_STACK_BYTES = 256 << 20
 _stack_size_lock = threading.Lock()
 # A started compile cannot be stopped, so what one may cost is bounded before it starts. JSON
