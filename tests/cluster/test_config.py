@@ -96,6 +96,26 @@ def test_router_policy_names_are_the_router_registry():
     ({"engine": {"block_size": 0}}, "engine.block_size: "),
     ({"engine": {"preemption_mode": "swap"}}, "engine.preemption_mode: 'swap' needs a host KV tier"),
     ({"engine": {"host_kv_bytes": 1 << 62}}, "engine.host_kv_bytes: 4611686018427387904 bytes exceeds the host's memory"),
+    # NaN passes no bound and infinity passed every one: an infinite SLO monitor interval or
+    # tensor-parallel timeout overflowed threading / timedelta once the engine started.
+    ({"engine": {"slo_monitor_interval_ms": float("inf")}}, "engine.slo_monitor_interval_ms: Input should be a finite"),
+    ({"engine": {"tensor_parallel_timeout_s": float("inf")}}, "engine.tensor_parallel_timeout_s: Input should be a finite"),
+    ({"engine": {"structured_output_compile_timeout_s": float("inf")}},
+     "engine.structured_output_compile_timeout_s: Input should be a finite"),
+    ({"replicas": {"drain_timeout_s": float("inf")}}, "replicas.drain_timeout_s: Input should be a finite"),
+    ({"replicas": {"autoscaling": {"downscale_delay_s": float("inf")}}},
+     "replicas.autoscaling.downscale_delay_s: Input should be a finite"),
+    ({"router": {"staleness_s": float("inf")}}, "router.staleness_s: Input should be a finite"),
+    ({"router": {"knobs": {"headroom_weight": float("nan")}}}, "router.knobs.headroom_weight: Input should be a finite"),
+    # A model path with no last component gives no name to serve it under (was pydantic's
+    # traceback about ServeApplication.name).
+    ({"model": "/"}, "model_id: model '/' has no name to serve it under; set model_id"),
+    ({"model": "."}, "model_id: model '.' has no name"),
+    ({"model": ""}, "model: String should have at least 1 character"),
+    # Serve's route_prefix rules, which Serve itself applies only after the cluster started.
+    ({"applications": [{"name": "a", "route_prefix": "v1"}]}, "applications[0].route_prefix: 'v1' must start with '/'"),
+    ({"applications": [{"name": "a", "route_prefix": "/a/"}]}, "applications[0].route_prefix: '/a/' may not end with '/'"),
+    ({"applications": [{"name": "a", "route_prefix": "/{x}"}]}, "applications[0].route_prefix: '/{x}' may not contain"),
 ])
 def test_bad_field_raises_config_error_naming_its_dotted_path(document, message):
     with pytest.raises(ConfigError) as raised:
