@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import ssl
+import sys
 import threading
 from typing import Any, Mapping, Optional
 
@@ -23,12 +24,14 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
-from cluster.config import DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config
+from cluster.config import (
+    DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config, serve_deployment_options,
+)
 from cluster.deployment import node_ip
 from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from replica.model import ModelLoadError
-from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
+from replica.model.registry import BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, resolve_model_path
 from replica.config import ConfigError
 from replica.server.auth import (
     CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, is_loopback_host,
@@ -64,10 +67,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the config's http_options.ssl_certfile; Serve's gRPC proxy has no TLS)")
     parser.add_argument("--tls-key", default=None, metavar="FILE",
                         help="the PEM private key of --tls-cert (default: the config's http_options.ssl_keyfile)")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray cluster offers (default: all)")
+    parser.add_argument("--num-cpus", type=positive_int, default=None,
+                        help="CPUs the local Ray cluster offers (default: all)")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
     add_engine_config_arguments(parser)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a usage error naming the flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
@@ -127,6 +142,9 @@ def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if args.model is not None:
         overrides["model"] = args.model
+        if args.model not in (BUILTIN_MODEL_NAME, *PACKAGED_MODELS) and os.path.exists(args.model):
+            # A path as the replicas (Ray workers, elsewhere) read it; `--model .` is named after its directory.
+            overrides["model"] = os.path.abspath(args.model)
     if args.replicas is not None:
         overrides["replicas"] = {"num_replicas": args.replicas}
     autoscaling = {key: value for key, value in (("policy", args.autoscaling), ("min_replicas", args.min_replicas),
@@ -150,6 +168,38 @@ def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
     for key, value in overrides.items():
         merged[key] = _merged(merged.get(key) or {}, value) if isinstance(value, Mapping) else value
     return merged
+
+
+def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float]) -> None:
+    """ConfigError naming the field when the replicas the applications start with need more CPUs
+    or GPUs than the Ray cluster has (`resources`: ray.cluster_resources()). Serve would wait for
+    them without end, its applications half started, and `headroom serve` with it."""
+    many = len(config.applications) > 1
+    needed = {"CPU": 0.0, "GPU": 0.0}
+    fields = {"CPU": [], "GPU": []}
+    for index, app in enumerate(config.applications):
+        where = f"applications[{index}].args." if many else ""
+        options = serve_deployment_options(app.args, resources.get("GPU", 0.0))  # ConfigError: GPUs < ranks
+        autoscaling = options.get("autoscaling_config")
+        replicas, count_field = ((autoscaling["min_replicas"], "replicas.autoscaling.min_replicas")
+                                 if autoscaling is not None else (options["num_replicas"], "replicas.num_replicas"))
+        for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+            each = options["ray_actor_options"][key]
+            have = resources.get(resource, 0.0)
+            if each > have:
+                raise ConfigError(f"{where}replicas.{key}: a replica reserves {each:g} {resource}s "
+                                  f"(engine.tensor_parallel_size {app.args.engine.tensor_parallel_size}); "
+                                  f"the Ray cluster has {have:g}")
+            if each:
+                needed[resource] += replicas * each
+                fields[resource].append(f"{where}{count_field}")
+    for resource, total in needed.items():
+        have = resources.get(resource, 0.0)
+        if total > have:
+            hint = " (--num-cpus sets the local node's)" if resource == "CPU" else ""
+            raise ConfigError(f"{fields[resource][-1]}: the replicas need {total:g} {resource}s to start, "
+                              f"the Ray cluster has {have:g}{hint}; fewer replicas, or replicas.num_"
+                              f"{resource.lower()}s per replica")
 
 
 def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
@@ -249,11 +299,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Before Ray starts: its processes (the proxies, the ingresses) read the keys from here.
     export_api_key_flags(args)
     init_local_ray(config, args.num_cpus)
-    stop_requested = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-        signal.signal(signum, lambda *_: stop_requested.set())
     try:
-        start_applications(config)
+        check_resources_fit(config, ray.cluster_resources())
+    except ConfigError as error:
+        ray.shutdown()
+        parser.error(str(error))
+    stop_requested = threading.Event()
+    # Until every application runs, a signal interrupts the start (Serve may wait long for a
+    # replica, forever for one it cannot place); from then on it asks for a clean stop.
+    starting = [True]
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if starting[0]:
+            starting[0] = False
+            raise KeyboardInterrupt(signum)
+        stop_requested.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(signum, on_signal)
+    try:
+        try:
+            start_applications(config)
+            starting[0] = False
+        except KeyboardInterrupt as interrupt:
+            signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+            print("interrupted while starting; stopping", file=sys.stderr, flush=True)
+            return 128 + signum
         host = config.applications[0].args.ports.bind_address or node_ip()
         print(endpoints_text(config, host), flush=True)
         print("serving; Ctrl-C stops", flush=True)

@@ -253,6 +253,101 @@ def test_serve_beyond_loopback_without_a_key_warns_in_one_line_before_ray_starts
         assert all(warning.startswith("warning: serving on 0.0.0.0") and "\n" not in warning for warning in warnings)
 
 
+def test_serve_num_cpus_below_1_is_a_usage_error(capsys):
+    # Was ray.init's ValueError traceback ("Resource quantities must be nonnegative") after Ray began starting.
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", "--num-cpus", "-1"])
+    assert exited.value.code == 2
+    assert "error: argument --num-cpus: must be >= 1, got -1\n" in capsys.readouterr().err
+
+
+def test_serve_model_dot_is_served_under_its_directorys_name(tmp_path, monkeypatch):
+    # `--model .` was pydantic's traceback: Path(".").name is empty, and so was the application name.
+    model_dir = tmp_path / "MyModel"
+    model_dir.mkdir()
+    monkeypatch.chdir(model_dir)
+    app = serve_config_from_args(build_parser().parse_args(["serve", "--model", "."])).applications[0]
+    assert app.name == "MyModel" and app.args.model == str(model_dir)
+
+
+def test_replicas_that_do_not_fit_the_ray_cluster_are_a_config_error_naming_the_field():
+    from cluster.config import load_config
+    from cluster.serve_command import check_resources_fit
+    from replica.config import ConfigError
+
+    check_resources_fit(load_config({"replicas": {"num_replicas": 2}}), {"CPU": 2.0})
+    for document, resources, message in [
+        ({"replicas": {"num_replicas": 3}}, {"CPU": 2.0}, "replicas.num_replicas: the replicas need 3 CPUs to start, "
+                                                          "the Ray cluster has 2 (--num-cpus"),
+        ({"replicas": {"autoscaling": {"min_replicas": 3}}}, {"CPU": 2.0}, "replicas.autoscaling.min_replicas: "),
+        ({"replicas": {"num_gpus": 1}}, {"CPU": 8.0}, "replicas.num_gpus: a replica reserves 1 GPUs "),
+        ({"replicas": {"num_replicas": 1}, "engine": {"tensor_parallel_size": 2}}, {"CPU": 8.0, "GPU": 1.0},
+         "replicas.num_gpus: a replica reserves 2 GPUs (engine.tensor_parallel_size 2); the Ray cluster has 1"),
+        # Raised by serve_deployment_options once Serve started the application: a traceback.
+        ({"replicas": {"num_replicas": 1, "num_gpus": 1}, "engine": {"tensor_parallel_size": 2}}, {"CPU": 8.0, "GPU": 4.0},
+         "replicas.num_gpus: 1 GPUs cannot hold engine.tensor_parallel_size 2 ranks"),
+        ({"applications": [{"name": "a", "args": {"replicas": {"num_replicas": 2}}},
+                           {"name": "b", "route_prefix": "/b", "args": {"replicas": {"num_replicas": 1}}}]},
+         {"CPU": 2.0}, "applications[1].args.replicas.num_replicas: the replicas need 3 CPUs"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            check_resources_fit(load_config(document), resources)
+        assert str(raised.value).startswith(message), str(raised.value)
+
+
+def fake_ray(monkeypatch, resources: dict, start) -> list[str]:
+    """serve_command with Ray and Serve replaced: the cluster has `resources`, starting the
+    applications calls `start(config)`; returns the shutdowns made, in order."""
+    from cluster import serve_command
+
+    calls = []
+    monkeypatch.setattr(serve_command, "init_local_ray", lambda config, num_cpus: calls.append("ray.init"))
+    monkeypatch.setattr(serve_command.ray, "cluster_resources", lambda: resources)
+    monkeypatch.setattr(serve_command.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve_command.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_command, "start_applications", start)
+    for name in ("HEADROOM_API_KEY", "HEADROOM_API_KEY_FILE"):
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+    return calls
+
+
+def test_serve_whose_replicas_cannot_be_placed_exits_2_before_any_application_starts(monkeypatch, capsys):
+    # Serve waited for the third replica on a 2-CPU node without end ("taken more than 30s to be
+    # scheduled"), and `headroom serve` with it.
+    def start(config):
+        raise AssertionError("an application started")
+
+    calls = fake_ray(monkeypatch, {"CPU": 2.0}, start)
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", "--replicas", "3"])
+    assert exited.value.code == 2
+    assert calls == ["ray.init", "ray.shutdown"]
+    err = capsys.readouterr().err
+    assert "error: replicas.num_replicas: the replicas need 3 CPUs to start, the Ray cluster has 2" in err
+
+
+def test_a_signal_while_the_applications_start_stops_the_cluster(monkeypatch, capsys):
+    # Ctrl-C or SIGTERM only set an event that was read once every application ran: while
+    # Serve waited for a replica (for ever, for one it could not place) nothing stopped it.
+    def start(config):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        raise AssertionError("the signal did not interrupt the start")
+
+    calls = fake_ray(monkeypatch, {"CPU": 8.0}, start)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started = time.monotonic()
+        assert main(["serve", "--model", "builtin", "--replicas", "1"]) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 10
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert calls == ["ray.init", "serve.shutdown", "ray.shutdown"]
+    assert "interrupted while starting; stopping" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(240)
 def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
     # --api-key reaches Serve's proxy (in a Ray worker) through the environment Ray inherits.
