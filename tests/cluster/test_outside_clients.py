@@ -292,6 +292,21 @@ def test_a_10mb_http_body_is_413_and_delays_no_other_request(cluster, channel):
     assert during and max(during) - baseline <= MAX_SIZE_DELAY_S, (baseline, during)
 
 
+def test_a_batch_of_50000_prompts_is_refused_at_once_and_delays_no_other_request(cluster, channel):
+    """Every prompt's every sequence was a replica call of its own, built and started on the
+    ingress's event loop: 50,000 one-token prompts (250 KB) held every other request for
+    seconds before the replicas' queues refused them (1,000 prompts with n=16: a stream beside
+    it stalled 86 s). A request may ask for max_num_seqs sequences in all."""
+    body = json.dumps({"model": APP_NAME, "prompt": [[1]] * 50_000, "max_tokens": 1}).encode()
+
+    def post_batch():
+        return requests.post(f"{HTTP}{C}", data=body, headers={"content-type": "application/json"}, timeout=120)
+
+    response, baseline, during = delays_beside(channel, post_batch)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert during and max(during) - baseline <= MAX_SIZE_DELAY_S, (baseline, during)
+
+
 def generate_from_another_client(cluster, request: pb.GenerateRequest):
     """A call sending `request` (serialized beforehand, so this process spends no time on it
     during the call) on a connection of its own, as another client would; it returns
@@ -792,6 +807,10 @@ HTTP_PROBES = [
     ("stop_empty_string", "POST", C, completion(stop=[""]), 400, "stop"),
     ("n_zero", "POST", C, completion(n=0), 400, "n"),
     ("n_past_max_num_seqs", "POST", C, completion(n=1000), 400, "n"),
+    ("batch_past_max_num_seqs", "POST", C, completion(prompt=["a"] * 9, n=2), 400, "prompt"),
+    ("batched_token_prompt_past_vocabulary", "POST", C, completion(prompt=[[1], [99_999]]), 400, "prompt[1]"),
+    ("echoed_token_id_below_zero", "POST", C, completion(prompt=[-1], echo=True), 400, "prompt"),
+    ("echoed_token_id_past_a_c_long", "POST", C, completion(prompt=[2 ** 70], echo=True), 400, "prompt"),
     ("best_of_below_n", "POST", C, completion(n=2, best_of=1), 400, "best_of"),
     ("best_of_streamed", "POST", C, completion(best_of=3, stream=True), 400, "best_of"),
     ("logprobs_above_20", "POST", C, completion(logprobs=21), 400, "logprobs"),
