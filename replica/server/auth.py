@@ -162,11 +162,14 @@ def configured_api_keys(keys: Optional[Sequence[str]] = None, key_file: Optional
             if API_KEY_SEPARATOR in key:
                 raise CredentialsError(f"--api-key: an API key cannot contain {API_KEY_SEPARATOR!r} "
                                        f"({API_KEY_ENV} separates keys with it); repeat --api-key for several")
+            _check_sendable(key, "--api-key")
             found.append(key)
     elif environ.get(API_KEY_ENV, "").strip():
         listed = [key.strip() for key in environ[API_KEY_ENV].split(API_KEY_SEPARATOR)]
         if not all(listed):  # "k1,,k2", "k1,": a slip that must not leave the door open
             raise CredentialsError(f"{API_KEY_ENV}: an empty key between commas")
+        for key in listed:
+            _check_sendable(key, API_KEY_ENV)
         found.extend(listed)
     if key_file is not None:
         found.extend(_read_key_file(key_file, "--api-key-file"))
@@ -186,7 +189,19 @@ def _read_key_file(path: str, source: str) -> list[str]:
     keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not keys:
         raise CredentialsError(f"{source}: {path} holds no API key (one key per line; blank and # lines are skipped)")
+    for key in keys:
+        _check_sendable(key, f"{source}: {path}")
     return keys
+
+
+def _check_sendable(key: str, source: str) -> None:
+    """A key no client could present is refused where it is configured: HTTP clients send a
+    header's non-ASCII characters in an encoding of their own (curl UTF-8, requests Latin-1,
+    httpx and the openai client none: they raise), which the server reads as Latin-1, and gRPC
+    metadata carries printable ASCII only. Such a key matched nobody, or only some clients."""
+    if not (key.isascii() and key.isprintable()):
+        raise CredentialsError(f"{source}: an API key must be printable ASCII (HTTP headers and gRPC metadata "
+                               "carry no other characters)")
 
 
 def api_key_credentials(keys: Optional[Sequence[str]] = None, key_file: Optional[str] = None,

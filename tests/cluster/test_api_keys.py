@@ -492,3 +492,22 @@ def test_the_ingress_refuses_a_grpc_call_that_came_without_headroom_s_proxy_chec
     assert seen["refused"] and code == grpc.StatusCode.UNAUTHENTICATED and "API key" in details
     assert WRONG_KEY not in details
     assert asyncio.run(call_with(authorization(KEY_A)))[0] == grpc.StatusCode.OK and not seen["refused"]
+
+
+@pytest.mark.parametrize("keys, environ, file_text, source", [
+    (["hrkey-clé"], {}, None, "--api-key"),
+    (None, {API_KEY_ENV: "hrkey-ok,hrkey-clé"}, None, API_KEY_ENV),
+    (None, {}, "hrkey-ok\nhrkey-\x7fdel\n", "--api-key-file: "),
+])
+def test_a_key_no_client_can_send_is_refused_where_it_is_configured(tmp_path, keys, environ, file_text, source):
+    """A non-ASCII key was accepted, then matched no client that sends it as UTF-8 (curl: the
+    server reads headers as Latin-1) and none that cannot send it (httpx, the openai client,
+    gRPC metadata): every request was 401 with the right key."""
+    key_file = None
+    if file_text is not None:
+        key_file = tmp_path / "keys"
+        key_file.write_text(file_text)
+    with pytest.raises(auth.CredentialsError) as error:
+        auth.configured_api_keys(keys, str(key_file) if key_file else None, environ)
+    message = str(error.value)
+    assert message.startswith(source) and "printable ASCII" in message and "hrkey" not in message, message
