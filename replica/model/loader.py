@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from replica.attention import get_attention_backend
+from replica.model.checkpoint import CONFIG_FILE, SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE, weight_files
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError, parse_dtype
 from replica.config import DEFAULT_FUSED_OPS
 from replica.model.fused_ops import get_fused_ops
@@ -26,9 +27,6 @@ from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel, kv_head_s
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
-SINGLE_WEIGHTS_FILE = "model.safetensors"
-SHARD_INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
@@ -92,20 +90,6 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_path}: {err}") from err
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index_path = model_dir / SHARD_INDEX_FILE
-    if index_path.is_file():
-        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-        missing = [name for name in shard_names if not (model_dir / name).is_file()]
-        if missing:
-            raise ModelLoadError(f"{index_path} lists missing shard file(s): {', '.join(missing)}")
-        return [model_dir / name for name in shard_names]
-    single_path = model_dir / SINGLE_WEIGHTS_FILE
-    if single_path.is_file():
-        return [single_path]
-    raise ModelLoadError(f"{model_dir}: missing weights: neither {SINGLE_WEIGHTS_FILE} nor {SHARD_INDEX_FILE}")
-
-
 class _Checkpoint:
     """The directory's safetensors files, open: every tensor's shape, and reads of a whole
     tensor or of one slice of it, converted one tensor at a time so peak memory stays near
@@ -118,7 +102,7 @@ class _Checkpoint:
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     def __enter__(self) -> "_Checkpoint":
-        for weights_path in _weight_files(self.model_dir):
+        for weights_path in weight_files(self.model_dir):
             weights = self._files.enter_context(safe_open(weights_path, framework="pt", device=str(self.device)))
             for name in weights.keys():
                 self._file_of[name] = weights

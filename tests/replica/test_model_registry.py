@@ -103,3 +103,56 @@ def test_offline_with_nothing_cached_is_one_error_naming_the_alternatives(tmp_pa
     assert "`--model builtin`" in message and "`--model DIR|FILE.gguf`" in message
     assert not (tmp_path / "cache" / PACKAGES_SUBDIR / "smollm2-135m").exists()
 
+
+
+@pytest.fixture(scope="module")
+def builtin_dir(tmp_path_factory):
+    return resolve_model_path("builtin", tmp_path_factory.mktemp("cache"))
+
+
+def broken_copy(source, tmp_path, broken: str):
+    """A copy of a loadable checkpoint directory, broken one way."""
+    import json
+    import shutil
+
+    name, without, edit = {
+        "config not JSON": ("badjson", (), lambda d: (d / "config.json").write_text("{not json")),
+        "config a list": ("list", (), lambda d: (d / "config.json").write_text("[]")),
+        "no architecture": ("noarch", (), lambda d: (d / "config.json").write_text("{}")),
+        "no tokenizer": ("notok", ("tokenizer.json",), None),
+        "no weights": ("noweights", ("model.safetensors",), None),
+        "truncated weights": ("trunc", ("model.safetensors",), lambda d: (d / "model.safetensors").write_bytes(
+            (source / "model.safetensors").read_bytes()[:100_000])),
+        "weights not safetensors": ("garbage", ("model.safetensors",),
+                                    lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64)),
+        "index without weight_map": ("badindex", ("model.safetensors",), lambda d: (
+            d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))),
+    }[broken]
+    target = tmp_path / name
+    shutil.copytree(source, target, ignore=lambda _dir, names: [n for n in names if n in without])
+    if edit is not None:
+        edit(target)
+    return target
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("config not JSON", r"config.json: not readable JSON"),
+    ("config a list", r"config.json: not a JSON object"),
+    ("no architecture", r"config.json: unsupported architecture \(none given\)"),
+    ("no tokenizer", r"notok: no tokenizer: none of tokenizer.json, tokenizer.model, vocab.json"),
+    ("no weights", r"noweights: missing weights: neither model.safetensors"),
+    ("truncated weights", r"trunc/model.safetensors: truncated: 100000 bytes, its tensors end at byte \d+"),
+    ("weights not safetensors", r"garbage/model.safetensors: not a safetensors file \(64 bytes; truncated or corrupt"),
+    ("index without weight_map", r"model.safetensors.index.json: not a safetensors index"),
+])
+def test_a_checkpoint_directory_the_engine_could_not_load_is_one_error_naming_the_file(broken, message, builtin_dir,
+                                                                                        tmp_path):
+    """check_checkpoint, which `headroom serve` and `headroom replica` run before any process starts:
+    these were tracebacks from the engine core (a truncated download: SafetensorError; no tokenizer:
+    transformers' ValueError in the front), under Serve in every replica it started."""
+    from replica.model.config import ModelLoadError
+    from replica.model.registry import check_checkpoint
+
+    check_checkpoint(builtin_dir)
+    with pytest.raises(ModelLoadError, match=message):
+        check_checkpoint(broken_copy(builtin_dir, tmp_path, broken))
