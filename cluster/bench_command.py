@@ -158,15 +158,21 @@ def summary_table(results: list[RequestResult], wall_s: float, preemptions: Opti
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.requests < 1 or args.concurrency < 1 or args.trace_scale <= 0:
-        parser.error("--requests and --concurrency must be >= 1, --trace-scale > 0")
+    # `not x > 0`: NaN passes no comparison, and a NaN scale made every arrival NaN (all sent at once).
+    if (args.requests < 1 or args.concurrency < 1 or args.prompt_tokens < 1 or args.max_tokens < 1
+            or not 0 < args.trace_scale < math.inf):
+        parser.error("--requests, --concurrency, --prompt-tokens and --max-tokens must be >= 1, "
+                     "--trace-scale a number > 0")
     try:
         if args.trace is not None:
             requests = trace_requests(args.trace, args.requests, args.trace_scale)
         else:
             requests = [BenchRequest(0.0, args.prompt_tokens, args.max_tokens)] * args.requests
-    except (ValueError, KeyError) as error:
-        parser.error(f"--trace: {error}")
+    except (ValueError, KeyError, TypeError) as error:  # TypeError: a row short of a column
+        message = str(error)
+        parser.error(message if message.startswith("--trace:") else f"--trace: {args.trace}: not a trace ({message})")
+    if not requests:
+        parser.error(f"--trace: {args.trace} holds no request")
     metadata, credentials = target_connection(args, parser)
     with open_channel(args.target, credentials) as channel:
         try:

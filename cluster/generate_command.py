@@ -12,6 +12,7 @@ its own; with the API key as call metadata either way.
 from __future__ import annotations
 
 import argparse
+import math
 import ssl
 import sys
 import unicodedata
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling.seed = args.seed
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    if not 0 < args.timeout_s < math.inf:  # NaN or <= 0 was the server's DEADLINE_EXCEEDED, exit 1
+        parser.error(f"--timeout-s: must be a number of seconds > 0, got {args.timeout_s}")
     metadata, credentials = target_connection(args, parser)
     request = pb.GenerateRequest(sampling=sampling)
     if args.json_schema is not None:

@@ -526,3 +526,23 @@ def test_generate_escapes_control_characters_but_keeps_newlines_and_tabs():
 
     assert terminal_safe("ok\x1b]0;pwned\x07\b\r\n\tdone\x9b") == "ok\\x1b]0;pwned\\x07\\x08\\x0d\n\tdone\\x9b"
     assert terminal_safe("héllo ✓") == "héllo ✓"
+
+
+@pytest.mark.parametrize("argv, message", [
+    # Each was sent on: the server's DEADLINE_EXCEEDED (exit 1), a traceback, or all at once.
+    (["generate", "hi", "--timeout-s", "nan"], "headroom generate: error: --timeout-s: must be a number of seconds > 0"),
+    (["generate", "hi", "--timeout-s", "-1"], "headroom generate: error: --timeout-s: must be a number of seconds > 0"),
+    (["bench", "--trace-scale", "nan"], "headroom bench: error: --requests, --concurrency, --prompt-tokens and "
+                                        "--max-tokens must be >= 1, --trace-scale a number > 0"),
+    (["bench", "--prompt-tokens", "0"], "headroom bench: error: --requests, --concurrency, --prompt-tokens"),
+    (["bench", "--trace", "{short}"], "headroom bench: error: --trace: {short}: not a trace ("),
+    (["bench", "--trace", "{missing}"], "headroom bench: error: --trace: {missing} is not a file"),
+])
+def test_a_client_commands_bad_flag_exits_2_naming_it_before_any_call(argv, message, tmp_path, capsys):
+    short = tmp_path / "short.csv"  # a row short of a column: was int(None)'s TypeError traceback
+    short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374\n")
+    paths = {"short": short, "missing": tmp_path / "missing.csv"}
+    with pytest.raises(SystemExit) as exited:
+        main([arg.format(**paths) for arg in argv] + ["--target", "127.0.0.1:1"])
+    assert exited.value.code == 2
+    assert message.format(**paths) in capsys.readouterr().err
