@@ -335,6 +335,35 @@ def test_a_10mb_grpc_message_is_invalid_argument_and_delays_no_other_request(clu
     assert during and max(during) - baseline <= MAX_SIZE_DELAY_S, (baseline, during)
 
 
+def proxy_peak_rss_bytes(port: int) -> int:
+    """The high-water mark of the resident memory of the Serve proxy listening on `port`."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        if any("ProxyActor" in part for part in process.info["cmdline"] or ()):
+            if any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+                   for conn in process.net_connections(kind="tcp")):
+                return process.memory_full_info().rss if sys.platform != "linux" else int(
+                    re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{process.pid}/status").read_text()).group(1)) * 1024
+    raise AssertionError(f"no Serve proxy listens on {port}")
+
+
+def test_a_grpc_message_far_past_the_bound_is_refused_as_it_arrives_not_buffered(cluster):
+    """Serve's gRPC server took messages up to 2 GiB and buffered each whole before any handler
+    (the API key's, the size bound's) ran: a 600 MB one from anyone took the proxy to 2.3 GB.
+    gRPC itself now refuses one far past the bound as it arrives."""
+    size = 128 * 1024 * 1024
+    before = proxy_peak_rss_bytes(cluster.grpc_options.port)
+    with grpc.insecure_channel(grpc_target(cluster), options=[("grpc.max_send_message_length", -1)]) as other:
+        generate = other.unary_stream("/headroom.v1.Generation/Generate", request_serializer=lambda data: data,
+                                      response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(generate(b"\x0a" + b"x" * (size - 1), timeout=GRPC_TIMEOUT_S))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    assert proxy_peak_rss_bytes(cluster.grpc_options.port) - before < size // 2
+    assert good_http_request_succeeds()
+
+
 def test_a_long_prompt_is_tokenized_without_delaying_other_requests(cluster, channel):
     """Within the character limit, but longer than the context: the ingress must tokenize
     it (a second or more of one core) to know, and it does so off the event loop."""
