@@ -249,3 +249,37 @@ def test_a_stream_whose_receive_is_cancelled_ends_as_a_disconnect_not_an_error()
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     assert sum(message.get("body", b"").startswith(b"data:") for message in sent) >= 2
     assert closed == [True]  # the generator (in the ingress: the replica's stream) was closed
+
+
+def test_a_long_batch_of_short_prompts_is_tokenized_off_the_event_loop():
+    """Each prompt up to 4,096 characters was tokenized on the event loop, so a batch of them
+    was too: max_num_seqs (256 by default) such prompts, a 1 MB body, held every stream for
+    0.34 s. A batch longer than that in all is tokenized on a worker thread; a short one inline."""
+    import threading
+
+    from cluster.ingress import Ingress
+    from replica.model.registry import resolve_model_path
+    from replica.server.request_limits import INLINE_TOKENIZE_MAX_CHARS, RequestLimits
+    from replica.text.tokenizer import Tokenizer
+
+    real = Tokenizer.from_pretrained(resolve_model_path("builtin"))
+    threads = []
+
+    class RecordingTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            threads.append(threading.current_thread())
+            return real.encode(text, add_special_tokens=add_special_tokens)
+
+    class Methods(Ingress.func_or_class):  # the ingress's methods, without Serve
+        def __del__(self) -> None:
+            pass
+
+    ingress = object.__new__(Methods)
+    ingress.tokenizer, ingress.limits = RecordingTokenizer(), RequestLimits()
+    long_batch = parsed(CompletionRequest, prompt=["word " * (INLINE_TOKENIZE_MAX_CHARS // 5)] * 16)
+    token_ids = asyncio.run(ingress._prompts(long_batch))
+    assert token_ids == [real.encode(prompt) for prompt in long_batch.prompt]
+    assert len(threads) == 16 and threading.main_thread() not in threads
+    threads.clear()
+    assert asyncio.run(ingress._prompts(parsed(CompletionRequest, prompt=["a", "b"]))) == [real.encode("a"), real.encode("b")]
+    assert threads == [threading.main_thread()] * 2
