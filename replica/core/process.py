@@ -16,6 +16,8 @@ import socket
 from typing import Callable
 
 from replica.config import ConfigError
+from replica.model.config import ModelConfigError, ModelLoadError
+from replica.text.tokenizer import TokenizerLoadError
 from replica.ipc.channel import ChannelClosed, FrameSocket
 from replica.ipc.messages import CoreFailed, CoreReady, CoreSpec, error_for_front, load_to_wire
 
@@ -75,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         engine = build_engine(spec)
-    except ConfigError as error:
+    except (ConfigError, ModelConfigError, ModelLoadError, TokenizerLoadError) as error:
         # A setting the model or the host refuses (max_model_len past the model's, a host KV
-        # tier larger than the host's memory): the front raises it to whoever started the engine,
-        # which says it in one line naming the field; a traceback here would bury that line.
-        channel.send(CoreFailed(error))
+        # tier larger than the host's memory), or a checkpoint that cannot be loaded (its
+        # message names the file): the front raises it to whoever started the engine, which
+        # says it in one line; a traceback here would bury that line.
+        channel.send(CoreFailed(error_for_front(error)))
         return 1
     except Exception as error:
         logging.getLogger(__name__).exception("engine core failed to start")

@@ -154,7 +154,8 @@ def from_wire(wire: tuple) -> NamedTuple:
 # Where the classes of errors that cross to the front as themselves live: modules the front
 # imports anyway, none of them torch's (ConfigError, ModelConfigError, ModelLoadError, the
 # request errors, the built-in exceptions).
-FRONT_ERROR_MODULES = frozenset({"builtins", "replica.errors", "replica.config", "replica.model.config"})
+FRONT_ERROR_MODULES = frozenset({"builtins", "replica.errors", "replica.config", "replica.model.config",
+                                 "replica.text.tokenizer"})
 
 
 def error_for_front(error: BaseException) -> BaseException:

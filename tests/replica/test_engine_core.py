@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 
@@ -27,6 +28,7 @@ from replica.config import ConfigError, make_engine_config
 from replica.core.kv_events import KVEventKind
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
+from replica.model.builtin import ensure_builtin_model
 from replica_harness import RunningReplica, sampling
 
 CONFIG = make_engine_config(max_model_len=256, block_size=16, num_kv_blocks=129)
@@ -153,6 +155,25 @@ def test_a_core_that_cannot_build_its_engine_raises_the_engines_error_naming_the
             await AsyncEngine.launch(config, "builtin", device="cpu")
 
     asyncio.run(scenario())
+
+
+def test_a_checkpoint_the_core_cannot_load_is_raised_in_the_front_without_a_traceback(tmp_path, capfd):
+    """A model directory the engine cannot load (a config.json of no supported architecture)
+    comes back as the loader's error, which the CLI says in one line; the core logged a full
+    traceback above that line."""
+    for source in ensure_builtin_model().iterdir():  # the built-in model's tokenizer, so the front loads it
+        if source.is_file() and source.name != "config.json":
+            shutil.copy(source, tmp_path / source.name)
+    (tmp_path / "config.json").write_text('{"architectures": ["NotALlama"], "model_type": "not-a-llama"}')
+
+    async def scenario():
+        with pytest.raises(ValueError) as raised:
+            await AsyncEngine.launch(CONFIG, str(tmp_path), device="cpu")
+        return raised.value
+
+    error = asyncio.run(scenario())
+    assert type(error).__name__ in ("ModelConfigError", "ModelLoadError", "TokenizerLoadError"), repr(error)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_the_core_exits_when_its_front_goes_away_without_a_word():
