@@ -48,7 +48,7 @@ from protos import headroom_pb2 as pb
 from replica.errors import EngineDeadError, HeadroomError, InvalidRequestError, ReplicaLostError
 from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, prompt_token_ids_from_proto,
-    output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
+    output_constraint_from_proto, render_chat, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
 from replica.core.outputs import RequestOutput
@@ -438,9 +438,17 @@ class Ingress:
     async def chat_completions(self, request: Request):
         return await self._complete(request, ChatCompletionRequest)
 
-    async def _prompts(self, body: Union[CompletionRequest, ChatCompletionRequest]) -> list[list[int]]:
-        """Each prompt's token ids."""
+    async def _prompts(self, body: Union[CompletionRequest, ChatCompletionRequest], body_bytes: int = 0
+                       ) -> list[list[int]]:
+        """Each prompt's token ids; `body_bytes` the size of the body they came in."""
         if isinstance(body, ChatCompletionRequest):
+            if body_bytes > INLINE_PARSE_MAX_BYTES:
+                # A large conversation is gathered and rendered on a worker thread, however few
+                # its messages: an earlier tool call's arguments (parsed for the template) or the
+                # tools (rendered as JSON) can be megabytes; 2.5 MB of arguments held the loop 0.4 s.
+                text = await asyncio.to_thread(self._render_chat, body)
+                return [await encode_prompt(self.tokenizer, text, add_special_tokens=False, limits=self.limits,
+                                            field_name="messages")]
             messages = [message.template_message() for message in body.messages]
             return [await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits,
                                                 tools=body.template_tools())]
@@ -457,6 +465,10 @@ class Ingress:
             else:
                 token_ids.append(list(prompt))
         return token_ids
+
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        messages = [message.template_message() for message in body.messages]
+        return render_chat(self.tokenizer, messages, field="messages", limits=self.limits, tools=body.template_tools())
 
     def _encode_batch(self, prompts: list[Union[str, list[int]]], add_special_tokens: bool) -> list[list[int]]:
         """A batch's token ids, each text checked against the limits first (as encode_prompt does)."""
@@ -526,7 +538,7 @@ class Ingress:
             self.limits.check_stop(body.stop_strings)
             self.limits.check_token_lists(len(body.stop_token_ids), len(body.logit_bias or {}))
             constraint = body.output_constraint()
-            prompts = await self._prompts(body)
+            prompts = await self._prompts(body, len(raw))
             info = await self.model_info()
             for tool_schema in body.tool_parameter_schemas() if chat else ():
                 await self.check_constraint(tool_schema, info)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 
 import pytest
 from fastapi.responses import StreamingResponse
@@ -251,35 +252,74 @@ def test_a_stream_whose_receive_is_cancelled_ends_as_a_disconnect_not_an_error()
     assert closed == [True]  # the generator (in the ingress: the replica's stream) was closed
 
 
-def test_a_long_batch_of_short_prompts_is_tokenized_off_the_event_loop():
-    """Each prompt up to 4,096 characters was tokenized on the event loop, so a batch of them
-    was too: max_num_seqs (256 by default) such prompts, a 1 MB body, held every stream for
-    0.34 s. A batch longer than that in all is tokenized on a worker thread; a short one inline."""
-    import threading
+class RecordingTokenizer:
+    """The built-in model's tokenizer, noting the thread each encode and render ran on."""
 
+    def __init__(self):
+        from replica.model.registry import resolve_model_path
+        from replica.text.tokenizer import Tokenizer
+
+        self.real = Tokenizer.from_pretrained(resolve_model_path("builtin"))
+        self.threads = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.threads.append(threading.current_thread())
+        return self.real.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages, tools=None):
+        self.threads.append(threading.current_thread())
+        return self.real.apply_chat_template(messages, tools)
+
+
+def ingress_methods(tokenizer):
+    """An object with the ingress's methods and `tokenizer`, without Serve."""
     from cluster.ingress import Ingress
-    from replica.model.registry import resolve_model_path
-    from replica.server.request_limits import INLINE_TOKENIZE_MAX_CHARS, RequestLimits
-    from replica.text.tokenizer import Tokenizer
+    from replica.server.request_limits import RequestLimits
 
-    real = Tokenizer.from_pretrained(resolve_model_path("builtin"))
-    threads = []
-
-    class RecordingTokenizer:
-        def encode(self, text, add_special_tokens=True):
-            threads.append(threading.current_thread())
-            return real.encode(text, add_special_tokens=add_special_tokens)
-
-    class Methods(Ingress.func_or_class):  # the ingress's methods, without Serve
+    class Methods(Ingress.func_or_class):
         def __del__(self) -> None:
             pass
 
     ingress = object.__new__(Methods)
-    ingress.tokenizer, ingress.limits = RecordingTokenizer(), RequestLimits()
+    ingress.tokenizer, ingress.limits = tokenizer, RequestLimits()
+    return ingress
+
+
+def test_a_long_batch_of_short_prompts_is_tokenized_off_the_event_loop():
+    """Each prompt up to 4,096 characters was tokenized on the event loop, so a batch of them
+    was too: max_num_seqs (256 by default) such prompts, a 1 MB body, held every stream for
+    0.34 s. A batch longer than that in all is tokenized on a worker thread; a short one inline."""
+    from replica.server.request_limits import INLINE_TOKENIZE_MAX_CHARS
+
+    tokenizer = RecordingTokenizer()
+    ingress = ingress_methods(tokenizer)
     long_batch = parsed(CompletionRequest, prompt=["word " * (INLINE_TOKENIZE_MAX_CHARS // 5)] * 16)
     token_ids = asyncio.run(ingress._prompts(long_batch))
-    assert token_ids == [real.encode(prompt) for prompt in long_batch.prompt]
-    assert len(threads) == 16 and threading.main_thread() not in threads
-    threads.clear()
-    assert asyncio.run(ingress._prompts(parsed(CompletionRequest, prompt=["a", "b"]))) == [real.encode("a"), real.encode("b")]
-    assert threads == [threading.main_thread()] * 2
+    assert token_ids == [tokenizer.real.encode(prompt) for prompt in long_batch.prompt]
+    assert len(tokenizer.threads) == 16 and threading.main_thread() not in tokenizer.threads
+    tokenizer.threads.clear()
+    assert asyncio.run(ingress._prompts(parsed(CompletionRequest, prompt=["a", "b"]))) == [
+        tokenizer.real.encode("a"), tokenizer.real.encode("b")]
+    assert tokenizer.threads == [threading.main_thread()] * 2
+
+
+def test_a_large_conversation_of_few_messages_is_rendered_off_the_event_loop():
+    """Up to 256 messages were gathered and rendered on the event loop whatever their size: an
+    earlier tool call's 2.5 MB of arguments (parsed as JSON for the template) held it 0.4 s,
+    every stream's. A conversation from a body over 64 KiB is rendered on a worker thread."""
+    from cluster.ingress import INLINE_PARSE_MAX_BYTES
+
+    arguments = json.dumps([[1]] * 50_000)
+    raw = json.dumps({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "done"}]}).encode()
+    assert len(raw) > INLINE_PARSE_MAX_BYTES
+    body = parse_body(raw, ChatCompletionRequest)
+    tokenizer = RecordingTokenizer()
+    ingress = ingress_methods(tokenizer)
+    [token_ids] = asyncio.run(ingress._prompts(body, len(raw)))
+    expected = tokenizer.real.apply_chat_template([message.template_message() for message in body.messages])
+    assert token_ids == tokenizer.real.encode(expected, add_special_tokens=False)
+    assert tokenizer.threads[0] is not threading.main_thread()  # the render (the encode: by its length)
