@@ -11,6 +11,7 @@ on its replica.
 # runtime, from the copy of the class Serve's ingress pickles, where names may not resolve.
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -88,6 +89,8 @@ CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 # larger ones on a worker thread, where the Python parts of the work yield to the loop: a 3 MB
 # body of 700,000 one-token prompts took 1.7 s, every stream's and request's, on the loop.
 INLINE_PARSE_MAX_BYTES = 64 * 1024
+# How long /health answers from one lookup of Serve's controller.
+HEALTH_CACHE_S = 1.0
 # Token-id prompts echoed back are decoded on the event loop up to this many tokens in all
 # (about a millisecond), on a worker thread beyond.
 INLINE_DECODE_MAX_TOKENS = 4096
@@ -418,10 +421,26 @@ class Ingress:
     async def health(self):
         """200 while Serve runs a replica of this application's engine, else 503: open to
         load balancers and probes whatever the API keys (as vLLM's /health)."""
-        if await asyncio.to_thread(running_replicas, self.app_name):  # blocks on Serve's controller
+        if await self._has_running_replica():
             return Response(status_code=200)
         return JSONResponse(error_body(f"application {self.app_name!r} has no running replica", None,
                                        "replica_unavailable", "server_error"), status_code=503)
+
+    # (when the last lookup started, the lookup): shared by every /health call for HEALTH_CACHE_S.
+    _health: Optional[tuple[float, asyncio.Future]] = None
+
+    async def _has_running_replica(self) -> bool:
+        """Whether Serve runs a replica of the engine, as Serve's controller said at most
+        HEALTH_CACHE_S ago. Each /health call asked the controller for the whole Serve's details,
+        on a thread of the pool that tokenizes long prompts: /health is open to anyone, and a
+        flood of it loaded the controller (which drives every application's replicas) and
+        slowed tokenization beside it more than any other route's flood."""
+        now, last = time.monotonic(), self._health
+        if last is None or (last[1].done() and (last[1].cancelled() or last[1].exception() is not None
+                                                or now - last[0] > HEALTH_CACHE_S)):
+            # Blocks on Serve's controller: on a thread, and one lookup at a time.
+            last = self._health = (now, asyncio.ensure_future(asyncio.to_thread(running_replicas, self.app_name)))
+        return bool(await asyncio.shield(last[1]))
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

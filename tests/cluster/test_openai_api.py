@@ -323,3 +323,35 @@ def test_a_large_conversation_of_few_messages_is_rendered_off_the_event_loop():
     expected = tokenizer.real.apply_chat_template([message.template_message() for message in body.messages])
     assert token_ids == tokenizer.real.encode(expected, add_special_tokens=False)
     assert tokenizer.threads[0] is not threading.main_thread()  # the render (the encode: by its length)
+
+
+def test_health_calls_share_one_lookup_of_serves_controller(monkeypatch):
+    """Each /health call (open to anyone) asked Serve's controller for the whole Serve's
+    details; concurrent and repeated calls within HEALTH_CACHE_S now share one lookup, and
+    a lookup that failed is not kept."""
+    import time
+
+    lookups = []
+
+    def running_replicas(app_name):
+        lookups.append(app_name)
+        time.sleep(0.05)
+        if len(lookups) == 2:
+            raise RuntimeError("the controller is restarting")
+        return [] if len(lookups) > 2 else [(app_name, {"state": "RUNNING"})]
+
+    ingress = ingress_methods(RecordingTokenizer())
+    ingress.app_name = "builtin"
+    # The names the methods see: Serve's ingress decorator keeps a copy of the class's globals.
+    method_globals = type(ingress).health.__globals__
+    monkeypatch.setitem(method_globals, "running_replicas", running_replicas)
+
+    async def calls(count):
+        return [response.status_code for response in await asyncio.gather(*(ingress.health() for _ in range(count)))]
+
+    assert asyncio.run(calls(50)) == [200] * 50 and lookups == ["builtin"]
+    assert asyncio.run(calls(5)) == [200] * 5 and len(lookups) == 1  # within HEALTH_CACHE_S
+    monkeypatch.setitem(method_globals, "HEALTH_CACHE_S", 0.0)
+    with pytest.raises(RuntimeError):
+        asyncio.run(calls(1))
+    assert asyncio.run(calls(3)) == [503] * 3 and len(lookups) == 3  # the failure was not kept
