@@ -18,6 +18,7 @@ import yaml
 from ray.serve.schema import DeploymentSchema
 
 from cluster.config import PortsConfig, load_config, serve_deployment_options
+from cluster.grpc_proxy import SERVE_GRPC_MAX_MESSAGE_SIZE_ENV, proxy_message_cap
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
@@ -301,6 +302,30 @@ def test_without_a_key_no_container_gets_one_and_both_sources_at_once_fail_to_re
         assert api_key_env(container) == []
     with pytest.raises(helm.HelmError, match="apiKey: set existingSecret"):
         render({"apiKey": {"existingSecret": "serving-keys", "value": "sk-1"}})
+
+
+def test_every_pod_caps_serves_grpc_messages_as_headroom_serve_does():
+    """Serve's gRPC proxy takes 2 GiB per message by default and buffers it whole before any
+    check (the API key's included): every pod gets the cap `headroom serve` sets, from the
+    largest application's limits, with the config's defaults where the values name none."""
+    def caps(values):
+        documents = render(values)
+        serve_config = load_config(yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"]))
+        expected = max(proxy_message_cap(app.args.limits.max_request_bytes, app.args.limits.max_prompt_chars)
+                       for app in serve_config.applications)
+        found = {variable["value"] for template in pod_templates(rayservice(documents))
+                 for variable in template["spec"]["containers"][0]["env"]
+                 if variable["name"] == SERVE_GRPC_MAX_MESSAGE_SIZE_ENV}
+        return found, str(expected)
+
+    found, expected = caps(None)
+    assert found == {expected} and expected == str(32 << 20)
+    bigger = {"serve": {"applications": [
+        {"name": "a", "route_prefix": "/a", "import_path": "cluster.app:build_app", "args": {}},
+        {"name": "b", "route_prefix": "/b", "import_path": "cluster.app:build_app",
+         "args": {"limits": {"max_request_bytes": 16 << 20, "max_prompt_chars": 2 << 20}}}]}}
+    found, expected = caps(bigger)
+    assert found == {expected} and expected == str(64 << 20)
 
 
 # ---- HTTPS on Serve's HTTP proxy ---------------------------------------------------------

@@ -74,10 +74,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The containers' env: HEADROOM_API_KEY from the Secret, when one is configured. */}}
-{{- define "headroom.apiKeyEnv" -}}
-{{- with include "headroom.apiKeySecret" . -}}
+{{/* What Serve's gRPC proxy takes per message before any handler runs (Serve's own default is
+     2 GiB, buffered whole, the API key's check included): cluster.grpc_proxy.proxy_message_cap
+     of the largest application's limits, 4x max_request_bytes or 16x max_prompt_chars, at least
+     32 MiB (the defaults are replica.server.request_limits'; tests/cluster/test_helm.py holds the
+     chart to them). */}}
+{{- define "headroom.grpcMaxMessageSize" -}}
+{{- $cap := 33554432 }}
+{{- range .Values.serve.applications }}
+{{- $limits := (.args | default dict).limits | default dict }}
+{{- $cap = max $cap (mul 4 ($limits.max_request_bytes | default 4194304 | int64)) (mul 16 ($limits.max_prompt_chars | default 1048576 | int64)) }}
+{{- end }}
+{{- $cap }}
+{{- end }}
+
+{{/* The containers' env: Serve's gRPC message cap, and HEADROOM_API_KEY from the Secret when
+     one is configured. */}}
+{{- define "headroom.env" -}}
 env:
+  - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+    value: {{ include "headroom.grpcMaxMessageSize" . | quote }}
+{{- with include "headroom.apiKeySecret" . }}
   - name: HEADROOM_API_KEY
     valueFrom:
       secretKeyRef:
