@@ -146,6 +146,14 @@ async def _openai_http_error(request: Request, error: StarletteHTTPException) ->
                         status_code=error.status_code)
 
 
+@api.exception_handler(Exception)
+async def _openai_server_error(request: Request, error: Exception) -> JSONResponse:
+    # An error no route turned into a response: a 500 in OpenAI's shape (openai_error logs it),
+    # not Starlette's plain-text "Internal Server Error", which OpenAI clients cannot parse.
+    status, body = openai_error(error, {})
+    return JSONResponse(body, status_code=status)
+
+
 @api.exception_handler(RequestValidationError)
 async def _openai_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]

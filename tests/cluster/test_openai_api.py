@@ -355,3 +355,23 @@ def test_health_calls_share_one_lookup_of_serves_controller(monkeypatch):
     with pytest.raises(RuntimeError):
         asyncio.run(calls(1))
     assert asyncio.run(calls(3)) == [503] * 3 and len(lookups) == 3  # the failure was not kept
+
+
+def test_an_error_no_route_handles_is_a_500_in_openais_shape():
+    """Starlette answered an unhandled error with plain text ("Internal Server Error"), which an
+    OpenAI client cannot parse; it is OpenAI's error shape, type server_error."""
+    from fastapi.testclient import TestClient
+
+    from cluster.ingress import api
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    api.add_api_route("/v1/broken-for-this-test", broken)
+    try:
+        response = TestClient(api, raise_server_exceptions=False).get("/v1/broken-for-this-test")
+    finally:
+        api.router.routes[:] = [route for route in api.router.routes
+                                if getattr(route, "path", None) != "/v1/broken-for-this-test"]
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error" and "a bug" in response.json()["error"]["message"]
