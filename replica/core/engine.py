@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from replica.model.registry import resolve_model_path
-from replica.config import EngineConfig
+from replica.config import ConfigError, EngineConfig
 from replica.core.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
@@ -74,6 +74,18 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_device(device: torch.device) -> None:
+    """ConfigError naming `device` where this host has no such device: torch fails only at the
+    first tensor placed there, deep inside the model's load, as a traceback."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device: {device} asked for, but this host has no CUDA device torch can use "
+                          f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device: {device} asked for, but this host has {torch.cuda.device_count()} CUDA devices")
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -90,6 +102,7 @@ class LLMEngine:
         model_dir = resolve_model_path(model)
         self.model_name = str(model)
         self.device = torch.device(device) if device else default_device()
+        check_device(self.device)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         # Tensor parallelism: worker processes for ranks 1..N-1; this process is rank 0.
         self.tp_workers = start_tensor_parallel(config, model_dir, self.device, dtype, attention_backend)

@@ -17,6 +17,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 
 from protos import headroom_pb2 as pb
@@ -147,14 +148,18 @@ def test_the_cores_openmp_threads_spin_briefly_unless_the_environment_chose_a_wa
             name: (chosen[1] if name == chosen[0] else None) for name in OPENMP_WAIT_SETTINGS}
 
 
-def test_a_core_that_cannot_build_its_engine_raises_the_engines_error_naming_the_field():
+def test_a_core_that_cannot_build_its_engine_raises_the_engines_error_naming_the_field(capfd):
     config = make_engine_config(max_model_len=1 << 20, num_kv_blocks=(1 << 16) + 1)  # past the model's context
 
     async def scenario():
         with pytest.raises(ConfigError, match="^max_model_len: "):
             await AsyncEngine.launch(config, "builtin", device="cpu")
+        if not torch.cuda.is_available():  # a device the host lacks: torch's traceback at the first tensor
+            with pytest.raises(ConfigError, match="^device: cuda asked for, but this host has no CUDA device"):
+                await AsyncEngine.launch(CONFIG, "builtin", device="cuda")
 
     asyncio.run(scenario())
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_checkpoint_the_core_cannot_load_is_raised_in_the_front_without_a_traceback(tmp_path, capfd):
