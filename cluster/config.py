@@ -6,6 +6,8 @@ with errors naming the dotted field path, and its mapping onto Ray Serve's own o
 from __future__ import annotations
 
 import inspect
+import ipaddress
+import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
@@ -234,6 +236,16 @@ class PortsConfig(_Strict):
     )
 
     @model_validator(mode="after")
+    def _bind_address_is_an_address(self) -> "PortsConfig":
+        # Used inside every replica and ingress as they start: a typo there failed each of them
+        # (Serve's deploy traceback) after the cluster was up. Not resolved here: a host name may
+        # only resolve on the nodes.
+        address = self.bind_address
+        if address is not None and not _is_ip_address(address) and not _HOST_NAME.fullmatch(address):
+            raise ConfigError(f"bind_address: {address!r} is neither an IP address nor a host name")
+        return self
+
+    @model_validator(mode="after")
     def _one_endpoint_per_port(self) -> "PortsConfig":
         # Two endpoints on one base port would each search upward from it, and whichever binds
         # first takes the port a PodMonitor or NetworkPolicy names for the other.
@@ -245,6 +257,19 @@ class PortsConfig(_Strict):
             if port:  # 0: any free port
                 owners[port] = name
         return self
+
+
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 class LimitsConfig(_Strict):

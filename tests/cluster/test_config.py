@@ -89,6 +89,7 @@ def test_router_policy_names_are_the_router_registry():
     (app_document(ports={"replica_grpc": 9100}),
      "applications[0].args.ports.replica_grpc: 9100 is also ports.metrics; each endpoint needs a port of its own"),
     ({"ports": {"router_metrics": 9100}}, "ports.router_metrics: 9100 is also ports.metrics"),
+    ({"ports": {"bind_address": "not an ip"}}, "ports.bind_address: 'not an ip' is neither an IP address nor a host name"),
     ({"applications": [{"name": "a"}, {"name": "a", "route_prefix": "/b"}]}, "applications[1].name: "),
     ({"applications": [{"name": "a"}, {"name": "b"}]}, "applications[1].route_prefix: "),
     ({"applications": [{"name": "a", "import_path": "my.app:app"}]}, "applications[0].import_path: "),
