@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
-import re
 import signal
 import socket
 import typing
 
+from cluster.arg_types import device_name, port_number, positive_int, seconds
 from cluster.config import Dtype
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.front.async_engine import AsyncEngine
@@ -32,27 +31,6 @@ from replica.core.process import freeze_startup_heap
 from replica.ipc.messages import CoreSpec
 
 logger = logging.getLogger(__name__)
-
-
-def _checked(convert, check, wanted: str):
-    """An argparse type: `convert`, then `check`; anything else is a usage error naming the flag
-    (rather than a traceback from the engine core or the server that would have used it)."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {wanted}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {wanted}")
-        return value
-    return parse
-
-
-port_number = _checked(int, lambda port: 0 <= port <= 65535, "a port, 0-65535")
-positive_int = _checked(int, lambda value: value >= 1, "an integer >= 1")
-seconds = _checked(float, lambda value: math.isfinite(value) and value >= 0, "a number of seconds >= 0")
-# What torch.device takes for the devices the engine runs on.
-device_name = _checked(str, lambda name: re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None, "cpu, cuda or cuda:N")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

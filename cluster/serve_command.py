@@ -23,6 +23,7 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
+from cluster.arg_types import positive_int
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 from cluster.config import (
     DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config, serve_deployment_options,
@@ -76,17 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
     add_engine_config_arguments(parser)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a usage error naming the flag otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:

@@ -290,7 +290,7 @@ def test_serve_num_cpus_below_1_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--model", "builtin", "--num-cpus", "-1"])
     assert exited.value.code == 2
-    assert "error: argument --num-cpus: must be >= 1, got -1\n" in capsys.readouterr().err
+    assert "error: argument --num-cpus: invalid value '-1': an integer >= 1\n" in capsys.readouterr().err
 
 
 def test_serve_model_dot_is_served_under_its_directorys_name(tmp_path, monkeypatch):

@@ -1,0 +1,29 @@
+"""argparse types the commands share: a value a command would only refuse later (the engine
+core, the server, ray.init) is a usage error naming the flag instead, exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+
+def checked(convert, check, wanted: str):
+    """An argparse type: `convert`, then `check`; anything else is a usage error naming the flag
+    (rather than a traceback from the engine core or the server that would have used it)."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {wanted}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {wanted}")
+        return value
+    return parse
+
+
+port_number = checked(int, lambda port: 0 <= port <= 65535, "a port, 0-65535")
+positive_int = checked(int, lambda value: value >= 1, "an integer >= 1")
+seconds = checked(float, lambda value: math.isfinite(value) and value >= 0, "a number of seconds >= 0")
+# What torch.device takes for the devices the engine runs on.
+device_name = checked(str, lambda name: re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None, "cpu, cuda or cuda:N")
