@@ -94,25 +94,27 @@ def chat_messages(chat) -> list[dict]:
 
 
 async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str,
-                                limits: RequestLimits, tools: Optional[list[dict]] = None) -> list[int]:
+                                limits: RequestLimits, tools: Optional[list[dict]] = None,
+                                off_loop: bool = False) -> list[int]:
     """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI
     `messages`, with OpenAI's `tools` as the template's variable); the contents are checked
     against `limits` before anything is rendered. A conversation of many messages is checked
     and rendered on a worker thread, as a long text is tokenized there: 400,000 empty messages
     (2 MB) held the event loop, every stream's, for 0.65 s before the rendered text was found
-    over the character limit (SmolLM2's Jinja template renders 300,000 in 0.8 s)."""
+    over the character limit (SmolLM2's Jinja template renders 300,000 in 0.8 s). `off_loop`: on
+    a worker thread whatever the count (a caller that knows the conversation is large)."""
     if not messages:
         raise InvalidRequestError(field, "must hold at least one message")
-    if len(messages) <= INLINE_RENDER_MAX_MESSAGES:
-        text = render_chat(tokenizer, messages, field=field, limits=limits, tools=tools)
+    if len(messages) <= INLINE_RENDER_MAX_MESSAGES and not off_loop:
+        text = _render_chat(tokenizer, messages, field=field, limits=limits, tools=tools)
     else:
-        text = await asyncio.to_thread(functools.partial(render_chat, tokenizer, messages, field=field, limits=limits,
+        text = await asyncio.to_thread(functools.partial(_render_chat, tokenizer, messages, field=field, limits=limits,
                                                          tools=tools))
     # The rendered template already holds its special tokens.
     return await encode_prompt(tokenizer, text, add_special_tokens=False, limits=limits, field_name=field)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict], *, field: str, limits: RequestLimits,
+def _render_chat(tokenizer: Tokenizer, messages: list[dict], *, field: str, limits: RequestLimits,
                 tools: Optional[list[dict]]) -> str:
     """The conversation's prompt text, its messages checked first (chat_prompt_token_ids)."""
     for index, message in enumerate(messages):
