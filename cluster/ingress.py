@@ -49,7 +49,7 @@ from protos import headroom_pb2 as pb
 from replica.errors import EngineDeadError, HeadroomError, InvalidRequestError, ReplicaLostError
 from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, prompt_token_ids_from_proto,
-    output_constraint_from_proto, render_chat, sampling_params_from_proto, ttft_targets_from_proto,
+    output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
 from replica.core.outputs import RequestOutput
@@ -469,36 +469,23 @@ class Ingress:
                        ) -> list[list[int]]:
         """Each prompt's token ids; `body_bytes` the size of the body they came in."""
         if isinstance(body, ChatCompletionRequest):
-            if body_bytes > INLINE_PARSE_MAX_BYTES:
-                # A large conversation is gathered and rendered on a worker thread, however few
-                # its messages: an earlier tool call's arguments (parsed for the template) or the
-                # tools (rendered as JSON) can be megabytes; 2.5 MB of arguments held the loop 0.4 s.
-                text = await asyncio.to_thread(self._render_chat, body)
-                return [await encode_prompt(self.tokenizer, text, add_special_tokens=False, limits=self.limits,
-                                            field_name="messages")]
-            messages = [message.template_message() for message in body.messages]
+            # A large conversation is gathered and rendered on a worker thread, however few its
+            # messages: an earlier tool call's arguments (parsed for the template) or the tools
+            # (rendered as JSON) can be megabytes; 2.5 MB of arguments held the loop 0.4 s.
+            large = body_bytes > INLINE_PARSE_MAX_BYTES
+            gather = lambda: [message.template_message() for message in body.messages]  # noqa: E731
+            messages = await asyncio.to_thread(gather) if large else gather()
             return [await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits,
-                                                tools=body.template_tools())]
+                                                tools=body.template_tools(), off_loop=large)]
         prompts = body.prompts
-        if len(prompts) > 1 and sum(len(prompt) for prompt in prompts if isinstance(prompt, str)) > INLINE_TOKENIZE_MAX_CHARS:
-            # Each prompt short enough to tokenize inline, but not all of them: 256 prompts of
-            # 4,096 characters (1 MB) held the event loop 0.34 s. One worker thread does them all.
-            return await asyncio.to_thread(self._encode_batch, prompts, body.add_special_tokens)
-        token_ids = []
-        for index, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                token_ids.append(await encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens,
-                                                     limits=self.limits, field_name=prompt_param(index, len(prompts))))
-            else:
-                token_ids.append(list(prompt))
-        return token_ids
+        if sum(len(prompt) for prompt in prompts if isinstance(prompt, str)) > INLINE_TOKENIZE_MAX_CHARS:
+            # One long prompt, or many short ones (256 prompts of 4,096 characters, a 1 MB body,
+            # held the event loop 0.34 s): one worker thread tokenizes them all.
+            return await asyncio.to_thread(self._encode_prompts, prompts, body.add_special_tokens)
+        return self._encode_prompts(prompts, body.add_special_tokens)
 
-    def _render_chat(self, body: ChatCompletionRequest) -> str:
-        messages = [message.template_message() for message in body.messages]
-        return render_chat(self.tokenizer, messages, field="messages", limits=self.limits, tools=body.template_tools())
-
-    def _encode_batch(self, prompts: list[Union[str, list[int]]], add_special_tokens: bool) -> list[list[int]]:
-        """A batch's token ids, each text checked against the limits first (as encode_prompt does)."""
+    def _encode_prompts(self, prompts: list[Union[str, list[int]]], add_special_tokens: bool) -> list[list[int]]:
+        """Each prompt's token ids, each text checked against the limits first (as encode_prompt does)."""
         token_ids = []
         for index, prompt in enumerate(prompts):
             if isinstance(prompt, str):
@@ -516,10 +503,8 @@ class Ingress:
         if not body.echo:
             return [""] * len(body.prompts)
         decoded = [prompt for prompt in body.prompts if not isinstance(prompt, str)]
-        if sum(len(prompt) for prompt in decoded) > INLINE_DECODE_MAX_TOKENS:
-            texts = iter(await asyncio.to_thread(lambda: [self.tokenizer.decode(prompt) for prompt in decoded]))
-        else:
-            texts = iter([self.tokenizer.decode(prompt) for prompt in decoded])
+        decode = lambda: [self.tokenizer.decode(prompt) for prompt in decoded]  # noqa: E731
+        texts = iter(await asyncio.to_thread(decode) if sum(map(len, decoded)) > INLINE_DECODE_MAX_TOKENS else decode())
         return [prompt if isinstance(prompt, str) else next(texts) for prompt in body.prompts]
 
     async def check_constraint(self, constraint: OutputConstraint, info: pb.ModelInfo) -> None:
