@@ -140,10 +140,9 @@ class StructuredOutput:
                 raise InvalidRequestError(field_name, "every choice must be a non-empty string")
         elif self.kind in ("regex", "grammar", "json") and not self.spec:
             raise InvalidRequestError(field_name, "must not be empty")
-        elif self.kind == "grammar" and len(self.spec.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+        elif self.kind == "grammar" and (size := len(self.spec.encode("utf-8", "surrogatepass"))) > MAX_GRAMMAR_BYTES:
             raise InvalidRequestError(field_name, f"a grammar may be at most {MAX_GRAMMAR_BYTES >> 10} KiB (this one is "
-                                                  f"{len(self.spec.encode('utf-8', 'surrogatepass')) >> 10} KiB); "
-                                                  "to choose among many strings, use a choice")
+                                                  f"{size >> 10} KiB); to choose among many strings, use a choice")
 
 
 def loads_json(text: Union[str, bytes], field_name: str) -> object:

@@ -152,8 +152,8 @@ def from_wire(wire: tuple) -> NamedTuple:
 
 
 # Where the classes of errors that cross to the front as themselves live: modules the front
-# imports anyway, none of them torch's (ConfigError, ModelConfigError, ModelLoadError, the
-# request errors, the built-in exceptions).
+# imports anyway, none of them torch's (ConfigError, ModelConfigError, ModelLoadError,
+# TokenizerLoadError, the request errors, the built-in exceptions).
 FRONT_ERROR_MODULES = frozenset({"builtins", "replica.errors", "replica.config", "replica.model.config",
                                  "replica.text.tokenizer"})
 
