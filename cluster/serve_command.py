@@ -306,11 +306,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stop_requested = threading.Event()
     # Until every application runs, a signal interrupts the start (Serve may wait long for a
     # replica, forever for one it cannot place); from then on it asks for a clean stop.
-    starting = [True]
+    starting = True
 
     def on_signal(signum: int, _frame: Any) -> None:
-        if starting[0]:
-            starting[0] = False
+        nonlocal starting
+        if starting:
+            starting = False
             raise KeyboardInterrupt(signum)
         stop_requested.set()
 
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         try:
             start_applications(config)
-            starting[0] = False
+            starting = False
         except KeyboardInterrupt as interrupt:
             signum = interrupt.args[0] if interrupt.args else signal.SIGINT
             print("interrupted while starting; stopping", file=sys.stderr, flush=True)
