@@ -129,7 +129,23 @@ def test_deltas_of_valid_text_concatenate_to_the_full_decode(tokenizer, text, ch
 
 
 @settings(max_examples=200, deadline=None)
-@given(token_ids=st.lists(st.integers(0, 319), max_size=40), chunk_size=st.integers(1, 5))
+@given(token_ids=st.lists(st.integers(0, 400), max_size=40), chunk_size=st.integers(1, 5))
 def test_deltas_of_any_token_stream_concatenate_to_the_full_decode(tokenizer, token_ids, chunk_size):
-    # What a random-weight model emits: invalid UTF-8 and special tokens included.
+    # What a random-weight model emits: invalid UTF-8, special tokens and (a model whose vocabulary
+    # is larger than its tokenizer's, as bench_gpu.py's checkpoint) ids past the vocabulary.
+    assert tokenizer.vocab_size == 320
     assert "".join(stream(tokenizer, token_ids, chunk_size)) == tokenizer.decode(token_ids)
+
+
+@pytest.mark.parametrize("skipped_id", [EOS_TOKEN_ID, 5_000])
+def test_ids_decode_drops_never_grow_the_decode_window(tokenizer, skipped_id):
+    """A stream held on a skipped special token (logit_bias, ignore_eos) or on ids past the
+    tokenizer's vocabulary: each step decoded the whole run of them, quadratic in its length."""
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert detokenizer.add_tokens([ord("a")]) == "a"
+    for _ in range(1_000):
+        assert detokenizer.add_tokens([skipped_id]) == ""
+    assert len(detokenizer.output_token_ids) - detokenizer.prefix_offset <= 1  # the window: "a" alone
+    assert detokenizer.add_tokens([skipped_id, ord("b")]) == "b"
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)  # not dropped when kept
+    assert kept.add_tokens([ord("o"), EOS_TOKEN_ID]) == "o</s>"
