@@ -287,17 +287,51 @@ def parity_tests() -> list[tuple]:
 
 
 # ---- the 1.1B checkpoint and HF's side ------------------------------------------------------------
+def text_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer whose every id decodes to text, as a real model's output does:
+    the 256 byte tokens, <s> </s> <pad>, then merged tokens of lowercase words with and without
+    a leading space ("Ġa", "ab", "Ġab", ...: 2-4 characters, the length of real subwords) up to
+    `vocab_size`. The served section detokenizes every output token; with the built-in model's
+    320-id tokenizer, ids past it decoded to nothing and that cost was not a real model's."""
+    import itertools
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from replica.model.builtin import bytes_to_unicode
+
+    symbols = bytes_to_unicode()
+    vocab = {symbols[byte]: byte for byte in range(256)}
+    specials = ["<s>", "</s>", "<pad>"]
+    num_merged = vocab_size - len(vocab) - len(specials)
+    space, letters = symbols[ord(" ")], string.ascii_lowercase
+    merges = []
+    stems = [space] + list(letters)  # tokens to extend by one letter, shortest first
+    while len(merges) < num_merged:
+        longer = []
+        for stem, letter in itertools.product(stems, letters):
+            if len(merges) == num_merged:
+                break
+            vocab[stem + letter] = len(vocab)
+            merges.append((stem, letter))
+            longer.append(stem + letter)
+        stems = longer
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    return tokenizer
+
+
 def build_checkpoint(model_dir: Path) -> list[tuple]:
     import transformers
-
-    from replica.model.builtin import build_byte_level_tokenizer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**MODEL_SHAPE, tie_word_embeddings=False)
     with torch.device(DEVICE):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(model_dir, safe_serialization=True)
-    build_byte_level_tokenizer().save(str(model_dir / "tokenizer.json"))  # ids are used directly; text unused
+    text_tokenizer(MODEL_SHAPE["vocab_size"]).save(str(model_dir / "tokenizer.json"))
     num_params = sum(p.numel() for p in model.parameters())
     del model
     return [("random Llama checkpoint (bf16)", f"{num_params / 1e9:.2f} B parameters")]
