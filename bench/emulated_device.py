@@ -93,6 +93,9 @@ def emulated_device_engine(config, model, **options):
     """LLMEngine's signature (CoreSpec.engine_factory); the device model from the environment."""
     from replica.core.engine import LLMEngine
 
-    engine = LLMEngine(config, model, **options)
+    # A GPU's engine never borrows CPU threads for large steps (EngineConfig.borrow_idle_cpus_min_tokens
+    # applies to CPU engines only): the emulated one must not either, or its reads and spinning
+    # threads are charged to the served side as they never would be beside a GPU.
+    engine = LLMEngine(config.model_copy(update={"borrow_idle_cpus_min_tokens": 0}), model, **options)
     emulate_device(engine, *device_model())
     return engine
