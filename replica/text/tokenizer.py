@@ -14,6 +14,9 @@ from tokenizers import Tokenizer as FastTokenizer
 from replica.text.chat_template import find_chat_template, render_chat_template
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
+# Tokens an incremental detokenizer holds without releasing text before it stops decoding its
+# window at every step (IncrementalDetokenizer.add_tokens): text needs a few at most.
+MAX_HELD_TOKENS = 16
 # The special tokens a chat template may name, as transformers passes them.
 _TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -151,6 +154,7 @@ class IncrementalDetokenizer:
         self.output_token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self._next_look = 0  # past MAX_HELD_TOKENS held: the held count at which to decode again regardless
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """The text the new tokens complete; "" while they end mid-character."""
@@ -167,11 +171,23 @@ class IncrementalDetokenizer:
                     return ""
                 break
         self.output_token_ids.extend(new_token_ids)
+        held = len(self.output_token_ids) - self.read_offset
+        if held > MAX_HELD_TOKENS:
+            # Text is held a few tokens at most (the bytes of one character); held this long,
+            # the run is bytes that are not text (a byte token forced by logit_bias, a model
+            # writing garbage), whose decode ends in a replacement character at every step.
+            # Decoding the whole window each step would cost the square of the run, so look
+            # again only once it has doubled: as if its tokens had come in larger chunks, the
+            # text released is the same, and text after the run waits at most the run's length.
+            if held < self._next_look:
+                return ""
+            self._next_look = 2 * held
         prefix_text, window_text = self._decode_window()
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.output_token_ids)
+        self._next_look = 0
         return window_text[len(prefix_text) :]
 
     def flush(self) -> str:

@@ -149,3 +149,27 @@ def test_ids_decode_drops_never_grow_the_decode_window(tokenizer, skipped_id):
     assert detokenizer.add_tokens([skipped_id, ord("b")]) == "b"
     kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)  # not dropped when kept
     assert kept.add_tokens([ord("o"), EOS_TOKEN_ID]) == "o</s>"
+
+
+class CountingTokenizer(Tokenizer):
+    """Counts the token ids it decodes: the detokenizer's work."""
+
+    decoded = 0
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        self.decoded += len(token_ids)
+        return super().decode(token_ids, skip_special_tokens)
+
+
+def test_a_run_that_is_not_text_is_not_decoded_whole_at_every_step(model_dir):
+    """A byte token forced by logit_bias (here 0x80, a lone continuation byte): every decode of
+    the run ends in a replacement character, so its text is held, and decoding the whole run
+    each step cost the square of its length (SmolLM2's tokenizer: 0.8 s of the front's event
+    loop for 4,000 tokens). The text released stays exactly the full decode's."""
+    tokenizer = CountingTokenizer.from_pretrained(model_dir)
+    run = [0x80] * 2_000 + list(b"ok" + b"." * 2_000)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add_tokens([token_id]) for token_id in run]
+    assert tokenizer.decoded < 20 * len(run)  # linear (it was ~2 million: a decode of the run per step)
+    assert "ok" in "".join(deltas)  # text after the run waits at most the run's length, not the request's end
+    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(run) == "\ufffd" * 2_000 + "ok" + "." * 2_000
