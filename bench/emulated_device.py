@@ -9,8 +9,9 @@ Device time per step: DEVICE_MS_PER_STEP + DEVICE_MS_PER_TOKEN x the step's toke
 1.5 + 0.008 ms (a decode step at batch 64: 2.0 ms, at 256: 3.5 ms, a 2,048-token prefill step:
 18 ms), chosen so that bench_served's offline loop makes about what it made on an H100 with
 the 1.1B Llama in bf16 (24.1k / 39.4k output tok/s at 64 / 256 streams on the CPU; 26.8k /
-41.1k there). HEADROOM_EMULATED_DEVICE_MS="A+B" sets both ("1.0+0.005": a faster device,
-"0+0": the engine host-bound).
+41.1k there: run A of 2026-11-25). HEADROOM_EMULATED_DEVICE_MS="A+B" sets both ("0+0": the
+engine host-bound). "1.0+0.005" is the H100's later engine (run B: 31.1k / 57.9k there; 36.6k /
+59.5k here), the rate a 256-stream front must keep up with now.
 
 The served replica builds it through `headroom replica --engine-factory
 bench.emulated_device:emulated_device_engine` (bench/bench_served.py --emulated-device): the
