@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, EngineConfig
+from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, ConfigModel, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
-from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy
+from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy, make_policy
 from cluster.autoscaling import POLICY_FUNCTIONS as AUTOSCALING_POLICY_FUNCTIONS
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 
@@ -46,11 +46,11 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackendName = Literal[ATTENTION_BACKEND_NAMES]  # type: ignore[valid-type]
 
 
-class _Strict(BaseModel):
+class _Strict(ConfigModel):
     # Unknown keys are typos, and a typo silently falling back to a default is the worst kind.
     # NaN and infinity are never settings: NaN passes no bound (`ge=0` lets it through as
     # readily as it fails), and an infinite delay, timeout or resource would reach Serve and
-    # Ray only once the cluster has started.
+    # Ray only once the cluster has started. A boolean for a number is refused too (ConfigModel).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
@@ -201,6 +201,12 @@ class RouterConfig(_Strict):
                 raise ConfigError(
                     f"knobs.{knob}: not a knob of policy {self.policy!r}; it takes {list(allowed) or 'none'}"
                 )
+        # The policy refuses a knob's value as it is built (its message starts with the knob's
+        # name), which happens in each ingress once the cluster runs: build one here.
+        try:
+            make_policy(self.policy, staleness_s=self.staleness_s, **self.knobs)
+        except ValueError as error:
+            raise ConfigError(f"knobs.{error}") from None
         return self
 
 
@@ -241,7 +247,7 @@ class PortsConfig(_Strict):
         # (Serve's deploy traceback) after the cluster was up. Not resolved here: a host name may
         # only resolve on the nodes.
         address = self.bind_address
-        if address is not None and not _is_ip_address(address) and not _HOST_NAME.fullmatch(address):
+        if address is not None and not _is_address(address):
             raise ConfigError(f"bind_address: {address!r} is neither an IP address nor a host name")
         return self
 
@@ -264,6 +270,11 @@ _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-
                         r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
+def _is_address(text: str) -> bool:
+    """An IP address or an RFC 1123 host name (not resolved: a name may only resolve on the nodes)."""
+    return _is_ip_address(text) or _HOST_NAME.fullmatch(text) is not None
+
+
 def _is_ip_address(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -272,18 +283,25 @@ def _is_ip_address(text: str) -> bool:
     return True
 
 
+# gRPC's message bound is a C int: Serve's gRPC proxy, given a larger one (proxy_message_cap in
+# cluster/grpc_proxy.py: 4 x max_request_bytes, 16 x max_prompt_chars), fails to start.
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
+
+
 class LimitsConfig(_Strict):
     """What one client request may bring in, checked before any work is spent on it."""
 
     max_request_bytes: int = Field(
-        DEFAULT_MAX_REQUEST_BYTES, ge=1024,
+        DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=GRPC_MAX_MESSAGE_BYTES // 4,
         description="Largest HTTP body (413 beyond) or gRPC request message (INVALID_ARGUMENT beyond), in bytes; "
         "Serve's gRPC proxy, shared by every application, bounds messages by the largest application's "
-        "(env HEADROOM_PROXY_MAX_REQUEST_BYTES, which headroom serve sets; the default elsewhere).",
+        "(env HEADROOM_PROXY_MAX_REQUEST_BYTES, which headroom serve sets; the default elsewhere). At most "
+        "512 MiB: the proxy's gRPC message bound, four times this, must fit gRPC's 2 GiB.",
     )
     max_prompt_chars: int = Field(
-        DEFAULT_MAX_PROMPT_CHARS, ge=1,
-        description="Longest prompt text (all chat messages together), in characters, checked before tokenizing.",
+        DEFAULT_MAX_PROMPT_CHARS, ge=1, le=GRPC_MAX_MESSAGE_BYTES // 16,
+        description="Longest prompt text (all chat messages together), in characters, checked before tokenizing; "
+        "at most 128 Mi: the proxy's gRPC message bound, 16 times this, must fit gRPC's 2 GiB.",
     )
 
     def request_limits(self) -> RequestLimits:
@@ -399,6 +417,13 @@ class HTTPOptions(_Strict):
     ssl_certfile: Optional[str] = Field(None, description="PEM certificate (chain) the HTTP proxy serves HTTPS with.")
     ssl_keyfile: Optional[str] = Field(None, description="PEM private key of ssl_certfile.")
     ssl_ca_certs: Optional[str] = Field(None, description="CA bundle to verify client certificates with (optional).")
+
+    @model_validator(mode="after")
+    def _host_is_an_address(self) -> "HTTPOptions":
+        # Serve's HTTP proxy binds it only once the cluster runs, and a typo failed the proxy there.
+        if not _is_address(self.host):
+            raise ConfigError(f"host: {self.host!r} is neither an IP address nor a host name")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "HTTPOptions":

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from replica.core.admission import AdmissionMode
 
@@ -28,6 +33,13 @@ VictimPolicy = Literal["fcfs", "priority", "cheapest"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 FusedOpsName = Literal[FUSED_OPS_NAMES]  # type: ignore[valid-type]
 
+# The KV block sizes a config may name: the powers of two from 1 to 256 (EngineConfig.block_size).
+BLOCK_SIZES = tuple(1 << shift for shift in range(9))
+# The longest timeout or interval a wait takes (threading.TIMEOUT_MAX, about 292 years): a longer
+# one overflows threading.Event.wait (OverflowError in the SLO monitor's thread), and torch keeps a
+# collective's timeout in microseconds, where a timedelta past about 9.2e12 s wraps negative.
+MAX_WAIT_S = threading.TIMEOUT_MAX
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,13 +47,66 @@ class ConfigError(ValueError):
     """An impossible configuration; the message names the field."""
 
 
-class EngineConfig(BaseModel):
-    # NaN or infinity in a knob is a typo or a unit slip, never a setting: NaN passes no comparison
-    # (a bound such as `>= 0` is no guard), and an infinite timeout or interval overflows the
-    # thread and timedelta calls it reaches (threading.Event.wait, datetime.timedelta).
+class ConfigModel(BaseModel):
+    """The base of every config model (EngineConfig, and cluster/config.py's tree): unknown keys,
+    NaN, infinity and booleans given for numbers are refused, each naming its field.
+
+    NaN or infinity in a knob is a typo or a unit slip, never a setting: NaN passes no comparison
+    (a bound such as `>= 0` is no guard), and an infinite timeout or interval overflows the
+    thread and timedelta calls it reaches (threading.Event.wait, datetime.timedelta).
+
+    A boolean for a number (YAML's or JSON's `true` for `block_size`, Helm's `--set x=true`) would
+    be read as 1 or 0 by pydantic's lax mode: a silent setting nobody chose. Other lax conversions
+    stay: a numeric string ("8", a quoted YAML number, Helm's --set-string) means the number it
+    spells, as the command line's flags do (argparse converts those before they get here), and a
+    whole float (16.0) is the integer it equals; a float with a fraction is refused for an integer.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        errors = _booleans_for_numbers(value, cls.model_fields[info.field_name].annotation, ())
+        if errors:  # located below the field: a router knob is named as knobs.NAME
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return value
+
+
+def _takes_numbers_not_booleans(annotation: Any) -> bool:
+    """Whether a field of this type holds a number (int or float, or an Optional of one)."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [member for member in typing.get_args(annotation) if member is not type(None)]
+        return bool not in members and any(_takes_numbers_not_booleans(member) for member in members)
+    return False
+
+
+def _booleans_for_numbers(value: Any, annotation: Any, loc: tuple) -> list[InitErrorDetails]:
+    """An error for each boolean in `value` where `annotation` wants a number, in a mapping's values too."""
+    if isinstance(value, bool):
+        if not _takes_numbers_not_booleans(annotation):
+            return []
+        error = PydanticCustomError("bool_for_number", "Input should be a number, not the boolean {boolean}",
+                                    {"boolean": "true" if value else "false"})
+        return [InitErrorDetails(type=error, loc=loc, input=value)]
+    if isinstance(value, Mapping) and typing.get_origin(annotation) in (dict, Mapping):
+        value_type = typing.get_args(annotation)[1]
+        return [error for key, item in value.items() for error in _booleans_for_numbers(item, value_type, (*loc, key))]
+    return []
+
+
+class EngineConfig(ConfigModel):
+    block_size: int = Field(
+        16,
+        description="Tokens per KV cache block: a power of two from 1 to 256. Correctness needs no more: the "
+        "attention kernels (Triton and torch) find a token's slot by // and % of it and tile keys by sizes of their "
+        "own, and the prefix cache hashes whole blocks of any size. Other sizes are refused as likely typos: a power "
+        "of two keeps that slot arithmetic to shifts, these are vLLM's sizes (1, 8-256) plus 2 and 4, so a config "
+        "carries over, and a larger block only wastes more of each sequence's last, partly filled block and "
+        "coarsens prefix-cache hits, which count whole blocks.",
+    )
     num_kv_blocks: int = Field(
         2048, ge=2, description="KV cache blocks in the pool, including the reserved null block."
     )
@@ -117,7 +182,8 @@ class EngineConfig(BaseModel):
         0.9, ge=0.0, le=1.0, description="A forward pass past this fraction of its layers refuses to abort."
     )
     slo_monitor_interval_ms: float = Field(
-        2.0, gt=0, description="How often the SLO monitor thread re-evaluates the preemption gate."
+        2.0, gt=0, le=MAX_WAIT_S * 1000,
+        description="How often the SLO monitor thread re-evaluates the preemption gate.",
     )
     gpu_memory_utilization: Optional[float] = Field(
         None, gt=0, le=1,
@@ -166,7 +232,7 @@ class EngineConfig(BaseModel):
         "and MLP width, and its KV heads or be a multiple of them (checked at start); the vocabulary is padded.",
     )
     tensor_parallel_timeout_s: float = Field(
-        60.0, gt=0,
+        60.0, gt=0, le=MAX_WAIT_S,
         description="Longest one tensor-parallel collective may wait for the other ranks; past it (a rank hung, "
         "or died unseen) the replica reports itself dead instead of waiting forever.",
     )
@@ -199,6 +265,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "EngineConfig":
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"block_size: must be a power of two from 1 to {BLOCK_SIZES[-1]}, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 <= self.watermark < 1.0:

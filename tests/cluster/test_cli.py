@@ -38,6 +38,7 @@ def test_every_engine_config_field_is_a_replica_flag():
     (["--max-model-len", "512", "--num-kv-blocks", "4"], "num_kv_blocks"),
     (["--stream-interval", "0"], "stream_interval"),
     (["--preemption-mode", "swap"], "preemption_mode"),  # swapping needs a host KV tier
+    (["--block-size", "12"], "block_size"),  # a power of two from 1 to 256
 ])
 def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -173,6 +174,7 @@ def test_an_unusable_key_file_exits_2_naming_the_flag(tmp_path, capsys):
     (["--min-replicas", "0"], "error: replicas.autoscaling.min_replicas: Input should be greater than or equal to 1\n"),
     (["--replicas", "3", "--autoscaling", "requests"],
      "error: replicas.num_replicas: set either num_replicas or autoscaling, not both\n"),
+    (["--block-size", "48"], "error: engine.block_size: must be a power of two from 1 to 256, got 48\n"),
 ])
 def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -200,6 +202,21 @@ def test_serve_with_a_bad_config_file_exits_2_naming_the_fields_path(tmp_path, c
         main(["serve", "--config", str(config)])
     assert exited.value.code == 2
     assert "error: applications[0].args.router.staleness_s:" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_boolean_for_a_number_in_its_config_file_but_a_flags_text_still_parses(tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text((REPO_ROOT / "deploy" / "serve_config.yaml").read_text().replace(
+        "router:", "engine: {block_size: true}\n      router:", 1))
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(config)])
+    assert exited.value.code == 2
+    assert ("error: applications[0].args.engine.block_size: Input should be a number, not the boolean true\n"
+            in capsys.readouterr().err)
+    # A flag arrives as text: argparse makes it the number before the config sees it.
+    args = build_parser().parse_args(["serve", "--config", str(REPO_ROOT / "deploy" / "serve_config.yaml"),
+                                      "--block-size", "32"])
+    assert serve_config_from_args(args).applications[0].args.engine.block_size == 32
 
 
 def test_serve_refuses_a_runtime_env_it_would_not_apply(tmp_path, capsys):

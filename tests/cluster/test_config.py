@@ -18,13 +18,14 @@ from cluster.config import (
     AutoscalingConfig,
     GRPC_SERVICER_FUNCTIONS,
     ClusterConfig,
+    LimitsConfig,
     RouterConfig,
     ServeAppsConfig,
     load_config,
     policy_knobs,
     serve_deployment_options,
 )
-from replica.config import ConfigError, EngineConfig
+from replica.config import BLOCK_SIZES, MAX_WAIT_S, ConfigError, EngineConfig, make_engine_config
 from router.policies import POLICIES
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
@@ -117,11 +118,108 @@ def test_router_policy_names_are_the_router_registry():
     ({"applications": [{"name": "a", "route_prefix": "v1"}]}, "applications[0].route_prefix: 'v1' must start with '/'"),
     ({"applications": [{"name": "a", "route_prefix": "/a/"}]}, "applications[0].route_prefix: '/a/' may not end with '/'"),
     ({"applications": [{"name": "a", "route_prefix": "/{x}"}]}, "applications[0].route_prefix: '/{x}' may not contain"),
+    # Block sizes other than the powers of two from 1 to 256 (EngineConfig.block_size says why).
+    ({"engine": {"block_size": 12}}, "engine.block_size: must be a power of two from 1 to 256, got 12"),
+    ({"engine": {"block_size": 512}}, "engine.block_size: must be a power of two from 1 to 256, got 512"),
+    # A boolean for a number was read as 1 or 0 (pydantic's lax mode): block_size true ran
+    # 1-token blocks, watermark false was 0, a knob true weighed 1.0.
+    ({"engine": {"block_size": True}}, "engine.block_size: Input should be a number, not the boolean true"),
+    ({"engine": {"max_model_len": True}}, "engine.max_model_len: Input should be a number, not the boolean true"),
+    ({"engine": {"watermark": False}}, "engine.watermark: Input should be a number, not the boolean false"),
+    ({"engine": {"gpu_memory_utilization": True}},
+     "engine.gpu_memory_utilization: Input should be a number, not the boolean true"),
+    (app_document(replicas={"autoscaling": {"max_replicas": True}}),
+     "applications[0].args.replicas.autoscaling.max_replicas: Input should be a number, not the boolean true"),
+    ({"replicas": {"num_gpus": True}}, "replicas.num_gpus: Input should be a number, not the boolean true"),
+    ({"router": {"knobs": {"headroom_weight": True}}},
+     "router.knobs.headroom_weight: Input should be a number, not the boolean true"),
+    ({"ports": {"metrics": True}}, "ports.metrics: Input should be a number, not the boolean true"),
+    ({"http_options": {"port": True}, "applications": [{"name": "a"}]},
+     "http_options.port: Input should be a number, not the boolean true"),
+    ({"limits": {"max_prompt_chars": True}}, "limits.max_prompt_chars: Input should be a number, not the boolean true"),
+    # Knob values the policy refuses as it is built, which each ingress did once the cluster ran.
+    ({"router": {"knobs": {"placement_margin": -0.1}}}, "router.knobs.placement_margin: must be >= 0"),
+    ({"router": {"knobs": {"pin_prefix_fraction": 1.5}}}, "router.knobs.pin_prefix_fraction: must be in [0, 1]"),
+    ({"router": {"knobs": {"pin_share_window": 2.5}}}, "router.knobs.pin_share_window: must be a whole number"),
+    # Serve's HTTP proxy binds its host only once the cluster runs.
+    ({"http_options": {"host": "not a host"}, "applications": [{"name": "a"}]},
+     "http_options.host: 'not a host' is neither an IP address nor a host name"),
+    # Serve's gRPC proxy takes 4 x max_request_bytes (16 x max_prompt_chars) as a C int option.
+    ({"limits": {"max_request_bytes": 1 << 29}},
+     "limits.max_request_bytes: Input should be less than or equal to 536870911"),
+    ({"limits": {"max_prompt_chars": 1 << 27}},
+     "limits.max_prompt_chars: Input should be less than or equal to 134217727"),
+    # Finite, but past what a wait takes: OverflowError in the SLO monitor's thread; a collective
+    # timeout that torch wraps to a negative count of microseconds.
+    ({"engine": {"slo_monitor_interval_ms": 1e13}},
+     "engine.slo_monitor_interval_ms: Input should be less than or equal"),
+    ({"engine": {"tensor_parallel_timeout_s": 1e13}},
+     "engine.tensor_parallel_timeout_s: Input should be less than or equal to 9223372036"),
 ])
 def test_bad_field_raises_config_error_naming_its_dotted_path(document, message):
     with pytest.raises(ConfigError) as raised:
         load_config(document)
     assert str(raised.value).startswith(message)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_every_power_of_two_block_size_from_1_to_256_loads(block_size):
+    assert BLOCK_SIZES == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert load_config({"engine": {"block_size": block_size}}).applications[0].args.engine.block_size == block_size
+    assert make_engine_config(block_size=block_size).block_size == block_size
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(block_size=24), "block_size: must be a power of two from 1 to 256, got 24"),
+    (dict(block_size=0), "block_size: must be a power of two from 1 to 256, got 0"),
+    (dict(block_size=True), "block_size: Input should be a number, not the boolean true"),
+    (dict(num_kv_blocks=False), "num_kv_blocks: Input should be a number, not the boolean false"),
+])
+def test_make_engine_config_refuses_by_field_name(overrides, message):
+    with pytest.raises(ConfigError) as raised:
+        make_engine_config(**overrides)
+    assert str(raised.value) == message
+
+
+def test_yaml_booleans_for_numbers_are_refused_but_quoted_and_whole_numbers_read_as_numbers(tmp_path):
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("engine:\n  max_num_seqs: yes\n")  # YAML 1.1: yes is true
+    with pytest.raises(ConfigError, match=r"^engine\.max_num_seqs: Input should be a number, not the boolean true$"):
+        load_config(config_file)
+    # A quoted number (a templated value, Helm's --set-string) and a whole float (Helm renders
+    # large numbers as floats) are the numbers they spell; a flag still takes 0 / 1 and "false".
+    config_file.write_text('engine:\n  block_size: "8"\n  num_kv_blocks: 4096.0\n  enable_prefix_caching: 0\n'
+                           '  enforce_eager: "false"\nrouter:\n  knobs: {headroom_weight: "0.5"}\n')
+    args = load_config(config_file).applications[0].args
+    assert (args.engine.block_size, args.engine.num_kv_blocks) == (8, 4096)
+    assert args.engine.enable_prefix_caching is False and args.engine.enforce_eager is False
+    assert args.router.knobs == {"headroom_weight": 0.5}
+    with pytest.raises(ConfigError, match=r"^engine\.num_kv_blocks: Input should be a valid integer"):
+        load_config({"engine": {"num_kv_blocks": 4096.5}})
+
+
+def test_the_largest_limits_give_a_grpc_message_bound_serves_proxy_takes():
+    from cluster.grpc_proxy import proxy_message_cap
+
+    largest = LimitsConfig(max_request_bytes=LimitsConfig.model_fields["max_request_bytes"].metadata[-1].le,
+                           max_prompt_chars=LimitsConfig.model_fields["max_prompt_chars"].metadata[-1].le)
+    assert proxy_message_cap(largest.max_request_bytes, largest.max_prompt_chars) <= 2**31 - 1
+
+
+def test_the_longest_accepted_waits_are_what_threading_and_torch_take():
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    assert MAX_WAIT_S == threading.TIMEOUT_MAX
+    config = make_engine_config(tensor_parallel_timeout_s=MAX_WAIT_S, slo_monitor_interval_ms=MAX_WAIT_S * 1000)
+    stopped = threading.Event()
+    threading.Timer(0.05, stopped.set).start()
+    assert stopped.wait(config.slo_monitor_interval_ms / 1000)  # no OverflowError
+    options = dist.AllreduceOptions()
+    options.timeout = datetime.timedelta(seconds=config.tensor_parallel_timeout_s)
+    assert options.timeout > datetime.timedelta(0)
 
 
 def test_stream_interval_defaults_to_1_and_reaches_the_replicas_engine_config():
