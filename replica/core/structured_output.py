@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
@@ -187,6 +187,14 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.ll_tokenizer = llguidance.LLTokenizer(fast_tokenizer_json, n_vocab=vocab_size,
                                                    eos_token=list(eos_token_ids) or None)
+        self._eos_ids = frozenset(self.ll_tokenizer.eos_tokens)
+        # The tokens that are one byte each (at most 256), which _first_token_error feeds a first mask.
+        byte_tokens = {}
+        for byte in range(256):
+            token_ids = self.ll_tokenizer.tokenize_bytes(bytes([byte]))
+            if len(token_ids) == 1 and token_ids[0] < vocab_size and token_ids[0] not in self._eos_ids:
+                byte_tokens.setdefault(token_ids[0], None)
+        self._byte_token_ids = np.array(sorted(byte_tokens), dtype=np.int64)
         self.num_workers = max_workers
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[StructuredOutput, concurrent.futures.Future] = OrderedDict()
@@ -244,7 +252,59 @@ class GrammarCompiler:
                                                            "it admits nothing, or only by an endless recursion")
         if matcher.is_error():
             raise InvalidRequestError("structured_output", _one_line(matcher.get_error()))
+        error = self._first_token_error(matcher, mask)
+        if error:  # its first line: the rest is a dump of llguidance's parser state
+            raise InvalidRequestError("structured_output", _too_complex_message("", error) if _too_complex(error)
+                                      else _one_line(error.splitlines()[0]))
+        if constraint.kind == "json":
+            # A pattern is a lexeme of its own, built when the output reaches it: a costly one
+            # deep in a schema would fail a request mid-output. All are probed here at once, as
+            # one alternation (one matcher: ~1 ms each with a 49k vocabulary), and one by one
+            # only where that fails, so that only a pattern past the limits on its own is refused.
+            patterns = _schema_patterns(json.loads(constraint.spec))
+            if patterns and self._pattern_error("|".join(f"(?:{_unanchored(pattern)})" for pattern in patterns),
+                                                mask) is not None:
+                for pattern in patterns:
+                    error = self._pattern_error(_unanchored(pattern), mask)
+                    if error is not None and _too_complex(error):
+                        raise InvalidRequestError("structured_output", _too_complex_message(
+                            f"its pattern {_excerpt(pattern)} ", error))
         return matcher
+
+    def _pattern_error(self, regex: str, mask: np.ndarray) -> Optional[str]:
+        """llguidance's error compiling `regex` as a constraint of its own, masking its first
+        token or consuming a first byte (_first_token_error); None where there is none."""
+        import llguidance
+
+        try:
+            probe = llguidance.LLMatcher(self.ll_tokenizer, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+        except (ValueError, TypeError) as error:
+            return str(error) or "not a regex"
+        if not probe.is_error():
+            probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return probe.get_error() if probe.is_error() else self._first_token_error(probe, mask)
+
+    def _first_token_error(self, matcher: "llguidance.LLMatcher", mask: np.ndarray) -> Optional[str]:
+        """llguidance's error where a constraint's lexer blows up on its first byte, else None.
+        The first mask (in `mask`) builds a large lexeme with llguidance's build budget (initial_lexer_fuel, a million units), but
+        each token consumed after that has a step's (step_lexer_fuel, 200,000): a regex such as
+        `(a{1000}){1000}` masks its first token, then fails consuming it, in the engine, after
+        a step of ~0.2 s. A copy of the matcher consumes (and rolls back) each one-byte token
+        its first mask allows (the lowest allowed id where none is one byte),
+        here on the compile thread; an ordinary constraint pays well under a millisecond."""
+        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        probes = self._byte_token_ids[allowed[self._byte_token_ids]]
+        if not len(probes):
+            probes = [token_id for token_id in np.flatnonzero(allowed)[:len(self._eos_ids) + 1]
+                      if int(token_id) not in self._eos_ids][:1]
+        if not len(probes):  # only EOS may come: nothing more to build
+            return None
+        probe = matcher.deep_copy()
+        for token_id in probes:
+            if not probe.consume_token(int(token_id)) or probe.is_error():
+                return probe.get_error() or "the matcher refused a token its first mask allows"
+            probe.rollback(1)
+        return None
 
     def check(self, constraint: StructuredOutput, field_name: str) -> None:
         """check_async for a caller without an event loop (tests, scripts)."""
@@ -309,7 +369,8 @@ class GrammarCompiler:
 
     def matcher(self, constraint: StructuredOutput) -> "RequestGrammar":
         """A fresh matcher for one request (blocks until compiled: call once `compile` is done)."""
-        return RequestGrammar(self.compile(constraint).result().deep_copy())
+        future = self.compile(constraint)
+        return RequestGrammar(future.result().deep_copy(), lambda: self._forget(constraint, future))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -331,11 +392,16 @@ def compiled_in_time(future: concurrent.futures.Future, deadline: float) -> bool
 class RequestGrammar:
     """One request's matcher; it has consumed exactly the request's output tokens."""
 
-    __slots__ = ("matcher", "num_consumed")
+    __slots__ = ("matcher", "num_consumed", "on_failure")
 
-    def __init__(self, matcher: "llguidance.LLMatcher"):
+    def __init__(self, matcher: "llguidance.LLMatcher", on_failure=None):
         self.matcher = matcher
         self.num_consumed = 0
+        # Called once when a token fails: the copies of one compiled matcher share its lexer,
+        # and a lexer that exceeded its budget stays broken, so every later request under the
+        # same constraint failed on its first token; the compiler forgets that matcher (the
+        # next request compiles afresh).
+        self.on_failure = on_failure
 
     def accept(self, token_id: int) -> bool:
         """Advance by one appended token; False when the grammar did not allow it (the matcher
@@ -343,7 +409,12 @@ class RequestGrammar:
         self.num_consumed += 1
         if self.matcher.is_stopped():  # past the grammar's end: only EOS was left, nothing to track
             return True
-        return self.matcher.consume_token(token_id)
+        if self.matcher.consume_token(token_id):
+            return True
+        if self.on_failure is not None:
+            self.on_failure()
+            self.on_failure = None
+        return False
 
     @property
     def is_error(self) -> bool:
@@ -411,6 +482,49 @@ def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tens
     rows = logits.index_select(0, mask.rows)
     rows.masked_fill_(allowed == 0, float("-inf"))
     return logits.index_copy(0, mask.rows, rows)
+
+
+def _schema_patterns(schema: object) -> list[str]:
+    """The distinct regexes a JSON schema's string `pattern`s and `patternProperties` name, in
+    the order met (without recursion: a schema is at most MAX_JSON_DEPTH deep, but may be wide)."""
+    found, stack = {}, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                found.setdefault(pattern, None)
+            properties = node.get("patternProperties")
+            if isinstance(properties, dict):
+                for key in properties:
+                    found.setdefault(key, None)
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
+    return list(found)
+
+
+def _unanchored(pattern: str) -> str:
+    """A JSON schema pattern without its leading ^ and trailing $ (a regex constraint matches
+    the whole output); probing its cost needs no more."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    return body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+
+
+def _too_complex(error: str) -> bool:
+    """Whether llguidance's error is one of its lexer's limits (step fuel, states), not a syntax error."""
+    return "too many expressions constructed" in error or "too many states" in error or "LexerTooComplex" in error
+
+
+def _too_complex_message(what: str, error: str) -> str:
+    """`what`: "" for the whole constraint, else the part of it (ending in a space) that blew up."""
+    first_line = error.splitlines()[0] if error else ""
+    return (f"{what or 'it '}is too complex for the grammar engine: its lexer exceeds llguidance's per-token "
+            f"budget ({_one_line(first_line)[:120]}); use fewer or smaller nested repetitions")
+
+
+def _excerpt(text: str) -> str:
+    return json.dumps(text if len(text) <= 60 else text[:57] + "...")
 
 
 def _one_line(message: str) -> str:

@@ -226,24 +226,72 @@ def test_compiles_given_up_or_abandoned_leave_the_compile_queue(builtin_engine):
         _release(release, holding)
 
 
+# A regex whose lexer blows up: its first mask builds on llguidance's build budget, consuming
+# its first byte then exceeds a step's lexer budget ("too many expressions constructed").
+BLOWUP = "(a{1000}){1000}"
+
+
+@pytest.mark.parametrize("constraint, field, says", [
+    (StructuredOutput("regex", BLOWUP), "structured_outputs.regex", "it is too complex for the grammar engine"),
+    # The pattern of a property the output reaches only after another: probed as a regex of its own.
+    (StructuredOutput.json_schema({"type": "object", "properties": {
+        "id": {"type": "string", "maxLength": 8}, "code": {"type": "string", "pattern": f"^{BLOWUP}$"}},
+        "required": ["id", "code"]}), "response_format", f'its pattern "^{BLOWUP}$" is too complex'),
+])
+def test_a_constraint_whose_lexer_blows_up_on_its_first_token_is_refused_at_the_edge_by_name(builtin_engine,
+                                                                                         constraint, field, says):
+    """It passed the edge and its request ended in the engine after one token (abort), a
+    ~0.2 s step spent on its mask; now the edge's compile consumes the first mask's tokens on a
+    copy of the matcher and refuses it naming the field, and in-process callers that skip the
+    edge get their request ended before any step."""
+    with pytest.raises(InvalidRequestError) as raised:
+        _compiler(builtin_engine).check(constraint, field)
+    assert raised.value.field == field and says in raised.value.message, raised.value
+    assert "lexer error: too many expressions constructed" in raised.value.message
+    free_blocks = builtin_engine.load().kv_blocks_free
+    (text, reason, request), = _run(builtin_engine, ["blow up"], [SamplingParams(max_tokens=4, temperature=0.0,
+                                                                               structured_output=constraint)])
+    assert (reason, request.num_output_tokens) == ("abort", 0), text
+    assert builtin_engine.load().kv_blocks_free == free_blocks and not builtin_engine.has_unfinished_requests()
+
+
+def test_a_rule_of_more_alternatives_than_llguidance_allows_is_refused_at_the_edge_by_name(builtin_engine):
+    """3,000 alternatives compile and mask their first token, then exceed llguidance's 2,000
+    items per row consuming it: that request ended in the engine after one token; the edge's
+    probe now says so, its first line (not llguidance's parser dump)."""
+    grammar = StructuredOutput("grammar", "start: " + " | ".join(json.dumps(f"rule choice {index}")
+                                                                  for index in range(3000)))
+    with pytest.raises(InvalidRequestError) as raised:
+        _compiler(builtin_engine).check(grammar, "guided_grammar")
+    assert raised.value.field == "guided_grammar"
+    assert "Current row has 3001 items; max is 2000" in raised.value.message and "<state>" not in raised.value.message
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_grammar_that_fails_mid_output_ends_its_request_instead_of_going_on_unconstrained(async_scheduling):
-    """A rule of 3,000 alternatives compiles and masks its first token, then exceeds llguidance's
-    2,000 items per row consuming it: the matcher is in error. The request went on unconstrained
-    to max_tokens (finish_reason length, text no grammar allows); it now ends there (abort),
-    its blocks free, and a request beside it runs on."""
+    """A Lark terminal that blows up llguidance's lexer (BLOWUP) and comes only after other
+    terminals is built when the output reaches it, past what the edge's first-token probe sees:
+    the matcher fails there, in the engine. The request went on unconstrained to max_tokens
+    (finish_reason length, text no grammar allows); it ends there (abort), its blocks free, a
+    request beside it runs on, and the next request under that grammar is served as it was."""
     engine = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=32, async_scheduling=async_scheduling),
                        "builtin", device="cpu")
     try:
-        grammar = StructuredOutput("grammar", "start: " + " | ".join(json.dumps(f"rule choice {index}")
-                                                                      for index in range(3000)))
+        grammar = StructuredOutput("grammar", f'start: "pick" /[0-9]/ LATE\nLATE: /{BLOWUP}/')
         _compiler(engine).check(grammar, "guided_grammar")  # the edge lets it through
         free_blocks = engine.load().kv_blocks_free
         (text, reason, request), (_, beside_reason, beside) = _run(
             engine, ["pick one", "go on"], [SamplingParams(max_tokens=12, temperature=0.0, structured_output=grammar),
                                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)])
-        assert reason == "abort" and request.num_output_tokens == 1 and "rule choice".startswith(text), text
+        assert reason == "abort" and request.num_output_tokens < 12 and re.fullmatch("pick[0-9]a?", text), text
         assert (beside_reason, beside.num_output_tokens) == ("length", 12)
+        assert engine.load().kv_blocks_free == free_blocks and not engine.has_unfinished_requests()
+        # The copies of one compiled matcher share its lexer, which stays broken: the next
+        # request under the same grammar failed on its first token ("p", abort). The failure
+        # drops the compiled matcher, so the next request runs as the first did.
+        (again, again_reason, _), = _run(engine, ["pick one"], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                                             structured_output=grammar)])
+        assert (again, again_reason) == (text, "abort")
         assert engine.load().kv_blocks_free == free_blocks and not engine.has_unfinished_requests()
     finally:
         engine.shutdown()
