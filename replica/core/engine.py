@@ -388,8 +388,9 @@ class LLMEngine:
             grammar = request.grammar
             if grammar is not None and not grammar.accept(token_id) and finished is None:
                 # The mask allowed the token, so the matcher failed consuming it: one of
-                # llguidance's limits (a rule of more than 2,000 alternatives). The request ends
-                # here rather than going on unconstrained, which no client asked for.
+                # llguidance's limits, tripped by a terminal the edge's first-token probe did not
+                # reach (a Lark terminal after others). The request ends here rather than going on
+                # unconstrained, which no client asked for.
                 logger.warning("request %s: its grammar failed at token %d, the request ends (abort): %s",
                                request_id, token_id, " ".join(grammar.matcher.get_error().split())[:300])
                 self.scheduler.abort_request(request_id)
