@@ -161,6 +161,17 @@ class CountingTokenizer(Tokenizer):
         return super().decode(token_ids, skip_special_tokens)
 
 
+def test_a_byte_level_stream_is_detokenized_by_tokenizers_decode_stream(model_dir):
+    """The built-in tokenizer is byte-level, so text goes through tokenizers' DecodeStream (Rust):
+    no Python-side decode until the flush, and the deltas still concatenate to the full decode."""
+    tokenizer = CountingTokenizer.from_pretrained(model_dir)
+    token_ids = tokenizer.encode("héllo wörld, 你好 👋🏽!", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add_tokens([token_id]) for token_id in token_ids]
+    assert tokenizer.decoded == 0
+    assert "".join(deltas) + detokenizer.flush() == "héllo wörld, 你好 👋🏽!"
+
+
 def test_a_run_that_is_not_text_is_not_decoded_whole_at_every_step(model_dir):
     """A byte token forced by logit_bias (here 0x80, a lone continuation byte): every decode of
     the run ends in a replacement character, so its text is held, and decoding the whole run
