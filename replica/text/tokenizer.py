@@ -73,11 +73,13 @@ class Tokenizer:
 
     def decode_stream(self, skip_special_tokens: bool = True) -> Optional[Callable[[int], Optional[str]]]:
         """tokenizers' own incremental decoder (Rust; vLLM's offsets, as IncrementalDetokenizer's
-        window): a step function taking one id and returning the text it releases, or None; None
-        where the installed tokenizers has no DecodeStream, and for a decoder that is not
-        byte-level (GPT-2's, as Llama 3, Qwen, SmolLM2 use), where it gives the window's text
-        exactly. SentencePiece's byte fallback replaces a broken run of bytes as a whole, so
-        there fed one id at a time it differed from the window fed a step's ids."""
+        window): a step function taking one id and returning the text it releases, or None.
+
+        Offered only for a byte-level decoder (GPT-2's, as Llama 3, Qwen and SmolLM2 use), where
+        it releases the window's text exactly; None for others, and where the installed
+        tokenizers has no DecodeStream. SentencePiece's byte fallback replaces a broken run of
+        bytes as a whole, so there, fed one id at a time, it differed from the window fed a
+        step's ids."""
         try:
             from tokenizers.decoders import DecodeStream
         except ImportError:
