@@ -25,5 +25,7 @@ def checked(convert, check, wanted: str):
 port_number = checked(int, lambda port: 0 <= port <= 65535, "a port, 0-65535")
 positive_int = checked(int, lambda value: value >= 1, "an integer >= 1")
 seconds = checked(float, lambda value: math.isfinite(value) and value >= 0, "a number of seconds >= 0")
+positive_seconds = checked(float, lambda value: 0 < value < math.inf, "a number of seconds > 0")
+positive_number = checked(float, lambda value: 0 < value < math.inf, "a number > 0")
 # What torch.device takes for the devices the engine runs on.
 device_name = checked(str, lambda name: re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None, "cpu, cuda or cuda:N")

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cluster import status_command
+from cluster.arg_types import positive_int, positive_number
 from cluster.generate_command import add_target_arguments, open_channel, target_connection
 from cluster.stats import percentile
 from cluster.trace import read_trace
@@ -46,15 +47,15 @@ class RequestResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target_arguments(parser)
-    parser.add_argument("--requests", type=int, default=64, help="requests to send (default: %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=8,
+    parser.add_argument("--requests", type=positive_int, default=64, help="requests to send (default: %(default)s)")
+    parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="most requests in flight at once (default: %(default)s)")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length without a trace (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="output length without a trace (default: %(default)s)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length without a trace (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="output length without a trace (default: %(default)s)")
     parser.add_argument("--trace", default=None,
                         help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens (the Azure LLM trace format): "
                              "replay its arrivals and sizes, clipped to the model's context length")
-    parser.add_argument("--trace-scale", type=float, default=1.0,
+    parser.add_argument("--trace-scale", type=positive_number, default=1.0,
                         help="replay the trace this many times faster (default: %(default)s)")
     parser.add_argument("--address", default="auto",
                         help="Ray cluster address for the replicas' preemption counters (default: %(default)s)")
@@ -158,11 +159,6 @@ def summary_table(results: list[RequestResult], wall_s: float, preemptions: Opti
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    # `not x > 0`: NaN passes no comparison, and a NaN scale made every arrival NaN (all sent at once).
-    if (args.requests < 1 or args.concurrency < 1 or args.prompt_tokens < 1 or args.max_tokens < 1
-            or not 0 < args.trace_scale < math.inf):
-        parser.error("--requests, --concurrency, --prompt-tokens and --max-tokens must be >= 1, "
-                     "--trace-scale a number > 0")
     try:
         if args.trace is not None:
             requests = trace_requests(args.trace, args.requests, args.trace_scale)

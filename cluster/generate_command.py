@@ -12,7 +12,6 @@ its own; with the API key as call metadata either way.
 from __future__ import annotations
 
 import argparse
-import math
 import ssl
 import sys
 import unicodedata
@@ -20,6 +19,7 @@ from typing import Optional, Union
 
 import grpc
 
+from cluster.arg_types import positive_seconds
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed, for reproducible output")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default: %(default)s)")
+    parser.add_argument("--timeout-s", type=positive_seconds, default=300.0, help="give up after this long (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",
                         help="write the text as generated, control characters included (default: escape them)")
     constraint = parser.add_mutually_exclusive_group()
@@ -140,8 +140,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling.seed = args.seed
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
-    if not 0 < args.timeout_s < math.inf:  # NaN or <= 0 was the server's DEADLINE_EXCEEDED, exit 1
-        parser.error(f"--timeout-s: must be a number of seconds > 0, got {args.timeout_s}")
     metadata, credentials = target_connection(args, parser)
     request = pb.GenerateRequest(sampling=sampling)
     if args.json_schema is not None:
