@@ -19,6 +19,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _SAFETENSORS_HEADER_LENGTH_BYTES = 8
 
 
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The directory's config.json as a ModelConfig; ModelLoadError naming the file otherwise."""
+    config_path = model_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path}: missing {CONFIG_FILE}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelLoadError(f"{config_path}: not readable JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path}: not a JSON object")
+    try:
+        return ModelConfig.from_hf_config(raw)
+    except (ModelConfigError, KeyError, TypeError, ValueError) as error:
+        raise ModelLoadError(f"{config_path}: {error}") from None
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The directory's safetensors files: the shards its index names, else model.safetensors."""
     index_path = model_dir / SHARD_INDEX_FILE
@@ -42,17 +59,7 @@ def check_checkpoint(model_dir: Path) -> None:
     """ModelLoadError naming the file unless `model_dir` holds a config.json this model implementation
     runs, a tokenizer, and safetensors files whose headers parse and whose tensors the files hold
     (a truncated download). Reads only the config and the headers."""
-    config_path = model_dir / CONFIG_FILE
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelLoadError(f"{config_path}: not readable JSON: {error}") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{config_path}: not a JSON object")
-    try:
-        ModelConfig.from_hf_config(raw)
-    except (ModelConfigError, KeyError, TypeError, ValueError) as error:
-        raise ModelLoadError(f"{config_path}: {error}") from None
+    read_model_config(model_dir)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{model_dir}: no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
     for path in weight_files(model_dir):

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
 from replica.model.config import ModelLoadError
-from replica.model.loader import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE
+from replica.model.checkpoint import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE
 from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
 
 

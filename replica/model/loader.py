@@ -8,7 +8,6 @@ reads a slice without the rest), so no rank holds the whole model at any time.
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from replica.attention import get_attention_backend
-from replica.model.checkpoint import CONFIG_FILE, SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE, weight_files
+from replica.model.checkpoint import read_model_config, weight_files
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError, parse_dtype
 from replica.config import DEFAULT_FUSED_OPS
 from replica.model.fused_ops import get_fused_ops
@@ -77,17 +76,6 @@ def load_model(
     logger.info("loaded %s from %s: %d layers, %s on %s%s", cfg.architecture, model_dir, cfg.num_hidden_layers,
                 weights_dtype, device, f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.size > 1 else "")
     return model, rank_cfg
-
-
-def read_model_config(model_dir: Path) -> ModelConfig:
-    config_path = model_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise ModelLoadError(f"{config_path}: missing {CONFIG_FILE}")
-    try:
-        raw = json.loads(config_path.read_text())
-        return ModelConfig.from_hf_config(raw)
-    except (json.JSONDecodeError, ModelConfigError) as err:
-        raise ModelLoadError(f"{config_path}: {err}") from err
 
 
 class _Checkpoint:

@@ -364,7 +364,7 @@ def start_tensor_parallel(config: EngineConfig, model_dir, device: torch.device,
     size = config.tensor_parallel_size
     if size == 1:
         return None
-    from replica.model.loader import read_model_config
+    from replica.model.checkpoint import read_model_config
     from replica.parallel.group import TensorParallelConfigError, check_divisible
 
     try:

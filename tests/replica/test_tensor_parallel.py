@@ -35,7 +35,7 @@ from replica.executor.rank_config import resolve_rank_config
 from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import EngineDeadError
 from replica.model import load_model
-from replica.model.loader import read_model_config
+from replica.model.checkpoint import read_model_config
 from replica.model.builtin import ensure_builtin_model
 from replica.parallel.group import (
     TensorParallel, TensorParallelConfigError, TensorParallelDead, check_divisible, join_group, rendezvous_store,
