@@ -286,12 +286,13 @@ class GrammarCompiler:
 
     def _first_token_error(self, matcher: "llguidance.LLMatcher", mask: np.ndarray) -> Optional[str]:
         """llguidance's error where a constraint's lexer blows up on its first byte, else None.
-        The first mask (in `mask`) builds a large lexeme with llguidance's build budget (initial_lexer_fuel, a million units), but
-        each token consumed after that has a step's (step_lexer_fuel, 200,000): a regex such as
-        `(a{1000}){1000}` masks its first token, then fails consuming it, in the engine, after
-        a step of ~0.2 s. A copy of the matcher consumes (and rolls back) each one-byte token
-        its first mask allows (the lowest allowed id where none is one byte),
-        here on the compile thread; an ordinary constraint pays well under a millisecond."""
+        The first mask (in `mask`) builds a large lexeme with llguidance's build budget
+        (initial_lexer_fuel, a million units), but each token consumed after that has a step's
+        (step_lexer_fuel, 200,000): a regex such as `(a{1000}){1000}` masks its first token, then
+        fails consuming it, in the engine, after a step of ~0.2 s. A copy of the matcher consumes
+        (and rolls back) each one-byte token its first mask allows (the lowest allowed id where
+        none is one byte), here on the compile thread; an ordinary constraint pays well under a
+        millisecond."""
         allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
         probes = self._byte_token_ids[allowed[self._byte_token_ids]]
         if not len(probes):
