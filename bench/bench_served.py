@@ -4,7 +4,7 @@ process (this one), on the same workloads in one run; prints served / offline.
 
     python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
                                  [--model builtin|DIR] [--device cpu|cuda] [--dtype D] [--num-kv-blocks N]
-                                 [--emulated-device] [--repeat N] [--stream-interval N]
+                                 [--emulated-device] [--repeat N] [--stream-interval N[,N...]]
 
 Engine: built-in model on the CPU by default, max_model_len 1024, 4,096 blocks, max_num_seqs
 256, budget 2048 (bench/bench_gpu.py runs it on a GPU with a 1.1B checkpoint).
@@ -24,6 +24,8 @@ can lose a lot to one unlucky pause, so single runs are noisy.
 --stream-interval N starts the replica with `--stream-interval N` (EngineConfig.stream_interval:
 the first token of a stream at once, then messages of N tokens); the offline loop has no
 messages. The served ITL is then between tokens as the client reads them: 0 within a message.
+A comma list (--stream-interval 1,4) serves every workload at each interval, a replica each,
+against one offline run: rows labelled @N.
 The "CPU ratio" column is the offline engine's CPU seconds over the served side's (core +
 front + client): the comparison that holds when other load moves the wall ratio.
 --grpc-floor also runs a bare grpc.aio Generate server (no engine: it writes a one-token
@@ -250,8 +252,9 @@ def main() -> None:
                         help="runs per workload and side, fresh prompts each; the median is reported (default 1)")
     parser.add_argument("--grpc-floor", action="store_true",
                         help="also time a bare grpc.aio server writing the same messages (gRPC's own CPU)")
-    parser.add_argument("--stream-interval", type=int, default=None,
-                        help="the replica's stream_interval: tokens per message after a stream's first "
+    parser.add_argument("--stream-interval", default=None,
+                        help="the replica's stream_interval: tokens per message after a stream's first; a "
+                             "comma list (1,4) serves each workload at each, beside one offline run "
                              "(default: the replica's, 1)")
     parser.add_argument("--serve-grpc-floor", type=float, default=None, help=argparse.SUPPRESS)  # tick, s
     args = parser.parse_args()
@@ -272,6 +275,10 @@ def main() -> None:
 
         torch.set_num_threads(1)
     workloads = [tuple(int(part) for part in item.split("x")) for item in args.workloads.split(",")]
+    try:
+        intervals = [None] if args.stream_interval is None else [int(item) for item in args.stream_interval.split(",")]
+    except ValueError:
+        parser.error(f"--stream-interval: integers, comma-separated, not {args.stream_interval!r}")
 
     seeds = range(args.repeat)
     engine = build_offline_engine(args.model, args.device, args.dtype, args.emulated_device)
@@ -288,15 +295,18 @@ def main() -> None:
 
     gc.collect()
     gc.freeze()
-    process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
-                                     args.emulated_device, args.stream_interval)
-    try:
-        pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
-        served = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
-                                for seed in seeds]) for key in workloads}
-    finally:
-        process.send_signal(2)
-        process.wait(timeout=60)
+    served_at = {}  # by stream interval: each a replica of its own, beside the one offline run
+    for interval in intervals:
+        process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
+                                         args.emulated_device, interval)
+        try:
+            pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
+            served_at[interval] = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
+                                                 for seed in seeds]) for key in workloads}
+        finally:
+            process.send_signal(2)
+            process.wait(timeout=60)
+    served = served_at[intervals[0]]
 
     import torch
 
@@ -309,12 +319,13 @@ def main() -> None:
           f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}{'tokens/msg':>11}{'CPU ratio':>10}"
           f"   CPU s: offline engine | core, front, client")
     verdicts = []
-    for key in workloads:
-        (ours, served_rates), (base, _) = served[key], offline[key]
+    for interval, key in ((interval, key) for interval in intervals for key in workloads):
+        (ours, served_rates), (base, _) = served_at[interval][key], offline[key]
+        at = f" at interval {interval}" if len(intervals) > 1 else ""
         ratio = ours.tokens_per_s / base.tokens_per_s
         step_p99 = percentile(base.itl_ms, 0.99)
         itl_p99 = percentile(ours.itl_ms, 0.99)
-        print(f"{f'{key[0]} x {key[1]}':>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
+        print(f"{f'{key[0]} x {key[1]}' + (f' @{interval}' if at else ''):>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
               f"{f'{percentile(base.itl_ms, 0.5):.0f} / {step_p99:.0f}':>17}"
               f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}"
               f"{key[0] * key[1] / max(ours.messages, 1):>11.1f}"
@@ -323,10 +334,10 @@ def main() -> None:
               + (f"   runs served/offline: {' '.join(f'{rate / base.tokens_per_s:.2f}' for rate in served_rates)}"
                  if args.repeat > 1 else ""))
         if key[0] in TARGET_STREAMS:
-            verdicts.append(f"served/offline at {key[0]} streams {ratio:.2f} (>= {THROUGHPUT_TARGET}: "
+            verdicts.append(f"served/offline at {key[0]} streams{at} {ratio:.2f} (>= {THROUGHPUT_TARGET}: "
                             f"{'MET' if ratio >= THROUGHPUT_TARGET else 'MISSED'})")
         if key[0] == 64:
-            verdicts.append(f"ITL p99 at 64 streams {itl_p99:.0f} ms vs 2x step p99 {ITL_TARGET_STEPS * step_p99:.0f} ms "
+            verdicts.append(f"ITL p99 at 64 streams{at} {itl_p99:.0f} ms vs 2x step p99 {ITL_TARGET_STEPS * step_p99:.0f} ms "
                             f"({'MET' if itl_p99 <= ITL_TARGET_STEPS * step_p99 else 'MISSED'})")
     print("targets: " + "; ".join(verdicts))
     if args.grpc_floor:
