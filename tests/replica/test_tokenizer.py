@@ -23,6 +23,20 @@ def tokenizer(model_dir):
     return Tokenizer.from_pretrained(model_dir)
 
 
+class WindowOnlyTokenizer(Tokenizer):
+    """Without tokenizers' DecodeStream: the detokenizer's own window throughout, as a
+    SentencePiece tokenizer runs."""
+
+    def decode_stream(self, skip_special_tokens=True):
+        return None
+
+
+@pytest.fixture(scope="module", params=["decode_stream", "window"])
+def detokenizing(model_dir, request):
+    """The built-in tokenizer, detokenized by each of IncrementalDetokenizer's two paths."""
+    return (Tokenizer if request.param == "decode_stream" else WindowOnlyTokenizer).from_pretrained(model_dir)
+
+
 def stream(tokenizer, token_ids, chunk_size=1):
     """The deltas an IncrementalDetokenizer yields for token_ids fed chunk_size at a time, then flush()."""
     detokenizer = IncrementalDetokenizer(tokenizer)
@@ -95,23 +109,23 @@ def test_chat_template_in_the_directory_is_rendered_with_its_special_tokens(mode
 
 
 @pytest.mark.parametrize("text", MULTI_BYTE_TEXTS)
-def test_incremental_deltas_never_split_a_character(tokenizer, text):
-    deltas = stream(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+def test_incremental_deltas_never_split_a_character(detokenizing, text):
+    deltas = stream(detokenizing, detokenizing.encode(text, add_special_tokens=False))
     assert all("\ufffd" not in delta for delta in deltas)
     assert "".join(deltas) == text
 
 
-def test_a_multi_byte_character_is_held_back_until_its_last_byte(tokenizer):
-    detokenizer = IncrementalDetokenizer(tokenizer)
+def test_a_multi_byte_character_is_held_back_until_its_last_byte(detokenizing):
+    detokenizer = IncrementalDetokenizer(detokenizing)
     euro_byte_tokens = list("€".encode("utf-8"))
     assert [detokenizer.add_tokens([token_id]) for token_id in euro_byte_tokens] == ["", "", "€"]
 
 
-def test_flush_releases_an_incomplete_trailing_character(tokenizer):
+def test_flush_releases_an_incomplete_trailing_character(detokenizing):
     token_ids = [ord("a")] + list("€".encode("utf-8"))[:2]  # cut off mid-character, e.g. by max_tokens
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(detokenizing)
     assert [detokenizer.add_tokens([token_id]) for token_id in token_ids] == ["a", "", ""]
-    assert detokenizer.flush() == tokenizer.decode(token_ids)[1:] == "\ufffd"
+    assert detokenizer.flush() == detokenizing.decode(token_ids)[1:] == "\ufffd"
 
 
 def test_special_tokens_are_kept_when_not_skipped(tokenizer):
@@ -121,33 +135,33 @@ def test_special_tokens_are_kept_when_not_skipped(tokenizer):
 
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=40).filter(lambda text: "\ufffd" not in text), chunk_size=st.integers(1, 5))
-def test_deltas_of_valid_text_concatenate_to_the_full_decode(tokenizer, text, chunk_size):
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    deltas = stream(tokenizer, token_ids, chunk_size)
+def test_deltas_of_valid_text_concatenate_to_the_full_decode(detokenizing, text, chunk_size):
+    token_ids = detokenizing.encode(text, add_special_tokens=False)
+    deltas = stream(detokenizing, token_ids, chunk_size)
     assert all("\ufffd" not in delta for delta in deltas)
-    assert "".join(deltas) == tokenizer.decode(token_ids)
+    assert "".join(deltas) == detokenizing.decode(token_ids)
 
 
 @settings(max_examples=200, deadline=None)
 @given(token_ids=st.lists(st.integers(0, 400), max_size=40), chunk_size=st.integers(1, 5))
-def test_deltas_of_any_token_stream_concatenate_to_the_full_decode(tokenizer, token_ids, chunk_size):
+def test_deltas_of_any_token_stream_concatenate_to_the_full_decode(detokenizing, token_ids, chunk_size):
     # What a random-weight model emits: invalid UTF-8, special tokens and (a model whose vocabulary
     # is larger than its tokenizer's, as bench_gpu.py's checkpoint) ids past the vocabulary.
-    assert tokenizer.vocab_size == 320
-    assert "".join(stream(tokenizer, token_ids, chunk_size)) == tokenizer.decode(token_ids)
+    assert detokenizing.vocab_size == 320
+    assert "".join(stream(detokenizing, token_ids, chunk_size)) == detokenizing.decode(token_ids)
 
 
 @pytest.mark.parametrize("skipped_id", [EOS_TOKEN_ID, 5_000])
-def test_ids_decode_drops_never_grow_the_decode_window(tokenizer, skipped_id):
+def test_ids_decode_drops_never_grow_the_decode_window(detokenizing, skipped_id):
     """A stream held on a skipped special token (logit_bias, ignore_eos) or on ids past the
     tokenizer's vocabulary: each step decoded the whole run of them, quadratic in its length."""
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(detokenizing)
     assert detokenizer.add_tokens([ord("a")]) == "a"
     for _ in range(1_000):
         assert detokenizer.add_tokens([skipped_id]) == ""
     assert len(detokenizer.output_token_ids) - detokenizer.prefix_offset <= 1  # the window: "a" alone
     assert detokenizer.add_tokens([skipped_id, ord("b")]) == "b"
-    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)  # not dropped when kept
+    kept = IncrementalDetokenizer(detokenizing, skip_special_tokens=False)  # not dropped when kept
     assert kept.add_tokens([ord("o"), EOS_TOKEN_ID]) == "o</s>"
 
 
