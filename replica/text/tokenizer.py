@@ -41,6 +41,7 @@ class Tokenizer:
         self.chat_template = find_chat_template(model_dir, tokenizer_config)
         self._special_ids: Optional[frozenset[int]] = None  # ids_decode_skips', read at its first call
         self._ids_end = 0
+        self._decode_stream_class = None  # decode_stream's: DecodeStream, or False where it does not apply
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
@@ -80,13 +81,13 @@ class Tokenizer:
         tokenizers has no DecodeStream. SentencePiece's byte fallback replaces a broken run of
         bytes as a whole, so there, fed one id at a time, it differed from the window fed a
         step's ids."""
-        try:
-            from tokenizers.decoders import DecodeStream
-        except ImportError:
+        if self._decode_stream_class is None:  # decided once per tokenizer: the class, or False
+            self._decode_stream_class = isinstance(self._fast_tokenizer.decoder, decoders.ByteLevel) and getattr(
+                decoders, "DecodeStream", False)
+        if not self._decode_stream_class:
             return None
-        if not isinstance(self._fast_tokenizer.decoder, decoders.ByteLevel):
-            return None
-        step, fast_tokenizer = DecodeStream(skip_special_tokens=skip_special_tokens).step, self._fast_tokenizer
+        step = self._decode_stream_class(skip_special_tokens=skip_special_tokens).step
+        fast_tokenizer = self._fast_tokenizer
         return lambda token_id: step(fast_tokenizer, token_id)
 
     def ids_decode_skips(self, skip_special_tokens: bool = True) -> tuple[int, frozenset[int]]:
