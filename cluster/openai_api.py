@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
 from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loads_json, nested_deeper_than
 
+from replica.config import NumbersNotBooleans
 from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from replica.errors import HeadroomError, InvalidRequestError
 
@@ -158,9 +159,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAIRequest(StructuredOutputFields):
+class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     # Extra keys are kept (not validated) so that a parameter this server cannot honour is
-    # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does.
+    # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does. A boolean
+    # for a number (`"max_tokens": true`) is a 400 naming it, as OpenAI's API answers it, not 1.
     model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None  # vLLM's: unset means the served model

@@ -47,22 +47,13 @@ class ConfigError(ValueError):
     """An impossible configuration; the message names the field."""
 
 
-class ConfigModel(BaseModel):
-    """The base of every config model (EngineConfig, and cluster/config.py's tree): unknown keys,
-    NaN, infinity and booleans given for numbers are refused, each naming its field.
-
-    NaN or infinity in a knob is a typo or a unit slip, never a setting: NaN passes no comparison
-    (a bound such as `>= 0` is no guard), and an infinite timeout or interval overflows the
-    thread and timedelta calls it reaches (threading.Event.wait, datetime.timedelta).
-
-    A boolean for a number (YAML's or JSON's `true` for `block_size`, Helm's `--set x=true`) would
-    be read as 1 or 0 by pydantic's lax mode: a silent setting nobody chose. Other lax conversions
-    stay: a numeric string ("8", a quoted YAML number, Helm's --set-string) means the number it
-    spells, as the command line's flags do (argparse converts those before they get here), and a
-    whole float (16.0) is the integer it equals; a float with a fraction is refused for an integer.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+class NumbersNotBooleans(BaseModel):
+    """A model whose number fields refuse a boolean, naming the field: pydantic's lax mode reads
+    `true` as 1 (YAML's or JSON's `true` for `block_size`, Helm's `--set x=true`, an OpenAI body's
+    `"max_tokens": true`), a silent value nobody chose. Other lax conversions stay: a numeric
+    string ("8", a quoted YAML number, Helm's --set-string) means the number it spells, as the
+    command line's flags do (argparse converts those before they get here), and a whole float
+    (16.0) is the integer it equals; a float with a fraction is refused for an integer."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -71,6 +62,18 @@ class ConfigModel(BaseModel):
         if errors:  # located below the field: a router knob is named as knobs.NAME
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return value
+
+
+class ConfigModel(NumbersNotBooleans):
+    """The base of every config model (EngineConfig, and cluster/config.py's tree): unknown keys,
+    NaN, infinity and booleans given for numbers are refused, each naming its field.
+
+    NaN or infinity in a knob is a typo or a unit slip, never a setting: NaN passes no comparison
+    (a bound such as `>= 0` is no guard), and an infinite timeout or interval overflows the
+    thread and timedelta calls it reaches (threading.Event.wait, datetime.timedelta).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _takes_numbers_not_booleans(annotation: Any) -> bool:
@@ -91,9 +94,16 @@ def _booleans_for_numbers(value: Any, annotation: Any, loc: tuple) -> list[InitE
         error = PydanticCustomError("bool_for_number", "Input should be a number, not the boolean {boolean}",
                                     {"boolean": "true" if value else "false"})
         return [InitErrorDetails(type=error, loc=loc, input=value)]
-    if isinstance(value, Mapping) and typing.get_origin(annotation) in (dict, Mapping):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # Optional[dict[...]]: the one container
+        containers = [member for member in typing.get_args(annotation) if typing.get_origin(member) is not None]
+        annotation = containers[0] if len(containers) == 1 else annotation
+    origin = typing.get_origin(annotation)
+    if isinstance(value, Mapping) and origin in (dict, Mapping):
         value_type = typing.get_args(annotation)[1]
         return [error for key, item in value.items() for error in _booleans_for_numbers(item, value_type, (*loc, key))]
+    if isinstance(value, list) and origin is list and _takes_numbers_not_booleans(typing.get_args(annotation)[0]):
+        return [error for index, item in enumerate(value) if isinstance(item, bool)
+                for error in _booleans_for_numbers(item, int, (*loc, index))]
     return []
 
 

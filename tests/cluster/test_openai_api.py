@@ -69,6 +69,24 @@ def test_a_union_fields_error_names_the_parameter_not_the_member_type(model, fie
     assert says in error["message"], error
 
 
+@pytest.mark.parametrize("model, fields, param", [
+    (CompletionRequest, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    (CompletionRequest, {"prompt": "hi", "temperature": False}, "temperature"),
+    (CompletionRequest, {"prompt": "hi", "stop_token_ids": [2, True]}, "stop_token_ids[1]"),
+    (CompletionRequest, {"prompt": "hi", "logit_bias": {"5": True}}, "logit_bias.5"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": True},
+     "top_logprobs"),
+])
+def test_a_boolean_for_a_number_is_400_naming_it_not_read_as_one(model, fields, param):
+    """pydantic's lax mode read `"max_tokens": true` as 1 (OpenAI's API refuses it); a numeric
+    string still reads as its number, as vLLM's server takes it."""
+    error = refused(model, json.dumps({"model": "m", **fields}).encode())
+    assert error.status == 400 and error.body["error"]["param"] == param
+    assert error.body["error"]["message"] == f"{param}: Input should be a number, not the boolean " + (
+        "false" if fields.get("temperature") is False else "true")
+    assert parsed(CompletionRequest, prompt="hi", max_tokens="5").max_tokens == 5
+
+
 def test_chat_body_errors_name_the_message_and_field():
     body = {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}]}
     assert refused(ChatCompletionRequest, json.dumps(body).encode()).body["error"]["param"] == "messages[1].role"
