@@ -7,6 +7,7 @@ the TTFT-SLO policy (replica/core/slo.py) and are inert under the other policies
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -55,13 +56,30 @@ class NumbersNotBooleans(BaseModel):
     command line's flags do (argparse converts those before they get here), and a whole float
     (16.0) is the integer it equals; a float with a fraction is refused for an integer."""
 
-    @field_validator("*", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        errors = _booleans_for_numbers(value, cls.model_fields[info.field_name].annotation, ())
-        if errors:  # located below the field: a router knob is named as knobs.NAME
-            raise ValidationError.from_exception_data(cls.__name__, errors)
-        return value
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        # Once per model over the keys given, against the fields that hold numbers: a validator
+        # on every field cost an OpenAI body's parse 16 us more, this a few.
+        if isinstance(data, Mapping):
+            number_fields = _number_fields(cls)
+            errors = [error for key, value in data.items()
+                      if key in number_fields and isinstance(value, (bool, Mapping, list))
+                      for error in _booleans_for_numbers(value, number_fields[key], (key,))]
+            if errors:  # located below the field: a router knob is named as knobs.NAME
+                raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+
+@functools.cache
+def _number_fields(model: type[BaseModel]) -> dict[str, Any]:
+    """The fields (by the key a document names them with) whose values are, or hold, numbers."""
+    def holds_numbers(annotation: Any) -> bool:
+        return _takes_numbers_not_booleans(annotation) or any(holds_numbers(argument)
+                                                               for argument in typing.get_args(annotation))
+
+    return {field.alias or name: field.annotation for name, field in model.model_fields.items()
+            if holds_numbers(field.annotation)}
 
 
 class ConfigModel(NumbersNotBooleans):
