@@ -238,6 +238,7 @@ class Ingress:
         self.limits = config.limits.request_limits()
         self.tool_call_parser = config.tool_call_parser
         self.compile_timeout_s = config.engine.structured_output_compile_timeout_s
+        self.max_mask_ms = config.engine.structured_output_max_mask_ms
         # Made once, by the first constrained request (concurrent first requests await the same task).
         self._grammars: Optional[asyncio.Future] = None
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
@@ -513,7 +514,8 @@ class Ingress:
         if self._grammars is None:
             eos_token_ids = [info.eos_token_id] if info.eos_token_id >= 0 else []
             self._grammars = asyncio.ensure_future(asyncio.to_thread(
-                GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids, self.compile_timeout_s))
+                GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids, self.compile_timeout_s,
+                self.max_mask_ms))
         grammars = await self._grammars
         await grammars.check_async(constraint.constraint, constraint.param)
 
@@ -556,6 +558,8 @@ class Ingress:
                 await self.check_constraint(tool_schema, info)
             if constraint is not None:
                 await self.check_constraint(constraint, info)
+                # A constraint the engine ends mid-output (too costly to follow) names it too.
+                param_for_field["structured_output"] = constraint.param
             choices = []
             for prompt_index, token_ids in enumerate(prompts):
                 base = body.base_sampling_params(self._max_tokens(body, len(token_ids), info.max_model_len),

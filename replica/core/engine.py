@@ -31,7 +31,7 @@ from replica.core.request import Request, RequestStatus, SamplingParams, validat
 from replica.core.structured_output import GrammarCompiler, compiled_in_time
 from replica.core.load import SchedulerLoad
 from replica.core.scheduler import Scheduler, SchedulerOutput
-from replica.errors import QueueFullError
+from replica.errors import InvalidRequestError, QueueFullError
 from replica.core.slo_monitor import SLOAbort, SLOMonitor
 from replica.executor.step_abort import StepAborted
 from replica.parallel.executor import TensorParallelRunner, start_tensor_parallel
@@ -145,6 +145,11 @@ class LLMEngine:
         self.grammar_compiler: Optional[GrammarCompiler] = None
         # Each with the time its compile must be done by (structured_output_compile_timeout_s).
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
+        # Requests the engine ended with an error of theirs (their output constraint failed or
+        # was too costly to follow), each also finished "abort" in the step's outputs. Kept only
+        # once the engine core asks for them (collect_failures): it sends them to the front, whose
+        # streams then fail with that error; an in-process caller sees the "abort".
+        self.failed: Optional[list[tuple[str, Exception]]] = None
         self.stats = StepStats()
         # Set by borrow_idle_cpus (the engine-core process); in-process engines keep their threads.
         self.step_threads: Optional[StepThreads] = None
@@ -201,7 +206,7 @@ class LLMEngine:
         if self.grammar_compiler is None:
             self.grammar_compiler = GrammarCompiler.for_tokenizer(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                self.config.structured_output_compile_timeout_s)
+                self.config.structured_output_compile_timeout_s, self.config.structured_output_max_mask_ms)
         future = self.grammar_compiler.compile(request.sampling_params.structured_output)
         deadline = time.monotonic() + self.config.structured_output_compile_timeout_s
         # Parked even when the compile is already done (a cached grammar, or a cached failure):
@@ -228,6 +233,7 @@ class LLMEngine:
                 self.scheduler.add_request(request)
             except Exception as error:  # noqa: BLE001 - reported as the request's end, logged
                 logger.warning("request %s: structured output not served: %s", request_id, error)
+                self._fail(request_id, InvalidRequestError("structured_output", str(error)))
                 request.status = RequestStatus.FINISHED_ABORTED
                 self.detokenizers.pop(request_id, None)
                 failed.append(request)
@@ -261,6 +267,21 @@ class LLMEngine:
         parked = [request for request, _, _ in self._compiling.values()]
         return replace(load, num_waiting=load.num_waiting + len(parked),
                        waiting_prefill_tokens=load.waiting_prefill_tokens + sum(r.num_tokens for r in parked))
+
+    def collect_failures(self) -> None:
+        """Keep the requests the engine ends with an error, for take_failed."""
+        if self.failed is None:
+            self.failed = []
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """The (request id, error) of the requests the engine ended with an error since the
+        previous call (collect_failures first)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        if self.failed is not None:
+            self.failed.append((request_id, error))
 
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix-cache events (blocks stored / removed) since the previous call, oldest
@@ -386,15 +407,23 @@ class LLMEngine:
             token_id = update.token_id
             finished = update.finished
             grammar = request.grammar
-            if grammar is not None and not grammar.accept(token_id) and finished is None:
-                # The mask allowed the token, so the matcher failed consuming it: one of
-                # llguidance's limits, tripped by a terminal the edge's first-token probe did not
-                # reach (a Lark terminal after others). The request ends here rather than going on
-                # unconstrained, which no client asked for.
-                logger.warning("request %s: its grammar failed at token %d, the request ends (abort): %s",
-                               request_id, token_id, " ".join(grammar.matcher.get_error().split())[:300])
-                self.scheduler.abort_request(request_id)
-                finished = RequestStatus.FINISHED_ABORTED
+            if grammar is not None and finished is None:
+                if not grammar.accept(token_id):
+                    # The mask allowed the token, so the matcher failed consuming it: one of
+                    # llguidance's limits, tripped by a terminal the edge's first-token probe did
+                    # not reach (a Lark terminal after others). The request ends here rather than
+                    # going on unconstrained, which no client asked for.
+                    why = "its output constraint failed at token %d: %s" % (
+                        token_id, " ".join(grammar.matcher.get_error().split())[:300])
+                else:
+                    why = grammar.too_slow  # its masks held the batch back (GrammarBitmask)
+                if why is not None:
+                    logger.warning("request %s ends (abort): %s", request_id, why)
+                    self.scheduler.abort_request(request_id)
+                    self._fail(request_id, InvalidRequestError("structured_output", why))
+                    finished = RequestStatus.FINISHED_ABORTED
+            elif grammar is not None:
+                grammar.accept(token_id)
             text = ""
             if detokenizers:
                 detokenizer = detokenizers.get(request_id)

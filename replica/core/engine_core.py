@@ -32,6 +32,7 @@ class EngineCore:
 
     def __init__(self, engine: LLMEngine, channel: FrameSocket):
         self.engine = engine
+        engine.collect_failures()  # sent with each step's rejected adds
         self.channel = channel
         # Live requests by id: their admission time rides on their first output.
         self._requests: dict[str, Request] = {}
@@ -120,7 +121,8 @@ class EngineCore:
             if row[2] is not None:  # its finish reason: it has left the engine
                 del requests[row[0]]
         stats = self.engine.stats
-        rejected, self._rejected = self._rejected, []
+        # Adds refused, and requests the engine ended with an error (rows above finish them).
+        rejected, self._rejected = self._rejected + self.engine.take_failed(), []
         self._outbox.put(to_wire(StepOutputs(
             rows, load_to_wire(self.engine.load()), stats.step_time_s, stats.generation_tokens_per_s,
             self._kv_events(), rejected,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
+from replica.config import EngineConfig
 from replica.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice")
 # Compact JSON: no free whitespace between tokens. A small model left free whitespace may
 # fill max_tokens with newlines; separators as json.dumps writes them.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_COMPILE_TIMEOUT_S = EngineConfig.model_fields["structured_output_compile_timeout_s"].default
 _CACHE_SIZE = 256
 # llguidance builds a grammar by recursion over its rules' nesting: a Lark grammar whose rules
 # nest 3,000 deep (60 KB of text) overflowed a thread's default 8 MB stack and killed the
@@ -67,6 +68,15 @@ MAX_JSON_DEPTH = 64
 # Compiles run beside the step loop (llguidance releases the GIL). Two, so that one slow
 # compile never holds every other request's behind it; vLLM runs (CPUs + 1) // 2.
 DEFAULT_COMPILE_WORKERS = 2
+# What one row's mask may cost a step. llguidance's fuel bounds how much of a lexer it builds per
+# token, not what a mask costs once built: `(a{500}){500}` is within every one of its limits and
+# takes ~70 ms a mask (lowering step_lexer_fuel to a tenth does not change that), while ordinary
+# constraints take 0.05-1 ms. A step's masks are built before it samples, so one such row would
+# hold every request in the batch back by that much each step. The edge refuses a constraint
+# whose second mask (after its first token) is over the limit; one that turns slow later ends
+# once it has been over the limit for SLOW_MASK_STEPS steps in a row.
+DEFAULT_MAX_MASK_MS = EngineConfig.model_fields["structured_output_max_mask_ms"].default
+SLOW_MASK_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -180,11 +190,13 @@ class GrammarCompiler:
     compiled once (LRU), each request given its own copy of the compiled matcher."""
 
     def __init__(self, fast_tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_workers: int = DEFAULT_COMPILE_WORKERS):
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_workers: int = DEFAULT_COMPILE_WORKERS,
+                 max_mask_ms: float = DEFAULT_MAX_MASK_MS):
         import llguidance
 
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
+        self.max_mask_ms = max_mask_ms
         self.ll_tokenizer = llguidance.LLTokenizer(fast_tokenizer_json, n_vocab=vocab_size,
                                                    eos_token=list(eos_token_ids) or None)
         self._eos_ids = frozenset(self.ll_tokenizer.eos_tokens)
@@ -203,9 +215,10 @@ class GrammarCompiler:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                      timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> "GrammarCompiler":
+                      timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                      max_mask_ms: float = DEFAULT_MAX_MASK_MS) -> "GrammarCompiler":
         """From a replica.text.tokenizer.Tokenizer (its fast tokenizer's JSON)."""
-        return cls(tokenizer.fast_tokenizer_json(), vocab_size, eos_token_ids, timeout_s)
+        return cls(tokenizer.fast_tokenizer_json(), vocab_size, eos_token_ids, timeout_s, max_mask_ms=max_mask_ms)
 
     def compile(self, constraint: StructuredOutput) -> concurrent.futures.Future:
         """A future of the compiled matcher (a template: take copies with `matcher`); the
@@ -301,9 +314,17 @@ class GrammarCompiler:
         if not len(probes):  # only EOS may come: nothing more to build
             return None
         probe = matcher.deep_copy()
-        for token_id in probes:
+        for index, token_id in enumerate(probes):
             if not probe.consume_token(int(token_id)) or probe.is_error():
                 return probe.get_error() or "the matcher refused a token its first mask allows"
+            if index == 0:  # the second mask: what a step pays for this constraint from here on
+                start = time.perf_counter()
+                probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+                mask_ms = (time.perf_counter() - start) * 1e3
+                if probe.is_error():
+                    return probe.get_error()
+                if mask_ms > self.max_mask_ms:
+                    return _slow_mask_error(mask_ms, self.max_mask_ms)
             probe.rollback(1)
         return None
 
@@ -393,11 +414,15 @@ def compiled_in_time(future: concurrent.futures.Future, deadline: float) -> bool
 class RequestGrammar:
     """One request's matcher; it has consumed exactly the request's output tokens."""
 
-    __slots__ = ("matcher", "num_consumed", "on_failure")
+    __slots__ = ("matcher", "num_consumed", "on_failure", "slow_steps", "too_slow")
 
     def __init__(self, matcher: "llguidance.LLMatcher", on_failure=None):
         self.matcher = matcher
         self.num_consumed = 0
+        # Steps in a row whose mask for this request took over the limit (GrammarBitmask), and
+        # once there have been SLOW_MASK_STEPS of them, why the request must end.
+        self.slow_steps = 0
+        self.too_slow: Optional[str] = None
         # Called once when a token fails: the copies of one compiled matcher share its lexer,
         # and a lexer that exceeded its budget stays broken, so every later request under the
         # same constraint failed on its first token; the compiler forgets that matcher (the
@@ -438,13 +463,29 @@ class GrammarMask:
 
 class GrammarBitmask:
     """Fills the masks of a step's constrained rows on the host, in parallel over the rows
-    (llguidance's executor threads release the GIL), into a reused buffer."""
+    (llguidance's executor threads release the GIL), into a reused buffer; and keeps each row's
+    mask within max_mask_ms: a request whose mask is over it SLOW_MASK_STEPS steps in a row is
+    marked `too_slow` (the engine ends it).
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+    The executor builds a step's masks at once and times none of them, so the step's whole build
+    is timed: when it is within the limit, so was every row. When it is not, each row's mask is
+    built again on its own, timed, to find the slow ones (this costs the step once more, and is
+    skipped while a step of honest rows that are merely many keeps the build over the limit:
+    the next such search waits for a build twice as long, or RETIME_AFTER_STEPS steps). A row
+    found slow is built alone, timed, until it is within the limit again or ends."""
+
+    RETIME_AFTER_STEPS = 64
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device,
+                 max_mask_ms: float = DEFAULT_MAX_MASK_MS):
         import llguidance
         import torch
 
         self.device = device
+        self.max_mask_s = max_mask_ms / 1e3
+        # A build slower than this looks for its slow rows (raised after a search finds none).
+        self._search_above_s = self.max_mask_s
+        self._search_again_at = 0
         self._executor = llguidance.LLExecutor()
         # Two buffers alternate: with overlapped scheduling a step's copy may still be queued
         # on the device while the next step's masks are filled.
@@ -460,19 +501,50 @@ class GrammarBitmask:
         count = len(rows)
         host = self._host[self._num_built % 2][:count]
         self._num_built += 1
-        live = []
+        live, suspects = [], []
         for index, grammar in enumerate(grammars):
             if grammar.is_error:  # a matcher that lost track constrains nothing (logged when it did)
                 host[index].fill_(-1)
+            elif grammar.slow_steps:
+                suspects.append((grammar, index))
             else:
                 live.append((grammar.matcher, index))
         if live:
+            start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(live, host.data_ptr(), host.shape[1] * 4, count)
+            elapsed = time.perf_counter() - start
+            if elapsed <= self.max_mask_s:
+                pass  # every row within the limit: their slow_steps are 0 already
+            elif elapsed > self._search_above_s or self._num_built >= self._search_again_at:
+                found = False
+                for matcher, index in live:
+                    found |= self._build_one(grammars[index], host, index)
+                if not found:  # many honest rows: search again only for a build much slower
+                    self._search_above_s = 2 * elapsed
+                    self._search_again_at = self._num_built + self.RETIME_AFTER_STEPS
+        for grammar, index in suspects:
+            self._build_one(grammar, host, index)
         row_index = torch.as_tensor(np.asarray(rows, dtype=np.int64))
         if self.device.type == "cuda":  # pinned, so the copy never waits for the step in flight
             row_index = row_index.pin_memory()
         return GrammarMask(host.to(self.device, non_blocking=True), row_index.to(self.device, non_blocking=True),
                            self._shifts)
+
+
+    def _build_one(self, grammar: RequestGrammar, host: torch.Tensor, index: int) -> bool:
+        """Build row `index`'s mask alone, timed, and count the step against its grammar when it
+        is over the limit; whether it was."""
+        start = time.perf_counter()
+        grammar.matcher.unsafe_compute_mask_ptr(host[index].data_ptr(), host.shape[1] * 4)
+        elapsed = time.perf_counter() - start
+        if elapsed <= self.max_mask_s:
+            grammar.slow_steps = 0
+            return False
+        grammar.slow_steps += 1
+        if grammar.slow_steps >= SLOW_MASK_STEPS and grammar.too_slow is None:
+            grammar.too_slow = _slow_mask_error(elapsed * 1e3, self.max_mask_s * 1e3) + \
+                f" for {grammar.slow_steps} tokens in a row"
+        return True
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
@@ -513,13 +585,25 @@ def _unanchored(pattern: str) -> str:
 
 
 def _too_complex(error: str) -> bool:
-    """Whether llguidance's error is one of its lexer's limits (step fuel, states), not a syntax error."""
-    return "too many expressions constructed" in error or "too many states" in error or "LexerTooComplex" in error
+    """Whether llguidance's error is one of its lexer's limits (step fuel, states) or a mask over
+    the time limit (_slow_mask_error), not a syntax error."""
+    return ("too many expressions constructed" in error or "too many states" in error or "LexerTooComplex" in error
+            or error.startswith(_SLOW_MASK))
+
+
+_SLOW_MASK = "each token's mask takes"
+
+
+def _slow_mask_error(mask_ms: float, max_mask_ms: float) -> str:
+    return (f"{_SLOW_MASK} {mask_ms:.0f} ms to compute, over the limit of {max_mask_ms:g} ms "
+            f"(structured_output_max_mask_ms)")
 
 
 def _too_complex_message(what: str, error: str) -> str:
     """`what`: "" for the whole constraint, else the part of it (ending in a space) that blew up."""
     first_line = error.splitlines()[0] if error else ""
+    if first_line.startswith(_SLOW_MASK):
+        return f"{what or 'it '}is too costly to follow: {first_line}; use fewer or smaller nested repetitions"
     return (f"{what or 'it '}is too complex for the grammar engine: its lexer exceeds llguidance's per-token "
             f"budget ({_one_line(first_line)[:120]}); use fewer or smaller nested repetitions")
 

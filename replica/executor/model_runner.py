@@ -112,6 +112,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_tokens = config.max_num_batched_tokens
+        self.max_mask_ms = config.structured_output_max_mask_ms
         self.dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_cache(
             model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
@@ -253,7 +254,8 @@ class ModelRunner:
         step, scheduled = unsampled.step, unsampled.scheduled
         constrained_seqs = step.constrained_seqs
         if self.grammar_bitmask is None:
-            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.vocab_size, self.device)
+            self.grammar_bitmask = GrammarBitmask(self.max_num_seqs, self.vocab_size, self.device,
+                                                  self.max_mask_ms)
         grammar = self.grammar_bitmask.build(np.searchsorted(step.sampling_seqs, constrained_seqs),
                                              [scheduled[index].request.grammar for index in constrained_seqs])
         # The engine appended the step before's tokens first: the histories hold every token.

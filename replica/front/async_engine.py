@@ -324,9 +324,11 @@ class AsyncEngine:
     # ---- messages from the core --------------------------------------------------------
     def _on_step(self, step: StepOutputs) -> None:
         processor = self._processor
-        processor.process(step.outputs)
+        # Failures first: a request the core ended with an error also has its last row here
+        # (finished "abort"), which then finds its stream already failed and is dropped.
         for request_id, error in step.rejected:
             processor.fail(request_id, error)
+        processor.process(step.outputs)
         self.stats.step_time_s = step.step_time_s
         self.stats.generation_tokens_per_s = step.generation_tokens_per_s
         self.stats.steps += 1

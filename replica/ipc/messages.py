@@ -121,7 +121,9 @@ class StepOutputs(NamedTuple):
     step_time_s: float  # StepStats, smoothed
     generation_tokens_per_s: float
     kv_events: list[Any]  # opaque: whatever the engine's per-step KV-event drain returns
-    rejected: list[tuple[str, BaseException]]  # adds the scheduler refused (e.g. QueueFullError)
+    # Adds the scheduler refused (e.g. QueueFullError), and requests the engine ended with an
+    # error of theirs (LLMEngine.take_failed: their rows above finish them "abort").
+    rejected: list[tuple[str, BaseException]]
 
 
 class StepFailed(NamedTuple):

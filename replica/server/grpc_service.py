@@ -298,7 +298,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self._grammars is None:
             self._grammars = await asyncio.to_thread(
                 GrammarCompiler.for_tokenizer, engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
-                engine.config.structured_output_compile_timeout_s)
+                engine.config.structured_output_compile_timeout_s, engine.config.structured_output_max_mask_ms)
         await self._grammars.check_async(constraint, field_name)
         return replace(sampling, structured_output=constraint)
 

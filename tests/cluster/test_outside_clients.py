@@ -654,12 +654,15 @@ def test_completions_guided_choice_regex_and_structured_outputs_match_streamed_a
 BLOWUP = "(a{1000}){1000}"  # a regex whose lexer exceeds llguidance's per-token budget on its first byte
 
 
-def test_a_constraint_whose_lexer_blows_up_is_refused_by_name_and_one_failing_mid_output_ends_abort(cluster, client,
-                                                                                                   channel):
+def test_a_constraint_whose_lexer_blows_up_is_refused_by_name_and_one_failing_mid_output_ends_in_error(cluster, client,
+                                                                                                      channel):
     """The regex passed the edges and its request ended after one token in the engine (a ~0.2 s
     step); now it is a 400 / INVALID_ARGUMENT naming its field. A grammar whose blow-up comes
-    later (a Lark terminal after two others) still fails mid-output: streamed and whole, on HTTP
-    and gRPC, it ends with finish reason abort, and no KV block stays taken."""
+    later (a Lark terminal after two others) still fails mid-output: it ends there with an error
+    naming its parameter (it ended with a bare finish reason abort), whole and streamed (after
+    the text so far) on HTTP, and on gRPC; no KV block stays taken."""
+    import openai
+
     for extra, param in (({"guided_regex": BLOWUP}, "guided_regex"),
                          ({"structured_outputs": {"regex": BLOWUP}}, "structured_outputs.regex")):
         response = requests.post(f"{HTTP}{C}", json=completion(max_tokens=4, **extra), timeout=60)
@@ -673,16 +676,25 @@ def test_a_constraint_whose_lexer_blows_up_is_refused_by_name_and_one_failing_mi
     assert raised.value.details().startswith("regex: it is too complex"), raised.value.details()
 
     late = f'start: "pick" /[0-9]/ LATE\nLATE: /{BLOWUP}/'
-    whole = client.completions.create(model=APP_NAME, prompt="q:", max_tokens=12, temperature=0,
-                                      extra_body={"guided_grammar": late}).choices[0]
-    assert whole.finish_reason == "abort" and re.fullmatch("pick[0-9]a?", whole.text), whole
-    chunks = [chunk.choices[0] for chunk in client.completions.create(
-        model=APP_NAME, prompt="q:", max_tokens=12, temperature=0, stream=True, extra_body={"guided_grammar": late})
-        if chunk.choices]
-    assert chunks[-1].finish_reason == "abort" and "".join(chunk.text for chunk in chunks) == whole.text
-    responses = list(stub.Generate(pb.GenerateRequest(text="q:", grammar=late, sampling=pb.SamplingParams(
-        max_tokens=12, temperature=0.0)), timeout=GRPC_TIMEOUT_S))
-    assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT and responses[-1].usage.completion_tokens < 12
+    failed = "its output constraint failed at token"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=APP_NAME, prompt="q:", max_tokens=12, temperature=0,
+                                  extra_body={"guided_grammar": late})
+    assert refused.value.body["param"] == "guided_grammar" and failed in refused.value.body["message"], refused.value
+    texts = []
+    with pytest.raises(openai.APIError) as cut:
+        for chunk in client.completions.create(model=APP_NAME, prompt="q:", max_tokens=12, temperature=0, stream=True,
+                                               extra_body={"guided_grammar": late}):
+            texts.extend(choice.text for choice in chunk.choices)
+    assert failed in str(cut.value) and re.fullmatch("pick[0-9]?", "".join(texts)), (cut.value, texts)
+    texts = []
+    with pytest.raises(grpc.RpcError) as cut:
+        for response in stub.Generate(pb.GenerateRequest(text="q:", grammar=late, sampling=pb.SamplingParams(
+                max_tokens=12, temperature=0.0)), timeout=GRPC_TIMEOUT_S):
+            texts.append(response.text)
+    assert cut.value.code() == grpc.StatusCode.INVALID_ARGUMENT, cut.value
+    assert cut.value.details().startswith(f"structured_output: {failed}"), cut.value.details()
+    assert re.fullmatch("pick[0-9]?", "".join(texts)), texts
     assert_nothing_runs_one_second_after(wait_until_idle())
 
 

@@ -31,7 +31,10 @@ CRAMPED_BLOCKS = 24  # 23 usable: two long sequences fill it
 
 @pytest.fixture(scope="module")
 def replica():
-    running = RunningReplica(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
+    # A 2 ms limit on one request's token mask (default 20): the built-in model's 320-id masks
+    # take microseconds; a terminal built to take ~9 ms trips it without a slow test.
+    running = RunningReplica(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS,
+                             structured_output_max_mask_ms=2.0)
     yield running
     running.close()
 
@@ -229,6 +232,31 @@ def test_an_output_constraint_holds_on_the_replicas_own_grpc_server(replica):
             text = "".join(response.text for response in responses)
             assert matches(text), text
             assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_a_constraint_whose_masks_turn_slow_mid_output_fails_its_stream_by_name_and_the_replica_serves_on(replica):
+    """A grammar terminal whose every mask takes ~9 ms, past the 2 ms limit, reached after the
+    edge's probe: the engine core ends the request once three masks in a row were over it, and
+    the client gets what it was sent so far, then INVALID_ARGUMENT naming structured_output
+    (not a stream that ends "abort" without a reason). A stream beside it is untouched."""
+    grammar = 'start: "pick" /[0-9]/ LATE\nLATE: /(a{200}){200}/'
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = generation_stub(channel)
+        beside = stub.Generate(pb.GenerateRequest(text="go on", sampling=sampling(max_tokens=30, ignore_eos=True)),
+                               timeout=60)
+        texts = []
+        with pytest.raises(grpc.RpcError) as raised:
+            for response in stub.Generate(pb.GenerateRequest(text="pick", grammar=grammar,
+                                                             sampling=sampling(max_tokens=40)), timeout=60):
+                texts.append(response.text)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+        assert re.fullmatch(r"structured_output: each token's mask takes \d+ ms to compute, over the limit of 2 ms "
+                            r"\(structured_output_max_mask_ms\) for 3 tokens in a row", raised.value.details()), \
+            raised.value.details()
+        assert re.fullmatch("pick[0-9]a{0,3}", "".join(texts)), texts
+        assert list(beside)[-1].usage.completion_tokens == 30
+    load = replica.wait_until_idle()
+    assert load.kv_blocks_free == load.kv_blocks_total  # nothing left behind by the ended request
 
 
 def test_a_constraint_slower_to_compile_than_the_bound_is_invalid_argument_and_the_replica_serves_on(fresh_replica):

@@ -297,6 +297,54 @@ def test_a_grammar_that_fails_mid_output_ends_its_request_instead_of_going_on_un
         engine.shutdown()
 
 
+def test_a_constraint_whose_masks_are_slow_is_refused_at_the_edge_by_name(builtin_engine):
+    """Each step builds its constrained rows' masks before it samples: a constraint whose every
+    mask takes ~9 ms (`(a{200}){200}`) held the whole batch back by that each step. The edge
+    times the mask after the first token against structured_output_max_mask_ms (2 ms here) and
+    refuses it naming the field; an ordinary constraint passes under the same limit."""
+    compiler = GrammarCompiler.for_tokenizer(builtin_engine.tokenizer, builtin_engine.model_config.vocab_size,
+                                             builtin_engine.eos_token_ids, max_mask_ms=2.0)
+    try:
+        with pytest.raises(InvalidRequestError) as raised:
+            compiler.check(StructuredOutput("regex", "(a{200}){200}"), "guided_regex")
+        assert raised.value.field == "guided_regex", raised.value
+        assert re.search(r"too costly to follow: each token's mask takes \d+ ms to compute, over the limit of 2 ms "
+                         r"\(structured_output_max_mask_ms\)", raised.value.message), raised.value.message
+        compiler.check(StructuredOutput.json_schema(PERSON), "response_format")
+        compiler.check(StructuredOutput("regex", "(a{20}){20}"), "guided_regex")
+    finally:
+        compiler.shutdown()
+
+
+def test_a_constraint_that_turns_slow_mid_output_ends_its_request_and_its_batch_goes_on():
+    """A Lark terminal whose masks take ~9 ms each (`(a{200}){200}`), reached only after other
+    terminals, passes the edge's probe; in the engine each of its masks is over the limit (2 ms
+    here), and once three steps in a row were, the request ends (abort; the engine core sends
+    the front an InvalidRequestError naming structured_output). It went on to max_tokens, every
+    step of the batch beside it waiting for its mask. A request beside it runs on to max_tokens,
+    and no block is left behind."""
+    engine = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=32, structured_output_max_mask_ms=2.0),
+                       "builtin", device="cpu")
+    try:
+        grammar = StructuredOutput("grammar", 'start: "pick" /[0-9]/ LATE\nLATE: /(a{200}){200}/')
+        _compiler(engine).check(grammar, "guided_grammar")  # the edge lets it through
+        free_blocks = engine.load().kv_blocks_free
+        engine.collect_failures()
+        (text, reason, request), (_, beside_reason, beside) = _run(
+            engine, ["pick one", "go on"], [SamplingParams(max_tokens=40, temperature=0.0, structured_output=grammar),
+                                            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)])
+        (failed_id, error), = engine.take_failed()
+        # Ended on the third slow mask: "pick", a digit, then three tokens of LATE.
+        assert reason == "abort" and re.fullmatch("pick[0-9]aaa", text), text
+        assert request.grammar.slow_steps == 3, request.grammar.slow_steps  # the probe: three slow steps happened
+        assert failed_id == request.request_id and error.field == "structured_output"
+        assert "over the limit of 2 ms (structured_output_max_mask_ms) for 3 tokens in a row" in error.message, error
+        assert (beside_reason, beside.num_output_tokens) == ("length", 40)
+        assert engine.load().kv_blocks_free == free_blocks and not engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
+
+
 def test_an_edge_check_whose_client_went_away_leaves_the_compile_queue(builtin_engine):
     """The edges (ingress, replica servicer) wait for a compile in the request's coroutine: a
     client that disconnects while a slow compile holds the thread cancels its wait, and its
