@@ -39,7 +39,9 @@ the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
   two gloo ranks, the padded pass run eagerly (no graphs on a CPU);
 - structured (issue 22; `--sections structured`, not in the default): bench/bench_structured.py
   --device cuda on SmolLM2 (cold compiles, a batch of 64 all constrained against none, the
-  masks' host time, outputs that validate); needs llguidance and jsonschema (gpu_wheels.txt).
+  masks' host time, outputs that validate, ordinary constraints' slowest masks against the mask
+  time limit, and the batch beside one slow-masked request with the limit off and on); needs
+  llguidance and jsonschema (gpu_wheels.txt).
   --cpu-smoke runs it with 4 schemas and 4 rows;
 - peers: bench/bench_attention.py --quick and bench/bench_fused_ops.py --quick.
 
@@ -788,11 +790,13 @@ def structured_outputs(smollm2: Optional[str], cpu_smoke: bool = False) -> list[
     --cpu-smoke a few schemas and rows on the CPU: its imports (llguidance, jsonschema) and
     plumbing, nothing measured."""
     size = (["--batch", "4", "--max-tokens", "8", "--repeat", "1", "--num-schemas", "4", "--validate-max-tokens", "24"]
-            if cpu_smoke else ["--max-tokens", "64", "--repeat", "3"])
+            if cpu_smoke else ["--max-tokens", "64", "--repeat", "3",
+                               "--sections", "compile,throughput,validity,mask-costs,slow-row"])
     output, returncode = run_subprocess(
         [sys.executable, str(REPO / "bench" / "bench_structured.py"), "--device", DEVICE, "--model",
          smollm2 or "smollm2-135m", *size], timeout_s=600)
-    lines = [line.strip() for line in output.splitlines() if line.startswith(("compile", "throughput", "mask", "valid"))]
+    lines = [line.strip() for line in output.splitlines()
+             if line.startswith(("compile", "throughput", "mask", "valid", "slow", "  beside", "  edge"))]
     return [("bench_structured.py", f"exit {returncode}", "constrained / none >= 0.9")] + [
         ("structured", line, "") for line in lines]
 

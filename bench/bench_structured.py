@@ -3,7 +3,7 @@
     python bench/bench_structured.py [--model smollm2-135m] [--batch 64] [--max-tokens 32] [--repeat 2]
                                      [--validate-max-tokens 160] [--threads 2] [--device cpu]
                                      [--async-scheduling on|off] [--emulated-device]
-                                     [--sections compile,throughput,validity]
+                                     [--sections compile,throughput,validity,mask-costs,slow-row]
 
 On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --device cuda.
 
@@ -22,6 +22,17 @@ On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --devic
 3. Validity: every schema once at temperature 0 and once at temperature 1 (seeded), run to
    EOS (`--validate-max-tokens` bound): the share of outputs that parse and validate
    (`jsonschema`), and the share that ended on EOS rather than max_tokens.
+4. Mask costs (`mask-costs`, not in the default run): each constraint's masks timed one by one
+   along a seeded random walk of up to 60 tokens it allows: the 64 schemas and the heavy
+   ordinary ones (a choice among 5,000 strings, an enum of 2,000, any JSON object, an e-mail
+   regex, an arithmetic Lark grammar, 100 patterned properties), each one's slowest mask and
+   the slowest of all against the engine's structured_output_max_mask_ms (the ratio: how far
+   under the limit ordinary constraints stay); and what the edge says of two slow ones.
+5. A slow row (`slow-row`, not in the default run): `--batch` - 1 unconstrained requests alone,
+   then beside one request whose Lark terminal, reached after two others, takes ~20 ms a mask
+   (within llguidance's limits), with the mask time limit off and on (the default): the batch's
+   tok/s beside it over its tok/s alone, in turns, medians quoted. Run it with
+   `--emulated-device`: on the CPU a step of 64 rows takes most of a second and 20 ms hides in it.
 """
 
 from __future__ import annotations
@@ -101,7 +112,7 @@ def main() -> None:
     parser.add_argument("--emulated-device", action="store_true",
                         help="bench/emulated_device.py's device instead of the model's forward pass (CPU)")
     parser.add_argument("--sections", default="compile,throughput,validity",
-                        help="comma-separated: compile, throughput, validity")
+                        help="comma-separated: compile, throughput, validity, mask-costs, slow-row")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
@@ -226,7 +237,140 @@ def main() -> None:
                 print(f"  invalid at T={temperature}: {text[:120]!r}: {str(error)[:80]}")
         print(f"validity at temperature {temperature:g}: {valid}/{len(requests)} parse and validate, "
               f"{ended}/{len(requests)} ended on EOS")
+    if "mask-costs" in sections:
+        mask_costs(engine, constraints)
+    if "slow-row" in sections:
+        slow_row(engine, prompts, args.max_tokens, args.repeat)
     engine.shutdown()
+
+
+def heavy_constraints() -> dict:
+    """Ordinary constraints at the heavy end of what agents send."""
+    from replica.core.structured_output import StructuredOutput
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(rng.randint(3, 30))) for _ in range(5000)]
+    return {
+        "choice among 5,000 strings": StructuredOutput("choice", tuple(words)),
+        "enum of 2,000 strings": StructuredOutput.json_schema({"type": "object", "properties": {
+            "pick": {"enum": words[:2000]}}, "required": ["pick"]}),
+        "any JSON object": StructuredOutput("json_object"),
+        "e-mail regex": StructuredOutput("regex", r"[a-z0-9._%+-]{1,40}@[a-z0-9.-]{1,30}\.[a-z]{2,6}"),
+        "arithmetic Lark grammar": StructuredOutput("grammar", 'start: expr\n?expr: term (("+"|"-") term)*\n'
+                                                    '?term: factor (("*"|"/") factor)*\n'
+                                                    '?factor: NUMBER | "(" expr ")"\nNUMBER: /[0-9]{1,8}/'),
+        "100 patterned properties": StructuredOutput.json_schema({"type": "object", "properties": {
+            f"f{index}": {"type": "string", "pattern": f"^[a-z]{{{index % 7 + 1}}}[0-9]+$"} for index in range(100)}}),
+    }
+
+
+# Within llguidance's limits, yet slow every mask: the first at the top of a regex (its lexeme
+# built on the first mask's budget, ~70 ms a mask after), the second a Lark terminal reached
+# after two others (built on a step's budget, ~20 ms a mask), which the edge's probe cannot see.
+SLOW_REGEX = "(a{500}){500}"
+SLOW_LATE_GRAMMAR = 'start: "pick" /[0-9]/ LATE\nLATE: /(a{300}){300}/'
+
+
+def mask_costs(engine, constraints) -> None:
+    import numpy as np
+
+    from replica.core.structured_output import GrammarCompiler, StructuredOutput
+    from replica.errors import InvalidRequestError
+
+    limit_ms = engine.config.structured_output_max_mask_ms
+    vocab_size = engine.model_config.vocab_size
+    eos = set(engine.eos_token_ids)
+    compiler = GrammarCompiler.for_tokenizer(engine.tokenizer, vocab_size, engine.eos_token_ids, max_mask_ms=1e9)
+    rng = random.Random(0)
+    mask = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)
+    named = {f"schema {index}": constraint for index, constraint in enumerate(constraints)}
+    named.update(heavy_constraints())
+    slowest = {}
+    for name, constraint in named.items():
+        grammar = compiler.matcher(constraint)
+        times = []
+        for _ in range(60):
+            start = time.perf_counter()
+            grammar.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            times.append(1000 * (time.perf_counter() - start))
+            allowed = [int(token) for token in np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")
+                                                              [:vocab_size]) if int(token) not in eos]
+            if not allowed or grammar.matcher.is_stopped():
+                break
+            grammar.accept(rng.choice(allowed))
+        slowest[name] = (max(times), statistics.median(times), len(times))
+    compiler.shutdown()
+    schema_max = max(value[0] for name, value in slowest.items() if name.startswith("schema "))
+    schema_medians = sorted(value[1] for name, value in slowest.items() if name.startswith("schema "))
+    print(f"mask costs, {len(constraints)} schemas: slowest mask {schema_max:.2f} ms, per-schema medians "
+          f"{1000 * schema_medians[0]:.0f}-{1000 * schema_medians[-1]:.0f} us")
+    for name in heavy_constraints():
+        worst, median, count = slowest[name]
+        print(f"  {name}: slowest {worst:.2f} ms, median {1000 * median:.0f} us ({count} masks)")
+    worst = max(value[0] for value in slowest.values())
+    print(f"slowest ordinary mask {worst:.2f} ms against the limit {limit_ms:g} ms "
+          f"(structured_output_max_mask_ms): ratio {worst / limit_ms:.2f} (under 1: none would be refused or ended)")
+    edge = GrammarCompiler.for_tokenizer(engine.tokenizer, vocab_size, engine.eos_token_ids, max_mask_ms=limit_ms)
+    for name, constraint in (("regex " + SLOW_REGEX, StructuredOutput("regex", SLOW_REGEX)),
+                             ("Lark terminal after two others", StructuredOutput("grammar", SLOW_LATE_GRAMMAR))):
+        try:
+            edge.check(constraint, "guided")
+            print(f"  edge: {name}: admitted (its slow masks come after the probe)")
+        except InvalidRequestError as error:
+            print(f"  edge: {name}: refused: {error.message}")
+    edge.shutdown()
+
+
+def slow_row(engine, prompts, max_tokens: int, repeat: int) -> None:
+    """The batch's tok/s beside one slow-masked request, over its tok/s alone."""
+    from replica.core.request import SamplingParams
+    from replica.core.structured_output import StructuredOutput
+
+    default_ms = engine.config.structured_output_max_mask_ms
+    runs = [0]
+    prompts = prompts[:engine.config.max_num_seqs - 1]  # the slow request runs in the same steps
+
+    def run(beside: bool, limit_ms: float) -> tuple[float, int]:
+        engine.runner.max_mask_ms, engine.runner.grammar_bitmask = limit_ms, None  # the next step's build
+        requests = []
+        for index, prompt in enumerate(prompts):
+            request = engine.make_request(f"batch-{index}-{time.monotonic_ns()}", prompt,
+                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            engine.add_request(request, detokenize=False)
+            requests.append(request)
+        if beside:
+            # A grammar of its own each run: copies of one compiled matcher share its lexer, whose
+            # states the runs before would have built (a later run's masks would be fast).
+            runs[0] += 1
+            slow = StructuredOutput("grammar", SLOW_LATE_GRAMMAR.replace("a{300}", f"a{{{300 + runs[0]}}}"))
+            slow_request = engine.make_request(f"slow-{time.monotonic_ns()}", prompts[0], SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, structured_output=slow))
+            engine.add_request(slow_request, detokenize=False)
+        start = time.perf_counter()
+        while any(not request.is_finished for request in requests):
+            engine.step()
+            engine.take_kv_events()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return len(requests) * max_tokens / elapsed, slow_request.num_output_tokens if beside else 0
+
+    run(True, default_ms)  # warm-up
+    rates = {"alone": [], "beside, no limit": [], "beside, limit": []}
+    slow_tokens = {}
+    for _ in range(repeat):
+        rates["alone"].append(run(False, default_ms)[0])
+        rate, slow_tokens["beside, no limit"] = run(True, 1e9)
+        rates["beside, no limit"].append(rate)
+        rate, slow_tokens["beside, limit"] = run(True, default_ms)
+        rates["beside, limit"].append(rate)
+    alone = statistics.median(rates["alone"])
+    print(f"slow row, batch {len(prompts)} x {max_tokens} tokens: alone {alone:.0f} tok/s")
+    for side, label in (("beside, no limit", "no mask time limit (before)"),
+                        ("beside, limit", f"limit {default_ms:g} ms (structured_output_max_mask_ms)")):
+        rate = statistics.median(rates[side])
+        print(f"  beside one slow-masked request, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
+              f"the slow request wrote {slow_tokens[side]} tokens")
 
 
 if __name__ == "__main__":

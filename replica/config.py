@@ -233,9 +233,9 @@ class EngineConfig(ConfigModel):
         "compile; a slower one is refused as invalid input where it enters.",
     )
     structured_output_max_mask_ms: float = Field(
-        20.0, gt=0,
+        10.0, gt=0,
         description="Longest one request's token mask may take to compute per step (ordinary constraints take "
-        "0.05-1 ms; a mask is built before its step samples, so a slower one holds the whole batch back): a "
+        "0.01-2.3 ms; a mask is built before its step samples, so a slower one holds the whole batch back): a "
         "constraint whose mask after its first token is slower is refused where it enters, and a request whose "
         "masks are slower for 3 steps in a row ends with an error.",
     )

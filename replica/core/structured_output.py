@@ -318,15 +318,23 @@ class GrammarCompiler:
             if not probe.consume_token(int(token_id)) or probe.is_error():
                 return probe.get_error() or "the matcher refused a token its first mask allows"
             if index == 0:  # the second mask: what a step pays for this constraint from here on
-                start = time.perf_counter()
-                probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-                mask_ms = (time.perf_counter() - start) * 1e3
+                mask_ms = self._mask_ms(probe, mask)
+                if mask_ms > self.max_mask_ms and not probe.is_error():
+                    # Built again, the lower time counts: a constraint is slow every time, a
+                    # moment of contention on this thread is not.
+                    mask_ms = min(mask_ms, self._mask_ms(probe, mask))
                 if probe.is_error():
                     return probe.get_error()
                 if mask_ms > self.max_mask_ms:
                     return _slow_mask_error(mask_ms, self.max_mask_ms)
             probe.rollback(1)
         return None
+
+    @staticmethod
+    def _mask_ms(matcher: "llguidance.LLMatcher", mask: np.ndarray) -> float:
+        start = time.perf_counter()
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return (time.perf_counter() - start) * 1e3
 
     def check(self, constraint: StructuredOutput, field_name: str) -> None:
         """check_async for a caller without an event loop (tests, scripts)."""
