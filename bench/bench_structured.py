@@ -29,7 +29,7 @@ On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --devic
    the slowest of all against the engine's structured_output_max_mask_ms (the ratio: how far
    under the limit ordinary constraints stay); and what the edge says of two slow ones.
 5. A slow row (`slow-row`, not in the default run): `--batch` - 1 unconstrained requests alone,
-   then beside one request whose Lark terminal, reached after two others, takes ~20 ms a mask
+   then beside one request whose Lark terminal, reached after two others, takes ~17 ms a mask
    (within llguidance's limits), with the mask time limit off and on (the default): the batch's
    tok/s beside it over its tok/s alone, in turns, medians quoted. Run it with
    `--emulated-device`: on the CPU a step of 64 rows takes most of a second and 20 ms hides in it.
@@ -266,7 +266,7 @@ def heavy_constraints() -> dict:
 
 # Within llguidance's limits, yet slow every mask: the first at the top of a regex (its lexeme
 # built on the first mask's budget, ~70 ms a mask after), the second a Lark terminal reached
-# after two others (built on a step's budget, ~20 ms a mask), which the edge's probe cannot see.
+# after two others (built on a step's budget, ~17 ms a mask), which the edge's probe cannot see.
 SLOW_REGEX = "(a{500}){500}"
 SLOW_LATE_GRAMMAR = 'start: "pick" /[0-9]/ LATE\nLATE: /(a{300}){300}/'
 

@@ -48,7 +48,7 @@ from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelle
 from protos import headroom_pb2 as pb
 from replica.errors import EngineDeadError, HeadroomError, InvalidRequestError, ReplicaLostError
 from replica.server.grpc_service import (
-    chat_prompt_token_ids, engine_priority, generate_response, prompt_token_ids_from_proto,
+    chat_prompt_token_ids, engine_priority, generate_response, named_for_request, prompt_token_ids_from_proto,
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
 from replica.model.registry import resolve_model_path
@@ -404,7 +404,7 @@ class Ingress:
             async for replica_id, output in self.stream(generation):
                 yield generate_response(output, replica_id)
         except HeadroomError as error:
-            _abort(grpc_context, error)
+            _abort(grpc_context, named_for_request(error, request))
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext) -> pb.TokenizeResponse:
         self._check_application(grpc_context)

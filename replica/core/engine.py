@@ -31,7 +31,7 @@ from replica.core.request import Request, RequestStatus, SamplingParams, validat
 from replica.core.structured_output import GrammarCompiler, compiled_in_time
 from replica.core.load import SchedulerLoad
 from replica.core.scheduler import Scheduler, SchedulerOutput
-from replica.errors import InvalidRequestError, QueueFullError
+from replica.errors import EngineStepError, HeadroomError, InvalidRequestError, QueueFullError
 from replica.core.slo_monitor import SLOAbort, SLOMonitor
 from replica.executor.step_abort import StepAborted
 from replica.parallel.executor import TensorParallelRunner, start_tensor_parallel
@@ -233,7 +233,7 @@ class LLMEngine:
                 self.scheduler.add_request(request)
             except Exception as error:  # noqa: BLE001 - reported as the request's end, logged
                 logger.warning("request %s: structured output not served: %s", request_id, error)
-                self._fail(request_id, InvalidRequestError("structured_output", str(error)))
+                self._fail(request_id, _compile_failure(error))
                 request.status = RequestStatus.FINISHED_ABORTED
                 self.detokenizers.pop(request_id, None)
                 failed.append(request)
@@ -465,3 +465,18 @@ class LLMEngine:
             self.step()
             self.take_kv_events()  # nobody subscribes offline: drop them as a server would send them
         return [list(r.output_token_ids) for r in requests]
+
+
+def _compile_failure(error: Exception) -> Exception:
+    """What a parked request whose grammar could not be served ends with, for its client: the
+    constraint's own fault names it (INVALID_ARGUMENT); a compile past the time bound here, for
+    a constraint the edge compiled within it, is this replica's backlog, worth retrying
+    (RESOURCE_EXHAUSTED); anything else is the replica's error."""
+    if isinstance(error, InvalidRequestError):
+        return InvalidRequestError("structured_output", error.message)
+    if isinstance(error, TimeoutError):
+        return QueueFullError(f"structured_output: {error} on this replica (its grammar compiles are backed up); "
+                              f"retry")
+    if isinstance(error, HeadroomError):
+        return error
+    return EngineStepError(f"structured output not served: {type(error).__name__}: {error}")

@@ -122,7 +122,9 @@ class EngineCore:
                 del requests[row[0]]
         stats = self.engine.stats
         # Adds refused, and requests the engine ended with an error (rows above finish them).
-        rejected, self._rejected = self._rejected + self.engine.take_failed(), []
+        rejected = self._rejected + [(request_id, error_for_front(error))
+                                     for request_id, error in self.engine.take_failed()]
+        self._rejected = []
         self._outbox.put(to_wire(StepOutputs(
             rows, load_to_wire(self.engine.load()), stats.step_time_s, stats.generation_tokens_per_s,
             self._kv_events(), rejected,

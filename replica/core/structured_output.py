@@ -71,10 +71,13 @@ DEFAULT_COMPILE_WORKERS = 2
 # What one row's mask may cost a step. llguidance's fuel bounds how much of a lexer it builds per
 # token, not what a mask costs once built: `(a{500}){500}` is within every one of its limits and
 # takes ~70 ms a mask (lowering step_lexer_fuel to a tenth does not change that), while ordinary
-# constraints take 0.05-1 ms. A step's masks are built before it samples, so one such row would
+# constraints take at most ~2.2 ms (bench_structured.py --sections mask-costs). A step's masks are built before it samples, so one such row would
 # hold every request in the batch back by that much each step. The edge refuses a constraint
 # whose second mask (after its first token) is over the limit; one that turns slow later ends
-# once it has been over the limit for SLOW_MASK_STEPS steps in a row.
+# once SLOW_MASK_STEPS of its masks were over the limit with fewer than SLOW_MASK_STEPS within it
+# in a row between them. A mask's time is its thread's CPU time (time.thread_time: llguidance
+# builds one matcher's mask on the calling thread), so waiting for the GIL or for a core, which
+# an ordinary constraint does on a busy host, never counts against it.
 DEFAULT_MAX_MASK_MS = EngineConfig.model_fields["structured_output_max_mask_ms"].default
 SLOW_MASK_STEPS = 3
 
@@ -320,8 +323,8 @@ class GrammarCompiler:
             if index == 0:  # the second mask: what a step pays for this constraint from here on
                 mask_ms = self._mask_ms(probe, mask)
                 if mask_ms > self.max_mask_ms and not probe.is_error():
-                    # Built again, the lower time counts: a constraint is slow every time, a
-                    # moment of contention on this thread is not.
+                    # Built again, the lower time counts: the first build may include lexer
+                    # states built once; a constraint that is slow is slow every time.
                     mask_ms = min(mask_ms, self._mask_ms(probe, mask))
                 if probe.is_error():
                     return probe.get_error()
@@ -332,9 +335,9 @@ class GrammarCompiler:
 
     @staticmethod
     def _mask_ms(matcher: "llguidance.LLMatcher", mask: np.ndarray) -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return (time.perf_counter() - start) * 1e3
+        return (time.thread_time() - start) * 1e3
 
     def check(self, constraint: StructuredOutput, field_name: str) -> None:
         """check_async for a caller without an event loop (tests, scripts)."""
@@ -422,14 +425,15 @@ def compiled_in_time(future: concurrent.futures.Future, deadline: float) -> bool
 class RequestGrammar:
     """One request's matcher; it has consumed exactly the request's output tokens."""
 
-    __slots__ = ("matcher", "num_consumed", "on_failure", "slow_steps", "too_slow")
+    __slots__ = ("matcher", "num_consumed", "on_failure", "slow_steps", "fast_steps", "too_slow")
 
     def __init__(self, matcher: "llguidance.LLMatcher", on_failure=None):
         self.matcher = matcher
         self.num_consumed = 0
-        # Steps in a row whose mask for this request took over the limit (GrammarBitmask), and
-        # once there have been SLOW_MASK_STEPS of them, why the request must end.
+        # Its masks over the time limit (GrammarBitmask), counted until SLOW_MASK_STEPS masks
+        # in a row were within it (fast_steps); at SLOW_MASK_STEPS, why the request must end.
         self.slow_steps = 0
+        self.fast_steps = 0
         self.too_slow: Optional[str] = None
         # Called once when a token fails: the copies of one compiled matcher share its lexer,
         # and a lexer that exceeded its budget stays broken, so every later request under the
@@ -475,12 +479,14 @@ class GrammarBitmask:
     mask within max_mask_ms: a request whose mask is over it SLOW_MASK_STEPS steps in a row is
     marked `too_slow` (the engine ends it).
 
-    The executor builds a step's masks at once and times none of them, so the step's whole build
-    is timed: when it is within the limit, so was every row. When it is not, each row's mask is
-    built again on its own, timed, to find the slow ones (this costs the step once more, and is
-    skipped while a step of honest rows that are merely many keeps the build over the limit:
-    the next such search waits for a build twice as long, or RETIME_AFTER_STEPS steps). A row
-    found slow is built alone, timed, until it is within the limit again or ends."""
+    The executor builds a step's masks at once, on its own threads, and times none of them, so
+    the step's whole build is timed (wall time): when it is within the limit, so was every row.
+    When it is not, each row's mask is built again on its own, timed by this thread's CPU time
+    (no wait for the GIL or a core counts), to find the slow ones. That search costs the step
+    about the sum of its rows' masks (up to the build times the executor's threads), so while
+    rows that are merely many keep the build over the limit it is not repeated until a build
+    twice as long, or RETIME_AFTER_STEPS steps later. A row found slow is built alone, timed,
+    until SLOW_MASK_STEPS of its masks in a row were within the limit, or it ends."""
 
     RETIME_AFTER_STEPS = 64
 
@@ -511,7 +517,9 @@ class GrammarBitmask:
         self._num_built += 1
         live, suspects = [], []
         for index, grammar in enumerate(grammars):
-            if grammar.is_error:  # a matcher that lost track constrains nothing (logged when it did)
+            if grammar.is_error or grammar.too_slow is not None:
+                # A matcher that lost track constrains nothing (logged when it did); one too slow
+                # to follow is ending (a step launched before the engine ended it still has it).
                 host[index].fill_(-1)
             elif grammar.slow_steps:
                 suspects.append((grammar, index))
@@ -542,16 +550,19 @@ class GrammarBitmask:
     def _build_one(self, grammar: RequestGrammar, host: torch.Tensor, index: int) -> bool:
         """Build row `index`'s mask alone, timed, and count the step against its grammar when it
         is over the limit; whether it was."""
-        start = time.perf_counter()
+        start = time.thread_time()
         grammar.matcher.unsafe_compute_mask_ptr(host[index].data_ptr(), host.shape[1] * 4)
-        elapsed = time.perf_counter() - start
+        elapsed = time.thread_time() - start
         if elapsed <= self.max_mask_s:
-            grammar.slow_steps = 0
+            grammar.fast_steps += 1
+            if grammar.fast_steps >= SLOW_MASK_STEPS:
+                grammar.slow_steps = 0
             return False
         grammar.slow_steps += 1
+        grammar.fast_steps = 0
         if grammar.slow_steps >= SLOW_MASK_STEPS and grammar.too_slow is None:
             grammar.too_slow = _slow_mask_error(elapsed * 1e3, self.max_mask_s * 1e3) + \
-                f" for {grammar.slow_steps} tokens in a row"
+                f", for {grammar.slow_steps} of its tokens"
         return True
 
 
@@ -603,7 +614,7 @@ _SLOW_MASK = "each token's mask takes"
 
 
 def _slow_mask_error(mask_ms: float, max_mask_ms: float) -> str:
-    return (f"{_SLOW_MASK} {mask_ms:.0f} ms to compute, over the limit of {max_mask_ms:g} ms "
+    return (f"{_SLOW_MASK} {mask_ms:.1f} ms to compute, over the limit of {max_mask_ms:g} ms "
             f"(structured_output_max_mask_ms)")
 
 

@@ -138,6 +138,17 @@ def output_constraint_from_proto(request: pb.GenerateRequest) -> Optional[tuple[
     return StructuredOutput.of(kind, value, kind), kind
 
 
+def named_for_request(error: BaseException, request: pb.GenerateRequest) -> BaseException:
+    """`error` naming the request's own output-constraint field (`regex`, `json_schema`, ...)
+    where the engine ended the request for its constraint (field "structured_output"), as the
+    edge's refusals name it."""
+    if isinstance(error, InvalidRequestError) and error.field == "structured_output":
+        kind = request.WhichOneof("output_constraint")
+        if kind is not None:
+            return InvalidRequestError(kind, error.message)
+    return error
+
+
 def sampling_params_from_proto(
     sampling: pb.SamplingParams, *, max_model_len: int, num_prompt_tokens: int
 ) -> SamplingParams:
@@ -266,7 +277,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not stream.finished:
                 self.engine.abort(stream.request_id)
         if failure is not None:
-            await context.abort(*grpc_status(failure))
+            await context.abort(*grpc_status(named_for_request(failure, request)))
 
     async def _add_request(self, request: pb.GenerateRequest) -> RequestStream:
         engine = self.engine.engine

@@ -693,7 +693,7 @@ def test_a_constraint_whose_lexer_blows_up_is_refused_by_name_and_one_failing_mi
                 max_tokens=12, temperature=0.0)), timeout=GRPC_TIMEOUT_S):
             texts.append(response.text)
     assert cut.value.code() == grpc.StatusCode.INVALID_ARGUMENT, cut.value
-    assert cut.value.details().startswith(f"structured_output: {failed}"), cut.value.details()
+    assert cut.value.details().startswith(f"grammar: {failed}"), cut.value.details()  # the field it was sent in
     assert re.fullmatch("pick[0-9]?", "".join(texts)), texts
     assert_nothing_runs_one_second_after(wait_until_idle())
 

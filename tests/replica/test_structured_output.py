@@ -27,7 +27,7 @@ import torch
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
-from replica.errors import InvalidRequestError
+from replica.errors import InvalidRequestError, QueueFullError
 from replica.core.structured_output import GrammarCompiler, GrammarMask, StructuredOutput, apply_grammar_bitmask
 from bench.bench_structured import schema_set  # bench/ is a namespace package under the repository root
 
@@ -308,7 +308,7 @@ def test_a_constraint_whose_masks_are_slow_is_refused_at_the_edge_by_name(builti
         with pytest.raises(InvalidRequestError) as raised:
             compiler.check(StructuredOutput("regex", "(a{200}){200}"), "guided_regex")
         assert raised.value.field == "guided_regex", raised.value
-        assert re.search(r"too costly to follow: each token's mask takes \d+ ms to compute, over the limit of 2 ms "
+        assert re.search(r"too costly to follow: each token's mask takes [\d.]+ ms to compute, over the limit of 2 ms "
                          r"\(structured_output_max_mask_ms\)", raised.value.message), raised.value.message
         compiler.check(StructuredOutput.json_schema(PERSON), "response_format")
         compiler.check(StructuredOutput("regex", "(a{20}){20}"), "guided_regex")
@@ -316,10 +316,39 @@ def test_a_constraint_whose_masks_are_slow_is_refused_at_the_edge_by_name(builti
         compiler.shutdown()
 
 
+def test_busy_python_threads_beside_the_edge_refuse_no_ordinary_constraint(builtin_engine):
+    """A mask's time is its thread's CPU time: measured as wall time, an ordinary mask
+    (microseconds here) took ~5 ms per busy Python thread beside it, waiting for the GIL, and
+    with two spinning threads ordinary constraints were refused at a 2 ms limit (and the refusal
+    cached). Each constraint here is new to the compiler, so each is timed."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinners = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
+    compiler = GrammarCompiler.for_tokenizer(builtin_engine.tokenizer, builtin_engine.model_config.vocab_size,
+                                             builtin_engine.eos_token_ids, max_mask_ms=2.0)
+    try:
+        for spinner in spinners:
+            spinner.start()
+        for index in range(8):
+            compiler.check(StructuredOutput.json_schema({**PERSON, "title": f"person {index}"}), "response_format")
+            compiler.check(StructuredOutput("regex", f"[a-z]{{{index + 1},12}}@[a-z]{{2,8}}\\.com"), "guided_regex")
+        with pytest.raises(InvalidRequestError, match="too costly to follow"):  # a slow one still is refused
+            compiler.check(StructuredOutput("regex", "(a{200}){200}"), "guided_regex")
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
+        compiler.shutdown()
+
+
 def test_a_constraint_that_turns_slow_mid_output_ends_its_request_and_its_batch_goes_on():
     """A Lark terminal whose masks take ~9 ms each (`(a{200}){200}`), reached only after other
     terminals, passes the edge's probe; in the engine each of its masks is over the limit (2 ms
-    here), and once three steps in a row were, the request ends (abort; the engine core sends
+    here), and once three of them were, the request ends (abort; the engine core sends
     the front an InvalidRequestError naming structured_output). It went on to max_tokens, every
     step of the batch beside it waiting for its mask. A request beside it runs on to max_tokens,
     and no block is left behind."""
@@ -338,7 +367,7 @@ def test_a_constraint_that_turns_slow_mid_output_ends_its_request_and_its_batch_
         assert reason == "abort" and re.fullmatch("pick[0-9]aaa", text), text
         assert request.grammar.slow_steps == 3, request.grammar.slow_steps  # the probe: three slow steps happened
         assert failed_id == request.request_id and error.field == "structured_output"
-        assert "over the limit of 2 ms (structured_output_max_mask_ms) for 3 tokens in a row" in error.message, error
+        assert "over the limit of 2 ms (structured_output_max_mask_ms), for 3 of its tokens" in error.message, error
         assert (beside_reason, beside.num_output_tokens) == ("length", 40)
         assert engine.load().kv_blocks_free == free_blocks and not engine.has_unfinished_requests()
     finally:
@@ -399,8 +428,14 @@ def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_r
                      "builtin", device="cpu")
     request = slow.make_request("slow", [1, 2, 3], SamplingParams(max_tokens=4, structured_output=big))
     slow.add_request(request, detokenize=False)
+    slow.collect_failures()
     finished = [output for _ in range(100) for output in slow.step() if output.finished]
     assert [(output.request_id, output.finish_reason) for output in finished] == [("slow", "abort")]
+    # What its client is told: the replica's compile backlog (the edge compiled it in time), a
+    # retry worth making, not a fault of the constraint.
+    (failed_id, error), = slow.take_failed()
+    assert failed_id == "slow" and isinstance(error, QueueFullError), error
+    assert "took longer than 0.0001 s to compile on this replica" in str(error), error
     assert not slow.has_unfinished_requests()
     (tokens,) = slow.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(tokens) == 3
