@@ -233,11 +233,31 @@ class IncrementalDetokenizer:
             self._next_look = 2 * held
         prefix_text, window_text = self._decode_window()
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
-            return ""
+            return self._release_settled(prefix_text, window_text) if held > MAX_HELD_TOKENS else ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.output_token_ids)
         self._next_look = 0
         return window_text[len(prefix_text) :]
+
+    def _release_settled(self, prefix_text: str, window_text: str) -> str:
+        """A long held run whose decode ends mid-character (or in bytes that are not text):
+        release its text up to the last of its few final tokens where the window's decode splits
+        cleanly (the decode before it and the decode after it make the whole window's), so that
+        what has settled goes out now. Waiting for the whole run to end on a character held a
+        model's garbage bytes back for up to twice the run (0.7 s of silence on a stream beside
+        a slow request, in tests/cluster/test_outside_clients.py). A split inside a character,
+        whole or still incomplete, changes the decode (its bytes become replacement characters)
+        and is never taken, so the text released is still exactly the full decode. A run with
+        no such split among its last tokens waits, looked at again as it doubles."""
+        ids = self.output_token_ids
+        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        for cut in range(len(ids) - 1, max(self.read_offset, len(ids) - 8), -1):
+            part = decode(ids[self.prefix_offset:cut], skip)
+            if len(part) > len(prefix_text) and part + decode(ids[cut:], skip) == window_text:
+                self.prefix_offset, self.read_offset = self.read_offset, cut
+                self._next_look = 0
+                return part[len(prefix_text):]
+        return ""
 
     def flush(self) -> str:
         """The held-back text, released as-is once the request has finished."""

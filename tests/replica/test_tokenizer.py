@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica.model.builtin import BOS_TOKEN_ID, EOS_TOKEN_ID, build_byte_level_tokenizer, ensure_builtin_model
-from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLoadError
+from replica.text.tokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, Tokenizer, TokenizerLoadError
 
 MULTI_BYTE_TEXTS = ["plain ascii", "héllo wörld", "你好，世界", "emoji 👋🏽 and 👨‍👩‍👧", "mixed: 日本語 ∑ x² 🚀!"]
 
@@ -195,6 +195,32 @@ def test_a_run_that_is_not_text_is_not_decoded_whole_at_every_step(model_dir):
     run = [0x80] * 2_000 + list(b"ok" + b"." * 2_000)
     detokenizer = IncrementalDetokenizer(tokenizer)
     deltas = [detokenizer.add_tokens([token_id]) for token_id in run]
-    assert tokenizer.decoded < 20 * len(run)  # linear (it was ~2 million: a decode of the run per step)
+    # Linear (it was ~2 million: a decode of the run per step); ~23 per token since settled
+    # bytes go out every MAX_HELD_TOKENS tokens, each look decoding a window of that size.
+    assert tokenizer.decoded < 40 * len(run)
     assert "ok" in "".join(deltas)  # text after the run waits at most the run's length, not the request's end
     assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(run) == "\ufffd" * 2_000 + "ok" + "." * 2_000
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_garbage_bytes_are_released_as_they_settle_not_when_the_run_ends(model_dir, seed):
+    """A model writing random bytes (the built-in random model does): its decode ends in a
+    replacement character at most steps, and the text was held until a look at a doubling of
+    the run found a clean end: runs of a hundred tokens and more went out at once, after as long
+    a silence (0.7 s on a stream in tests/cluster/test_outside_clients.py). Past MAX_HELD_TOKENS
+    what has settled (up to a whole character near the end) goes out at once; the text released
+    is still exactly the full decode, and the decoding stays linear."""
+    import random
+
+    rng = random.Random(seed)  # a byte in five ASCII (the window could end cleanly there), the rest not
+    run = [rng.randrange(32, 127) if rng.random() < 0.2 else rng.randrange(128, 256) for _ in range(3_000)]
+    tokenizer = CountingTokenizer.from_pretrained(model_dir)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add_tokens([token_id]) for token_id in run]
+    silent = longest = 0
+    for delta in deltas:
+        silent = 0 if delta else silent + 1
+        longest = max(longest, silent)
+    assert longest <= MAX_HELD_TOKENS, longest  # 135-271 tokens before
+    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(run)
+    assert tokenizer.decoded < 40 * len(run)
