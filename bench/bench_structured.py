@@ -23,7 +23,8 @@ On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --devic
    EOS (`--validate-max-tokens` bound): the share of outputs that parse and validate
    (`jsonschema`), and the share that ended on EOS rather than max_tokens.
 4. Mask costs (`mask-costs`, not in the default run): each constraint's masks timed one by one
-   along a seeded random walk of up to 60 tokens it allows: the 64 schemas and the heavy
+   along a seeded random walk of up to 60 tokens it allows (avoiding, within 8 tries per token,
+   tokens after which the output could end, so that walks go deep): the 64 schemas and the heavy
    ordinary ones (a choice among 5,000 strings, an enum of 2,000, any JSON object, an e-mail
    regex, an arithmetic Lark grammar, 100 patterned properties), each one's slowest mask and
    the slowest of all against the engine's structured_output_max_mask_ms (the ratio: how far
@@ -297,7 +298,13 @@ def mask_costs(engine, constraints) -> None:
                                                               [:vocab_size]) if int(token) not in eos]
             if not allowed or grammar.matcher.is_stopped():
                 break
-            grammar.accept(rng.choice(allowed))
+            matcher = grammar.matcher
+            for attempt in range(8):  # a walk that keeps going: a token that could end the output is
+                token = rng.choice(allowed)  # taken back while others are left to try
+                matcher.consume_token(token)
+                if attempt == 7 or not matcher.is_accepting() or len(allowed) == 1:
+                    break
+                matcher.rollback(1)
         slowest[name] = (max(times), statistics.median(times), len(times))
     compiler.shutdown()
     schema_max = max(value[0] for name, value in slowest.items() if name.startswith("schema "))

@@ -197,6 +197,12 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
     yield SSE_DONE
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    """Marks a background future's exception as seen (asyncio logs one nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _abort(grpc_context: RayServegRPCContext, error: HeadroomError) -> None:
     """Ends the call with the status `error` declares (replica/server/status.py): Ray Serve
     reports the status set on the context when the method raises."""
@@ -239,13 +245,18 @@ class Ingress:
         self.tool_call_parser = config.tool_call_parser
         self.compile_timeout_s = config.engine.structured_output_compile_timeout_s
         self.max_mask_ms = config.engine.structured_output_max_mask_ms
-        # Made once, by the first constrained request (concurrent first requests await the same task).
-        self._grammars: Optional[asyncio.Future] = None
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
-        self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False))
+        # The grammar compiler, made at start once a replica has said the model's vocabulary:
+        # llguidance's view of the tokenizer takes ~0.23 s with the GIL held (SmolLM2's 49k ids),
+        # which made by the first constrained request stalled every stream this ingress serves.
+        # Constrained requests await it; one that finds it failed (no replica answered yet, a
+        # tokenizer llguidance cannot take) makes it again and reports what it raises.
         self._model_info: Optional[pb.ModelInfo] = None
+        self._grammars: asyncio.Future = asyncio.ensure_future(self._make_grammars())
+        self._grammars.add_done_callback(_retrieved)  # a failure here is a later request's to report
+        self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False))
         host = bind_address(config)
         self.router_metrics_http = serve_metrics_on_free_port(
             router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics"
@@ -266,6 +277,7 @@ class Ingress:
             self.targets.start()
 
     async def __del__(self) -> None:
+        self._grammars.cancel()
         if self.targets is not None:
             self.targets.stop()
         self.router_metrics_http.shutdown()
@@ -508,14 +520,17 @@ class Ingress:
         texts = iter(await asyncio.to_thread(decode) if sum(map(len, decoded)) > INLINE_DECODE_MAX_TOKENS else decode())
         return [prompt if isinstance(prompt, str) else next(texts) for prompt in body.prompts]
 
+    async def _make_grammars(self) -> GrammarCompiler:
+        info = await self.model_info()
+        eos_token_ids = [info.eos_token_id] if info.eos_token_id >= 0 else []
+        return await asyncio.to_thread(GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids,
+                                       self.compile_timeout_s, self.max_mask_ms)
+
     async def check_constraint(self, constraint: OutputConstraint, info: pb.ModelInfo) -> None:
         """Compile an output constraint here (cached, within the time bound, off the event loop),
         so that a bad one is refused naming its parameter before any replica queues it."""
-        if self._grammars is None:
-            eos_token_ids = [info.eos_token_id] if info.eos_token_id >= 0 else []
-            self._grammars = asyncio.ensure_future(asyncio.to_thread(
-                GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids, self.compile_timeout_s,
-                self.max_mask_ms))
+        if self._grammars is None or (self._grammars.done() and self._grammars.exception() is not None):
+            self._grammars = asyncio.ensure_future(self._make_grammars())  # the one made at start failed
         grammars = await self._grammars
         await grammars.check_async(constraint.constraint, constraint.param)
 

@@ -203,16 +203,33 @@ class LLMEngine:
         self.scheduler.check_request(request)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
-        if self.grammar_compiler is None:
-            self.grammar_compiler = GrammarCompiler.for_tokenizer(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                self.config.structured_output_compile_timeout_s, self.config.structured_output_max_mask_ms)
-        future = self.grammar_compiler.compile(request.sampling_params.structured_output)
+        future = self._grammars().compile(request.sampling_params.structured_output)
         deadline = time.monotonic() + self.config.structured_output_compile_timeout_s
         # Parked even when the compile is already done (a cached grammar, or a cached failure):
         # the next step adopts it before it schedules, and reports a failure as the request's
         # end; adopting here would drop that report and leave the request's stream open forever.
         self._compiling[request.request_id] = (request, future, deadline)
+
+    def _grammars(self) -> GrammarCompiler:
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler.for_tokenizer(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                self.config.structured_output_compile_timeout_s, self.config.structured_output_max_mask_ms)
+        return self.grammar_compiler
+
+    def prepare_structured_outputs(self) -> None:
+        """Build the grammar compiler now, before any request (the engine core does, before it
+        reports ready): llguidance's view of the tokenizer takes ~0.23 s on SmolLM2's 49k ids
+        with the GIL held, so built by the first constrained request it stalled every running
+        request's step that long (more on a busy core). A tokenizer llguidance cannot take is
+        logged here and left to the first constrained request to report, as before."""
+        if self.tokenizer is None or self.grammar_compiler is not None:
+            return
+        try:
+            self._grammars()
+        except Exception as error:  # noqa: BLE001 - a constrained request reports it
+            logger.warning("structured outputs: no grammar compiler for this tokenizer (%s); a constrained "
+                           "request will report it", error)
 
     def _adopt_compiled(self) -> list[Request]:
         """Schedule the requests whose grammar compiled; the ones it failed for (the edge

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     # What a UtilityCall may run: read-only views of the core's state, for tests and tools.
-    UTILITIES = ("request_state", "counters", "check_invariants", "cached_block_hashes")
+    UTILITIES = ("request_state", "counters", "check_invariants", "cached_block_hashes", "grammar_compiler_ready")
 
     def __init__(self, engine: LLMEngine, channel: FrameSocket):
         self.engine = engine
@@ -155,6 +155,10 @@ class EngineCore:
 
     def counters(self) -> dict[str, int]:
         return dataclasses.asdict(self.engine.scheduler.counters)
+
+    def grammar_compiler_ready(self) -> bool:
+        """Whether the engine's grammar compiler is built (process.py builds it before CoreReady)."""
+        return self.engine.grammar_compiler is not None
 
     def check_invariants(self) -> bool:
         self.engine.scheduler.check_invariants()

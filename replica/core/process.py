@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).exception("engine core failed to start")
         channel.send(CoreFailed(error_for_front(error)))
         return 1
+    engine.prepare_structured_outputs()  # not in the first constrained request's step
     channel.send(CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids), str(engine.device),
                            load_to_wire(engine.load())))
     from replica.core.engine_core import EngineCore  # after the engine: its imports are the slow part anyway

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -32,6 +33,8 @@ from replica.server.request_limits import RequestLimits, encode_prompt
 from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler, StructuredOutput
 from replica.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from replica.core.engine import LLMEngine
@@ -252,7 +255,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.replica_id = replica_id
         self.model_id = model_id
         self.limits = limits
-        self._grammars: Optional[GrammarCompiler] = None  # made by the first constrained request
+        # Made now, before the server serves: llguidance's view of the tokenizer takes ~0.23 s
+        # with the GIL held (SmolLM2's 49k ids), which made by the first constrained request
+        # stalled every stream this event loop serves. A tokenizer llguidance cannot take is
+        # left to the first constrained request to report.
+        self._grammars: Optional[GrammarCompiler] = None
+        try:
+            self._grammars = self._make_grammars()
+        except Exception as error:  # noqa: BLE001 - a constrained request reports it
+            logger.warning("structured outputs: no grammar compiler for this tokenizer (%s)", error)
+
+    def _make_grammars(self) -> GrammarCompiler:
+        engine = self.engine.engine
+        return GrammarCompiler.for_tokenizer(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+                                             engine.config.structured_output_compile_timeout_s,
+                                             engine.config.structured_output_max_mask_ms)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -305,11 +322,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if found is None:
             return sampling
         constraint, field_name = found
-        engine = self.engine.engine
         if self._grammars is None:
-            self._grammars = await asyncio.to_thread(
-                GrammarCompiler.for_tokenizer, engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
-                engine.config.structured_output_compile_timeout_s, engine.config.structured_output_max_mask_ms)
+            self._grammars = self._make_grammars()  # raises what llguidance refused at start
         await self._grammars.check_async(constraint, field_name)
         return replace(sampling, structured_output=constraint)
 

@@ -54,6 +54,8 @@ def test_an_abort_frees_the_requests_blocks_before_the_cores_next_step():
     async def scenario():
         front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
         try:
+            # Built before the core said it was ready, not by a first constrained request's step.
+            assert await front.core.call_utility("grammar_compiler_ready")
             kept = front.add_request(list(range(3, 40)), LONG, request_id="kept")
             dropped = front.add_request(list(range(50, 90)), LONG, request_id="dropped")
             await dropped.__anext__()

@@ -345,6 +345,24 @@ def test_busy_python_threads_beside_the_edge_refuse_no_ordinary_constraint(built
         compiler.shutdown()
 
 
+def test_the_engine_core_builds_its_grammar_compiler_before_any_request(smollm2_dir):
+    """llguidance's view of SmolLM2's tokenizer takes ~0.23 s with the GIL held: built by the
+    first constrained request, inside a step, it stalled every running request that long. The
+    engine core process builds it before it reports ready (prepare_structured_outputs); an
+    in-process engine still builds it on first use."""
+    engine = LLMEngine(make_engine_config(max_model_len=64, num_kv_blocks=16), str(smollm2_dir), device="cpu")
+    try:
+        assert engine.grammar_compiler is None
+        engine.prepare_structured_outputs()
+        compiler = engine.grammar_compiler
+        assert compiler is not None and compiler.vocab_size == engine.model_config.vocab_size
+        engine.prepare_structured_outputs()  # once
+        assert engine.grammar_compiler is compiler
+    finally:
+        engine.shutdown()
+    # The engine core process: tests/replica/test_engine_core.py asks a fresh core.
+
+
 def test_a_constraint_that_turns_slow_mid_output_ends_its_request_and_its_batch_goes_on():
     """A Lark terminal whose masks take ~9 ms each (`(a{200}){200}`), reached only after other
     terminals, passes the edge's probe; in the engine each of its masks is over the limit (2 ms
