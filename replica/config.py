@@ -235,7 +235,7 @@ class EngineConfig(ConfigModel):
     structured_output_max_mask_ms: float = Field(
         10.0, gt=0,
         description="Longest one request's token mask may take to compute per step, in its thread's CPU time "
-        "(ordinary constraints take at most ~2.2 ms; a mask is built before its step samples, so a slower one "
+        "(ordinary constraints take at most ~3 ms; a mask is built before its step samples, so a slower one "
         "holds the whole batch back): a "
         "constraint whose mask after its first token is slower is refused where it enters, and a request whose "
         "masks are slower 3 times (with fewer than 3 within the limit in a row between them) ends with an error.",

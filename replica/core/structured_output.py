@@ -71,7 +71,7 @@ DEFAULT_COMPILE_WORKERS = 2
 # What one row's mask may cost a step. llguidance's fuel bounds how much of a lexer it builds per
 # token, not what a mask costs once built: `(a{500}){500}` is within every one of its limits and
 # takes ~70 ms a mask (lowering step_lexer_fuel to a tenth does not change that), while ordinary
-# constraints take at most ~2.2 ms (bench_structured.py --sections mask-costs). A step's masks are built before it samples, so one such row would
+# constraints take at most ~3 ms (bench_structured.py --sections mask-costs). A step's masks are built before it samples, so one such row would
 # hold every request in the batch back by that much each step. The edge refuses a constraint
 # whose second mask (after its first token) is over the limit; one that turns slow later ends
 # once SLOW_MASK_STEPS of its masks were over the limit with fewer than SLOW_MASK_STEPS within it
