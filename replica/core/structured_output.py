@@ -71,8 +71,9 @@ DEFAULT_COMPILE_WORKERS = 2
 # What one row's mask may cost a step. llguidance's fuel bounds how much of a lexer it builds per
 # token, not what a mask costs once built: `(a{500}){500}` is within every one of its limits and
 # takes ~70 ms a mask (lowering step_lexer_fuel to a tenth does not change that), while ordinary
-# constraints take at most ~3 ms (bench_structured.py --sections mask-costs). A step's masks are built before it samples, so one such row would
-# hold every request in the batch back by that much each step. The edge refuses a constraint
+# constraints take at most ~3 ms (bench_structured.py --sections mask-costs). A step's masks are
+# built before it samples, so one such row would hold every request in the batch back by that
+# much each step. The edge refuses a constraint
 # whose second mask (after its first token) is over the limit; one that turns slow later ends
 # once SLOW_MASK_STEPS of its masks were over the limit with fewer than SLOW_MASK_STEPS within it
 # in a row between them. A mask's time is its thread's CPU time (time.thread_time: llguidance
@@ -476,8 +477,8 @@ class GrammarMask:
 class GrammarBitmask:
     """Fills the masks of a step's constrained rows on the host, in parallel over the rows
     (llguidance's executor threads release the GIL), into a reused buffer; and keeps each row's
-    mask within max_mask_ms: a request whose mask is over it SLOW_MASK_STEPS steps in a row is
-    marked `too_slow` (the engine ends it).
+    mask within max_mask_ms: a request whose mask is over it SLOW_MASK_STEPS times (with fewer
+    than SLOW_MASK_STEPS within it in a row between them) is marked `too_slow` (the engine ends it).
 
     The executor builds a step's masks at once, on its own threads, and times none of them, so
     the step's whole build is timed (wall time): when it is within the limit, so was every row.
