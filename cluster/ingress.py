@@ -198,9 +198,11 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
 
 
 def _retrieved(future: asyncio.Future) -> None:
-    """Marks a background future's exception as seen (asyncio logs one nobody retrieved)."""
-    if not future.cancelled():
-        future.exception()
+    """Marks a background future's exception as seen (asyncio logs one nobody retrieved), and
+    logs it: the grammar compiler that failed to build is made again by the next constrained
+    request, which reports what it raises."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("structured outputs: no grammar compiler yet (%s)", future.exception())
 
 
 def _abort(grpc_context: RayServegRPCContext, error: HeadroomError) -> None:
@@ -403,7 +405,7 @@ class Ingress:
             info = await self.model_info()
             constraint = output_constraint_from_proto(request)
             if constraint is not None:
-                await self.check_constraint(OutputConstraint(*constraint), info)
+                await self.check_constraint(OutputConstraint(*constraint))
             generation = self._generation_request(
                 prompt_token_ids, info,
                 sampling=replace(sampling_params_from_proto(
@@ -526,12 +528,16 @@ class Ingress:
         return await asyncio.to_thread(GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids,
                                        self.compile_timeout_s, self.max_mask_ms)
 
-    async def check_constraint(self, constraint: OutputConstraint, info: pb.ModelInfo) -> None:
+    async def check_constraint(self, constraint: OutputConstraint) -> None:
         """Compile an output constraint here (cached, within the time bound, off the event loop),
         so that a bad one is refused naming its parameter before any replica queues it."""
-        if self._grammars is None or (self._grammars.done() and self._grammars.exception() is not None):
-            self._grammars = asyncio.ensure_future(self._make_grammars())  # the one made at start failed
-        grammars = await self._grammars
+        made = self._grammars
+        if made.done() and (made.cancelled() or made.exception() is not None):
+            self._grammars = made = asyncio.ensure_future(self._make_grammars())  # the last try failed
+            made.add_done_callback(_retrieved)
+        # Shielded: a request cancelled while it waits (its client went away) must not cancel
+        # the compiler every later request waits for.
+        grammars = await asyncio.shield(made)
         await grammars.check_async(constraint.constraint, constraint.param)
 
     @staticmethod
@@ -570,9 +576,9 @@ class Ingress:
             prompts = await self._prompts(body, len(raw))
             info = await self.model_info()
             for tool_schema in body.tool_parameter_schemas() if chat else ():
-                await self.check_constraint(tool_schema, info)
+                await self.check_constraint(tool_schema)
             if constraint is not None:
-                await self.check_constraint(constraint, info)
+                await self.check_constraint(constraint)
                 # A constraint the engine ends mid-output (too costly to follow) names it too.
                 param_for_field["structured_output"] = constraint.param
             choices = []

@@ -227,7 +227,9 @@ class LLMEngine:
             return
         try:
             self._grammars()
-        except Exception as error:  # noqa: BLE001 - a constrained request reports it
+        except BaseException as error:  # noqa: BLE001 - a panic in llguidance (Rust) is a BaseException
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise
             logger.warning("structured outputs: no grammar compiler for this tokenizer (%s); a constrained "
                            "request will report it", error)
 

@@ -322,8 +322,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if found is None:
             return sampling
         constraint, field_name = found
-        if self._grammars is None:
-            self._grammars = self._make_grammars()  # raises what llguidance refused at start
+        if self._grammars is None:  # raises what llguidance refused at start
+            self._grammars = await asyncio.to_thread(self._make_grammars)
         await self._grammars.check_async(constraint, field_name)
         return replace(sampling, structured_output=constraint)
 

@@ -90,6 +90,15 @@ class Tokenizer:
         fast_tokenizer = self._fast_tokenizer
         return lambda token_id: step(fast_tokenizer, token_id)
 
+    @property
+    def byte_level(self) -> bool:
+        """Whether the decoder is byte-level (GPT-2's): its text is the output's bytes decoded as
+        UTF-8 with a replacement character per broken sequence, so a split of the ids decodes
+        apart into exactly the whole's text unless it falls inside a character. SentencePiece's
+        byte fallback replaces a broken run of bytes as a whole, one character per byte, so
+        there a split inside a character can decode apart into the same text."""
+        return isinstance(self._fast_tokenizer.decoder, decoders.ByteLevel)
+
     def ids_decode_skips(self, skip_special_tokens: bool = True) -> tuple[int, frozenset[int]]:
         """The ids `decode` drops before its decoders run, wherever they stand: every id from the
         first returned on (past the vocabulary), and those in the set (the special tokens, when
@@ -179,6 +188,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._decode_skips = tokenizer.ids_decode_skips(skip_special_tokens)
         self._step = tokenizer.decode_stream(skip_special_tokens)  # None: the Python window only
+        self._byte_level = tokenizer.byte_level
         self.output_token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -233,7 +243,7 @@ class IncrementalDetokenizer:
             self._next_look = 2 * held
         prefix_text, window_text = self._decode_window()
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
-            return self._release_settled(prefix_text, window_text) if held > MAX_HELD_TOKENS else ""
+            return self._release_settled(prefix_text, window_text) if held > MAX_HELD_TOKENS and self._byte_level else ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.output_token_ids)
         self._next_look = 0
@@ -245,10 +255,14 @@ class IncrementalDetokenizer:
         cleanly (the decode before it and the decode after it make the whole window's), so that
         what has settled goes out now. Waiting for the whole run to end on a character held a
         model's garbage bytes back for up to twice the run (0.7 s of silence on a stream beside
-        a slow request, in tests/cluster/test_outside_clients.py). A split inside a character,
-        whole or still incomplete, changes the decode (its bytes become replacement characters)
-        and is never taken, so the text released is still exactly the full decode. A run with
-        no such split among its last tokens waits, looked at again as it doubles."""
+        a slow request, in tests/cluster/test_outside_clients.py). With a byte-level decoder a
+        split inside a character, whole or still incomplete, changes the decode (its bytes
+        become replacement characters) and is never taken, so the text released is still
+        exactly the full decode. Only there: SentencePiece's byte fallback turns a broken run
+        into one replacement character per byte, split or not, and a byte arriving later turns
+        the characters of the run it joins into replacement characters too, text released or
+        not; such a tokenizer's held runs wait, as does a byte-level run with no clean split
+        among its last tokens, looked at again as they double."""
         ids = self.output_token_ids
         decode, skip = self._tokenizer.decode, self._skip_special_tokens
         for cut in range(len(ids) - 1, max(self.read_offset, len(ids) - 8), -1):

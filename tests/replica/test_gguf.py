@@ -19,14 +19,14 @@ from gguf import GGUFReader
 from safetensors.torch import load_file
 
 from gguf_files import (
-    CHAT_TEMPLATE, SHAPE, hf_llama_weights, llama_cpp_permute, tokenizer_vocab, write_llama_gguf,
+    CHAT_TEMPLATE, SHAPE, hf_llama_weights, llama_cpp_permute, sentencepiece_vocab, tokenizer_vocab, write_llama_gguf,
 )
 from replica.model import gguf as gguf_module
 from replica.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, convert_gguf, unpermute_rotary_rows
 from replica.model.gguf_tokenizer import GGUFTokenizerError
 from replica.model.loader import checkpoint_layout, load_model
 from replica.parallel.group import TensorParallel
-from replica.text.tokenizer import Tokenizer
+from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -131,6 +131,22 @@ def test_a_sentencepiece_tokenizer_equals_transformers_gguf_tokenizer(tmp_path):
         assert ours.encode(text) == expected, text
         assert ours.decode(expected) == reference.decode(expected, skip_special_tokens=True), text
         assert ours.decode(expected, skip_special_tokens=False) == reference.decode(expected), text
+
+
+def test_a_sentencepiece_stream_of_byte_tokens_is_released_as_its_full_decode(tmp_path):
+    """SentencePiece's byte fallback turns a broken run of bytes into one replacement character
+    per byte, split or not: a held run past 16 tokens (here 17 byte tokens of "你" x 6 in one
+    step, its last character one byte short) must not be released split (sixteen replacement
+    characters went out before the character completed, in a reviewer's probe of a first try)."""
+    gguf_path = write_llama_gguf(tmp_path / "spm.gguf", tokenizer_model="llama", pre_tokenizer="default", add_bos=None)
+    ours = Tokenizer.from_pretrained(convert_gguf(gguf_path, tmp_path / "cache"))
+    assert not ours.byte_level
+    byte_token = {token: index for index, token in enumerate(sentencepiece_vocab()[0])}
+    ids = [byte_token[f"<0x{byte:02X}>"] for byte in ("你" * 6).encode()]
+    assert ours.decode(ids) == "你" * 6
+    detokenizer = IncrementalDetokenizer(ours)
+    deltas = [detokenizer.add_tokens(ids[:17]), detokenizer.add_tokens(ids[17:])]
+    assert deltas[0] == "" and "".join(deltas) + detokenizer.flush() == "你" * 6
 
 
 KNOWN_GOOD_ENCODINGS = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
