@@ -245,8 +245,7 @@ class Ingress:
         self.max_num_seqs = config.engine.max_num_seqs
         self.limits = config.limits.request_limits()
         self.tool_call_parser = config.tool_call_parser
-        self.compile_timeout_s = config.engine.structured_output_compile_timeout_s
-        self.max_mask_ms = config.engine.structured_output_max_mask_ms
+        self.engine_config = config.engine  # the grammar compiler's time bounds
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
@@ -526,7 +525,7 @@ class Ingress:
         info = await self.model_info()
         eos_token_ids = [info.eos_token_id] if info.eos_token_id >= 0 else []
         return await asyncio.to_thread(GrammarCompiler.for_tokenizer, self.tokenizer, info.vocab_size, eos_token_ids,
-                                       self.compile_timeout_s, self.max_mask_ms)
+                                       self.engine_config)
 
     async def check_constraint(self, constraint: OutputConstraint) -> None:
         """Compile an output constraint here (cached, within the time bound, off the event loop),

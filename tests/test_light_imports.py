@@ -96,7 +96,7 @@ from replica.text.tokenizer import Tokenizer
 tokenizer = Tokenizer.from_pretrained(resolve_model_path(sys.argv[1]))
 prompt = tokenizer.encode("The capital of France is")
 validate_request(prompt, SamplingParams(max_tokens=8), max_model_len=2048, vocab_size=49152)
-grammars = GrammarCompiler.for_tokenizer(tokenizer, 49152, [2], 10.0)
+grammars = GrammarCompiler.for_tokenizer(tokenizer, 49152, [2])
 grammars.check(StructuredOutput("regex", "[0-9]+"), "regex")
 grammars.shutdown()
 response = generate_response(RequestOutput("r", [42], " Paris", "length", len(prompt), 1, 0), "replica-a")

@@ -213,8 +213,7 @@ class LLMEngine:
     def _grammars(self) -> GrammarCompiler:
         if self.grammar_compiler is None:
             self.grammar_compiler = GrammarCompiler.for_tokenizer(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                self.config.structured_output_compile_timeout_s, self.config.structured_output_max_mask_ms)
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, self.config)
         return self.grammar_compiler
 
     def prepare_structured_outputs(self) -> None:
@@ -426,7 +425,7 @@ class LLMEngine:
             token_id = update.token_id
             finished = update.finished
             grammar = request.grammar
-            if grammar is not None and finished is None:
+            if grammar is not None:
                 if not grammar.accept(token_id):
                     # The mask allowed the token, so the matcher failed consuming it: one of
                     # llguidance's limits, tripped by a terminal the edge's first-token probe did
@@ -436,13 +435,11 @@ class LLMEngine:
                         token_id, " ".join(grammar.matcher.get_error().split())[:300])
                 else:
                     why = grammar.too_slow  # its masks held the batch back (GrammarBitmask)
-                if why is not None:
+                if why is not None and finished is None:
                     logger.warning("request %s ends (abort): %s", request_id, why)
                     self.scheduler.abort_request(request_id)
                     self._fail(request_id, InvalidRequestError("structured_output", why))
                     finished = RequestStatus.FINISHED_ABORTED
-            elif grammar is not None:
-                grammar.accept(token_id)
             text = ""
             if detokenizers:
                 detokenizer = detokenizers.get(request_id)

@@ -219,10 +219,14 @@ class GrammarCompiler:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                      timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                      max_mask_ms: float = DEFAULT_MAX_MASK_MS) -> "GrammarCompiler":
-        """From a replica.text.tokenizer.Tokenizer (its fast tokenizer's JSON)."""
-        return cls(tokenizer.fast_tokenizer_json(), vocab_size, eos_token_ids, timeout_s, max_mask_ms=max_mask_ms)
+                      config: Optional[EngineConfig] = None) -> "GrammarCompiler":
+        """From a replica.text.tokenizer.Tokenizer (its fast tokenizer's JSON), with the compile
+        time bound and mask time limit of `config` (the defaults without one)."""
+        if config is None:
+            return cls(tokenizer.fast_tokenizer_json(), vocab_size, eos_token_ids)
+        return cls(tokenizer.fast_tokenizer_json(), vocab_size, eos_token_ids,
+                   config.structured_output_compile_timeout_s,
+                   max_mask_ms=config.structured_output_max_mask_ms)
 
     def compile(self, constraint: StructuredOutput) -> concurrent.futures.Future:
         """A future of the compiled matcher (a template: take copies with `matcher`); the
@@ -530,11 +534,12 @@ class GrammarBitmask:
             start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(live, host.data_ptr(), host.shape[1] * 4, count)
             elapsed = time.perf_counter() - start
-            if elapsed <= self.max_mask_s:
-                pass  # every row within the limit: their slow_steps are 0 already
-            elif elapsed > self._search_above_s or self._num_built >= self._search_again_at:
+            # Within the limit, so was every row. Over it: find the slow rows, unless a search
+            # found none lately and this build is not much slower than that one.
+            if elapsed > self.max_mask_s and (elapsed > self._search_above_s
+                                              or self._num_built >= self._search_again_at):
                 found = False
-                for matcher, index in live:
+                for _, index in live:
                     found |= self._build_one(grammars[index], host, index)
                 if not found:  # many honest rows: search again only for a build much slower
                     self._search_above_s = 2 * elapsed
@@ -546,7 +551,6 @@ class GrammarBitmask:
             row_index = row_index.pin_memory()
         return GrammarMask(host.to(self.device, non_blocking=True), row_index.to(self.device, non_blocking=True),
                            self._shifts)
-
 
     def _build_one(self, grammar: RequestGrammar, host: torch.Tensor, index: int) -> bool:
         """Build row `index`'s mask alone, timed, and count the step against its grammar when it

@@ -268,8 +268,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _make_grammars(self) -> GrammarCompiler:
         engine = self.engine.engine
         return GrammarCompiler.for_tokenizer(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
-                                             engine.config.structured_output_compile_timeout_s,
-                                             engine.config.structured_output_max_mask_ms)
+                                             engine.config)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:

@@ -82,8 +82,7 @@ class Tokenizer:
         bytes as a whole, so there, fed one id at a time, it differed from the window fed a
         step's ids."""
         if self._decode_stream_class is None:  # decided once per tokenizer: the class, or False
-            self._decode_stream_class = isinstance(self._fast_tokenizer.decoder, decoders.ByteLevel) and getattr(
-                decoders, "DecodeStream", False)
+            self._decode_stream_class = self.byte_level and getattr(decoders, "DecodeStream", False)
         if not self._decode_stream_class:
             return None
         step = self._decode_stream_class(skip_special_tokens=skip_special_tokens).step

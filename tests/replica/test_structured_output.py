@@ -303,7 +303,8 @@ def test_a_constraint_whose_masks_are_slow_is_refused_at_the_edge_by_name(builti
     times the mask after the first token against structured_output_max_mask_ms (2 ms here) and
     refuses it naming the field; an ordinary constraint passes under the same limit."""
     compiler = GrammarCompiler.for_tokenizer(builtin_engine.tokenizer, builtin_engine.model_config.vocab_size,
-                                             builtin_engine.eos_token_ids, max_mask_ms=2.0)
+                                             builtin_engine.eos_token_ids,
+                                             make_engine_config(structured_output_max_mask_ms=2.0))
     try:
         with pytest.raises(InvalidRequestError) as raised:
             compiler.check(StructuredOutput("regex", "(a{200}){200}"), "guided_regex")
@@ -329,7 +330,8 @@ def test_busy_python_threads_beside_the_edge_refuse_no_ordinary_constraint(built
 
     spinners = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
     compiler = GrammarCompiler.for_tokenizer(builtin_engine.tokenizer, builtin_engine.model_config.vocab_size,
-                                             builtin_engine.eos_token_ids, max_mask_ms=2.0)
+                                             builtin_engine.eos_token_ids,
+                                             make_engine_config(structured_output_max_mask_ms=2.0))
     try:
         for spinner in spinners:
             spinner.start()
