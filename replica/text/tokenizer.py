@@ -92,10 +92,7 @@ class Tokenizer:
     @property
     def byte_level(self) -> bool:
         """Whether the decoder is byte-level (GPT-2's): its text is the output's bytes decoded as
-        UTF-8 with a replacement character per broken sequence, so a split of the ids decodes
-        apart into exactly the whole's text unless it falls inside a character. SentencePiece's
-        byte fallback replaces a broken run of bytes as a whole, one character per byte, so
-        there a split inside a character can decode apart into the same text."""
+        UTF-8, a replacement character per broken sequence (not SentencePiece's byte fallback)."""
         return isinstance(self._fast_tokenizer.decoder, decoders.ByteLevel)
 
     def ids_decode_skips(self, skip_special_tokens: bool = True) -> tuple[int, frozenset[int]]:
@@ -235,14 +232,17 @@ class IncrementalDetokenizer:
             # the run is bytes that are not text (a byte token forced by logit_bias, a model
             # writing garbage), whose decode ends in a replacement character at every step.
             # Decoding the whole window each step would cost the square of the run, so look
-            # again only once it has doubled: as if its tokens had come in larger chunks, the
-            # text released is the same, and text after the run waits at most the run's length.
+            # again only once it has doubled (as if its tokens had come in larger chunks, the
+            # text released is the same), unless the look before released what had settled
+            # (_release_settled), which keeps the window short.
             if held < self._next_look:
                 return ""
             self._next_look = 2 * held
         prefix_text, window_text = self._decode_window()
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
-            return self._release_settled(prefix_text, window_text) if held > MAX_HELD_TOKENS and self._byte_level else ""
+            if held > MAX_HELD_TOKENS and self._byte_level:
+                return self._release_settled(prefix_text, window_text)
+            return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.output_token_ids)
         self._next_look = 0
