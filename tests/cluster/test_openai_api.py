@@ -393,3 +393,36 @@ def test_an_error_no_route_handles_is_a_500_in_openais_shape():
                                 if getattr(route, "path", None) != "/v1/broken-for-this-test"]
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error" and "a bug" in response.json()["error"]["message"]
+
+
+def test_a_constrained_request_cancelled_while_the_grammar_compiler_builds_leaves_it_to_the_others():
+    """The ingress builds its grammar compiler once, at start, and constrained requests await
+    that build. A request cancelled while it waited (its client went away) cancelled the build
+    itself, and every later constrained request got CancelledError: the wait is shielded now."""
+    from cluster.openai_structured import OutputConstraint
+    from protos import headroom_pb2 as pb
+    from replica.config import make_engine_config
+    from replica.model.builtin import EOS_TOKEN_ID
+    from replica.model.registry import resolve_model_path
+    from replica.text.tokenizer import Tokenizer
+
+    ingress = ingress_methods(Tokenizer.from_pretrained(resolve_model_path("builtin")))
+    ingress.engine_config = make_engine_config()
+    ingress._model_info = pb.ModelInfo(vocab_size=320, eos_token_id=EOS_TOKEN_ID)
+    constraint = OutputConstraint(StructuredOutput("regex", "[a-z]{3}"), "guided_regex")
+    bad = OutputConstraint(StructuredOutput("regex", "a(b"), "guided_regex")
+
+    async def scenario():
+        ingress._grammars = asyncio.ensure_future(ingress._make_grammars())
+        gone = asyncio.ensure_future(ingress.check_constraint(constraint))
+        await asyncio.sleep(0)  # waiting for the build, on a worker thread
+        assert not ingress._grammars.done()
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert not ingress._grammars.cancelled()  # the probe: the shared build went on
+        await ingress.check_constraint(constraint)
+        with pytest.raises(InvalidRequestError, match="^guided_regex: "):
+            await ingress.check_constraint(bad)
+
+    asyncio.run(scenario())
