@@ -178,7 +178,7 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
     from replica.ipc.channel import encode_frame
     from replica.core.engine_core import EngineCore
 
-    core = EngineCore(engine, channel=None)  # never run: only its per-step send is timed
+    core = EngineCore(engine, channels=None)  # never run: only its per-step send is timed
     core._requests.update((request.request_id, request) for request in requests)
     phases = {name: [] for name in PHASES}
     profiler = cProfile.Profile() if profile else None
@@ -194,7 +194,7 @@ def measure(engine, batch: int, context: int, steps: int, detokenize: bool, prof
         core_start = time.perf_counter()
         if not detokenize:
             core._send_outputs(outputs)
-            encode_frame(core._outbox.get())
+            encode_frame(core._outboxes[0].get())
         phases["core"].append(time.perf_counter() - core_start)
         t = engine.last_step
         assert t.num_seqs == batch and t.num_tokens == batch, f"not a full decode step: {t}"

@@ -3,6 +3,14 @@ model runner, KV cache, SLO monitor) and never waits on a client: between steps 
 whatever the front has sent (adds, aborts, utility calls), runs one step, and hands one
 batched StepOutputs to a sender thread. A receiver thread decodes messages while a step
 runs, so the SLO monitor sees urgent arrivals during the forward pass they wait behind.
+
+It may serve several fronts (`headroom replica --api-server-count N`: one event loop in
+Python cannot stream a GPU's tokens alone), one channel each, with a receiver and a sender
+thread per channel. Each front's requests are its own: their rows, refusals and failures go
+to it alone, while every front gets each step's load and KV events (a router's WatchLoad or
+WatchKVEvents may land on any of them). Front 0 started the core: its Shutdown, or its
+channel closing, stops the core; another front's leaves only that front, whose requests
+are aborted.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from replica.core.engine import LLMEngine
 from replica.core.request import Request
@@ -30,18 +38,25 @@ class EngineCore:
     # What a UtilityCall may run: read-only views of the core's state, for tests and tools.
     UTILITIES = ("request_state", "counters", "check_invariants", "cached_block_hashes", "grammar_compiler_ready")
 
-    def __init__(self, engine: LLMEngine, channel: FrameSocket):
+    def __init__(self, engine: LLMEngine, channels: Sequence[FrameSocket] | FrameSocket | None):
+        """channels: one per front, front 0's first (a single channel: one front)."""
         self.engine = engine
         engine.collect_failures()  # sent with each step's rejected adds
-        self.channel = channel
-        # Live requests by id: their admission time rides on their first output.
+        if channels is None or isinstance(channels, FrameSocket):
+            channels = [channels]
+        self.channels = list(channels)
+        # Live requests by id, and with several fronts the front each came from.
         self._requests: dict[str, Request] = {}
-        self._inbox: list[Any] = []  # decoded messages (adds already as Requests)
+        self._owners: dict[str, int] = {}
+        # Decoded messages as (front, message), adds already as Requests.
+        self._inbox: list[tuple[int, Any]] = []
         self._inbox_changed = threading.Condition()
         self._arrivals: list[SLOView] = []  # adds in the inbox, as the SLO monitor sees them
-        self._channel_closed = False
-        self._outbox: queue.SimpleQueue[Optional[tuple]] = queue.SimpleQueue()
-        self._rejected: list[tuple[str, BaseException]] = []
+        self._channel_closed = False  # front 0's: the core stops
+        # One queue and sender thread per front: a front slow to read backs up only its own.
+        self._outboxes: list[queue.SimpleQueue[Optional[tuple]]] = [queue.SimpleQueue() for _ in self.channels]
+        self._fronts_open = [True] * len(self.channels)
+        self._rejected: list[tuple[int, str, BaseException]] = []  # (front, request id, error)
         self._stopping = False
 
     # ---- the loop ----------------------------------------------------------------------
@@ -50,19 +65,26 @@ class EngineCore:
         # This process's base thread count is its environment's (under Serve, the one CPU Ray
         # reserved the replica): large steps may run on the cores nothing else uses.
         self.engine.borrow_idle_cpus()
-        receiver = threading.Thread(target=self._receive_loop, name="core-receive", daemon=True)
-        sender = threading.Thread(target=self._send_loop, name="core-send", daemon=True)
-        receiver.start()
-        sender.start()
+        senders = []
+        for front, channel in enumerate(self.channels):
+            suffix = "" if front == 0 else f"-{front}"
+            threading.Thread(target=self._receive_loop, args=(front,), name=f"core-receive{suffix}",
+                             daemon=True).start()
+            senders.append(threading.Thread(target=self._send_loop, args=(front,), name=f"core-send{suffix}",
+                                            daemon=True))
+            senders[-1].start()
         try:
             self._busy_loop()
         finally:
             for request_id in list(self._requests):
                 self.engine.abort_request(request_id)
             self.engine.shutdown()
-            self._outbox.put(None)
-            sender.join(timeout=5.0)
-            self.channel.close()
+            for outbox in self._outboxes:
+                outbox.put(None)
+            for sender in senders:
+                sender.join(timeout=5.0)
+            for channel in self.channels:
+                channel.close()
 
     def _busy_loop(self) -> None:
         engine = self.engine
@@ -85,50 +107,102 @@ class EngineCore:
             raise
         except Exception as error:  # a failed forward pass: fail its requests, keep serving
             logger.exception("engine step failed; aborting in-flight requests")
-            request_ids = list(self._requests)
-            for request_id in request_ids:
+            by_front: list[list[str]] = [[] for _ in self.channels]
+            for request_id in self._requests:
                 self.engine.abort_request(request_id)
+                by_front[self._owners.get(request_id, 0)].append(request_id)
             self._requests.clear()
-            self._outbox.put(to_wire(StepFailed(request_ids, f"engine step failed: {error}")))
+            self._owners.clear()
+            for front, request_ids in enumerate(by_front):
+                self._put(front, to_wire(StepFailed(request_ids, f"engine step failed: {error}")))
             self._send_outputs([])
             return
         self._send_outputs(rows)
 
-    def _apply(self, messages: list[Any]) -> None:
+    def _apply(self, messages: list[tuple[int, Any]]) -> None:
         engine = self.engine
-        for message in messages:
+        for front, message in messages:
             if isinstance(message, Request):
+                if not self._fronts_open[front]:
+                    continue  # sent before its front left: nobody would read its outputs
                 try:
                     # Validated at the edge; the front detokenizes.
                     engine.enqueue(message, detokenize=False)
                 except Exception as error:  # raced past the front's checks (e.g. the queue filled)
-                    self._rejected.append((message.request_id, error_for_front(error)))
+                    self._rejected.append((front, message.request_id, error_for_front(error)))
                     continue
                 self._requests[message.request_id] = message
+                if front:
+                    self._owners[message.request_id] = front
             elif isinstance(message, AbortRequests):
                 for request_id in message.request_ids:
                     if self._requests.pop(request_id, None) is not None:
+                        self._owners.pop(request_id, None)
                         engine.abort_request(request_id)
             elif isinstance(message, UtilityCall):
-                self._outbox.put(to_wire(self._call_utility(message)))
-            elif isinstance(message, Shutdown):
-                self._stopping = True
+                self._put(front, to_wire(self._call_utility(message)))
+            elif isinstance(message, Shutdown) or message is _FRONT_GONE:
+                if front == 0:
+                    self._stopping = True
+                else:
+                    self._front_left(front)
+
+    def _front_left(self, front: int) -> None:
+        """Front `front` said Shutdown or its channel closed: abort its requests, send it nothing more."""
+        if not self._fronts_open[front]:
+            return
+        self._fronts_open[front] = False
+        self._outboxes[front].put(None)
+        theirs = [request_id for request_id, owner in self._owners.items() if owner == front]
+        for request_id in theirs:
+            del self._owners[request_id]
+            if self._requests.pop(request_id, None) is not None:
+                self.engine.abort_request(request_id)
+        logger.info("front %d left; aborted its %d requests", front, len(theirs))
+
+    def _put(self, front: int, wire: tuple) -> None:
+        if self._fronts_open[front]:
+            self._outboxes[front].put(wire)
 
     def _send_outputs(self, rows: list[tuple]) -> None:
-        """One StepOutputs: the step's CoreOutput rows as the engine built them, the load after it."""
+        """One StepOutputs per front: the step's CoreOutput rows as the engine built them (each
+        front its own requests'), the load after it."""
         requests = self._requests
-        for row in rows:
-            if row[2] is not None:  # its finish reason: it has left the engine
-                del requests[row[0]]
-        stats = self.engine.stats
-        # Adds refused, and requests the engine ended with an error (rows above finish them).
-        rejected = self._rejected + [(request_id, error_for_front(error))
+        owners = self._owners
+        # Adds refused, and requests the engine ended with an error (rows below finish them).
+        rejected = self._rejected + [(owners.get(request_id, 0), request_id, error_for_front(error))
                                      for request_id, error in self.engine.take_failed()]
         self._rejected = []
-        self._outbox.put(to_wire(StepOutputs(
-            rows, load_to_wire(self.engine.load()), stats.step_time_s, stats.generation_tokens_per_s,
-            self._kv_events(), rejected,
-        )))
+        stats = self.engine.stats
+        load = load_to_wire(self.engine.load())
+        kv_events = self._kv_events()
+        if len(self.channels) == 1:
+            for row in rows:
+                if row[2] is not None:  # its finish reason: it has left the engine
+                    del requests[row[0]]
+            self._outboxes[0].put(to_wire(StepOutputs(
+                rows, load, stats.step_time_s, stats.generation_tokens_per_s, kv_events,
+                [(request_id, error) for _, request_id, error in rejected],
+            )))
+            return
+        rows_of: list[list[tuple]] = [[] for _ in self.channels]
+        for row in rows:
+            request_id = row[0]
+            if row[2] is not None:
+                del requests[request_id]
+                front = owners.pop(request_id, 0)
+            else:
+                front = owners.get(request_id, 0)
+            rows_of[front].append(row)
+        rejected_of: list[list[tuple[str, BaseException]]] = [[] for _ in self.channels]
+        for front, request_id, error in rejected:
+            rejected_of[front].append((request_id, error))
+        for front, is_open in enumerate(self._fronts_open):
+            if is_open:
+                self._outboxes[front].put(to_wire(StepOutputs(
+                    rows_of[front], load, stats.step_time_s, stats.generation_tokens_per_s, kv_events,
+                    rejected_of[front],
+                )))
 
     def _kv_events(self) -> list[Any]:
         # Drained with every output message, so the front's KV-event log sees each cache
@@ -169,9 +243,9 @@ class EngineCore:
         return list(self.engine.scheduler.kv_cache.pool.cached_blocks)
 
     # ---- the threads -------------------------------------------------------------------
-    def _take_inbox(self, block: bool) -> Optional[list[Any]]:
-        """Everything received since the last call; waits for something when `block`.
-        None once the channel is closed and nothing is left."""
+    def _take_inbox(self, block: bool) -> Optional[list[tuple[int, Any]]]:
+        """Everything received since the last call, as (front, message); waits for something
+        when `block`. None once front 0's channel is closed and nothing is left."""
         with self._inbox_changed:
             while block and not self._inbox and not self._channel_closed:
                 self._inbox_changed.wait()
@@ -183,23 +257,27 @@ class EngineCore:
                 return None
             return messages
 
-    def _receive_loop(self) -> None:
+    def _receive_loop(self, front: int) -> None:
         eos_token_ids = self.engine.eos_token_ids
+        channel = self.channels[front]
         while True:
             try:
-                message = from_wire(self.channel.recv())
+                message = from_wire(channel.recv())
             except ChannelClosed:
                 break
             if isinstance(message, AddRequest):
                 message = message.to_request(eos_token_ids)
             with self._inbox_changed:
-                self._inbox.append(message)
+                self._inbox.append((front, message))
                 if isinstance(message, Request) and self.engine.slo_monitor is not None:
                     self._arrivals.append(SLOView.of(message))
                     self._publish_arrivals()
                 self._inbox_changed.notify()
         with self._inbox_changed:
-            self._channel_closed = True
+            if front == 0:
+                self._channel_closed = True
+            else:
+                self._inbox.append((front, _FRONT_GONE))
             self._inbox_changed.notify()
 
     def _publish_arrivals(self) -> None:
@@ -209,9 +287,14 @@ class EngineCore:
         if monitor is not None:
             monitor.publish_arrivals(tuple(self._arrivals))
 
-    def _send_loop(self) -> None:
-        while (wire := self._outbox.get()) is not None:
+    def _send_loop(self, front: int) -> None:
+        outbox, channel = self._outboxes[front], self.channels[front]
+        while (wire := outbox.get()) is not None:
             try:
-                self.channel.send(wire)
+                channel.send(wire)
             except (ChannelClosed, OSError):
                 return  # the front is gone; the busy loop finds out from the receiver
+
+
+# What a front's receiver puts in the inbox when its channel closes (front 0's stops the core).
+_FRONT_GONE = object()

@@ -1,7 +1,8 @@
-"""The engine-core process: `python -m replica.core.process --fd N`, started by the
-front (EngineCoreClient) with one end of a socketpair. It reads a CoreSpec, builds the
-engine, answers CoreReady (or CoreFailed with the error) and runs EngineCore until the front
-says Shutdown or goes away.
+"""The engine-core process: `python -m replica.core.process --fd N[,N...]`, started by the
+front (EngineCoreClient) with one end of a socketpair per front (front 0, which started it,
+first). It reads a CoreSpec from front 0, builds the engine, answers CoreReady (or
+CoreFailed with the error) on every channel and runs EngineCore until front 0 says Shutdown
+or goes away.
 """
 
 from __future__ import annotations
@@ -61,16 +62,21 @@ def build_engine(spec: CoreSpec):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fd", type=int, required=True, help="this end of the front's socketpair")
+    parser.add_argument("--fd", required=True,
+                        help="this end of each front's socketpair, comma-separated, front 0's first")
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group; the front decides when the core
     # stops (after its graceful drain), so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
-    # Not inherited by anything the engine may spawn: a grandchild holding the socket would
-    # hide this process's death from the front (it waits for EOF).
-    os.set_inheritable(args.fd, False)
-    channel = FrameSocket(socket.socket(fileno=args.fd))
+    fds = [int(fd) for fd in args.fd.split(",")]
+    channels = []
+    for fd in fds:
+        # Not inherited by anything the engine may spawn: a grandchild holding the socket would
+        # hide this process's death from the front (it waits for EOF).
+        os.set_inheritable(fd, False)
+        channels.append(FrameSocket(socket.socket(fileno=fd)))
+    channel = channels[0]
     try:
         spec: CoreSpec = channel.recv()
     except ChannelClosed:
@@ -82,21 +88,32 @@ def main(argv: list[str] | None = None) -> int:
         # tier larger than the host's memory), or a checkpoint that cannot be loaded (its
         # message names the file): the front raises it to whoever started the engine, which
         # says it in one line; a traceback here would bury that line.
-        channel.send(CoreFailed(error_for_front(error)))
+        _send_all(channels, CoreFailed(error_for_front(error)))
         return 1
     except Exception as error:
         logging.getLogger(__name__).exception("engine core failed to start")
-        channel.send(CoreFailed(error_for_front(error)))
+        _send_all(channels, CoreFailed(error_for_front(error)))
         return 1
     engine.prepare_structured_outputs()  # not in the first constrained request's step
-    channel.send(CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids), str(engine.device),
-                           load_to_wire(engine.load())))
+    _send_all(channels, CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids),
+                                  str(engine.device), load_to_wire(engine.load())))
     from replica.core.engine_core import EngineCore  # after the engine: its imports are the slow part anyway
 
     freeze_startup_heap()
 
-    EngineCore(engine, channel).run()
+    EngineCore(engine, channels).run()
     return 0
+
+
+def _send_all(channels: list[FrameSocket], message) -> None:
+    """Front 0 is waiting for this answer; the others read it when they attach (it waits in
+    their socket), or have gone, which is theirs to say."""
+    for front, channel in enumerate(channels):
+        try:
+            channel.send(message)
+        except (ChannelClosed, OSError):
+            if front == 0:
+                raise
 
 
 if __name__ == "__main__":

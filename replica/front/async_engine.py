@@ -20,10 +20,11 @@ import asyncio
 import collections
 import itertools
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from replica.config import EngineConfig
 from replica.core.outputs import RequestOutput, StepStats, make_request
@@ -161,9 +162,16 @@ class ServedEngine:
 
 
 class AsyncEngine:
-    def __init__(self, spec: CoreSpec):
-        """Not started: `await start()` spawns the core (or use `AsyncEngine.launch`)."""
+    def __init__(self, spec: CoreSpec, *, fronts: int = 1, front_index: int = 0,
+                 core_socket: Optional[socket.socket] = None):
+        """Not started: `await start()` spawns the core (or use `AsyncEngine.launch`).
+        fronts > 1: the core serves that many fronts, this one first; `core.take_front_sockets()`
+        after start hands out the others' channels. core_socket: be front `front_index` of a
+        core another front started, over this channel (its spec's model gives the tokenizer)."""
         self.spec = spec
+        self.fronts = fronts
+        self.front_index = front_index
+        self._core_socket = core_socket
         self.stats = StepStats()
         self.core = EngineCoreClient(self._on_step, self._on_step_failed, self._on_dead)
         self._engine: Optional[ServedEngine] = None
@@ -196,13 +204,22 @@ class AsyncEngine:
             return
         # The tokenizer loads here while the core builds the model.
         tokenizer = Tokenizer.from_pretrained(resolve_model_path(self.spec.model))
-        ready = await self.core.start(self.spec)
+        if self._core_socket is not None:
+            ready = await self.core.attach(self._core_socket)
+        else:
+            ready = await self.core.start(self.spec, self.fronts)
         self._engine = ServedEngine(self.spec.model, tokenizer, ready.config, ready.model_config,
                                     ready.eos_token_ids, ready.device, time.monotonic, self.stats)
-        self._processor = OutputProcessor(tokenizer, self._abort_in_core, self._request_observer)
+        # Other fronts' clients may use the same request ids: the core knows this front's by a suffix.
+        suffix = f"|f{self.front_index}" if self.front_index else ""
+        self._processor = OutputProcessor(tokenizer, self._abort_in_core, self._request_observer, suffix)
         self._load = load_from_wire(ready.load)
         self._accepting = True
-        logger.info("engine core %d ready: %s on %s", self.core.pid, self.spec.model, ready.device)
+        if self._core_socket is not None:
+            logger.info("front %d attached to the engine core: %s on %s", self.front_index, self.spec.model,
+                        ready.device)
+        else:
+            logger.info("engine core %d ready: %s on %s", self.core.pid, self.spec.model, ready.device)
 
     @property
     def engine(self) -> ServedEngine:
@@ -233,9 +250,12 @@ class AsyncEngine:
         if self._processor is not None:
             self._processor.observer = observer
 
-    async def shutdown(self, grace_period_s: float = 5.0) -> None:
+    async def shutdown(self, grace_period_s: float = 5.0,
+                       before_core_exit: Optional[Callable[[], Awaitable[None]]] = None) -> None:
         """Stop taking requests, let in-flight ones finish for up to the grace period, abort
-        the rest (their streams end with finish reason "abort"), then stop the core."""
+        the rest (their streams end with finish reason "abort"), then stop the core (an
+        attached front only leaves it). before_core_exit: awaited before that (the core's
+        other fronts draining)."""
         self._accepting = False
         processor = self._processor
         if processor is None:
@@ -245,6 +265,8 @@ class AsyncEngine:
             await asyncio.sleep(0.02)
         for request_id in processor.request_ids():
             self.abort(request_id)
+        if before_core_exit is not None:
+            await before_core_exit()
         await self.core.shutdown()
 
     # ---- requests --------------------------------------------------------------------

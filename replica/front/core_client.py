@@ -3,6 +3,12 @@ fresh interpreter, never a fork of the serving process), hands it a CoreSpec, an
 adds, aborts (coalesced: every abort of one event-loop turn goes in one message) and utility
 calls, while a reader task hands each message from the core to the front's handlers. When
 the core dies (EOF on the socket, or its exit seen by the watcher) `on_dead` fires once.
+
+A core may serve several fronts (`headroom replica --api-server-count N`): the client that
+starts it asks for the others' channels too (`start(spec, fronts=N)`, then
+`take_front_sockets()`) and hands each to another front process, whose client `attach`es to
+it. An attached client's Shutdown only takes its own front out; the starting front's stops
+the core.
 """
 
 from __future__ import annotations
@@ -47,33 +53,42 @@ class EngineCoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._closing = False
+        self._front_sockets: list[socket.socket] = []  # other fronts' ends, until taken
 
     @property
     def pid(self) -> Optional[int]:
         return self.process.pid if self.process is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------
-    async def start(self, spec: CoreSpec) -> CoreReady:
+    async def start(self, spec: CoreSpec, fronts: int = 1) -> CoreReady:
         """Spawn the core and wait until its engine is built; raises the core's build error
-        (ConfigError, FileNotFoundError, ...) or EngineDeadError if it died starting."""
-        front_end, core_end = socket.socketpair()
+        (ConfigError, FileNotFoundError, ...) or EngineDeadError if it died starting.
+        fronts > 1: the core also serves that many - 1 other fronts, whose channels
+        `take_front_sockets` hands out."""
+        pairs = [socket.socketpair() for _ in range(fronts)]
+        core_ends = [core_end for _, core_end in pairs]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "replica.core.process", "--fd", str(core_end.fileno())],
-                pass_fds=(core_end.fileno(),), env=_child_environment(),
+                [sys.executable, "-m", "replica.core.process", "--fd",
+                 ",".join(str(core_end.fileno()) for core_end in core_ends)],
+                pass_fds=tuple(core_end.fileno() for core_end in core_ends), env=child_environment(),
             )
         finally:
-            core_end.close()
-        self._channel = await AsyncFrameSocket.open(front_end)
+            for core_end in core_ends:
+                core_end.close()
+        self._front_sockets = [front_end for front_end, _ in pairs[1:]]
+        self._channel = await AsyncFrameSocket.open(pairs[0][0])
         self._channel.send(spec)
         try:
             answer = await self._channel.recv()
         except ChannelClosed:
             code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
             await self._channel.close()
+            self._close_front_sockets()
             raise EngineDeadError(f"the engine core exited with code {code} while starting") from None
         if isinstance(answer, CoreFailed):
             await self._channel.close()
+            self._close_front_sockets()
             await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
             raise answer.error
         self.ready = answer
@@ -82,9 +97,41 @@ class EngineCoreClient:
                        loop.create_task(self._watch_process(), name="engine-core-watcher")]
         return answer
 
+    def take_front_sockets(self) -> list[socket.socket]:
+        """The other fronts' ends of their channels (start(fronts=N)), once: the caller hands
+        each to its front's process and closes its own copy, so that the core sees a front's
+        death as the end of its channel."""
+        sockets, self._front_sockets = self._front_sockets, []
+        return sockets
+
+    def _close_front_sockets(self) -> None:
+        for front_socket in self.take_front_sockets():
+            front_socket.close()
+
+    async def attach(self, sock: socket.socket) -> CoreReady:
+        """Serve as another front of a core some other front started, over `sock` (its
+        `take_front_sockets`): wait for the core's answer, raising its build error or
+        EngineDeadError. No process to watch: the channel's end says the core is gone."""
+        self._channel = await AsyncFrameSocket.open(sock)
+        try:
+            answer = await self._channel.recv()
+        except ChannelClosed:
+            await self._channel.close()
+            raise EngineDeadError("the engine core closed this front's channel while starting") from None
+        if isinstance(answer, CoreFailed):
+            await self._channel.close()
+            raise answer.error
+        self.ready = answer
+        self._tasks = [asyncio.get_running_loop().create_task(self._read_loop(), name="engine-core-reader")]
+        return answer
+
     async def shutdown(self) -> None:
-        """Ask the core to exit (it aborts what it still holds) and wait for it; kill it if it hangs."""
+        """Ask the core to exit (it aborts what it still holds) and wait for it; kill it if it
+        hangs. Attached: take this front out (the core aborts its requests) and close the channel."""
+        self._close_front_sockets()
         if self.process is None:
+            if self._channel is not None and self.ready is not None:
+                await self._leave()
             return
         self._closing = True
         if self.dead is None:
@@ -100,6 +147,19 @@ class EngineCoreClient:
             logger.warning("engine core %d did not exit in %.0f s; killing it", self.process.pid, EXIT_TIMEOUT_S)
             self.process.kill()
             await loop.run_in_executor(None, self.process.wait)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._channel.close()
+
+    async def _leave(self) -> None:
+        self._closing = True
+        if self.dead is None:
+            try:
+                self._flush_aborts()
+                self._channel.send(to_wire(Shutdown()))
+            except ChannelClosed:
+                pass
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -163,9 +223,12 @@ class EngineCoreClient:
     def _died(self, how: str) -> None:
         if self.dead is not None or self._closing:
             return
-        code = self.process.poll()
-        detail = how if code is None else f"{how}; exit code {code}"
-        self.dead = EngineDeadError(f"the engine core (pid {self.process.pid}) died: {detail}")
+        if self.process is None:  # attached: the core is another front's child
+            self.dead = EngineDeadError(f"the engine core {how}")
+        else:
+            code = self.process.poll()
+            detail = how if code is None else f"{how}; exit code {code}"
+            self.dead = EngineDeadError(f"the engine core (pid {self.process.pid}) died: {detail}")
         logger.error("%s", self.dead)
         for future in self._calls.values():
             if not future.done():
@@ -196,7 +259,7 @@ def openmp_waits_briefly(environment: MutableMapping[str, str]) -> None:
         environment.update(OPENMP_SHORT_WAIT)
 
 
-def _child_environment() -> dict[str, str]:
+def child_environment() -> dict[str, str]:
     """The front's environment, with its import path: the core must import the same code
     (this checkout, a test directory), not whatever an installed copy would resolve to.
 

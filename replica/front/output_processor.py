@@ -54,9 +54,12 @@ class _Live:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, abort_in_core: Callable[[str], None],
-                 observer: Optional[RequestObserver] = None):
-        """abort_in_core(request_id): tell the core to drop a request the front ended early."""
+                 observer: Optional[RequestObserver] = None, core_id_suffix: str = ""):
+        """abort_in_core(request_id): tell the core to drop a request the front ended early.
+        core_id_suffix: appended to every core id, where other fronts share the core (their
+        clients may use the same ids)."""
         self.tokenizer = tokenizer
+        self.core_id_suffix = core_id_suffix
         self.abort_in_core = abort_in_core
         self.observer = observer
         self._live: dict[str, _Live] = {}  # by the core's id
@@ -66,7 +69,10 @@ class OutputProcessor:
 
     def __contains__(self, request_id: str) -> bool:
         """Whether a live request has this (client's) id."""
-        return request_id in self._core_ids or request_id in self._live
+        if request_id in self._core_ids:
+            return True
+        state = self._live.get(request_id)
+        return state is not None and state.request_id == request_id
 
     def __len__(self) -> int:
         return len(self._live)
@@ -75,12 +81,15 @@ class OutputProcessor:
         return list(self._live)
 
     def core_id_for(self, request_id: str) -> str:
-        """The id the core is to know a new request of this (client's) id by: the same, unless
-        a request of that id ended early here moments ago."""
-        if request_id not in self._ended_early:
-            return request_id
+        """The id the core is to know a new request of this (client's) id by: the same (with
+        the front's suffix), unless a request of that id ended early here moments ago or
+        another client's request has it."""
+        suffix = self.core_id_suffix
+        core_id = request_id + suffix
+        if request_id not in self._ended_early and core_id not in self._live:
+            return core_id
         while True:
-            core_id = f"{request_id}#{next(self._reuses)}"
+            core_id = f"{request_id}#{next(self._reuses)}{suffix}"
             if core_id not in self._live and core_id not in self._ended_early:
                 return core_id
 

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.front.async_engine import AsyncEngine
-from replica.front.core_client import OPENMP_SHORT_WAIT, OPENMP_WAIT_SETTINGS, _child_environment
+from replica.front.core_client import OPENMP_SHORT_WAIT, OPENMP_WAIT_SETTINGS, child_environment
 from replica.errors import EngineDeadError
 from replica.config import ConfigError, make_engine_config
 from replica.core.kv_events import KVEventKind
@@ -140,7 +140,7 @@ def test_the_cores_openmp_threads_spin_briefly_unless_the_environment_chose_a_wa
         monkeypatch.delenv(name, raising=False)
     if chosen is not None:
         monkeypatch.setenv(*chosen)
-    environment = _child_environment()
+    environment = child_environment()
     if chosen is None:
         assert OPENMP_SHORT_WAIT == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
         assert {name: environment.get(name) for name in OPENMP_WAIT_SETTINGS} == {

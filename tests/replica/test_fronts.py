@@ -1,0 +1,129 @@
+"""One engine core serving several fronts (`headroom replica --api-server-count N`), through
+the front API: each front's streams get their own requests' rows only, even under the same
+request id; every front sees each step's load and the same KV events; a front that leaves
+takes its requests out of the core (their blocks come back) while the others' streams go on;
+and when the front that started the core stops it, the others' streams end with the dead core.
+
+The two fronts here share one event loop; `headroom replica` runs each in a process of its
+own (tests/replica/test_server.py serves one that way)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from replica.config import make_engine_config
+from replica.core.request import SamplingParams
+from replica.errors import EngineDeadError
+from replica.front.async_engine import AsyncEngine
+from replica.ipc.messages import CoreSpec
+
+CONFIG = make_engine_config(max_model_len=256, block_size=16, num_kv_blocks=129)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+async def two_fronts() -> tuple[AsyncEngine, AsyncEngine]:
+    first = AsyncEngine(CoreSpec(CONFIG, "builtin", device="cpu"), fronts=2)
+    await first.start()
+    (socket_of_second,) = first.core.take_front_sockets()
+    second = AsyncEngine(CoreSpec(CONFIG, "builtin", device="cpu"), front_index=1, core_socket=socket_of_second)
+    await second.start()
+    return first, second
+
+
+async def collect(stream) -> list:
+    return [output async for output in stream]
+
+
+async def until(front: AsyncEngine, condition, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition(front.load()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"load never reached the condition: {front.load()}")
+        await front.wait_for_load(front.load_version, timeout=0.5)
+    return front.load()
+
+
+def tokens(outputs) -> list[int]:
+    return [token for output in outputs for token in output.new_token_ids]
+
+
+def test_two_fronts_share_one_core_and_each_gets_only_its_own_streams():
+    prompt_a, prompt_b = list(range(3, 40)), list(range(60, 90))
+
+    async def scenario():
+        first, second = await two_fronts()
+        try:
+            kv_first, kv_second = [], []
+            first.on_kv_events(kv_first.extend)
+            second.on_kv_events(kv_second.extend)
+            # The same client id on both fronts, different prompts.
+            a = first.add_request(prompt_a, GREEDY, request_id="same")
+            b = second.add_request(prompt_b, GREEDY, request_id="same")
+            out_a, out_b = await asyncio.gather(collect(a), collect(b))
+            # Alone on the first front, for the reference.
+            ref_a = await collect(first.add_request(prompt_a, GREEDY))
+            ref_b = await collect(first.add_request(prompt_b, GREEDY))
+            return out_a, out_b, ref_a, ref_b, kv_first, kv_second, first.load_version, second.load_version
+        finally:
+            await second.shutdown(grace_period_s=0)
+            await first.shutdown(grace_period_s=0)
+
+    out_a, out_b, ref_a, ref_b, kv_first, kv_second, versions_first, versions_second = asyncio.run(scenario())
+    assert {output.request_id for output in out_a + out_b} == {"same"}
+    assert len(tokens(out_a)) == len(tokens(out_b)) == 24
+    assert tokens(out_a) == tokens(ref_a) and tokens(out_b) == tokens(ref_b)
+    assert tokens(out_a) != tokens(out_b), "the prompts' outputs do not differ: the probe proves nothing"
+    assert out_a[-1].finish_reason == out_b[-1].finish_reason == "length"
+    assert kv_first and kv_first == kv_second  # every front mirrors the whole prefix cache
+    # The second front read the load of steps that ran only the first front's requests too.
+    assert versions_second >= versions_first - 1
+
+
+def test_a_front_that_leaves_takes_its_requests_out_of_the_core_and_the_others_stream_on():
+    async def scenario():
+        first, second = await two_fronts()
+        try:
+            kept = first.add_request(list(range(3, 40)), LONG, request_id="kept")
+            left = [second.add_request(list(range(50 + 7 * index, 90 + 7 * index)), LONG,
+                                       request_id=f"left{index}") for index in range(3)]
+            for stream in left + [kept]:
+                await stream.__anext__()
+            before = await until(first, lambda load: load.num_running == 4)
+            await second.shutdown(grace_period_s=0)  # its streams end "abort"; the core drops them
+            after = await until(first, lambda load: load.num_running == 1)
+            states = [await first.core.call_utility("request_state", f"left{index}|f1") for index in range(3)]
+            ends = [(await collect(stream))[-1].finish_reason for stream in left]
+            rest = await collect(kept)
+            assert await first.core.call_utility("check_invariants")
+            return before, after, states, ends, rest
+        finally:
+            await first.shutdown(grace_period_s=0)
+
+    before, after, states, ends, rest = asyncio.run(scenario())
+    assert states == [None, None, None], "the core still holds a request of the front that left"
+    assert ends == ["abort"] * 3
+    assert after.kv_blocks_free >= before.kv_blocks_free + 3 * 3  # each held 3+ blocks
+    assert rest[-1].finish_reason == "length"
+    assert sum(len(output.new_token_ids) for output in rest) == 200 - 1
+
+
+def test_when_the_starting_front_stops_the_core_the_other_fronts_streams_fail_and_it_refuses_more():
+    async def scenario():
+        first, second = await two_fronts()
+        try:
+            stream = second.add_request(list(range(3, 40)), LONG)
+            await stream.__anext__()
+            await first.shutdown(grace_period_s=0)
+            with pytest.raises(EngineDeadError):
+                await collect(stream)
+            with pytest.raises(EngineDeadError):
+                second.add_request(list(range(3, 40)), LONG)
+            return second.dead
+        finally:
+            await second.shutdown(grace_period_s=0)
+
+    assert isinstance(asyncio.run(scenario()), EngineDeadError)
