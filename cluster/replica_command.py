@@ -2,6 +2,14 @@
 with optional Prometheus /metrics and API keys (as `headroom serve` takes them); a graceful
 stop lets in-flight streams end cleanly. The
 engine runs in an engine-core process of its own; this process is its gRPC front.
+
+`--api-server-count N` (vLLM's flag) serves the core from N front processes: this one
+(front 0, which starts the core) and N - 1 it starts (`python -m cluster.replica_command
+--front K --fd FD`, their settings pickled on stdin), each with its own channel to the core,
+all on one port (SO_REUSEPORT: the kernel spreads connections over them). One front's event
+loop streams ~47k tokens/s at most at the per-token costs measured in docs/benchmarks.md;
+a GPU at 256 streams makes more. On SIGINT/SIGTERM every front drains its own streams, and
+front 0 stops the core once the others have exited.
 """
 
 from __future__ import annotations
@@ -10,19 +18,26 @@ import argparse
 import asyncio
 import logging
 import os
+import pickle
+import shutil
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import typing
+from typing import Optional
 
 from cluster.arg_types import device_name, port_number, positive_int, seconds
 from cluster.config import Dtype
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.front.async_engine import AsyncEngine
+from replica.front.core_client import child_environment
 from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, EngineConfig
 from replica.server.auth import (
     Credentials, CredentialsError, add_api_key_arguments, api_key_credentials_from_args, open_door_warning,
 )
-from replica.server.metrics import ReplicaMetrics
+from replica.server.metrics import ReplicaMetrics, use_multiprocess_metrics
 from replica.model import ModelConfigError, ModelLoadError
 from replica.model.registry import DEFAULT_MODEL_NAME, check_checkpoint, resolve_model_path
 from replica.server.replica_server import ReplicaServer
@@ -56,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MODULE:CALLABLE that builds the engine in the engine-core process, taking "
                              "LLMEngine's arguments (benchmarks: bench.emulated_device:emulated_device_engine; "
                              "default: %(default)s)")
+    parser.add_argument("--api-server-count", type=positive_int, default=1,
+                        help="gRPC front processes serving the one engine core, sharing the port (default: "
+                             "%(default)s; more where one front's event loop cannot stream the engine's tokens)")
     parser.add_argument("--shutdown-grace-s", type=seconds, default=5.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
     add_engine_config_arguments(parser)
@@ -78,30 +96,168 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError,
             TokenizerLoadError) as error:  # raised by the core building the engine, or the front's tokenizer
         parser.error(str(error))
+    except FrontFailed as error:
+        logger.error("%s", error)
+        return 1
     return 0
 
 
+def _core_spec(config: EngineConfig, args: argparse.Namespace) -> CoreSpec:
+    return CoreSpec(config, args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                    torch_threads=args.torch_threads, engine_factory=args.engine_factory)
+
+
 async def _serve(config: EngineConfig, replica_id: str, credentials: Credentials, args: argparse.Namespace) -> None:
-    engine = AsyncEngine(CoreSpec(config, args.model, device=args.device, dtype=args.dtype,
-                                  attention_backend=args.attention_backend, torch_threads=args.torch_threads,
-                                  engine_factory=args.engine_factory))
+    fronts = args.api_server_count
+    engine = AsyncEngine(_core_spec(config, args), fronts=fronts)
+    metrics_dir = None
+    if fronts > 1 and args.metrics_port is not None:
+        # Each front counts its own streams; this one's /metrics sums them.
+        metrics_dir = tempfile.mkdtemp(prefix="headroom-metrics-")
+        use_multiprocess_metrics(metrics_dir)
     metrics = ReplicaMetrics(replica_id, args.model)
     metrics_server = None
     if args.metrics_port is not None:
         metrics_server, _ = metrics.start_http_server(args.metrics_port, args.host)
         print(f"metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
-    server = ReplicaServer(engine, replica_id, args.model, metrics, credentials=credentials)
+    server = ReplicaServer(engine, replica_id, args.model, metrics, credentials=credentials, shared_port=fronts > 1)
     port = await server.start(args.host, args.port)
+    others = OtherFronts()
+    try:
+        await others.start(engine.core.take_front_sockets(), FrontSettings(
+            {name: value for name, value in vars(args).items() if not callable(value)
+             and not isinstance(value, argparse.ArgumentParser)},
+            config, replica_id, credentials, port, metrics_dir))
+    except BaseException:
+        await others.stop(0.0)
+        await server.stop(0.0)
+        _remove(metrics_dir)
+        raise
     # As the engine core does: no full collection of the startup heap stops the event loop
     # (and with it every stream and every new request) mid-serving.
     freeze_startup_heap()
     # Printed (not only logged) so a parent process using --port 0 can read the port.
-    print(f"listening on {args.host}:{port}", flush=True)
+    print(f"listening on {args.host}:{port}" + (f" ({fronts} fronts)" if fronts > 1 else ""), flush=True)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_requested.set)
     await stop_requested.wait()
-    await server.stop(args.shutdown_grace_s)
+    others.signal_stop()  # they drain their streams while this one drains its own
+    await server.stop(args.shutdown_grace_s, before_core_exit=lambda: others.stop(args.shutdown_grace_s))
     if metrics_server is not None:
         metrics_server.shutdown()
+    _remove(metrics_dir)
+
+
+def _remove(directory: Optional[str]) -> None:
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class FrontFailed(RuntimeError):
+    """Another front of the engine core could not start (its own error went to stderr)."""
+
+
+# A front that has not exited this long after its grace period is killed.
+FRONT_EXIT_TIMEOUT_S = 10.0
+
+
+class OtherFronts:
+    """Front 0's handle on the other front processes of its engine core."""
+
+    def __init__(self):
+        self.processes: list[subprocess.Popen] = []
+
+    async def start(self, core_sockets: list[socket.socket], settings: "FrontSettings") -> None:
+        """Start front K for each channel (K from 1), and wait until each serves on the
+        settings' port; raises FrontFailed naming a front that exited instead."""
+        try:
+            for index, core_socket in enumerate(core_sockets, start=1):
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "cluster.replica_command", "--front", str(index),
+                     "--fd", str(core_socket.fileno())],
+                    pass_fds=(core_socket.fileno(),), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    env=child_environment(),
+                )
+                self.processes.append(process)
+                pickle.dump(settings, process.stdin)
+                process.stdin.close()
+        finally:
+            for core_socket in core_sockets:  # theirs now: the core must see EOF when one dies
+                core_socket.close()
+        loop = asyncio.get_running_loop()
+        for index, process in enumerate(self.processes, start=1):
+            line = await loop.run_in_executor(None, process.stdout.readline)
+            if not line.startswith(b"front"):
+                code = await loop.run_in_executor(None, process.wait)
+                raise FrontFailed(f"front {index} of the engine core exited with code {code} while starting "
+                                  f"(its error is above)")
+
+    def signal_stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+
+    async def stop(self, grace_s: float) -> None:
+        """Ask each to stop (drain for `grace_s`) and wait for it; kill one that hangs."""
+        self.signal_stop()
+        loop = asyncio.get_running_loop()
+        for process in self.processes:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, process.wait), grace_s + FRONT_EXIT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("front process %d did not exit; killing it", process.pid)
+                process.kill()
+                await loop.run_in_executor(None, process.wait)
+
+
+class FrontSettings(typing.NamedTuple):
+    """What front 0 hands another front on its stdin (pickled: the keys stay off the command line)."""
+
+    args: dict  # the command's flags
+    config: EngineConfig
+    replica_id: str
+    credentials: Credentials
+    port: int
+    metrics_dir: Optional[str]  # where the fronts keep their metrics for front 0's /metrics
+
+
+def front_main(argv: Optional[list[str]] = None) -> int:
+    """Front K of an engine core front 0 started: serve its port until SIGINT/SIGTERM or the core's end."""
+    parser = argparse.ArgumentParser(description=front_main.__doc__)
+    parser.add_argument("--front", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True)
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s front-{options.front} %(name)s: %(message)s")
+    settings: FrontSettings = pickle.load(sys.stdin.buffer)
+    os.set_inheritable(options.fd, False)
+    core_socket = socket.socket(fileno=options.fd)
+    asyncio.run(_serve_front(options.front, core_socket, settings))
+    return 0
+
+
+async def _serve_front(index: int, core_socket: socket.socket, settings: FrontSettings) -> None:
+    args = argparse.Namespace(**settings.args)
+    engine = AsyncEngine(_core_spec(settings.config, args), front_index=index, core_socket=core_socket)
+    if settings.metrics_dir is not None:
+        use_multiprocess_metrics(settings.metrics_dir)
+    metrics = ReplicaMetrics(settings.replica_id, args.model, engine_metrics=False)
+    server = ReplicaServer(engine, settings.replica_id, args.model, metrics, credentials=settings.credentials,
+                           shared_port=True)
+    await server.start(args.host, settings.port, join=True)
+    freeze_startup_heap()
+    print(f"front {index} listening on {args.host}:{settings.port}", flush=True)
+    os.dup2(2, 1)  # nobody reads the pipe after that line: a later print must not fill it
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop_requested.set)
+    engine.on_dead(lambda error: stop_requested.set())  # front 0 stopped the core, or it died
+    await stop_requested.wait()
+    await server.stop(args.shutdown_grace_s)
+
+
+if __name__ == "__main__":
+    raise SystemExit(front_main())

@@ -7,12 +7,15 @@ creates the replica's metrics in a registry of its own, so engines in one proces
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import NamedTuple
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import values as prometheus_values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from protos.headroom_pb2 import ReplicaLoad
 from replica.core.load import COUNTER_FOR_FIELD, GAUGE_FOR_FIELD, GAUGE_FOR_REPORT_FIELD, SchedulerLoad
@@ -385,26 +388,52 @@ def create_metric(name: str, registry: CollectorRegistry) -> Counter | Gauge | H
         # prometheus_client appends `_total` to a counter's name itself.
         return Counter(name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
     if spec.type == "gauge":
-        return Gauge(name, spec.help, spec.labels, registry=registry)
+        # Under multiprocess metrics (several fronts) one process sets each gauge: the latest
+        # value is the gauge's, with no per-process label. Without, the mode is unused.
+        return Gauge(name, spec.help, spec.labels, registry=registry, multiprocess_mode="mostrecent")
     return Histogram(name, spec.help, spec.labels, registry=registry, buckets=spec.buckets)
 
 
-class ReplicaMetrics:
-    """One engine's metrics, labelled with its replica id and model, in its own registry."""
+# The metrics each front of an engine core observes for its own streams; the rest follow the
+# core's load, which only front 0 records when several fronts share the core.
+REQUEST_METRIC_NAMES = ("headroom_request_success_total", "headroom_time_to_first_token_seconds",
+                        "headroom_inter_token_latency_seconds", "headroom_e2e_request_latency_seconds",
+                        "headroom_request_queue_time_seconds")
 
-    def __init__(self, replica_id: str, model: str, registry: CollectorRegistry | None = None):
+
+def use_multiprocess_metrics(directory: str) -> None:
+    """Keep this process's metrics created from now on in `directory` (prometheus_client's
+    multiprocess mode), where front 0's /metrics sums them with the other fronts' (counters and
+    histograms; each gauge is set by one process). Call before any ReplicaMetrics is made."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    prometheus_values.ValueClass = prometheus_values.MultiProcessValue()
+
+
+class ReplicaMetrics:
+    """One engine's metrics, labelled with its replica id and model, in its own registry.
+    engine_metrics=False: only REQUEST_METRIC_NAMES, for a front that is not front 0 of its
+    engine core (`update` is then a no-op)."""
+
+    def __init__(self, replica_id: str, model: str, registry: CollectorRegistry | None = None, *,
+                 engine_metrics: bool = True):
         self.replica_id = replica_id
         self.model = model
         self.registry = registry if registry is not None else CollectorRegistry()
-        metrics = {name: create_metric(name, self.registry) for name in REPLICA_METRIC_NAMES}
+        self.engine_metrics = engine_metrics
+        names = REPLICA_METRIC_NAMES if engine_metrics else REQUEST_METRIC_NAMES
+        metrics = {name: create_metric(name, self.registry) for name in names}
         # Binding the labels now makes every series appear (at 0) from the first scrape, so
         # dashboards see a replica before its first preemption or request.
         labels = (replica_id, model)
         # Which metric follows which load field is declared with the field (replica/core/load.py).
-        self._counters = {field: metrics[name].labels(*labels) for field, name in COUNTER_FOR_FIELD.items()}
-        self._synced_totals = dict.fromkeys(COUNTER_FOR_FIELD, 0)
-        self._gauges = {field: metrics[name].labels(*labels) for field, name in GAUGE_FOR_FIELD.items()}
-        self._report_gauges = {field: metrics[name].labels(*labels) for field, name in GAUGE_FOR_REPORT_FIELD.items()}
+        if engine_metrics:
+            self._counters = {field: metrics[name].labels(*labels) for field, name in COUNTER_FOR_FIELD.items()}
+            self._gauges = {field: metrics[name].labels(*labels) for field, name in GAUGE_FOR_FIELD.items()}
+            self._report_gauges = {field: metrics[name].labels(*labels)
+                                   for field, name in GAUGE_FOR_REPORT_FIELD.items()}
+        else:
+            self._counters, self._gauges, self._report_gauges = {}, {}, {}
+        self._synced_totals = dict.fromkeys(self._counters, 0)
         request_success = metrics["headroom_request_success_total"]
         self._request_success = {reason: request_success.labels(*labels, reason) for reason in FINISH_REASONS}
         self._time_to_first_token = metrics["headroom_time_to_first_token_seconds"].labels(*labels)
@@ -450,12 +479,17 @@ class ReplicaMetrics:
         self._request_success[reason].inc()
 
     def start_http_server(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
-        """Serves this registry on http://addr:port/metrics from a daemon thread.
+        """Serves this registry on http://addr:port/metrics from a daemon thread; under
+        multiprocess metrics, every process's that shares the directory.
 
         Port 0 picks a free port (read it from `server.server_port`); `server.shutdown()`
         stops it.
         """
-        return prometheus_client.start_http_server(port, addr, registry=self.registry)
+        registry = self.registry
+        if prometheus_values.ValueClass is not prometheus_values.MutexValue:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        return prometheus_client.start_http_server(port, addr, registry=registry)
 
 
 

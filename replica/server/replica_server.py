@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional
+import socket
+from typing import Awaitable, Callable, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,8 +38,11 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 LOAD_REPORTER_SERVICE = pb.DESCRIPTOR.services_by_name["LoadReporter"].full_name
 # gRPC sets SO_REUSEPORT by default: two servers on one port would silently share its
-# connections. Off, a taken port fails to bind, so the next one can be tried.
+# connections. Off, a taken port fails to bind, so the next one can be tried. The fronts of
+# one replica (`headroom replica --api-server-count N`) share theirs on purpose: the kernel
+# spreads new connections over them.
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+SHARED_PORT_SERVER_OPTIONS = (("grpc.so_reuseport", 1),)
 # Without new loads (an idle engine) the gauges are still refreshed this often, so the
 # smoothed preemption rate visibly decays to zero.
 IDLE_METRICS_REFRESH_S = 1.0
@@ -50,11 +54,13 @@ FINAL_WRITES_GRACE_S = 1.0
 class ReplicaServer:
     def __init__(self, engine: AsyncEngine, replica_id: str, model_id: str, metrics: ReplicaMetrics,
                  limits: RequestLimits = RequestLimits(), *, generation: bool = True,
-                 credentials: Credentials = Credentials(), credential_name: str = "API key"):
+                 credentials: Credentials = Credentials(), credential_name: str = "API key",
+                 shared_port: bool = False):
         """generation: serve headroom.v1.Generation beside LoadReporter (a cluster replica does
         not: a direct Generate answers UNIMPLEMENTED). credentials: the bearer secrets every
         call but health checking and reflection must carry (none: open); credential_name
-        names them in the refusal ("API key", "cluster token")."""
+        names them in the refusal ("API key", "cluster token"). shared_port: bind with
+        SO_REUSEPORT, as one of several fronts of one engine core (see `start`)."""
         self.engine = engine
         self.replica_id = replica_id
         self.model_id = model_id
@@ -65,32 +71,41 @@ class ReplicaServer:
         self.service_names = ((GENERATION_SERVICE,) if generation else ()) + (LOAD_REPORTER_SERVICE,)
         self.credentials = credentials
         self.credential_name = credential_name
+        self.shared_port = shared_port
         self.port: Optional[int] = None
         self._server: Optional[grpc.aio.Server] = None
         self._health: Optional[health.aio.HealthServicer] = None
         self._stopping: Optional[asyncio.Event] = None
         self._metrics_task: Optional[asyncio.Task] = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, port_search: int = 1) -> int:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, port_search: int = 1, *,
+                    join: bool = False) -> int:
         """Serve on host:port, or the first free port of the `port_search` from `port` up (0
         picks any free port), then start the engine core (if not yet); returns the port.
-        Raises OSError, before the engine core starts, when none of them is free."""
+        Raises OSError, before the engine core starts, when none of them is free. With
+        `shared_port`, the first front takes a port nothing holds (it is checked with a plain
+        bind first: SO_REUSEPORT alone would join another server's port) and the others
+        `join` it (exactly `port`)."""
         self._stopping = asyncio.Event()
         interceptors = [BearerAuthInterceptor(self.credentials, self.credential_name)] if self.credentials.required else []
         interceptors.append(MalformedRequestInterceptor())  # after auth: unauthenticated calls are refused as such
-        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-        if self.generation:
-            pb_grpc.add_GenerationServicer_to_server(
-                GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
-            )
+        server = grpc.aio.server(interceptors=interceptors,
+                                 options=SHARED_PORT_SERVER_OPTIONS if self.shared_port else SERVER_OPTIONS)
         pb_grpc.add_LoadReporterServicer_to_server(
             LoadReporterServicer(self.engine, self.load_reports, self._stopping), server
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(self.service_names + (health.SERVICE_NAME,), server)
-        self.port = _bind_first_free(server, host, port, port_search)
+        if join:
+            self.port = _bind_first_free(server, host, port, 1)
+        else:
+            self.port = _bind_first_free(server, host, port, port_search, check_free=self.shared_port)
         await self.engine.start()
+        if self.generation:  # after the start: the servicer builds its grammar compiler from the engine's tokenizer
+            pb_grpc.add_GenerationServicer_to_server(
+                GenerationServicer(self.engine, self.replica_id, self.model_id, self.limits), server
+            )
         # Every front that streams from this engine (this server's Generate, a Serve
         # deployment's generate) then feeds the same latency histograms.
         self.engine.observe_requests(RequestMetrics(self.metrics, self.engine.engine.clock))
@@ -102,14 +117,17 @@ class ReplicaServer:
         logger.info("replica %s serving %s on %s:%d", self.replica_id, self.model_id, host, self.port)
         return self.port
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self, grace_s: float = 5.0,
+                   before_core_exit: Optional[Callable[[], Awaitable[None]]] = None) -> None:
         """Report NOT_SERVING, refuse new requests (UNAVAILABLE), let in-flight streams finish
-        for up to grace_s, end the rest with finish reason ABORT, then close the server."""
+        for up to grace_s, end the rest with finish reason ABORT, then close the server.
+        before_core_exit: awaited before this front stops the engine core (the other fronts'
+        own drains)."""
         if self._server is None:
             return
         await self._health.enter_graceful_shutdown()
         self._stopping.set()
-        await self.engine.shutdown(grace_s)
+        await self.engine.shutdown(grace_s, before_core_exit=before_core_exit)
         await self._server.stop(FINAL_WRITES_GRACE_S)
         self._metrics_task.cancel()
         try:
@@ -137,14 +155,29 @@ class ReplicaServer:
             self.metrics.update(load, self.load_reports.build(load))
 
 
-def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_search: int) -> int:
+def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_search: int,
+                     check_free: bool = False) -> int:
     """Binds `server` on `host` to the first port it can have from `base_port` up (at most
-    `port_search` of them; port 0 is any free one); returns it."""
+    `port_search` of them; port 0 is any free one); returns it. check_free: skip a port a
+    plain bind cannot take (for a server that binds with SO_REUSEPORT, which would share a
+    port another such server holds)."""
     last_port = base_port if base_port == 0 else min(base_port + port_search, 65536) - 1
     for port in range(base_port, last_port + 1):
+        if check_free and port and not _port_is_free(host, port):
+            continue
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             return server.add_insecure_port(address)
         except RuntimeError:  # grpc's "Failed to bind": taken (or not an address of this host)
             continue
     raise OSError(f"no free port on {host} in {base_port}..{last_port}")
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.fronts import OWN_CONNECTION, engine_core_pid, front_pids, served_connections
 from cluster.cli import build_parser, main
 from cluster.serve_command import serve_config_from_args
 from protos import headroom_pb2 as pb
@@ -104,7 +106,10 @@ def start_replica(*flags: str, stderr=subprocess.DEVNULL, env=None) -> tuple[sub
          "--num-kv-blocks", "32", *flags],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env or os.environ.copy(),
     )
+    process.metrics_port = None
     for line in process.stdout:  # the port is printed once the server listens
+        if match := re.match(r"metrics on http://\S+:(\d+)/metrics", line):
+            process.metrics_port = int(match.group(1))
         if match := re.match(r"listening on \S+:(\d+)", line):
             return process, int(match.group(1))
     process.kill()
@@ -153,6 +158,90 @@ def test_replica_with_an_api_key_refuses_generate_without_it_and_leaves_health_o
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
     finally:
+        stop(process)
+
+
+def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_and_counts_them_all(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("front-key\n")  # every front must take it
+    stderr_file = (tmp_path / "stderr").open("w")
+    process, port = start_replica("--api-server-count", "2", "--api-key-file", str(key_file), "--metrics-port", "0",
+                                  stderr=stderr_file)
+    channels = []
+    try:
+        fronts = front_pids(process.pid)
+        core = engine_core_pid(process.pid)
+        assert len(fronts) == 2
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+        key = (("authorization", "Bearer front-key"),)
+        # A new connection each (no shared subchannel), until the kernel has given each front one.
+        while min(served_connections(pid, port) for pid in fronts) == 0:
+            assert len(channels) < 40, [served_connections(pid, port) for pid in fronts]
+            channels.append(grpc.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION))
+            responses = list(pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=30, metadata=key))
+            assert responses[-1].usage.completion_tokens == 3
+            with pytest.raises(grpc.RpcError) as refused:
+                list(pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Front 0's /metrics counts every front's streams (and the core's load once).
+        text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=30).read().decode()
+        def sample(pattern: str) -> float:
+            (value,) = re.findall(rf"^{pattern}\{{.*?\}} (\S+)$", text, re.MULTILINE)
+            return float(value)
+
+        assert sample(r'headroom_request_success_total(?=\{finish_reason="length")') == len(channels)
+        assert sample("headroom_num_requests_running") == 0  # one series: front 0's, not one per front
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        for pid in fronts[1:] + [core]:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        for channel in channels:
+            channel.close()
+        stop(process)
+    # Each front built its grammar compiler at start, from the engine it attached to.
+    assert "no grammar compiler" not in (tmp_path / "stderr").read_text()
+
+
+def test_a_front_that_dies_mid_stream_frees_its_requests_and_the_other_front_serves_on():
+    process, port = start_replica("--api-server-count", "2")
+    channels = []
+    try:
+        fronts = front_pids(process.pid)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 40))),
+                                     sampling=pb.SamplingParams(max_tokens=80, ignore_eos=True))
+        # A stream on each front: connections until each front holds one with a stream open.
+        streams = {}
+        while len(streams) < 2:
+            assert len(channels) < 40
+            channels.append(grpc.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION))
+            before = [served_connections(pid, port) for pid in fronts]
+            stream = pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=60)
+            next(stream)
+            after = [served_connections(pid, port) for pid in fronts]
+            front = next(index for index in range(2) if after[index] > before[index])
+            if front in streams:
+                stream.cancel()
+            else:
+                streams[front] = stream
+        load_stub = pb_grpc.LoadReporterStub(channels[0])
+        os.kill(fronts[1], signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as lost:
+            list(streams[1])
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(streams[0])  # front 0's stream goes on to its end
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(response.token_ids) for response in rest) == 80 - 1
+        deadline = time.monotonic() + 30
+        while True:  # the dead front's request left the core: every block is free again
+            load = load_stub.GetLoad(pb.LoadRequest(), timeout=30)
+            if load.num_running == 0 and load.kv_blocks_free == load.kv_blocks_total:
+                break
+            assert time.monotonic() < deadline, load
+            time.sleep(0.2)
+    finally:
+        for channel in channels:
+            channel.close()
         stop(process)
 
 

@@ -17,6 +17,7 @@ from replica.server.metrics import (
     FINISH_REASONS,
     METRIC_NAMES,
     REPLICA_METRIC_NAMES,
+    REQUEST_METRIC_NAMES,
     ReplicaMetrics,
 )
 
@@ -257,6 +258,18 @@ def test_metrics_register_in_a_given_registry():
     assert metrics.registry is registry
     labels = {"replica": "replica-1", "model": "tiny-llama"}
     assert registry.get_sample_value("headroom_num_preemptions_total", labels) == 0
+
+
+def test_a_front_other_than_front_0_records_only_its_streams_metrics_and_ignores_loads():
+    assert set(REQUEST_METRIC_NAMES) < set(REPLICA_METRIC_NAMES)
+    front = ReplicaMetrics(replica_id="replica-0", model="tiny-llama", engine_metrics=False)
+    front.update(load_with(preemptions_total=3, num_running=2), ReplicaLoad())
+    front.observe_ttft(0.5)
+    front.finished("length")
+    names = {family.name for family in text_string_to_metric_families(generate_latest(front.registry).decode())
+             if not family.name.endswith("_created")}
+    assert names == {name.removesuffix("_total") for name in REQUEST_METRIC_NAMES}
+    assert value(front, "headroom_time_to_first_token_seconds_count") == 1
 
 
 # The HTTP endpoint.
