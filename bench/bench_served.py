@@ -5,6 +5,7 @@ process (this one), on the same workloads in one run; prints served / offline.
     python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
                                  [--model builtin|DIR] [--device cpu|cuda] [--dtype D] [--num-kv-blocks N]
                                  [--emulated-device] [--repeat N] [--stream-interval N[,N...]]
+                                 [--api-server-count N[,N...]]
 
 Engine: built-in model on the CPU by default, max_model_len 1024, 4,096 blocks, max_num_seqs
 256, budget 2048 (bench/bench_gpu.py runs it on a GPU with a 1.1B checkpoint).
@@ -28,6 +29,12 @@ A comma list (--stream-interval 1,4) serves every workload at each interval, a r
 against one offline run: rows labelled @N.
 The "CPU ratio" column is the offline engine's CPU seconds over the served side's (core +
 front + client): the comparison that holds when other load moves the wall ratio.
+--api-server-count N serves from N front processes (`headroom replica --api-server-count N`:
+one engine core, N gRPC fronts on one port); the client opens CONNECTIONS_PER_FRONT
+connections to each (checked in /proc, bench/fronts.py: the kernel picks the front of a new
+connection) and deals its streams over the fronts in turn. The "front" CPU is all fronts'.
+A comma list (1,2) serves every workload with each count, a replica each (with a list of
+stream intervals too, every pair), against the one offline run: rows labelled /Nf.
 --grpc-floor also runs a bare grpc.aio Generate server (no engine: it writes a one-token
 GenerateResponse per stream each tick, the tick the served run's ITL p50) to this script's
 client, and prints the CPU per message of that server and client beside the front's and the
@@ -50,7 +57,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.stats import percentile
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ is a namespace package there
+from bench.fronts import channels_per_front, engine_core_pid, front_pids  # noqa: E402
+from cluster.stats import percentile  # noqa: E402
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 
@@ -59,6 +68,8 @@ THROUGHPUT_TARGET = 0.9
 ITL_TARGET_STEPS = 2.0
 TARGET_STREAMS = (64, 200, 256)
 VOCAB = 256  # the built-in model's byte tokens
+# With several fronts, the client's connections to each (the streams are dealt over them).
+CONNECTIONS_PER_FRONT = 2
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -83,11 +94,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def engine_core_pid(front_pid: int) -> int:
-    with open(f"/proc/{front_pid}/task/{front_pid}/children") as children:
-        return int(children.read().split()[0])
 
 
 def workload(num_streams: int, seed: int = 0) -> list[list[int]]:
@@ -142,7 +148,7 @@ def release_device_memory(device: str) -> None:
 
 def start_replica(core_torch_threads: int | None, model: str, device: str,
                   dtype: str | None, emulated_device: bool = False,
-                  stream_interval: int | None = None) -> tuple[subprocess.Popen, str]:
+                  stream_interval: int | None = None, fronts: int = 1) -> tuple[subprocess.Popen, str]:
     flags = [(f"--{name.replace('_', '-')}" if value is True else f"--{name.replace('_', '-')}={value}")
              for name, value in ENGINE.items()]
     if emulated_device:
@@ -153,6 +159,8 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
         flags.append(f"--dtype={dtype}")
     if stream_interval is not None:
         flags.append(f"--stream-interval={stream_interval}")
+    if fronts > 1:
+        flags.append(f"--api-server-count={fronts}")
     # The replica's default model is the real one, so name the offline loop's.
     process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", model, "--port", "0",
                                 "--device", device, *flags],
@@ -165,32 +173,52 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
     raise RuntimeError("headroom replica exited before it listened")
 
 
-async def run_served(address: str, pids: dict[str, int], prompts: list[list[int]], max_tokens: int) -> Result:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+async def run_served(address: str, pids: dict[str, int | list[int]], prompts: list[list[int]],
+                     max_tokens: int) -> Result:
+    """pids: the processes whose CPU is counted, by name; a list (the fronts) counts as one.
+    With several fronts, the streams are spread evenly over them: CONNECTIONS_PER_FRONT
+    connections to each, the streams dealt round-robin over the fronts."""
+    fronts = pids.get("front")
+    if isinstance(fronts, list) and len(fronts) > 1:
+        by_front = await channels_per_front(address, fronts, CONNECTIONS_PER_FRONT)
+        channels = [by_front[front][round_] for round_ in range(CONNECTIONS_PER_FRONT) for front in range(len(fronts))]
+    else:
+        channels = [grpc.aio.insecure_channel(address)]
+    stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
+    messages = 0
 
+    async def stream(index: int, prompt: list[int]) -> list[float]:
+        nonlocal messages
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        times = []
+        async for response in stubs[index % len(stubs)].Generate(request):
+            times += [time.perf_counter()] * len(response.token_ids)
+            messages += 1
+        assert len(times) == max_tokens, len(times)
+        return times
+
+    try:
+        await asyncio.gather(*(stream(index, prompt[:16]) for index, prompt in enumerate(prompts[:8])))  # warm-up
         messages = 0
-
-        async def stream(prompt: list[int]) -> list[float]:
-            nonlocal messages
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-            times = []
-            async for response in stub.Generate(request):
-                times += [time.perf_counter()] * len(response.token_ids)
-                messages += 1
-            assert len(times) == max_tokens, len(times)
-            return times
-
-        await asyncio.gather(*(stream(prompt[:16]) for prompt in prompts[:8]))  # warm-up
-        messages = 0
-        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        each = {name: pid for name, pid in pids.items() if not isinstance(pid, list)}
+        for name, group in pids.items():  # a group's members each, beside the group's sum
+            if isinstance(group, list) and len(group) > 1:
+                each.update((f"{name}{index}", pid) for index, pid in enumerate(group))
+        cpu_before = {name: process_cpu_seconds(pid) for name, pid in {**pids, **each}.items()}
         start = time.perf_counter()
-        per_stream = await asyncio.gather(*(stream(prompt) for prompt in prompts))
+        per_stream = await asyncio.gather(*(stream(index, prompt) for index, prompt in enumerate(prompts)))
         elapsed = max(times[-1] for times in per_stream) - start
-        cpu_s = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+        cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in {**pids, **each}.items()}
+    finally:
+        for channel in channels:
+            await channel.close()
     itl_ms = [(later - earlier) * 1000 for times in per_stream for earlier, later in zip(times, times[1:])]
     return Result(len(prompts) * max_tokens / elapsed, itl_ms, cpu_s, messages)
+
+
+def process_cpu_seconds(pids: int | list[int]) -> float:
+    return sum(map(cpu_seconds, pids)) if isinstance(pids, list) else cpu_seconds(pids)
 
 
 class _FloorServicer(pb_grpc.GenerationServicer):
@@ -256,6 +284,9 @@ def main() -> None:
                         help="the replica's stream_interval: tokens per message after a stream's first; a "
                              "comma list (1,4) serves each workload at each, beside one offline run "
                              "(default: the replica's, 1)")
+    parser.add_argument("--api-server-count", default="1",
+                        help="the replica's front processes (`headroom replica --api-server-count`); the client "
+                             "spreads its streams evenly over them; a comma list serves each (default: %(default)s)")
     parser.add_argument("--serve-grpc-floor", type=float, default=None, help=argparse.SUPPRESS)  # tick, s
     args = parser.parse_args()
     if args.serve_grpc_floor is not None:
@@ -267,7 +298,6 @@ def main() -> None:
             parser.error("--emulated-device runs on the CPU")
         ENGINE["async_scheduling"] = True
         args.core_torch_threads = 1
-        sys.path.insert(0, str(REPO))  # bench/ is not an installed package
         from bench.emulated_device import device_model
 
         emulated_device_ms = " + ".join(map(str, device_model()))
@@ -279,6 +309,11 @@ def main() -> None:
         intervals = [None] if args.stream_interval is None else [int(item) for item in args.stream_interval.split(",")]
     except ValueError:
         parser.error(f"--stream-interval: integers, comma-separated, not {args.stream_interval!r}")
+    try:
+        front_counts = [int(item) for item in args.api_server_count.split(",")]
+    except ValueError:
+        parser.error(f"--api-server-count: integers, comma-separated, not {args.api_server_count!r}")
+    setups = [(interval, fronts) for interval in intervals for fronts in front_counts]
 
     seeds = range(args.repeat)
     engine = build_offline_engine(args.model, args.device, args.dtype, args.emulated_device)
@@ -295,18 +330,18 @@ def main() -> None:
 
     gc.collect()
     gc.freeze()
-    served_at = {}  # by stream interval: each a replica of its own, beside the one offline run
-    for interval in intervals:
+    served_at = {}  # by (stream interval, fronts): each a replica of its own, beside the one offline run
+    for interval, fronts in setups:
         process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
-                                         args.emulated_device, interval)
+                                         args.emulated_device, interval, fronts)
         try:
-            pids = {"core": engine_core_pid(process.pid), "front": process.pid, "client": os.getpid()}
-            served_at[interval] = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
+            pids = {"core": engine_core_pid(process.pid), "front": front_pids(process.pid), "client": os.getpid()}
+            served_at[interval, fronts] = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
                                                  for seed in seeds]) for key in workloads}
         finally:
             process.send_signal(2)
             process.wait(timeout=60)
-    served = served_at[intervals[0]]
+    served = served_at[setups[0]]
 
     import torch
 
@@ -314,23 +349,29 @@ def main() -> None:
           f"core {args.core_torch_threads or 'default'}; engine {ENGINE}"
           + (f"; emulated device: {emulated_device_ms} ms per step + per token" if args.emulated_device else "")
           + (f"; stream interval {args.stream_interval}" if args.stream_interval is not None else "")
+          + (f"; fronts {args.api_server_count} ({CONNECTIONS_PER_FRONT} connections each)"
+             if front_counts != [1] else "")
           + (f"; median of {args.repeat} runs" if args.repeat > 1 else ""))
     print(f"{'streams x tokens':>17}{'offline tok/s':>15}{'served tok/s':>14}{'served/offline':>16}"
           f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}{'tokens/msg':>11}{'CPU ratio':>10}"
           f"   CPU s: offline engine | core, front, client")
     verdicts = []
-    for interval, key in ((interval, key) for interval in intervals for key in workloads):
-        (ours, served_rates), (base, _) = served_at[interval][key], offline[key]
-        at = f" at interval {interval}" if len(intervals) > 1 else ""
+    for (interval, fronts), key in ((setup, key) for setup in setups for key in workloads):
+        (ours, served_rates), (base, _) = served_at[interval, fronts][key], offline[key]
+        label = (f" @{interval}" if len(intervals) > 1 else "") + (f" /{fronts}f" if len(front_counts) > 1 else "")
+        at = ((f" at interval {interval}" if len(intervals) > 1 else "")
+              + (f" with {fronts} fronts" if len(front_counts) > 1 else ""))
         ratio = ours.tokens_per_s / base.tokens_per_s
         step_p99 = percentile(base.itl_ms, 0.99)
         itl_p99 = percentile(ours.itl_ms, 0.99)
-        print(f"{f'{key[0]} x {key[1]}' + (f' @{interval}' if at else ''):>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
+        print(f"{f'{key[0]} x {key[1]}' + label:>17}{base.tokens_per_s:>15.0f}{ours.tokens_per_s:>14.0f}{ratio:>16.2f}"
               f"{f'{percentile(base.itl_ms, 0.5):.0f} / {step_p99:.0f}':>17}"
               f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}"
               f"{key[0] * key[1] / max(ours.messages, 1):>11.1f}"
               f"{base.cpu_s['engine'] / max(sum(ours.cpu_s.values()), 1e-9):>10.2f}   {base.cpu_s['engine']:.2f} | "
               + ", ".join(f"{ours.cpu_s[name]:.2f}" for name in ("core", "front", "client"))
+              + (" (fronts " + " + ".join(f"{ours.cpu_s['front' + str(index)]:.2f}" for index in range(fronts)) + ")"
+                 if fronts > 1 else "")
               + (f"   runs served/offline: {' '.join(f'{rate / base.tokens_per_s:.2f}' for rate in served_rates)}"
                  if args.repeat > 1 else ""))
         if key[0] in TARGET_STREAMS:
