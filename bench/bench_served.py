@@ -368,7 +368,8 @@ def main() -> None:
               f"{f'{percentile(base.itl_ms, 0.5):.0f} / {step_p99:.0f}':>17}"
               f"{f'{percentile(ours.itl_ms, 0.5):.0f} / {itl_p99:.0f}':>23}"
               f"{key[0] * key[1] / max(ours.messages, 1):>11.1f}"
-              f"{base.cpu_s['engine'] / max(sum(ours.cpu_s.values()), 1e-9):>10.2f}   {base.cpu_s['engine']:.2f} | "
+              f"{base.cpu_s['engine'] / max(sum(ours.cpu_s[name] for name in ('core', 'front', 'client')), 1e-9):>10.2f}"
+              f"   {base.cpu_s['engine']:.2f} | "
               + ", ".join(f"{ours.cpu_s[name]:.2f}" for name in ("core", "front", "client"))
               + (" (fronts " + " + ".join(f"{ours.cpu_s['front' + str(index)]:.2f}" for index in range(fronts)) + ")"
                  if fronts > 1 else "")

@@ -109,12 +109,22 @@ def _core_spec(config: EngineConfig, args: argparse.Namespace) -> CoreSpec:
 
 async def _serve(config: EngineConfig, replica_id: str, credentials: Credentials, args: argparse.Namespace) -> None:
     fronts = args.api_server_count
-    engine = AsyncEngine(_core_spec(config, args), fronts=fronts)
     metrics_dir = None
     if fronts > 1 and args.metrics_port is not None:
         # Each front counts its own streams; this one's /metrics sums them.
         metrics_dir = tempfile.mkdtemp(prefix="headroom-metrics-")
         use_multiprocess_metrics(metrics_dir)
+    try:
+        await _serve_fronts(config, replica_id, credentials, args, metrics_dir)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+async def _serve_fronts(config: EngineConfig, replica_id: str, credentials: Credentials, args: argparse.Namespace,
+                        metrics_dir: Optional[str]) -> None:
+    fronts = args.api_server_count
+    engine = AsyncEngine(_core_spec(config, args), fronts=fronts)
     metrics = ReplicaMetrics(replica_id, args.model)
     metrics_server = None
     if args.metrics_port is not None:
@@ -131,7 +141,6 @@ async def _serve(config: EngineConfig, replica_id: str, credentials: Credentials
     except BaseException:
         await others.stop(0.0)
         await server.stop(0.0)
-        _remove(metrics_dir)
         raise
     # As the engine core does: no full collection of the startup heap stops the event loop
     # (and with it every stream and every new request) mid-serving.
@@ -142,17 +151,13 @@ async def _serve(config: EngineConfig, replica_id: str, credentials: Credentials
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_requested.set)
+    watcher = loop.create_task(others.watch(), name="front-watcher")
     await stop_requested.wait()
+    watcher.cancel()
     others.signal_stop()  # they drain their streams while this one drains its own
     await server.stop(args.shutdown_grace_s, before_core_exit=lambda: others.stop(args.shutdown_grace_s))
     if metrics_server is not None:
         metrics_server.shutdown()
-    _remove(metrics_dir)
-
-
-def _remove(directory: Optional[str]) -> None:
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 class FrontFailed(RuntimeError):
@@ -161,6 +166,8 @@ class FrontFailed(RuntimeError):
 
 # A front that has not exited this long after its grace period is killed.
 FRONT_EXIT_TIMEOUT_S = 10.0
+# How often front 0 checks that the other fronts still run.
+FRONT_WATCH_INTERVAL_S = 1.0
 
 
 class OtherFronts:
@@ -193,6 +200,18 @@ class OtherFronts:
                 code = await loop.run_in_executor(None, process.wait)
                 raise FrontFailed(f"front {index} of the engine core exited with code {code} while starting "
                                   f"(its error is above)")
+
+    async def watch(self) -> None:
+        """Log, loudly, a front that exits while serving: the kernel then gives its share of new
+        connections to the others, and its streams ended with it (the core aborted them)."""
+        running = list(enumerate(self.processes, start=1))
+        while running:
+            await asyncio.sleep(FRONT_WATCH_INTERVAL_S)
+            for index, process in list(running):
+                if process.poll() is not None:
+                    running.remove((index, process))
+                    logger.error("front %d (pid %d) exited with code %s; serving on with %d of %d fronts", index,
+                                 process.pid, process.returncode, len(running) + 1, len(self.processes) + 1)
 
     def signal_stop(self) -> None:
         for process in self.processes:
@@ -246,15 +265,15 @@ async def _serve_front(index: int, core_socket: socket.socket, settings: FrontSe
     metrics = ReplicaMetrics(settings.replica_id, args.model, engine_metrics=False)
     server = ReplicaServer(engine, settings.replica_id, args.model, metrics, credentials=settings.credentials,
                            shared_port=True)
-    await server.start(args.host, settings.port, join=True)
-    freeze_startup_heap()
-    print(f"front {index} listening on {args.host}:{settings.port}", flush=True)
-    os.dup2(2, 1)  # nobody reads the pipe after that line: a later print must not fill it
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop_requested.set)
     engine.on_dead(lambda error: stop_requested.set())  # front 0 stopped the core, or it died
+    await server.start(args.host, settings.port, join=True)
+    freeze_startup_heap()
+    print(f"front {index} listening on {args.host}:{settings.port}", flush=True)
+    os.dup2(2, 1)  # nobody reads the pipe after that line: a later print must not fill it
     await stop_requested.wait()
     await server.stop(args.shutdown_grace_s)
 

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 from replica.core.engine import LLMEngine
 from replica.core.request import Request
+from replica.errors import InvalidRequestError
 from replica.parallel.group import TensorParallelDead
 from replica.ipc.channel import ChannelClosed, FrameSocket
 from replica.ipc.messages import (
@@ -125,6 +126,10 @@ class EngineCore:
             if isinstance(message, Request):
                 if not self._fronts_open[front]:
                     continue  # sent before its front left: nobody would read its outputs
+                if message.request_id in self._requests:  # a front keeps its live ids apart, fronts by suffix
+                    self._rejected.append((front, message.request_id, error_for_front(InvalidRequestError(
+                        "request_id", f"{message.request_id!r} is already in use in the engine core"))))
+                    continue
                 try:
                     # Validated at the edge; the front detokenizes.
                     engine.enqueue(message, detokenize=False)
@@ -136,7 +141,9 @@ class EngineCore:
                     self._owners[message.request_id] = front
             elif isinstance(message, AbortRequests):
                 for request_id in message.request_ids:
-                    if self._requests.pop(request_id, None) is not None:
+                    # Only the front that added a request may abort it.
+                    if request_id in self._requests and self._owners.get(request_id, 0) == front:
+                        del self._requests[request_id]
                         self._owners.pop(request_id, None)
                         engine.abort_request(request_id)
             elif isinstance(message, UtilityCall):

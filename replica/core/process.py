@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", required=True,
                         help="this end of each front's socketpair, comma-separated, front 0's first")
     args = parser.parse_args(argv)
-    # Ctrl-C in a terminal reaches the whole process group; the front decides when the core
-    # stops (after its graceful drain), so the core must not die first.
+    # Ctrl-C in a terminal reaches the whole process group, and a service manager's stop (systemd
+    # signals every process of the unit) sends SIGTERM to each; the front decides when the core
+    # stops (after its graceful drain, and with several fronts after theirs), so the core must
+    # not die first. A front that dies closes its channel, which ends the core anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
     fds = [int(fd) for fd in args.fd.split(",")]
     channels = []

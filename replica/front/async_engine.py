@@ -210,8 +210,11 @@ class AsyncEngine:
             ready = await self.core.start(self.spec, self.fronts)
         self._engine = ServedEngine(self.spec.model, tokenizer, ready.config, ready.model_config,
                                     ready.eos_token_ids, ready.device, time.monotonic, self.stats)
-        # Other fronts' clients may use the same request ids: the core knows this front's by a suffix.
-        suffix = f"|f{self.front_index}" if self.front_index else ""
+        # Other fronts' clients may use the same request ids: with several fronts the core knows
+        # each front's by a suffix of its own, front 0's too (a client id may end like another
+        # front's suffix: "x|f1" from front 0 is "x|f1|f0", never front 1's "x").
+        several = self.fronts > 1 or self.front_index > 0
+        suffix = f"|f{self.front_index}" if several else ""
         self._processor = OutputProcessor(tokenizer, self._abort_in_core, self._request_observer, suffix)
         self._load = load_from_wire(ready.load)
         self._accepting = True
@@ -263,8 +266,7 @@ class AsyncEngine:
         deadline = asyncio.get_running_loop().time() + grace_period_s
         while len(processor) and self.dead is None and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
-        for request_id in processor.request_ids():
-            self.abort(request_id)
+        processor.finish_all("abort")
         if before_core_exit is not None:
             await before_core_exit()
         await self.core.shutdown()

@@ -77,9 +77,6 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._live)
 
-    def request_ids(self) -> list[str]:
-        return list(self._live)
-
     def core_id_for(self, request_id: str) -> str:
         """The id the core is to know a new request of this (client's) id by: the same (with
         the front's suffix), unless a request of that id ended early here moments ago or
@@ -169,7 +166,15 @@ class OutputProcessor:
         """End a live request (by the client's id or the core's) on the front's side now and have
         the core drop it before its next step: an abort, or a stop string matched here (`last`
         is then the output that carries the text before it)."""
-        core_id = self._core_ids.get(request_id, request_id)
+        self._finish(self._core_ids.get(request_id, request_id), finish_reason, last)
+
+    def finish_all(self, finish_reason: str) -> None:
+        """End every live request as `finish` does (by its core id: a client's id may equal
+        another request's core id)."""
+        for core_id in list(self._live):
+            self._finish(core_id, finish_reason)
+
+    def _finish(self, core_id: str, finish_reason: str, last: Optional[RequestOutput] = None) -> None:
         state = self._drop(core_id)
         if state is None:
             return  # already ended

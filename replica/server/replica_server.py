@@ -14,6 +14,7 @@ LoadReporter (its generations come through Serve handles), behind the cluster to
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from typing import Awaitable, Callable, Optional
@@ -173,11 +174,28 @@ def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_se
     raise OSError(f"no free port on {host} in {base_port}..{last_port}")
 
 
+# The addresses gRPC binds for a wildcard host: both families.
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
 def _port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
+    """Whether no socket holds `port` on any address `host` names (both families for a
+    wildcard), by a plain bind as gRPC's own (SO_REUSEADDR, so a closed connection's TIME_WAIT
+    does not count) without SO_REUSEPORT (which a listener that set it would let in)."""
+    hosts = ("0.0.0.0", "::") if host in _WILDCARD_HOSTS else (host.strip("[]"),)
+    try:
+        addresses = {(info[0], info[4][:2]) for name in hosts
+                     for info in socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+    except socket.gaierror:
+        return True  # not an address of this host: gRPC's bind says so
+    for family, address in addresses:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return False  # other errors (no IPv6 on this host): that address cannot clash
     return True

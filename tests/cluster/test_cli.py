@@ -161,7 +161,8 @@ def test_replica_with_an_api_key_refuses_generate_without_it_and_leaves_health_o
         stop(process)
 
 
-def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_and_counts_them_all(tmp_path):
+def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_counts_them_all_and_drains_them(
+        tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("front-key\n")  # every front must take it
     stderr_file = (tmp_path / "stderr").open("w")
@@ -175,11 +176,15 @@ def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_and
         request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
         key = (("authorization", "Bearer front-key"),)
         # A new connection each (no shared subchannel), until the kernel has given each front one.
-        while min(served_connections(pid, port) for pid in fronts) == 0:
+        first_on = {}  # front index -> the first channel it accepted
+        while len(first_on) < 2:
             assert len(channels) < 40, [served_connections(pid, port) for pid in fronts]
+            before = [served_connections(pid, port) for pid in fronts]
             channels.append(grpc.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION))
             responses = list(pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=30, metadata=key))
             assert responses[-1].usage.completion_tokens == 3
+            after = [served_connections(pid, port) for pid in fronts]
+            first_on.setdefault(next(index for index in range(2) if after[index] > before[index]), channels[-1])
             with pytest.raises(grpc.RpcError) as refused:
                 list(pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=30))
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -191,7 +196,17 @@ def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_and
 
         assert sample(r'headroom_request_success_total(?=\{finish_reason="length")') == len(channels)
         assert sample("headroom_num_requests_running") == 0  # one series: front 0's, not one per front
-        process.send_signal(signal.SIGINT)
+        # A service manager's stop signals every process (systemd's default): a stream on each
+        # front runs to its end within the grace period, the core outlasting both drains.
+        streams = [pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            text="hi", sampling=pb.SamplingParams(max_tokens=60, ignore_eos=True)), timeout=60, metadata=key)
+            for channel in first_on.values()]
+        for stream in streams:
+            next(stream)
+        for pid in fronts + [core]:
+            os.kill(pid, signal.SIGTERM)
+        for stream in streams:
+            assert list(stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert process.wait(timeout=60) == 0
         for pid in fronts[1:] + [core]:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
@@ -203,8 +218,9 @@ def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_and
     assert "no grammar compiler" not in (tmp_path / "stderr").read_text()
 
 
-def test_a_front_that_dies_mid_stream_frees_its_requests_and_the_other_front_serves_on():
-    process, port = start_replica("--api-server-count", "2")
+def test_a_front_that_dies_mid_stream_frees_its_requests_and_the_other_front_serves_on(tmp_path):
+    stderr_file = (tmp_path / "stderr").open("w")
+    process, port = start_replica("--api-server-count", "2", stderr=stderr_file)
     channels = []
     try:
         fronts = front_pids(process.pid)
@@ -238,6 +254,11 @@ def test_a_front_that_dies_mid_stream_frees_its_requests_and_the_other_front_ser
             if load.num_running == 0 and load.kv_blocks_free == load.kv_blocks_total:
                 break
             assert time.monotonic() < deadline, load
+            time.sleep(0.2)
+        # Front 0 says so, loudly, within its watch interval.
+        said = f"front 1 (pid {fronts[1]}) exited with code -9; serving on with 1 of 2 fronts"
+        while said not in (tmp_path / "stderr").read_text():
+            assert time.monotonic() < deadline + 5, (tmp_path / "stderr").read_text()[-2000:]
             time.sleep(0.2)
     finally:
         for channel in channels:

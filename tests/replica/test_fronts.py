@@ -83,6 +83,31 @@ def test_two_fronts_share_one_core_and_each_gets_only_its_own_streams():
     assert versions_second >= versions_first - 1
 
 
+def test_a_client_id_shaped_like_another_fronts_core_id_stays_apart_and_its_abort_touches_only_it():
+    """Front 0's client picks "x|f1", the core id front 1 gives its client's "x". With every
+    front's ids suffixed (front 0's too) they are two requests: the abort of front 0's leaves
+    front 1's streaming to its end."""
+    async def scenario():
+        first, second = await two_fronts()
+        try:
+            theirs = second.add_request(list(range(60, 90)), LONG, request_id="x")
+            await theirs.__anext__()
+            forged = first.add_request(list(range(3, 40)), LONG, request_id="x|f1")
+            await forged.__anext__()
+            first.abort("x|f1")
+            rest = await collect(theirs)
+            ended = await collect(forged)
+            assert await first.core.call_utility("check_invariants")
+            return rest, ended
+        finally:
+            await second.shutdown(grace_period_s=0)
+            await first.shutdown(grace_period_s=0)
+
+    rest, ended = asyncio.run(scenario())
+    assert rest[-1].finish_reason == "length" and sum(len(output.new_token_ids) for output in rest) == 200 - 1
+    assert ended[-1].finish_reason == "abort"
+
+
 def test_a_front_that_leaves_takes_its_requests_out_of_the_core_and_the_others_stream_on():
     async def scenario():
         first, second = await two_fronts()
@@ -127,3 +152,27 @@ def test_when_the_starting_front_stops_the_core_the_other_fronts_streams_fail_an
             await second.shutdown(grace_period_s=0)
 
     assert isinstance(asyncio.run(scenario()), EngineDeadError)
+
+
+def test_a_shared_port_is_never_one_another_servers_fronts_already_share():
+    """SO_REUSEPORT lets a second listener that sets it join a port: a replica's front 0 checks
+    with a plain bind (both families for a wildcard host) that nothing holds a port first, so
+    it moves on from one another replica's fronts serve (here on IPv6 only: a probe of the
+    IPv4 address alone would miss it)."""
+    import grpc
+
+    from replica.server.replica_server import SHARED_PORT_SERVER_OPTIONS, _bind_first_free
+
+    async def scenario():
+        other = grpc.aio.server(options=SHARED_PORT_SERVER_OPTIONS)
+        taken = other.add_insecure_port("[::1]:0")
+        await other.start()
+        ours = grpc.aio.server(options=SHARED_PORT_SERVER_OPTIONS)
+        try:
+            return taken, _bind_first_free(ours, "::", taken, 8, check_free=True)
+        finally:
+            await ours.stop(None)
+            await other.stop(None)
+
+    taken, bound = asyncio.run(scenario())
+    assert bound != taken and taken < bound < taken + 8

@@ -130,3 +130,22 @@ def test_the_observer_sees_every_output_abort_and_failure(harness):
     harness.processor.finish("aborted", "abort")
     harness.processor.fail_all(lambda: RuntimeError("core died"))
     assert harness.observer.seen == [("done", None), ("done", "length"), ("aborted", "abort"), ("failed", "failed")]
+
+
+def test_with_a_fronts_suffix_every_client_id_is_its_own_and_finish_all_ends_each_once(tokenizer):
+    """A front of several knows its requests in the core by `id|fK`. A client id may itself
+    look like a core id ("a|f1" beside "a"): each still gets a core id of its own, membership
+    asks client ids only, and shutdown's finish_all ends every stream once, by its core id."""
+    aborted_in_core: list[str] = []
+    processor = OutputProcessor(tokenizer, aborted_in_core.append, core_id_suffix="|f1")
+    streams = {}
+    for client_id in ("a", "a|f1"):
+        core_id = processor.core_id_for(client_id)
+        streams[client_id] = CollectingStream(Request(core_id, [1, 2, 3], SamplingParams(max_tokens=10)))
+        processor.track(streams[client_id], client_id)
+    assert [stream.request.request_id for stream in streams.values()] == ["a|f1", "a|f1|f1"]
+    assert "a" in processor and "a|f1" in processor and "a|f1|f1" not in processor
+    processor.finish_all("abort")
+    assert sorted(aborted_in_core) == ["a|f1", "a|f1|f1"] and len(processor) == 0
+    for client_id, stream in streams.items():
+        assert [(item.request_id, item.finish_reason) for item in stream.items] == [(client_id, "abort")]
