@@ -28,10 +28,10 @@ On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --devic
    ordinary ones (a choice among 5,000 strings, an enum of 2,000, any JSON object, an e-mail
    regex, an arithmetic Lark grammar, 100 patterned properties), each one's slowest mask and
    the slowest of all against the engine's structured_output_max_mask_ms (the ratio: how far
-   under the limit ordinary constraints stay); and what the edge says of two slow ones.
+   under the limit ordinary constraints stay); and what the edge says of three slow ones.
 5. A slow row (`slow-row`, not in the default run): `--batch` - 1 unconstrained requests alone,
-   then beside one request whose Lark terminal, reached after two others, takes ~17 ms a mask
-   (within llguidance's limits), with the mask time limit off and on (the default): the batch's
+   then beside one request whose Lark terminal, reached after two others, takes ~21 ms a mask
+   a few bytes into it, past the edge's probe (within llguidance's limits), with the mask time limit off and on (the default): the batch's
    tok/s beside it over its tok/s alone, in turns, medians quoted. Run it with
    `--emulated-device`: on the CPU a step of 64 rows takes most of a second and 20 ms hides in it.
 """
@@ -267,9 +267,12 @@ def heavy_constraints() -> dict:
 
 # Within llguidance's limits, yet slow every mask: the first at the top of a regex (its lexeme
 # built on the first mask's budget, ~70 ms a mask after), the second a Lark terminal reached
-# after two others (built on a step's budget, ~17 ms a mask), which the edge's probe cannot see.
+# after two others whose slow part comes a few bytes into it (built on a step's budget, ~17 ms a
+# mask), which the edge's probe (each terminal alone, to the mask after its first byte) cannot
+# see; the same terminal slow from its first byte (SLOW_EARLY_GRAMMAR) it refuses.
 SLOW_REGEX = "(a{500}){500}"
-SLOW_LATE_GRAMMAR = 'start: "pick" /[0-9]/ LATE\nLATE: /(a{300}){300}/'
+SLOW_LATE_GRAMMAR = 'start: "pick" /[0-9]/ LATE\nLATE: /q[ab]x(a{300}){300}/'
+SLOW_EARLY_GRAMMAR = 'start: "pick" /[0-9]/ LATE\nLATE: /(a{300}){300}/'
 
 
 def mask_costs(engine, constraints) -> None:
@@ -320,7 +323,10 @@ def mask_costs(engine, constraints) -> None:
           f"(structured_output_max_mask_ms): ratio {worst / limit_ms:.2f} (under 1: none would be refused or ended)")
     edge = GrammarCompiler.for_tokenizer(engine.tokenizer, vocab_size, engine.eos_token_ids, engine.config)
     for name, constraint in (("regex " + SLOW_REGEX, StructuredOutput("regex", SLOW_REGEX)),
-                             ("Lark terminal after two others", StructuredOutput("grammar", SLOW_LATE_GRAMMAR))):
+                             ("Lark terminal after two others, slow from its first byte",
+                              StructuredOutput("grammar", SLOW_EARLY_GRAMMAR)),
+                             ("Lark terminal after two others, slow past its first bytes",
+                              StructuredOutput("grammar", SLOW_LATE_GRAMMAR))):
         try:
             edge.check(constraint, "guided")
             print(f"  edge: {name}: admitted (its slow masks come after the probe)")

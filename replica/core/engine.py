@@ -428,8 +428,8 @@ class LLMEngine:
             if grammar is not None:
                 if not grammar.accept(token_id):
                     # The mask allowed the token, so the matcher failed consuming it: one of
-                    # llguidance's limits, tripped by a terminal the edge's first-token probe did
-                    # not reach (a Lark terminal after others). The request ends here rather than
+                    # llguidance's limits, tripped by a lexeme past what the edge's probes reach (a
+                    # blow-up a few bytes into it). The request ends here rather than
                     # going on unconstrained, which no client asked for.
                     why = "its output constraint failed at token %d: %s" % (
                         token_id, " ".join(grammar.matcher.get_error().split())[:300])

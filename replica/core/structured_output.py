@@ -22,11 +22,12 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -283,37 +284,49 @@ class GrammarCompiler:
             # one alternation (one matcher: ~1 ms each with a 49k vocabulary), and one by one
             # only where that fails, so that only a pattern past the limits on its own is refused.
             patterns = _schema_patterns(json.loads(constraint.spec))
-            if patterns and self._pattern_error("|".join(f"(?:{_unanchored(pattern)})" for pattern in patterns),
-                                                mask) is not None:
+            if patterns and self._probe_error(_regex_grammar("|".join(f"(?:{_unanchored(pattern)})"
+                                                                      for pattern in patterns)), mask) is not None:
                 for pattern in patterns:
-                    error = self._pattern_error(_unanchored(pattern), mask)
+                    error = self._probe_error(_regex_grammar(_unanchored(pattern)), mask)
                     if error is not None and _too_complex(error):
                         raise InvalidRequestError("structured_output", _too_complex_message(
                             f"its pattern {_excerpt(pattern)} ", error))
+        elif constraint.kind == "grammar":
+            # The same for a Lark grammar's lexemes: each terminal the rules use, and each regex
+            # written in a rule, is built only when the output reaches it.
+            lexemes, definitions = _lark_lexemes(constraint.spec)
+            if lexemes and self._probe_error(_lark_grammar(definitions, " | ".join(lexemes.values())), mask) is not None:
+                for what, lexeme in lexemes.items():
+                    error = self._probe_error(_lark_grammar(definitions, lexeme), mask)
+                    if error is not None and _too_complex(error):
+                        raise InvalidRequestError("structured_output", _too_complex_message(f"{what} ", error))
         return matcher
 
-    def _pattern_error(self, regex: str, mask: np.ndarray) -> Optional[str]:
-        """llguidance's error compiling `regex` as a constraint of its own, masking its first
+    def _probe_error(self, grammar: Callable[[], str], mask: np.ndarray) -> Optional[str]:
+        """llguidance's error compiling `grammar()` as a constraint of its own, masking its first
         token or consuming a first byte (_first_token_error); None where there is none."""
         import llguidance
 
         try:
-            probe = llguidance.LLMatcher(self.ll_tokenizer, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+            probe = llguidance.LLMatcher(self.ll_tokenizer, grammar(), log_level=0)
         except (ValueError, TypeError) as error:
-            return str(error) or "not a regex"
+            return str(error) or "not a grammar"
         if not probe.is_error():
             probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         return probe.get_error() if probe.is_error() else self._first_token_error(probe, mask)
 
     def _first_token_error(self, matcher: "llguidance.LLMatcher", mask: np.ndarray) -> Optional[str]:
-        """llguidance's error where a constraint's lexer blows up on its first byte, else None.
+        """llguidance's error where a constraint's lexer blows up on its first byte, or a mask
+        after it that takes longer than the limit, else None.
         The first mask (in `mask`) builds a large lexeme with llguidance's build budget
         (initial_lexer_fuel, a million units), but each token consumed after that has a step's
         (step_lexer_fuel, 200,000): a regex such as `(a{1000}){1000}` masks its first token, then
         fails consuming it, in the engine, after a step of ~0.2 s. A copy of the matcher consumes
-        (and rolls back) each one-byte token its first mask allows (the lowest allowed id where
-        none is one byte), here on the compile thread; an ordinary constraint pays well under a
-        millisecond."""
+        each one-byte token its first mask allows (the lowest allowed id where none is one
+        byte), here on the compile thread, and times the mask after each before rolling it
+        back: a costly lexeme among several (a union of probes, a grammar whose first token may
+        start any of its terminals) shows only after its own first byte. An ordinary constraint
+        pays about a millisecond (SmolLM2's 49k ids, 170 first bytes allowed)."""
         allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
         probes = self._byte_token_ids[allowed[self._byte_token_ids]]
         if not len(probes):
@@ -322,19 +335,19 @@ class GrammarCompiler:
         if not len(probes):  # only EOS may come: nothing more to build
             return None
         probe = matcher.deep_copy()
-        for index, token_id in enumerate(probes):
+        for token_id in probes:
             if not probe.consume_token(int(token_id)) or probe.is_error():
                 return probe.get_error() or "the matcher refused a token its first mask allows"
-            if index == 0:  # the second mask: what a step pays for this constraint from here on
-                mask_ms = self._mask_ms(probe, mask)
-                if mask_ms > self.max_mask_ms and not probe.is_error():
-                    # Built again, the lower time counts: the first build may include lexer
-                    # states built once; a constraint that is slow is slow every time.
-                    mask_ms = min(mask_ms, self._mask_ms(probe, mask))
-                if probe.is_error():
-                    return probe.get_error()
-                if mask_ms > self.max_mask_ms:
-                    return _slow_mask_error(mask_ms, self.max_mask_ms)
+            # The mask after it: what a step pays for this constraint from here on.
+            mask_ms = self._mask_ms(probe, mask)
+            if mask_ms > self.max_mask_ms and not probe.is_error():
+                # Built again, the lower time counts: the first build may include lexer
+                # states built once; a constraint that is slow is slow every time.
+                mask_ms = min(mask_ms, self._mask_ms(probe, mask))
+            if probe.is_error():
+                return probe.get_error()
+            if mask_ms > self.max_mask_ms:
+                return _slow_mask_error(mask_ms, self.max_mask_ms)
             probe.rollback(1)
         return None
 
@@ -599,6 +612,57 @@ def _schema_patterns(schema: object) -> list[str]:
         elif isinstance(node, list):
             stack.extend(reversed(node))
     return list(found)
+
+
+def _regex_grammar(regex: str) -> Callable[[], str]:
+    def grammar() -> str:
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_regex(regex)
+    return grammar
+
+
+def _lark_grammar(definitions: str, start: str) -> Callable[[], str]:
+    def grammar() -> str:
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_lark(f"{definitions}\nstart: {start}\n")
+    return grammar
+
+
+# A top-level Lark definition, at a line's first column: a rule (`name:`, `?name:`, `!name:`) or
+# a terminal (`NAME:`, `_NAME:`, with a priority `.N`), either with llguidance's `[attributes]`.
+_LARK_DEFINITION = re.compile(r"[?!]?(?P<name>_?[A-Za-z][A-Za-z_0-9]*)(?:\.-?\d+)?(?:\[[^\]\n]*\])?\s*:")
+# A regex literal: /.../ and its flags.
+_LARK_REGEX = re.compile(r"/(?:\\.|[^/\\\n])+/[imslux]*")
+
+
+def _lark_lexemes(grammar: str) -> tuple[dict[str, str], str]:
+    """The lexemes of a Lark grammar that a probe builds one at a time ({what: lexeme}: each
+    terminal, by name, used or not (llguidance's lexer holds every one); each regex written in a
+    rule), and the grammar without its rules (terminal definitions, directives), which a probe
+    `start: LEXEME` is appended to. Definitions are told apart by their first line's name (a
+    terminal's is upper case) and their continuation lines by indentation, no more parsing
+    than that: a probe that does not compile is no finding."""
+    definitions: list[list] = []  # [name or None (a directive, comment or blank line), text]
+    for line in grammar.splitlines(keepends=True):
+        match = _LARK_DEFINITION.match(line)
+        if match:
+            definitions.append([match.group("name"), line])
+        elif line[:1] in (" ", "\t") and definitions and definitions[-1][0] is not None:
+            definitions[-1][1] += line
+        else:
+            definitions.append([None, line])
+
+    def is_terminal(name: Optional[str]) -> bool:
+        return name is not None and name.lstrip("_")[:1].isupper()
+
+    rules = "".join(text for name, text in definitions if name is not None and not is_terminal(name))
+    kept = [(name, text) for name, text in definitions if name is None or is_terminal(name)]
+    lexemes = {f"its terminal {name}": name for name, _ in kept if is_terminal(name)}
+    for regex in dict.fromkeys(_LARK_REGEX.findall(rules)):
+        lexemes[f"its regex {_excerpt(regex)}"] = regex
+    return lexemes, "".join(text for _, text in kept)
 
 
 def _unanchored(pattern: str) -> str:

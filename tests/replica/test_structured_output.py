@@ -229,6 +229,10 @@ def test_compiles_given_up_or_abandoned_leave_the_compile_queue(builtin_engine):
 # A regex whose lexer blows up: its first mask builds on llguidance's build budget, consuming
 # its first byte then exceeds a step's lexer budget ("too many expressions constructed").
 BLOWUP = "(a{1000}){1000}"
+# The same blow-up three bytes into its lexeme, behind a choice of byte: the edge's probe masks
+# after the "q" (an `a` or a `b` may come: nothing is forced further), the engine builds the
+# blow-up once the output reaches the "x" (every byte after it is forced).
+LATE_BLOWUP = "q[ab]x(a{1000}){1000}"
 
 
 @pytest.mark.parametrize("constraint, field, says", [
@@ -237,6 +241,18 @@ BLOWUP = "(a{1000}){1000}"
     (StructuredOutput.json_schema({"type": "object", "properties": {
         "id": {"type": "string", "maxLength": 8}, "code": {"type": "string", "pattern": f"^{BLOWUP}$"}},
         "required": ["id", "code"]}), "response_format", f'its pattern "^{BLOWUP}$" is too complex'),
+    # A Lark terminal the output reaches only after two others, and a regex written in a rule
+    # there: each probed as a lexeme of its own (a probe of all of them at once masks after
+    # each first byte, where this one's cost shows).
+    (StructuredOutput("grammar", f'start: "pick" /[0-9]/ LATE\nLATE: /{BLOWUP}/'), "guided_grammar",
+     "its terminal LATE is too complex"),
+    (StructuredOutput("grammar", f'start: "pick" /[0-9]/ /{BLOWUP}/'), "guided_grammar",
+     f'its regex "/{BLOWUP}/" is too complex'),
+    # Directives, a rule over two lines, an inlined rule, a comment between definitions: the
+    # probes keep every line that is not a rule's.
+    (StructuredOutput("grammar", f'%llguidance {{}}\nstart: "x" item\n    | "y" item\n?item: WS? LATE\n// late\n'
+                                 f'LATE: /{BLOWUP}/\n%ignore WS\nWS: /[ ]+/'), "guided_grammar",
+     "its terminal LATE is too complex"),
 ])
 def test_a_constraint_whose_lexer_blows_up_on_its_first_token_is_refused_at_the_edge_by_name(builtin_engine,
                                                                                          constraint, field, says):
@@ -269,21 +285,23 @@ def test_a_rule_of_more_alternatives_than_llguidance_allows_is_refused_at_the_ed
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_grammar_that_fails_mid_output_ends_its_request_instead_of_going_on_unconstrained(async_scheduling):
-    """A Lark terminal that blows up llguidance's lexer (BLOWUP) and comes only after other
-    terminals is built when the output reaches it, past what the edge's first-token probe sees:
-    the matcher fails there, in the engine. The request went on unconstrained to max_tokens
-    (finish_reason length, text no grammar allows); it ends there (abort), its blocks free, a
-    request beside it runs on, and the next request under that grammar is served as it was."""
+    """A Lark terminal whose lexeme blows up llguidance's lexer a few bytes into it (LATE_BLOWUP:
+    past a choice of byte, which stops llguidance building the forced bytes that follow) and that
+    comes only after other terminals is built when the output reaches it, past what the edge's
+    probes see (each terminal alone, to the mask after its first byte): the matcher fails there,
+    in the engine. The request went on unconstrained to max_tokens (finish_reason length,
+    text no grammar allows); it ends there (abort), its blocks free, a request beside it runs
+    on, and the next request under that grammar is served as it was."""
     engine = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=32, async_scheduling=async_scheduling),
                        "builtin", device="cpu")
     try:
-        grammar = StructuredOutput("grammar", f'start: "pick" /[0-9]/ LATE\nLATE: /{BLOWUP}/')
+        grammar = StructuredOutput("grammar", f'start: "pick" /[0-9]/ LATE\nLATE: /{LATE_BLOWUP}/')
         _compiler(engine).check(grammar, "guided_grammar")  # the edge lets it through
         free_blocks = engine.load().kv_blocks_free
         (text, reason, request), (_, beside_reason, beside) = _run(
             engine, ["pick one", "go on"], [SamplingParams(max_tokens=12, temperature=0.0, structured_output=grammar),
                                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)])
-        assert reason == "abort" and request.num_output_tokens < 12 and re.fullmatch("pick[0-9]a?", text), text
+        assert reason == "abort" and request.num_output_tokens < 12 and re.fullmatch("pick[0-9]q[ab]x?", text), text
         assert (beside_reason, beside.num_output_tokens) == ("length", 12)
         assert engine.load().kv_blocks_free == free_blocks and not engine.has_unfinished_requests()
         # The copies of one compiled matcher share its lexer, which stays broken: the next
@@ -313,6 +331,9 @@ def test_a_constraint_whose_masks_are_slow_is_refused_at_the_edge_by_name(builti
                          r"\(structured_output_max_mask_ms\)", raised.value.message), raised.value.message
         compiler.check(StructuredOutput.json_schema(PERSON), "response_format")
         compiler.check(StructuredOutput("regex", "(a{20}){20}"), "guided_regex")
+        # A terminal no rule uses costs every mask too (llguidance's lexer holds all of them).
+        with pytest.raises(InvalidRequestError, match="too costly to follow"):
+            compiler.check(StructuredOutput("grammar", 'start: "a" | "b"\nUNUSED: /(a{200}){200}/'), "guided_grammar")
     finally:
         compiler.shutdown()
 
@@ -366,16 +387,17 @@ def test_the_engine_core_builds_its_grammar_compiler_before_any_request(smollm2_
 
 
 def test_a_constraint_that_turns_slow_mid_output_ends_its_request_and_its_batch_goes_on():
-    """A Lark terminal whose masks take ~9 ms each (`(a{200}){200}`), reached only after other
-    terminals, passes the edge's probe; in the engine each of its masks is over the limit (2 ms
-    here), and once three of them were, the request ends (abort; the engine core sends
+    """A Lark terminal whose masks take ~9 ms each once past its first bytes (`(a{200}){200}`
+    after "q[ab]x", as LATE_BLOWUP), reached only after other terminals, passes the edge's
+    probe; in the engine each of those masks is over the limit (2 ms here), and once three of
+    them were, the request ends (abort; the engine core sends
     the front an InvalidRequestError naming structured_output). It went on to max_tokens, every
     step of the batch beside it waiting for its mask. A request beside it runs on to max_tokens,
     and no block is left behind."""
     engine = LLMEngine(make_engine_config(max_model_len=128, num_kv_blocks=32, structured_output_max_mask_ms=2.0),
                        "builtin", device="cpu")
     try:
-        grammar = StructuredOutput("grammar", 'start: "pick" /[0-9]/ LATE\nLATE: /(a{200}){200}/')
+        grammar = StructuredOutput("grammar", 'start: "pick" /[0-9]/ LATE\nLATE: /q[ab]x(a{200}){200}/')
         _compiler(engine).check(grammar, "guided_grammar")  # the edge lets it through
         free_blocks = engine.load().kv_blocks_free
         engine.collect_failures()
@@ -383,8 +405,9 @@ def test_a_constraint_that_turns_slow_mid_output_ends_its_request_and_its_batch_
             engine, ["pick one", "go on"], [SamplingParams(max_tokens=40, temperature=0.0, structured_output=grammar),
                                             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)])
         (failed_id, error), = engine.take_failed()
-        # Ended on the third slow mask: "pick", a digit, then three tokens of LATE.
-        assert reason == "abort" and re.fullmatch("pick[0-9]aaa", text), text
+        # Ended on the third slow mask: "pick", a digit, "q", a or b, then the masks after the
+        # "x" and two "a"s.
+        assert reason == "abort" and re.fullmatch("pick[0-9]q[ab]xaa", text), text
         assert request.grammar.slow_steps == 3, request.grammar.slow_steps  # the probe: three slow steps happened
         assert failed_id == request.request_id and error.field == "structured_output"
         assert "over the limit of 2 ms (structured_output_max_mask_ms), for 3 of its tokens" in error.message, error
