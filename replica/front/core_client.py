@@ -129,10 +129,8 @@ class EngineCoreClient:
         """Ask the core to exit (it aborts what it still holds) and wait for it; kill it if it
         hangs. Attached: take this front out (the core aborts its requests) and close the channel."""
         self._close_front_sockets()
-        if self.process is None:
-            if self._channel is not None and self.ready is not None:
-                await self._leave()
-            return
+        if self._channel is None or (self.process is None and self.ready is None):
+            return  # never started, or never attached
         self._closing = True
         if self.dead is None:
             try:
@@ -140,26 +138,14 @@ class EngineCoreClient:
                 self._channel.send(to_wire(Shutdown()))
             except ChannelClosed:
                 pass
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.wait_for(loop.run_in_executor(None, self.process.wait), EXIT_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            logger.warning("engine core %d did not exit in %.0f s; killing it", self.process.pid, EXIT_TIMEOUT_S)
-            self.process.kill()
-            await loop.run_in_executor(None, self.process.wait)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._channel.close()
-
-    async def _leave(self) -> None:
-        self._closing = True
-        if self.dead is None:
+        if self.process is not None:
+            loop = asyncio.get_running_loop()
             try:
-                self._flush_aborts()
-                self._channel.send(to_wire(Shutdown()))
-            except ChannelClosed:
-                pass
+                await asyncio.wait_for(loop.run_in_executor(None, self.process.wait), EXIT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("engine core %d did not exit in %.0f s; killing it", self.process.pid, EXIT_TIMEOUT_S)
+                self.process.kill()
+                await loop.run_in_executor(None, self.process.wait)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
