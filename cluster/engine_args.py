@@ -29,7 +29,8 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field; unset flags keep EngineConfig's defaults."""
     group = parser.add_argument_group("engine", "knobs of replica.config.EngineConfig")
     for name, field in EngineConfig.model_fields.items():
-        help_text = f"{field.description or name} (default: {field.default})"
+        # argparse expands help text with %-formatting: a literal % (block_size's "// and %") must be doubled.
+        help_text = f"{field.description or name} (default: {field.default})".replace("%", "%%")
         # default=None marks "not given", so only explicit flags override the config.
         kwargs: dict[str, Any] = dict(dest=name, default=None, help=help_text)
         annotation = _without_optional(field.annotation)

@@ -29,6 +29,16 @@ from replica.config import EngineConfig
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.parametrize("command", ["serve", "generate", "status", "bench", "replica"])
+def test_every_commands_help_prints_and_exits_0(command, capsys):
+    # An EngineConfig description with a literal % (block_size's) made argparse's help
+    # formatting raise: `headroom replica --help` and `headroom serve --help` printed a traceback.
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    assert "usage: headroom " + command in capsys.readouterr().out
+
+
 def test_every_engine_config_field_is_a_replica_flag():
     args = build_parser().parse_args(["replica"])
     assert all(hasattr(args, name) for name in EngineConfig.model_fields)
