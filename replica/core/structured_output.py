@@ -284,23 +284,46 @@ class GrammarCompiler:
             # one alternation (one matcher: ~1 ms each with a 49k vocabulary), and one by one
             # only where that fails, so that only a pattern past the limits on its own is refused.
             patterns = _schema_patterns(json.loads(constraint.spec))
-            if patterns and self._probe_error(_regex_grammar("|".join(f"(?:{_unanchored(pattern)})"
-                                                                      for pattern in patterns)), mask) is not None:
-                for pattern in patterns:
-                    error = self._probe_error(_regex_grammar(_unanchored(pattern)), mask)
-                    if error is not None and _too_complex(error):
-                        raise InvalidRequestError("structured_output", _too_complex_message(
-                            f"its pattern {_excerpt(pattern)} ", error))
+            found = self._costly_lexeme([(f"its pattern {_excerpt(pattern)}", _unanchored(pattern)) for pattern in patterns],
+                                        lambda regexes: _regex_grammar("|".join(f"(?:{regex})" for regex in regexes)), mask)
+            if found is not None:
+                raise InvalidRequestError("structured_output", _too_complex_message(f"{found[0]} ", found[1]))
         elif constraint.kind == "grammar":
-            # The same for a Lark grammar's lexemes: each terminal the rules use, and each regex
-            # written in a rule, is built only when the output reaches it.
+            # The same for a Lark grammar's lexemes: each terminal, and each regex written in a
+            # rule, is built only when the output reaches it.
             lexemes, definitions = _lark_lexemes(constraint.spec)
-            if lexemes and self._probe_error(_lark_grammar(definitions, " | ".join(lexemes.values())), mask) is not None:
-                for what, lexeme in lexemes.items():
-                    error = self._probe_error(_lark_grammar(definitions, lexeme), mask)
-                    if error is not None and _too_complex(error):
-                        raise InvalidRequestError("structured_output", _too_complex_message(f"{what} ", error))
+            found = self._costly_lexeme(list(lexemes.items()),
+                                        lambda group: _lark_grammar(definitions, " | ".join(group)), mask)
+            if found is not None:
+                raise InvalidRequestError("structured_output", _too_complex_message(f"{found[0]} ", found[1]))
         return matcher
+
+    def _costly_lexeme(self, lexemes: list[tuple[str, str]], probe_of: Callable[[list[str]], Callable[[], str]],
+                       mask: np.ndarray) -> Optional[tuple[str, str]]:
+        """(what, error) of one of `lexemes` ((what, lexeme) pairs) that is too complex or too
+        costly on its own, else None. They are probed LEXEME_PROBE_GROUP at a time as one
+        constraint (`probe_of(group)`), and a group whose probe is over a limit is halved until
+        the lexeme is found: about log2(n) probes per costly lexeme, where one by one took n
+        probes that each compile the whole grammar's terminals again. A probe that does not
+        compile is no finding, and what LEXEME_PROBE_BUDGET_S leaves unprobed is left to the
+        runner's limits."""
+        deadline = time.monotonic() + LEXEME_PROBE_BUDGET_S
+        groups = [lexemes[start:start + LEXEME_PROBE_GROUP] for start in range(0, len(lexemes), LEXEME_PROBE_GROUP)]
+        groups.reverse()
+        while groups:
+            if time.monotonic() > deadline:
+                logger.info("structured outputs: %d of a constraint's lexemes left unprobed after %.1f s",
+                            sum(map(len, groups)), LEXEME_PROBE_BUDGET_S)
+                return None
+            group = groups.pop()
+            error = self._probe_error(probe_of([lexeme for _, lexeme in group]), mask)
+            if error is None or not _too_complex(error):
+                continue
+            if len(group) == 1:
+                return group[0][0], error
+            half = len(group) // 2
+            groups += [group[half:], group[:half]]  # the first half next
+        return None
 
     def _probe_error(self, grammar: Callable[[], str], mask: np.ndarray) -> Optional[str]:
         """llguidance's error compiling `grammar()` as a constraint of its own, masking its first
@@ -334,8 +357,9 @@ class GrammarCompiler:
                       if int(token_id) not in self._eos_ids][:1]
         if not len(probes):  # only EOS may come: nothing more to build
             return None
-        probe = matcher.deep_copy()
         for token_id in probes:
+            # A copy for each (not a rollback: a grammar with max_tokens or stop lexemes cannot roll back).
+            probe = matcher.deep_copy()
             if not probe.consume_token(int(token_id)) or probe.is_error():
                 return probe.get_error() or "the matcher refused a token its first mask allows"
             # The mask after it: what a step pays for this constraint from here on.
@@ -348,7 +372,6 @@ class GrammarCompiler:
                 return probe.get_error()
             if mask_ms > self.max_mask_ms:
                 return _slow_mask_error(mask_ms, self.max_mask_ms)
-            probe.rollback(1)
         return None
 
     @staticmethod
@@ -633,26 +656,37 @@ def _lark_grammar(definitions: str, start: str) -> Callable[[], str]:
 # A top-level Lark definition, at a line's first column: a rule (`name:`, `?name:`, `!name:`) or
 # a terminal (`NAME:`, `_NAME:`, with a priority `.N`), either with llguidance's `[attributes]`.
 _LARK_DEFINITION = re.compile(r"[?!]?(?P<name>_?[A-Za-z][A-Za-z_0-9]*)(?:\.-?\d+)?(?:\[[^\]\n]*\])?\s*:")
-# A regex literal: /.../ and its flags.
-_LARK_REGEX = re.compile(r"/(?:\\.|[^/\\\n])+/[imslux]*")
+# What a rule's text holds that may contain a slash, scanned left to right: a string, a comment,
+# a regex literal (/.../ and its flags). Only the last is a lexeme.
+_LARK_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|(?P<regex>/(?:\\.|[^/\\\n])+/[imslux]*)')
+# Probes of a constraint's lexemes: at most this many in one (llguidance allows 2,000 items in a
+# row), and at most this long for all of them.
+LEXEME_PROBE_GROUP = 256
+LEXEME_PROBE_BUDGET_S = 1.0
 
 
 def _lark_lexemes(grammar: str) -> tuple[dict[str, str], str]:
-    """The lexemes of a Lark grammar that a probe builds one at a time ({what: lexeme}: each
-    terminal, by name, used or not (llguidance's lexer holds every one); each regex written in a
-    rule), and the grammar without its rules (terminal definitions, directives), which a probe
-    `start: LEXEME` is appended to. Definitions are told apart by their first line's name (a
-    terminal's is upper case) and their continuation lines by indentation, no more parsing
-    than that: a probe that does not compile is no finding."""
-    definitions: list[list] = []  # [name or None (a directive, comment or blank line), text]
+    """The lexemes of a Lark grammar that a probe builds ({what: lexeme}: each terminal, by
+    name, used or not (llguidance's lexer holds every one); each regex written in a rule), and
+    the grammar without its rules (terminal definitions, directives), to which a probe's
+    `start: ...` is appended. A definition starts at a line's first column with its name (a
+    terminal's is upper case); an indented line or one starting with `|` continues it, and
+    comments and blank lines leave it open. No more parsing than that: a probe that does not
+    compile is no finding."""
+    definitions: list[list] = []  # [name, text] or [None, text] (a directive, comment or blank line)
+    current: Optional[list] = None
     for line in grammar.splitlines(keepends=True):
+        stripped = line.strip()
         match = _LARK_DEFINITION.match(line)
         if match:
-            definitions.append([match.group("name"), line])
-        elif line[:1] in (" ", "\t") and definitions and definitions[-1][0] is not None:
-            definitions[-1][1] += line
+            current = [match.group("name"), line]
+            definitions.append(current)
+        elif current is not None and (line[:1] in (" ", "\t") or stripped.startswith("|")) and stripped:
+            current[1] += line
         else:
             definitions.append([None, line])
+            if stripped and not stripped.startswith("//"):
+                current = None  # a directive ends the definition before it
 
     def is_terminal(name: Optional[str]) -> bool:
         return name is not None and name.lstrip("_")[:1].isupper()
@@ -660,8 +694,9 @@ def _lark_lexemes(grammar: str) -> tuple[dict[str, str], str]:
     rules = "".join(text for name, text in definitions if name is not None and not is_terminal(name))
     kept = [(name, text) for name, text in definitions if name is None or is_terminal(name)]
     lexemes = {f"its terminal {name}": name for name, _ in kept if is_terminal(name)}
-    for regex in dict.fromkeys(_LARK_REGEX.findall(rules)):
-        lexemes[f"its regex {_excerpt(regex)}"] = regex
+    for token in _LARK_TOKENS.finditer(rules):
+        if token.group("regex"):
+            lexemes[f"its regex {_excerpt(token.group('regex'))}"] = token.group("regex")
     return lexemes, "".join(text for _, text in kept)
 
 

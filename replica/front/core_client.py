@@ -129,6 +129,9 @@ class EngineCoreClient:
         """Ask the core to exit (it aborts what it still holds) and wait for it; kill it if it
         hangs. Attached: take this front out (the core aborts its requests) and close the channel."""
         self._close_front_sockets()
+        if self._channel is None and self.process is not None:  # start() cancelled before its channel opened
+            self.process.kill()
+            await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
         if self._channel is None or (self.process is None and self.ready is None):
             return  # never started, or never attached
         self._closing = True

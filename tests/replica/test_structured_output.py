@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -253,6 +254,9 @@ LATE_BLOWUP = "q[ab]x(a{1000}){1000}"
     (StructuredOutput("grammar", f'%llguidance {{}}\nstart: "x" item\n    | "y" item\n?item: WS? LATE\n// late\n'
                                  f'LATE: /{BLOWUP}/\n%ignore WS\nWS: /[ ]+/'), "guided_grammar",
      "its terminal LATE is too complex"),
+    # An alternative continued at the line's first column, as Lark allows.
+    (StructuredOutput("grammar", f'start: "pick" /[0-9]/ LATE\n| "other"\nLATE: /{BLOWUP}/'), "guided_grammar",
+     "its terminal LATE is too complex"),
 ])
 def test_a_constraint_whose_lexer_blows_up_on_its_first_token_is_refused_at_the_edge_by_name(builtin_engine,
                                                                                          constraint, field, says):
@@ -269,6 +273,28 @@ def test_a_constraint_whose_lexer_blows_up_on_its_first_token_is_refused_at_the_
                                                                                structured_output=constraint)])
     assert (reason, request.num_output_tokens) == ("abort", 0), text
     assert builtin_engine.load().kv_blocks_free == free_blocks and not builtin_engine.has_unfinished_requests()
+
+
+def test_large_and_attributed_grammars_pass_the_edges_probes(builtin_engine):
+    """The probes of a grammar's lexemes go in groups, halved only where a group is over a limit:
+    probed one by one after a failed probe of all, each probe compiling every terminal again,
+    3,000 terminals took past the 10 s compile bound and were refused. A lexeme with llguidance's
+    max_tokens or stop attributes cannot be rolled back: the first-token probe consumed each
+    first byte on the matcher and rolled it back, and refused these ("rollback not supported").
+    A regex in a comment is no lexeme."""
+    terminals = [f"T{index}: /t{index}_[a-z]{{2,6}}/" for index in range(3000)]
+    groups = [f"g{start}: " + " | ".join(f"T{index}" for index in range(start, start + 100)) for start in range(0, 3000, 100)]
+    large = "start: " + " ".join(f"g{start}" for start in range(0, 3000, 100)) + "\n" + "\n".join(groups + terminals)
+    compiler = _compiler(builtin_engine)
+    try:
+        started = time.monotonic()
+        compiler.check(StructuredOutput("grammar", large), "guided_grammar")
+        assert time.monotonic() - started < 5.0
+        for grammar in ('start: a\na[max_tokens=5]: /[a-z]+/', 'start: text\ntext[stop=""]: /[a-z ]+/',
+                        f'start: "a" // not /{BLOWUP}/'):
+            compiler.check(StructuredOutput("grammar", grammar), "guided_grammar")
+    finally:
+        compiler.shutdown()
 
 
 def test_a_rule_of_more_alternatives_than_llguidance_allows_is_refused_at_the_edge_by_name(builtin_engine):
