@@ -211,12 +211,11 @@ def test_a_replica_with_two_fronts_serves_connections_on_both_behind_its_key_cou
         streams = [pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
             text="hi", sampling=pb.SamplingParams(max_tokens=60, ignore_eos=True)), timeout=60, metadata=key)
             for channel in first_on.values()]
-        for stream in streams:
-            next(stream)
+        firsts = [next(stream) for stream in streams]
         for pid in fronts + [core]:
             os.kill(pid, signal.SIGTERM)
-        for stream in streams:
-            assert list(stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        for stream, first in zip(streams, firsts):
+            assert ([first] + list(stream))[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert process.wait(timeout=60) == 0
         for pid in fronts[1:] + [core]:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
@@ -243,21 +242,22 @@ def test_a_front_that_dies_mid_stream_frees_its_requests_and_the_other_front_ser
             channels.append(grpc.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION))
             before = [served_connections(pid, port) for pid in fronts]
             stream = pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=60)
-            next(stream)
+            first = next(stream)  # one message, of every token the front had for it by then
             after = [served_connections(pid, port) for pid in fronts]
             front = next(index for index in range(2) if after[index] > before[index])
             if front in streams:
                 stream.cancel()
             else:
-                streams[front] = stream
+                streams[front] = (stream, first)
         load_stub = pb_grpc.LoadReporterStub(channels[0])
         os.kill(fronts[1], signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as lost:
-            list(streams[1])
+            list(streams[1][0])
         assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-        rest = list(streams[0])  # front 0's stream goes on to its end
+        stream, first = streams[0]
+        rest = [first] + list(stream)  # front 0's stream goes on to its end
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert sum(len(response.token_ids) for response in rest) == 80 - 1
+        assert sum(len(response.token_ids) for response in rest) == 80
         deadline = time.monotonic() + 30
         while True:  # the dead front's request left the core: every block is free again
             load = load_stub.GetLoad(pb.LoadRequest(), timeout=30)

@@ -279,8 +279,9 @@ def test_large_and_attributed_grammars_pass_the_edges_probes(builtin_engine):
     """The probes of a grammar's lexemes go in groups, halved only where a group is over a limit:
     probed one by one after a failed probe of all, each probe compiling every terminal again,
     3,000 terminals took past the 10 s compile bound and were refused. A lexeme with llguidance's
-    max_tokens or stop attributes cannot be rolled back: the first-token probe consumed each
-    first byte on the matcher and rolled it back, and refused these ("rollback not supported").
+    max_tokens, stop or lazy attributes cannot be rolled back: the first-token probe consumed
+    each first byte on the matcher and rolled it back, and refused these ("rollback not
+    supported", or a panic).
     A regex in a comment is no lexeme."""
     terminals = [f"T{index}: /t{index}_[a-z]{{2,6}}/" for index in range(3000)]
     groups = [f"g{start}: " + " | ".join(f"T{index}" for index in range(start, start + 100)) for start in range(0, 3000, 100)]
@@ -291,6 +292,7 @@ def test_large_and_attributed_grammars_pass_the_edges_probes(builtin_engine):
         compiler.check(StructuredOutput("grammar", large), "guided_grammar")
         assert time.monotonic() - started < 5.0
         for grammar in ('start: a\na[max_tokens=5]: /[a-z]+/', 'start: text\ntext[stop=""]: /[a-z ]+/',
+                        'start: text\ntext[lazy]: /(.|\\n)*/',
                         f'start: "a" // not /{BLOWUP}/'):
             compiler.check(StructuredOutput("grammar", grammar), "guided_grammar")
     finally:
