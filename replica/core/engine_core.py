@@ -204,12 +204,9 @@ class EngineCore:
         rejected_of: list[list[tuple[str, BaseException]]] = [[] for _ in self.channels]
         for front, request_id, error in rejected:
             rejected_of[front].append((request_id, error))
-        for front, is_open in enumerate(self._fronts_open):
-            if is_open:
-                self._outboxes[front].put(to_wire(StepOutputs(
-                    rows_of[front], load, stats.step_time_s, stats.generation_tokens_per_s, kv_events,
-                    rejected_of[front],
-                )))
+        for front in range(len(self.channels)):
+            self._put(front, to_wire(StepOutputs(rows_of[front], load, stats.step_time_s,
+                                                 stats.generation_tokens_per_s, kv_events, rejected_of[front])))
 
     def _kv_events(self) -> list[Any]:
         # Drained with every output message, so the front's KV-event log sees each cache

@@ -278,31 +278,32 @@ class GrammarCompiler:
         if error:  # its first line: the rest is a dump of llguidance's parser state
             raise InvalidRequestError("structured_output", _too_complex_message("", error) if _too_complex(error)
                                       else _one_line(error.splitlines()[0]))
+        # A lexeme that only a later part of the output reaches (a JSON schema's pattern, a Lark
+        # terminal or a regex written in a rule) is built then: a costly one would fail the
+        # request mid-output. Each is probed here as a constraint of its own.
         if constraint.kind == "json":
-            # A pattern is a lexeme of its own, built when the output reaches it: a costly one
-            # deep in a schema would fail a request mid-output. All are probed here at once, as
-            # one alternation (one matcher: ~1 ms each with a 49k vocabulary), and one by one
-            # only where that fails, so that only a pattern past the limits on its own is refused.
             patterns = _schema_patterns(json.loads(constraint.spec))
-            found = self._costly_lexeme([(f"its pattern {_excerpt(pattern)}", _unanchored(pattern)) for pattern in patterns],
-                                        lambda regexes: _regex_grammar("|".join(f"(?:{regex})" for regex in regexes)), mask)
-            if found is not None:
-                raise InvalidRequestError("structured_output", _too_complex_message(f"{found[0]} ", found[1]))
+            found = self._costly_lexeme(
+                [(f"its pattern {_excerpt(pattern)}", _unanchored(pattern)) for pattern in patterns],
+                lambda regexes: llguidance.LLMatcher.grammar_from_regex("|".join(f"(?:{regex})" for regex in regexes)),
+                mask)
         elif constraint.kind == "grammar":
-            # The same for a Lark grammar's lexemes: each terminal, and each regex written in a
-            # rule, is built only when the output reaches it.
             lexemes, definitions = _lark_lexemes(constraint.spec)
-            found = self._costly_lexeme(list(lexemes.items()),
-                                        lambda group: _lark_grammar(definitions, " | ".join(group)), mask)
-            if found is not None:
-                raise InvalidRequestError("structured_output", _too_complex_message(f"{found[0]} ", found[1]))
+            found = self._costly_lexeme(
+                list(lexemes.items()),
+                lambda group: llguidance.LLMatcher.grammar_from_lark(f"{definitions}\nstart: {' | '.join(group)}\n"),
+                mask)
+        else:
+            found = None
+        if found is not None:
+            raise InvalidRequestError("structured_output", _too_complex_message(f"{found[0]} ", found[1]))
         return matcher
 
-    def _costly_lexeme(self, lexemes: list[tuple[str, str]], probe_of: Callable[[list[str]], Callable[[], str]],
+    def _costly_lexeme(self, lexemes: list[tuple[str, str]], grammar_of: Callable[[list[str]], str],
                        mask: np.ndarray) -> Optional[tuple[str, str]]:
         """(what, error) of one of `lexemes` ((what, lexeme) pairs) that is too complex or too
         costly on its own, else None. They are probed LEXEME_PROBE_GROUP at a time as one
-        constraint (`probe_of(group)`), and a group whose probe is over a limit is halved until
+        constraint (`grammar_of(group)`), and a group whose probe is over a limit is halved until
         the lexeme is found: about log2(n) probes per costly lexeme, where one by one took n
         probes that each compile the whole grammar's terminals again. A probe that does not
         compile is no finding, and what LEXEME_PROBE_BUDGET_S leaves unprobed is left to the
@@ -316,7 +317,7 @@ class GrammarCompiler:
                             sum(map(len, groups)), LEXEME_PROBE_BUDGET_S)
                 return None
             group = groups.pop()
-            error = self._probe_error(probe_of([lexeme for _, lexeme in group]), mask)
+            error = self._probe_error(lambda: grammar_of([lexeme for _, lexeme in group]), mask)
             if error is None or not _too_complex(error):
                 continue
             if len(group) == 1:
@@ -326,8 +327,9 @@ class GrammarCompiler:
         return None
 
     def _probe_error(self, grammar: Callable[[], str], mask: np.ndarray) -> Optional[str]:
-        """llguidance's error compiling `grammar()` as a constraint of its own, masking its first
-        token or consuming a first byte (_first_token_error); None where there is none."""
+        """llguidance's error compiling `grammar()` (which may itself refuse: a bad regex) as a
+        constraint of its own, masking its first token or after a first byte
+        (_first_token_error); None where there is none."""
         import llguidance
 
         try:
@@ -346,8 +348,8 @@ class GrammarCompiler:
         (step_lexer_fuel, 200,000): a regex such as `(a{1000}){1000}` masks its first token, then
         fails consuming it, in the engine, after a step of ~0.2 s. A copy of the matcher consumes
         each one-byte token its first mask allows (the lowest allowed id where none is one
-        byte), here on the compile thread, and times the mask after each before rolling it
-        back: a costly lexeme among several (a union of probes, a grammar whose first token may
+        byte), each on a fresh copy (a grammar with max_tokens, stop or lazy lexemes cannot roll
+        back), here on the compile thread, and times the mask after each: a costly lexeme among several (a union of probes, a grammar whose first token may
         start any of its terminals) shows only after its own first byte. An ordinary constraint
         pays about a millisecond (SmolLM2's 49k ids, 170 first bytes allowed)."""
         allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
@@ -358,7 +360,6 @@ class GrammarCompiler:
         if not len(probes):  # only EOS may come: nothing more to build
             return None
         for token_id in probes:
-            # A copy for each (not a rollback: a grammar with max_tokens or stop lexemes cannot roll back).
             probe = matcher.deep_copy()
             if not probe.consume_token(int(token_id)) or probe.is_error():
                 return probe.get_error() or "the matcher refused a token its first mask allows"
@@ -635,22 +636,6 @@ def _schema_patterns(schema: object) -> list[str]:
         elif isinstance(node, list):
             stack.extend(reversed(node))
     return list(found)
-
-
-def _regex_grammar(regex: str) -> Callable[[], str]:
-    def grammar() -> str:
-        import llguidance
-
-        return llguidance.LLMatcher.grammar_from_regex(regex)
-    return grammar
-
-
-def _lark_grammar(definitions: str, start: str) -> Callable[[], str]:
-    def grammar() -> str:
-        import llguidance
-
-        return llguidance.LLMatcher.grammar_from_lark(f"{definitions}\nstart: {start}\n")
-    return grammar
 
 
 # A top-level Lark definition, at a line's first column: a rule (`name:`, `?name:`, `!name:`) or

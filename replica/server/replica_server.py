@@ -98,10 +98,8 @@ class ReplicaServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(self.service_names + (health.SERVICE_NAME,), server)
-        if join:
-            self.port = _bind_first_free(server, host, port, 1)
-        else:
-            self.port = _bind_first_free(server, host, port, port_search, check_free=self.shared_port)
+        self.port = _bind_first_free(server, host, port, 1 if join else port_search,
+                                     check_free=self.shared_port and not join)
         await self.engine.start()
         if self.generation:  # after the start: the servicer builds its grammar compiler from the engine's tokenizer
             pb_grpc.add_GenerationServicer_to_server(
