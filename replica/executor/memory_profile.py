@@ -139,7 +139,7 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
 
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                          min_tokens: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+                          device: torch.device, min_tokens: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
     """KV blocks (the null block included) that fit the engine's share of the GPU; under tensor
     parallelism every rank profiles its own GPU and they agree on the fewest. ConfigError unless
     they hold `min_tokens` (one max_model_len sequence, or a block where max_model_len follows

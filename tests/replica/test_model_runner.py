@@ -258,6 +258,48 @@ def test_a_pool_that_profiling_will_size_does_not_bound_max_model_len_before_it_
     assert resolve_rank_config(follows, model, model_config, torch.device("cpu"), NO_TENSOR_PARALLEL).max_model_len == 128
 
 
+def test_a_cuda_rank_sizes_its_pool_by_profiling_through_resolve_rank_config(builtin_model, monkeypatch):
+    # The profiled path runs only on CUDA: here the device memory API is an 80 GiB ledger and the
+    # profile run itself runs on the CPU, but the call from resolve_rank_config is the real one
+    # (a signature that drifted from its caller once crashed every CUDA engine at start).
+    import inspect
+
+    from replica.executor import memory_profile, rank_config
+
+    model, model_config = builtin_model
+    gib = 2**30
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ledger = {"total": 80 * gib, "peak": weights + 2 * gib, "outside": gib}
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: weights)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: ledger["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: weights)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (
+        ledger["total"] - weights - ledger["outside"], ledger["total"]))
+    monkeypatch.setattr(model.attn_backend, "warm_up", lambda *args: None)
+    real = memory_profile.profile_num_kv_blocks
+    calls = []
+
+    def on_the_cpu(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)  # TypeError if the caller drifted
+        assert bound.arguments["device"].type == "cuda"
+        bound.arguments["device"] = torch.device("cpu")
+        calls.append(bound.arguments["min_tokens"])
+        return real(*bound.args, **bound.kwargs)
+
+    monkeypatch.setattr(rank_config, "profile_num_kv_blocks", on_the_cpu)
+    config = make_engine_config(block_size=16, gpu_memory_utilization=0.5, max_num_batched_tokens=256)
+    resolved = resolve_rank_config(config, model, model_config, torch.device("cuda"), NO_TENSOR_PARALLEL)
+    assert calls == [16]  # max_model_len follows the model: the pool must hold one block
+    scratch = profile_run(model, model_config, make_engine_config(**{**config.model_dump(), "max_model_len": 128}),
+                          torch.device("cpu"))
+    per_block = kv_cache_bytes_per_block(model_config, 16, torch.float32)
+    budget = 40 * gib - weights - (2 * gib - scratch) - gib  # half the device, less weights, peak, outside torch
+    assert resolved.num_kv_blocks == budget // per_block
+    assert resolved.max_model_len == model_config.max_model_len
+
+
 def test_the_profile_run_executes_the_largest_step_the_scheduler_can_form(builtin_model):
     model, model_config = builtin_model
     # A budget of 100 tokens over sequences of at most 48: three sequences (48, 48, 4).
