@@ -14,6 +14,7 @@ its collectives inside its graphs; replica/parallel/graphs.py says what keeps th
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from typing import Callable, Optional, Sequence
@@ -68,6 +69,21 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         start = time.perf_counter()
+        # A finaliser run during capture (an earlier engine's pinned buffers, its events) would
+        # issue CUDA calls that invalidate it: collect now and let no collection run until done.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
+                    len(self._graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def _capture_all(self) -> None:
         pool = None
         for size in capture_order(self.sizes):
             # Warm-up outside the graph: compiles Triton kernels for this shape and runs any
@@ -77,15 +93,14 @@ class DecodeGraphs:
             self._decode_pass(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another thread's CUDA calls (a front's copies, a finishing engine's
+            # threads) must not invalidate this capture; this thread's unsafe calls still fail it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._decode_pass(size)
             if pool is None:
                 pool = graph.pool()
             self._graphs[size] = graph
             self.captured.append(size)
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
-                    len(self._graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
 
     def replay(self, size: int) -> None:
         self._graphs[size].replay()
