@@ -137,11 +137,14 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true",
                         help="engine section without HF's side (no agreement or ratio rows; saves ~1 minute)")
     parser.add_argument("--no-eager", action="store_true", help="engine section without the graphs-off mode")
+    parser.add_argument("--served-fronts", default=SERVED_FRONTS,
+                        help="the served section's `--api-server-count` values (default %(default)s)")
     parser.add_argument("--profile-dir", help="write torch.profiler kernel tables of the batch-256 decode steps here")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
     args = parser.parse_args()
     global PROFILE_DIR
+    globals()["SERVED_FRONTS"] = args.served_fronts
     PROFILE_DIR = Path(args.profile_dir) if args.profile_dir else None
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if unknown := sorted(set(sections) - set(ALL_SECTIONS)):

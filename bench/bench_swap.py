@@ -293,8 +293,16 @@ def preemption(args, model: str) -> None:
                   f"{result['swapped_out_blocks']:5d}  tokens computed {result['computed']:6d}  copies over the link "
                   f"{result['runs']:4d}  blocks prefetched {result['prefetched_blocks']:4d}  steps that waited for "
                   f"copies {result['copy_wait_steps']:4d} ({result['copy_wait_blocks']:5d} blocks)")
-    assert all(r["outputs"] == results["recompute"][0]["outputs"] for rs in results.values() for r in rs), \
-        "greedy tokens differ between the modes"
+    reference = results["recompute"][0]["outputs"]
+    if args.dtype == "float32":  # the oracle: greedy output never depends on the preemption mode
+        assert all(r["outputs"] == reference for rs in results.values() for r in rs), \
+            "greedy tokens differ between the modes"
+    else:  # a re-prefill rebuilds the KV decode wrote (and later rounds read prefix-cached KV): in
+        # bf16 near-tied logits may break either way, so the equality is asserted in float32 only
+        same = sum(a == b for auto, recompute in zip(results["auto"], results["recompute"])
+                   for a, b in zip(auto["outputs"], recompute["outputs"]))
+        print(f"{args.dtype}: requests with the same greedy tokens in both modes, round by round: "
+              f"{same}/{len(reference) * args.rounds} (asserted equal in float32)")
     recomputed = {mode: statistics.median(r["recomputed"] for r in rs) for mode, rs in results.items()}
     speed = {mode: statistics.median(r["tokens_per_s"] for r in rs) for mode, rs in results.items()}
     recomputed_ratio = recomputed["auto"] / max(recomputed["recompute"], 1)
@@ -316,7 +324,8 @@ def preemption(args, model: str) -> None:
           f"{sum(r['prefetched_blocks'] for r in auto_runs)} prefetched beside the step before; steps that waited for "
           f"copies {sum(r['copy_wait_steps'] for r in auto_runs)} of {sum(len(r['steps']) for r in auto_runs)} "
           f"({sum(r['copy_wait_blocks'] for r in auto_runs)} blocks)")
-    print("greedy tokens: identical in both modes")
+    if args.dtype == "float32":
+        print("greedy tokens: identical in both modes")
     for line in time_budget(results, profiles["auto"].unit):
         print(line)
 
