@@ -81,6 +81,16 @@ class AttentionBackend(ABC):
         """
 
 
+class KVCaches(list):
+    """One (key_cache, value_cache) pair per layer, each [num_blocks, block_size, num_kv_heads,
+    head_dim]: views of one tensor, `stacked` [num_layers, 2, num_blocks, block_size,
+    num_kv_heads, head_dim], so a copy of whole blocks across every layer is one op."""
+
+    def __init__(self, stacked: torch.Tensor):
+        super().__init__((stacked[layer, 0], stacked[layer, 1]) for layer in range(stacked.shape[0]))
+        self.stacked = stacked
+
+
 def allocate_kv_cache(
     num_layers: int,
     num_blocks: int,
@@ -89,10 +99,7 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed (key_cache, value_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+) -> KVCaches:
+    """The zeroed KV cache of every layer (KVCaches: one tensor, a view per layer)."""
+    return KVCaches(torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
+                                device=device))

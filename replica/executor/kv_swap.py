@@ -3,11 +3,13 @@
 The host cache is one tensor, block-major: [host blocks, layers, key/value, block_size,
 kv heads, head_dim], so a run of consecutive host blocks is one contiguous range. A batch of
 copies one way goes through a staging buffer on the device, [blocks, layers, key/value, ...]
-like the host cache: device -> host gathers the device blocks into it (one gather per layer
-and key/value, in the order of their host blocks) and then copies it out in one copy per run
-of consecutive host block ids, straight into the (pinned, on CUDA) host blocks; host -> device
-copies each run of host blocks into it and scatters it into the device blocks (one
-index_copy_ per layer and key/value). One copy per direction per step where the step's host
+like the host cache: device -> host gathers the device blocks of every layer into it (one
+index_select over the stacked cache, KVCaches.stacked, and one strided copy, in the order of
+their host blocks) and then copies it out in one copy per run of consecutive host block ids,
+straight into the (pinned, on CUDA) host blocks; host -> device copies each run of host
+blocks into it and scatters it into the device blocks (one index_copy_). A round costs the
+host a handful of launches whatever the model's depth: it had been four per layer, which on
+an H200 put ~0.5 ms on every step that wrote a block through (2026-11-29). One copy per direction per step where the step's host
 blocks are consecutive; the host pool hands them out in its LRU order, so in practice runs
 average 2.5-4.5 blocks (`runs` counts the copies: the router simulation's mixed_long at 100%,
 write-throughs 2.9 blocks a copy, swap-outs 4.1, prefetches 2.5; bench_swap's multi-turn run
@@ -37,6 +39,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from replica.attention.base import KVCaches
 from replica.core.host_pool import BlockCopies
 
 # Blocks staged on the device per round of copies: bounds the staging buffer.
@@ -72,10 +75,10 @@ def plan_rounds(host_device_pairs: Sequence[tuple[int, int]]) -> list[CopyRound]
 
 
 class KVSwapper:
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_host_blocks: int,
-                 device: torch.device):
+    def __init__(self, kv_caches: KVCaches, num_host_blocks: int, device: torch.device):
         """num_host_blocks: usable host blocks; ids run 1..num_host_blocks (HostBlockPool's)."""
         self.kv_caches = kv_caches
+        self.stacked = kv_caches.stacked  # [layers, key/value, device blocks, block_size, kv heads, head_dim]
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         key_cache = kv_caches[0][0]
@@ -132,10 +135,8 @@ class KVSwapper:
             return
         for round_ in plan_rounds([(host_id, device_id) for device_id, host_id in device_host_pairs]):
             staging = self.staging[:len(round_.device_ids)]
-            device_ids = self._ids(round_.device_ids)
-            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-                staging[:, layer, 0].copy_(key_cache.index_select(0, device_ids))
-                staging[:, layer, 1].copy_(value_cache.index_select(0, device_ids))
+            # [layers, 2, blocks, ...] gathered, written block-major.
+            staging.copy_(self.stacked.index_select(2, self._ids(round_.device_ids)).movedim(2, 0))
             for row, host_id, length in round_.runs:
                 self.host_cache[host_id:host_id + length].copy_(staging[row:row + length], non_blocking=self.on_cuda)
             self.runs += len(round_.runs)
@@ -150,10 +151,7 @@ class KVSwapper:
             for row, host_id, length in round_.runs:
                 staging[row:row + length].copy_(self.host_cache[host_id:host_id + length], non_blocking=self.on_cuda)
             self.runs += len(round_.runs)
-            device_ids = self._ids(round_.device_ids)
-            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-                key_cache.index_copy_(0, device_ids, staging[:, layer, 0])
-                value_cache.index_copy_(0, device_ids, staging[:, layer, 1])
+            self.stacked.index_copy_(2, self._ids(round_.device_ids), staging.movedim(0, 2))
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         """Block ids as an int64 index tensor on the device (from pinned memory, asynchronously, on CUDA)."""
