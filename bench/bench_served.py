@@ -5,7 +5,7 @@ process (this one), on the same workloads in one run; prints served / offline.
     python bench/bench_served.py [--workloads 64x128,200x64,256x128] [--core-torch-threads N]
                                  [--model builtin|DIR] [--device cpu|cuda] [--dtype D] [--num-kv-blocks N]
                                  [--emulated-device] [--repeat N] [--stream-interval N[,N...]]
-                                 [--api-server-count N[,N...]]
+                                 [--api-server-count N[,N...]] [--client-processes N]
 
 Engine: built-in model on the CPU by default, max_model_len 1024, 4,096 blocks, max_num_seqs
 256, budget 2048 (bench/bench_gpu.py runs it on a GPU with a 1.1B checkpoint).
@@ -35,6 +35,9 @@ connections to each (checked in /proc, bench/fronts.py: the kernel picks the fro
 connection) and deals its streams over the fronts in turn. The "front" CPU is all fronts'.
 A comma list (1,2) serves every workload with each count, a replica each (with a list of
 stream intervals too, every pair), against the one offline run: rows labelled /Nf.
+--client-processes N splits the client over N processes (stream i in process i mod N; their
+CPU is the client's): at a GPU's token rate one asyncio client reading every message is a
+bound of its own (an H200 host, 2026-11-29: 0.45 client CPU s in a 0.37 s run).
 --grpc-floor also runs a bare grpc.aio Generate server (no engine: it writes a one-token
 GenerateResponse per stream each tick, the tick the served run's ITL p50) to this script's
 client, and prints the CPU per message of that server and client beside the front's and the
@@ -173,18 +176,33 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
     raise RuntimeError("headroom replica exited before it listened")
 
 
-async def run_served(address: str, pids: dict[str, int | list[int]], prompts: list[list[int]],
-                     max_tokens: int) -> Result:
-    """pids: the processes whose CPU is counted, by name; a list (the fronts) counts as one.
-    With several fronts, the streams are spread evenly over them: CONNECTIONS_PER_FRONT
-    connections to each, the streams dealt round-robin over the fronts."""
-    fronts = pids.get("front")
+def counted(pids: dict[str, int | list[int]]) -> dict[str, int | list[int]]:
+    """The processes whose CPU is counted: each name (a list, as the fronts, as its sum) and
+    each member of a list of several (name0, name1, ...)."""
+    each = dict(pids)
+    for name, group in pids.items():
+        if isinstance(group, list) and len(group) > 1:
+            each.update((f"{name}{index}", pid) for index, pid in enumerate(group))
+    return each
+
+
+def served_result(per_stream: list[list[float]], start: float, cpu_s: dict[str, float], messages: int) -> Result:
+    elapsed = max(times[-1] for times in per_stream) - start
+    itl_ms = [(later - earlier) * 1000 for times in per_stream for earlier, later in zip(times, times[1:])]
+    return Result(sum(map(len, per_stream)) / elapsed, itl_ms, cpu_s, messages)
+
+
+async def open_channels(address: str, fronts: int | list[int]) -> list[grpc.aio.Channel]:
+    """One channel, or with several fronts CONNECTIONS_PER_FRONT to each, in the fronts' turn."""
     if isinstance(fronts, list) and len(fronts) > 1:
         by_front = await channels_per_front(address, fronts, CONNECTIONS_PER_FRONT)
-        channels = [by_front[front][round_] for round_ in range(CONNECTIONS_PER_FRONT) for front in range(len(fronts))]
-    else:
-        channels = [grpc.aio.insecure_channel(address)]
-    stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
+        return [by_front[front][round_] for round_ in range(CONNECTIONS_PER_FRONT) for front in range(len(fronts))]
+    return [grpc.aio.insecure_channel(address)]
+
+
+async def run_streams(stubs: list, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[float]], int]:
+    """Every prompt a Generate stream at once, dealt over the stubs; each stream's token
+    arrival times (perf_counter: one clock for every process here) and the messages read."""
     messages = 0
 
     async def stream(index: int, prompt: list[int]) -> list[float]:
@@ -198,23 +216,90 @@ async def run_served(address: str, pids: dict[str, int | list[int]], prompts: li
         assert len(times) == max_tokens, len(times)
         return times
 
+    per_stream = await asyncio.gather(*(stream(index, prompt) for index, prompt in enumerate(prompts)))
+    return per_stream, messages
+
+
+def client_worker(conn, address: str, fronts: int | list[int], prompts: list[list[int]], max_tokens: int) -> None:
+    """A client process of --client-processes: opens its channels and warms up, says "ready",
+    runs its streams on "go", and sends back their arrival times and its message count."""
+
+    async def work():
+        channels = await open_channels(address, fronts)
+        try:
+            stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
+            await run_streams(stubs, [prompt[:16] for prompt in prompts[:4]], max_tokens)  # warm-up
+            conn.send("ready")
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            conn.send(await run_streams(stubs, prompts, max_tokens))
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    asyncio.run(work())
+
+
+def run_served_processes(address: str, pids: dict[str, int | list[int]], prompts: list[list[int]],
+                         max_tokens: int, processes: int) -> Result:
+    """run_served with the client split over `processes` processes (stream i in process
+    i mod N): one asyncio client reading ~50k messages a second is a bound of its own on a
+    GPU's host. They connect one at a time (bench/fronts.py tells a front's connections by
+    counting them in /proc), then start together; their CPU is the client's."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    workers, conns = [], []
     try:
-        await asyncio.gather(*(stream(index, prompt[:16]) for index, prompt in enumerate(prompts[:8])))  # warm-up
-        messages = 0
-        each = {name: pid for name, pid in pids.items() if not isinstance(pid, list)}
-        for name, group in pids.items():  # a group's members each, beside the group's sum
-            if isinstance(group, list) and len(group) > 1:
-                each.update((f"{name}{index}", pid) for index, pid in enumerate(group))
-        cpu_before = {name: process_cpu_seconds(pid) for name, pid in {**pids, **each}.items()}
+        for index in range(processes):
+            parent_end, child_end = context.Pipe()
+            worker = context.Process(target=client_worker, daemon=True, args=(
+                child_end, address, pids.get("front"), prompts[index::processes], max_tokens))
+            worker.start()
+            workers.append(worker)
+            conns.append(parent_end)
+            if not parent_end.poll(120) or parent_end.recv() != "ready":
+                raise RuntimeError(f"client process {index} did not get ready")
+        processes_counted = counted({**pids, "client": [worker.pid for worker in workers]})
+        cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes_counted.items()}
         start = time.perf_counter()
-        per_stream = await asyncio.gather(*(stream(index, prompt) for index, prompt in enumerate(prompts)))
-        elapsed = max(times[-1] for times in per_stream) - start
-        cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in {**pids, **each}.items()}
+        for conn in conns:
+            conn.send("go")
+        results = [conn.recv() for conn in conns]
+        cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes_counted.items()}
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    return served_result([times for streams, _ in results for times in streams], start, cpu_s,
+                         sum(messages for _, messages in results))
+
+
+async def run_served(address: str, pids: dict[str, int | list[int]], prompts: list[list[int]],
+                     max_tokens: int) -> Result:
+    """pids: the processes whose CPU is counted, by name; a list (the fronts) counts as one.
+    With several fronts, the streams are spread evenly over them: CONNECTIONS_PER_FRONT
+    connections to each, the streams dealt round-robin over the fronts."""
+    channels = await open_channels(address, pids.get("front"))
+    stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
+    try:
+        await run_streams(stubs, [prompt[:16] for prompt in prompts[:8]], max_tokens)  # warm-up
+        processes_counted = counted(pids)
+        cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes_counted.items()}
+        start = time.perf_counter()
+        per_stream, messages = await run_streams(stubs, prompts, max_tokens)
+        cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes_counted.items()}
     finally:
         for channel in channels:
             await channel.close()
-    itl_ms = [(later - earlier) * 1000 for times in per_stream for earlier, later in zip(times, times[1:])]
-    return Result(len(prompts) * max_tokens / elapsed, itl_ms, cpu_s, messages)
+    return served_result(per_stream, start, cpu_s, messages)
+
+
+def serve_once(address: str, pids: dict[str, int | list[int]], prompts: list[list[int]], max_tokens: int,
+               client_processes: int) -> Result:
+    if client_processes > 1:
+        return run_served_processes(address, pids, prompts, max_tokens, client_processes)
+    return asyncio.run(run_served(address, pids, prompts, max_tokens))
 
 
 def process_cpu_seconds(pids: int | list[int]) -> float:
@@ -287,11 +372,16 @@ def main() -> None:
     parser.add_argument("--api-server-count", default="1",
                         help="the replica's front processes (`headroom replica --api-server-count`); the client "
                              "spreads its streams evenly over them; a comma list serves each (default: %(default)s)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes the streams are split over (stream i in process i mod N); one "
+                             "asyncio client is a bound of its own at a GPU's token rate (default: %(default)s)")
     parser.add_argument("--serve-grpc-floor", type=float, default=None, help=argparse.SUPPRESS)  # tick, s
     args = parser.parse_args()
     if args.serve_grpc_floor is not None:
         asyncio.run(serve_grpc_floor(args.serve_grpc_floor))
         return
+    if args.client_processes < 1:
+        parser.error(f"--client-processes: at least 1, not {args.client_processes}")
     ENGINE["num_kv_blocks"] = args.num_kv_blocks
     if args.emulated_device:
         if args.device != "cpu":
@@ -336,8 +426,9 @@ def main() -> None:
                                          args.emulated_device, interval, fronts)
         try:
             pids = {"core": engine_core_pid(process.pid), "front": front_pids(process.pid), "client": os.getpid()}
-            served_at[interval, fronts] = {key: combine([asyncio.run(run_served(address, pids, workload(key[0], seed), key[1]))
-                                                 for seed in seeds]) for key in workloads}
+            served_at[interval, fronts] = {key: combine([serve_once(address, pids, workload(key[0], seed), key[1],
+                                                                    args.client_processes)
+                                                         for seed in seeds]) for key in workloads}
         finally:
             process.send_signal(2)
             process.wait(timeout=60)
@@ -351,6 +442,7 @@ def main() -> None:
           + (f"; stream interval {args.stream_interval}" if args.stream_interval is not None else "")
           + (f"; fronts {args.api_server_count} ({CONNECTIONS_PER_FRONT} connections each)"
              if front_counts != [1] else "")
+          + (f"; {args.client_processes} client processes" if args.client_processes > 1 else "")
           + (f"; median of {args.repeat} runs" if args.repeat > 1 else ""))
     print(f"{'streams x tokens':>17}{'offline tok/s':>15}{'served tok/s':>14}{'served/offline':>16}"
           f"{'step p50/p99 ms':>17}{'served ITL p50/p99 ms':>23}{'tokens/msg':>11}{'CPU ratio':>10}"
