@@ -171,7 +171,10 @@ def main() -> None:
     import triton
 
     print(f"device={device_name} torch={torch.__version__} triton={triton.__version__} "
-          f"transformers={transformers.__version__} sections={','.join(sections)}", flush=True)
+          f"transformers={transformers.__version__} sections={','.join(sections)} "
+          # The host's kernel tells the sandbox (gVisor reports 4.4.0; Firecracker its own), whose
+          # syscall cost moves the served rows: two H200 machines gave 0.74 and 0.90 (2026-11-29).
+          f"kernel={os.uname().release} cores={os.cpu_count()}", flush=True)
     report = Report(device_name, args.json)
     num_requests = 64 if args.quick else 256
     decode_steps = 8 if args.quick else DECODE_STEPS
