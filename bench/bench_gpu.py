@@ -659,7 +659,7 @@ def host_tier(model_dir: str, cpu_smoke: bool) -> list[tuple]:
                                          "--device", DEVICE, "--dtype", dtype, *workload], timeout_s=600)
     lines = [line.strip() for line in output.splitlines()
              if line.startswith(("recomputed tokens:", "output tok/s:", "tokens the model computed", "auto's swap-ins:",
-                                 "  so auto"))]
+                                 "  so auto", "bfloat16:", "  recompute:", "  auto     :", "  measured:"))]
     return rows + [("bench_swap.py " + " ".join(workload), f"exit {returncode}",
                     "recomputed <= 0.3x, output tok/s >= 1.15x")] + [("bench_swap", line, "") for line in lines]
 

@@ -222,7 +222,8 @@ async def run_streams(stubs: list, prompts: list[list[int]], max_tokens: int) ->
 
 def client_worker(conn, address: str, fronts: int | list[int], prompts: list[list[int]], max_tokens: int) -> None:
     """A client process of --client-processes: opens its channels and warms up, says "ready",
-    runs its streams on "go", and sends back their arrival times and its message count."""
+    runs its streams on "go", and sends back their arrival times and its message count; a
+    failure is sent back as its message (a string) instead."""
 
     async def work():
         channels = await open_channels(address, fronts)
@@ -236,7 +237,11 @@ def client_worker(conn, address: str, fronts: int | list[int], prompts: list[lis
             for channel in channels:
                 await channel.close()
 
-    asyncio.run(work())
+    try:
+        asyncio.run(work())
+    except BaseException as error:  # noqa: BLE001 (the parent raises it)
+        conn.send(f"{type(error).__name__}: {error}")
+        raise
 
 
 def run_served_processes(address: str, pids: dict[str, int | list[int]], prompts: list[list[int]],
@@ -249,26 +254,40 @@ def run_served_processes(address: str, pids: dict[str, int | list[int]], prompts
 
     context = multiprocessing.get_context("spawn")
     workers, conns = [], []
+
+    def receive(index: int, timeout_s: float):
+        """Worker `index`'s next message; RuntimeError if it failed, died or said nothing in time
+        (the parent holds no child end, so a dead worker's pipe reads EOF at once)."""
+        try:
+            message = conns[index].recv() if conns[index].poll(timeout_s) else None
+        except EOFError:
+            message = None
+        if message is None or (isinstance(message, str) and message != "ready"):
+            raise RuntimeError(f"client process {index}: {message or 'no answer (exit code %s)' % workers[index].exitcode}")
+        return message
+
     try:
         for index in range(processes):
             parent_end, child_end = context.Pipe()
             worker = context.Process(target=client_worker, daemon=True, args=(
                 child_end, address, pids.get("front"), prompts[index::processes], max_tokens))
             worker.start()
+            child_end.close()
             workers.append(worker)
             conns.append(parent_end)
-            if not parent_end.poll(120) or parent_end.recv() != "ready":
-                raise RuntimeError(f"client process {index} did not get ready")
+            receive(index, 120)  # "ready": connected and warmed up
         processes_counted = counted({**pids, "client": [worker.pid for worker in workers]})
         cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes_counted.items()}
         start = time.perf_counter()
         for conn in conns:
             conn.send("go")
-        results = [conn.recv() for conn in conns]
+        results = [receive(index, 600) for index in range(processes)]
         cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes_counted.items()}
     finally:
+        for conn in conns:  # a worker still waiting for "go" reads EOF and ends
+            conn.close()
         for worker in workers:
-            worker.join(timeout=30)
+            worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
     return served_result([times for streams, _ in results for times in streams], start, cpu_s,
@@ -382,6 +401,8 @@ def main() -> None:
         return
     if args.client_processes < 1:
         parser.error(f"--client-processes: at least 1, not {args.client_processes}")
+    if args.grpc_floor and args.client_processes > 1:  # the floor's client is one process
+        parser.error("--grpc-floor compares one client process with another: leave --client-processes at 1")
     ENGINE["num_kv_blocks"] = args.num_kv_blocks
     if args.emulated_device:
         if args.device != "cpu":
