@@ -261,16 +261,15 @@ def write_cost_model(samples: list[tuple[int, int, float]], args: argparse.Names
 
     import cost_model
 
-    # Every timed step: make_engine's warm-up already paid the one-time costs (allocator growth
-    # to a whole-budget step, lazy initialisation). Dropping the first steps instead dropped
-    # every prefill of a workload whose prompts all fit in its first steps (the 64-request
-    # run's 14k prompt tokens are its first 7 steps), so the fit saw decodes only.
-    kept = samples
     where = f"{torch.cuda.get_device_name()}" if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     source = (f"fitted by bench/bench_engine.py: model {args.model}, {args.dtype} on {where}, "
               f"{platform.node() or 'unknown host'}, {datetime.date.today().isoformat()}")
     kv_bytes_per_token, swap_bytes_per_s = measure_host_link(engine)
-    model = dataclasses.replace(cost_model.fit(kept, source), kv_bytes_per_token=kv_bytes_per_token,
+    # Every timed step is fitted: make_engine's warm-up already paid the one-time costs
+    # (allocator growth to a whole-budget step, lazy initialisation). Dropping the first steps
+    # instead dropped every prefill of a workload whose prompts all fit in its first steps (the
+    # 64-request run's 14k prompt tokens are its first 7 steps), so the fit saw decodes only.
+    model = dataclasses.replace(cost_model.fit(samples, source), kv_bytes_per_token=kv_bytes_per_token,
                                 swap_bytes_per_s=swap_bytes_per_s,
                                 swap_source=f"measured by bench/bench_engine.py: {args.model}'s KV in {args.dtype}, "
                                             f"device <-> host copies on {where}")

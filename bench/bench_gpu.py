@@ -148,7 +148,6 @@ def main() -> None:
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
     args = parser.parse_args()
     global PROFILE_DIR
-    globals().update(SERVED_FRONTS=args.served_fronts, SERVED_CLIENTS=args.served_clients)
     PROFILE_DIR = Path(args.profile_dir) if args.profile_dir else None
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if unknown := sorted(set(sections) - set(ALL_SECTIONS)):
@@ -202,7 +201,7 @@ def main() -> None:
                                 eager=not args.no_eager)
             elif name == "served":
                 model = checkpoint()
-                section(report, "served", lambda: served(model))
+                section(report, "served", lambda: served(model, args.served_fronts, args.served_clients))
             elif name == "swap":
                 model = checkpoint()
                 section(report, "swap", lambda: host_tier(model, cpu_smoke=args.cpu_smoke))
@@ -596,21 +595,20 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
 
 
 # ---- served: headroom replica on the GPU against the offline engine --------------------------------
-def served(model_dir: str) -> list[tuple]:
+def served(model_dir: str, fronts: str = SERVED_FRONTS, clients: int = SERVED_CLIENTS) -> list[tuple]:
     """bench_served.py at 64 and 256 streams, as shipped (one front) and with two front
-    processes on the one engine core (`--api-server-count 2`): one front's event loop was the
-    bound at 256 streams on the H100 (docs/benchmarks.md), and two halve each one's share. One
-    offline engine serves as the baseline of both. The client is SERVED_CLIENTS processes:
-    one was a bound of its own on an H200's host (2026-11-29)."""
+    processes on the one engine core (`--api-server-count 2`; `fronts` the counts): one
+    front's event loop was the bound at 256 streams on the H100 (docs/benchmarks.md), and two
+    halve each one's share. One offline engine serves as the baseline of both. The client is
+    `clients` processes: one was a bound of its own on an H200's host (2026-11-29)."""
     output, returncode = run_subprocess(
         [sys.executable, str(REPO / "bench" / "bench_served.py"), "--model", model_dir, "--device", DEVICE,
          "--dtype", "bfloat16", "--num-kv-blocks", "8192", "--workloads", SERVED_WORKLOADS, "--repeat", "3",
-         "--api-server-count", SERVED_FRONTS, "--client-processes", str(SERVED_CLIENTS)],
+         "--api-server-count", fronts, "--client-processes", str(clients)],
         timeout_s=360)
     lines = [line for line in output.splitlines() if line.startswith("targets:") or " x " in line[:20]]
-    return [(f"bench_served.py {SERVED_WORKLOADS} with fronts {SERVED_FRONTS}, {SERVED_CLIENTS} client processes",
-             f"exit {returncode}",
-             ">= 0.9 at 64 and 256 streams")] + [("served", line.strip(), "") for line in lines]
+    return [(f"bench_served.py {SERVED_WORKLOADS} with fronts {fronts}, {clients} client processes",
+             f"exit {returncode}", ">= 0.9 at 64 and 256 streams")] + [("served", line.strip(), "") for line in lines]
 
 
 # ---- swap: the host KV tier on the GPU (issue 23) --------------------------------------------------

@@ -57,6 +57,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -176,14 +177,16 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
     raise RuntimeError("headroom replica exited before it listened")
 
 
-def counted(pids: dict[str, int | list[int]]) -> dict[str, int | list[int]]:
-    """The processes whose CPU is counted: each name (a list, as the fronts, as its sum) and
-    each member of a list of several (name0, name1, ...)."""
-    each = dict(pids)
+def cpu_meter(pids: dict[str, int | list[int]]) -> Callable[[], dict[str, float]]:
+    """Starts counting the CPU seconds of each named process (a list, as the fronts, as its sum,
+    and with several members each one too: name0, name1, ...); the returned call says how many
+    each has used since."""
+    processes = dict(pids)
     for name, group in pids.items():
         if isinstance(group, list) and len(group) > 1:
-            each.update((f"{name}{index}", pid) for index, pid in enumerate(group))
-    return each
+            processes.update((f"{name}{index}", pid) for index, pid in enumerate(group))
+    before = {name: process_cpu_seconds(pid) for name, pid in processes.items()}
+    return lambda: {name: process_cpu_seconds(pid) - before[name] for name, pid in processes.items()}
 
 
 def served_result(per_stream: list[list[float]], start: float, cpu_s: dict[str, float], messages: int) -> Result:
@@ -276,13 +279,12 @@ def run_served_processes(address: str, pids: dict[str, int | list[int]], prompts
             workers.append(worker)
             conns.append(parent_end)
             receive(index, 120)  # "ready": connected and warmed up
-        processes_counted = counted({**pids, "client": [worker.pid for worker in workers]})
-        cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes_counted.items()}
+        cpu_used = cpu_meter({**pids, "client": [worker.pid for worker in workers]})
         start = time.perf_counter()
         for conn in conns:
             conn.send("go")
         results = [receive(index, 600) for index in range(processes)]
-        cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes_counted.items()}
+        cpu_s = cpu_used()
     finally:
         for conn in conns:  # a worker still waiting for "go" reads EOF and ends
             conn.close()
@@ -303,11 +305,10 @@ async def run_served(address: str, pids: dict[str, int | list[int]], prompts: li
     stubs = [pb_grpc.GenerationStub(channel) for channel in channels]
     try:
         await run_streams(stubs, [prompt[:16] for prompt in prompts[:8]], max_tokens)  # warm-up
-        processes_counted = counted(pids)
-        cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes_counted.items()}
+        cpu_used = cpu_meter(pids)
         start = time.perf_counter()
         per_stream, messages = await run_streams(stubs, prompts, max_tokens)
-        cpu_s = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes_counted.items()}
+        cpu_s = cpu_used()
     finally:
         for channel in channels:
             await channel.close()

@@ -9,8 +9,9 @@ their host blocks) and then copies it out in one copy per run of consecutive hos
 straight into the (pinned, on CUDA) host blocks; host -> device copies each run of host
 blocks into it and scatters it into the device blocks (one index_copy_). A round costs the
 host a handful of launches whatever the model's depth: it had been four per layer, which on
-an H200 put ~0.5 ms on every step that wrote a block through (2026-11-29). One copy per direction per step where the step's host
-blocks are consecutive; the host pool hands them out in its LRU order, so in practice runs
+an H200 put ~0.5 ms on every step that wrote a block through (2026-11-29). One copy per
+direction per step where the step's host blocks are consecutive; the host pool hands them
+out in its LRU order, so in practice runs
 average 2.5-4.5 blocks (`runs` counts the copies: the router simulation's mixed_long at 100%,
 write-throughs 2.9 blocks a copy, swap-outs 4.1, prefetches 2.5; bench_swap's multi-turn run
 4.5). No host-side bounce buffer, which would make every step one copy each way: a copy
