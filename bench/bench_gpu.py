@@ -13,14 +13,15 @@ the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
   (the host KV tier's pinned copies on a copy stream), then test_step_host_reads.py (no read of
   a CUDA tensor while a step launches), with HEADROOM_TEST_DEVICE=cuda, in a subprocess;
 - engine: on a random 1.1B Llama (hidden 2048, 16 layers, 32 q / 8 kv heads, vocab 32000) in
-  bf16: greedy agreement with HF (first 32 tokens of 16 prompts, HF's logit gap at each
-  divergence); the engine against HF generate() (batch 64) on bench_engine.py's 256-request
+  bf16: greedy agreement with HF (first 32 tokens of 16 prompts, free-running and per position
+  given HF's tokens before it, HF's logit gap at each divergence); the engine against HF generate() (batch 64) on bench_engine.py's 256-request
   workload with graphs + async, graphs without async and graphs off (enforce_eager), each on
   fresh prompts of the same lengths (a rerun of the same prompts would be served from the
   prefix cache); a timed decode step at batch 256 with ~400-token contexts;
 - smollm2: greedy agreement with HF on the real default model, SmolLM2-135M-Instruct converted
   from its GGUF as the engine loads it, in fp32 and bf16 on CUDA: the first 32 tokens of 16
-  chat prompts;
+  chat prompts, free-running up to each prompt's first divergence and per position given HF's
+  tokens before it (forced_divergences), with HF's logit gap at each position that differs;
 - served: bench/bench_served.py on the GPU (the 1.1B checkpoint, bf16): served over gRPC by
   `headroom replica` / the offline engine, at 64 and 256 streams, with one front and with two
   (`--api-server-count 2`);
@@ -402,6 +403,53 @@ def agreement_rows(label: str, ours: list[list[int]], hf: dict, target: str) -> 
     return rows
 
 
+def forced_divergences(generate, prompts: list[list[int]], hf_tokens: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """Each prompt's positions where the engine's greedy token differs from HF's when both have
+    HF's tokens before it, as (position, our token): a free-running comparison loses every token
+    after a divergence, so a near-tie at token 3 counts 29 "wrong". Each round resubmits the
+    prompts still open with HF's tokens up to and including the last divergence appended (the
+    engine's prefix cache serves what it already computed), so every position is decoded by the
+    engine's own decode path except the first of each round, which is a prefill's, as a
+    request's first token always is. `generate(prompts)` returns each prompt's first
+    AGREEMENT_TOKENS greedy tokens (more than a resumed prompt needs; the rest is ignored)."""
+    found: list[list[tuple[int, int]]] = [[] for _ in prompts]
+    start = {index: 0 for index in range(len(prompts))}
+    while start:
+        order = sorted(start)
+        outputs = generate([list(prompts[i]) + list(hf_tokens[i][:start[i]]) for i in order])
+        for index, ours in zip(order, outputs):
+            theirs = hf_tokens[index][start[index]:]
+            offset = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if offset is None:
+                if len(ours) < len(theirs):
+                    raise RuntimeError(f"prompt {index}: the engine returned {len(ours)} tokens, {len(theirs)} needed")
+                del start[index]
+                continue
+            position = start[index] + offset
+            found[index].append((position, ours[offset]))
+            start[index] = position + 1
+            if start[index] >= len(hf_tokens[index]):
+                del start[index]
+    return found
+
+
+def forced_agreement_rows(label: str, generate, prompts: list[list[int]], hf: dict, target: str) -> list[tuple]:
+    """The share of positions where the engine's greedy token equals HF's given HF's tokens
+    before it (forced_divergences), and HF's own logit gap at each position that differs."""
+    found = forced_divergences(generate, prompts, hf["tokens"])
+    total = sum(len(tokens) for tokens in hf["tokens"])
+    gaps = sorted(float(scores[position, theirs[position]] - scores[position, ours])
+                  for divergences, theirs, scores in zip(found, hf["tokens"], hf["scores"])
+                  for position, ours in divergences)
+    same = total - len(gaps)
+    rows = [(f"{label}: greedy tokens equal to HF, each given HF's tokens before it", f"{same}/{total} = {same / total:.1%}",
+             target)]
+    if gaps:
+        rows.append((f"{label}: HF logit gap at each position that differs", ", ".join(f"{gap:.3f}" for gap in gaps),
+                     "near-ties"))
+    return rows
+
+
 def hf_throughput(model_dir: str, requests, result: dict) -> list[tuple]:
     result.update(run_hf(model_dir, requests, batch_size=64, device=DEVICE, dtype="bfloat16"))
     return [("HF generate (batch 64): output tok/s, wall s", f"{result['tokens_per_s']:,.0f}, {result['elapsed']:.1f}")]
@@ -441,9 +489,10 @@ def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: b
     rows = [("KV pool", f"{engine.config.num_kv_blocks} blocks of {engine.config.block_size}")]
     try:
         if not eager and hf_greedy:
-            ours = engine.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0,
-                                                           ignore_eos=True))
-            rows += agreement_rows("bf16 1.1B", ours, hf_greedy, "near 100%")
+            greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
+            rows += agreement_rows("bf16 1.1B", engine.generate(prompts, greedy), hf_greedy, "near 100%")
+            rows += forced_agreement_rows("bf16 1.1B", lambda batch: engine.generate(batch, greedy), prompts,
+                                          hf_greedy, "near 100%")
         compiled_before = compiled_attention_kernels()
         for label, _, async_scheduling, seed in modes:
             engine.async_scheduling = async_scheduling
@@ -583,14 +632,15 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
         hf = hf_reference(model_dir, prompts, dtype, eos_free=True)
         engine = LLMEngine(make_engine_config(**SMOLLM2_ENGINE_CONFIG), str(model_dir), device=DEVICE,
                            dtype=str(dtype).removeprefix("torch."))
+        label = f"SmolLM2 {str(dtype).removeprefix('torch.')}"
+        greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
         try:
-            ours = engine.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0,
-                                                           ignore_eos=True))
+            rows += agreement_rows(label, engine.generate(prompts, greedy), hf, target)
+            rows += forced_agreement_rows(label, lambda batch: engine.generate(batch, greedy), prompts, hf, target)
         finally:
             engine.shutdown()
             del engine
             free_device_memory()
-        rows += agreement_rows(f"SmolLM2 {str(dtype).removeprefix('torch.')}", ours, hf, target)
     return rows
 
 

@@ -1,0 +1,65 @@
+"""bench_gpu.py's greedy agreement with HF, counted per position with HF's tokens before it.
+
+A free-running comparison counts every token after a near-tie as wrong. The forced count must
+find exactly the positions where the two "models" choose differently on the same context, and
+no others, however early the first one is.
+"""
+
+import torch
+
+from bench import bench_gpu
+
+VOCAB = 97
+STEPS = bench_gpu.AGREEMENT_TOKENS
+
+
+def reference_next(context: list[int]) -> int:
+    return (sum(context) * 31 + 7 * len(context)) % VOCAB
+
+
+def greedy(prompt: list[int], next_token) -> list[int]:
+    sequence = list(prompt)
+    for _ in range(STEPS):
+        sequence.append(next_token(sequence))
+    return sequence
+
+
+def test_forced_agreement_finds_each_flipped_position_once_where_free_running_loses_the_rest():
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    references = [greedy(prompt, reference_next) for prompt in prompts]
+    hf_tokens = [reference[len(prompt):] for prompt, reference in zip(prompts, references)]
+    flips = {0: {2, 17}, 1: {STEPS - 1}}  # prompt 2 agrees everywhere
+
+    def ours_next(sequence: list[int]) -> int:
+        """reference_next, but another token at a flipped position of the exact reference
+        context (as a near-tie that rounding turns)."""
+        token = reference_next(sequence)
+        for index, reference in enumerate(references):
+            position = len(sequence) - len(prompts[index])
+            if position in flips.get(index, ()) and sequence == reference[:len(sequence)]:
+                return (token + 1) % VOCAB
+        return token
+
+    calls: list[int] = []
+
+    def generate(batch: list[list[int]]) -> list[list[int]]:
+        calls.append(len(batch))
+        return [greedy(prompt, ours_next)[len(prompt):] for prompt in batch]
+
+    found = bench_gpu.forced_divergences(generate, prompts, hf_tokens)
+
+    assert [[position for position, _ in divergences] for divergences in found] == [[2, 17], [STEPS - 1], []]
+    assert found[0][0][1] == (hf_tokens[0][2] + 1) % VOCAB  # our token, not HF's
+    # Round 1 all three; prompt 1's last-token divergence ends it; prompt 0 resumes twice.
+    assert calls == [3, 1, 1]
+
+    scores = [torch.zeros(STEPS, VOCAB) for _ in prompts]
+    for tokens, score in zip(hf_tokens, scores):
+        score[torch.arange(STEPS), torch.tensor(tokens)] = 0.25
+    hf = dict(tokens=hf_tokens, scores=scores)
+    total = len(prompts) * STEPS
+    forced = bench_gpu.forced_agreement_rows("toy", generate, prompts, hf, ">= 99%")
+    assert forced[0][1] == f"{total - 3}/{total} = {(total - 3) / total:.1%}"
+    assert forced[1][1] == "0.250, 0.250, 0.250"  # HF's gap at each
+    free = bench_gpu.agreement_rows("toy", generate(prompts), hf, ">= 99%")
+    assert free[0][1].startswith(f"{2 + (STEPS - 1) + STEPS}/{total}")  # all after prompt 0's token 2 lost
