@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from replica.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
+from replica.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache, block_table_width
 from replica.config import ATTENTION_BACKEND_NAMES
 
 logger = logging.getLogger(__name__)
@@ -40,5 +40,6 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "allocate_kv_cache",
+    "block_table_width",
     "get_attention_backend",
 ]

@@ -81,6 +81,20 @@ class AttentionBackend(ABC):
         """
 
 
+# Triton specializes an integer argument on its divisibility by 16, and the block table's row
+# stride (its width) is one: a pool sized by profiling cuts max_model_len to what it holds, and a
+# width that followed it would pick other kernel variants than the warm-up compiled, compiling
+# them inside the first live steps.
+BLOCK_TABLE_WIDTH_MULTIPLE = 16
+
+
+def block_table_width(max_model_len: int, block_size: int) -> int:
+    """Columns of a block table: one per block of a max_model_len sequence, rounded up to
+    BLOCK_TABLE_WIDTH_MULTIPLE (the spare columns stay 0, the null block, and are never read)."""
+    blocks = -(-max_model_len // block_size)
+    return -(-blocks // BLOCK_TABLE_WIDTH_MULTIPLE) * BLOCK_TABLE_WIDTH_MULTIPLE
+
+
 class KVCaches(list):
     """One (key_cache, value_cache) pair per layer, each [num_blocks, block_size, num_kv_heads,
     head_dim]: views of one tensor, `stacked` [num_layers, 2, num_blocks, block_size,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replica.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
+from replica.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache, block_table_width
 from replica.attention.launch_plan import (
     DEFAULT_TUNING,
     AttentionPlan,
@@ -375,7 +375,8 @@ class TritonAttentionBackend(AttentionBackend):
         sequences. The tensors are laid out as the model lays them out (a stride's divisibility by 16
         is part of a variant): query, key and value are views of one fused QKV projection, or query
         and key are fresh tensors (a rotary embedding that is not in place); the block table is
-        max_model_len wide. Returns the plans launched.
+        block_table_width wide, as the runner's (whose stride's divisibility then does not depend on
+        max_model_len, which profiling may cut after this). Returns the plans launched.
         """
         device = torch.device(device)
         plans = reachable_plans(num_q_heads, num_kv_heads, head_dim, self.num_sms or _num_sms(device),
@@ -389,7 +390,7 @@ class TritonAttentionBackend(AttentionBackend):
             query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
             seq_lens=torch.ones(2, dtype=torch.int32, device=device),
             block_tables=torch.arange(1, 3, dtype=torch.int32, device=device)[:, None].repeat(
-                1, -(-max_model_len // block_size)),
+                1, block_table_width(max_model_len, block_size)),
             slot_mapping=torch.tensor([block_size, 2 * block_size], dtype=torch.int64, device=device),
             max_query_len=1, max_seq_len=1,
         )

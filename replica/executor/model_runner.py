@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from replica.attention import AttentionMetadata, allocate_kv_cache
+from replica.attention import AttentionMetadata, allocate_kv_cache, block_table_width
 from replica.config import EngineConfig
 from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
 from replica.executor.kv_swap import KVSwapper
@@ -121,7 +121,7 @@ class ModelRunner:
         # The host KV tier: its memory and the block copies each step's SchedulerOutput asks for.
         self.kv_swap = (KVSwapper(self.kv_caches, config.num_host_kv_blocks, self.device)
                         if config.num_host_kv_blocks else None)
-        max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        max_blocks_per_seq = block_table_width(config.max_model_len, config.block_size)
         # The logits' width: the model's vocabulary (a tensor-parallel rank's LM head holds a block of it).
         self.vocab_size = model_config.vocab_size
         self.rows = RequestRows(self.max_num_seqs, max_blocks_per_seq, self.vocab_size, self.device)

@@ -11,7 +11,7 @@ from collections import Counter
 
 import torch
 
-from replica.attention import triton_backend
+from replica.attention import block_table_width, triton_backend
 from replica.attention.launch_plan import plan_attention, reachable_plans
 from replica.attention.torch_ref import TorchAttentionBackend
 from replica.attention.triton_backend import TritonAttentionBackend
@@ -42,3 +42,23 @@ def test_warm_up_launches_every_reachable_plan_in_both_query_layouts(monkeypatch
 
 def test_torch_backend_warm_up_has_nothing_to_compile():
     assert TorchAttentionBackend().warm_up(2, 1, 16, torch.float32, 4, 2048, "cpu") is None
+
+
+def test_the_block_tables_row_stride_is_a_multiple_of_16_whatever_max_model_len_profiling_leaves(monkeypatch):
+    """Triton specializes an integer argument on its divisibility by 16. warm_up compiles with the
+    model's max_model_len; a pool sized by profiling may cut it after (to 1,000 tokens, say) and
+    the runner's block table follows the cut: its row stride must land in the same variant."""
+    strides = []
+    real_paged_attention = triton_backend.paged_attention
+
+    def recording(query, key_cache, value_cache, meta, scale, plan, output, partials=None):
+        strides.append(meta.block_tables.stride(0))
+        real_paged_attention(query, key_cache, value_cache, meta, scale, plan, output, partials)
+
+    monkeypatch.setattr(triton_backend, "paged_attention", recording)
+    TritonAttentionBackend(num_sms=4).warm_up(2, 1, 16, torch.float32, block_size=4, max_model_len=2047, device="cpu")
+
+    assert strides and set(strides) == {block_table_width(2047, 4)} == {512}
+    for max_model_len, block_size in [(1000, 16), (1001, 16), (2048, 16), (4097, 16), (130_000, 16), (5, 4)]:
+        width = block_table_width(max_model_len, block_size)
+        assert width % 16 == 0 and width * block_size >= max_model_len > (width - 16) * block_size

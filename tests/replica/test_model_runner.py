@@ -170,6 +170,18 @@ def _assert_staged_inputs_match(runner: ModelRunner, scheduler: Scheduler, outpu
         assert runner.batch_block_tables[row, :len(table)].tolist() == table
 
 
+def test_block_tables_are_a_multiple_of_16_columns_wide_so_a_cut_max_model_len_keeps_the_kernels_variant(builtin_model):
+    """60 tokens in blocks of 4 need 15 columns; the runner's tables (and warm_up's,
+    test_attention_warm_up.py) are 16 wide, as they are for 64 tokens."""
+    model, model_config = builtin_model
+    for max_model_len in (60, 64):
+        config = make_engine_config(block_size=4, num_kv_blocks=64, max_model_len=max_model_len,
+                                    max_num_batched_tokens=64, max_num_seqs=8)
+        runner = ModelRunner(model, model_config, config, torch.device("cpu"))
+        assert runner.batch_block_tables.shape[1] == runner.rows.block_tables.device.shape[1] == 16
+        assert runner.batch_block_tables.stride(0) == 16
+
+
 def test_padded_decode_steps_sample_what_unpadded_steps_sample(builtin_model):
     model, model_config = builtin_model
     config = make_engine_config(block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=64,
