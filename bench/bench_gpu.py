@@ -663,7 +663,7 @@ def served(model_dir: str, fronts: str = SERVED_FRONTS, clients: int = SERVED_CL
 
 # ---- swap: the host KV tier on the GPU (issue 23) --------------------------------------------------
 SWAP_BANDWIDTH_BLOCKS = (16, 256)
-SWAP_HOST_BLOCKS = 1024  # 1 GiB of pinned host memory for the 1.1B model's 1 MiB blocks
+SWAP_HOST_BLOCKS = 1024  # 1 GiB of pinned host memory for the 1.1B model's 1 MiB blocks (+ the null block)
 SWAP_REPEATS = 5
 
 
@@ -682,6 +682,10 @@ def host_tier(model_dir: str, cpu_smoke: bool) -> list[tuple]:
         block_kib = kv_swap.bytes_per_block / 1024
         rows = [("host tier", f"{host_blocks} blocks of {engine.config.block_size} tokens, {block_kib:.0f} KiB each "
                               f"({'pinned' if kv_swap.host_cache.is_pinned() else 'pageable'})")]
+        if DEVICE == "cuda":  # the tier is page-locked in place (kv_swap.pin_exactly), not by torch's allocator
+            held = getattr(torch.cuda, "host_memory_stats", dict)().get("allocated_bytes.current", "n/a")
+            rows.append(("pinned host bytes held by torch's caching allocator (the tier's are not)", str(held),
+                         f"well under the tier's {kv_swap.host_cache.numel() * kv_swap.host_cache.element_size():,}"))
         for num_blocks in SWAP_BANDWIDTH_BLOCKS:
             num_blocks = min(num_blocks, host_blocks, engine.config.num_usable_blocks)
             for label, seconds in block_copy_seconds(kv_swap, num_blocks).items():

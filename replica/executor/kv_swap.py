@@ -36,11 +36,13 @@ swap-in of the same step.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from replica.attention.base import KVCaches
+from replica.config import ConfigError
 from replica.core.host_pool import BlockCopies
 
 # Blocks staged on the device per round of copies: bounds the staging buffer.
@@ -75,6 +77,29 @@ def plan_rounds(host_device_pairs: Sequence[tuple[int, int]]) -> list[CopyRound]
     return rounds
 
 
+def pin_exactly(tensor: torch.Tensor) -> None:
+    """Page-lock `tensor`'s host memory in place, at exactly its size, until the tensor is
+    collected (cudaHostRegister, as SGLang's host KV pools do). `pin_memory=True` goes through
+    torch's caching host allocator, which rounds each allocation up to the next power of two
+    (torch <= 2.13 by default): a host tier of 64 GiB and a block pinned 128 GiB, past the memory
+    resolve_host_kv_blocks checked it against. A host that cannot lock that much fails the
+    start in one line naming the setting."""
+    cudart = torch.cuda.cudart()
+    pointer, num_bytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    error = int(cudart.cudaHostRegister(pointer, num_bytes, 0))  # as torch.cuda._pin_memory_utils
+    if error:
+        raise ConfigError(f"host_kv_bytes / num_host_kv_blocks: the host KV tier's {num_bytes} bytes could not be "
+                          f"page-locked (cudaHostRegister: CUDA error {error})")
+    weakref.finalize(tensor, _unpin, cudart, pointer)
+
+
+def _unpin(cudart, pointer: int) -> None:
+    try:
+        cudart.cudaHostUnregister(pointer)
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone before this runs
+        pass
+
+
 class KVSwapper:
     def __init__(self, kv_caches: KVCaches, num_host_blocks: int, device: torch.device):
         """num_host_blocks: usable host blocks; ids run 1..num_host_blocks (HostBlockPool's)."""
@@ -86,8 +111,11 @@ class KVSwapper:
         self.block_shape = tuple(key_cache.shape[1:])  # block_size, kv heads, head_dim
         self.num_layers = len(kv_caches)
         shape = (num_host_blocks + 1, self.num_layers, 2) + self.block_shape
-        # Zeroed lazily by the OS on CPU; pinned (page-locked) on CUDA for asynchronous copies.
-        self.host_cache = torch.zeros(shape, dtype=key_cache.dtype, pin_memory=self.on_cuda)
+        # Zeroed lazily by the OS on CPU; page-locked on CUDA, at exactly its size, for
+        # asynchronous copies.
+        self.host_cache = torch.zeros(shape, dtype=key_cache.dtype)
+        if self.on_cuda:
+            pin_exactly(self.host_cache)
         self.bytes_per_block = self.host_cache[0].numel() * self.host_cache.element_size()
         # Blocks this rank copied each way (under tensor parallelism every rank copies its shard).
         self.swapped_out_blocks = self.swapped_in_blocks = self.written_through_blocks = 0

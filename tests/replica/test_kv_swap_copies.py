@@ -126,3 +126,43 @@ def test_a_round_of_copies_costs_the_same_ops_whatever_the_number_of_layers():
             swapper.copy(copies)
         counts[num_layers] = len(counter.ops)
     assert counts[1] == counts[8] <= 40, counts
+
+
+class _RecordingCudart:
+    """CUDA's runtime as pin_exactly calls it (torch.cuda.cudart()), recording each call: a CPU
+    cannot page-lock through CUDA, and what matters here is the size asked for and the release."""
+
+    def __init__(self, register_error: int = 0):
+        self.calls: list[tuple] = []
+        self.register_error = register_error
+
+    def cudaHostRegister(self, pointer, num_bytes, flags):  # noqa: N802 - CUDA's name
+        self.calls.append(("register", pointer, num_bytes))
+        return self.register_error
+
+    def cudaHostUnregister(self, pointer):  # noqa: N802
+        self.calls.append(("unregister", pointer))
+        return 0
+
+
+def test_the_host_tier_is_page_locked_at_exactly_its_size_and_unlocked_when_collected(monkeypatch):
+    """torch's pin_memory=True rounds up to a power of two: 1,025 blocks of 1 MiB pinned 2 GiB."""
+    import gc
+
+    from replica.config import ConfigError
+    from replica.executor.kv_swap import pin_exactly
+
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host_cache = torch.zeros(1025, 3, 2, 4, 2, 8)  # blocks + the null block, layers, key/value, block shape
+    pointer = host_cache.data_ptr()
+    pin_exactly(host_cache)
+    assert cudart.calls == [("register", pointer, 1025 * 3 * 2 * 4 * 2 * 8 * 4)]
+    del host_cache
+    gc.collect()
+    assert cudart.calls[-1] == ("unregister", pointer)
+
+    refusing = _RecordingCudart(register_error=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: refusing)
+    with pytest.raises(ConfigError, match=r"^host_kv_bytes / num_host_kv_blocks: .* 1024 bytes could not be page-locked"):
+        pin_exactly(torch.zeros(256))
