@@ -78,9 +78,12 @@ def make_engine(model: str, requests, mode: str, device: str = "cpu", dtype: str
 
 class StepProfile:
     """Every step's (tokens, KV tokens read, ms) through bench_engine.py's StepRecorder, and the
-    host tier's copies as they run (to their end, on CUDA too). On a CPU both are timed in this
-    process's CPU seconds (every thread's: the engine runs in this process), which a shared
-    machine's load moves far less than wall time; on CUDA, in wall seconds."""
+    host tier's copies. On a CPU both are timed in this process's CPU seconds (every thread's:
+    the engine runs in this process), which a shared machine's load moves far less than wall
+    time, the copies as they run (they are done when `copy` returns). On CUDA the steps are
+    timed in wall seconds and the copies by CUDA events on the copy stream, read after the run:
+    waiting for each step's copies on the host would wait for the step before it too (the copy
+    stream waits for it), serializing auto's steps that recompute-only's keep overlapped."""
 
     def __init__(self, engine, on_cpu: bool):
         from bench_engine import StepRecorder
@@ -88,20 +91,44 @@ class StepProfile:
         self.recorder = StepRecorder(engine)
         self.clock = time.process_time if on_cpu else time.perf_counter
         self.unit = "CPU s" if on_cpu else "wall s"
-        self.copy_s = 0.0
+        self._copy_s = 0.0
+        self._copy_events: list = []  # CUDA: (start, end) around each step's copies, on the copy stream
         self.copied_blocks = 0
         kv_swap = engine.runner.kv_swap
         if kv_swap is not None:
             copy = kv_swap.copy
 
             def timed_copy(copies):
-                start = self.clock()
-                copy(copies)
-                kv_swap.synchronize()
-                self.copy_s += self.clock() - start
                 self.copied_blocks += len(copies.swap_out) + len(copies.swap_in) + len(copies.prefetch)
+                if kv_swap.stream is None:
+                    start = self.clock()
+                    copy(copies)
+                    self._copy_s += self.clock() - start
+                    return
+                import torch
+
+                # The copy stream waits for the compute stream's work so far first (copy() makes the
+                # same wait), so the start event marks when the copies can begin, not the wait.
+                queued = torch.cuda.Event()
+                queued.record(torch.cuda.current_stream(kv_swap.device))
+                kv_swap.stream.wait_event(queued)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(kv_swap.stream)
+                copy(copies)
+                end.record(kv_swap.stream)
+                self._copy_events.append((start, end))
 
             kv_swap.copy = timed_copy
+
+    @property
+    def copy_s(self) -> float:
+        """Seconds the copies took so far (CUDA: the copy stream's busy time between each step's
+        events, read once they are done)."""
+        if self._copy_events:
+            self._copy_events[-1][1].synchronize()
+            self._copy_s += sum(start.elapsed_time(end) for start, end in self._copy_events) / 1000
+            self._copy_events.clear()
+        return self._copy_s
 
     @property
     def samples(self) -> list[tuple[int, int, float]]:
