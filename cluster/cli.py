@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 # name -> (module with add_arguments(parser) and run(args, parser), one-line help)
 SUBCOMMANDS = {
-    "serve": ("cluster.serve_command", "run the cluster on a local Ray (the built-in model by default) until Ctrl-C"),
+    "serve": ("cluster.serve_command", "run the cluster on a local Ray (SmolLM2-135M-Instruct by default) until Ctrl-C"),
     "generate": ("cluster.generate_command", "stream one prompt's generation from a running cluster over gRPC"),
     "status": ("cluster.status_command", "show every replica of a running cluster with its live load"),
     "bench": ("cluster.bench_command", "drive load against a running cluster and summarize latency and preemptions"),

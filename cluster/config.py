@@ -295,7 +295,7 @@ class LimitsConfig(_Strict):
         DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=GRPC_MAX_MESSAGE_BYTES // 4,
         description="Largest HTTP body (413 beyond) or gRPC request message (INVALID_ARGUMENT beyond), in bytes; "
         "Serve's gRPC proxy, shared by every application, bounds messages by the largest application's "
-        "(env HEADROOM_PROXY_MAX_REQUEST_BYTES, which headroom serve sets; the default elsewhere). At most "
+        "(env HEADROOM_PROXY_MAX_REQUEST_BYTES, which headroom serve and the Helm chart set; the default elsewhere). At most "
         "512 MiB: the proxy's gRPC message bound, four times this, must fit gRPC's 2 GiB.",
     )
     max_prompt_chars: int = Field(

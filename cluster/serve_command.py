@@ -1,5 +1,5 @@
 """`headroom serve`: a local Ray cluster running every application of a Serve config (one
-application on the built-in model by default) behind Serve's HTTP and gRPC proxies, until
+application on SmolLM2-135M-Instruct by default) behind Serve's HTTP and gRPC proxies, until
 SIGINT or SIGTERM; then Serve and Ray shut down cleanly. It binds to loopback unless asked:
 with a loopback HTTP host, the endpoints the cluster opens itself (replica load and metrics,
 router metrics) listen on 127.0.0.1 too.

@@ -18,7 +18,7 @@ import yaml
 from ray.serve.schema import DeploymentSchema
 
 from cluster.config import PortsConfig, load_config, serve_deployment_options
-from cluster.grpc_proxy import SERVE_GRPC_MAX_MESSAGE_SIZE_ENV, proxy_message_cap
+from cluster.grpc_proxy import PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV, proxy_message_cap
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
@@ -307,25 +307,33 @@ def test_without_a_key_no_container_gets_one_and_both_sources_at_once_fail_to_re
 def test_every_pod_caps_serves_grpc_messages_as_headroom_serve_does():
     """Serve's gRPC proxy takes 2 GiB per message by default and buffers it whole before any
     check (the API key's included): every pod gets the cap `headroom serve` sets, from the
-    largest application's limits, with the config's defaults where the values name none."""
-    def caps(values):
+    largest application's limits, with the config's defaults where the values name none; and
+    the proxy's size bound (INVALID_ARGUMENT naming `request`), the largest max_request_bytes,
+    without which a pod's proxy refused an application's larger limit at the 4 MiB default."""
+    def env(values):
         documents = render(values)
         serve_config = load_config(yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"]))
-        expected = max(proxy_message_cap(app.args.limits.max_request_bytes, app.args.limits.max_prompt_chars)
-                       for app in serve_config.applications)
-        found = {variable["value"] for template in pod_templates(rayservice(documents))
-                 for variable in template["spec"]["containers"][0]["env"]
-                 if variable["name"] == SERVE_GRPC_MAX_MESSAGE_SIZE_ENV}
-        return found, str(expected)
+        expected = {
+            SERVE_GRPC_MAX_MESSAGE_SIZE_ENV: str(max(
+                proxy_message_cap(app.args.limits.max_request_bytes, app.args.limits.max_prompt_chars)
+                for app in serve_config.applications)),
+            PROXY_MAX_REQUEST_BYTES_ENV: str(max(app.args.limits.max_request_bytes
+                                                 for app in serve_config.applications))}
+        found = {name: {variable["value"] for template in pod_templates(rayservice(documents))
+                        for variable in template["spec"]["containers"][0]["env"] if variable["name"] == name}
+                 for name in expected}
+        return found, expected
 
-    found, expected = caps(None)
-    assert found == {expected} and expected == str(32 << 20)
+    found, expected = env(None)
+    assert found == {name: {value} for name, value in expected.items()}
+    assert expected == {SERVE_GRPC_MAX_MESSAGE_SIZE_ENV: str(32 << 20), PROXY_MAX_REQUEST_BYTES_ENV: str(4 << 20)}
     bigger = {"serve": {"applications": [
         {"name": "a", "route_prefix": "/a", "import_path": "cluster.app:build_app", "args": {}},
         {"name": "b", "route_prefix": "/b", "import_path": "cluster.app:build_app",
          "args": {"limits": {"max_request_bytes": 16 << 20, "max_prompt_chars": 2 << 20}}}]}}
-    found, expected = caps(bigger)
-    assert found == {expected} and expected == str(64 << 20)
+    found, expected = env(bigger)
+    assert found == {name: {value} for name, value in expected.items()}
+    assert expected == {SERVE_GRPC_MAX_MESSAGE_SIZE_ENV: str(64 << 20), PROXY_MAX_REQUEST_BYTES_ENV: str(16 << 20)}
 
 
 # ---- HTTPS on Serve's HTTP proxy ---------------------------------------------------------

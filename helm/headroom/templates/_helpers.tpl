@@ -88,12 +88,26 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $cap }}
 {{- end }}
 
-{{/* The containers' env: Serve's gRPC message cap, and HEADROOM_API_KEY from the Secret when
-     one is configured. */}}
+{{/* The largest application's limits.max_request_bytes: the size bound Serve's gRPC proxy,
+     shared by every application, checks (INVALID_ARGUMENT beyond it), as `headroom serve` sets it
+     (cluster.serve_command.set_ray_environment). */}}
+{{- define "headroom.proxyMaxRequestBytes" -}}
+{{- $bound := 0 }}
+{{- range .Values.serve.applications }}
+{{- $limits := (.args | default dict).limits | default dict }}
+{{- $bound = max $bound ($limits.max_request_bytes | default 4194304 | int64) }}
+{{- end }}
+{{- $bound }}
+{{- end }}
+
+{{/* The containers' env: Serve's gRPC message cap and its proxy's size bound, and
+     HEADROOM_API_KEY from the Secret when one is configured. */}}
 {{- define "headroom.env" -}}
 env:
   - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
     value: {{ include "headroom.grpcMaxMessageSize" . | quote }}
+  - name: HEADROOM_PROXY_MAX_REQUEST_BYTES
+    value: {{ include "headroom.proxyMaxRequestBytes" . | quote }}
 {{- with include "headroom.apiKeySecret" . }}
   - name: HEADROOM_API_KEY
     valueFrom:
