@@ -385,9 +385,7 @@ class ModelRunner:
             changes[staged_changes:2 * staged_changes] = change_ids[:staged_changes]
         self.staged.send(self.staged.end_of("block_changes", 2 * staged_changes))
         if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
-            # A copy outside the staged buffer, still asynchronous.
-            block_tables.apply_on_device(to_device(change_index[staged_changes:], None, self.device),
-                                         to_device(change_ids[staged_changes:], None, self.device))
+            self._apply_unstaged_changes(change_index[staged_changes:], change_ids[staged_changes:])
         processed_rows = None
         if sampling.any_processed:  # logit_bias or penalties: only such batches build this
             # A sampling sequence runs past its known tokens by the one still being sampled.
@@ -402,6 +400,12 @@ class ModelRunner:
             sample_request_ids=sample_request_ids,
             constrained_seqs=constrained_seqs or None,
         )
+
+    def _apply_unstaged_changes(self, flat_index: np.ndarray, block_ids: np.ndarray) -> None:
+        """Block-table changes past the staged buffer's room: a copy of their own, still
+        asynchronous (a tensor-parallel rank 0 also sends them to its workers)."""
+        self.rows.block_tables.apply_on_device(to_device(flat_index, None, self.device),
+                                               to_device(block_ids, None, self.device))
 
     def _pad_decode_rows(self, views: dict[str, np.ndarray], start: int, end: int) -> None:
         """Rows [start, end) of a padded decode batch: one token each that writes no KV (slot

@@ -194,6 +194,8 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self.tp = workers.tp
         self._step_id = -1  # of the step being launched
+        # This step's block-table changes past the staged buffer, sent to the workers with it.
+        self._overflow: list[tuple[np.ndarray, np.ndarray]] = []
 
     def enable_decode_padding(self) -> None:
         """Pad decode-only steps to the graph ladder on every rank: each runs the padded pass
@@ -210,23 +212,18 @@ class TensorParallelRunner(ModelRunner):
         return super().launch(scheduler_output)
 
     def _prepare(self, scheduled, graphable: bool) -> _StepPlan:
-        block_tables = self.rows.block_tables
-        overflow: list[tuple[np.ndarray, np.ndarray]] = []
-        apply_on_device = block_tables.apply_on_device
-
-        def record_and_apply(flat_index: torch.Tensor, block_ids: torch.Tensor) -> None:
-            overflow.append((flat_index.cpu().numpy(), block_ids.cpu().numpy()))
-            apply_on_device(flat_index, block_ids)
-
-        block_tables.apply_on_device = record_and_apply  # only _prepare's overflow copy calls it
-        try:
-            plan = super()._prepare(scheduled, graphable)
-        finally:
-            del block_tables.apply_on_device
+        self._overflow = []
+        plan = super()._prepare(scheduled, graphable)
         # A step is graphable exactly when it may not be aborted (launch): the workers vote
         # on the same steps rank 0 does, and never on one padded for a graph.
-        self.workers.send(StepMessage(self._step_id, not graphable, plan, self.staged.last_sent(), overflow))
+        self.workers.send(StepMessage(self._step_id, not graphable, plan, self.staged.last_sent(), self._overflow))
         return plan
+
+    def _apply_unstaged_changes(self, flat_index: np.ndarray, block_ids: np.ndarray) -> None:
+        # The host's own arrays for the workers (reading the device copies back would wait for
+        # the step in flight).
+        self._overflow.append((np.array(flat_index), np.array(block_ids)))
+        super()._apply_unstaged_changes(flat_index, block_ids)
 
     def _send_sampled(self, step, token_ids, logprobs, top_token_ids, top_logprobs) -> StepInFlight:
         self.tp.broadcast(token_ids.contiguous(), src=0)
