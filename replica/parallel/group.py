@@ -56,6 +56,13 @@ class TensorParallel:
         return options
 
     def _run(self, name: str, work_of) -> None:
+        """One collective. On gloo the wait is the host's, and a dead or hung peer raises
+        TensorParallelDead here. On NCCL the wait only orders the compute stream after the
+        collective and never raises: a rank whose peer stopped answering is ended by NCCL's
+        watchdog once the collective passes the group's timeout (tensor_parallel_timeout_s;
+        TORCH_NCCL_ASYNC_ERROR_HANDLING's default tears the process down), so the engine core
+        dies and its front reports EngineDeadError, as for a killed core: down, not hung, but
+        not through this exception."""
         try:
             work_of(self.group).wait()
         except RuntimeError as error:  # gloo: a peer closed its connection, or the timeout passed
