@@ -88,11 +88,15 @@ def run_workload(engine, requests, on_step=None) -> dict:
 class StepRecorder:
     """(tokens, KV tokens read, wall ms) of each engine step, for the cost-model fit: the
     scheduler's output is kept as schedule() returns it and paired with the step's
-    wall time after the step (`on_step`). Steps that ran nothing are left out."""
+    wall time after the step (`on_step`). Steps that ran nothing are left out. Under async
+    scheduling a step() call launches one step and waits for the one before it, so its time is
+    the earlier step's: each output is paired with the next call's time (the first call's,
+    a launch alone, is dropped; the call that drains the last step times it)."""
 
     def __init__(self, engine):
         self.samples: list[tuple[int, int, float]] = []
         self._output = None
+        self._in_flight = None  # async scheduling: the output the next call's time belongs to
         schedule = engine.scheduler.schedule
 
         def recording_schedule():
@@ -106,9 +110,13 @@ class StepRecorder:
         from cost_model import kv_tokens_read
 
         output, self._output = self._output, None
+        if engine.async_scheduling:
+            output, self._in_flight = self._in_flight, output
         if output is not None and not output.is_empty:
             step_ms = engine.last_step.wall_s * 1000 if step_ms is None else step_ms
             self.samples.append((output.num_scheduled_tokens, kv_tokens_read(output), step_ms))
+        if not engine.has_unfinished_requests():
+            self._in_flight = None  # a step launched past the last token is discarded, not waited for
 
 
 def load_hf_model(model_dir, dtype: str | torch.dtype, device: str):
