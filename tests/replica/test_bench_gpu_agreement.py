@@ -61,5 +61,10 @@ def test_forced_agreement_finds_each_flipped_position_once_where_free_running_lo
     forced = bench_gpu.forced_agreement_rows("toy", generate, prompts, hf, ">= 99%")
     assert forced[0][1] == f"{total - 3}/{total} = {(total - 3) / total:.1%}"
     assert forced[1][1] == "0.250, 0.250, 0.250"  # HF's gap at each
-    free = bench_gpu.agreement_rows("toy", generate(prompts), hf, ">= 99%")
+    free_running = generate(prompts)
+    free = bench_gpu.agreement_rows("toy", free_running, hf, ">= 99%")
     assert free[0][1].startswith(f"{2 + (STEPS - 1) + STEPS}/{total}")  # all after prompt 0's token 2 lost
+    # The free-running run stands for the first round: one generate fewer, the same positions.
+    calls.clear()
+    assert bench_gpu.forced_divergences(generate, prompts, hf_tokens, first_outputs=free_running) == found
+    assert calls == [1, 1]
