@@ -76,7 +76,7 @@ class ModelShape:
     head_dim: int
     dtype: str = "bf16"
     block_size: int = 16
-    max_blocks_per_seq: int = 512  # the block-table width (max_model_len / block_size)
+    max_blocks_per_seq: int = 512  # the block-table width (block_table_width: always a multiple of 16)
 
     def describe(self) -> str:
         return f"{self.num_q_heads}/{self.num_kv_heads} heads, dim {self.head_dim}, {self.dtype}"
