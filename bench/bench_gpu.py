@@ -721,7 +721,7 @@ def host_tier(model_dir: str, cpu_smoke: bool) -> list[tuple]:
         block_kib = kv_swap.bytes_per_block / 1024
         rows = [("host tier", f"{host_blocks} blocks of {engine.config.block_size} tokens, {block_kib:.0f} KiB each "
                               f"({'pinned' if kv_swap.host_cache.is_pinned() else 'pageable'})")]
-        if DEVICE == "cuda":  # the tier is page-locked in place (kv_swap.pin_exactly), not by torch's allocator
+        if DEVICE == "cuda":  # the tier is page-locked in place (kv_swap.pinned_host_zeros), not by torch's allocator
             held = getattr(torch.cuda, "host_memory_stats", dict)().get("allocated_bytes.current", "n/a")
             rows.append(("pinned host bytes held by torch's caching allocator (the tier's are not)", str(held),
                          f"well under the tier's {kv_swap.host_cache.numel() * kv_swap.host_cache.element_size():,}"))

@@ -36,6 +36,8 @@ swap-in of the same step.
 
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 from typing import NamedTuple, Optional, Sequence
 
@@ -77,20 +79,29 @@ def plan_rounds(host_device_pairs: Sequence[tuple[int, int]]) -> list[CopyRound]
     return rounds
 
 
-def pin_exactly(tensor: torch.Tensor) -> None:
-    """Page-lock `tensor`'s host memory in place, at exactly its size, until the tensor is
-    collected (cudaHostRegister, as SGLang's host KV pools do). `pin_memory=True` goes through
-    torch's caching host allocator, which rounds each allocation up to the next power of two
-    (torch <= 2.13 by default): a host tier of 64 GiB and a block pinned 128 GiB, past the memory
-    resolve_host_kv_blocks checked it against. A host that cannot lock that much fails the
-    start in one line naming the setting."""
+def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed host memory page-locked at exactly its size (rounded to whole pages), until the
+    tensor is collected: an anonymous mapping of its own registered with cudaHostRegister, as
+    SGLang's host KV pools do. `pin_memory=True` goes through torch's caching host allocator,
+    which rounds each allocation up to the next power of two (torch <= 2.13 by default): a host
+    tier of 64 GiB and a block pinned 128 GiB, past the memory resolve_host_kv_blocks checked it
+    against. A mapping of its own shares no page with another allocation, which a registration
+    of heap memory could (a second one over a shared page fails). A host that cannot lock that
+    much fails the start in one line naming the setting."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    length = -(-max(num_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: what a registration locks
+    mapped = mmap.mmap(-1, length)  # page-aligned, zero-filled by the OS as it is touched
+    tensor = torch.frombuffer(mapped, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)  # keeps `mapped`
     cudart = torch.cuda.cudart()
-    pointer, num_bytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    error = int(cudart.cudaHostRegister(pointer, num_bytes, 0))  # as torch.cuda._pin_memory_utils
+    pointer = tensor.data_ptr()
+    error = int(cudart.cudaHostRegister(pointer, length, 0))  # as torch.cuda._pin_memory_utils
     if error:
         raise ConfigError(f"host_kv_bytes / num_host_kv_blocks: the host KV tier's {num_bytes} bytes could not be "
                           f"page-locked (cudaHostRegister: CUDA error {error})")
+    # Before the mapping goes: the tensor's collection runs this, and its storage (holding the
+    # mapping) is freed after.
     weakref.finalize(tensor, _unpin, cudart, pointer)
+    return tensor
 
 
 def _unpin(cudart, pointer: int) -> None:
@@ -113,9 +124,8 @@ class KVSwapper:
         shape = (num_host_blocks + 1, self.num_layers, 2) + self.block_shape
         # Zeroed lazily by the OS on CPU; page-locked on CUDA, at exactly its size, for
         # asynchronous copies.
-        self.host_cache = torch.zeros(shape, dtype=key_cache.dtype)
-        if self.on_cuda:
-            pin_exactly(self.host_cache)
+        self.host_cache = (pinned_host_zeros(shape, key_cache.dtype) if self.on_cuda
+                           else torch.zeros(shape, dtype=key_cache.dtype))
         self.bytes_per_block = self.host_cache[0].numel() * self.host_cache.element_size()
         # Blocks this rank copied each way (under tensor parallelism every rank copies its shard).
         self.swapped_out_blocks = self.swapped_in_blocks = self.written_through_blocks = 0

@@ -129,8 +129,8 @@ def test_a_round_of_copies_costs_the_same_ops_whatever_the_number_of_layers():
 
 
 class _RecordingCudart:
-    """CUDA's runtime as pin_exactly calls it (torch.cuda.cudart()), recording each call: a CPU
-    cannot page-lock through CUDA, and what matters here is the size asked for and the release."""
+    """CUDA's runtime as pinned_host_zeros calls it (torch.cuda.cudart()), recording each call: a
+    CPU cannot page-lock through CUDA, and what matters here is the range asked for and the release."""
 
     def __init__(self, register_error: int = 0):
         self.calls: list[tuple] = []
@@ -145,19 +145,25 @@ class _RecordingCudart:
         return 0
 
 
-def test_the_host_tier_is_page_locked_at_exactly_its_size_and_unlocked_when_collected(monkeypatch):
+def test_the_host_tier_is_page_locked_at_exactly_its_size_on_pages_of_its_own_and_unlocked_when_collected(
+        monkeypatch):
     """torch's pin_memory=True rounds up to a power of two: 1,025 blocks of 1 MiB pinned 2 GiB."""
     import gc
+    import mmap
 
     from replica.config import ConfigError
-    from replica.executor.kv_swap import pin_exactly
+    from replica.executor.kv_swap import pinned_host_zeros
 
     cudart = _RecordingCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    host_cache = torch.zeros(1025, 3, 2, 4, 2, 8)  # blocks + the null block, layers, key/value, block shape
+    shape = (1025, 3, 2, 4, 2, 8)  # blocks + the null block, layers, key/value, block shape
+    host_cache = pinned_host_zeros(shape, torch.bfloat16)
+    num_bytes = 1025 * 3 * 2 * 4 * 2 * 8 * 2
+    pages = -(-num_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
     pointer = host_cache.data_ptr()
-    pin_exactly(host_cache)
-    assert cudart.calls == [("register", pointer, 1025 * 3 * 2 * 4 * 2 * 8 * 4)]
+    assert host_cache.shape == shape and host_cache.dtype == torch.bfloat16 and not host_cache.any()
+    assert pointer % mmap.PAGESIZE == 0 and cudart.calls == [("register", pointer, pages)]
+    host_cache[-1] = 1.5  # writable to its last element
     del host_cache
     gc.collect()
     assert cudart.calls[-1] == ("unregister", pointer)
@@ -165,4 +171,4 @@ def test_the_host_tier_is_page_locked_at_exactly_its_size_and_unlocked_when_coll
     refusing = _RecordingCudart(register_error=2)  # cudaErrorMemoryAllocation
     monkeypatch.setattr(torch.cuda, "cudart", lambda: refusing)
     with pytest.raises(ConfigError, match=r"^host_kv_bytes / num_host_kv_blocks: .* 1024 bytes could not be page-locked"):
-        pin_exactly(torch.zeros(256))
+        pinned_host_zeros((256,), torch.float32)
