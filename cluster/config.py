@@ -474,6 +474,32 @@ class ServeAppsConfig(_Strict):
     grpc_options: GRPCOptions = Field(default_factory=GRPCOptions)
     applications: list[ServeApplication] = Field(..., min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_ports_follow_the_proxies(cls, data: Any) -> Any:
+        """An application whose args.ports.http / grpc is not given takes http_options.port /
+        grpc_options.port: a config that moves a proxy's port moves it once (a port an
+        application does give must still agree, below)."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("applications"), list):
+            return data
+        ports_of = {}
+        for proxy in ("http", "grpc"):
+            options = data.get(f"{proxy}_options")
+            port = options.get("port") if isinstance(options, Mapping) else getattr(options, "port", None)
+            if port is not None:
+                ports_of[proxy] = port
+        if not ports_of:
+            return data
+        applications = []
+        for application in data["applications"]:
+            args = application.get("args") if isinstance(application, Mapping) else None
+            ports = args.get("ports", {}) if isinstance(args, Mapping) else None
+            if isinstance(ports, Mapping):
+                ports = {**{proxy: port for proxy, port in ports_of.items() if proxy not in ports}, **ports}
+                application = {**application, "args": {**args, "ports": ports}}
+            applications.append(application)
+        return {**data, "applications": applications}
+
     @model_validator(mode="after")
     def _applications_agree(self) -> "ServeAppsConfig":
         names: set[str] = set()

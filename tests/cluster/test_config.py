@@ -266,6 +266,24 @@ def test_deploy_serve_config_validates_against_our_schema():
     assert app.args.router.policy == "headroom"
 
 
+def test_moving_the_shipped_configs_proxy_ports_moves_the_applications_and_its_endpoints_stay_local():
+    """A user who edits http_options.port / grpc_options.port in deploy/serve_config.yaml moves
+    them once (the applications' unset ports follow; an application's own port must agree), and
+    under `headroom serve` on loopback every endpoint the cluster opens binds 127.0.0.1: the
+    shipped file's bind_address is left unset (an explicit null bound them to the node's IP)."""
+    from cluster.serve_command import with_local_binds
+
+    document = yaml.safe_load(SERVE_CONFIG.read_text())
+    document["http_options"]["port"], document["grpc_options"]["port"] = 28600, 28601
+    config = load_config(document)
+    assert (config.applications[0].args.ports.http, config.applications[0].args.ports.grpc) == (28600, 28601)
+    document["applications"][0]["args"]["ports"]["grpc"] = 9000
+    with pytest.raises(ConfigError, match=r"applications\[0\]\.args\.ports\.grpc: 9000 differs from grpc_options.port 28601"):
+        load_config(document)
+    assert load_config(SERVE_CONFIG).applications[0].args.ports.bind_address is None
+    assert with_local_binds(load_config(SERVE_CONFIG)).applications[0].args.ports.bind_address == "127.0.0.1"
+
+
 def uncommented_autoscaling(text: str) -> str:
     """deploy/serve_config.yaml with its commented-out `autoscaling:` block switched on in
     place of the num_replicas line above it."""
