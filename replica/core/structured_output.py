@@ -84,6 +84,45 @@ DEFAULT_MAX_MASK_MS = EngineConfig.model_fields["structured_output_max_mask_ms"]
 SLOW_MASK_STEPS = 3
 
 
+# Keywords whose values are schemas, and those whose values are lists or maps of schemas.
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: object, in_all_of: bool = False) -> object:
+    """`schema` with every object that lists its `properties` closed to them and every tuple
+    (`prefixItems`) to its items, where the schema says nothing of more (no additionalProperties /
+    unevaluatedProperties, no items / unevaluatedItems): what vLLM's default backend (xgrammar's
+    strict mode) and OpenAI's strict schemas generate. JSON Schema's own default admits any
+    other key, and a model fills them: a tool's arguments with keys its function does not take.
+    Members of an `allOf` stay open (each lists part of one object's properties; closing them
+    would admit none). `{"type": "object"}` with no properties stays any object."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            closed[key] = closed_schema(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            closed[key] = [closed_schema(item) for item in value]
+        elif key == "allOf" and isinstance(value, list):
+            closed[key] = [closed_schema(item, in_all_of=True) for item in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_schema(item) for name, item in value.items()}
+        else:
+            closed[key] = value
+    if not in_all_of and "allOf" not in schema:
+        if "properties" in schema and not {"additionalProperties", "unevaluatedProperties"} & schema.keys():
+            closed["additionalProperties"] = False
+        if "prefixItems" in schema and not {"items", "unevaluatedItems"} & schema.keys():
+            closed["items"] = False
+    return closed
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """One constraint on a request's output. spec: the JSON schema as JSON text (json), the
@@ -105,7 +144,7 @@ class StructuredOutput:
             raise InvalidRequestError("json_schema", "the schema false admits no value")
         if schema is True:
             schema = {}
-        return cls("json", json.dumps(schema, separators=(",", ":")))
+        return cls("json", json.dumps(closed_schema(schema), separators=(",", ":")))
 
     @classmethod
     def of(cls, kind: str, value: object, field: str) -> "StructuredOutput":

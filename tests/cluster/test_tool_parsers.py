@@ -197,8 +197,9 @@ def test_each_offered_tools_parameters_are_checked_under_its_own_name(tool_choic
     request = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
     schemas = request.tool_parameter_schemas()
     assert [schema.param for schema in schemas] == ["tools[0].function.parameters", "tools[1].function.parameters"]
-    assert json.loads(schemas[0].constraint.spec) == {"type": "object", "properties": {}}
-    assert json.loads(schemas[1].constraint.spec) == tools[1]["function"]["parameters"]
+    # Closed to the listed properties (closed_schema): a function without parameters takes {} only.
+    assert json.loads(schemas[0].constraint.spec) == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert json.loads(schemas[1].constraint.spec) == {**tools[1]["function"]["parameters"], "additionalProperties": False}
     none = parse_body(json.dumps({**body, "tool_choice": "none"}).encode(), ChatCompletionRequest)
     assert none.tool_parameter_schemas() == []
 

@@ -120,6 +120,30 @@ def test_the_boolean_schemas_true_admits_any_json_and_false_is_refused_by_name(b
     assert raised.value.field == "guided_json"
 
 
+def test_an_object_schema_admits_only_its_properties_unless_it_says_more(builtin_engine):
+    """JSON Schema's default admits any other key, and SmolLM2 filled tool arguments with keys the
+    function does not take ({"tz": ..., "tzmaya": ...}); as vLLM's default backend and OpenAI's
+    strict schemas, an object that lists its properties is closed to them (closed_schema), and
+    additionalProperties, when given, decides."""
+    compiler = _compiler(builtin_engine)
+
+    def accepts(schema: dict, text: str) -> bool:
+        matcher = compiler.matcher(StructuredOutput.json_schema(schema)).matcher
+        return matcher.consume_tokens(builtin_engine.tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    try:
+        city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        assert accepts(city, '{"city": "Paris"}')
+        assert not accepts(city, '{"city": "Paris", "country": "France"}')
+        assert accepts({**city, "additionalProperties": True}, '{"city": "Paris", "country": "France"}')
+        nested = {"type": "object", "properties": {"place": city}, "required": ["place"]}
+        assert not accepts(nested, '{"place": {"city": "Paris", "x": 1}}')
+        assert accepts({"type": "object"}, '{"anything": 1}')  # no properties listed: any object
+    finally:
+        compiler.shutdown()
+
+
 def test_a_huge_choice_list_compiles_within_the_bound(builtin_engine):
     """100,000 choices (2.3 MB, under the HTTP body limit): one alternative per grammar rule took
     llguidance 19 s (quadratic) and then failed; as one terminal it takes about half a second."""
