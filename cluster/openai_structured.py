@@ -156,6 +156,8 @@ class ToolCalling:
     mode: ToolMode
     function_name: Optional[str] = None
     parser: Optional[str] = None
+    # parallel_tool_calls false: one call at most (the first the model wrote, under `auto`)
+    single_call: bool = False
 
 
 class ToolFields(BaseModel):
@@ -220,7 +222,7 @@ class ToolFields(BaseModel):
         if mode == "none":
             return None
         return ToolCalling(mode, self.tool_choice.function.name if mode == "named" else None,
-                           parser if mode == "auto" else None)
+                           parser if mode == "auto" else None, single_call=self.parallel_tool_calls is False)
 
 
 def new_tool_call_id() -> str:

@@ -467,7 +467,7 @@ class ToolCallOutput:
             content, calls = None, [ParsedCall(self.calling.function_name, text)]
         else:
             parsed = self.parser.parse(text)
-            content, calls = parsed.content, parsed.calls
+            content, calls = parsed.content, self._allowed(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [tool_call_json(call) for call in calls]
@@ -483,8 +483,14 @@ class ToolCallOutput:
                 finish_reason, [ParsedCall(self.calling.function_name, self.text)])
         content, deltas = self.parser.feed(text, final=finish_reason is not None)
         if self.parser.calls:
-            finish_reason = _calls_finish_reason(finish_reason, self.parser.calls)
-        return content, [self._delta_json(delta) for delta in deltas], finish_reason
+            finish_reason = _calls_finish_reason(finish_reason, self._allowed(self.parser.calls))
+        return content, [self._delta_json(delta) for delta in deltas
+                         if not (self.calling.single_call and delta.index > 0)], finish_reason
+
+    def _allowed(self, calls: list[ParsedCall]) -> list[ParsedCall]:
+        """The calls the reply returns: the first alone under parallel_tool_calls false (as
+        vLLM's server keeps; `required` is held to one by its schema)."""
+        return calls[:1] if self.calling.single_call else calls
 
     def _delta_json(self, delta: CallDelta) -> dict[str, Any]:
         if delta.name is None:

@@ -127,6 +127,18 @@ def test_a_call_streams_as_it_is_written_name_first_then_argument_fragments():
     assert stream.feed('}}</tool_call>', "stop") == ("", [{"index": 1, "function": {"arguments": "}"}}], "tool_calls")
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_alone_whole_and_streamed():
+    """`auto` reads what the model wrote: two calls under parallel_tool_calls false (a QA pass
+    got both back) come back as the first, whole and streamed alike."""
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    single = ToolCalling("auto", parser="hermes", single_call=True)
+    assert whole(single, text) == (None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}], "tool_calls")
+    assert len(whole(ToolCalling("auto", parser="hermes"), text)[1]) == 2
+    content, calls, reasons = assemble(single, [text[start:start + 5] for start in range(0, len(text), 5)])
+    assert [call["name"] for call in calls] == ["get_weather"] and reasons[-1] == "tool_calls"
+
+
 def test_required_calls_stream_as_the_grammar_writes_them():
     stream = ToolCallOutput(ToolCalling("required"))
     assert stream.feed('[{"name": "f", "arguments": {"a"', None)[1][0]["function"] == {"name": "f", "arguments": '{"a"'}
