@@ -84,6 +84,18 @@ DEFAULT_MAX_MASK_MS = EngineConfig.model_fields["structured_output_max_mask_ms"]
 SLOW_MASK_STEPS = 3
 
 
+def lark_grammar(text: str, field: str) -> str:
+    """A grammar as llguidance's Lark: Lark as given (it says `start:` or `%llguidance`), else
+    GBNF / EBNF (llama.cpp's `root ::= ...`, what vLLM's docs and its default backend take)
+    converted by llguidance's own converter, its errors naming `field`."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as error:  # noqa: BLE001 - any failure of the converter is the grammar's fault, by name
+        raise InvalidRequestError(field, f"neither Lark (start: ...) nor GBNF (root ::= ...): {error}") from None
+
+
 # Keywords whose values are schemas, and those whose values are lists or maps of schemas.
 _SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
@@ -158,6 +170,8 @@ class StructuredOutput:
                 raise InvalidRequestError(field, error.message) from None
         if kind == "json_object":
             return cls("json_object")
+        if kind == "grammar" and isinstance(value, str):
+            return cls("grammar", lark_grammar(value, field))
         if kind == "choice":
             return cls("choice", tuple(value))
         return cls(kind, value)

@@ -144,6 +144,22 @@ def test_an_object_schema_admits_only_its_properties_unless_it_says_more(builtin
         compiler.shutdown()
 
 
+def test_a_gbnf_grammar_as_vllms_docs_write_it_is_served_and_a_broken_one_refused_by_name(builtin_engine):
+    """vLLM's guided_grammar examples are GBNF/EBNF (root ::= ...); they were refused as bad Lark."""
+    compiler = _compiler(builtin_engine)
+    try:
+        constraint = StructuredOutput.of("grammar", 'root ::= answer\nanswer ::= "yes" | "no"', "guided_grammar")
+        compiler.check(constraint, "guided_grammar")
+        matcher = compiler.matcher(constraint).matcher
+        assert matcher.consume_tokens(builtin_engine.tokenizer.encode("no", add_special_tokens=False))
+        assert matcher.is_accepting()
+    finally:
+        compiler.shutdown()
+    with pytest.raises(InvalidRequestError, match=r"nor GBNF") as raised:
+        StructuredOutput.of("grammar", 'root ::= ( "a"', "guided_grammar")
+    assert raised.value.field == "guided_grammar"
+
+
 def test_a_huge_choice_list_compiles_within_the_bound(builtin_engine):
     """100,000 choices (2.3 MB, under the HTTP body limit): one alternative per grammar rule took
     llguidance 19 s (quadratic) and then failed; as one terminal it takes about half a second."""
