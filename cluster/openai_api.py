@@ -8,12 +8,16 @@ refused by name, never silently ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import types
+import typing
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
 from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loads_json, nested_deeper_than
@@ -159,11 +163,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+@functools.cache
+def _boolean_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields (by the key a body names them with) that hold a boolean (bool or Optional[bool])."""
+    def is_boolean(annotation: Any) -> bool:
+        members = [member for member in typing.get_args(annotation) if member is not type(None)]
+        return annotation is bool or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                      and members == [bool])
+
+    return frozenset(field.alias or name for name, field in model.model_fields.items() if is_boolean(field.annotation))
+
+
 class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     # Extra keys are kept (not validated) so that a parameter this server cannot honour is
     # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does. A boolean
-    # for a number (`"max_tokens": true`) is a 400 naming it, as OpenAI's API answers it, not 1.
+    # for a number (`"max_tokens": true`) is a 400 naming it, as OpenAI's API answers it, not 1;
+    # and anything but a boolean for a boolean (`"stream": "yes"`, which lax parsing read as true).
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _booleans_are_booleans(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            errors = [InitErrorDetails(type=PydanticCustomError("bool_type", "Input should be a JSON boolean (true or "
+                                                                              "false), got {value}",
+                                                                {"value": json.dumps(value)[:40]}),
+                                       loc=(key,), input=value)
+                      for key in _boolean_fields(cls) & data.keys()
+                      if (value := data[key]) is not None and not isinstance(value, bool)]
+            if errors:
+                raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     model: Optional[str] = None  # vLLM's: unset means the served model
     # null means the default, as in vLLM (OpenAI's clients omit what is unset).

@@ -33,7 +33,7 @@ class OutputConstraint(NamedTuple):
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    name: Optional[str] = None
+    name: str  # required, as OpenAI's API and vLLM's server require it
     description: Optional[str] = None
     schema_: Optional[JsonSchema] = Field(None, alias="schema")
     strict: Optional[bool] = None  # the schema is enforced either way

@@ -947,6 +947,9 @@ HTTP_PROBES = [
         "name": "x", "schema": {"type": "array", "uniqueItems": True}}}), 400, "response_format.json_schema.schema"),
     ("json_schema_missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
      "response_format.json_schema"),
+    ("json_schema_without_name", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}), 400, "response_format.json_schema.name"),
+    ("stream_a_string", "POST", C, completion(stream="yes"), 400, "stream"),  # lax parsing read it as true
     ("response_format_unknown_type", "POST", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("guided_regex_unbalanced", "POST", C, completion(guided_regex="a(b"), 400, "guided_regex"),
     ("guided_grammar_syntax_error", "POST", C, completion(guided_grammar="start: ( "), 400, "guided_grammar"),
