@@ -466,10 +466,20 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [await self._model_object()]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        """One model, as OpenAI's API answers `client.models.retrieve(id)`; another id is 404."""
+        if model != self.model_id:
+            return JSONResponse(error_body(f"model: this endpoint serves {self.model_id!r}, not {model!r}", "model",
+                                           "model_not_found"), status_code=404)
+        return await self._model_object()
+
+    async def _model_object(self) -> dict[str, Any]:
         info = await self.model_info()
-        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom",
-                 "max_model_len": info.max_model_len}
-        return {"object": "list", "data": [model]}
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom",
+                "max_model_len": info.max_model_len}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

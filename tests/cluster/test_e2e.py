@@ -87,9 +87,13 @@ def test_requests_spread_over_both_replicas(channel):
 
 
 # ---- OpenAI-compatible HTTP API ----------------------------------------------------------
-def test_models_lists_the_served_model(cluster):
+def test_models_lists_the_served_model_and_retrieves_it_by_id(cluster):
     body = requests.get(f"{HTTP}/v1/models", timeout=30).json()
     assert [model["id"] for model in body["data"]] == [APP_NAME]
+    # client.models.retrieve(id): the one model, or 404 model_not_found for another id
+    assert requests.get(f"{HTTP}/v1/models/{APP_NAME}", timeout=30).json() == body["data"][0]
+    other = requests.get(f"{HTTP}/v1/models/gpt-4o", timeout=30)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
 def test_completion_streams_sse_chunks_ending_with_done_and_matches_the_non_streaming_text(cluster):
