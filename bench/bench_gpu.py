@@ -55,6 +55,7 @@ bench/gpu_wheels.txt (no Ray); docs/benchmarks.md says how to carry them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -287,12 +288,20 @@ def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[
             returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             returncode = f"timed out after {timeout_s} s"
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_session(process)
+        except BaseException:  # Ctrl-C reaches this process only (the command's session is its own)
+            kill_session(process)
+            raise
         log.seek(0)
         output = log.read()
     print(output[-8000:], flush=True)
     return output, returncode
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the session may have ended by itself meanwhile
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 # ---- tests: the HF-parity tests on CUDA ---------------------------------------------------------

@@ -492,7 +492,7 @@ class ServeAppsConfig(_Strict):
             return data
         applications = []
         for application in data["applications"]:
-            args = application.get("args") if isinstance(application, Mapping) else None
+            args = application.get("args", {}) if isinstance(application, Mapping) else None
             ports = args.get("ports", {}) if isinstance(args, Mapping) else None
             if isinstance(ports, Mapping):
                 ports = {**{proxy: port for proxy, port in ports_of.items() if proxy not in ports}, **ports}

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
@@ -160,7 +160,7 @@ def param_path(loc: tuple[Union[str, int], ...]) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False  # true or false, as the body's top-level booleans
 
 
 @functools.cache

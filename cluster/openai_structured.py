@@ -36,7 +36,7 @@ class JsonSchemaFormat(BaseModel):
     name: str  # required, as OpenAI's API and vLLM's server require it
     description: Optional[str] = None
     schema_: Optional[JsonSchema] = Field(None, alias="schema")
-    strict: Optional[bool] = None  # the schema is enforced either way
+    strict: Optional[StrictBool] = None  # the schema is enforced either way
 
 
 class ResponseFormat(BaseModel):
@@ -55,7 +55,7 @@ class StructuredOutputsParams(BaseModel):
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
-    json_object: Optional[bool] = None
+    json_object: Optional[StrictBool] = None
 
 
 class StructuredOutputFields(BaseModel):
@@ -111,7 +111,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
     @field_validator("parameters")
     @classmethod

@@ -84,16 +84,23 @@ DEFAULT_MAX_MASK_MS = EngineConfig.model_fields["structured_output_max_mask_ms"]
 SLOW_MASK_STEPS = 3
 
 
+# A grammar in llguidance's Lark: a `start` rule (`?start:` / `!start:` / `start.2:` too) or the
+# %llguidance directive; llguidance's own is_lark_syntax misses the prefixed forms.
+_LARK_START = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start(\.-?\d+)?\s*:)")
+
+
 def lark_grammar(text: str, field: str) -> str:
-    """A grammar as llguidance's Lark: Lark as given (it says `start:` or `%llguidance`), else
-    GBNF / EBNF (llama.cpp's `root ::= ...`, what vLLM's docs and its default backend take)
-    converted by llguidance's own converter, its errors naming `field`."""
-    from llguidance.gbnf_to_lark import any_to_lark
+    """A grammar as llguidance's Lark: Lark as given, GBNF / EBNF (llama.cpp's `root ::= ...`,
+    what vLLM's docs and its default backend take) converted by llguidance's own converter, its
+    errors naming `field`; text that is neither stays as given, for Lark's errors to name."""
+    if _LARK_START.search(text) or "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
-        return any_to_lark(text)
+        return gbnf_to_lark(text)
     except Exception as error:  # noqa: BLE001 - any failure of the converter is the grammar's fault, by name
-        raise InvalidRequestError(field, f"neither Lark (start: ...) nor GBNF (root ::= ...): {error}") from None
+        raise InvalidRequestError(field, f"not a GBNF grammar (root ::= ...) llguidance can convert: {error}") from None
 
 
 # Keywords whose values are schemas, and those whose values are lists or maps of schemas.
@@ -101,38 +108,95 @@ _SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", 
               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Beside these an object's properties are not all it may hold (another schema adds its own), so
+# it stays open; likewise a tuple beside these.
+_COMBINING = frozenset(("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependentRequired"))
 
 
-def closed_schema(schema: object, in_all_of: bool = False) -> object:
+def closed_schema(schema: object) -> object:
     """`schema` with every object that lists its `properties` closed to them and every tuple
     (`prefixItems`) to its items, where the schema says nothing of more (no additionalProperties /
     unevaluatedProperties, no items / unevaluatedItems): what vLLM's default backend (xgrammar's
     strict mode) and OpenAI's strict schemas generate. JSON Schema's own default admits any
     other key, and a model fills them: a tool's arguments with keys its function does not take.
-    Members of an `allOf` stay open (each lists part of one object's properties; closing them
-    would admit none). `{"type": "object"}` with no properties stays any object."""
+
+    Only where closing cannot take away a value the schema admits: an object beside allOf /
+    anyOf / oneOf / $ref / if (another schema adds properties), a member of an allOf and a
+    definition an allOf refers to (each lists part of one object), an object that requires a key
+    it does not list, a tuple whose minItems passes its items, and `{"type": "object"}` with no
+    properties all stay open. StructuredOutput.json_schema keeps the schema as given where
+    closing it still made it unsatisfiable."""
+    open_refs = set()
+
+    def shared_refs(node: object, inside: bool) -> None:
+        """The definitions a $ref applies to an object some other schema describes too."""
+        if isinstance(node, list):
+            for item in node:
+                shared_refs(item, inside)
+        elif isinstance(node, dict):
+            if isinstance(node.get("$ref"), str) and (inside or _SHARES_ITS_OBJECT & node.keys()):
+                open_refs.add(node["$ref"])
+            for key, value in node.items():
+                shared_refs(value, inside or key == "allOf" or (key in ("anyOf", "oneOf") and _shares(node)))
+
+    shared_refs(schema, False)
+    return _closed(schema, open_refs, keep_open=False, path="#")
+
+
+# Keywords that describe an object's keys: beside a $ref or around anyOf / oneOf members, the
+# members and the definition describe the same object.
+_SHARES_ITS_OBJECT = frozenset(("properties", "required", "patternProperties", "additionalProperties", "allOf",
+                                "anyOf", "oneOf", "dependentRequired", "dependentSchemas", "if"))
+
+
+def _shares(node: dict) -> bool:
+    """Whether `node`'s anyOf / oneOf members describe an object that node describes too."""
+    return bool((_SHARES_ITS_OBJECT - {"anyOf", "oneOf"}) & node.keys()) or ("anyOf" in node and "oneOf" in node)
+
+
+def _closed(schema: object, open_refs: set, keep_open: bool, path: str) -> object:
     if isinstance(schema, list):
-        return [closed_schema(item) for item in schema]
+        return [_closed(item, open_refs, keep_open, path) for item in schema]
     if not isinstance(schema, dict):
         return schema
     closed = {}
     for key, value in schema.items():
         if key in _SUBSCHEMA:
-            closed[key] = closed_schema(value)
+            closed[key] = _closed(value, open_refs, False, f"{path}/{key}")
         elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            closed[key] = [closed_schema(item) for item in value]
+            members_open = keep_open or (key != "prefixItems" and _shares(schema))
+            closed[key] = [_closed(item, open_refs, members_open, f"{path}/{key}") for item in value]
         elif key == "allOf" and isinstance(value, list):
-            closed[key] = [closed_schema(item, in_all_of=True) for item in value]
+            closed[key] = [_closed(item, open_refs, True, f"{path}/{key}") for item in value]
         elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            closed[key] = {name: closed_schema(item) for name, item in value.items()}
+            closed[key] = {name: _closed(item, open_refs, f"{path}/{key}/{name}" in open_refs, f"{path}/{key}/{name}")
+                           for name, item in value.items()}
         else:
             closed[key] = value
-    if not in_all_of and "allOf" not in schema:
-        if "properties" in schema and not {"additionalProperties", "unevaluatedProperties"} & schema.keys():
-            closed["additionalProperties"] = False
-        if "prefixItems" in schema and not {"items", "unevaluatedItems"} & schema.keys():
-            closed["items"] = False
+    if keep_open or _COMBINING & schema.keys():
+        return closed
+    properties = schema.get("properties")
+    required = schema.get("required", [])
+    if (isinstance(properties, dict) and not {"additionalProperties", "unevaluatedProperties"} & schema.keys()
+            and isinstance(required, list) and set(required) <= properties.keys()):
+        closed["additionalProperties"] = False
+    prefix_items = schema.get("prefixItems")
+    if (isinstance(prefix_items, list) and not {"items", "unevaluatedItems", "additionalItems"} & schema.keys()
+            and isinstance(schema.get("minItems", 0), int) and schema.get("minItems", 0) <= len(prefix_items)):
+        closed["items"] = False
     return closed
+
+
+def _satisfiable(schema: object) -> bool:
+    """Whether llguidance compiles `schema` to a grammar with no error (no tokenizer needed)."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, TypeError, RuntimeError):
+        return False
+    return not is_error
 
 
 @dataclass(frozen=True)
@@ -156,7 +220,10 @@ class StructuredOutput:
             raise InvalidRequestError("json_schema", "the schema false admits no value")
         if schema is True:
             schema = {}
-        return cls("json", json.dumps(closed_schema(schema), separators=(",", ":")))
+        closed = closed_schema(schema)
+        if closed != schema and not _satisfiable(closed) and _satisfiable(schema):
+            closed = schema  # a shape closed_schema misjudged: as given rather than refused
+        return cls("json", json.dumps(closed, separators=(",", ":")))
 
     @classmethod
     def of(cls, kind: str, value: object, field: str) -> "StructuredOutput":

@@ -280,6 +280,9 @@ def test_moving_the_shipped_configs_proxy_ports_moves_the_applications_and_its_e
     document["applications"][0]["args"]["ports"]["grpc"] = 9000
     with pytest.raises(ConfigError, match=r"applications\[0\]\.args\.ports\.grpc: 9000 differs from grpc_options.port 28601"):
         load_config(document)
+    # an application with no args at all follows them too
+    bare = load_config({"http_options": {"port": 8080}, "applications": [{"name": "a"}]})
+    assert bare.applications[0].args.ports.http == 8080
     assert load_config(SERVE_CONFIG).applications[0].args.ports.bind_address is None
     assert with_local_binds(load_config(SERVE_CONFIG)).applications[0].args.ports.bind_address == "127.0.0.1"
 

@@ -87,6 +87,29 @@ def test_a_boolean_for_a_number_is_400_naming_it_not_read_as_one(model, fields, 
     assert parsed(CompletionRequest, prompt="hi", max_tokens="5").max_tokens == 5
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("model, fields, param", [
+    (CompletionRequest, {"prompt": "hi", "stream": "yes"}, "stream"),
+    (CompletionRequest, {"prompt": "hi", "echo": 1}, "echo"),
+    (ChatCompletionRequest, {**CHAT, "logprobs": "true"}, "logprobs"),
+    (CompletionRequest, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}, "strict": "no"}}}, "response_format.json_schema.strict"),
+    (CompletionRequest, {"prompt": "hi", "structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
+    (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": "false"}}]},
+     "tools[0].function.strict"),
+])
+def test_anything_but_true_or_false_for_a_boolean_is_400_naming_it(model, fields, param):
+    """Lax parsing read "yes", 1 and "false" as booleans (OpenAI's API answers 400), nested too;
+    completions' logprobs, a number, takes its number."""
+    error = refused(model, json.dumps({"model": "m", **fields}).encode())
+    assert error.status == 400 and error.body["error"]["param"] == param, error.body
+    assert parsed(CompletionRequest, prompt="hi", logprobs=2).logprobs == 2
+
+
 def test_chat_body_errors_name_the_message_and_field():
     body = {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}]}
     assert refused(ChatCompletionRequest, json.dumps(body).encode()).body["error"]["param"] == "messages[1].role"

@@ -29,7 +29,9 @@ from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
 from replica.errors import InvalidRequestError, QueueFullError
-from replica.core.structured_output import GrammarCompiler, GrammarMask, StructuredOutput, apply_grammar_bitmask
+from replica.core.structured_output import (
+    GrammarCompiler, GrammarMask, StructuredOutput, apply_grammar_bitmask, closed_schema, lark_grammar,
+)
 from bench.bench_structured import schema_set  # bench/ is a namespace package under the repository root
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
@@ -144,6 +146,40 @@ def test_an_object_schema_admits_only_its_properties_unless_it_says_more(builtin
         compiler.shutdown()
 
 
+@pytest.mark.parametrize("schema", [
+    # OpenAPI-style inheritance: the definition an allOf refers to describes part of one object
+    {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+     "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"name": {"type": "string"}}, "required": ["name"]}]},
+    # anyOf members beside the object's own properties
+    {"properties": {"kind": {}}, "required": ["kind"], "anyOf": [{"properties": {"a": {}}, "required": ["a"]}]},
+    # a $ref beside properties
+    {"$defs": {"B": {"properties": {"a": {}}}}, "$ref": "#/$defs/B", "properties": {"b": {}}, "required": ["a", "b"]},
+    # a required key the properties do not list; a tuple whose minItems passes its items
+    {"properties": {"a": {}}, "required": ["a", "b"]},
+    {"prefixItems": [{"type": "integer"}], "minItems": 2},
+])
+def test_closing_objects_never_takes_away_what_a_schema_admits(schema):
+    """Each shape stays as given (closing it would leave no value: {"id": 1, "name": "x"} and the
+    like); a review found each refused as unsatisfiable after the first version closed them."""
+    assert closed_schema(schema) == schema
+    assert json.loads(StructuredOutput.json_schema(schema).spec) == schema
+
+
+def test_alternatives_and_definitions_of_their_own_are_closed():
+    union = {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]}
+    assert [member["additionalProperties"] for member in closed_schema(union)["anyOf"]] == [False, False]
+    nested = {"$defs": {"P": {"type": "object", "properties": {"x": {}}}}, "type": "object",
+              "properties": {"p": {"$ref": "#/$defs/P"}}}
+    assert closed_schema(nested)["$defs"]["P"]["additionalProperties"] is False
+
+
+def test_lark_with_a_prefixed_start_rule_stays_lark():
+    """`?start:` opens Lark's own calculator example; llguidance's detector took it for GBNF."""
+    assert lark_grammar('?start: "a" | "b"', "guided_grammar") == '?start: "a" | "b"'
+    assert lark_grammar("start.2: NAME\nNAME: /[a-z]+/", "guided_grammar").startswith("start.2:")
+    assert "start" in lark_grammar('root ::= "yes"', "guided_grammar")  # GBNF: converted
+
+
 def test_a_gbnf_grammar_as_vllms_docs_write_it_is_served_and_a_broken_one_refused_by_name(builtin_engine):
     """vLLM's guided_grammar examples are GBNF/EBNF (root ::= ...); they were refused as bad Lark."""
     compiler = _compiler(builtin_engine)
@@ -155,7 +191,7 @@ def test_a_gbnf_grammar_as_vllms_docs_write_it_is_served_and_a_broken_one_refuse
         assert matcher.is_accepting()
     finally:
         compiler.shutdown()
-    with pytest.raises(InvalidRequestError, match=r"nor GBNF") as raised:
+    with pytest.raises(InvalidRequestError, match=r"not a GBNF grammar") as raised:
         StructuredOutput.of("grammar", 'root ::= ( "a"', "guided_grammar")
     assert raised.value.field == "guided_grammar"
 
