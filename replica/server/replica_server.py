@@ -98,8 +98,7 @@ class ReplicaServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(self.service_names + (health.SERVICE_NAME,), server)
-        self.port = _bind_first_free(server, host, port, 1 if join else port_search,
-                                     check_free=self.shared_port and not join)
+        self.port = _bind_first_free(server, host, port, 1 if join else port_search, check_free=not join)
         await self.engine.start()
         if self.generation:  # after the start: the servicer builds its grammar compiler from the engine's tokenizer
             pb_grpc.add_GenerationServicer_to_server(
@@ -158,8 +157,10 @@ def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_se
                      check_free: bool = False) -> int:
     """Binds `server` on `host` to the first port it can have from `base_port` up (at most
     `port_search` of them; port 0 is any free one); returns it. check_free: skip a port a
-    plain bind cannot take (for a server that binds with SO_REUSEPORT, which would share a
-    port another such server holds)."""
+    plain bind cannot take, before gRPC tries it: a server that binds with SO_REUSEPORT would
+    share a port another such server holds, and any other logged gRPC's "Failed to add port"
+    error for each taken port (co-located replicas count up from one base port). A front
+    joining a shared port does not check."""
     last_port = base_port if base_port == 0 else min(base_port + port_search, 65536) - 1
     for port in range(base_port, last_port + 1):
         if check_free and port and not _port_is_free(host, port):

@@ -177,3 +177,30 @@ def test_a_shared_port_is_never_one_another_servers_fronts_already_share():
 
     taken, bound = asyncio.run(scenario())
     assert bound != taken and taken < bound < taken + 8
+
+
+def test_a_replica_counting_up_from_a_taken_port_skips_it_without_grpcs_bind_error(capfd):
+    """Co-located replicas count up from one base port: the next one tried the taken port with
+    gRPC first, which logged "Failed to add port ... Address already in use" on every start (a
+    QA pass read it as a fault). The plain-bind check now skips it before gRPC tries."""
+    import socket
+
+    import grpc
+
+    from replica.server.replica_server import SERVER_OPTIONS, _bind_first_free
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+
+        async def scenario():
+            ours = grpc.aio.server(options=SERVER_OPTIONS)
+            try:
+                return _bind_first_free(ours, "127.0.0.1", taken, 8, check_free=True)
+            finally:
+                await ours.stop(None)
+
+        bound = asyncio.run(scenario())
+    assert taken < bound < taken + 8
+    assert "Failed to add port" not in capfd.readouterr().err
