@@ -86,6 +86,7 @@ class StepProfile:
     stream waits for it), serializing auto's steps that recompute-only's keep overlapped."""
 
     def __init__(self, engine, on_cpu: bool):
+        import torch
         from bench_engine import StepRecorder
 
         self.recorder = StepRecorder(engine)
@@ -105,8 +106,6 @@ class StepProfile:
                     copy(copies)
                     self._copy_s += self.clock() - start
                     return
-                import torch
-
                 # The copy stream waits for the compute stream's work so far first (copy() makes the
                 # same wait), so the start event marks when the copies can begin, not the wait.
                 queued = torch.cuda.Event()

@@ -8,16 +8,12 @@ refused by name, never silently ignored.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import types
-import typing
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
 from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loads_json, nested_deeper_than
@@ -160,40 +156,16 @@ def param_path(loc: tuple[Union[str, int], ...]) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: StrictBool = False  # true or false, as the body's top-level booleans
-
-
-@functools.cache
-def _boolean_fields(model: type[BaseModel]) -> frozenset[str]:
-    """The fields (by the key a body names them with) that hold a boolean (bool or Optional[bool])."""
-    def is_boolean(annotation: Any) -> bool:
-        members = [member for member in typing.get_args(annotation) if member is not type(None)]
-        return annotation is bool or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
-                                      and members == [bool])
-
-    return frozenset(field.alias or name for name, field in model.model_fields.items() if is_boolean(field.annotation))
+    include_usage: StrictBool = False
 
 
 class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     # Extra keys are kept (not validated) so that a parameter this server cannot honour is
     # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does. A boolean
     # for a number (`"max_tokens": true`) is a 400 naming it, as OpenAI's API answers it, not 1;
-    # and anything but a boolean for a boolean (`"stream": "yes"`, which lax parsing read as true).
+    # and every boolean is StrictBool, here and in the nested models: anything but true / false
+    # (`"stream": "yes"`, which lax parsing read as true) is a 400 naming it.
     model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _booleans_are_booleans(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            errors = [InitErrorDetails(type=PydanticCustomError("bool_type", "Input should be a JSON boolean (true or "
-                                                                              "false), got {value}",
-                                                                {"value": json.dumps(value)[:40]}),
-                                       loc=(key,), input=value)
-                      for key in _boolean_fields(cls) & data.keys()
-                      if (value := data[key]) is not None and not isinstance(value, bool)]
-            if errors:
-                raise ValidationError.from_exception_data(cls.__name__, errors)
-        return data
 
     model: Optional[str] = None  # vLLM's: unset means the served model
     # null means the default, as in vLLM (OpenAI's clients omit what is unset).
@@ -201,7 +173,7 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     top_p: Optional[float] = None
     n: int = Field(1, ge=1)
     best_of: Optional[int] = Field(None, ge=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     stop: Optional[Union[str, list[str]]] = None
@@ -213,9 +185,9 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     top_k: Optional[int] = None  # None, 0 or -1: off
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: StrictBool = False
     priority: int = 0  # vLLM's sense, which is the engine's: lower runs first
 
     @field_validator("n", mode="before")
@@ -318,9 +290,9 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(_OpenAIRequest):
     prompt: PromptInput
     max_tokens: Optional[int] = 16  # OpenAI's default for completions; null: up to the context
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_special_tokens: bool = True  # vLLM's: BOS etc. on text prompts
+    add_special_tokens: StrictBool = True  # vLLM's: BOS etc. on text prompts
 
     # "plain": this check is the whole validation. pydantic's own of the union (in Rust, holding
     # the GIL throughout) took 1.6 s for 700,000 token lists; this one yields to the event loop
@@ -449,9 +421,9 @@ class ChatCompletionRequest(_OpenAIRequest, ToolFields):
     # Chat has no fixed default: unset means up to the context length, as in OpenAI's API.
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False  # vLLM's: prepend the last message's content when it is the assistant's
+    echo: StrictBool = False  # vLLM's: prepend the last message's content when it is the assistant's
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

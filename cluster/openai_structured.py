@@ -165,7 +165,7 @@ class ToolFields(BaseModel):
 
     tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
     def tool_mode(self) -> ToolMode:
         """none / auto / required / named, refusing a choice the tools cannot meet."""

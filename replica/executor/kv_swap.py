@@ -88,7 +88,7 @@ def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     against. A mapping of its own shares no page with another allocation, which a registration
     of heap memory could (a second one over a shared page fails). A host that cannot lock that
     much fails the start in one line naming the setting."""
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     length = -(-max(num_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: what a registration locks
     mapped = mmap.mmap(-1, length)  # page-aligned, zero-filled by the OS as it is touched
     tensor = torch.frombuffer(mapped, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)  # keeps `mapped`
