@@ -447,6 +447,12 @@ class ChatCompletionRequest(_OpenAIRequest, ToolFields):
                     raise InvalidRequestError(f"messages[{index}].{name}", "not supported (tool calls are: tool_calls)")
             if message.tool_calls and message.role != "assistant":
                 raise InvalidRequestError(f"messages[{index}].tool_calls", "only assistant messages hold tool calls")
+            # As OpenAI's API: only an assistant's turn may leave out its content (it may be
+            # all tool calls), and a tool's result must say which call it answers.
+            if message.content is None and message.role != "assistant":
+                raise InvalidRequestError(f"messages[{index}].content", f"required in a {message.role} message")
+            if message.role == "tool" and message.tool_call_id is None:
+                raise InvalidRequestError(f"messages[{index}].tool_call_id", "required in a tool message")
         self.tool_mode()  # a named tool_choice must name a tool
 
     def output_constraint(self) -> Optional[OutputConstraint]:

@@ -165,6 +165,26 @@ def test_unhonourable_parameters_are_refused_by_name_and_neutral_values_pass():
     parsed(CompletionRequest, prompt="hi", tools=[], tool_choice="none").check_supported(max_choices=8)
 
 
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], "messages[0].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "content": "18 C"}], "messages[2].tool_call_id"),
+])
+def test_a_message_missing_what_openai_requires_is_refused_by_name(messages, param):
+    """A user message without content rendered as an empty turn, and a tool result without
+    tool_call_id reached the template unattributed; OpenAI's API answers 400 to both. An
+    assistant turn of tool calls alone stays valid."""
+    with pytest.raises(InvalidRequestError) as raised:
+        parsed(ChatCompletionRequest, messages=messages).check_supported(max_choices=8)
+    assert raised.value.field == param
+    messages[-1] = {**messages[-1], "content": "x", "tool_call_id": "c"}
+    if messages[0].get("content") is None:
+        messages[0]["content"] = "x"
+    parsed(ChatCompletionRequest, messages=messages).check_supported(max_choices=8)
+
+
 def test_list_of_parts_content_is_its_text_parts_joined():
     request = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": [
         {"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}])
