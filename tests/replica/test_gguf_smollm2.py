@@ -1,6 +1,6 @@
 """The real default model, SmolLM2-135M-Instruct from its Q4_1 GGUF: the rebuilt tokenizer
 equals transformers' own GGUF tokenizer, the engine's greedy tokens equal HF generate() on the
-converted checkpoint (fp32, 16 prompts, 32 new tokens) under chunking, a cramped pool
+converted checkpoint (fp32, 16 prompts, 32 new tokens) under chunking in a cramped pool
 (preemption probed) and prefix caching, and the instruct model answers. (The weights'
 conversion is checked against transformers' own GGUF loading, type by type, in test_gguf.py.)"""
 
@@ -104,15 +104,12 @@ def test_sixteen_prompts_of_real_weights_generate_hf_generates_tokens(smollm2_di
     assert llm.scheduler.kv_cache.num_free_blocks == llm.scheduler.kv_cache.num_usable_blocks
 
 
-def test_chunked_prefill_keeps_the_tokens(smollm2_dir, prompts, hf_outputs):
-    llm = engine(smollm2_dir, max_num_batched_tokens=64, long_prefill_token_threshold=13)
-    assert llm.generate(prompts, GREEDY) == hf_outputs
-
-
-def test_a_cramped_pool_that_preempts_keeps_the_tokens(smollm2_dir, prompts, hf_outputs):
-    # 32 usable blocks of 16 tokens against the batch's ~1,200: preempts, without recomputing
-    # every prompt many times over (each recompute is a 30-layer prefill).
-    llm = engine(smollm2_dir, num_kv_blocks=33, max_num_batched_tokens=128)
+def test_chunked_prefill_in_a_cramped_pool_that_preempts_keeps_the_tokens(smollm2_dir, prompts, hf_outputs):
+    # Prompts prefilled 13 tokens at a time (each is longer), in 32 usable blocks of 16 tokens
+    # against the batch's ~1,200: preempts, without recomputing every prompt many times over
+    # (each recompute is a 30-layer prefill). One run for both: each alone took 8-12 s.
+    assert min(len(prompt) for prompt in prompts) > 13, "every prompt must be prefilled in chunks"
+    llm = engine(smollm2_dir, num_kv_blocks=33, max_num_batched_tokens=128, long_prefill_token_threshold=13)
     assert llm.generate(prompts, GREEDY) == hf_outputs
     assert llm.scheduler.counters.preemptions > 0, "the cramped pool must really preempt"
 
