@@ -368,8 +368,9 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_autoscaler_kv_demand_ratio": MetricSpec(
         "gauge",
-        "The headroom policy's input: the cluster's committed KV (held plus expected growth) over the KV pools "
-        "of the replicas reporting; the policy adds replicas above its target_utilization.",
+        "The headroom policy's input: the cluster's committed KV (held plus expected growth) over the running "
+        "replicas' pools (each taken at the reporting replicas' mean pool); the policy adds replicas above its "
+        "target_utilization.",
         None,
         ("application",),
     ),
