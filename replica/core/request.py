@@ -48,11 +48,15 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds for the additive penalties and for one logit bias.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# A temperature below this samples greedily, as in vLLM (its _SAMPLING_EPS): dividing logits by
+# 1e-40 overflowed them to +-inf, every +inf tied, and the lowest such id won whatever top_k said.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy.
+    """How to pick tokens and when to stop. temperature 0 (or below GREEDY_TEMPERATURE_EPS)
+    means greedy.
 
     The penalties and logit_bias follow vLLM (and OpenAI): logit_bias is added to the raw
     logits; presence and frequency penalties subtract per generated occurrence;
@@ -81,6 +85,10 @@ class SamplingParams:
     # The output must match this constraint (replica/core/structured_output.py); the edge
     # has compiled it once already, so a bad one never gets this far.
     structured_output: Optional["StructuredOutput"] = None
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < GREEDY_TEMPERATURE_EPS:
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (validate_request's second half)."""

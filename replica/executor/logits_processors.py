@@ -15,7 +15,9 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from replica.core.request import SamplingParams
+from replica.core.request import GREEDY_TEMPERATURE_EPS, SamplingParams
+
+MAX_PROCESSED_LOGIT = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE_EPS / 10
 
 
 class TokenHistory(Protocol):
@@ -93,6 +95,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Sam
     frequency = to_device([params[row].frequency_penalty for row in rows], torch.float32, device).unsqueeze(1)
     presence = to_device([params[row].presence_penalty for row in rows], torch.float32, device).unsqueeze(1)
     penalized = penalized - frequency * output_counts - presence * (output_counts > 0).to(penalized.dtype)
+    # A huge repetition_penalty (any > 0 is valid, as in vLLM) took -100 x 3e38 to -inf: a row
+    # whose every allowed token is seen then had nothing finite, and greedy took id 0 though a
+    # grammar mask forbade it (the request failed, blaming its constraint). Kept finite, and so
+    # past the smallest temperature's division (1 / GREEDY_TEMPERATURE_EPS): ties instead.
+    penalized.clamp_(-MAX_PROCESSED_LOGIT, MAX_PROCESSED_LOGIT)
 
     result = logits.clone()
     result[row_index] = penalized.to(logits.dtype)

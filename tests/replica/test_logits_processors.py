@@ -127,3 +127,36 @@ def test_sampler_returns_top_logprobs_only_when_a_row_asks():
     assert asked.top_token_ids.shape == (2, 3)
     # Greedy: the sampled token is the most likely one.
     assert asked.top_token_ids[0, 0].item() == asked.token_ids[0].item()
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily_as_in_vllm():
+    """1e-40 overflowed the logits to +inf, every one tied, and the lowest such id won: outside
+    the top_k the request asked for. Below GREEDY_TEMPERATURE_EPS it is greedy (vLLM's rule)."""
+    logits = random_logits(2)
+    params = [SamplingParams(temperature=1e-40, top_k=5, seed=1), SamplingParams(temperature=1e-5, top_k=5)]
+    assert params[0].greedy and not params[1].greedy
+    assert sample(logits, params, [0, 0]).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_a_huge_repetition_penalty_leaves_a_grammar_its_allowed_tokens():
+    """Every token seen and pushed to -100 by logit_bias, then a repetition_penalty of 3e38
+    (valid: any > 0, as in vLLM) multiplied them to -inf; with nothing finite left greedy took
+    id 0, which the grammar forbade, and the request failed blaming its constraint. The logits
+    stay finite: the grammar's one allowed token wins, greedy or sampled at the smallest
+    temperature that is not greedy."""
+    from replica.core.structured_output import GrammarMask
+
+    allowed = 7
+    logits = torch.zeros(2, VOCAB_SIZE)
+    bias = tuple((token, -100.0) for token in range(VOCAB_SIZE))
+    params = [SamplingParams(temperature=temperature, logit_bias=bias, repetition_penalty=3e38)
+              for temperature in (0.0, 1e-5)]
+    histories = [History(list(range(VOCAB_SIZE)), [])] * 2
+    batch = SamplingBatch.of_params(params, [0, 0], VOCAB_SIZE, logits.device, histories)
+    words = (VOCAB_SIZE + 31) // 32
+    bitmask = torch.zeros(2, words, dtype=torch.int32)
+    bitmask[:, allowed // 32] = 1 << (allowed % 32)
+    batch.grammar = GrammarMask(bitmask, torch.tensor([0, 1]), torch.arange(32, dtype=torch.int32))
+    assert Sampler().sample(logits, batch).token_ids.tolist() == [allowed, allowed]
+    processed = apply_logits_processors(logits, params, histories)
+    assert torch.isfinite(processed).all() and (processed < -1e30).all()
