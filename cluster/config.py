@@ -283,8 +283,8 @@ def _is_ip_address(text: str) -> bool:
     return True
 
 
-# gRPC's message bound is a C int: Serve's gRPC proxy, given a larger one (proxy_message_cap in
-# cluster/grpc_proxy.py: 4 x max_request_bytes, 16 x max_prompt_chars), fails to start.
+# gRPC's message bound is a C int: Serve's gRPC proxy, given a larger one (RequestLimits.message_cap
+# in replica/server/request_limits.py: 4 x max_request_bytes, 16 x max_prompt_chars), fails to start.
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 
 

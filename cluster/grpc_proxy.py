@@ -54,17 +54,9 @@ PROXY_LOOPBACK_ONLY_ENV = "HEADROOM_PROXY_LOOPBACK_ONLY"
 # Serve's gRPC server takes messages up to this (its default: 2 GiB) and buffers each whole
 # before any handler runs, so before the API key, the loopback rule or the size bound above is
 # checked: one 600 MB message from anyone took the proxy, which serves HTTP too, to 2.3 GB.
-# `headroom serve` sets it (Serve reads it as the proxy starts) to proxy_message_cap.
+# `headroom serve` sets it (Serve reads it as the proxy starts) to the largest application's
+# RequestLimits.message_cap().
 SERVE_GRPC_MAX_MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
-MIN_PROXY_MESSAGE_CAP = 32 * 1024 * 1024
-
-
-def proxy_message_cap(max_request_bytes: int, max_prompt_chars: int) -> int:
-    """What gRPC itself refuses as it arrives (RESOURCE_EXHAUSTED): well past the size bound, so
-    a message near it still gets INVALID_ARGUMENT naming `request`. It bounds the proxy's
-    responses too: a Tokenize reply of max_prompt_chars characters (at most 4 tokens of at most
-    4 bytes each per character) fits."""
-    return max(4 * max_request_bytes, 16 * max_prompt_chars, MIN_PROXY_MESSAGE_CAP)
 
 
 def proxy_request_limits() -> RequestLimits:

@@ -30,7 +30,7 @@ from cluster.config import (
 )
 from cluster.deployment import node_ip
 from cluster.grpc_proxy import (
-    PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV, proxy_message_cap,
+    PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV,
 )
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from replica.model import ModelLoadError
@@ -242,8 +242,7 @@ def set_ray_environment(config: ServeAppsConfig) -> None:
     os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))
     # ... and gRPC itself refuses far larger ones as they arrive, before Serve buffers them.
     os.environ[SERVE_GRPC_MAX_MESSAGE_SIZE_ENV] = str(max(
-        proxy_message_cap(app.args.limits.max_request_bytes, app.args.limits.max_prompt_chars)
-        for app in config.applications))
+        app.args.limits.request_limits().message_cap() for app in config.applications))
     # Serve binds its gRPC proxy to every interface: on loopback it then answers local clients only.
     os.environ[PROXY_LOOPBACK_ONLY_ENV] = "1" if is_loopback_host(config.http_options.host) else "0"
 

@@ -282,8 +282,10 @@ class StructuredOutput:
         elif self.kind in ("regex", "grammar", "json") and not self.spec:
             raise InvalidRequestError(field_name, "must not be empty")
         elif self.kind == "grammar" and (size := len(self.spec.encode("utf-8", "surrogatepass"))) > MAX_GRAMMAR_BYTES:
+            # In bytes: a grammar a byte over the bound read "at most 128 KiB (this one is 128 KiB)".
             raise InvalidRequestError(field_name, f"a grammar may be at most {MAX_GRAMMAR_BYTES >> 10} KiB (this one is "
-                                                  f"{size >> 10} KiB); to choose among many strings, use a choice")
+                                                  f"{size:,} bytes, over {MAX_GRAMMAR_BYTES:,}); to choose among many "
+                                                  f"strings, use a choice")
 
 
 def loads_json(text: Union[str, bytes], field_name: str) -> object:

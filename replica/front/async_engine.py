@@ -73,6 +73,7 @@ class RequestStream:
         self._interval = stream_interval
         self._released_first = False  # an output has been made due: later ones wait for N tokens
         self.finished = False
+        self._first_token_timeout_s = first_token_timeout_s
         self._first_token_by = (
             None if first_token_timeout_s is None else asyncio.get_running_loop().time() + first_token_timeout_s
         )
@@ -109,7 +110,8 @@ class RequestStream:
                 except asyncio.TimeoutError:
                     # Not `finished`: the request is still live, and callers abort unfinished streams.
                     raise FirstTokenDeadlineExceeded(
-                        f"no first token within the TTFT deadline of {self.request.request_id!r}"
+                        f"no first token within the deadline of {self._first_token_timeout_s * 1000:g} ms "
+                        f"(request {self.request.request_id!r})"
                     ) from None
         self._first_token_by = None  # the deadline is met once anything arrives
         item = self._pending.popleft()

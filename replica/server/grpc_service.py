@@ -357,8 +357,16 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
         self.stopping = stopping
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.ReplicaLoad:
-        await self._abort_if_core_dead(context)
+        await self._abort_if_not_serving(context)
         return self.load_reports.build(self.engine.load())
+
+    async def _abort_if_not_serving(self, context: grpc.aio.ServicerContext) -> None:
+        """A call begun when the replica can serve nothing more: its core died, or it is
+        shutting down (a new watch would end at once; GetLoad's load would draw requests)."""
+        await self._abort_if_core_dead(context)
+        if self.stopping.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down",
+                                trailing_metadata=not_serving_metadata(SHUTTING_DOWN))
 
     async def _abort_if_core_dead(self, context: grpc.aio.ServicerContext) -> None:
         # A dead core's last load would look healthy forever: routers must see no load instead.
@@ -368,10 +376,7 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
 
     async def WatchLoad(self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext) -> None:
         max_interval_s = (request.max_interval_ms or DEFAULT_WATCH_INTERVAL_MS) / 1000.0
-        await self._abort_if_core_dead(context)
-        if self.stopping.is_set():  # a new watch would end at once: tell the router to look elsewhere
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down",
-                                trailing_metadata=not_serving_metadata(SHUTTING_DOWN))
+        await self._abort_if_not_serving(context)
         version = self.engine.load_version
         sent_load = self.engine.load()
         await context.write(self.load_reports.build(sent_load))
@@ -388,7 +393,8 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
                 sent_load, sent_at = load, time.monotonic()
 
     async def WatchKVEvents(self, request: pb.WatchKVEventsRequest, context: grpc.aio.ServicerContext) -> None:
-        await self._abort_if_core_dead(context)  # its cache died with it: routers must drop their index
+        # A dead core's cache died with it: routers must drop their index.
+        await self._abort_if_not_serving(context)
         log = self.engine.kv_events
         replica_id = self.load_reports.replica_id
         block_size = self.engine.engine.config.block_size

@@ -15,6 +15,8 @@ from replica.errors import InvalidRequestError
 from replica.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default receive limit
+# The least a gRPC server of ours takes in as it arrives (RequestLimits.message_cap).
+MIN_MESSAGE_CAP = 32 * 1024 * 1024
 # Far beyond what any context holds (~4 characters per token), small enough to tokenize in
 # about a second of one core.
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
@@ -45,6 +47,15 @@ class RequestLimits:
     max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+
+    def message_cap(self) -> int:
+        """What gRPC itself refuses as it arrives (RESOURCE_EXHAUSTED), set on every gRPC server
+        of ours (the replica's, Serve's proxy): well past max_request_bytes, so a message near
+        it still gets INVALID_ARGUMENT naming `request` (at gRPC's default of 4 MiB, the default
+        bound itself, the check never ran and a larger bound was unreachable). It bounds a
+        server's responses too: a Tokenize reply of max_prompt_chars characters (at most 4
+        tokens of at most 4 bytes each per character) fits."""
+        return max(4 * self.max_request_bytes, 16 * self.max_prompt_chars, MIN_MESSAGE_CAP)
 
     def check_request_bytes(self, num_bytes: int, field_name: str = "request") -> None:
         if num_bytes > self.max_request_bytes:

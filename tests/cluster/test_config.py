@@ -199,11 +199,9 @@ def test_yaml_booleans_for_numbers_are_refused_but_quoted_and_whole_numbers_read
 
 
 def test_the_largest_limits_give_a_grpc_message_bound_serves_proxy_takes():
-    from cluster.grpc_proxy import proxy_message_cap
-
     largest = LimitsConfig(max_request_bytes=LimitsConfig.model_fields["max_request_bytes"].metadata[-1].le,
                            max_prompt_chars=LimitsConfig.model_fields["max_prompt_chars"].metadata[-1].le)
-    assert proxy_message_cap(largest.max_request_bytes, largest.max_prompt_chars) <= 2**31 - 1
+    assert largest.request_limits().message_cap() <= 2**31 - 1
 
 
 def test_the_longest_accepted_waits_are_what_threading_and_torch_take():

@@ -18,7 +18,7 @@ import yaml
 from ray.serve.schema import DeploymentSchema
 
 from cluster.config import PortsConfig, load_config, serve_deployment_options
-from cluster.grpc_proxy import PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV, proxy_message_cap
+from cluster.grpc_proxy import PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
@@ -315,7 +315,7 @@ def test_every_pod_caps_serves_grpc_messages_as_headroom_serve_does():
         serve_config = load_config(yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"]))
         expected = {
             SERVE_GRPC_MAX_MESSAGE_SIZE_ENV: str(max(
-                proxy_message_cap(app.args.limits.max_request_bytes, app.args.limits.max_prompt_chars)
+                app.args.limits.request_limits().message_cap()
                 for app in serve_config.applications)),
             PROXY_MAX_REQUEST_BYTES_ENV: str(max(app.args.limits.max_request_bytes
                                                  for app in serve_config.applications))}

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
+from protos.not_serving import SHUTTING_DOWN, not_serving_reason
 from replica.server.metrics import REPLICA_METRIC_NAMES
 from replica.core.request import SamplingParams
 from replica.server.auth import Credentials
@@ -427,7 +428,7 @@ def test_missed_ttft_deadline_is_deadline_exceeded_and_frees_the_request(fresh_r
 
     error, long_responses = asyncio.run(run())
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert error.details().startswith("ttft_deadline_ms: "), error.details()
+    assert error.details() == "ttft_deadline_ms: no first token within the deadline of 50 ms (request 'hurried')"
     assert long_responses[-1].usage.completion_tokens == 120  # the running request was not disturbed
     load = replica.wait_until_idle()
     assert load.kv_blocks_free == load.kv_blocks_total and load.num_waiting == 0
@@ -493,6 +494,20 @@ def test_text_over_the_character_limit_is_refused_before_tokenizing(fresh_replic
         with pytest.raises(grpc.RpcError) as raised:
             generation_stub(channel).Tokenize(pb.TokenizeRequest(text="x" * 1001))
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_message_over_the_byte_limit_is_invalid_argument_naming_request(replica):
+    """gRPC's default receive bound is 4 MiB, the byte limit itself: the server refused a larger
+    message as RESOURCE_EXHAUSTED before the limit's check could name it (and a configured limit
+    above 4 MiB was unreachable). 1 Mi emoji are within the character limit and over 4 MiB."""
+    request = pb.GenerateRequest(text="\N{GRINNING FACE}" * (1024 * 1024), sampling=sampling(max_tokens=1))
+    assert request.ByteSize() > RequestLimits().max_request_bytes
+    with grpc.insecure_channel(replica.address) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            list(generation_stub(channel).Generate(request))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith(f"request: {request.ByteSize()} bytes exceeds the limit of 4194304")
+        assert list(generation_stub(channel).Generate(pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=1))))
 
 
 def refused_beside_small_calls(replica, request: pb.GenerateRequest) -> tuple[float, list[float], grpc.aio.AioRpcError]:
@@ -760,13 +775,24 @@ def test_graceful_shutdown_reports_not_serving_refuses_new_work_and_finishes_in_
             health = await _health_status_when_not_serving(channel)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await collect_stream(stub, pb.GenerateRequest(text="late", sampling=sampling(max_tokens=2)))
+            # Every load call begun now says why (GetLoad answered OK, a new KV-event watch ended
+            # OK with nothing): routers stop sending requests here.
+            loads = pb_grpc.LoadReporterStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as get_load:
+                await loads.GetLoad(pb.LoadRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as watch_events:
+                async for _ in loads.WatchKVEvents(pb.WatchKVEventsRequest()):
+                    pass
             responses += await read_to_end(call)
             await asyncio.wrap_future(stopping)
-            return health, refused.value, responses, await call.code()
+            return health, refused.value, [get_load.value, watch_events.value], responses, await call.code()
 
-    health, refused, responses, code = asyncio.run(run())
+    health, refused, load_refusals, responses, code = asyncio.run(run())
     assert health == health_pb2.HealthCheckResponse.NOT_SERVING
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    for error in load_refusals:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == "the replica is shutting down"
+        assert not_serving_reason(error.trailing_metadata()) == SHUTTING_DOWN
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH and responses[-1].usage.completion_tokens == 150
     assert code == grpc.StatusCode.OK
 

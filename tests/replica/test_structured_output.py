@@ -243,7 +243,7 @@ def test_a_grammar_past_the_size_bound_is_refused_by_name_before_it_compiles(bui
         grammar = StructuredOutput("grammar", "start: " + " | ".join(json.dumps(f"rule choice {index}")
                                                                      for index in range(100_000)))
         with pytest.raises(InvalidRequestError, match=r"^guided_grammar: a grammar may be at most 128 KiB \(this one "
-                                                      r"is 2\d{3} KiB\); to choose among many strings, use a choice"):
+                                                      r"is 2,\d{3},\d{3} bytes, over 131,072\); to choose among many strings, use a choice"):
             compiler.check(grammar, "guided_grammar")
         assert not compiler._compiled, "refused before it was queued"
     finally:

@@ -75,7 +75,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* What Serve's gRPC proxy takes per message before any handler runs (Serve's own default is
-     2 GiB, buffered whole, the API key's check included): cluster.grpc_proxy.proxy_message_cap
+     2 GiB, buffered whole, the API key's check included): replica.server.request_limits.RequestLimits.message_cap
      of the largest application's limits, 4x max_request_bytes or 16x max_prompt_chars, at least
      32 MiB (the defaults are replica.server.request_limits'; tests/cluster/test_helm.py holds the
      chart to them). */}}
