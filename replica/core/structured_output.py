@@ -392,7 +392,7 @@ class GrammarCompiler:
             raise InvalidRequestError("structured_output", _one_line(str(error))) from None
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError("structured_output", _one_line(matcher.get_error()))
+            raise InvalidRequestError("structured_output", _compile_error(constraint, matcher.get_error()))
         # The first mask builds the lexer, the costly part of a large schema: here, not in a step.
         mask = np.empty((1, words_per_mask(self.vocab_size)), dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
@@ -846,6 +846,20 @@ def _too_complex_message(what: str, error: str) -> str:
 
 def _excerpt(text: str) -> str:
     return json.dumps(text if len(text) <= 60 else text[:57] + "...")
+
+
+_REGEX_PARSE_ERROR = re.compile(r"regex parse error:\n {4}(?P<regex>[^\n]*)\n {4}(?P<caret> *\^+)\nerror: (?P<error>[^\n]*)")
+
+
+def _compile_error(constraint: StructuredOutput, message: str) -> str:
+    """llguidance's error for a constraint, on one line. A regex's or a schema pattern's parse
+    error without the Lark grammar a regex constraint is wrapped in (`at 1(8): ... 1 | start:
+    /(/`: a grammar the client never wrote): `invalid regex '(': unclosed group, at character 1`."""
+    match = _REGEX_PARSE_ERROR.search(message) if constraint.kind in ("regex", "json") else None
+    if match is None:
+        return _one_line(message)
+    column = len(match["caret"]) - len(match["caret"].lstrip(" ")) + 1
+    return _one_line(f"invalid regex {match['regex']!r}: {match['error']}, at character {column}")
 
 
 def _one_line(message: str) -> str:

@@ -94,7 +94,9 @@ def _run(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) ->
     (StructuredOutput.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
      "Unimplemented keys: [\"uniqueItems\"]"),
     (StructuredOutput.json_schema({"not": {"type": "string"}}), "Unimplemented keys: [\"not\"]"),
-    (StructuredOutput("regex", "a(b"), "regex"),
+    # The regex's own error, not the Lark grammar it is wrapped in (`at 1(8): ... start: /a(b/`).
+    (StructuredOutput("regex", "a(b"), "response_format: invalid regex 'a(b': unclosed group, at character 2"),
+    (StructuredOutput.json_schema({"type": "string", "pattern": "a(b"}), "invalid regex 'a(b': unclosed group"),
     (StructuredOutput("grammar", "start: foo bar baz ("), ""),
     (StructuredOutput("choice", ()), "empty"),
     (StructuredOutput("choice", ("yes", "")), "non-empty"),
