@@ -360,14 +360,16 @@ class KVCacheManager:
                 filled.append((block, hashes[i]))
         self.num_cached_blocks[request.request_id] = num_full
 
-    def forget_unwritten_blocks(self, requests: Sequence[Request]) -> None:
+    def forget_unwritten_blocks(self, requests: Sequence[Request]) -> list[Request]:
         """Undo the prefix-cache side of an aborted forward pass, once each request's
         num_computed_tokens is rolled back to what the pass started from.
 
         allocate_slots registered the pass's full blocks before it ran; their KV was never
-        written, so their cache entries are forgotten. A request admitted in the same pass
-        may have taken a hit on one of them: its computed tokens are rewound to just before
-        the first such block, so it computes that KV itself."""
+        written, so their cache entries are forgotten. Returns the requests admitted in the
+        same pass on a hit on one of them: their computed tokens count KV that does not
+        exist, in a block another request holds and will write. They must not write it
+        themselves (two holders writing one block, one of them maybe beside its host
+        write-through): the caller sends them back to wait, to be admitted afresh."""
         block_size = self.block_size
         unwritten_ids = set()
         for request in requests:
@@ -381,19 +383,15 @@ class KVCacheManager:
             if num_registered > num_written_blocks:
                 self.num_cached_blocks[request_id] = num_written_blocks
         if not unwritten_ids:
-            return
+            return []
         if self.writes_through:  # never written, so never to be written through
             self._filled = [entry for entry in self._filled if entry[0].block_id not in unwritten_ids]
             self._filled_before = [entry for entry in self._filled_before
                                    if entry[0].block_id not in unwritten_ids]
             self._freed = [entry for entry in self._freed if entry[0].block_id not in unwritten_ids]
-        for request in requests:
-            blocks = self.req_to_blocks.get(request.request_id, [])
-            for index in range(request.num_computed_tokens // block_size):
-                if blocks[index].block_id in unwritten_ids:
-                    request.num_computed_tokens = index * block_size
-                    self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], index)
-                    break
+        return [request for request in requests
+                if any(block.block_id in unwritten_ids
+                       for block in self.req_to_blocks.get(request.request_id, [])[:request.num_computed_tokens // block_size])]
 
     def free(self, request: Request) -> None:
         """Return every block the request holds, on the device and (swapped out) on the host."""

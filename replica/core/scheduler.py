@@ -519,16 +519,25 @@ class Scheduler:
             entry.request.num_computed_tokens = entry.start_pos
             if entry.samples:
                 entry.request.num_pending_tokens -= 1
-        self.kv_cache.forget_unwritten_blocks([entry.request for entry in output.scheduled])
+        hit_unwritten = self.kv_cache.forget_unwritten_blocks([entry.request for entry in output.scheduled])
         self.counters.slo_preemptions += 1
         self.counters.slo_discarded_layers += num_discarded_layers
         victim = self.requests.get(victim_request_id)
-        if victim is None or victim.status != RequestStatus.RUNNING:
-            return  # it left while the pass ran; the rollback alone keeps the step consistent
-        self.running.remove(victim)
-        victim.num_slo_preemptions += 1
-        self._requeue(victim)
-        self._slo_preempted_req_ids.append(victim_request_id)
+        # A victim that left while the pass ran needs nothing more: the rollback alone keeps
+        # the step consistent.
+        if victim is not None and victim.status == RequestStatus.RUNNING:
+            self.running.remove(victim)
+            victim.num_slo_preemptions += 1
+            self._requeue(victim)
+            self._slo_preempted_req_ids.append(victim_request_id)
+        # Admitted this step on a prefix hit that the pass never wrote: back to wait, no
+        # preemption of theirs (they computed nothing), and the runner drops their rows.
+        for request in hit_unwritten:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._requeue(request)
+                request.num_computed_tokens_lost = 0
+                self._slo_preempted_req_ids.append(request.request_id)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[TokenUpdate]:
         """Append the sampled tokens of the requests that caught up this step and finish the

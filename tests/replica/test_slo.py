@@ -409,7 +409,7 @@ def test_aborted_pass_blocks_are_never_served_from_the_prefix_cache():
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_usable_blocks
 
 
-def test_same_step_prefix_hit_on_an_aborted_block_is_rewound():
+def test_same_step_prefix_hit_on_an_aborted_block_waits_to_be_admitted_afresh():
     scheduler = slo_scheduler(FakeClock(), block_size=4, num_kv_blocks=64, max_model_len=128,
                               max_num_batched_tokens=64)
     kv = SimulatedKV(scheduler)
@@ -421,15 +421,59 @@ def test_same_step_prefix_hit_on_an_aborted_block_is_rewound():
     output = scheduler.schedule()
     assert follower.num_cached_tokens == 16, "the follower hit the leader's blocks in the same step"
     kv.step(output, abort_victim="leader")
-    assert follower.status == RequestStatus.RUNNING
-    assert follower.num_computed_tokens == 0, "the blocks it hit were never written"
+    # The blocks it hit were never written: it waits again, holding none, and computed nothing
+    # to lose (no preemption of its own).
+    assert follower.status == RequestStatus.PREEMPTED and follower in scheduler.waiting
+    assert follower.request_id not in scheduler.kv_cache.req_to_blocks and follower.num_computed_tokens == 0
+    assert scheduler.counters.preemptions == 0 and follower.num_preemptions == 0
     scheduler.check_invariants()
+    output = scheduler.schedule()
+    assert {"leader", "follower"} <= set(output.preempted_req_ids), "the runner drops both rows"
+    kv.step(output)
     while scheduler.has_unfinished_requests():
         kv.step(scheduler.schedule())
         scheduler.check_invariants()
     assert [leader.output_token_ids, follower.output_token_ids] == list(
         reference_outputs([make_request("l", prompt + [1], 3), make_request("f", prompt + [2], 3)]).values()
     )
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_usable_blocks
+
+
+def test_a_hit_on_a_block_whose_owner_stays_is_not_rewritten_by_the_hitter():
+    """The hit block's owner is not the victim and keeps it: rewound to 0, the hitter used to
+    recompute that block's tokens into the owner's block (which the owner had computed part of
+    a step before), beside the host tier's write-through of it (found by fuzzing the scheduler,
+    seed 2423). A slot a running request has computed is written by no one else."""
+    scheduler = slo_scheduler(FakeClock(), block_size=4, num_kv_blocks=20, num_host_kv_blocks=8, max_model_len=32,
+                              long_prefill_token_threshold=3)
+    kv = SimulatedKV(scheduler)
+    owner, hitter, victim = (make_request(request_id, prompt, 4, ttft_deadline=60.0) for request_id, prompt in
+                             (("owner", [1, 2, 3, 4, 5, 6]), ("hitter", [1, 2, 3, 4, 9, 9]), ("victim", [50, 51])))
+    scheduler.add_request(owner)
+    scheduler.add_request(victim)
+    kv.step(scheduler.schedule())  # the owner's first 3 tokens
+    scheduler.add_request(hitter)
+    output = scheduler.schedule()  # the owner fills its first block; the hitter hits it
+    assert hitter.num_cached_tokens == 4
+    kv.step(output, abort_victim="victim")
+    assert hitter.status == RequestStatus.PREEMPTED and hitter.request_id not in scheduler.kv_cache.req_to_blocks
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        # What each request computed before this step (one admitted now holds only hits, which
+        # the pass may fill beside it: a same-step hit, by design).
+        computed = {entry.request.request_id: 0 if entry.is_new else entry.start_pos for entry in output.scheduled}
+        for entry in output.scheduled:
+            table = scheduler.kv_cache.req_to_blocks[entry.request.request_id]
+            written = {table[position // 4].block_id for position in range(entry.start_pos, entry.start_pos + entry.num_new_tokens)}
+            for other in scheduler.running:
+                if other is not entry.request:
+                    done = computed.get(other.request_id, other.num_computed_tokens) // 4
+                    held = {block.block_id for block in scheduler.kv_cache.req_to_blocks[other.request_id][:done]}
+                    assert not written & held, f"{entry.request.request_id} rewrites {written & held} of {other.request_id}"
+        kv.step(output)
+        scheduler.check_invariants()
+    assert [request.output_token_ids for request in (owner, hitter, victim)] == list(reference_outputs(
+        [make_request(request.request_id, request.prompt_token_ids, 4) for request in (owner, hitter, victim)]).values())
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_usable_blocks
 
 
