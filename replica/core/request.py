@@ -51,6 +51,9 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # A temperature below this samples greedily, as in vLLM (its _SAMPLING_EPS): dividing logits by
 # 1e-40 overflowed them to +-inf, every +inf tied, and the lowest such id won whatever top_k said.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# The sampler holds these parameters as 32-bit floats: a temperature of 1e308 became inf there,
+# and a constrained row's masked logits / inf were NaN.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class SamplingParams:
             # NaN passes every comparison below, and infinities turn logits into NaN.
             if not math.isfinite(value):
                 raise InvalidRequestError(name, f"must be a finite number, got {value}")
+            if abs(value) > FLOAT32_MAX:
+                raise InvalidRequestError(name, f"must be at most {FLOAT32_MAX:.4g} in magnitude (a 32-bit float), "
+                                                f"got {value:g}")
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

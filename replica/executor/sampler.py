@@ -250,6 +250,9 @@ def _apply_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # mass ranked above it is still short of top_p. Rows with top_p = 1 are exempt, since
     # rounding can push the running sum to 1 before the tail ends.
     outside = (mass_before >= top_p) & (top_p < 1.0)
+    # The best token always stays: a top_p of 1e-46 is 0 as a 32-bit float, and masked every
+    # token, so a garbage id won (vLLM keeps one too).
+    outside[:, 0] = False
     filtered_sorted = sorted_scores.masked_fill(outside, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, sorted_token_ids, filtered_sorted)
 

@@ -160,3 +160,16 @@ def test_a_huge_repetition_penalty_leaves_a_grammar_its_allowed_tokens():
     assert Sampler().sample(logits, batch).token_ids.tolist() == [allowed, allowed]
     processed = apply_logits_processors(logits, params, histories)
     assert torch.isfinite(processed).all() and (processed < -1e30).all()
+
+
+def test_a_temperature_or_penalty_past_the_32_bit_range_is_refused_by_name():
+    """1e308 is finite, and became inf in the sampler's 32-bit parameters: a constrained row's
+    masked logits divided by it were NaN, and the request failed blaming its constraint."""
+    from replica.errors import InvalidRequestError
+
+    for name in ("temperature", "repetition_penalty"):
+        with pytest.raises(InvalidRequestError, match=r"must be at most 3.403e\+38 in magnitude \(a 32-bit float\), "
+                                                      r"got 1e\+308$") as raised:
+            SamplingParams(**{name: 1e308}).validate(prompt_len=1, max_model_len=64)
+        assert raised.value.field == name
+    SamplingParams(temperature=3e38, repetition_penalty=3e38).validate(prompt_len=1, max_model_len=64)

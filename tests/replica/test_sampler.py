@@ -111,6 +111,13 @@ def test_top_p_samples_only_from_the_nucleus():
     assert set(tokens) == {0, 1}
 
 
+def test_a_top_p_below_the_smallest_32_bit_float_keeps_the_best_token():
+    """1e-46 is a valid top_p (> 0) that the sampler's float32 holds as 0: every token was
+    masked, and id 0 won however unlikely. The best token always stays."""
+    logits = logits_from_probs([0.1, 0.2, 0.6, 0.1], num_rows=50)
+    assert set(sample_tokens(logits, SamplingParams(temperature=1.0, top_p=1e-46))) == {2}
+
+
 def test_top_p_of_one_keeps_every_token():
     logits = logits_from_probs([0.25] * 4, num_rows=2000)
     assert set(sample_tokens(logits, SamplingParams(temperature=1.0, top_p=1.0))) == {0, 1, 2, 3}
