@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from cluster.openai_structured import OutputConstraint, StructuredOutputFields, ToolFields
 from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loads_json, nested_deeper_than
@@ -159,6 +159,11 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# Request fields whose null is their default (their types take no None).
+NULL_IS_DEFAULT = frozenset({"stream", "echo", "logprobs", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+                             "add_special_tokens"})
+
+
 class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     # Extra keys are kept (not validated) so that a parameter this server cannot honour is
     # refused by name (UNSUPPORTED_PARAMS); others are ignored, as vLLM's server does. A boolean
@@ -194,6 +199,16 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     @classmethod
     def _null_n_is_one(cls, value: Any) -> Any:
         return 1 if value is None else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """`"stream": null` and the like mean the default, as OpenAI's reference (nullable) and
+        vLLM (Optional) take them; they were a 400. Only fields whose null has no meaning of its
+        own: a null max_tokens still means "up to the context"."""
+        if isinstance(data, dict) and any(data.get(name, False) is None for name in NULL_IS_DEFAULT):
+            return {name: value for name, value in data.items() if not (value is None and name in NULL_IS_DEFAULT)}
+        return data
 
     @field_validator("logit_bias", mode="before")
     @classmethod

@@ -185,6 +185,19 @@ def test_a_message_missing_what_openai_requires_is_refused_by_name(messages, par
     parsed(ChatCompletionRequest, messages=messages).check_supported(max_choices=8)
 
 
+def test_null_for_a_field_whose_null_means_nothing_else_is_its_default():
+    """OpenAI's reference marks stream, echo and logprobs nullable and vLLM takes them as
+    Optional: `"stream": null` was a 400. A null max_tokens keeps its own meaning."""
+    completion = parsed(CompletionRequest, prompt="hi", stream=None, echo=None, stop_token_ids=None, ignore_eos=None,
+                        include_stop_str_in_output=None, add_special_tokens=None, max_tokens=None)
+    assert (completion.stream, completion.echo, completion.stop_token_ids, completion.ignore_eos) == (False, False, [], False)
+    assert completion.add_special_tokens is True and completion.max_tokens is None
+    chat = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": "hi"}], logprobs=None, echo=None)
+    assert chat.logprobs is False and chat.echo is False
+    assert refused(ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                      "stream": "yes"}).encode()).body["error"]["param"] == "stream"
+
+
 def test_list_of_parts_content_is_its_text_parts_joined():
     request = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": [
         {"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}])
