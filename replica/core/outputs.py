@@ -27,7 +27,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     # Detokenized delta; concatenated deltas equal the decode of all output tokens, except
-    # that a matched stop string (and anything after it) is left out.
+    # that a matched stop string (and anything after it) is left out, and so is the token the
+    # core stopped on (EOS or a stop token id), unless include_stop_str_in_output (vLLM's rule).
     text: str
     finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int

@@ -124,13 +124,18 @@ class OutputProcessor:
             if stop_token_id is not None:
                 request.stop_reason = stop_token_id
             core_finished = finish_reason is not None
+            text_token_ids = new_token_ids
+            if finish_reason == "stop" and not request.sampling_params.include_stop_str_in_output:
+                # The core stops on a token (EOS, or one of stop_token_ids): its text is left
+                # out, as vLLM leaves it out (the id stays in the token ids).
+                text_token_ids = new_token_ids[:-1]
             if state.stop_matcher is None:  # the common case, once per request and step: inline
-                text = state.detokenizer.add_tokens(new_token_ids)
+                text = state.detokenizer.add_tokens(text_token_ids)
                 if core_finished:
                     text += state.detokenizer.flush()
                 stop_string = None
             else:
-                text, stop_string = self._text_delta(state, new_token_ids, finished=core_finished)
+                text, stop_string = self._text_delta(state, text_token_ids, finished=core_finished)
                 if stop_string is not None:
                     request.stop_reason = stop_string
                     finish_reason = "stop"

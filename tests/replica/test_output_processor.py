@@ -122,6 +122,18 @@ def test_the_cores_stop_token_id_and_top_logprobs_reach_the_output(harness):
     assert stream.request.first_admitted_time == 11.0
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_tokens_text_is_left_out_unless_asked_for_as_vllm_does(harness, include):
+    """The token the core stopped on ("A", one of stop_token_ids) was in the text; vLLM leaves
+    it out unless include_stop_str_in_output, and keeps its id either way."""
+    stop_id = harness.tokenizer.encode("A", add_special_tokens=False)[0]
+    stream = harness.track("r", stop_token_ids=(stop_id,), include_stop_str_in_output=include)
+    harness.generate("r", "hi")
+    harness.processor.process([("r", [stop_id], "stop", 0, None, None, stop_id, None)])
+    assert stream.text == ("hiA" if include else "hi")
+    assert stream.items[-1].new_token_ids == [stop_id] and stream.items[-1].stop_reason == stop_id
+
+
 def test_the_observer_sees_every_output_abort_and_failure(harness):
     harness.track("done")
     harness.track("aborted")
