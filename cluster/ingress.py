@@ -142,8 +142,9 @@ api.add_middleware(RequireAPIKey)  # the outermost: a refused request costs noth
 async def _openai_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     # Unknown paths and methods answer in OpenAI's shape too, not FastAPI's {"detail": ...}.
     message = f"{request.method} {request.url.path}: {error.detail}"
+    # The exception's headers too: a 405's Allow (RFC 9110), as Starlette's own handler sends it.
     return JSONResponse(error_body(message, None, "not_found" if error.status_code == 404 else None),
-                        status_code=error.status_code)
+                        status_code=error.status_code, headers=getattr(error, "headers", None))
 
 
 @api.exception_handler(Exception)

@@ -1020,6 +1020,8 @@ def test_bad_http_input_is_refused_in_openais_shape_and_the_next_request_is_serv
     else:
         response = requests.request(method, f"{HTTP}{path}", json=body, timeout=60)
     assert response.status_code == status, response.text
+    if status == 405:  # RFC 9110: a 405 names the methods the path takes
+        assert response.headers.get("allow") == "GET", response.headers
     payload = response.json()
     assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}, payload
     error = payload["error"]
