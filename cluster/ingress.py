@@ -382,6 +382,7 @@ class Ingress:
         # resolves it from the model and its pool).
         validate_request(prompt_token_ids, request.sampling, max_model_len=info.max_model_len,
                          vocab_size=info.vocab_size)
+        self.engine_config.check_request_priority(request.priority)
         return request
 
     # ---- gRPC: headroom.v1.Generation ---------------------------------------------------

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from replica.core.admission import AdmissionMode
+from replica.errors import InvalidRequestError
 
 # The kernels' names live here, not beside the kernels, so the config (and the ingress and
 # the CLI that read it) imports without torch.
@@ -357,6 +358,13 @@ class EngineConfig(ConfigModel):
         if self.victim_policy is not None:
             return self.victim_policy
         return "fcfs" if self.scheduling_policy == "slo" else self.scheduling_policy
+
+    def check_request_priority(self, priority: int) -> None:
+        """A request's priority where nothing here orders by it is refused naming it, as vLLM
+        refuses it ("Priority scheduling is not enabled"), not silently ignored."""
+        if priority and "priority" not in (self.scheduling_policy, self.resolved_victim_policy):
+            raise InvalidRequestError("priority", f"needs scheduling_policy or victim_policy 'priority'; these "
+                                                  f"replicas schedule {self.scheduling_policy!r}")
 
     @property
     def watermark_blocks(self) -> int:

@@ -305,6 +305,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # This replica's edge: the one validation a request it serves gets.
         validate_request(prompt_token_ids, sampling, max_model_len=engine.config.max_model_len,
                          vocab_size=engine.model_config.vocab_size)
+        engine.config.check_request_priority(request.priority)
         return self.engine.add_request(
             prompt_token_ids,
             sampling,

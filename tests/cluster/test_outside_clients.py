@@ -997,6 +997,9 @@ HTTP_PROBES = [
     ("max_completion_tokens_zero", "POST", CHAT, without(chat(max_completion_tokens=0), "max_tokens"), 400,
      "max_completion_tokens"),
     ("top_logprobs_without_logprobs", "POST", CHAT, chat(top_logprobs=5), 400, "top_logprobs"),
+    # This cluster's replicas schedule fcfs: a priority would be silently ignored (vLLM: 400).
+    ("priority_without_priority_scheduling", "POST", CHAT, chat(priority=-5), 400, "priority"),
+    ("chat_temperature_past_float32", "POST", CHAT, chat(temperature=1e308), 400, "temperature"),
     ("top_logprobs_above_20", "POST", CHAT, chat(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
     ("chat_temperature_nan", "POST", CHAT, raw(
         '{"model": "builtin", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'), 400, "temperature"),

@@ -152,6 +152,9 @@ BAD_REQUESTS = {
     "prompt_longer_than_max_model_len": (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=TOO_LONG_PROMPT), sampling=sampling(max_tokens=4)), "prompt"),
     "max_tokens_zero": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=0)), "sampling.max_tokens"),
+    # The replica schedules fcfs: a priority would be silently ignored (vLLM refuses it too).
+    "priority_without_priority_scheduling": (pb.GenerateRequest(text="hi", priority=3, sampling=sampling(max_tokens=4)),
+                                             "priority"),
     "max_tokens_past_max_model_len": (
         pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=MAX_MODEL_LEN)), "sampling.max_tokens"),
     "negative_temperature": (
