@@ -180,7 +180,8 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     best_of: Optional[int] = Field(None, ge=1)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    # vLLM's range, a signed 64-bit integer: 2**64 - 1 was taken too and meant what -1 means.
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 63)
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None

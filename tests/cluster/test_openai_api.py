@@ -39,6 +39,7 @@ def refused(model, raw: bytes) -> OpenAIError:
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "seed": 2 ** 63}, "seed"),  # vLLM's range: 2**64 - 1 seeded what -1 seeds
 ])
 def test_completion_body_errors_name_the_parameter_not_a_pydantic_location(fields, param):
     error = refused(CompletionRequest, json.dumps({"model": "m", **fields}).encode())
