@@ -258,7 +258,8 @@ class Ingress:
         self._model_info: Optional[pb.ModelInfo] = None
         self._grammars: asyncio.Future = asyncio.ensure_future(self._make_grammars())
         self._grammars.add_done_callback(_retrieved)  # a failure here is a later request's to report
-        self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False))
+        self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False),
+                                    self.tokenizer.token_bytes)
         host = bind_address(config)
         self.router_metrics_http = serve_metrics_on_free_port(
             router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics"

@@ -24,18 +24,30 @@ def sse(body: dict[str, Any]) -> str:
 
 
 class TokenText:
-    """Token id -> the text a logprobs entry shows for it (special tokens included), cached:
-    a vocabulary is small and the same tokens recur."""
+    """Token id -> the text a logprobs entry shows for it (special tokens included), and the
+    bytes it adds to the output (`bytes_of`), cached: a vocabulary is small and the same
+    tokens recur."""
 
-    def __init__(self, decode: Callable[[list[int]], str]):
+    def __init__(self, decode: Callable[[list[int]], str], token_bytes: Optional[Callable[[int], bytes]] = None):
         self._decode = decode
+        self._token_bytes = token_bytes
         self._cache: dict[int, str] = {}
+        self._bytes_cache: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self._decode([token_id])
         return text
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """OpenAI's `bytes`: what a client joins to rebuild the text. A token that is part of
+        a UTF-8 character has its own bytes, not its text's U+FFFD (three other bytes)."""
+        value = self._bytes_cache.get(token_id)
+        if value is None:
+            raw = self._token_bytes(token_id) if self._token_bytes is not None else self(token_id).encode("utf-8")
+            value = self._bytes_cache[token_id] = list(raw)
+        return value
 
 
 @dataclass
@@ -232,7 +244,7 @@ class CompletionBodies:
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token_text(token_id)
-        return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": self.token_text.bytes_of(token_id)}
 
     def _completion_logprobs(self, result: ChoiceResult, text_offset: int) -> dict[str, Any]:
         tokens, offsets, top_dicts = [], [], []

@@ -5,7 +5,9 @@ text deltas.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -20,6 +22,23 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte characte
 MAX_HELD_TOKENS = 16
 # The special tokens a chat template may name, as transformers passes them.
 _TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# A SentencePiece byte-fallback token: one byte of a character its vocabulary lacks.
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> the byte it stands for: printable bytes as
+    themselves, the others shifted past 255 (what tokenizers' ByteLevel pre-tokenizer writes)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    characters, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[chr(byte)] = byte
+        else:
+            characters[chr(256 + shifted)] = byte
+            shifted += 1
+    return characters
 
 
 class TokenizerLoadError(ValueError):
@@ -94,6 +113,20 @@ class Tokenizer:
         """Whether the decoder is byte-level (GPT-2's): its text is the output's bytes decoded as
         UTF-8, a replacement character per broken sequence (not SentencePiece's byte fallback)."""
         return isinstance(self._fast_tokenizer.decoder, decoders.ByteLevel)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the output (OpenAI's logprobs `bytes`, from which a
+        client rebuilds text): a byte-level token's own bytes and a byte-fallback token's byte,
+        even when they are part of a UTF-8 character, which the token decoded alone can show only
+        as U+FFFD; other tokens' decoded text."""
+        token = self._fast_tokenizer.id_to_token(token_id)
+        if token is not None and self.byte_level:
+            alphabet = _byte_level_alphabet()
+            if all(character in alphabet for character in token):
+                return bytes(alphabet[character] for character in token)
+        elif token is not None and (byte := _BYTE_FALLBACK_TOKEN.fullmatch(token)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def ids_decode_skips(self, skip_special_tokens: bool = True) -> tuple[int, frozenset[int]]:
         """The ids `decode` drops before its decoders run, wherever they stand: every id from the

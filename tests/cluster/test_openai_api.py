@@ -257,6 +257,23 @@ def test_completion_logprobs_have_tokens_offsets_and_top_dicts_with_the_sampled_
     assert choice["logprobs"]["top_logprobs"][1] == {"C": -0.1, "E": -1.5, "D": -2.0}  # top 2 and the sampled
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes_so_a_client_rebuilds_the_text():
+    """é in two byte-level tokens: each decoded alone is U+FFFD, and its three bytes were sent
+    as each token's `bytes`, so joining them gave "\ufffd\ufffd" where the content is "é"."""
+    from replica.model.registry import resolve_model_path
+    from replica.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(resolve_model_path("builtin"))
+    token_ids = tokenizer.encode("é", add_special_tokens=False)
+    result = ChoiceResult(0, 0)
+    result.add(chunk("é", token_ids, "length", logprobs=[-0.5] * len(token_ids)))
+    token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.token_bytes)
+    body = CompletionBodies("chat", "id", "m", token_text, 0, [""]).response([result], [result])
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in entries] == ["\ufffd", "\ufffd"]
+    assert bytes(byte for entry in entries for byte in entry["bytes"]).decode() == body["choices"][0]["message"]["content"]
+
+
 def test_best_of_keeps_the_n_candidates_with_the_highest_cumulative_logprob_per_prompt():
     results = []
     for index, (prompt_index, logprob) in enumerate([(0, -3.0), (0, -1.0), (1, -5.0), (1, -4.0)]):

@@ -224,3 +224,31 @@ def test_garbage_bytes_are_released_as_they_settle_not_when_the_run_ends(model_d
     assert longest <= MAX_HELD_TOKENS, longest  # 135-271 tokens before
     assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(run)
     assert tokenizer.decoded < 40 * len(run)
+
+
+def byte_fallback_tokenizer(directory) -> Tokenizer:
+    """A SentencePiece-style tokenizer: 'a' and 'b' as pieces, every other character as its
+    UTF-8 bytes' <0xNN> tokens, decoded by ByteFallback."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, **{f"<0x{byte:02X}>": 3 + byte for byte in range(256)}}
+    fast = FastTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fast.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    fast.save(str(directory / "tokenizer.json"))
+    return Tokenizer.from_pretrained(directory)
+
+
+def test_token_bytes_rebuild_the_text_where_single_tokens_decode_to_replacement_characters(
+        tokenizer, smollm2_dir, tmp_path):
+    """OpenAI's logprobs `bytes` exist so a client can rebuild the text; a token that is part of
+    a UTF-8 character decoded alone is U+FFFD, whose three bytes were sent instead of its own."""
+    text = "Héllo wörld 😀 €uro <tag>"
+    for each in (tokenizer, Tokenizer.from_pretrained(smollm2_dir)):  # byte-level: tokens of one byte; merges
+        token_ids = each.encode(text, add_special_tokens=False)
+        assert b"".join(each.token_bytes(token_id) for token_id in token_ids).decode() == text
+        assert any(each.decode([token_id]) == "\ufffd" for token_id in token_ids), "the probe: a token is a piece"
+    assert tokenizer.token_bytes(EOS_TOKEN_ID) == tokenizer.decode([EOS_TOKEN_ID], skip_special_tokens=False).encode()
+    fallback = byte_fallback_tokenizer(tmp_path)
+    token_ids = fallback.encode("abé", add_special_tokens=False)
+    assert len(token_ids) == 4 and b"".join(fallback.token_bytes(token_id) for token_id in token_ids) == "abé".encode()
