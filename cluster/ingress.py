@@ -243,6 +243,7 @@ class Ingress:
         self.llm = llm
         self.app_name = serve.get_replica_context().app_name
         self.model_id = config.served_model_id
+        self.started_at = int(time.time())  # /v1/models' `created` (it was 0; vLLM's is a time too)
         self.max_num_seqs = config.engine.max_num_seqs
         self.limits = config.limits.request_limits()
         self.tool_call_parser = config.tool_call_parser
@@ -481,7 +482,7 @@ class Ingress:
 
     async def _model_object(self) -> dict[str, Any]:
         info = await self.model_info()
-        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "headroom",
+        return {"id": self.model_id, "object": "model", "created": self.started_at, "owned_by": "headroom",
                 "max_model_len": info.max_model_len}
 
     @api.post("/v1/completions")
