@@ -25,13 +25,18 @@ class ReplicaCache:
         self.host_hashes: dict[bytes, None] = {}  # blocks in the replica's host KV tier
         self.seq: Optional[int] = None  # None until a snapshot arrives
         self.block_size: Optional[int] = None
+        self._live = False  # the latest message applied was a step's (not a snapshot's)
 
     def apply(self, batch: pb.KVEventBatch) -> bool:
         """Apply one message; False (nothing applied) when a live batch does not follow the
-        previous one: events were missed and only a new snapshot can repair the set."""
-        if not batch.snapshot and (self.seq is None or batch.seq != self.seq + 1):
+        previous one: events were missed and only a new snapshot can repair the set. A step's
+        events past one message's share come in several parts with its seq, as a snapshot's do
+        (a part after the first was taken for a gap, and the index dropped)."""
+        if not batch.snapshot and not (self.seq is not None and (batch.seq == self.seq + 1
+                                                                 or (batch.seq == self.seq and self._live))):
             return False
         self.seq = batch.seq
+        self._live = not batch.snapshot
         self.block_size = batch.block_size
         self.apply_events((event.kind, event.block_hash, event.medium) for event in batch.events)
         return True

@@ -46,6 +46,27 @@ def test_a_gap_in_the_numbering_is_refused_and_changes_nothing():
     assert cache.leading_blocks(HASHES) == 2 and cache.seq == 3
 
 
+def test_a_steps_events_in_several_parts_apply_as_one_batch():
+    """The replica sends a step of more than 16,384 events in parts sharing its seq, as it
+    sends a snapshot; the second part was refused as a gap, and the router dropped the replica's
+    index and resynced from a snapshot. A live seq repeated right after a snapshot stays a gap."""
+    from replica.core.kv_events import stored as engine_stored
+    from replica.server.grpc_service import KV_EVENTS_PER_MESSAGE, kv_event_batch_protos
+    from replica.front.kv_event_log import KVEventBatch
+
+    cache = ReplicaCache()
+    assert cache.apply(snapshot(3, HASHES[:1]))
+    many = [bytes([index % 256, index // 256]) * 8 for index in range(KV_EVENTS_PER_MESSAGE + 1)]
+    parts = kv_event_batch_protos(KVEventBatch(4, [engine_stored(h, None) for h in many]), "r", 16)
+    assert [part.seq for part in parts] == [4, 4] and not any(part.snapshot for part in parts)
+    assert all(cache.apply(part) for part in parts)
+    assert len(cache.hashes) == 1 + len(many) and cache.seq == 4
+    assert cache.apply(batch(5, removed(HASHES[0])))
+    cache = ReplicaCache()
+    assert cache.apply(snapshot(3, HASHES[:1]))
+    assert not cache.apply(batch(3, removed(HASHES[0])))  # the snapshot holds batch 3 already
+
+
 def test_a_new_snapshot_replaces_whatever_was_there():
     cache = ReplicaCache()
     cache.apply(snapshot(3, HASHES))
