@@ -355,6 +355,7 @@ class HeadroomPolicy(RoutingPolicy):
         """The replica caches at least `pin_prefix_fraction` of the prompt and holds rather than
         preempts (it reports expected output lengths): where a pinned request stays."""
         return (self.pin_prefix_fraction is not None and view.load.expected_output_tokens > 0
+                and request.prompt_tokens > 0  # an unsized request holds nothing anywhere
                 and min(view.cached_tokens, request.prompt_tokens) >= self.pin_prefix_fraction * request.prompt_tokens)
 
     def known_cached_blocks(self, request: RoutingRequest, view: ReplicaView) -> int:
@@ -421,7 +422,10 @@ class HeadroomPolicy(RoutingPolicy):
         backlog = (load.waiting_prefill_tokens + inflight.prefill_tokens) / pool_tokens
         own_prefill = (request.prompt_tokens - cached_tokens) / pool_tokens
         lifetime_s = request.max_tokens * load.step_time_ms / 1000.0
-        preemption_risk = -math.expm1(-load.preemption_rate_per_running * lifetime_s)
+        exposure = load.preemption_rate_per_running * lifetime_s
+        # A degenerate load (NaN or inf times, a negative rate) is the riskiest, not a NaN score
+        # (which fell out of every group of the ranking) or an overflow.
+        preemption_risk = -math.expm1(-exposure) if 0.0 <= exposure < math.inf else 1.0
         score = (self.headroom_weight * headroom_after - self.backlog_weight * backlog
                  - (self.saturated_prefill_weight if saturated or pin else self.prefill_weight) * own_prefill
                  - self.preemption_weight * preemption_risk)
@@ -432,7 +436,11 @@ class HeadroomPolicy(RoutingPolicy):
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaView]) -> list[str]:
         fresh, stale = split_by_freshness(replicas, self.staleness_s)
-        fresh = [replace(view, cached_blocks=known) if (known := self.known_cached_blocks(request, view)) != view.cached_blocks
+        # Blocks this router sent there count before the replica's KV events say so, in the
+        # block size live_blocks counted them in (its load's, while the replica has no index:
+        # a size of 0 made them worth no tokens).
+        fresh = [replace(view, cached_blocks=known, cache_block_size=view.cache_block_size or view.load.block_size)
+                 if (known := self.known_cached_blocks(request, view)) != view.cached_blocks
                  else view for view in fresh]
         pins = self.pins(request, len(replicas))
         pin = pins and any(self.holds_enough(request, view) for view in fresh)

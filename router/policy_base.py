@@ -84,7 +84,9 @@ class ReplicaView:
         return self.cached_blocks * self.cache_block_size
 
     def has_fresh_load(self, staleness_s: float) -> bool:
-        return self.load is not None and self.load_age_s <= staleness_s
+        # A load without a block size (no replica of ours sends one) is no measure of anything:
+        # ranked as a stale one is, not divided by.
+        return self.load is not None and self.load.block_size > 0 and self.load_age_s <= staleness_s
 
 
 def split_by_freshness(replicas: Sequence[ReplicaView], staleness_s: float) -> tuple[list[ReplicaView], list[ReplicaView]]:

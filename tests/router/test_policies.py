@@ -297,6 +297,54 @@ def test_a_holder_that_admits_by_expected_growth_may_be_short_by_the_prefix_it_s
     assert headroom_policy().rank(request, [roomy, optimistic]) == ["roomy", "holder"]
 
 
+def test_a_prefix_sent_to_a_replica_without_a_kv_index_yet_counts_in_its_loads_block_size():
+    """Before a replica's first KV snapshot (or after its index was dropped) its view has no
+    cache block size: the live blocks this router sent were credited as blocks of 0 tokens, and
+    the tenant's burst spread (2 to 5 of 20 seeds kept together)."""
+    first, second = shared_prefix_request(), shared_prefix_request(query_tokens=900)
+    replicas = [ReplicaView(f"r{i}", make_load(f"r{i}", free_blocks=800), 0.05, 0) for i in range(4)]
+    assert all(view.cache_block_size == 0 for view in replicas)
+    for seed in range(20):
+        policy = headroom_policy(seed)
+        target = policy.rank(first, replicas)[0]
+        policy.on_routed(first, target, "first", cached_blocks=0)
+        assert policy.rank(second, replicas)[0] == target, seed
+
+
+@pytest.mark.parametrize("fields", [
+    {"step_time_ms": float("nan")}, {"step_time_ms": float("inf")},
+    {"preemption_rate_per_running": -1.0, "step_time_ms": 1e300}, {"block_size": 0},
+], ids=["nan_step", "inf_step", "negative_rate", "no_block_size"])
+def test_a_degenerate_load_is_ranked_never_dropped_and_never_raises(fields):
+    """A NaN score fell out of every group of the ranking (the healthy replica beside it too,
+    once the tenant was placed), a negative rate overflowed expm1, a block size of 0 divided:
+    loads no replica of ours sends, but a router must still rank every replica."""
+    request = RoutingRequest(prompt_tokens=100, max_tokens=256, prompt_token_ids=tuple(range(100)))
+    for others in (0, 3):
+        policy = headroom_policy()
+        for tenant in range(others):  # other tenants in the window: this one is pinned and placed
+            other = RoutingRequest(100, 16, prompt_token_ids=tuple(range(1000 * (tenant + 1), 1000 * (tenant + 1) + 100)))
+            policy.rank(other, [view("odd", make_load("odd")), view("fine", make_load("fine"))])
+            policy.on_routed(other, "fine", f"t{tenant}", 0)
+        odd = make_load("odd", **{name: value for name, value in fields.items() if name != "block_size"})
+        if "block_size" in fields:
+            odd.block_size = fields["block_size"]
+        for replicas in ([view("odd", odd)], [view("odd", odd), view("fine", make_load("fine"))]):
+            assert sorted(policy.rank(request, replicas)) == sorted(v.replica_id for v in replicas)
+
+
+def test_an_unsized_request_is_pinned_nowhere():
+    """With no share gate (pin_share_window 0) a prompt of 0 tokens 'held enough' of itself on a
+    full replica, which then fit it whatever its room."""
+    from router.headroom_router import UNSIZED_REQUEST
+
+    policy = HeadroomPolicy(rng=random.Random(0), pin_share_window=0)
+    full = view("full", make_load("full", free_blocks=0, kv_committed_tokens=50_000, expected_output_tokens=300))
+    roomy = view("roomy", make_load("roomy", waiting_prefill_tokens=40_000))  # a busy queue, but room
+    assert not policy.holds_enough(UNSIZED_REQUEST, full)
+    assert policy.rank(UNSIZED_REQUEST, [full, roomy]) == ["roomy", "full"]
+
+
 def test_a_replica_that_learned_short_outputs_needs_room_for_them_only():
     request = RoutingRequest(prompt_tokens=1600, max_tokens=3200)  # 300 blocks to max_tokens
     learned = make_load("learned", free_blocks=150, expected_output_tokens=400)  # 125 blocks expected
