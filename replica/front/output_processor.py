@@ -64,7 +64,9 @@ class OutputProcessor:
         self.observer = observer
         self._live: dict[str, _Live] = {}  # by the core's id
         self._core_ids: dict[str, str] = {}  # a live request's core id, where it is not the client's
-        self._ended_early: OrderedDict[str, None] = OrderedDict()  # client ids, the latest RECENTLY_ENDED_IDS
+        # Client and core ids of requests ended early, the latest RECENTLY_ENDED_IDS: neither is
+        # given to a new request while rows of the old one may be on their way.
+        self._ended_early: OrderedDict[str, None] = OrderedDict()
         self._reuses = itertools.count(1)
 
     def __contains__(self, request_id: str) -> bool:
@@ -83,7 +85,8 @@ class OutputProcessor:
         another client's request has it."""
         suffix = self.core_id_suffix
         core_id = request_id + suffix
-        if request_id not in self._ended_early and core_id not in self._live:
+        ended = self._ended_early
+        if request_id not in ended and core_id not in self._live and core_id not in ended:
             return core_id
         while True:
             core_id = f"{request_id}#{next(self._reuses)}{suffix}"
@@ -146,7 +149,9 @@ class OutputProcessor:
                                    len(request.output_token_ids), num_cached_tokens, logprobs, tops,
                                    request.stop_reason if finish_reason is not None else None)
             if stop_string is not None and not core_finished:
-                self.finish(request_id, "stop", last=output)  # the core would generate on
+                # By the core's id, which the row carries: finish() would read it as a client's,
+                # and another client's request may be known by that id (helper-40's fuzzing).
+                self._finish(request_id, "stop", last=output)  # the core would generate on
                 continue
             if core_finished:
                 self._drop(request_id)
@@ -184,9 +189,10 @@ class OutputProcessor:
         if state is None:
             return  # already ended
         ended = self._ended_early
-        ended[state.request_id] = None
-        ended.move_to_end(state.request_id)
-        if len(ended) > RECENTLY_ENDED_IDS:
+        for ended_id in {state.request_id, core_id}:
+            ended[ended_id] = None
+            ended.move_to_end(ended_id)
+        while len(ended) > RECENTLY_ENDED_IDS:
             ended.popitem(last=False)
         if last is None:
             last = RequestOutput.of(state.stream.request, [], "", finish_reason)

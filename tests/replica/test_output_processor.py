@@ -161,3 +161,42 @@ def test_with_a_fronts_suffix_every_client_id_is_its_own_and_finish_all_ends_eac
     assert sorted(aborted_in_core) == ["a|f1", "a|f1|f1"] and len(processor) == 0
     for client_id, stream in streams.items():
         assert [(item.request_id, item.finish_reason) for item in stream.items] == [(client_id, "abort")]
+
+
+def tracked(processor: OutputProcessor, client_id: str, **sampling) -> CollectingStream:
+    """A new request of this client id, under the core id the processor gives it."""
+    stream = CollectingStream(Request(processor.core_id_for(client_id), [1, 2, 3],
+                                      SamplingParams(max_tokens=100, **sampling)))
+    processor.track(stream, client_id)
+    return stream
+
+
+def test_a_stop_string_ends_the_request_whose_row_matched_it_not_a_client_of_that_id(tokenizer):
+    """Client "a" aborted, its retry is known to the core as "a#1", and another client's id is
+    "a#1" (so its core id is another). The retry's stop string ended the *client* "a#1" (its
+    stream got the retry's last output, and the core dropped the wrong request)."""
+    aborted: list[str] = []
+    processor = OutputProcessor(tokenizer, aborted.append)
+    tracked(processor, "a")
+    processor.finish("a", "abort")
+    retry, other = tracked(processor, "a", stop=("END",)), tracked(processor, "a#1", stop=("END",))
+    assert retry.request.request_id == "a#1" != other.request.request_id
+    aborted.clear()
+    for token_id in tokenizer.encode("END", add_special_tokens=False):
+        processor.process([(retry.request.request_id, [token_id], None, 0, None, None, None, None)])
+    assert retry.items[-1].finish_reason == "stop" and retry.items[-1].request_id == "a"
+    assert other.items == [] and "a#1" in processor and aborted == ["a#1"]
+
+
+def test_a_core_id_ended_early_is_given_to_no_new_request_while_its_rows_may_arrive(tokenizer):
+    """The retry of "a" (core id "a#1") is aborted too; a new client "a#1" was given core id
+    "a#1" again, and a row the aborted retry still had in flight reached its stream."""
+    processor = OutputProcessor(tokenizer, lambda core_id: None)
+    tracked(processor, "a")
+    processor.finish("a", "abort")
+    retry = tracked(processor, "a")
+    processor.finish("a", "abort")
+    other = tracked(processor, "a#1")
+    assert other.request.request_id != retry.request.request_id
+    processor.process([(retry.request.request_id, [ord("Z")], None, 0, None, None, None, None)])  # in flight
+    assert other.items == []
