@@ -48,13 +48,15 @@ class StopStringMatcher:
 
     def _earliest_match(self, text: str) -> Optional[tuple[int, str]]:
         # Held text never contains a whole stop string, so a match can only end in the new
-        # delta; the earliest start wins, and the longest string among those starting there.
-        best: Optional[tuple[int, str]] = None
+        # delta. The one completed first wins (then the earliest start), as it would if the text
+        # came a character at a time: which stop ended a request (`abcd` or `bc` in `xabcdy`)
+        # depended on how the text was cut into deltas, by tokens or by stream_interval.
+        best: Optional[tuple[int, int, str]] = None
         for stop in self._stop:
             position = text.find(stop)
-            if position >= 0 and (best is None or (position, -len(stop)) < (best[0], -len(best[1]))):
-                best = (position, stop)
-        return best
+            if position >= 0 and (best is None or (position + len(stop), position) < best[:2]):
+                best = (position + len(stop), position, stop)
+        return None if best is None else (best[1], best[2])
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""

@@ -30,8 +30,15 @@ def test_text_that_could_start_a_stop_string_is_held_back_until_it_cannot():
     assert matcher.feed("two") == StopMatch("\ntwo")  # it was not
 
 
-def test_the_earliest_stop_string_wins():
+def test_the_stop_string_completed_first_wins_however_the_text_is_cut():
+    """As if the text came a character at a time: in one delta the earliest *start* won, so
+    `xabcdy` stopped on "abcd" whole and on "bc" a character at a time (helper-40's fuzzing)."""
     assert feed_all(StopStringMatcher(["cd", "abc"]), ["xxabcd"]) == ("xx", "abc")
+    for include in (False, True):
+        outcomes = {feed_all(StopStringMatcher(["abcd", "bc"], include_in_output=include), deltas)
+                    for deltas in (["xabcdy"], list("xabcdy"), ["xab", "cdy"], ["xa", "bcd", "y"])}
+        assert outcomes == {("xabc" if include else "xa", "bc")}
+    assert feed_all(StopStringMatcher(["bcd", "abcd"]), ["xabcdy"]) == ("x", "abcd")  # both end there: the earlier start
 
 
 def test_include_in_output_keeps_the_stop_string():
