@@ -217,6 +217,8 @@ class CompletionBodies:
                 message = {"role": "assistant", "content": echo + result.text}
                 if self.tool_calling is not None:
                     message, finish_reason = ToolCallOutput(self.tool_calling).message(result.text, finish_reason)
+                    if echo:  # opens the content, as the stream's first chunk sends it
+                        message["content"] = echo + (message["content"] or "")
                 choice = {"index": result.index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": result.index, "text": echo + result.text, "logprobs": logprobs}

@@ -101,7 +101,8 @@ class _CallBody:
     an object or array argument value streams as written; any other layout is read whole when
     the object closes. `failed`: the text is no call (its caller shows it as content)."""
 
-    def __init__(self):
+    def __init__(self, needs_arguments: bool = False):
+        self.needs_arguments = needs_arguments  # an object without arguments / parameters is no call
         self.text = ""
         self.name: Optional[str] = None
         self.arguments = ""  # the argument text handed out so far
@@ -168,8 +169,8 @@ class _CallBody:
         if self._args is not None:
             return ""
         try:
-            call = _call_of(json.loads(text))
-        except (json.JSONDecodeError, RecursionError):  # model output nested past json's limit is no call either
+            call = _call_of(_strict_json(text), self.needs_arguments)
+        except (ValueError, RecursionError):  # model output nested past json's limit is no call either
             call = None
         if self.name is None:
             if call is None:
@@ -197,8 +198,10 @@ class _CallBody:
         return added
 
 
-def _call_of(value: Any) -> Optional[ParsedCall]:
+def _call_of(value: Any, needs_arguments: bool = False) -> Optional[ParsedCall]:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if needs_arguments and "arguments" not in value and "parameters" not in value:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     return ParsedCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
@@ -293,6 +296,16 @@ class HermesToolParser(ToolParser):
             else:
                 end = len(text) if final else _before_partial(text, self._position, self.END)
             self._feed_body(text[self._position:end])
+            if self._body.failed and self._body.name is None:
+                # The tag opens no call (prose quoting it, `"<tool_call>" tag`): it is content, and
+                # the text after it is read afresh, where a real call may open (it was read up to
+                # the next end tag, swallowing that call into content).
+                opened_at = self._call_start + len(self._held_space)
+                self._body = None
+                self._content.append(self._held_space + self.START)
+                self._held_space = ""
+                self._position = self.decided = opened_at + len(self.START)
+                continue
             self._position = end
             self.decided = end if self._body.name is not None else self._call_start
             if end_tag < 0 and not final:
@@ -322,6 +335,7 @@ class _JsonCallList(ToolParser):
     OPENING = ""
     OPENING_REQUIRED = False
     SEPARATORS = ""
+    ARGUMENTS_REQUIRED = False
 
     def __init__(self):
         super().__init__()
@@ -349,7 +363,7 @@ class _JsonCallList(ToolParser):
                     self._as_content_from = position if self.calls else 0
                     break
                 self._call_start = position
-                self._body = _CallBody()
+                self._body = _CallBody(self.ARGUMENTS_REQUIRED)
                 self._position = position
             self._feed_body(text[self._position:])
             self._position = len(text)
@@ -386,6 +400,9 @@ class _JsonCallList(ToolParser):
 class Llama3JsonToolParser(_JsonCallList):
     OPENING = "<|python_tag|>"
     SEPARATORS = ";"
+    # Without tags a reply that is a JSON object with a "name" (`{"name": "Bob", "age": 42}`)
+    # is an answer, not a call to make: a call names its parameters.
+    ARGUMENTS_REQUIRED = True
 
 
 class RequiredToolCalls(_JsonCallList):
@@ -435,9 +452,19 @@ def _calls_finish_reason(finish_reason: Optional[str], calls: list[ParsedCall]) 
     return "tool_calls"
 
 
+def _strict_json(text: str) -> Any:
+    """RFC 8259 JSON: Python's json also reads NaN and Infinity, which strict parsers (a
+    client's JSON.parse) refuse, so arguments holding them are no call to make."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
+        _strict_json(text)
     except (ValueError, RecursionError):
         return False
     return True

@@ -35,6 +35,47 @@ def test_text_that_is_no_well_formed_call_stays_content(text):
         assert parsed.content == text and not parsed.calls
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_a_quoted_start_tag_is_content_and_the_real_call_after_it_is_read(piece):
+    """Prose quoting `<tool_call>` opened a 'call' that was read up to the next end tag: the real
+    call after it was swallowed into content (helper-42's fuzzing)."""
+    text = 'Use the literal "<tool_call>" tag. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    calling = _calling("auto", "hermes")
+    expected = ('Use the literal "<tool_call>" tag.', [{"name": "get_time", "arguments": "{}"}], "tool_calls")
+    assert whole(calling, text) == expected
+    content, calls, reasons = assemble(calling, [text[start:start + piece] for start in range(0, len(text), piece)])
+    assert (content, [{key: call[key] for key in ("name", "arguments")} for call in calls], reasons[-1]) == expected
+
+
+def test_llama3_json_takes_an_object_naming_no_arguments_as_an_answer_not_a_call():
+    """Without tags, `{"name": "Bob", "age": 42}` was a call to `Bob` with arguments {}."""
+    answer = '{"name": "Bob", "age": 42, "city": "Paris"}'
+    assert whole(_calling("auto", "llama3_json"), answer) == (answer, [], "stop")
+    parsed = Llama3JsonToolParser().parse('{"name": "get_time", "parameters": {}}')
+    assert [(call.name, call.arguments) for call in parsed.calls] == [("get_time", "{}")]
+
+
+def test_arguments_holding_nan_are_no_call_to_make():
+    """Python's json reads NaN and Infinity; a client's JSON.parse does not: finish stop, as
+    for any arguments that do not parse."""
+    _, calls, reason = whole(_calling("auto", "hermes"), '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>')
+    assert [call["name"] for call in calls] == ["f"] and reason == "stop"
+
+
+def test_echo_opens_a_tool_calling_replys_content_whole_as_streamed():
+    """With tools the whole response rebuilt the message from the reply alone, dropping the
+    echoed text the stream's first chunk sent."""
+    from cluster.openai_responses import ChoiceResult, CompletionBodies, TokenText
+    from replica.core.outputs import RequestOutput
+
+    bodies = CompletionBodies("chat", "id", "m", TokenText(lambda ids: "x"), None, ["Partial answer: "],
+                              ToolCalling("auto", parser="hermes"))
+    result = ChoiceResult(0, 0)
+    result.add(RequestOutput("r", [1], "It is sunny.", "stop", 3, 1, 0, None))
+    assert bodies.response([result], [result])["choices"][0]["message"]["content"] == "Partial answer: It is sunny."
+    assert bodies.first_chunks([(0, 0)])[0]["choices"][0]["delta"]["content"] == "Partial answer: "
+
+
 def test_llama3_json_reads_calls_separated_by_semicolons_after_the_python_tag():
     parsed = Llama3JsonToolParser().parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", '
                                           '"parameters": {}}')
