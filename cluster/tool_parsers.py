@@ -311,8 +311,14 @@ class HermesToolParser(ToolParser):
             if end_tag < 0 and not final:
                 return
             call_end = end_tag + len(self.END) if end_tag >= 0 else len(text)
+            body = self._body
             if self._finish_body():
                 self._held_space = ""
+                # Text after the call's object inside its tags (a second object, a remark) is
+                # content: it was dropped, neither read into a call nor shown.
+                leftover = body.text[_object_end(body.text):].strip() if body.closed else ""
+                if leftover:
+                    self._content.append(leftover)
             else:  # no call: its text, the whitespace before it too, is content
                 self._content.append(self._held_space)
                 self._content.append(text[self._call_start + len(self._held_space):call_end])

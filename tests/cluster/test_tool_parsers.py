@@ -47,6 +47,18 @@ def test_a_quoted_start_tag_is_content_and_the_real_call_after_it_is_read(piece)
     assert (content, [{key: call[key] for key in ("name", "arguments")} for call in calls], reasons[-1]) == expected
 
 
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_text_after_the_calls_object_inside_its_tags_is_content_not_lost(piece):
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '{"name": "get_time", "arguments": {}}</tool_call>')
+    calling = _calling("auto", "hermes")
+    expected = ('{"name": "get_time", "arguments": {}}', [{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+                "tool_calls")
+    assert whole(calling, text) == expected
+    content, calls, reasons = assemble(calling, [text[start:start + piece] for start in range(0, len(text), piece)])
+    assert (content, [{key: call[key] for key in ("name", "arguments")} for call in calls], reasons[-1]) == expected
+
+
 def test_llama3_json_takes_an_object_naming_no_arguments_as_an_answer_not_a_call():
     """Without tags, `{"name": "Bob", "age": 42}` was a call to `Bob` with arguments {}."""
     answer = '{"name": "Bob", "age": 42, "city": "Paris"}'
