@@ -13,7 +13,10 @@ out as soon as its name is written: a first delta with its index, id, type and n
 arguments as the model writes them, whose fragments concatenate to the arguments' JSON text
 exactly (an object or array streams character by character; a call laid out otherwise is read
 whole once its object closes). A call cut short by max_tokens keeps the arguments written; text
-that opened like a call and turned out not to be one is content after all. `decided` says how
+that opened like a call and turned out not to be one is content after all. A hermes end tag
+always ends its call, even inside a JSON string (an argument quoting `</tool_call>` is cut
+there): read as string text instead, a call broken mid-string swallowed every call after it.
+`decided` says how
 much of the text is settled (sent as content, read into a call or dropped as syntax): the
 response layer sends each token's logprobs once its text is.
 """
