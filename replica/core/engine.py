@@ -190,6 +190,11 @@ class LLMEngine:
         """Queue a request an edge has validated (the engine core's adds: the replica's servicer or
         the cluster's ingress did). Raises only what the engine's own state decides: QueueFullError,
         or the scheduler's guards (Scheduler.check_request)."""
+        if request.request_id in self._compiling:
+            # Not yet the scheduler's, so its guard cannot see it: a second add of this id was
+            # taken, and the first request then failed (or was dropped, never to finish) as its
+            # compile ended (helper-43's fuzzing).
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.sampling_params.structured_output is not None:
             self._add_constrained(request)
         else:

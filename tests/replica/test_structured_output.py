@@ -562,6 +562,21 @@ def test_an_edge_check_whose_client_went_away_leaves_the_compile_queue(builtin_e
         compiler.shutdown()
 
 
+def test_an_id_parked_for_its_compile_is_in_use(builtin_engine):
+    """A constrained request waits for its grammar outside the scheduler, whose guard could not
+    see its id: a second add of it was taken, and the first then failed at adoption (or was
+    dropped, never to finish)."""
+    constrained = SamplingParams(max_tokens=4, temperature=0.0, structured_output=StructuredOutput("choice", ("yes",)))
+    for second in (SamplingParams(max_tokens=4), constrained):
+        builtin_engine.add_request(builtin_engine.make_request("dup", [1, 2], constrained), detokenize=False)
+        with pytest.raises(InvalidRequestError, match="^request_id: 'dup' is already in use$"):
+            builtin_engine.add_request(builtin_engine.make_request("dup", [1, 2], second), detokenize=False)
+        finished = []
+        while builtin_engine.has_unfinished_requests():
+            finished += [output for output in builtin_engine.step() if output.finished]
+        assert [(output.request_id, output.finish_reason) for output in finished] == [("dup", "stop")]
+
+
 def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_request_ends(builtin_engine):
     big = StructuredOutput.json_schema({"type": "object", "properties": {
         f"field_{index}": {"type": "string", "pattern": f"^[a-z]{{{index % 7 + 1}}}[0-9]+$"} for index in range(300)},
