@@ -299,7 +299,7 @@ class HermesToolParser(ToolParser):
             else:
                 end = len(text) if final else _before_partial(text, self._position, self.END)
             self._feed_body(text[self._position:end])
-            if self._body.failed and self._body.name is None:
+            if self._body.failed:  # (only a body whose name never came fails)
                 # The tag opens no call (prose quoting it, `"<tool_call>" tag`): it is content, and
                 # the text after it is read afresh, where a real call may open (it was read up to
                 # the next end tag, swallowing that call into content).

@@ -15,9 +15,9 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from replica.core.request import GREEDY_TEMPERATURE_EPS, SamplingParams
+from replica.core.request import FLOAT32_MAX, GREEDY_TEMPERATURE_EPS, SamplingParams
 
-MAX_PROCESSED_LOGIT = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE_EPS / 10
+MAX_PROCESSED_LOGIT = FLOAT32_MAX * GREEDY_TEMPERATURE_EPS / 10
 
 
 class TokenHistory(Protocol):
