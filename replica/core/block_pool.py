@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Sequence
 
-from replica.core.kv_events import ALL_BLOCKS_CLEARED, MEDIUM_DEVICE, KVEvent, removed, stored
+from replica.core.kv_events import (
+    ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, MEDIUM_DEVICE, KVEvent, removed, stored,
+)
 
 NULL_BLOCK_ID = 0
 # Events wait in the pool until the engine takes them (once per step). If nobody takes them
@@ -55,6 +57,24 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, num_blocks: int) -> list[KVBlock]:
+        """The first `num_blocks` free blocks, in order, out of the queue: one walk and one
+        splice (the prefill-heavy step takes hundreds at once)."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        blocks = []
+        append = blocks.append
+        block = self._head.next_free
+        for _ in range(num_blocks):
+            append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
+            block = following
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= num_blocks
+        return blocks
+
     def remove(self, block: KVBlock) -> None:
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
@@ -68,6 +88,19 @@ class FreeBlockQueue:
         block.next_free = self._tail
         self._tail.prev_free = block
         self.num_free_blocks += 1
+
+    def extend(self, blocks: Sequence[KVBlock]) -> None:
+        """append each of `blocks`, in order (a finished request frees dozens at once)."""
+        if not blocks:
+            return
+        last = self._tail.prev_free
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free_blocks += len(blocks)
 
     def __iter__(self):
         block = self._head.next_free
@@ -123,15 +156,25 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
-        new_blocks = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            if self.on_evict is not None and block.block_hash is not None and (
-                    self.cached_blocks.get(block.block_hash) is block):
-                self.on_evict(block)
-            self._evict(block)
+        new_blocks = self.free_queue.popleft_n(num_blocks)
+        # _evict, inlined: a prefill-heavy step reuses hundreds of cached blocks.
+        cached, events, medium, on_evict = self.cached_blocks, self._events, self.medium, self.on_evict
+        device = medium == MEDIUM_DEVICE
+        for block in new_blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                holder = cached.pop(block_hash, None)  # one lookup: a step evicts hundreds
+                if holder is block:
+                    if on_evict is not None:
+                        on_evict(block)
+                    # kv_events.removed, inlined
+                    events.append((BLOCK_REMOVED, block_hash, None) if device else removed(block_hash, medium))
+                elif holder is not None:
+                    cached[block_hash] = holder
+                block.block_hash = block.parent_hash = None
             block.ref_cnt = 1
-            new_blocks.append(block)
+        if len(events) > self._max_pending_events:
+            self._compact_events()
         return new_blocks
 
     def _evict(self, block: KVBlock) -> None:
@@ -155,10 +198,12 @@ class BlockPool:
         """Drop one reference from each block; those reaching zero join the free queue's tail
         in the given order (callers pass a request's blocks tail-first so its prefix, the part
         most likely to be shared, is evicted last)."""
+        unused = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                unused.append(block)
+        self.free_queue.extend(unused)
 
     def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: Optional[bytes]) -> None:
         """Register a full block under its prefix hash; the first block with a hash keeps it."""
@@ -171,6 +216,28 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         self._events.append(stored(block_hash, parent_hash, self.medium))
         if len(self._events) > self._max_pending_events:
+            self._compact_events()
+
+    def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes], start: int, end: int,
+                          filled: Optional[list] = None) -> None:
+        """cache_block for blocks[start:end] under block_hashes[start:end] (each one's parent the
+        hash before it); `filled` gets (block, hash) for each block that took its hash."""
+        cached, events, medium = self.cached_blocks, self._events, self.medium
+        device = medium == MEDIUM_DEVICE
+        parent_hash = block_hashes[start - 1] if start else None
+        for index in range(start, end):
+            block, block_hash = blocks[index], block_hashes[index]
+            # setdefault: one lookup to find the hash free and take it (a step registers hundreds)
+            if block.block_hash is None and cached.setdefault(block_hash, block) is block:
+                block.block_hash = block_hash
+                block.parent_hash = parent_hash
+                # kv_events.stored, inlined
+                events.append((BLOCK_STORED, block_hash, parent_hash) if device
+                              else stored(block_hash, parent_hash, medium))
+                if filled is not None:
+                    filled.append((block, block_hash))
+            parent_hash = block_hash
+        if len(events) > self._max_pending_events:
             self._compact_events()
 
     def uncache_block(self, block: KVBlock) -> None:

@@ -352,12 +352,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._update_block_hashes(request)
-        filled = self._filled if self.writes_through else None
-        for i in range(start, num_full):
-            block = req_blocks[i]
-            self.pool.cache_block(block, hashes[i], hashes[i - 1] if i else None)
-            if filled is not None and block.block_hash is hashes[i]:
-                filled.append((block, hashes[i]))
+        self.pool.cache_full_blocks(req_blocks, hashes, start, num_full, self._filled if self.writes_through else None)
         self.num_cached_blocks[request.request_id] = num_full
 
     def forget_unwritten_blocks(self, requests: Sequence[Request]) -> list[Request]:

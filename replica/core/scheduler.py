@@ -543,7 +543,8 @@ class Scheduler:
         """Append the sampled tokens of the requests that caught up this step and finish the
         ones that hit EOS, a stop token or max_tokens (their blocks are freed at once)."""
         updates = []
-        any_finished = False
+        finished_requests = []
+        first_tokens = False
         now = None
         growth = self.growth
         tracks_output = growth.tracks_output
@@ -563,19 +564,23 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
                 # Admission to first token, over the prompt tokens the prefix cache did not cover.
-                self.ttft_predictor.observe(request.num_prompt_tokens - request.num_cached_tokens,
-                                            now - request.admitted_time)
+                self.ttft_predictor.record(request.num_prompt_tokens - request.num_cached_tokens,
+                                           now - request.admitted_time)
+                first_tokens = True
             request.last_token_time = now
             finished = request.check_stop(token_id)
             if finished is not None:
                 self._finish(request, finished)
-                any_finished = True
+                finished_requests.append(request)
             elif tracks_output:
                 growth.output_grew(request)
             updates.append(TokenUpdate(request, token_id, finished))
         self.counters.generation_tokens += len(updates)
-        if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
+        if first_tokens:
+            self.ttft_predictor.refit()
+        if finished_requests:
+            ended = set(map(id, finished_requests))
+            self.running = [r for r in self.running if id(r) not in ended]
         return updates
 
     # ---- observation -----------------------------------------------------------------

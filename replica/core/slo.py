@@ -55,7 +55,15 @@ class TTFTPredictor:
         return self.coefficients.predict(num_tokens)
 
     def observe(self, num_tokens: int, prefill_s: float) -> None:
+        self.record(num_tokens, prefill_s)
+        self.refit()
+
+    def record(self, num_tokens: int, prefill_s: float) -> None:
+        """A sample, without a refit: a step that gives many requests their first token (a
+        prefill-heavy step, ~16) records them all and refits once, not once each."""
         self._samples.append((num_tokens, prefill_s))
+
+    def refit(self) -> None:
         if len(self._samples) >= 2:
             self.coefficients = self._fit()
 
