@@ -246,6 +246,47 @@ def test_chat_stream_never_sends_an_empty_delta_mid_stream_and_keeps_held_tokens
     assert last["choices"][0]["stop_reason"] == "STOP"
 
 
+def test_a_chat_stream_opens_with_its_first_token_not_before_it():
+    """The role chunk (and echoed text) waits for the first engine output, as vLLM's does: sent
+    when the response started, it was what a client timed as the first token (~0 s); an error
+    before any output is the stream's only event."""
+    from cluster.ingress import _sse_stream
+    from cluster.openai_api import Choice
+    from replica.core.request import SamplingParams
+
+    async def run(outputs, fail: bool = False) -> list[str]:
+        first_token = asyncio.Event()
+        choice = Choice(0, 0, [1], SamplingParams(max_tokens=2))
+
+        async def engine():
+            await first_token.wait()
+            if fail:
+                raise InvalidRequestError("prompt", "gone")
+            for output in outputs:
+                yield choice, output
+
+        events: list[str] = []
+
+        async def consume():
+            async for event in _sse_stream(engine(), bodies("chat", echo=("Sure: ",)), [choice], False, {}):
+                events.append(event)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        assert events == []  # nothing while the first token is not out
+        first_token.set()
+        await task
+        return events
+
+    events = asyncio.run(run([chunk("B", [1]), chunk("C", [2], "length")]))
+    payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Sure: "}
+    assert [payload["choices"][0]["delta"].get("content") for payload in payloads[1:]] == ["B", "C"]
+    assert events[-1].strip() == "data: [DONE]"
+    failed = asyncio.run(run([], fail=True))
+    assert len(failed) == 2 and "gone" in failed[0] and "role" not in failed[0]
+
+
 def test_completion_logprobs_have_tokens_offsets_and_top_dicts_with_the_sampled_token():
     result = ChoiceResult(0, 0)
     result.add(chunk("BD", [1, 3], "length", logprobs=[-0.5, -2.0],
