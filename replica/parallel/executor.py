@@ -21,6 +21,7 @@ TensorParallelDead then takes the engine core down, and the front reports the re
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ import torch
 
 from replica.config import ConfigError, EngineConfig
 from replica.core.host_pool import BlockCopies
+from replica.core.process import freeze_startup_heap
 from replica.executor.cuda_graphs import capture_sizes, use_cuda_graphs
 from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
 from replica.executor.preemption_profile import preemption_costs
@@ -255,6 +257,10 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
         except TensorParallelDead:
             logger.exception("a peer died; exiting")
             os._exit(1)
+    # As rank 0's engine-core process does once built: a rank's full collection scanned the
+    # model's modules and everything imported (~310k objects, ~210 ms on a 2-core VM), and in
+    # the next collective every other rank waits for it.
+    freeze_startup_heap()
     with torch.inference_mode():
         while True:
             while not connection.poll(PARENT_WATCH_INTERVAL_S):
@@ -322,6 +328,7 @@ class _Worker:
                     "cuda_graphs": runner.graphs is not None, "decode_sizes": list(runner.decode_sizes),
                     "capture_order": list(runner.graphs.captured) if runner.graphs is not None else [],
                     "num_kv_blocks": self.runner.kv_caches[0][0].shape[0],
+                    "gc_frozen_objects": gc.get_freeze_count(), "gc_young_threshold": gc.get_threshold()[0],
                     "swapped_out_blocks": kv_swap.swapped_out_blocks if kv_swap is not None else 0,
                     "swapped_in_blocks": kv_swap.swapped_in_blocks if kv_swap is not None else 0}
         raise ValueError(f"unknown question {question!r}")

@@ -128,6 +128,17 @@ def test_tp2_greedy_equals_tp1_with_kv_heads_divided(builtin_tp1, builtin_tp2):
     assert_same_greedy_run(builtin_tp1, builtin_tp2, PROMPTS)
 
 
+def test_each_rank_freezes_its_startup_heap_as_the_engine_core_does(builtin_tp2):
+    """A rank's full collection scanned the model and every module (~210 ms), and in the next
+    collective every other rank waited for it: a worker rank runs the collector as rank 0's
+    engine-core process does."""
+    from replica.core.process import GC_GEN0_THRESHOLD
+
+    stats = worker_stats(builtin_tp2)
+    assert stats["gc_young_threshold"] == GC_GEN0_THRESHOLD
+    assert stats["gc_frozen_objects"] > 50_000, stats["gc_frozen_objects"]  # torch and the model, at least
+
+
 def test_the_load_report_counts_the_whole_replicas_kv_as_at_tp1(builtin_tp1, builtin_tp2):
     """Each rank holds its shard of every block, so a block in the load report is the whole
     replica's (every rank's heads of those tokens): the router sees the same blocks, headroom and
