@@ -449,7 +449,11 @@ class LLMEngine:
             if detokenizers:
                 detokenizer = detokenizers.get(request_id)
                 if detokenizer is not None:
-                    text = detokenizer.add_tokens([token_id])
+                    # The token it stopped on (EOS, a stop token id) is left out of the text, as
+                    # the front leaves it out (replica/front/output_processor.py; vLLM's rule).
+                    if (finished != RequestStatus.FINISHED_STOPPED
+                            or request.sampling_params.include_stop_str_in_output):
+                        text = detokenizer.add_tokens([token_id])
                     if finished is not None:
                         text += detokenizer.flush()
                         del detokenizers[request_id]

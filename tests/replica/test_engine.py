@@ -328,13 +328,23 @@ def builtin_engine() -> LLMEngine:
     return LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64), "builtin", device="cpu")
 
 
-def test_stop_token_id_is_reported_as_the_stop_reason(builtin_engine):
+def test_stop_token_id_is_reported_as_the_stop_reason_and_its_text_is_left_out(builtin_engine):
+    """The text of the token it stopped on is left out of the deltas unless
+    include_stop_str_in_output, as the front leaves it out (RequestOutput.text's rule; the
+    in-process engine kept it: helper-45's fuzzing)."""
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     request, _ = _run_to_completion(builtin_engine, "abc", greedy)
-    stop_token = request.output_token_ids[3]
-    _, outputs = _run_to_completion(builtin_engine, "abc", SamplingParams(
-        max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)))
-    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop_token
+    tokens, decode = request.output_token_ids, builtin_engine.tokenizer.decode
+    # The first token past the start, new to the output, that adds text of its own.
+    end = next(index for index in range(2, len(tokens))
+               if tokens[index] not in tokens[:index] and decode(tokens[:index + 1]) != decode(tokens[:index]))
+    for include in (False, True):
+        stopped, outputs = _run_to_completion(builtin_engine, "abc", SamplingParams(
+            max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(tokens[end],),
+            include_stop_str_in_output=include))
+        assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == tokens[end]
+        assert stopped.output_token_ids == tokens[:end + 1]  # the id stays in the token ids
+        assert "".join(output.text for output in outputs) == decode(tokens[:end + 1] if include else tokens[:end])
 
 
 def test_top_logprobs_come_with_every_token_and_rank_the_greedy_choice_first(builtin_engine):
