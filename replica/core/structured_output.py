@@ -99,9 +99,40 @@ def lark_grammar(text: str, field: str) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
-        return gbnf_to_lark(text)
+        return _group_stacked_quantifiers(gbnf_to_lark(text))
     except Exception as error:  # noqa: BLE001 - any failure of the converter is the grammar's fault, by name
         raise InvalidRequestError(field, f"not a GBNF grammar (root ::= ...) llguidance can convert: {error}") from None
+
+
+# The Lark that llguidance's GBNF converter writes, in tokens: a directive line, a string or
+# regex literal (escapes and flags included), a name, a quantifier, a bracket, anything else.
+_LARK_TOKEN = re.compile(r"""(?P<directive>%[^\n]*)|(?P<atom>"(?:[^"\\]|\\.)*"i?|/(?:[^/\\\n]|\\.)*/[imslux]*|[A-Za-z_][A-Za-z0-9_]*)"""
+                         r"""|(?P<quantifier>[+*?]|\{\s*\d+\s*(?:,\s*\d*\s*)?\})|(?P<open>[(\[])|(?P<close>[)\]])|(?P<space>\s+)|(?P<other>.)""")
+
+
+def _group_stacked_quantifiers(lark: str) -> str:
+    """The converter drops the parentheses around a one-item group, so GBNF's `([0-9]+)?` (a
+    common way to write an optional run) became `/[0-9]/+?`, which llguidance's Lark parser
+    refuses ("Expected value"): each quantifier after the first gets its group back,
+    `(/[0-9]/+)?`."""
+    tokens = [(match.lastgroup, match.group()) for match in _LARK_TOKEN.finditer(lark)]
+    while True:
+        significant = [index for index, (kind, _) in enumerate(tokens) if kind != "space"]
+        stacked = next((position for position in range(1, len(significant))
+                        if tokens[significant[position]][0] == "quantifier"
+                        and tokens[significant[position - 1]][0] == "quantifier"), None)
+        if stacked is None:
+            return "".join(text for _, text in tokens)
+        first = significant[stacked - 1]  # the first quantifier; the item it quantifies ends before it
+        start = significant[stacked - 2] if stacked >= 2 else 0
+        if tokens[start][0] == "close":  # a group: back to its opening bracket
+            depth = 0
+            for start in range(start, -1, -1):
+                depth += {"close": 1, "open": -1}.get(tokens[start][0], 0)
+                if depth == 0:
+                    break
+        tokens[first + 1:first + 1] = [("close", ")")]
+        tokens[start:start] = [("open", "(")]
 
 
 # Keywords whose values are schemas, and those whose values are lists or maps of schemas.

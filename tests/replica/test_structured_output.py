@@ -198,6 +198,28 @@ def test_a_gbnf_grammar_as_vllms_docs_write_it_is_served_and_a_broken_one_refuse
     assert raised.value.field == "guided_grammar"
 
 
+@pytest.mark.parametrize("gbnf, accepted, refused", [
+    ('root ::= "n" ([0-9]+)? "."', ["n.", "n42."], ["n4", "n-."]),  # an optional run, a common GBNF idiom
+    ('root ::= (("ab")+)+ "c"', ["abc", "ababc"], ["c", "abac"]),
+    ('root ::= (("x"){2})+ (("y")+){2}', ["xxyy", "xxxxyyy"], ["xyy", "xxy"]),
+    ('root ::= item ("," ws item)*\nitem ::= [a-z]+\nws ::= ([ \\t]+)?', ["a,b", "ab, c"], ["a,", ",a"]),
+])
+def test_a_gbnf_group_quantified_twice_is_served(builtin_engine, gbnf, accepted, refused):
+    """llguidance's GBNF converter drops the parentheses around a one-item group, so `([0-9]+)?`
+    became Lark's `/[0-9]/+?`, which its own parser refused ("Expected value"): each stacked
+    quantifier gets its group back (helper-45's fuzzing)."""
+    compiler = _compiler(builtin_engine)
+    try:
+        constraint = StructuredOutput.of("grammar", gbnf, "guided_grammar")
+        compiler.check(constraint, "guided_grammar")
+        for text, expected in [(text, True) for text in accepted] + [(text, False) for text in refused]:
+            matcher = compiler.matcher(constraint).matcher
+            tokens = builtin_engine.tokenizer.encode(text, add_special_tokens=False)
+            assert (matcher.consume_tokens(tokens) and matcher.is_accepting()) == expected, text
+    finally:
+        compiler.shutdown()
+
+
 def test_a_huge_choice_list_compiles_within_the_bound(builtin_engine):
     """100,000 choices (2.3 MB, under the HTTP body limit): one alternative per grammar rule took
     llguidance 19 s (quadratic) and then failed; as one terminal it takes about half a second."""
