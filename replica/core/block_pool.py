@@ -240,6 +240,14 @@ class BlockPool:
         if len(events) > self._max_pending_events:
             self._compact_events()
 
+    def clear_cache(self) -> None:
+        """Forget every hash: what the blocks hold may not be what their hashes name (a failed
+        step). The pending events become one ALL_BLOCKS_CLEARED."""
+        for block in self.cached_blocks.values():
+            block.block_hash = block.parent_hash = None
+        self.cached_blocks.clear()
+        self._events = [ALL_BLOCKS_CLEARED]
+
     def uncache_block(self, block: KVBlock) -> None:
         """Forget the block's prefix-cache entry, if it has one: its KV was never written."""
         self._evict(block)

@@ -312,6 +312,24 @@ class LLMEngine:
         Call once after each step; the replica numbers and streams them (replica/front/kv_event_log.py)."""
         return self.scheduler.kv_cache.take_kv_events()
 
+    def recover_from_failed_step(self) -> None:
+        """After step() raised (a forward pass or its wait failed: a device error, out of memory)
+        and the caller aborted every live request, leave the engine able to serve again, as
+        though it were fresh: the step still in flight is dropped (under async scheduling it
+        was launched before the failure and would be waited on, and fail, in the next step),
+        and the prefix cache is emptied on both tiers, since blocks are registered before the
+        pass that writes them and host copies planned beside it may never have run: a later
+        request would have hit KV that was never written (helper-46's fuzzing)."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("recover_from_failed_step: abort every live request first")
+        self._in_flight = None
+        if self.device.type == "cuda":
+            # Whatever of it is still queued ends before the next step writes the inputs it may
+            # read; an error the device keeps (a sticky CUDA fault) raises here, and the engine
+            # core then exits, as it must: nothing more can run on that device.
+            torch.cuda.synchronize(self.device)
+        self.scheduler.kv_cache.clear_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the SLO monitor thread and the tensor-parallel workers, if any."""
         if self.slo_monitor is not None:

@@ -66,13 +66,14 @@ class EngineCore:
         # This process's base thread count is its environment's (under Serve, the one CPU Ray
         # reserved the replica): large steps may run on the cores nothing else uses.
         self.engine.borrow_idle_cpus()
-        senders = []
+        senders, receivers = [], []
         for front, channel in enumerate(self.channels):
             suffix = "" if front == 0 else f"-{front}"
-            threading.Thread(target=self._receive_loop, args=(front,), name=f"core-receive{suffix}",
-                             daemon=True).start()
+            receivers.append(threading.Thread(target=self._receive_loop, args=(front,), name=f"core-receive{suffix}",
+                                              daemon=True))
             senders.append(threading.Thread(target=self._send_loop, args=(front,), name=f"core-send{suffix}",
                                             daemon=True))
+            receivers[-1].start()
             senders[-1].start()
         try:
             self._busy_loop()
@@ -86,6 +87,13 @@ class EngineCore:
                 sender.join(timeout=5.0)
             for channel in self.channels:
                 channel.close()
+            # Each receiver wakes as its channel closes. Left running, the last reference to this
+            # core (its bound method) went with the thread, which freed the engine's tensors on a
+            # daemon thread as the interpreter exited: torch's teardown there ended the process
+            # with SIGABRT ("terminate called without an active exception") after most clean
+            # shutdowns (helper-46).
+            for receiver in receivers:
+                receiver.join(timeout=5.0)
 
     def _busy_loop(self) -> None:
         engine = self.engine
@@ -114,6 +122,7 @@ class EngineCore:
                 by_front[self._owners.get(request_id, 0)].append(request_id)
             self._requests.clear()
             self._owners.clear()
+            self.engine.recover_from_failed_step()
             for front, request_ids in enumerate(by_front):
                 self._put(front, to_wire(StepFailed(request_ids, f"engine step failed: {error}")))
             self._send_outputs([])

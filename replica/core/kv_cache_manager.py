@@ -238,6 +238,14 @@ class KVCacheManager:
                 host_pool.free_blocks((host_block,))
                 self.spilled_blocks += 1
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block on both tiers and the write-throughs planned for them (the
+        engine's recovery from a failed step, once no request holds a block)."""
+        self.pool.clear_cache()
+        if self.host_pool is not None:
+            self.host_pool.clear_cache()
+        self._filled, self._filled_before, self._freed = [], [], []
+
     def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache blocks stored and removed since the previous call, in order within
         each medium; after a pool compacted its backlog, a snapshot of both."""

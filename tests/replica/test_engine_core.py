@@ -24,11 +24,12 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import OPENMP_SHORT_WAIT, OPENMP_WAIT_SETTINGS, child_environment
-from replica.errors import EngineDeadError
+from replica.errors import EngineDeadError, EngineStepError
 from replica.config import ConfigError, make_engine_config
 from replica.core.kv_events import KVEventKind
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
+from replica.core.structured_output import StructuredOutput
 from replica.model.builtin import ensure_builtin_model
 from replica_harness import RunningReplica, sampling
 
@@ -211,6 +212,72 @@ class OverlapProbeEngine(LLMEngine):
 
 async def _collect(stream) -> list:
     return [output async for output in stream]
+
+
+async def _tokens(stream) -> list[int]:
+    return [token for output in [output async for output in stream] for token in output.new_token_ids]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_after_a_failed_step_the_core_serves_as_a_fresh_core_would(tmp_path, monkeypatch, async_scheduling):
+    """A failed step fails the requests then live and the core serves on (engine_core.py). It
+    kept the blocks the failed prefill had registered in the prefix cache, so the same prompt
+    next was served from KV never written (other tokens); and under async scheduling the
+    step launched before the failure stayed in flight, so the next request, unrelated, failed
+    too (helper-46's fuzzing). Each is checked against what the core gave before the failure."""
+    from faulty_engine import FAIL_ONCE_ENV
+
+    fail = tmp_path / "fail"
+    monkeypatch.setenv(FAIL_ONCE_ENV, str(fail))
+    prompt = [(7 * index + 3) % 256 for index in range(64)]  # 4 full blocks
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=40, temperature=0.0,
+                                 structured_output=StructuredOutput.of("regex", "[a-z]{60}", "regex"))
+
+    async def scenario():
+        config = CONFIG.model_copy(update={"async_scheduling": async_scheduling})
+        front = await AsyncEngine.launch(config, "builtin", device="cpu", engine_factory="faulty_engine:FailsOnce")
+        try:
+            expected = await _tokens(front.add_request(prompt, greedy, cache_salt="before"))  # its own cache keys
+            fail.write_text("forward")  # the prompt's prefill fails, its blocks registered
+            with pytest.raises(EngineStepError, match="the forward pass failed"):
+                await _tokens(front.add_request(prompt, greedy))
+            assert not fail.exists()
+            outputs = [output async for output in front.add_request(prompt, greedy)]
+            assert outputs[-1].num_cached_tokens == 0
+            assert [token for output in outputs for token in output.new_token_ids] == expected
+            running = front.add_request(list(range(65, 90)), constrained)
+            await running.__anext__()  # it runs: its steps are sampled after the previous step's tokens
+            fail.write_text("complete")
+            with pytest.raises(EngineStepError, match="waiting for the step's tokens failed"):
+                async for _ in running:
+                    pass
+            assert await _tokens(front.add_request(prompt, greedy, cache_salt="after")) == expected
+            assert await front.core.call_utility("check_invariants")
+        finally:
+            await front.shutdown(grace_period_s=0)
+
+    asyncio.run(scenario())
+
+
+def test_the_core_process_exits_0_after_a_clean_shutdown():
+    """Its receive threads held the last reference to the engine once run() returned; one that
+    woke after the interpreter had begun to exit freed the model's tensors on a daemon thread,
+    and torch's teardown there aborted the process (SIGABRT, exit -6) in most shutdowns."""
+    async def once(seed: int) -> int:
+        front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu", torch_threads=1)
+        try:
+            streams = [front.add_request([(seed + index * 7) % 256 for index in range(5 + index)],
+                                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+                       for index in range(12)]
+            for stream in streams:
+                async for _ in stream:
+                    pass
+        finally:
+            await front.shutdown(grace_period_s=0)
+        return front.core.process.returncode
+
+    assert [asyncio.run(once(seed)) for seed in range(3)] == [0, 0, 0]
 
 
 def test_with_async_scheduling_the_core_overlaps_steps_and_streams_the_unoverlapped_tokens(tmp_path, monkeypatch):
