@@ -114,25 +114,29 @@ def _group_stacked_quantifiers(lark: str) -> str:
     """The converter drops the parentheses around a one-item group, so GBNF's `([0-9]+)?` (a
     common way to write an optional run) became `/[0-9]/+?`, which llguidance's Lark parser
     refuses ("Expected value"): each quantifier after the first gets its group back,
-    `(/[0-9]/+)?`."""
-    tokens = [(match.lastgroup, match.group()) for match in _LARK_TOKEN.finditer(lark)]
-    while True:
-        significant = [index for index, (kind, _) in enumerate(tokens) if kind != "space"]
-        stacked = next((position for position in range(1, len(significant))
-                        if tokens[significant[position]][0] == "quantifier"
-                        and tokens[significant[position - 1]][0] == "quantifier"), None)
-        if stacked is None:
-            return "".join(text for _, text in tokens)
-        first = significant[stacked - 1]  # the first quantifier; the item it quantifies ends before it
-        start = significant[stacked - 2] if stacked >= 2 else 0
-        if tokens[start][0] == "close":  # a group: back to its opening bracket
-            depth = 0
-            for start in range(start, -1, -1):
-                depth += {"close": 1, "open": -1}.get(tokens[start][0], 0)
-                if depth == 0:
-                    break
-        tokens[first + 1:first + 1] = [("close", ")")]
-        tokens[start:start] = [("open", "(")]
+    `(/[0-9]/+)?`. One pass over the tokens (a grammar may hold thousands of them)."""
+    texts: list[str] = []
+    opens: dict[int, int] = {}  # index in texts -> the "(" to write before it
+    brackets: list[int] = []  # where each open bracket's group starts
+    item: Optional[int] = None  # where the item the latest quantifier quantifies starts
+    previous = None  # the kind of the latest token that is not space
+    for match in _LARK_TOKEN.finditer(lark):
+        kind = match.lastgroup
+        if kind == "quantifier" and previous == "quantifier" and item is not None:
+            opens[item] = opens.get(item, 0) + 1
+            texts.append(")")
+        elif kind == "atom":
+            item = len(texts)
+        elif kind == "open":
+            brackets.append(len(texts))
+        elif kind == "close":
+            item = brackets.pop() if brackets else None
+        elif kind not in ("quantifier", "space"):
+            item = None
+        texts.append(match.group())
+        if kind != "space":
+            previous = kind
+    return "".join("(" * opens.get(index, 0) + text for index, text in enumerate(texts))
 
 
 # Keywords whose values are schemas, and those whose values are lists or maps of schemas.
