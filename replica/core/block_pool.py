@@ -47,15 +47,7 @@ class FreeBlockQueue:
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def popleft(self) -> KVBlock:
-        block = self._head.next_free
-        if block is self._tail:
-            raise ValueError("no free blocks")
-        self.remove(block)
-        return block
+        self.extend(list(blocks))
 
     def popleft_n(self, num_blocks: int) -> list[KVBlock]:
         """The first `num_blocks` free blocks, in order, out of the queue: one walk and one
@@ -80,14 +72,6 @@ class FreeBlockQueue:
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
-
-    def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
 
     def extend(self, blocks: Sequence[KVBlock]) -> None:
         """append each of `blocks`, in order (a finished request frees dozens at once)."""
@@ -207,24 +191,17 @@ class BlockPool:
 
     def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: Optional[bytes]) -> None:
         """Register a full block under its prefix hash; the first block with a hash keeps it."""
-        if block.block_hash is not None:
-            return
-        if block_hash in self.cached_blocks:
-            return  # an identical block is already cached; this one stays private
-        block.block_hash = block_hash
-        block.parent_hash = parent_hash
-        self.cached_blocks[block_hash] = block
-        self._events.append(stored(block_hash, parent_hash, self.medium))
-        if len(self._events) > self._max_pending_events:
-            self._compact_events()
+        self.cache_full_blocks((block,), (block_hash,), 0, 1, parent_hash=parent_hash)
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes], start: int, end: int,
-                          filled: Optional[list] = None) -> None:
-        """cache_block for blocks[start:end] under block_hashes[start:end] (each one's parent the
-        hash before it); `filled` gets (block, hash) for each block that took its hash."""
+                          filled: Optional[list] = None, parent_hash: Optional[bytes] = None) -> None:
+        """Register blocks[start:end] under block_hashes[start:end], each one's parent the hash
+        before it (`parent_hash` before the first when start is 0); the first block with a hash
+        keeps it. `filled` gets (block, hash) for each block that took its hash."""
         cached, events, medium = self.cached_blocks, self._events, self.medium
         device = medium == MEDIUM_DEVICE
-        parent_hash = block_hashes[start - 1] if start else None
+        if start:
+            parent_hash = block_hashes[start - 1]
         for index in range(start, end):
             block, block_hash = blocks[index], block_hashes[index]
             # setdefault: one lookup to find the hash free and take it (a step registers hundreds)
