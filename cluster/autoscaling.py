@@ -14,8 +14,8 @@ cluster's KV demand at `target_utilization`, at least one per
 preemption rate passes `preemption_rate_threshold` or the KV parked in the host tiers passes
 `target_utilization` of them (the next preemptions would recompute); fewer only when the
 demand would fit the smaller count at `scale_down_utilization` (hysteresis) for
-`downscale_delay_s`, nothing preempts and nothing is parked, and then half the surplus at a
-time.
+`downscale_delay_s`, the mean preemption rate is at most its threshold and nothing is
+parked, and then half the surplus at a time.
 
 The host tier is not capacity: a request parked there makes no progress until it is back on
 the device. Its KV stays in the demand (a swapped-out request is a waiting one, whose tokens
@@ -120,8 +120,10 @@ class ReplicaSignal:
 
 @dataclass(frozen=True)
 class HeadroomPolicyParams:
-    """The headroom policy's knobs (cluster/config.py's AutoscalingConfig validates them and
-    holds their defaults)."""
+    """The headroom policy's knobs. cluster/config.py's AutoscalingConfig validates them and
+    passes every one; these defaults, which apply to a Serve config naming the policy without
+    policy_kwargs, are the same (a test holds them equal: this module imports nothing of
+    headroom's, so it cannot read them from there)."""
 
     min_replicas: int = 1
     max_replicas: int = 4
@@ -129,7 +131,7 @@ class HeadroomPolicyParams:
     scale_down_utilization: float = 0.6
     preemption_rate_threshold: float = 0.5
     waiting_prefill_tokens_per_replica: float = 16384.0
-    upscale_delay_s: float = 0.0
+    upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
     replica_startup_s: float = 30.0
 
@@ -184,7 +186,7 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     target utilisation of their size: a swap-out is the cheap preemption, and once the tiers
     are that full the next victims are recomputed. Scale down towards what holds the demand
     at the lower scale-down utilisation, after downscale_delay_s of wanting it, and never
-    while preempting or while KV is parked (its requests wait for a device): the band between
+    while preempting above the threshold or while KV is parked (its requests wait for a device): the band between
     the two utilisations keeps a demand near a boundary from flapping the count. A scale-down
     removes at most half the replicas it could (rounded up), then waits downscale_delay_s
     again: the demand a smaller set carries is larger than the larger set measured (the same

@@ -4,6 +4,7 @@ and the Serve-facing callables on a real AutoscalingContext. No Ray needed."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -195,9 +196,22 @@ def test_no_scale_down_while_kv_is_parked_in_a_host_tier():
     assert (decision.desired_replicas, decision.reason) == (2, "steady") and no_delay_running(state)
 
 
-def test_no_scale_down_while_preempting():
+def test_no_scale_down_while_preempting_above_the_threshold():
     decision, state = decide(replicas(1000, 1000, preemption_rate=0.9), running=2, target=3, params=PARAMS, now=0.0)
     assert decision.desired_replicas == 3 and state.wants_down_since is None
+    # At or below the threshold (the smoothed rate of an occasional preemption) the scale-down
+    # delay runs, as the README states the rule.
+    decision, state = decide(replicas(1000, 1000, preemption_rate=0.5), running=2, target=3, params=PARAMS, now=0.0)
+    assert decision.desired_replicas == 3 and state.wants_down_since == 0.0
+
+
+def test_the_policys_own_defaults_are_the_configs():
+    # A Serve config may name the policy function without policy_kwargs: the dataclass's
+    # defaults then apply, and they must be the documented ones (cluster/config.py).
+    from cluster.config import AutoscalingConfig as HeadroomAutoscalingConfig
+
+    defaults = HeadroomAutoscalingConfig(policy="headroom")
+    assert asdict(HeadroomPolicyParams()) == {name: getattr(defaults, name) for name in asdict(HeadroomPolicyParams())}
 
 
 def test_bounds_clamp_and_say_so():
