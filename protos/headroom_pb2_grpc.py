@@ -57,8 +57,9 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Streams one response per step that produced tokens; the last carries finish_reason
-        and usage.
+        """Streams the tokens as they are produced: a response per step that produced tokens, or
+        several steps' tokens in one (stream_interval, a writer behind the engine); every
+        response carries usage, the last one finish_reason.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
