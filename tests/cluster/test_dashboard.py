@@ -108,6 +108,15 @@ def test_later_rows_hold_latency_quantiles_queue_depth_and_router_decisions():
     assert any("rate(headroom_router_decisions_total" in q and "replica" in q for q in later_queries)
 
 
+def test_every_panel_selects_the_dashboards_model():
+    # With several applications a panel that does not select $model mixes them all: replica
+    # series carry the model id, the router's and the autoscaler's the application.
+    panel_queries = [query for query in dashboard_queries(dashboard()["panels"])]
+    assert panel_queries
+    for query in panel_queries:
+        assert 'model=~"$model"' in query or 'application=~"$model"' in query, query
+
+
 def alert_rules() -> dict[str, dict]:
     return {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
 

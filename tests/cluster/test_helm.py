@@ -188,6 +188,12 @@ def test_router_podmonitor_scrapes_the_heads_router_metrics_port_as_the_scrape_c
     (job,) = [relabel["replacement"] for relabel in endpoint["relabelings"] if relabel["targetLabel"] == "job"]
     scrape_jobs = [job["job_name"] for job in yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]]
     assert job in scrape_jobs
+    # Labelled with the application as the file-based discovery labels them, so the dashboard's
+    # router panel, which selects application=~"$model", has data on Kubernetes too.
+    (application,) = [relabel["replacement"] for relabel in endpoint["relabelings"]
+                      if relabel["targetLabel"] == "application"]
+    serve_config = load_config(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    assert application == serve_config.applications[0].name
 
 
 def test_every_pod_the_replica_podmonitor_scrapes_hosts_one_replica(documents, values_file):
