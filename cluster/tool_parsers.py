@@ -30,8 +30,11 @@ from typing import Any, Optional
 
 from cluster.openai_structured import ToolCalling, new_tool_call_id
 
-# A call's object as models (and the `required` grammar) write it: the name first, then the arguments.
-_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# A call's object as models (and the `required` grammar) write it: the name first, then the
+# arguments. The name is a JSON string (no raw control character, no escape JSON lacks, such as
+# a markdown-minded `get\_weather`): anything else is read whole, and is no call.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*")'
+                     r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass
@@ -134,8 +137,9 @@ class _CallBody:
         added = ""
         if self.name is None and self._args_start is None:
             header = _HEADER.match(text)
-            if header is not None:
-                self.name = json.loads(header.group(1))
+            name = json.loads(header.group(1)) if header is not None else None
+            if name is not None and _is_utf8(name):
+                self.name = name
                 self._args_start = header.end()
             elif end is not None or self._object.top_colons >= 2:
                 # Not written name first (or no call at all): read whole once it closes.
@@ -202,12 +206,28 @@ class _CallBody:
 
 
 def _call_of(value: Any, needs_arguments: bool = False) -> Optional[ParsedCall]:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _is_utf8(value["name"]):
         return None
     if needs_arguments and "arguments" not in value and "parameters" not in value:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ParsedCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+    if isinstance(arguments, str):
+        # Arguments given as a JSON string pass as written; one holding half a surrogate pair
+        # (`"\ud83d"` decoded) has no UTF-8 form, so no response could carry it.
+        return ParsedCall(value["name"], arguments) if _is_utf8(arguments) else None
+    text = json.dumps(arguments, ensure_ascii=False)
+    # Half a surrogate pair inside stays escaped, as the model wrote it.
+    return ParsedCall(value["name"], text if _is_utf8(text) else json.dumps(arguments))
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether `text` has a UTF-8 form: JSON's `\\ud83d` alone decodes to a lone surrogate,
+    which a response body cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ToolParser:

@@ -35,6 +35,39 @@ def test_text_that_is_no_well_formed_call_stays_content(text):
         assert parsed.content == text and not parsed.calls
 
 
+@pytest.mark.parametrize("parser, text", [
+    # a markdown-minded escape JSON lacks, and a raw tab: a name that is no JSON string
+    ("hermes", '<tool_call>{"name": "get\\_weather", "arguments": {"city": "Paris"}}</tool_call>'),
+    ("llama3_json", '{"name": "get\tweather", "parameters": {}}'),
+])
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_a_call_named_by_no_json_string_is_content_not_a_server_error(parser, text, piece):
+    calling = _calling("auto", parser)
+    assert whole(calling, text) == (text, [], "stop")
+    content, calls, _ = assemble(calling, [text[start:start + piece] for start in range(0, len(text), piece)])
+    assert (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize("text, arguments", [
+    # Half a surrogate pair has no UTF-8 form: decoded, no response body could carry it.
+    ('<tool_call>{"arguments": {"s": "\\ud83d"}, "name": "f"}</tool_call>', '{"s": "\\ud83d"}'),
+    ('<tool_call>{"arguments": "\\ud83d", "name": "f"}</tool_call>', None),
+    ('<tool_call>{"name": "f\\ud83d", "arguments": {}}</tool_call>', None),
+])
+def test_half_a_surrogate_pair_in_a_call_never_reaches_the_response_undecodable(text, arguments):
+    calling = _calling("auto", "hermes")
+    message, _ = ToolCallOutput(calling).message(text, "stop")
+    json.dumps(message, ensure_ascii=False).encode("utf-8")  # what the HTTP response renders
+    if arguments is None:  # no call: its text is content, as in the stream
+        assert message["content"] == text and "tool_calls" not in message
+    else:
+        (call,) = message["tool_calls"]
+        assert call["function"]["arguments"] == arguments
+    content, calls, _ = assemble(calling, list(text))
+    assert (content or None, [call["arguments"] for call in calls]) == (
+        message["content"], [call["function"]["arguments"] for call in message.get("tool_calls", [])])
+
+
 @pytest.mark.parametrize("piece", [1, 4, 1000])
 def test_a_quoted_start_tag_is_content_and_the_real_call_after_it_is_read(piece):
     """Prose quoting `<tool_call>` opened a 'call' that was read up to the next end tag: the real
