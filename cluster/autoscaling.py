@@ -145,6 +145,11 @@ class PolicyState:
     wants_up_since: Optional[float] = None
     wants_down_since: Optional[float] = None
     demand_history: tuple[tuple[float, float], ...] = ()  # (time, KV demand), oldest first
+    # The cluster's KV demand when it last scaled down. The replica removed stops reporting
+    # while its requests still run (it drains), so the demand measured drops and then climbs
+    # back as arrivals go to the replicas left: that climb, up to this level, is the same
+    # demand moving, not a trend to scale for.
+    demand_before_scale_down: Optional[float] = None
 
 
 # The demand history keeps at most one point per this many seconds (Serve decides every 0.1 s;
@@ -191,13 +196,25 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     removes at most half the replicas it could (rounded up), then waits downscale_delay_s
     again: the demand a smaller set carries is larger than the larger set measured (the same
     arrivals in bigger batches take longer, so more of them are live at once), and it is
-    measured before the next step.
+    measured before the next step. The replica removed stops reporting while it drains, so the
+    demand measured dips and climbs back as its share moves to the others: up to the level
+    before the scale-down that climb is no trend. A preemption or host-tier step is taken at
+    once even when the KV demand asks for more (the rest follows after upscale_delay_s), and a
+    clock that steps back (Serve's is the wall's) restarts the history and the delays.
     """
     if not signals:
         return Decision(_bounded(target, params)[0], "no_stats"), PolicyState()
+    if _clock_went_back(state, now):  # Serve's clock is the wall's: its history and delays restart
+        state = PolicyState()
     demand = sum(signal.kv_demand_tokens for signal in signals)
+    moved = state.demand_before_scale_down
+    if moved is not None and demand >= moved:
+        # The drained replica's share is back: the trend starts afresh from here.
+        state, moved = replace(state, demand_history=(), demand_before_scale_down=None), None
     history = _recorded(state.demand_history, now, demand, params.replica_startup_s)
     growth = max(0.0, _slope(history)) * params.replica_startup_s
+    if moved is not None:  # a climb back towards the demand before the scale-down is no growth
+        growth = min(growth, moved - demand)
     capacity = sum(signal.kv_capacity_tokens for signal in signals) / len(signals)
     waiting = sum(signal.waiting_prefill_tokens for signal in signals)
     preemption_rate = sum(signal.preemption_rate for signal in signals) / len(signals)
@@ -209,29 +226,44 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     inputs = dict(kv_demand_tokens=demand, kv_capacity_tokens=capacity, waiting_prefill_tokens=waiting,
                   preemption_rate=preemption_rate, host_kv_parked_tokens=parked, host_kv_usage=host_usage,
                   kv_demand_growth_tokens=growth, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
-    kept = PolicyState(demand_history=history)
+    kept = PolicyState(demand_history=history, demand_before_scale_down=moved)
 
     wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
     if reason == "kv_demand" and kv_replicas > math.ceil(demand / (params.target_utilization * capacity)):
         reason = "kv_trend"
-    if running + 1 > wanted:
-        if preemption_rate > params.preemption_rate_threshold:
-            wanted, reason = running + 1, "preemptions"
-        elif host_usage > params.target_utilization:
-            wanted, reason = running + 1, "host_tier"
+    # Preempting, or the host tiers filling, is one replica more at once, whatever else asks for more.
+    at_once: Optional[tuple[int, str]] = None
+    if preemption_rate > params.preemption_rate_threshold:
+        at_once = (running + 1, "preemptions")
+    elif host_usage > params.target_utilization:
+        at_once = (running + 1, "host_tier")
+    if at_once is not None and at_once[0] >= wanted:
+        wanted, reason = at_once
     if wanted > target:
         since = state.wants_up_since if state.wants_up_since is not None else now
         if reason in AT_ONCE_REASONS or now - since >= params.upscale_delay_s:
             return _decision(wanted, reason, params, inputs), kept
+        if at_once is not None and at_once[0] > target:  # the rest of the step after the delay
+            return _decision(at_once[0], at_once[1], params, inputs), replace(kept, wants_up_since=since)
         return _decision(target, "pending", params, inputs), replace(kept, wants_up_since=since)
 
     fits = max(math.ceil((demand + growth) / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
     if fits < target and preemption_rate <= params.preemption_rate_threshold and parked == 0:
         since = state.wants_down_since if state.wants_down_since is not None else now
         if now - since >= params.downscale_delay_s:
-            return _decision(target - math.ceil((target - fits) / 2), "low_demand", params, inputs), kept
+            return (_decision(target - math.ceil((target - fits) / 2), "low_demand", params, inputs),
+                    replace(kept, demand_before_scale_down=demand))
         return _decision(target, "pending", params, inputs), replace(kept, wants_down_since=since)
     return _decision(target, "steady", params, inputs), kept
+
+
+def _clock_went_back(state: PolicyState, now: float) -> bool:
+    """Whether `now` is before a time `state` holds (a wall clock stepped back): its history
+    would keep a stale trend, and its delays would wait as long as the step."""
+    times = [t for t in (state.wants_up_since, state.wants_down_since) if t is not None]
+    if state.demand_history:
+        times.append(state.demand_history[-1][0])
+    return any(now < t for t in times)
 
 
 def _recorded(history: tuple[tuple[float, float], ...], now: float, demand: float,
@@ -272,7 +304,8 @@ def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dic
 
 # ---- in Serve's controller ---------------------------------------------------------------
 _STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since",
-               "demand_history": "headroom.demand_history"}
+               "demand_history": "headroom.demand_history",
+               "demand_before_scale_down": "headroom.demand_before_scale_down"}
 
 
 def latest_stats(ctx: AutoscalingContext) -> dict[Any, dict[str, float]]:

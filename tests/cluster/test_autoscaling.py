@@ -84,6 +84,23 @@ def test_preemptions_above_the_threshold_add_one_replica_at_once():
     assert (decision.desired_replicas, decision.reason) == (3, "preemptions") and no_delay_running(state)
 
 
+@pytest.mark.parametrize("pressure", ["preemptions", "host_tier"])
+def test_preempting_adds_one_at_once_even_when_the_kv_demand_asks_for_more(pressure):
+    def signals(demand: float) -> list[ReplicaSignal]:
+        if pressure == "preemptions":
+            return replicas(demand, demand, preemption_rate=0.8)
+        return [ReplicaSignal(CAPACITY, demand, 0.0, 0.0, 20_000, 17_000)] * 2  # host tiers 85% full
+
+    # The KV demand asks for exactly one more (18,000 / 8,000 -> 3): at once, not after the delay.
+    decision, state = decide(signals(9000), running=2, target=2, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason) == (3, pressure) and no_delay_running(state)
+    # It asks for two more (28,000 -> 4): one at once, the other once the delay is over.
+    decision, state = decide(signals(14_000), running=2, target=2, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason, state.wants_up_since) == (3, pressure, 0.0)
+    decision, state = decide(signals(14_000), running=2, target=3, params=PARAMS, now=5.0, state=state)
+    assert (decision.desired_replicas, decision.reason) == (4, "kv_demand") and no_delay_running(state)
+
+
 def test_preemption_step_counts_a_replica_already_starting():
     # Serve's target is 3 while the third starts: preempting still asks for running + 1 = 3, not 4.
     decision, _ = decide(replicas(6000, 6000, preemption_rate=0.8), running=2, target=3, params=PARAMS, now=0.0)
@@ -155,6 +172,44 @@ def test_a_scale_down_removes_half_the_surplus_then_measures_again():
     assert (decision.desired_replicas, decision.reason, state.wants_down_since) == (4, "pending", 31.0)
     decision, _ = decide(replicas(*[1500] * 4), running=4, target=4, params=PARAMS, now=61.0, state=state)
     assert (decision.desired_replicas, decision.reason) == (2, "low_demand")
+
+
+def test_the_drained_replicas_demand_moving_to_the_others_is_no_trend_to_scale_up_for():
+    # A constant 5,700 tokens over 2 replicas fits one at 0.6. The one removed stops reporting
+    # while it drains, and its share climbs back on the survivor over ~30 s (95 tokens/s): as a
+    # trend that would project 5,700 + 2,850 > 8,000 and start a replica again, for ever.
+    state, now, counts = PolicyState(), 0.0, []
+    while True:
+        decision, state = decide(replicas(2850, 2850), running=2, target=2, params=PARAMS, now=now, state=state)
+        if decision.reason == "low_demand":
+            break
+        now += 1.0
+    assert decision.desired_replicas == 1 and state.demand_before_scale_down == 5700
+    for second in range(1, 121):
+        demand = min(5700.0, 2850.0 + 95.0 * second)
+        decision, state = decide(replicas(demand), running=1, target=1, params=PARAMS, now=now + second, state=state)
+        counts.append(decision.desired_replicas)
+    assert counts == [1] * 120
+    assert state.demand_before_scale_down is None  # back at its level: a real trend counts again
+    # and it does: a rise of 200 tokens/s from there is scaled for before the demand needs it.
+    now += 120
+    for second in range(1, 20):
+        decision, state = decide(replicas(5700.0 + 200.0 * second), running=1, target=1, params=PARAMS,
+                                 now=now + second, state=state)
+        if decision.reason in ("kv_trend", "pending"):
+            break
+    assert 5700.0 + 200.0 * second < 0.8 * CAPACITY and decision.kv_demand_growth_tokens > 0
+
+
+def test_a_wall_clock_stepped_back_restarts_the_history_and_the_delays():
+    # A trend rising to t = 1,029 and a scale-up wanted since 1,000; the clock steps back an hour
+    # and the demand is low: the stale trend and timers go, and the scale-down runs its own delay.
+    state = PolicyState(wants_up_since=1000.0, demand_history=tuple((1000.0 + t, 10_000 + 200.0 * t) for t in range(30)))
+    decision, state = decide(replicas(500, 500), running=2, target=2, params=PARAMS, now=-2570.0, state=state)
+    assert decision.kv_demand_growth_tokens == 0.0 and state.demand_history == ((-2570.0, 1000.0),)
+    assert (decision.reason, state.wants_up_since, state.wants_down_since) == ("pending", None, -2570.0)
+    decision, state = decide(replicas(500, 500), running=2, target=2, params=PARAMS, now=-2540.0, state=state)
+    assert (decision.desired_replicas, decision.reason) == (1, "low_demand")
 
 
 def test_demand_inside_the_hysteresis_band_keeps_the_count():
