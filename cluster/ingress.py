@@ -126,9 +126,11 @@ def prompt_param(index: int, num_prompts: int) -> str:
 
 
 def _needs_api_key(scope: dict[str, Any]) -> bool:
-    """Whether the request's path, below the application's route prefix, is a /v1 route."""
+    """Whether the request's path, below the application's route prefix, is a /v1 route: the
+    path as the routes match it (Starlette's get_route_path: the prefix is cut only at a
+    segment boundary, so /v1/models under root /v is itself, and needs the key)."""
     path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root):
+    if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
         path = path[len(root):]
     return path == API_KEY_PATH_PREFIX or path.startswith(API_KEY_PATH_PREFIX + "/")
 

@@ -199,9 +199,23 @@ def _check_sendable(key: str, source: str) -> None:
     header's non-ASCII characters in an encoding of their own (curl UTF-8, requests Latin-1,
     httpx and the openai client none: they raise), which the server reads as Latin-1, and gRPC
     metadata carries printable ASCII only. Such a key matched nobody, or only some clients."""
-    if not (key.isascii() and key.isprintable()):
-        raise CredentialsError(f"{source}: an API key must be printable ASCII (HTTP headers and gRPC metadata "
-                               "carry no other characters)")
+    if not _is_sendable(key):
+        raise CredentialsError(f"{source}: {UNSENDABLE_KEY}")
+
+
+UNSENDABLE_KEY = "an API key must be printable ASCII (HTTP headers and gRPC metadata carry no other characters)"
+
+
+def _is_sendable(key: str) -> bool:
+    return key.isascii() and key.isprintable()
+
+
+def _client_key(value: str) -> str:
+    """--api-key of a client command: a key it could not send (gRPC refuses the metadata with an
+    INTERNAL error naming nothing) is refused as the flag's value."""
+    if not _is_sendable(value):
+        raise argparse.ArgumentTypeError(UNSENDABLE_KEY)
+    return value
 
 
 def api_key_credentials(keys: Optional[Sequence[str]] = None, key_file: Optional[str] = None,
@@ -252,7 +266,7 @@ def open_door_warning(host: str, credentials: Credentials) -> Optional[str]:
 # ---- the client side -----------------------------------------------------------------------
 def add_client_api_key_argument(parser: argparse.ArgumentParser,
                                 purpose: str = "the cluster's API key, sent as 'authorization: Bearer KEY'") -> None:
-    parser.add_argument("--api-key", default=None, metavar="KEY",
+    parser.add_argument("--api-key", default=None, metavar="KEY", type=_client_key,
                         help=f"{purpose} (default: ${API_KEY_ENV}, its first key)")
 
 

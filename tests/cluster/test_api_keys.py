@@ -511,3 +511,20 @@ def test_a_key_no_client_can_send_is_refused_where_it_is_configured(tmp_path, ke
         auth.configured_api_keys(keys, str(key_file) if key_file else None, environ)
     message = str(error.value)
     assert message.startswith(source) and "printable ASCII" in message and "hrkey" not in message, message
+
+
+@pytest.mark.parametrize("path, root_path, needs_key", [
+    ("/v1/models", "", True),
+    ("/m/v1/models", "/m", True),
+    ("/m/v1", "/m", True),
+    ("/m/health", "/m", False),
+    ("/health", "", False),
+    # The prefix is cut at a segment boundary only, as Starlette's routes match the path:
+    # under root /v the path /v1/models is served as /v1/models, and must need the key.
+    ("/v1/models", "/v", True),
+    ("/v1x/models", "", False),
+])
+def test_the_key_is_required_on_the_path_the_routes_match(path, root_path, needs_key):
+    from cluster.ingress import _needs_api_key
+
+    assert _needs_api_key({"path": path, "root_path": root_path}) is needs_key

@@ -283,6 +283,16 @@ def test_an_unusable_key_file_exits_2_naming_the_flag(tmp_path, capsys):
     assert f"error: --api-key-file: cannot read {tmp_path / 'absent'}: No such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "status", "bench"])
+@pytest.mark.parametrize("key", ["clé", "tab\there"])
+def test_a_client_key_it_could_not_send_exits_2_naming_the_flag(command, key, capsys):
+    # gRPC would refuse the metadata with "INTERNAL: Invalid metadata", naming nothing.
+    with pytest.raises(SystemExit) as exited:
+        main([command, *(["x"] if command == "generate" else []), "--api-key", key])
+    assert exited.value.code == 2
+    assert "error: argument --api-key: an API key must be printable ASCII" in capsys.readouterr().err
+
+
 # ---- headroom serve ----------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "0"], "error: engine.max_model_len:"),
