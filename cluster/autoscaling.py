@@ -110,8 +110,9 @@ class ReplicaSignal:
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, float]) -> Optional["ReplicaSignal"]:
-        """None when the replica has not reported a capacity yet (it is still starting)."""
-        if stats.get(KV_CAPACITY_STAT, 0.0) <= 0:
+        """None when the replica has not reported a capacity yet (it is still starting), or
+        reported a value that is no finite number (one such replica must not stop the policy)."""
+        if not stats.get(KV_CAPACITY_STAT, 0.0) > 0 or not all(map(math.isfinite, stats.values())):
             return None
         return cls(stats[KV_CAPACITY_STAT], stats.get(KV_DEMAND_STAT, 0.0),
                    stats.get(WAITING_PREFILL_STAT, 0.0), stats.get(PREEMPTION_RATE_STAT, 0.0),

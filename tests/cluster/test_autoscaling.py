@@ -285,6 +285,8 @@ def test_without_stats_the_target_stays():
 def test_a_replica_without_capacity_yet_is_not_a_signal():
     assert ReplicaSignal.from_stats({KV_DEMAND_STAT: 5.0}) is None
     assert ReplicaSignal.from_stats({KV_CAPACITY_STAT: 100.0}) == ReplicaSignal(100.0, 0.0)
+    for broken in ({KV_CAPACITY_STAT: float("nan")}, {KV_CAPACITY_STAT: 100.0, KV_DEMAND_STAT: float("inf")}):
+        assert ReplicaSignal.from_stats(broken) is None
 
 
 # ---- the callables Serve's controller runs ----------------------------------------------------
