@@ -408,15 +408,17 @@ class ClusterSim:
             request = make_request(request_index, spec, prompt, now)
             routing = RoutingRequest(len(prompt), spec.max_tokens, prompt_token_ids=tuple(prompt))
             hashes = routing.prefix_hashes(block_size)
-            cached = []
+            cached, on_device = [], []
             for cache, load in zip(caches, latest_load):
                 cache.catch_up(now)
-                cached.append(cache.cache.hit_blocks(hashes, load) if hashes else 0)
+                hit, device_hit = cache.cache.hits(hashes, load) if hashes else (0, 0)
+                cached.append(hit)
+                on_device.append(device_hit)
             views = [
                 ReplicaView(replica.replica_id, latest_load[i],
                             now - latest_load[i].timestamp if latest_load[i] is not None else math.inf,
                             len(replica.scheduler.requests), inflight.counts(replica.replica_id),
-                            cached[i], block_size)
+                            cached[i], block_size, on_device[i])
                 for i, replica in enumerate(replicas)
             ]
             target_id = policy.rank(routing, views)[0]
@@ -424,7 +426,7 @@ class ClusterSim:
             spills += cached[target] < max(cached)
             load = latest_load[target]
             sequence_blocks = routing.expected_blocks(load) if load is not None else routing.num_blocks(block_size)
-            send = InflightCounts.one_send(sequence_blocks, len(prompt), cached[target], block_size)
+            send = InflightCounts.one_send(sequence_blocks, len(prompt), cached[target], block_size, on_device[target])
             inflight.record_sent(target_id, send.blocks, now, send.prefill_tokens)
             policy.on_routed(routing, target_id, request.request_id, cached[target])
             request.block_hashes.extend(hashes)  # the same chain the replica would compute

@@ -71,11 +71,15 @@ class ReplicaCache:
         """The prompt's leading blocks this replica would serve from cache, as a routing score:
         its device hit, and the host tier's continuation of it counted at what those blocks
         save after their copy back (host_hit_worth of the replica's latest load report)."""
-        num_blocks = self.leading_blocks(prefix_hashes)
-        num_host_blocks = self.leading_host_blocks(prefix_hashes, num_blocks)
-        if num_host_blocks:
-            num_blocks += int(num_host_blocks * host_hit_worth(load))
-        return num_blocks
+        return self.hits(prefix_hashes, load)[0]
+
+    def hits(self, prefix_hashes: Sequence[bytes], load: Optional[pb.ReplicaLoad]) -> tuple[int, int]:
+        """(hit_blocks, of them the device's): only a device hit is memory the request shares;
+        a host hit is copied back into blocks allocated for it."""
+        num_device_blocks = self.leading_blocks(prefix_hashes)
+        num_host_blocks = self.leading_host_blocks(prefix_hashes, num_device_blocks)
+        worth = host_hit_worth(load) if num_host_blocks else 0.0
+        return num_device_blocks + int(num_host_blocks * worth), num_device_blocks
 
 
 def _leading(hashes: dict[bytes, None], prefix_hashes: Sequence[bytes], start: int) -> int:

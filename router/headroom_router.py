@@ -152,8 +152,8 @@ class HeadroomRouter:
         send = self._send_of(request, replica_id)
         self.inflight.record_sent(replica_id, send.blocks, self.wall_clock(), send.prefill_tokens)
         cached = {other: self._cached_blocks(request, other) for other in self.cache_index.replica_ids()}
-        cached_blocks, block_size = cached.get(replica_id, (0, 0))
-        spilled = any(blocks > cached_blocks for blocks, _ in cached.values())
+        cached_blocks, _, block_size = cached.get(replica_id, (0, 0, 0))
+        spilled = any(blocks > cached_blocks for blocks, _, _ in cached.values())
         self.metrics.decided(replica_id, cached_blocks * block_size, spilled)
         self.policy.on_routed(request, replica_id, request_key, cached_blocks)
 
@@ -162,15 +162,16 @@ class HeadroomRouter:
         self._tentative.pop(request_key, None)
         self.policy.on_finished(request_key)
 
-    def _cached_blocks(self, request: RoutingRequest, replica_id: str) -> tuple[int, int]:
-        """(leading prompt blocks the replica caches, its block size); (0, 0) when unknown."""
+    def _cached_blocks(self, request: RoutingRequest, replica_id: str) -> tuple[int, int, int]:
+        """(leading prompt blocks the replica caches, as a score (ReplicaCache.hit_blocks); of
+        them, those on its device; its block size); zeros when unknown."""
         cache = self.cache_index.get(replica_id)
         if cache is None or not cache.block_size or not request.prompt_token_ids:
-            return 0, 0
+            return 0, 0, 0
         subscription = self.loads.get(replica_id)
-        num_blocks = cache.hit_blocks(request.prefix_hashes(cache.block_size),
-                                      subscription.load if subscription else None)
-        return num_blocks, cache.block_size
+        num_blocks, num_device_blocks = cache.hits(request.prefix_hashes(cache.block_size),
+                                                   subscription.load if subscription else None)
+        return num_blocks, num_device_blocks, cache.block_size
 
     def _view(self, request: RoutingRequest, replica_id: str, queue_len: int) -> ReplicaView:
         subscription = self.loads.get(replica_id)
@@ -178,7 +179,7 @@ class HeadroomRouter:
         if load is not None:
             # Sends the snapshot already covers stop counting; a repeat does nothing.
             self.inflight.observe_snapshot(replica_id, load.seq, load.timestamp)
-        cached_blocks, block_size = self._cached_blocks(request, replica_id)
+        cached_blocks, device_blocks, block_size = self._cached_blocks(request, replica_id)
         if self.kv_events is not None:
             self.metrics.set_cached_blocks(replica_id, self.cache_index.num_blocks(replica_id))
         return ReplicaView(
@@ -189,6 +190,7 @@ class HeadroomRouter:
             inflight_since_snapshot=self._inflight_counts(replica_id),
             cached_blocks=cached_blocks,
             cache_block_size=block_size,
+            device_blocks=device_blocks,
         )
 
     def _inflight_counts(self, replica_id: str) -> InflightCounts:
@@ -208,12 +210,13 @@ class HeadroomRouter:
     def _send_of(self, request: RoutingRequest, replica_id: str) -> InflightCounts:
         """What sending `request` to the replica adds before its next snapshot shows it."""
         subscription = self.loads.get(replica_id)
-        if subscription is None or subscription.load is None:
-            # No block size known yet: the request still counts, and so does its prefill.
+        if subscription is None or subscription.load is None or not subscription.load.block_size:
+            # No block size known: the request still counts, and so does its prefill.
             return InflightCounts(1, 0, request.prompt_tokens)
         load = subscription.load
-        cached_blocks, _ = self._cached_blocks(request, replica_id)
-        return InflightCounts.one_send(request.expected_blocks(load), request.prompt_tokens, cached_blocks, load.block_size)
+        cached_blocks, device_blocks, _ = self._cached_blocks(request, replica_id)
+        return InflightCounts.one_send(request.expected_blocks(load), request.prompt_tokens, cached_blocks,
+                                       load.block_size, device_blocks)
 
     async def close(self) -> None:
         await self.loads.close()

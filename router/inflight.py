@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -19,11 +20,14 @@ class InflightCounts:
     prefill_tokens: int = 0
 
     @classmethod
-    def one_send(cls, sequence_blocks: int, prompt_tokens: int, cached_blocks: int, block_size: int) -> "InflightCounts":
+    def one_send(cls, sequence_blocks: int, prompt_tokens: int, cached_blocks: int, block_size: int,
+                 device_blocks: Optional[int] = None) -> "InflightCounts":
         """One request of `sequence_blocks` (prompt + max_tokens) sent where `cached_blocks`
-        of its prompt are cached."""
+        of its prompt are cached (saving their prefill), `device_blocks` of them on the device
+        (saving their memory; None: all of them)."""
         cached_tokens = min(cached_blocks * block_size, prompt_tokens)
-        return cls(1, max(0, sequence_blocks - cached_blocks), prompt_tokens - cached_tokens)
+        shared_blocks = cached_blocks if device_blocks is None else device_blocks
+        return cls(1, max(0, sequence_blocks - shared_blocks), prompt_tokens - cached_tokens)
 
 
 class InflightTracker:

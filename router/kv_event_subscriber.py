@@ -43,6 +43,8 @@ class KVEventSubscription(StreamSubscription):
                 if self.snapshots > 1 and self.on_resync is not None:
                     self.on_resync(self.replica_id)
             previous_seq = batch.seq
+            if self.stopped:  # unsubscribed: its index entry is gone and stays gone
+                return
             if not self.index.apply(self.replica_id, batch):
                 raise KVEventGap(f"{self.replica_id}: batch {batch.seq} after a gap")
 

@@ -358,8 +358,16 @@ class HeadroomPolicy(RoutingPolicy):
                 and request.prompt_tokens > 0  # an unsized request holds nothing anywhere
                 and min(view.cached_tokens, request.prompt_tokens) >= self.pin_prefix_fraction * request.prompt_tokens)
 
-    def known_cached_blocks(self, request: RoutingRequest, view: ReplicaView) -> int:
-        return max(view.cached_blocks, self.live_blocks(request, view))
+    def _with_live_blocks(self, request: RoutingRequest, view: ReplicaView) -> ReplicaView:
+        """`view` counting the blocks requests this router sent there share (on its device,
+        before its KV events say so)."""
+        live = self.live_blocks(request, view)
+        device = view.cached_blocks if view.device_blocks is None else view.device_blocks
+        if live <= device:
+            return view
+        return replace(view, cached_blocks=max(view.cached_blocks, live),
+                       device_blocks=None if view.device_blocks is None else live,
+                       cache_block_size=view.cache_block_size or view.load.block_size)
 
     def on_routed(self, request: RoutingRequest, replica_id: str, request_key: str, cached_blocks: int) -> None:
         tenant = tenant_key(request)
@@ -406,8 +414,9 @@ class HeadroomPolicy(RoutingPolicy):
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
         inflight = view.inflight_since_snapshot
         inflight_tokens = inflight.blocks * block_size  # full sequences, like kv_committed_tokens
-        cached_tokens = min(view.cached_tokens, request.prompt_tokens)
-        own_tokens = request.expected_blocks(load) * block_size - cached_tokens
+        cached_tokens = min(view.cached_tokens, request.prompt_tokens)  # prefill saved
+        shared_tokens = min(view.shared_tokens, request.prompt_tokens)  # memory not allocated again
+        own_tokens = request.expected_blocks(load) * block_size - shared_tokens
         free_after_tokens = load.headroom_tokens - load.kv_committed_tokens - inflight_tokens - own_tokens
         headroom_after = free_after_tokens / pool_tokens
         # Where the replica holds what does not fit instead of preempting for it (it admits by
@@ -415,7 +424,7 @@ class HeadroomPolicy(RoutingPolicy):
         # to the fit: any other replica would have to allocate that prefix again, so waiting
         # there for at most that much memory to free costs the cluster no more memory, and
         # evicts no other tenant's prefix to make room for a copy.
-        lent_tokens = cached_tokens if load.expected_output_tokens > 0 else 0
+        lent_tokens = shared_tokens if load.expected_output_tokens > 0 else 0
         # Pinned: a holder of enough of the prompt keeps the request of a tenant that fits one
         # replica whatever its room, as approx_prefix keeps a tenant on one replica.
         pinned = pin and self.holds_enough(request, view)
@@ -439,9 +448,7 @@ class HeadroomPolicy(RoutingPolicy):
         # Blocks this router sent there count before the replica's KV events say so, in the
         # block size live_blocks counted them in (its load's, while the replica has no index:
         # a size of 0 made them worth no tokens).
-        fresh = [replace(view, cached_blocks=known, cache_block_size=view.cache_block_size or view.load.block_size)
-                 if (known := self.known_cached_blocks(request, view)) != view.cached_blocks
-                 else view for view in fresh]
+        fresh = [self._with_live_blocks(request, view) for view in fresh]
         pins = self.pins(request, len(replicas))
         pin = pins and any(self.holds_enough(request, view) for view in fresh)
         # A pinned tenant nobody holds yet: where it lands now is where pinning keeps it.

@@ -75,13 +75,24 @@ class ReplicaView:
     queue_len: int  # Ray Serve's own count of requests in flight to this replica
     inflight_since_snapshot: InflightCounts = field(default_factory=InflightCounts)
     # Leading blocks of the request's prompt this replica's prefix cache holds, from its KV
-    # events (0 when unknown); in blocks of `cache_block_size` tokens.
+    # events (0 when unknown); in blocks of `cache_block_size` tokens. A host-tier hit counts
+    # at what it saves after its copy back (router/cache_index.py's host_hit_worth).
     cached_blocks: int = 0
     cache_block_size: int = 0
+    # Of those, the blocks on the replica's device: memory the request shares rather than
+    # allocates (a host hit is copied into blocks allocated for it). None: all of them.
+    device_blocks: Optional[int] = None
 
     @property
     def cached_tokens(self) -> int:
+        """Prompt tokens the replica's cache saves prefilling."""
         return self.cached_blocks * self.cache_block_size
+
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt tokens whose KV the replica already holds on its device."""
+        blocks = self.cached_blocks if self.device_blocks is None else min(self.device_blocks, self.cached_blocks)
+        return blocks * self.cache_block_size
 
     def has_fresh_load(self, staleness_s: float) -> bool:
         # A load without a block size (no replica of ours sends one) is no measure of anything:

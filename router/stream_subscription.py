@@ -59,6 +59,7 @@ class StreamSubscription(abc.ABC):
         self.rng = rng or random.Random()
         self.connects = 0  # streams that delivered at least one message
         self.failed_attempts = 0  # consecutive attempts without a message; sets the backoff
+        self.stopped = False
         self._task: Optional[asyncio.Task] = None
 
     def start(self) -> None:
@@ -66,9 +67,16 @@ class StreamSubscription(abc.ABC):
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"{self.kind}-{self.replica_id}")
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """Deliver nothing more, from now: a message the stream's task was already woken with
+        would otherwise still be applied when it runs, after the subscription was dropped."""
+        self.stopped = True
         if self._task is not None:
             self._task.cancel()
+
+    async def close(self) -> None:
+        self.stop()
+        if self._task is not None:
             try:
                 await self._task
             except asyncio.CancelledError:
@@ -129,6 +137,7 @@ class SubscriptionSet(Generic[S]):
         """Stop watching a dead or removed replica (closes its stream in the background)."""
         subscription = self._subscriptions.pop(replica_id, None)
         if subscription is not None:
+            subscription.stop()
             task = asyncio.get_running_loop().create_task(subscription.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from protos import headroom_pb2 as pb
 from router.cache_index import ReplicaCache, host_hit_worth
+from router.policies import RoutingRequest
+from router_harness import router_over
 
 STORED, REMOVED, CLEARED = pb.KV_EVENT_BLOCK_STORED, pb.KV_EVENT_BLOCK_REMOVED, pb.KV_EVENT_ALL_BLOCKS_CLEARED
 HOST = pb.KV_MEDIUM_HOST
@@ -39,3 +41,25 @@ def test_a_host_hit_is_worth_a_device_hit_less_its_copy_back():
     assert host_hit_worth(pb.ReplicaLoad(host_kv_blocks_total=64, host_hit_cost_ratio=3.0)) == 0.0
     assert host_hit_worth(pb.ReplicaLoad()) == 0.0  # no host tier reported
     assert host_hit_worth(None) == 0.0
+
+
+def test_a_host_tier_hit_saves_prefill_but_not_the_device_memory_the_fit_needs():
+    # The holder keeps the whole 3,200-token prompt on its host tier (a copy back costs
+    # nothing, host_hit_cost_ratio 0) but has 1,600 tokens free: the request (3,456 tokens
+    # with its output) needs 216 new device blocks there, as anywhere. Counted as shared
+    # device memory, the host hit made the holder "fit" and ranked it first.
+    request = RoutingRequest(prompt_tokens=3200, max_tokens=256, prompt_token_ids=tuple(range(1, 3201)))
+    loads = {replica_id: pb.ReplicaLoad(kv_blocks_total=1000, kv_blocks_free=free, block_size=16,
+                                        kv_usage=1 - free / 1000, headroom_tokens=free * 16, step_time_ms=20.0,
+                                        host_kv_blocks_total=4000, host_hit_cost_ratio=0.0)
+             for replica_id, free in (("holder", 100), ("empty", 1000))}
+    router = router_over(loads)
+    router.cache_index.apply("holder", pb.KVEventBatch(seq=1, snapshot=True, block_size=16, events=[
+        pb.KVEvent(kind=CLEARED), *(pb.KVEvent(kind=STORED, block_hash=h, medium=HOST) for h in request.prefix_hashes(16))]))
+    view = router._view(request, "holder", 0)
+    assert (view.cached_tokens, view.shared_tokens) == (3184, 0)  # the prefill saved; no memory shared
+    assert not router.policy.score(request, view).fits
+    assert router.rank(request, {"holder": 0, "empty": 0}, "k") == ["empty", "holder"]
+    # And what a send there commits: every block of the sequence, less none.
+    send = router._send_of(request, "holder")
+    assert send.blocks == 216 and send.prefill_tokens == 3200 - 3184

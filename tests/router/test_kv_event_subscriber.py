@@ -73,3 +73,50 @@ def test_routed_requests_count_predicted_hits_and_spills_away_from_the_holder():
             await server.stop(0.5)
 
     asyncio.run(scenario())
+
+
+def test_a_batch_arriving_as_its_replica_is_unsubscribed_does_not_bring_its_index_entry_back():
+    """A race a real stream cannot be made to hit on demand, so the transport is a stand-in
+    (the subscription's own stream code reads it): the stream task is woken with a batch in
+    the same loop iteration as the router drops the replica. It used to run first and apply the
+    batch, recreating the index entry with no subscription left to drop it."""
+    from protos import headroom_pb2 as pb
+    from router.cache_index import PrefixCacheIndex
+    from router.kv_event_subscriber import KVEventSubscriber
+
+    snapshot = pb.KVEventBatch(replica_id="r", seq=1, snapshot=True, block_size=16, events=[
+        pb.KVEvent(kind=pb.KV_EVENT_ALL_BLOCKS_CLEARED), pb.KVEvent(kind=pb.KV_EVENT_BLOCK_STORED, block_hash=b"a")])
+    later = pb.KVEventBatch(replica_id="r", seq=2, block_size=16, events=[
+        pb.KVEvent(kind=pb.KV_EVENT_BLOCK_STORED, block_hash=b"b", parent_hash=b"a")])
+
+    class GatedChannel:
+        """Answers every stream with the snapshot, then `later` once the gate opens."""
+
+        def __init__(self, gate: asyncio.Event):
+            self.gate = gate
+
+        def unary_stream(self, *args, **kwargs):
+            async def stream():
+                yield snapshot
+                await self.gate.wait()
+                yield later
+            return lambda request, metadata=(): stream()
+
+        unary_unary = unary_stream
+
+    async def scenario() -> None:
+        index = PrefixCacheIndex()
+        subscriber = KVEventSubscriber(index)
+        subscription = subscriber._make("r", "unused:1")
+        gate = asyncio.Event()
+        subscription._task = asyncio.get_running_loop().create_task(subscription._stream_once(GatedChannel(gate)))
+        subscriber._subscriptions["r"] = subscription
+        await eventually(lambda: index.get("r") is not None)
+        gate.set()  # the stream task is woken with `later`...
+        subscriber.unsubscribe("r")  # ...as the router drops the replica
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert index.get("r") is None and "r" not in index.replica_ids()
+        await subscriber.close()
+
+    asyncio.run(scenario())

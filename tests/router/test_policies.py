@@ -501,3 +501,18 @@ def test_placement_margin_below_0_is_a_clear_error():
 def test_pin_share_window_must_be_a_whole_number_of_requests(window):
     with pytest.raises(ValueError, match="pin_share_window"):
         HeadroomPolicy(pin_share_window=window)
+
+
+@pytest.mark.parametrize("policy", ["headroom", "pow2", "least_loaded", "round_robin"])
+def test_a_load_without_a_block_size_is_ranked_and_routed_to_without_dividing_by_it(policy):
+    # Ranked first by its shorter queue, the odd replica's send was sized by dividing by 0.
+    from router_harness import router_over
+
+    loads = {"odd": make_load("odd", free_blocks=800), "fine": make_load("fine", free_blocks=800)}
+    loads["odd"].block_size = 0
+    router = router_over(loads, policy)
+    request = RoutingRequest(prompt_tokens=100, max_tokens=50)
+    ranked = router.rank(request, {"odd": 0, "fine": 5}, "k")
+    assert sorted(ranked) == ["fine", "odd"]
+    for replica_id in ranked:
+        router.routed(request, "k", replica_id)
