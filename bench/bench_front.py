@@ -4,13 +4,18 @@ queue and its merging) for a batch of streams fed one token each per step, as th
 core's StepOutputs feed it, in one process.
 
     python bench/bench_front.py [--model builtin|DIR] [--streams 256] [--tokens 128]
-                                [--tokens-from text|past-vocab|special]
+                                [--tokens-from text|past-vocab|special] [--stop-strings limit]
 
 --tokens-from picks what the streams emit: `text` (the tokenizer's own encoding of English
 prose, what a trained model writes), `past-vocab` (ids past the tokenizer's vocabulary, what a
 random checkpoint larger than its tokenizer samples: bench_gpu.py's 1.1B model until cd5d5f6)
 or `special` (a skipped special token, as `logit_bias` on EOS with `ignore_eos` forces). Each
-stream's consumer drains it between steps, as a writer keeping up does.
+stream's consumer drains it between steps, as a writer keeping up does. --stop-strings limit
+gives each request the stop strings the request limits allow at their worst for matching
+(64 strings, 4,096 characters): 63 that never match, and one that is the stream's own text
+plus a character it never writes, so the whole output is held back as a possible stop string,
+and every token is matched against all of them (the peer there: the same streams without
+stop strings).
 
 Printed: microseconds of the front's CPU per output token, split into the processor with and
 without the request metrics; the detokenizer alone against `tokenizers`' own incremental
@@ -53,14 +58,25 @@ def token_stream(tokenizer: Tokenizer, kind: str, length: int, seed: int) -> lis
     return [tokenizer.eos_token_id] * length
 
 
-async def process_per_token(tokenizer: Tokenizer, streams: list[list[int]], with_metrics: bool) -> float:
+def worst_stop_strings(tokenizer: Tokenizer, ids: list[int]) -> tuple[str, ...]:
+    """The request limits' worst case for the matcher (module docstring): 4,096 characters in
+    64 strings, the last the stream's own text (up to its share) plus a character it never
+    writes."""
+    own = tokenizer.decode(ids)[:2047] + "\x01"
+    filler_length = (4096 - len(own)) // 63
+    return tuple(chr(0x2460 + index) * filler_length for index in range(63)) + (own,)
+
+
+async def process_per_token(tokenizer: Tokenizer, streams: list[list[int]], with_metrics: bool,
+                            stop_strings: bool = False) -> float:
     """Seconds of OutputProcessor.process per output token, every stream one token a step."""
     observer = RequestMetrics(ReplicaMetrics("bench", "bench"), time.monotonic) if with_metrics else None
     processor = OutputProcessor(tokenizer, lambda request_id: None, observer)
     config = EngineConfig()
     queues = []
     for index, ids in enumerate(streams):
-        request = make_request(f"r{index}", [1] * 32, SamplingParams(max_tokens=len(ids), ignore_eos=True),
+        stop = worst_stop_strings(tokenizer, ids) if stop_strings else None
+        request = make_request(f"r{index}", [1] * 32, SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stop),
                                config=config, eos_token_ids=(), clock=time.monotonic)
         queue = RequestStream(request)
         processor.track(queue)
@@ -107,6 +123,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--tokens-from", choices=("text", "past-vocab", "special"), default="text")
+    parser.add_argument("--stop-strings", choices=("none", "limit"), default="none",
+                        help="limit: the request limits' worst case for stop-string matching (module docstring)")
     parser.add_argument("--gpu-tok-s", type=float, default=57_900.0,
                         help="the output rate one front must keep up with (tok/s)")
     args = parser.parse_args()
@@ -123,6 +141,11 @@ def main() -> None:
           f"(tokenizers, Rust): {ours / peer:.2f}x")
     print(f"one front's budget per token at {args.gpu_tok_s:,.0f} tok/s: {budget * 1e6:.2f} us; this path uses "
           f"{observed / budget:.0%} of it")
+    if args.stop_strings == "limit":
+        stopped = min(asyncio.run(process_per_token(tokenizer, streams, with_metrics=True, stop_strings=True))
+                      for _ in range(3))
+        print(f"with the request limits' worst stop strings (64, 4,096 characters, the output held back): "
+              f"{stopped * 1e6:.2f} us per token, {stopped / observed:.2f}x the same streams without them")
 
 
 if __name__ == "__main__":

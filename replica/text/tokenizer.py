@@ -202,7 +202,9 @@ class IncrementalDetokenizer:
     text grows and does not end in an incomplete character. The window starts at the
     first output token, so the deltas (ending with flush()) concatenate to exactly
     `tokenizer.decode(output_ids)`; decoding with prompt context would instead keep, for
-    example, the leading space a SentencePiece tokenizer strips from the first token.
+    example, the leading space a SentencePiece tokenizer strips from the first token. The one
+    exception is a SentencePiece tokenizer's byte fallback: a byte arriving later can turn
+    text already released into replacement characters in the full decode (_release_settled).
 
     For a byte-level tokenizer, tokenizers' DecodeStream runs that same window in Rust, a third
     of the cost per token (bench/bench_front.py: 0.6 vs 1.9 µs on prose), fed one id at a time

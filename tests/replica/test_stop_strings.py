@@ -5,6 +5,7 @@ begin one is held back until it is known not to, and the string is left out of t
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from replica.text.stop_strings import StopMatch, StopStringMatcher
 
@@ -60,3 +61,37 @@ def test_nothing_comes_out_after_the_stop():
 def test_empty_stop_strings_are_refused():
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+def reference(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    """The definition, by brute force: the stop string completed first, then the longest of
+    those completed there; the text before it (with it, `include`)."""
+    for end in range(1, len(text) + 1):
+        done = [stop for stop in stops if text[:end].endswith(stop)]
+        if done:
+            stop = max(done, key=len)
+            return text[:end if include else end - len(stop)], stop
+    return text, None
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=6),
+                                                              min_size=1, max_size=5),
+       cuts=st.lists(st.integers(min_value=0, max_value=30)), include=st.booleans())
+def test_the_matcher_is_its_definition_and_holds_back_exactly_what_could_still_be_a_stop(text, stops, cuts, include):
+    bounds = sorted({0, len(text), *(cut for cut in cuts if cut < len(text))})
+    deltas = [text[start:end] for start, end in zip(bounds, bounds[1:])]
+    matcher = StopStringMatcher(stops, include)
+    released, seen = "", ""
+    for delta in deltas:
+        match = matcher.feed(delta)
+        released += match.text
+        seen += delta
+        if match.stop is not None:
+            assert (released, match.stop) == reference(text, stops, include)
+            return
+        # Held back: the longest end of the text so far that begins a stop string, no more.
+        held = seen[len(released):]
+        assert held == max((seen[start:] for start in range(len(seen) + 1)
+                            if any(stop.startswith(seen[start:]) and stop != seen[start:] for stop in stops)), key=len)
+    assert (released + matcher.flush(), None) == reference(text, stops, include)
