@@ -110,11 +110,16 @@ _LARK_TOKEN = re.compile(r"""(?P<directive>%[^\n]*)|(?P<atom>"(?:[^"\\]|\\.)*"i?
                          r"""|(?P<quantifier>[+*?]|\{\s*\d+\s*(?:,\s*\d*\s*)?\})|(?P<open>[(\[])|(?P<close>[)\]])|(?P<space>\s+)|(?P<other>.)""")
 
 
+_NONE_OF = re.compile(r"\{\s*0\s*(?:,\s*0\s*)?\}")  # {0}, {0,0}: the item zero times
+
+
 def _group_stacked_quantifiers(lark: str) -> str:
     """The converter drops the parentheses around a one-item group, so GBNF's `([0-9]+)?` (a
     common way to write an optional run) became `/[0-9]/+?`, which llguidance's Lark parser
     refuses ("Expected value"): each quantifier after the first gets its group back,
-    `(/[0-9]/+)?`. One pass over the tokens (a grammar may hold thousands of them)."""
+    `(/[0-9]/+)?`. An item repeated zero times (`x{0}`, `x{0,0}`: llguidance refuses a range
+    ending at 0) is the empty string it means. One pass over the tokens (a grammar may hold
+    thousands of them)."""
     texts: list[str] = []
     opens: dict[int, int] = {}  # index in texts -> the "(" to write before it
     brackets: list[int] = []  # where each open bracket's group starts
@@ -122,6 +127,12 @@ def _group_stacked_quantifiers(lark: str) -> str:
     previous = None  # the kind of the latest token that is not space
     for match in _LARK_TOKEN.finditer(lark):
         kind = match.lastgroup
+        if kind == "quantifier" and item is not None and _NONE_OF.fullmatch(match.group()):
+            del texts[item:]
+            opens = {index: count for index, count in opens.items() if index < item}
+            texts.append('""')
+            previous = "atom"
+            continue
         if kind == "quantifier" and previous == "quantifier" and item is not None:
             opens[item] = opens.get(item, 0) + 1
             texts.append(")")

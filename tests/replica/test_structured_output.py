@@ -203,11 +203,14 @@ def test_a_gbnf_grammar_as_vllms_docs_write_it_is_served_and_a_broken_one_refuse
     ('root ::= (("ab")+)+ "c"', ["abc", "ababc"], ["c", "abac"]),
     ('root ::= (("x"){2})+ (("y")+){2}', ["xxyy", "xxxxyyy"], ["xyy", "xxy"]),
     ('root ::= item ("," ws item)*\nitem ::= [a-z]+\nws ::= ([ \\t]+)?', ["a,b", "ab, c"], ["a,", ",a"]),
+    # an item zero times, which llguidance refuses as a range ending at 0: the empty string
+    ('root ::= "a"{0} "b" ("c"+){0,0} x{0}\nx ::= "q"', ["b"], ["ab", "bc", "bq"]),
 ])
-def test_a_gbnf_group_quantified_twice_is_served(builtin_engine, gbnf, accepted, refused):
+def test_gbnf_quantifiers_llguidances_lark_refuses_are_served(builtin_engine, gbnf, accepted, refused):
     """llguidance's GBNF converter drops the parentheses around a one-item group, so `([0-9]+)?`
     became Lark's `/[0-9]/+?`, which its own parser refused ("Expected value"): each stacked
-    quantifier gets its group back (helper-45's fuzzing)."""
+    quantifier gets its group back (helper-45's fuzzing). And `x{0}` is served as the empty
+    string it means."""
     compiler = _compiler(builtin_engine)
     try:
         constraint = StructuredOutput.of("grammar", gbnf, "guided_grammar")
