@@ -4,6 +4,7 @@ core, the server, ray.init) is a usage error naming the flag instead, exit statu
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import re
 
@@ -29,3 +30,23 @@ positive_seconds = checked(float, lambda value: 0 < value < math.inf, "a number 
 positive_number = checked(float, lambda value: 0 < value < math.inf, "a number > 0")
 # What torch.device takes for the devices the engine runs on.
 device_name = checked(str, lambda name: re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None, "cpu, cuda or cuda:N")
+
+
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def is_address(text: str) -> bool:
+    """An IP address or an RFC 1123 host name (not resolved: a name may only resolve on the nodes)."""
+    return is_ip_address(text) or _HOST_NAME.fullmatch(text) is not None
+
+
+def is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+host_address = checked(str, is_address, "an IP address or a host name")

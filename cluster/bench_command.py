@@ -21,7 +21,7 @@ from rich.table import Table
 
 from cluster import status_command
 from cluster.arg_types import positive_int, positive_number
-from cluster.generate_command import add_target_arguments, open_channel, target_connection
+from cluster.generate_command import add_target_arguments, max_tokens_value, open_channel, target_connection
 from cluster.stats import percentile
 from cluster.trace import read_trace
 from protos import headroom_pb2 as pb
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="most requests in flight at once (default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length without a trace (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=positive_int, default=64, help="output length without a trace (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=max_tokens_value, default=64, help="output length without a trace (default: %(default)s)")
     parser.add_argument("--trace", default=None,
                         help="CSV with TIMESTAMP, ContextTokens, GeneratedTokens (the Azure LLM trace format): "
                              "replay its arrivals and sizes, clipped to the model's context length")

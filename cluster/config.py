@@ -5,8 +5,8 @@ with errors naming the dotted field path, and its mapping onto Ray Serve's own o
 
 from __future__ import annotations
 
+import importlib
 import inspect
-import ipaddress
 import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from cluster.arg_types import is_address
 from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, ConfigModel, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
@@ -247,7 +248,7 @@ class PortsConfig(_Strict):
         # (Serve's deploy traceback) after the cluster was up. Not resolved here: a host name may
         # only resolve on the nodes.
         address = self.bind_address
-        if address is not None and not _is_address(address):
+        if address is not None and not is_address(address):
             raise ConfigError(f"bind_address: {address!r} is neither an IP address nor a host name")
         return self
 
@@ -266,23 +267,6 @@ class PortsConfig(_Strict):
 
 
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
-_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
-
-
-def _is_address(text: str) -> bool:
-    """An IP address or an RFC 1123 host name (not resolved: a name may only resolve on the nodes)."""
-    return _is_ip_address(text) or _HOST_NAME.fullmatch(text) is not None
-
-
-def _is_ip_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 # gRPC's message bound is a C int: Serve's gRPC proxy, given a larger one (RequestLimits.message_cap
 # in replica/server/request_limits.py: 4 x max_request_bytes, 16 x max_prompt_chars), fails to start.
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
@@ -351,6 +335,15 @@ class ClusterConfig(_Strict):
         return self.model_id or Path(self.model).name
 
     @model_validator(mode="after")
+    def _gpus_for_every_rank(self) -> "ClusterConfig":
+        # With the GPUs given, no cluster is needed to see they cannot hold the ranks.
+        num_gpus, ranks = self.replicas.num_gpus, self.engine.tensor_parallel_size
+        if num_gpus is not None and ranks > 1 and 0 < num_gpus < ranks:
+            raise ConfigError(f"replicas.num_gpus: {num_gpus:g} GPUs cannot hold engine.tensor_parallel_size "
+                              f"{ranks} ranks (one GPU each)")
+        return self
+
+    @model_validator(mode="after")
     def _has_a_model_id(self) -> "ClusterConfig":
         # The id names the application and is what clients ask for: a path without a last
         # component (".", "/", "..") gives none.
@@ -382,10 +375,7 @@ def serve_deployment_options(config: ClusterConfig, cluster_gpus: float) -> dict
     replicas = config.replicas
     tensor_parallel_size = config.engine.tensor_parallel_size
     num_cpus = (1.0 if replicas.num_cpus is None else replicas.num_cpus) * tensor_parallel_size
-    num_gpus = resolve_num_gpus(replicas, cluster_gpus, tensor_parallel_size)
-    if tensor_parallel_size > 1 and 0 < num_gpus < tensor_parallel_size:
-        raise ConfigError(f"replicas.num_gpus: {num_gpus:g} GPUs cannot hold engine.tensor_parallel_size "
-                          f"{tensor_parallel_size} ranks (one GPU each)")
+    num_gpus = resolve_num_gpus(replicas, cluster_gpus, tensor_parallel_size)  # enough: ClusterConfig checks
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
         # Serve's default of 5 would cap a continuous batch at 5 requests; the engine bounds
@@ -421,7 +411,7 @@ class HTTPOptions(_Strict):
     @model_validator(mode="after")
     def _host_is_an_address(self) -> "HTTPOptions":
         # Serve's HTTP proxy binds it only once the cluster runs, and a typo failed the proxy there.
-        if not _is_address(self.host):
+        if not is_address(self.host):
             raise ConfigError(f"host: {self.host!r} is neither an IP address nor a host name")
         return self
 
@@ -439,12 +429,38 @@ class GRPCOptions(_Strict):
     port: int = Field(PortsConfig.model_fields["grpc"].default, ge=1, le=65535)
     grpc_servicer_functions: list[str] = Field(default_factory=lambda: list(GRPC_SERVICER_FUNCTIONS))
 
+    @model_validator(mode="after")
+    def _serves_generation(self) -> "GRPCOptions":
+        # Serve imports these in its proxies once the cluster runs (a typo failed every proxy
+        # there), and with none it starts no gRPC server at all.
+        if GRPC_SERVICER_FUNCTIONS[0] not in self.grpc_servicer_functions:
+            raise ConfigError(f"grpc_servicer_functions: must include {GRPC_SERVICER_FUNCTIONS[0]} "
+                              "(headroom.v1.Generation)")
+        for index, path in enumerate(self.grpc_servicer_functions):
+            module_name, _, attribute = path.rpartition(".")
+            try:
+                function = getattr(importlib.import_module(module_name), attribute) if module_name else None
+            except Exception:  # noqa: BLE001 - any failure to import is the entry's
+                function = None
+            if not callable(function):
+                raise ConfigError(f"grpc_servicer_functions[{index}]: {path!r} is not an importable function "
+                                  "(module.function)")
+        return self
+
 
 class ServeApplication(_Strict):
     """One entry of a Serve config's `applications`, with `args` typed as ClusterConfig."""
 
     name: str = Field(..., min_length=1)
     route_prefix: Optional[str] = Field("/", description="HTTP path prefix; distinct per application.")
+
+    @model_validator(mode="after")
+    def _name_travels_in_grpc_metadata(self) -> "ServeApplication":
+        # Serve's gRPC proxy routes by the `application` metadata, which carries printable ASCII only.
+        if not _is_metadata_value(self.name):
+            raise ConfigError(f"name: {self.name!r} must be printable ASCII without spaces (gRPC clients "
+                              "name the application in request metadata)")
+        return self
 
     @model_validator(mode="after")
     def _route_prefix_as_serve_takes_it(self) -> "ServeApplication":
@@ -535,12 +551,20 @@ def load_config(source: Union[str, Path, Mapping[str, Any]]) -> ServeAppsConfig:
     document = _read_yaml(source) if isinstance(source, (str, Path)) else source
     if not isinstance(document, Mapping):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(document).__name__}")
+    if _expanded_size(document) > MAX_CONFIG_VALUES:
+        raise ConfigError(f"config: more than {MAX_CONFIG_VALUES:,} values once its YAML aliases are expanded")
     try:
         if "applications" in document:
             return ServeAppsConfig.model_validate(document)
+        if serve_keys := sorted(set(document) & set(ServeAppsConfig.model_fields)):
+            # A Serve config whose `applications` is missing (or misspelled) is no bare ClusterConfig.
+            raise ConfigError(f"applications: required in a Serve config (it has {', '.join(serve_keys)})")
         cluster = ClusterConfig.model_validate(document)
     except ValidationError as error:
         raise _config_error(error) from None
+    if not _is_metadata_value(cluster.served_model_id):
+        raise ConfigError(f"model_id: {cluster.served_model_id!r} names the application, which must be printable "
+                          "ASCII without spaces (gRPC clients name it in request metadata); set model_id")
     return ServeAppsConfig(
         http_options=HTTPOptions(port=cluster.ports.http),
         grpc_options=GRPCOptions(port=cluster.ports.grpc),
@@ -548,14 +572,69 @@ def load_config(source: Union[str, Path, Mapping[str, Any]]) -> ServeAppsConfig:
     )
 
 
+# A config is a few hundred values; YAML aliases can make a few kilobytes expand to billions,
+# which validating or dumping it would spend minutes on.
+MAX_CONFIG_VALUES = 100_000
+
+
+def _expanded_size(document: Any) -> int:
+    """Values in `document` with every shared (aliased) node counted where it appears: linear
+    in the distinct nodes."""
+    sizes: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if isinstance(node, Mapping):
+            children = list(node.keys()) + list(node.values())
+        elif isinstance(node, list):
+            children = node
+        else:
+            return 1
+        if id(node) not in sizes:
+            sizes[id(node)] = 0  # a cycle (a recursive alias) counts once
+            sizes[id(node)] = min(1 + sum(size(child) for child in children), MAX_CONFIG_VALUES + 1)
+        return sizes[id(node)]
+
+    return size(document)
+
+
+def _is_metadata_value(text: str) -> bool:
+    return text.isascii() and text.isprintable() and not any(char.isspace() for char in text)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last,
+    silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Union[str, Path]) -> Any:
     try:
         with open(path, encoding="utf-8") as file:
-            return yaml.safe_load(file)
+            return yaml.load(file, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except OSError as error:
         raise ConfigError(f"config: cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config: {path} is not UTF-8 text (byte {error.start})") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"config: {path} is not valid YAML: {error}") from None
+        raise ConfigError(f"config: {path} is not valid YAML: {_one_line(error)}") from None
+
+
+def _one_line(error: yaml.YAMLError) -> str:
+    """PyYAML's message (three lines and a caret) as one line: the problem and where."""
+    problem = getattr(error, "problem", None)
+    mark = getattr(error, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(error).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def _config_error(error: ValidationError) -> ConfigError:

@@ -12,6 +12,7 @@ its own; with the API key as call metadata either way.
 from __future__ import annotations
 
 import argparse
+import math
 import ssl
 import sys
 import unicodedata
@@ -19,7 +20,16 @@ from typing import Optional, Union
 
 import grpc
 
-from cluster.arg_types import positive_seconds
+from cluster.arg_types import checked, positive_seconds
+
+# What the request's fields carry (protos/headroom.proto: uint32 max_tokens, uint64 seed), and
+# what the server takes: a value outside them was a traceback here, or a refusal there.
+max_tokens_value = checked(int, lambda value: 1 <= value < 2 ** 32, "an integer from 1 to 4294967295")
+seed_value = checked(int, lambda value: 0 <= value < 2 ** 64, "an integer from 0 to 2**64 - 1")
+temperature_value = checked(float, lambda value: 0 <= value < math.inf, "a number >= 0")
+# Serve's gRPC proxy routes by this metadata value, which carries printable ASCII only.
+application_name = checked(str, lambda name: name.isascii() and name.isprintable() and name.strip() == name != "",
+                           "an application name (printable ASCII)")
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
@@ -31,9 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the prompt as a user message through the model's chat template")
     parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     add_target_arguments(parser)
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
-    parser.add_argument("--seed", type=int, default=None, help="sampler seed, for reproducible output")
+    parser.add_argument("--max-tokens", type=max_tokens_value, default=64,
+                        help="most tokens to generate (default: %(default)s)")
+    parser.add_argument("--temperature", type=temperature_value, default=None,
+                        help="0 = greedy (default: the server's, 1.0)")
+    parser.add_argument("--seed", type=seed_value, default=None, help="sampler seed, for reproducible output")
     parser.add_argument("--timeout-s", type=positive_seconds, default=300.0, help="give up after this long (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",
                         help="write the text as generated, control characters included (default: escape them)")
@@ -49,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     """Where a gRPC client command sends its requests (shared with `headroom bench`)."""
     parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC address host:port (default: %(default)s)")
-    parser.add_argument("--application", default=None,
+    parser.add_argument("--application", type=application_name, default=None,
                         help="Serve application (model) to call; needed when the cluster serves several")
     add_client_api_key_argument(parser)
     parser.add_argument("--tls", action="store_true",
@@ -148,6 +160,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 request.json_schema = schema_file.read()
         except OSError as error:
             parser.error(f"--json-schema: cannot read {args.json_schema}: {error.strerror}")
+        except UnicodeDecodeError as error:
+            parser.error(f"--json-schema: {args.json_schema} is not UTF-8 text (byte {error.start})")
     elif args.json_object:
         request.json_object = True
     elif args.regex is not None:

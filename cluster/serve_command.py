@@ -95,6 +95,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
                 if flag_set in overrides.get("replicas", {}):
                     replicas.pop(replaced, None)
             application["args"] = _merged(application.get("args", {}), overrides)
+    for application in document["applications"]:
+        _absolute_paths(application.setdefault("args", {}))
     for proxy, port in (("http", args.http_port), ("grpc", args.grpc_port)):
         if port is not None:
             document.setdefault(f"{proxy}_options", {})["port"] = port
@@ -111,6 +113,17 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
     config = load_config(document)
     check_tls_files(config, from_flags=args.tls_cert is not None)
     return config
+
+
+def _absolute_paths(cluster_args: dict[str, Any]) -> None:
+    """A config file's relative paths as this command's directory reads them, the way its flags
+    are: the replicas and ingresses (Ray workers) run elsewhere."""
+    model = cluster_args.get("model")
+    if isinstance(model, str) and model not in (BUILTIN_MODEL_NAME, *PACKAGED_MODELS) and os.path.exists(model):
+        cluster_args["model"] = os.path.abspath(model)
+    monitoring = cluster_args.get("monitoring")
+    if isinstance(monitoring, dict) and isinstance(monitoring.get("targets_dir"), str):
+        monitoring["targets_dir"] = os.path.abspath(monitoring["targets_dir"])
 
 
 def check_tls_files(config: ServeAppsConfig, from_flags: bool) -> None:

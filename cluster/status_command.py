@@ -184,6 +184,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         decisions = {app_name: latest_decision(app_name) for app_name, count in counts.items() if count.autoscaling}
         changes = {app_name: decision_changes(app_name) for app_name in decisions}
         door = grpc_door_address()
+    except ValueError as error:  # ray.init's refusal of the address itself: a usage error
+        parser.error(f"--address: {error}")
     except (ConnectionError, RuntimeError, RayServeException) as error:
         print(f"headroom status: no running cluster at {args.address}: {error}", file=sys.stderr)
         return 1

@@ -126,6 +126,10 @@ def _booleans_for_numbers(value: Any, annotation: Any, loc: tuple) -> list[InitE
     return []
 
 
+# A sequence is at least a prompt token and the one it generates.
+MIN_MAX_MODEL_LEN = 2
+
+
 class EngineConfig(ConfigModel):
     block_size: int = Field(
         16,
@@ -140,7 +144,7 @@ class EngineConfig(ConfigModel):
         2048, ge=2, description="KV cache blocks in the pool, including the reserved null block."
     )
     max_model_len: Optional[int] = Field(
-        None, ge=2,
+        None, ge=MIN_MAX_MODEL_LEN,
         description="Longest sequence (prompt + output) in tokens; None: the model's context length (SmolLM2: 8192) "
         "where the KV pool holds one such sequence, else as many tokens as it holds (resolve_max_model_len).",
     )
@@ -316,6 +320,14 @@ class EngineConfig(ConfigModel):
         if self.preemption_mode == "swap" and not self.has_host_tier:
             raise ConfigError("preemption_mode: 'swap' needs a host KV tier (set num_host_kv_blocks or host_kv_bytes)")
         if self.max_model_len is None:  # checked once the model's context is known (resolve_max_model_len)
+            # ... which can be no shorter than the pool or, with chunked prefill off, one step allows.
+            if self.gpu_memory_utilization is None and self.pool_tokens < MIN_MAX_MODEL_LEN:
+                raise ConfigError(f"num_kv_blocks: {self.num_kv_blocks} blocks of {self.block_size} tokens (one "
+                                  f"is the reserved null block) hold {self.pool_tokens}; a sequence needs at "
+                                  f"least {MIN_MAX_MODEL_LEN}")
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < MIN_MAX_MODEL_LEN:
+                raise ConfigError(f"max_num_batched_tokens: with chunked prefill off it bounds max_model_len, "
+                                  f"which must be >= {MIN_MAX_MODEL_LEN}; got {self.max_num_batched_tokens}")
             return self
         if self.gpu_memory_utilization is None:
             # With it, a profiling run on CUDA sizes the pool (memory_profile checks it holds one

@@ -293,6 +293,59 @@ def test_a_client_key_it_could_not_send_exits_2_naming_the_flag(command, key, ca
     assert "error: argument --api-key: an API key must be printable ASCII" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # Past what the request's fields carry: ValueError tracebacks from protobuf.
+    (["generate", "x", "--max-tokens", "-1"], "argument --max-tokens: invalid value '-1'"),
+    (["generate", "x", "--max-tokens", "4294967296"], "argument --max-tokens: invalid value '4294967296'"),
+    (["generate", "x", "--seed", "18446744073709551616"], "argument --seed: invalid value"),
+    (["generate", "x", "--temperature", "nan"], "argument --temperature: invalid value 'nan'"),
+    (["bench", "--max-tokens", "4294967296"], "argument --max-tokens: invalid value '4294967296'"),
+    # Metadata gRPC cannot send ("INTERNAL: Invalid metadata", naming nothing).
+    (["generate", "x", "--application", "mod\u00e8le"], "argument --application: invalid value"),
+    # A bind that could only fail once the replica started, with a traceback.
+    (["replica", "--host", "bad host"], "argument --host: invalid value 'bad host': an IP address or a host name"),
+    (["replica", "--metrics-port", "50051"], "--metrics-port: 50051 is --port's too"),
+    (["replica", "--torch-threads", "100000"], "argument --torch-threads: invalid value '100000'"),
+    # ray.init's own refusal of the address: a ValueError traceback.
+    (["status", "--address", "nohost"], "--address: Invalid address format: nohost"),
+])
+def test_a_client_or_replica_flag_refused_before_anything_starts_exits_2_naming_it(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, *(["--model", "builtin"] if argv[0] == "replica" else [])])
+    assert exited.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_a_json_schema_file_that_is_no_utf_8_exits_2_naming_the_flag(tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(b"\xff{}")
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "x", "--target", "127.0.0.1:1", "--json-schema", str(schema)])
+    assert exited.value.code == 2
+    assert f"error: --json-schema: {schema} is not UTF-8 text (byte 0)" in capsys.readouterr().err
+
+
+def test_a_replica_port_already_taken_exits_2_naming_it(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            main(["replica", "--model", "builtin", "--port", str(port)])
+    assert exited.value.code == 2
+    assert f"error: --port: cannot serve gRPC on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_config_files_relative_paths_are_read_from_the_commands_directory(tmp_path, monkeypatch):
+    # The replicas and ingresses (Ray workers) run elsewhere, as for the flags' paths.
+    (tmp_path / "m").mkdir()
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("model: m\nmodel_id: m\nmonitoring: {targets_dir: prom}\n")
+    monkeypatch.chdir(tmp_path)
+    args = serve_config_from_args(build_parser().parse_args(["serve", "--config", "serve.yaml"])).applications[0].args
+    assert (args.model, args.monitoring.targets_dir) == (str(tmp_path / "m"), str(tmp_path / "prom"))
+
+
 # ---- headroom serve ----------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "0"], "error: engine.max_model_len:"),

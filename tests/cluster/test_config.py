@@ -155,6 +155,23 @@ def test_router_policy_names_are_the_router_registry():
      "engine.slo_monitor_interval_ms: Input should be less than or equal"),
     ({"engine": {"tensor_parallel_timeout_s": 1e13}},
      "engine.tensor_parallel_timeout_s: Input should be less than or equal to 9223372036"),
+    # Each failed only as a replica started (a max_model_len of 1, derived from them).
+    ({"engine": {"num_kv_blocks": 2, "block_size": 1}}, "engine.num_kv_blocks: 2 blocks of 1 tokens"),
+    ({"engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 1}},
+     "engine.max_num_batched_tokens: with chunked prefill off it bounds max_model_len"),
+    # Known without a cluster: the GPUs given cannot hold the ranks (refused as the app deployed).
+    ({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 1}},
+     "replicas.num_gpus: 1 GPUs cannot hold engine.tensor_parallel_size 2"),
+    # Serve's gRPC proxy routes by the application's name in metadata: printable ASCII only.
+    ({"applications": [{"name": "mod\u00e8le"}]}, "applications[0].name: 'mod\u00e8le' must be printable ASCII"),
+    ({"model": "builtin", "model_id": " "}, "model_id: ' ' names the application"),
+    # Serve imports these in its proxies once the cluster runs; with none it serves no gRPC.
+    ({"grpc_options": {"grpc_servicer_functions": []}, "applications": [{"name": "a"}]},
+     "grpc_options.grpc_servicer_functions: must include cluster.grpc_proxy.add_generation_to_server"),
+    ({"grpc_options": {"grpc_servicer_functions": ["cluster.grpc_proxy.add_generation_to_server", "no.such.fn"]},
+      "applications": [{"name": "a"}]}, "grpc_options.grpc_servicer_functions[1]: 'no.such.fn' is not an importable"),
+    # A Serve config without (or with a misspelled) applications is no bare ClusterConfig.
+    ({"http_options": {"port": 8000}, "applicatons": []}, "applications: required in a Serve config"),
 ])
 def test_bad_field_raises_config_error_naming_its_dotted_path(document, message):
     with pytest.raises(ConfigError) as raised:
@@ -254,6 +271,35 @@ def test_unreadable_and_malformed_yaml_files_raise_config_error(tmp_path):
         load_config(a_list)
 
 
+def test_a_config_file_that_is_no_utf_8_no_one_line_yaml_or_a_key_twice_is_one_line_naming_it(tmp_path):
+    for name, content, message in [
+        ("latin1.yaml", "model: builtin # caf\xe9\n".encode("latin-1"), "is not UTF-8 text (byte 20)"),
+        ("tab.yaml", b"engine:\n\tblock_size: 16\n", "found character '\\t' that cannot start any token at line 2"),
+        ("twice.yaml", b"engine:\n  block_size: 16\n  block_size: 32\n", "key 'block_size' given twice at line 3"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ConfigError) as raised:
+            load_config(path)
+        assert message in str(raised.value) and "\n" not in str(raised.value), name
+
+
+def test_yaml_aliases_that_expand_past_any_config_are_refused_before_anything_walks_them(tmp_path):
+    # 4 KB that expand to 10^9 values: validating or dumping it took minutes.
+    lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for previous, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{previous}"] * 10) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines + ["model: builtin"]) + "\n")
+    with pytest.raises(ConfigError, match="values once its YAML aliases are expanded"):
+        load_config(bomb)
+    # Aliases a config really uses (one engine block for two applications) still load.
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("applications:\n- name: a\n  route_prefix: /a\n  args: {model: builtin, engine: &e {block_size: 8}}\n"
+                      "- name: b\n  route_prefix: /b\n  args: {model: builtin, engine: *e}\n")
+    assert [app.args.engine.block_size for app in load_config(shared).applications] == [8, 8]
+
+
 def test_deploy_serve_config_validates_against_our_schema():
     config = load_config(SERVE_CONFIG)
     app = config.applications[0]
@@ -349,9 +395,9 @@ def test_a_tensor_parallel_replica_reserves_a_gpu_per_rank_in_one_strict_pack_bu
 
 
 def test_fewer_gpus_than_tensor_parallel_ranks_is_a_config_error():
-    config = ClusterConfig(engine={"tensor_parallel_size": 4}, replicas={"num_gpus": 2})
+    # Refused as the config loads, before any cluster (it was refused only as the app deployed).
     with pytest.raises(ConfigError, match="^replicas.num_gpus: 2 GPUs cannot hold engine.tensor_parallel_size 4"):
-        serve_deployment_options(config, cluster_gpus=8)
+        load_config({"engine": {"tensor_parallel_size": 4}, "replicas": {"num_gpus": 2}})
 
 
 def test_headroom_autoscaling_is_the_default_policy_and_keeps_its_delays_out_of_serves():
