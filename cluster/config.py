@@ -608,11 +608,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                mark = key_node.start_mark
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", mark)
-            seen.add(key)
+            # A merge (`<<: *base`) may be overridden by the keys beside it: only those count.
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if (key_node.tag, key_node.value) in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key_node.value!r} given twice",
+                                                            key_node.start_mark)
+                seen.add((key_node.tag, key_node.value))
         return super().construct_mapping(node, deep=deep)
 
 

@@ -296,8 +296,10 @@ def test_yaml_aliases_that_expand_past_any_config_are_refused_before_anything_wa
     # Aliases a config really uses (one engine block for two applications) still load.
     shared = tmp_path / "shared.yaml"
     shared.write_text("applications:\n- name: a\n  route_prefix: /a\n  args: {model: builtin, engine: &e {block_size: 8}}\n"
-                      "- name: b\n  route_prefix: /b\n  args: {model: builtin, engine: *e}\n")
-    assert [app.args.engine.block_size for app in load_config(shared).applications] == [8, 8]
+                      "- name: b\n  route_prefix: /b\n  args: {model: builtin, engine: *e}\n"
+                      "- name: c\n  route_prefix: /c\n  args:\n    model: builtin\n    engine:\n      <<: *e\n"
+                      "      block_size: 16\n")  # a merge, a key beside it overriding it: no key given twice
+    assert [app.args.engine.block_size for app in load_config(shared).applications] == [8, 8, 16]
 
 
 def test_deploy_serve_config_validates_against_our_schema():
