@@ -61,7 +61,7 @@ def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     # Each was a traceback from the engine core or the server that used it, exit status 1.
-    (["--torch-threads", "-1"], "argument --torch-threads: invalid value '-1': an integer >= 1"),
+    (["--torch-threads", "-1"], "argument --torch-threads: invalid value '-1': an integer from 1 to 1024"),
     (["--port", "70000"], "argument --port: invalid value '70000': a port, 0-65535"),
     (["--metrics-port", "70000"], "argument --metrics-port: invalid value '70000': a port, 0-65535"),
     (["--attention-backend", "flash"], "argument --attention-backend: invalid choice: 'flash'"),
