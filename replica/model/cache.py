@@ -51,8 +51,11 @@ def build_once(target_dir: Path, write_files: Callable[[Path], None]) -> Path:
 def converted_gguf_dir(gguf_path: Path, cache_root: Path) -> Path:
     """Where the Hugging Face-style conversion of a GGUF file lives in the cache (there or not).
     Here, not beside the converter: a process that finds it needs neither torch nor gguf."""
-    size = gguf_path.stat().st_size
-    digest = hashlib.sha256(f"headroom-gguf-v{GGUF_CONVERTER_VERSION}:{size}:".encode())
+    stat = gguf_path.stat()
+    # Its size, first and last MiB, and when it was last written: a file rewritten in place with
+    # other weights in the middle (a re-exported fine-tune) is converted again.
+    digest = hashlib.sha256(f"headroom-gguf-v{GGUF_CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    size = stat.st_size
     with open(gguf_path, "rb") as file:
         digest.update(file.read(_GGUF_FINGERPRINT_BYTES))
         file.seek(max(0, size - _GGUF_FINGERPRINT_BYTES))

@@ -7,7 +7,10 @@ another process: under Serve, in every replica Serve starts).
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
+from typing import Iterable
 
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
 
@@ -42,6 +45,8 @@ def weight_files(model_dir: Path) -> list[Path]:
     if index_path.is_file():
         try:
             shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+            if not all(isinstance(name, str) for name in shard_names):
+                raise ValueError("a file name that is not a string")
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise ModelLoadError(f"{index_path}: not a safetensors index (a weight_map of tensor -> file): "
                                  f"{error}") from None
@@ -57,18 +62,49 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def check_checkpoint(model_dir: Path) -> None:
     """ModelLoadError naming the file unless `model_dir` holds a config.json this model implementation
-    runs, a tokenizer, and safetensors files whose headers parse and whose tensors the files hold
-    (a truncated download). Reads only the config and the headers."""
-    read_model_config(model_dir)
+    runs, a tokenizer that loads, and safetensors files whose headers describe each tensor
+    consistently, whose tensors the files hold (a truncated download) and whose layers are the
+    config's. Reads the config, the tokenizer's files and the headers, not the weights."""
+    config = read_model_config(model_dir)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{model_dir}: no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
+    from replica.text.tokenizer import Tokenizer, TokenizerLoadError
+
+    try:
+        Tokenizer.from_pretrained(model_dir)
+    except TokenizerLoadError as error:
+        raise ModelLoadError(str(error)) from None
+    names: list[str] = []
     for path in weight_files(model_dir):
-        _check_safetensors(path)
+        names += _check_safetensors(path)
+    check_layer_count(names, config.num_hidden_layers, model_dir)
 
 
-def _check_safetensors(path: Path) -> None:
-    """A safetensors file is an 8-byte header length, a JSON header of each tensor's byte range
-    (data_offsets, from the end of the header), then the tensors."""
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_layer_count(tensor_names: Iterable[str], num_hidden_layers: int, where: Path,
+                      field: str = "config.json's num_hidden_layers") -> None:
+    """ModelLoadError unless the checkpoint's layers are layers 0 to num_hidden_layers - 1: a
+    config claiming fewer served a truncated model (the rest ignored), more a model built
+    before its weights were found missing (2^40 layers never finished building)."""
+    layers = {int(match.group(1)) for name in tensor_names if (match := _LAYER_NAME.match(name))}
+    consecutive = not layers or (min(layers) == 0 and max(layers) == len(layers) - 1)
+    if len(layers) != num_hidden_layers or not consecutive:  # (no set of range(2^40) built to compare)
+        found = f"layers 0 to {max(layers)}" if layers and consecutive else (
+            f"{len(layers)} layer indices" if layers else "no layers")
+        raise ModelLoadError(f"{where}: {field} is {num_hidden_layers}, the weights hold {found}")
+
+
+# Bytes per element of each safetensors dtype.
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_safetensors(path: Path) -> list[str]:
+    """A safetensors file is an 8-byte header length, a JSON header of each tensor's dtype,
+    shape and byte range (data_offsets, from the end of the header), then the tensors. Returns
+    the tensors' names."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as file:
@@ -76,11 +112,30 @@ def _check_safetensors(path: Path) -> None:
             if size < _SAFETENSORS_HEADER_LENGTH_BYTES or header_length > size - _SAFETENSORS_HEADER_LENGTH_BYTES:
                 raise ValueError("the header runs past the end of the file")
             header = json.loads(file.read(header_length))
-        data_end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                       default=0)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        data_end = max((_tensor_end(name, entry) for name, entry in tensors.items()), default=0)
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
         raise ModelLoadError(f"{path}: not a safetensors file ({size} bytes; truncated or corrupt?): "
                              f"{error}") from None
     needed = _SAFETENSORS_HEADER_LENGTH_BYTES + header_length + data_end
     if size < needed:
         raise ModelLoadError(f"{path}: truncated: {size} bytes, its tensors end at byte {needed}")
+    return list(tensors)
+
+
+def _tensor_end(name: str, entry: dict) -> int:
+    """Where the tensor's bytes end; ValueError unless its dtype, shape and byte range agree."""
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"tensor {name}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
+                                              for dim in shape):
+        raise ValueError(f"tensor {name}: shape {shape!r} is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0 for offset in offsets)):
+        raise ValueError(f"tensor {name}: data_offsets {offsets!r} is not a [begin, end] byte range")
+    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise ValueError(f"tensor {name}: {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype}")
+    return offsets[1]

@@ -8,6 +8,7 @@ which must unpickle it without the model stack.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,40 +81,45 @@ class ModelConfig:
         if hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported; only 'silu' (SwiGLU) is")
 
-        num_attention_heads = _required(raw, "num_attention_heads")
-        num_key_value_heads = raw.get("num_key_value_heads") or num_attention_heads
+        num_attention_heads = _positive_int(raw, "num_attention_heads")
+        num_key_value_heads = _positive_int(raw, "num_key_value_heads", num_attention_heads)
         if num_attention_heads % num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({num_key_value_heads})"
             )
-        hidden_size = _required(raw, "hidden_size")
+        hidden_size = _positive_int(raw, "hidden_size")
+        vocab_size = _positive_int(raw, "vocab_size")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else bool(raw.get("attention_bias", False))
         rope_theta, rope_scaling = _parse_rope(raw)
         eos = raw.get("eos_token_id")
-        sliding_window = raw.get("sliding_window")
+        eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(_is_int(token_id) and 0 <= token_id < vocab_size for token_id in eos_token_ids):
+            # An id no output can be would never end a request.
+            raise ModelConfigError(f"eos_token_id {eos!r}: not token ids of the vocabulary (0 to {vocab_size - 1})")
+        sliding_window = _positive_int(raw, "sliding_window", None)
         if is_qwen2 and not raw.get("use_sliding_window", False):
             sliding_window = None  # Qwen2 writes a window it does not use
         return cls(
             architecture=architecture,
-            vocab_size=_required(raw, "vocab_size"),
+            vocab_size=vocab_size,
             hidden_size=hidden_size,
-            intermediate_size=_required(raw, "intermediate_size"),
-            num_hidden_layers=_required(raw, "num_hidden_layers"),
+            intermediate_size=_positive_int(raw, "intermediate_size"),
+            num_hidden_layers=_positive_int(raw, "num_hidden_layers"),
             num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
-            head_dim=raw.get("head_dim") or hidden_size // num_attention_heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            head_dim=_positive_int(raw, "head_dim", None) or _whole_heads(hidden_size, num_attention_heads),
+            rms_norm_eps=_finite(raw, "rms_norm_eps", 1e-6, positive=True),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 2048, at_most=MAX_POSITION_EMBEDDINGS),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             dtype=dtype_name(raw.get("dtype") or raw.get("torch_dtype") or "float32", field="torch_dtype"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            eos_token_ids=eos_token_ids,
             sliding_window=sliding_window,
         )
 
@@ -133,10 +139,51 @@ def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype
     return getattr(torch, dtype_name(name, field=field))
 
 
-def _required(raw: dict[str, Any], key: str) -> Any:
-    if raw.get(key) is None:
-        raise ModelConfigError(f"config.json has no {key!r}")
-    return raw[key]
+# The rotary table is built for every position up to this (16 Mi: past any model's context).
+MAX_POSITION_EMBEDDINGS = 1 << 24
+_MISSING = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(raw: dict[str, Any], key: str, default: Any = _MISSING, at_most: int | None = None) -> Any:
+    """raw[key] as a size: an integer >= 1 (and <= at_most); `default` where it is absent or
+    null, ModelConfigError naming the key otherwise (a negative, fractional or string size
+    failed deep in the model's construction, or made it allocate without end)."""
+    value = raw.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ModelConfigError(f"config.json has no {key!r}")
+        return default
+    if not _is_int(value) or value < 1 or (at_most is not None and value > at_most):
+        wanted = f"an integer from 1 to {at_most}" if at_most is not None else "an integer >= 1"
+        raise ModelConfigError(f"{key} {value!r}: must be {wanted}")
+    return value
+
+
+def _whole_heads(hidden_size: int, num_heads: int) -> int:
+    if hidden_size % num_heads:
+        raise ModelConfigError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_heads}); "
+                               "give head_dim")
+    return hidden_size // num_heads
+
+
+def _finite(raw: dict[str, Any], key: str, default: float, positive: bool = False) -> float:
+    """raw[key] as a finite float (> 0 with `positive`); ModelConfigError naming the key."""
+    value = raw.get(key, default)
+    return _finite_value(key, value, positive)
+
+
+def _finite_value(key: str, value: Any, positive: bool = False) -> float:
+    try:
+        number = float(value) if not isinstance(value, (bool, str)) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or (positive and number <= 0):
+        raise ModelConfigError(f"{key} {value!r}: must be a finite number{' > 0' if positive else ''}")
+    return number
 
 
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -158,6 +205,10 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     missing = [key for key in _REQUIRED_ROPE_KEYS[rope_type] if key not in params]
     if missing:
         raise ModelConfigError(f"rope type {rope_type!r} needs {', '.join(missing)}")
+    # A rope_theta or factor of 0 (or NaN) made the rotary table non-finite: every output NaN.
+    rope_theta = _finite_value("rope_theta", rope_theta, positive=True)
+    for key in _REQUIRED_ROPE_KEYS[rope_type]:
+        _finite_value(f"rope scaling {key}", params[key], positive=True)
     if rope_type == "default":
-        return float(rope_theta), None
-    return float(rope_theta), {"rope_type": rope_type, **{key: params[key] for key in _REQUIRED_ROPE_KEYS[rope_type]}}
+        return rope_theta, None
+    return rope_theta, {"rope_type": rope_type, **{key: params[key] for key in _REQUIRED_ROPE_KEYS[rope_type]}}

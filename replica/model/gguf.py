@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format) for llama-architecture models: read with the
 `gguf` package, every tensor dequantized once to float32, q/k rows un-permuted back to Hugging
 Face's rotary layout, and written as the Hugging Face-style directory the normal loader reads
-(config.json, model.safetensors, tokenizer files, chat template), cached by the file's content.
+(config.json, model.safetensors, tokenizer files, chat template), cached by the file (its size,
+first and last MiB and modification time).
 
 The weights are converted one safetensors shard at a time (at most MAX_SHARD_BYTES of float32
 each, with Hugging Face's index when there are several), so converting a model never holds
@@ -11,7 +12,9 @@ more of it than one shard; the loader then reads each tensor-parallel rank's sli
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -23,8 +26,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
-from replica.model.config import ModelLoadError
-from replica.model.checkpoint import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE
+from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
+from replica.model.checkpoint import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE, check_layer_count
 from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
 
 
@@ -80,17 +83,32 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
 def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Every file of a Hugging Face Llama checkpoint equivalent to the GGUF file."""
     reader = read_gguf(gguf_path)
-    metadata = gguf_metadata(reader)
-    config = hf_config_from_gguf(metadata, reader, gguf_path)
-    check_tensor_types(reader, gguf_path)
-    tokenizer = tokenizer_from_gguf_metadata(metadata)
+    try:
+        metadata = gguf_metadata(reader)
+        config = hf_config_from_gguf(metadata, reader, gguf_path)
+        # What the loader will refuse in config.json, refused now (and before un-permuting by it).
+        ModelConfig.from_hf_config(config)
+        check_layer_count([_hf_tensor_name(tensor.name, gguf_path) for tensor in reader.tensors],
+                          config["num_hidden_layers"], gguf_path, "llama.block_count")
+        check_tensor_types(reader, gguf_path)
+        tokenizer = tokenizer_from_gguf_metadata(metadata)
+        tokenizer_config = tokenizer_config_from_gguf_metadata(metadata)
+        _check_token_ids(config, tokenizer.get_vocab_size(with_added_tokens=True))
+    except ModelLoadError:  # GGUFError, GGUFTokenizerError: they name the file and key
+        raise
+    except ModelConfigError as error:
+        raise GGUFError(f"{gguf_path}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - malformed metadata of any kind (types, lengths, encodings)
+        raise GGUFError(f"{gguf_path}: malformed metadata: {type(error).__name__}: {error}") from None
     _write_json(model_dir / "config.json", config)
     _write_json(model_dir / "generation_config.json",
                 {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in config})
     _write_json(model_dir / "tokenizer_config.json",
-                {**tokenizer_config_from_gguf_metadata(metadata), "model_max_length": config["max_position_embeddings"]})
+                {**tokenizer_config, "model_max_length": config["max_position_embeddings"]})
     tokenizer.save(str(model_dir / "tokenizer.json"))
     if chat_template := metadata.get("tokenizer.chat_template"):
+        if not isinstance(chat_template, str):
+            raise GGUFError(f"{gguf_path}: tokenizer.chat_template is not a string")
         (model_dir / "chat_template.jinja").write_text(chat_template)
     write_weight_shards(reader, config, gguf_path, model_dir, max_shard_bytes)
 
@@ -123,12 +141,84 @@ def write_weight_shards(reader: GGUFReader, config: dict[str, Any], gguf_path: P
 
 def read_gguf(gguf_path: Path) -> GGUFReader:
     try:
-        return GGUFReader(gguf_path)
-    except (ValueError, KeyError, IndexError, OverflowError) as error:
+        _check_metadata_lengths(gguf_path)
+        reader = GGUFReader(gguf_path)
+    except (ValueError, KeyError, IndexError, OverflowError, struct.error) as error:
         # The reader maps the file and slices every tensor out of it: a short file fails there.
         raise GGUFError(
             f"{gguf_path}: not a readable GGUF file ({gguf_path.stat().st_size} bytes; truncated or corrupt?): {error}"
         ) from error
+    _check_tensor_ranges(reader, gguf_path)
+    return reader
+
+
+# GGUF value types (gguf.GGUFValueType) of a fixed size, in bytes.
+_FIXED_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def _check_metadata_lengths(gguf_path: Path) -> None:
+    """ValueError unless every string and array of the key-value section fits in the file. The
+    gguf package reads an array element by element and, past the end of the file, reads nothing
+    without advancing: an array claiming 2^62 elements never ended, its memory growing."""
+    with open(gguf_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if len(data) < 24 or data[:4] != b"GGUF":
+            return  # the reader says what is wrong with it
+        order = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"
+        size = len(data)
+        position = 8
+
+        def take(count: int, what: str) -> int:
+            nonlocal position
+            if count < 0 or count > size - position:
+                raise ValueError(f"{what}: {count} bytes at byte {position} run past the end of the file")
+            start, position = position, position + count
+            return start
+
+        def integer(fmt: str, what: str) -> int:
+            start = take(struct.calcsize(fmt), what)
+            return struct.unpack_from(order + fmt, data, start)[0]
+
+        def value(value_type: int, key: str) -> None:
+            if value_type in _FIXED_VALUE_BYTES:
+                take(_FIXED_VALUE_BYTES[value_type], key)
+            elif value_type == _STRING:
+                take(integer("Q", key), key)
+            elif value_type == _ARRAY:
+                element_type, count = integer("I", key), integer("Q", key)
+                if element_type in _FIXED_VALUE_BYTES:
+                    take(count * _FIXED_VALUE_BYTES[element_type], f"metadata {key!r} ({count} elements)")
+                else:  # strings or arrays: each at least 8 bytes, so a count past that cannot fit
+                    if count > (size - position) // 8:
+                        raise ValueError(f"metadata {key!r}: {count} elements run past the end of the file")
+                    for _ in range(count):
+                        value(element_type, key)
+            else:
+                raise ValueError(f"metadata {key!r}: unknown value type {value_type}")
+
+        integer("Q", "tensor count")
+        for index in range(integer("Q", "key-value count")):
+            key_start = take(integer("Q", f"key {index}"), f"key {index}")
+            key = bytes(data[key_start:position]).decode("utf-8", "replace")
+            value(integer("I", key), key)
+
+
+def _check_tensor_ranges(reader: GGUFReader, gguf_path: Path) -> None:
+    """Each tensor's bytes where the format puts them: in the data section, aligned, within the
+    file, none overlapping another (llama.cpp refuses the rest; read as given they were wrong
+    weights, silently)."""
+    file_size = len(reader.data)
+    ranges = []
+    for tensor in reader.tensors:
+        relative = tensor.data_offset - reader.data_offset
+        if relative < 0 or relative % reader.alignment or tensor.data_offset + int(tensor.n_bytes) > file_size:
+            raise GGUFError(f"{gguf_path}: tensor {tensor.name}: its data (offset {relative}, {int(tensor.n_bytes)} "
+                            f"bytes) is not an aligned range of the file's data section")
+        ranges.append((tensor.data_offset, tensor.data_offset + int(tensor.n_bytes), tensor.name))
+    ranges.sort()
+    for (_, end, name), (start, _, following) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise GGUFError(f"{gguf_path}: tensors {name} and {following} overlap in the file")
 
 
 def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -198,6 +288,16 @@ def hf_config_from_gguf(metadata: dict[str, Any], reader: GGUFReader, gguf_path:
         if (token_id := metadata.get(f"tokenizer.ggml.{name}")) is not None:
             config[key] = token_id
     return config
+
+
+def _check_token_ids(config: dict[str, Any], vocab_size: int) -> None:
+    """The special token ids config.json will carry name tokens of the vocabulary: an eos id past
+    it never ends a request."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = config.get(key)
+        if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
+            raise ModelConfigError(f"tokenizer.ggml.{key.removesuffix('_token_id')}_token_id {token_id!r} is not "
+                                   f"a token of the {vocab_size}-token vocabulary")
 
 
 def _rope_scaling(metadata: dict[str, Any], gguf_path: Path) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from replica.attention import get_attention_backend
-from replica.model.checkpoint import read_model_config, weight_files
+from replica.model.checkpoint import check_layer_count, read_model_config, weight_files
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError, parse_dtype
 from replica.config import DEFAULT_FUSED_OPS
 from replica.model.fused_ops import get_fused_ops
@@ -54,6 +54,8 @@ def load_model(
         raise ModelLoadError(str(err)) from err
     device = torch.device(device)
 
+    # Before the model is built for them: a config's layer count the weights do not hold.
+    check_layer_count(_tensor_names(model_dir), cfg.num_hidden_layers, model_dir)
     backend = get_attention_backend(attention_backend, device)
     ops = get_fused_ops(fused_ops, device)
     # Built on the meta device: no time or memory spent on random init of weights about to be replaced.
@@ -76,6 +78,17 @@ def load_model(
     logger.info("loaded %s from %s: %d layers, %s on %s%s", cfg.architecture, model_dir, cfg.num_hidden_layers,
                 weights_dtype, device, f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.size > 1 else "")
     return model, rank_cfg
+
+
+def _tensor_names(model_dir: Path) -> list[str]:
+    names = []
+    for weights_path in weight_files(model_dir):
+        try:
+            with safe_open(weights_path, framework="pt", device="cpu") as weights:
+                names += list(weights.keys())
+        except Exception as error:  # noqa: BLE001 - safetensors' own error types vary
+            raise ModelLoadError(f"{weights_path}: not a safetensors file: {error}") from None
+    return names
 
 
 class _Checkpoint:

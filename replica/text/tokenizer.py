@@ -64,12 +64,22 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        """The directory's tokenizer; TokenizerLoadError naming the directory when its files
+        (tokenizer.json, tokenizer_config.json, the chat template's) cannot be read as one."""
         model_dir = Path(model_dir)
-        tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
-        tokenizer_json = model_dir / "tokenizer.json"
-        if tokenizer_json.is_file():
-            return cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)
-        return cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config)
+        try:
+            tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
+            if not isinstance(tokenizer_config, dict):
+                raise ValueError("tokenizer_config.json is not a JSON object")
+            tokenizer_json = model_dir / "tokenizer.json"
+            if tokenizer_json.is_file():
+                return cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)
+            return cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config)
+        except TokenizerLoadError:
+            raise
+        except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a broken file
+            raise TokenizerLoadError(f"{model_dir}: its tokenizer files cannot be read: "
+                                     f"{type(error).__name__}: {error}") from None
 
     @property
     def vocab_size(self) -> int:

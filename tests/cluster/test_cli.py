@@ -390,7 +390,7 @@ def test_serve_with_a_bad_config_file_exits_2_naming_the_fields_path(tmp_path, c
 def test_serve_refuses_a_boolean_for_a_number_in_its_config_file_but_a_flags_text_still_parses(tmp_path, capsys):
     config = tmp_path / "serve.yaml"
     config.write_text((REPO_ROOT / "deploy" / "serve_config.yaml").read_text().replace(
-        "router:", "engine: {block_size: true}\n      router:", 1))
+        "block_size: 16", "block_size: true", 1))
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--config", str(config)])
     assert exited.value.code == 2

@@ -6,11 +6,12 @@ type, a byte-level BPE tokenizer with a few merges and ChatML special tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.gguf_writer import GGUFValue
 from gguf.quants import quantize
 
 from replica.model.builtin import bytes_to_unicode
@@ -99,11 +100,14 @@ def gguf_name(hf_name: str) -> str:
 def write_llama_gguf(path: Path, *, weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
                      architecture: str = "llama", pre_tokenizer: str = "smollm", tokenizer_model: str = "gpt2",
                      weights: Optional[dict[str, torch.Tensor]] = None, add_bos: Optional[bool] = False,
-                     raw_tensors: Optional[dict[str, tuple[np.ndarray, GGMLQuantizationType]]] = None) -> Path:
+                     raw_tensors: Optional[dict[str, tuple[np.ndarray, GGMLQuantizationType]]] = None,
+                     metadata: Optional[dict[str, Any]] = None) -> Path:
     """A llama GGUF whose 2-D weights are stored as weight_type (norms stay F32, as llama.cpp keeps them).
 
     raw_tensors adds tensors exactly as given (bytes and type), e.g. a type we must refuse;
-    add_bos None leaves tokenizer.ggml.add_bos_token out (older files), so the default applies.
+    add_bos None leaves tokenizer.ggml.add_bos_token out (older files), so the default applies;
+    metadata replaces keys' values (a value None removes the key; a new value keeps its key's
+    type unless given as (value, GGUFValueType)): a file no model could be.
     """
     if tokenizer_model == "llama":
         tokens, token_types, scores = sentencepiece_vocab()
@@ -146,6 +150,14 @@ def write_llama_gguf(path: Path, *, weight_type: GGMLQuantizationType = GGMLQuan
         writer.add_tensor(gguf_name(hf_name), _encode(array, qtype), raw_dtype=qtype)
     for name, (data, qtype) in (raw_tensors or {}).items():
         writer.add_tensor(name, data, raw_dtype=qtype)
+    kv_data = writer.kv_data[0]
+    for key, value in (metadata or {}).items():
+        if value is None:
+            del kv_data[key]
+        elif isinstance(value, tuple):
+            kv_data[key] = GGUFValue(value[0], value[1])
+        else:
+            kv_data[key] = GGUFValue(value, kv_data[key].type, kv_data[key].sub_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

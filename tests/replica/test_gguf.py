@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from safetensors.torch import load_file
 
 from gguf_files import (
@@ -23,6 +23,7 @@ from gguf_files import (
 )
 from replica.model import gguf as gguf_module
 from replica.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, convert_gguf, unpermute_rotary_rows
+from replica.model.config import ModelLoadError
 from replica.model.gguf_tokenizer import GGUFTokenizerError
 from replica.model.loader import checkpoint_layout, load_model
 from replica.parallel.group import TensorParallel
@@ -278,3 +279,61 @@ def test_a_missing_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         convert_gguf(tmp_path / "nowhere.gguf", tmp_path / "cache")
     assert not os.path.exists(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("metadata, message", [
+    # Each was a traceback from deep in the conversion or the model's construction, a model
+    # built without end, or one that loaded and answered NaN or never stopped (helper-52's fuzzing).
+    ({"llama.attention.head_count": 0}, "num_attention_heads 0: must be an integer >= 1"),
+    ({"llama.block_count": 5}, "llama.block_count is 5, the weights hold layers 0 to 0"),
+    ({"llama.block_count": (2 ** 40, GGUFValueType.UINT64)}, "llama.block_count is 1099511627776, the weights hold layers 0 to 0"),
+    ({"tokenizer.ggml.eos_token_id": 99999}, "eos_token_id 99999: not token ids of the vocabulary"),
+    ({"llama.rope.freq_base": 0.0}, "rope_theta 0.0: must be a finite number > 0"),
+    ({"tokenizer.chat_template": (5, GGUFValueType.UINT32)}, "tokenizer.chat_template is not a string"),
+    ({"llama.rope.scaling.type": ("linear", GGUFValueType.STRING)}, "malformed metadata: KeyError: 'llama.rope.scaling.factor'"),
+    ({"tokenizer.ggml.tokens": None}, "malformed metadata: KeyError: 'tokenizer.ggml.tokens'"),
+])
+def test_metadata_no_model_could_be_is_one_error_naming_the_file_and_what(tmp_path, metadata, message):
+    gguf_path = write_llama_gguf(tmp_path / "bad.gguf", metadata=metadata)
+    with pytest.raises(ModelLoadError) as raised:
+        convert_gguf(gguf_path, tmp_path / "cache")
+    assert str(raised.value).startswith(f"{gguf_path}: ") and message in str(raised.value)
+    assert not any((tmp_path / "cache").rglob("config.json")), "nothing is cached for a file refused"
+
+
+def test_an_array_claiming_more_than_the_file_holds_is_refused_before_it_is_read(tmp_path, f32_gguf):
+    # The gguf package reads past the end without advancing: the conversion never ended, its
+    # memory growing. The first key-value pair now claims 2^62 one-byte elements.
+    data = bytearray(f32_gguf.read_bytes())
+    data[16:24] = (int.from_bytes(data[16:24], "little") + 1).to_bytes(8, "little")  # one more key-value pair
+    key = b"general.junk"
+    data[24:24] = len(key).to_bytes(8, "little") + key + (9).to_bytes(4, "little") + (0).to_bytes(4, "little") + (
+        2 ** 62).to_bytes(8, "little")
+    bomb = tmp_path / "bomb.gguf"
+    bomb.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"metadata 'general.junk' \(4611686018427387904 elements\).* past the end"):
+        convert_gguf(bomb, tmp_path / "cache")
+
+
+def test_tensors_whose_bytes_overlap_are_refused_not_read_as_other_weights(tmp_path, f32_gguf):
+    reader = GGUFReader(f32_gguf)
+    first, second = reader.tensors[0], reader.tensors[1]
+    # The second tensor's offset (its info's last part) set to the first's.
+    field = second.field
+    position = field.offset + sum(part.nbytes for part in field.parts[:-1])
+    data = bytearray(f32_gguf.read_bytes())
+    data[position:position + 8] = (first.data_offset - reader.data_offset).to_bytes(8, "little")
+    del reader
+    overlapping = tmp_path / "overlap.gguf"
+    overlapping.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="overlap in the file"):
+        convert_gguf(overlapping, tmp_path / "cache")
+
+
+def test_a_file_rewritten_in_place_with_other_weights_in_its_middle_is_converted_again(tmp_path):
+    # Same size, same first and last MiB: only its modification time tells it apart.
+    gguf_path = write_llama_gguf(tmp_path / "tiny.gguf")
+    first = convert_gguf(gguf_path, tmp_path / "cache")
+    stat = gguf_path.stat()
+    os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert convert_gguf(gguf_path, tmp_path / "cache") != first

@@ -127,6 +127,14 @@ def broken_copy(source, tmp_path, broken: str):
                                     lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64)),
         "index without weight_map": ("badindex", ("model.safetensors",), lambda d: (
             d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))),
+        "index naming no file": ("intindex", (), lambda d: (
+            d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": 5}}))),
+        "negative size": ("negative", (), lambda d: _edit_config(d, hidden_size=-256)),
+        "more layers than the weights": ("layers", (), lambda d: _edit_config(d, num_hidden_layers=2 ** 40)),
+        "no finite rope": ("rope", (), lambda d: _edit_config(d, rope_theta=0.0)),
+        "eos past the vocabulary": ("eos", (), lambda d: _edit_config(d, eos_token_id=10 ** 6)),
+        "tokenizer not JSON": ("badtok", (), lambda d: (d / "tokenizer.json").write_text("{nope")),
+        "tensor of no dtype": ("dtype", (), lambda d: _edit_safetensors_header(d, b'"dtype":"F32"', b'"dtype":"Q4 "')),
     }[broken]
     target = tmp_path / name
     shutil.copytree(source, target, ignore=lambda _dir, names: [n for n in names if n in without])
@@ -135,7 +143,30 @@ def broken_copy(source, tmp_path, broken: str):
     return target
 
 
+def _edit_config(model_dir, **values) -> None:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(values)
+    config.pop("rope_parameters", None) if "rope_theta" in values else None
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def _edit_safetensors_header(model_dir, old: bytes, new: bytes) -> None:
+    path = model_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes().replace(old, new, 1))
+
+
 @pytest.mark.parametrize("broken, message", [
+    ("index naming no file", r"model.safetensors.index.json: not a safetensors index"),
+    # Each was a traceback in the engine core, or a model that loaded and answered NaN or never
+    # stopped, or that never finished building (2^40 layers; helper-52's fuzzing).
+    ("negative size", r"config.json: hidden_size -256: must be an integer >= 1"),
+    ("more layers than the weights", r"layers: config.json's num_hidden_layers is 1099511627776, the weights hold"),
+    ("no finite rope", r"config.json: rope_theta 0.0: must be a finite number > 0"),
+    ("eos past the vocabulary", r"config.json: eos_token_id 1000000: not token ids of the vocabulary"),
+    ("tokenizer not JSON", r"badtok: its tokenizer files cannot be read"),
+    ("tensor of no dtype", r"dtype/model.safetensors: not a safetensors file .*unknown dtype 'Q4 '"),
     ("config not JSON", r"config.json: not readable JSON"),
     ("config a list", r"config.json: not a JSON object"),
     ("no architecture", r"config.json: unsupported architecture \(none given\)"),
