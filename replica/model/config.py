@@ -71,6 +71,10 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, raw: dict[str, Any]) -> ModelConfig:
         architectures = raw.get("architectures") or []
+        if isinstance(architectures, str):  # one name, not a list: its letters were the names tried
+            architectures = [architectures]
+        if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+            raise ModelConfigError(f"architectures {architectures!r}: not a list of names")
         architecture = next((name for name in architectures if name in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
             raise ModelConfigError(

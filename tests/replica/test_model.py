@@ -278,6 +278,9 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(llama_copy):
     supported = "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"
     with pytest.raises(ModelLoadError, match=f"GPT2LMHeadModel.*{supported}"):
         load_model(llama_copy)
+    _edit_config(llama_copy, architectures="GPT2LMHeadModel")  # one name, not a list: not spelled out
+    with pytest.raises(ModelLoadError, match=f"unsupported architecture GPT2LMHeadModel; supported: {supported}"):
+        load_model(llama_copy)
 
 
 def test_shape_mismatch_names_the_tensor_and_both_shapes(llama_copy):
