@@ -28,7 +28,9 @@ from safetensors.torch import save_file
 from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
 from replica.model.checkpoint import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE, check_layer_count
-from replica.model.gguf_tokenizer import tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata
+from replica.model.gguf_tokenizer import (
+    GGUFTokenizerError, tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata,
+)
 
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -94,7 +96,9 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int =
         tokenizer = tokenizer_from_gguf_metadata(metadata)
         tokenizer_config = tokenizer_config_from_gguf_metadata(metadata)
         _check_token_ids(config, tokenizer.get_vocab_size(with_added_tokens=True))
-    except ModelLoadError:  # GGUFError, GGUFTokenizerError: they name the file and key
+    except GGUFTokenizerError as error:  # it names the key; the file too, as every error here does
+        raise GGUFTokenizerError(f"{gguf_path}: {error}") from None
+    except ModelLoadError:  # GGUFError (its message names the file), a layer count the weights lack
         raise
     except ModelConfigError as error:
         raise GGUFError(f"{gguf_path}: {error}") from None

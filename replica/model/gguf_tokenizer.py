@@ -43,6 +43,7 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any]) -> Tokenizer:
             f"tokenizer.ggml.model {tokenizer_model!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE, SentencePiece BPE)"
         )
+    _check_vocabulary(metadata, needs_merges=tokenizer_model == "gpt2")
     if tokenizer_model == "llama":
         return _sentencepiece_tokenizer(metadata)
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
@@ -60,6 +61,29 @@ def tokenizer_from_gguf_metadata(metadata: dict[str, Any]) -> Tokenizer:
     tokenizer.add_tokens(_added_tokens(tokens, token_types, TOKEN_TYPE_USER_DEFINED, special=False, byte_level=True))
     tokenizer.post_processor = _special_token_template(metadata, tokens)
     return tokenizer
+
+
+def _check_vocabulary(metadata: dict[str, Any], needs_merges: bool) -> None:
+    """GGUFTokenizerError naming the key unless the vocabulary's arrays agree: a token_type or
+    scores array shorter than the tokens was cut short silently, a byte-level vocabulary without
+    merges tokenized every text byte by byte, a flag given as text read as true (llama.cpp
+    refuses all three)."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(token, str) for token in tokens):
+        raise GGUFTokenizerError("tokenizer.ggml.tokens: missing, or not a list of strings")
+    for key, kinds in (("tokenizer.ggml.token_type", (int,)), ("tokenizer.ggml.scores", (int, float))):
+        values = metadata.get(key)
+        if values is not None and (not isinstance(values, list) or len(values) != len(tokens)
+                                   or not all(isinstance(value, kinds) and not isinstance(value, bool)
+                                              for value in values)):
+            length = len(values) if isinstance(values, list) else type(values).__name__
+            raise GGUFTokenizerError(f"{key}: {length} values for {len(tokens)} tokens")
+    merges = metadata.get("tokenizer.ggml.merges")
+    if needs_merges and (not isinstance(merges, list) or not merges):
+        raise GGUFTokenizerError("tokenizer.ggml.merges: a byte-level BPE vocabulary needs its merges")
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix"):
+        if key in metadata and not isinstance(metadata[key], bool):
+            raise GGUFTokenizerError(f"{key}: {metadata[key]!r} is not a boolean")
 
 
 def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:

@@ -291,7 +291,7 @@ def test_a_missing_file_is_file_not_found(tmp_path):
     ({"llama.rope.freq_base": 0.0}, "rope_theta 0.0: must be a finite number > 0"),
     ({"tokenizer.chat_template": (5, GGUFValueType.UINT32)}, "tokenizer.chat_template is not a string"),
     ({"llama.rope.scaling.type": ("linear", GGUFValueType.STRING)}, "malformed metadata: KeyError: 'llama.rope.scaling.factor'"),
-    ({"tokenizer.ggml.tokens": None}, "malformed metadata: KeyError: 'tokenizer.ggml.tokens'"),
+    ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens: missing, or not a list of strings"),
 ])
 def test_metadata_no_model_could_be_is_one_error_naming_the_file_and_what(tmp_path, metadata, message):
     gguf_path = write_llama_gguf(tmp_path / "bad.gguf", metadata=metadata)
@@ -337,3 +337,16 @@ def test_a_file_rewritten_in_place_with_other_weights_in_its_middle_is_converted
     stat = gguf_path.stat()
     os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert convert_gguf(gguf_path, tmp_path / "cache") != first
+
+
+@pytest.mark.parametrize("metadata, message", [
+    # Each loaded before, a tokenizer other than the file's (llama.cpp refuses them).
+    ({"tokenizer.ggml.token_type": ([1, 1, 1], GGUFValueType.ARRAY)}, "tokenizer.ggml.token_type: 3 values for"),
+    ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges: a byte-level BPE vocabulary needs its merges"),
+    ({"tokenizer.ggml.add_bos_token": ("false", GGUFValueType.STRING)},
+     "tokenizer.ggml.add_bos_token: 'false' is not a boolean"),
+])
+def test_a_vocabulary_whose_arrays_disagree_is_an_error_naming_the_key(tmp_path, metadata, message):
+    gguf_path = write_llama_gguf(tmp_path / "vocab.gguf", metadata=metadata)
+    with pytest.raises(GGUFTokenizerError, match=message):
+        convert_gguf(gguf_path, tmp_path / "cache")
