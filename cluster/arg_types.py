@@ -32,6 +32,7 @@ positive_number = checked(float, lambda value: 0 < value < math.inf, "a number >
 device_name = checked(str, lambda name: re.fullmatch(r"cpu|cuda(:\d+)?", name) is not None, "cpu, cuda or cuda:N")
 
 
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
 _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                         r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
@@ -50,3 +51,12 @@ def is_ip_address(text: str) -> bool:
 
 
 host_address = checked(str, is_address, "an IP address or a host name")
+
+
+def is_metadata_name(text: str) -> bool:
+    """A name gRPC metadata can carry as a value, as Serve's proxy routes by the `application`
+    one: printable ASCII, without spaces."""
+    return text.isascii() and text.isprintable() and text != "" and not any(char.isspace() for char in text)
+
+
+application_name = checked(str, is_metadata_name, "an application name (printable ASCII without spaces)")

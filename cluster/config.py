@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from cluster.arg_types import is_address
+from cluster.arg_types import is_address, is_metadata_name
 from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, ConfigModel, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
@@ -266,7 +266,6 @@ class PortsConfig(_Strict):
         return self
 
 
-# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
 # gRPC's message bound is a C int: Serve's gRPC proxy, given a larger one (RequestLimits.message_cap
 # in replica/server/request_limits.py: 4 x max_request_bytes, 16 x max_prompt_chars), fails to start.
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
@@ -457,7 +456,7 @@ class ServeApplication(_Strict):
     @model_validator(mode="after")
     def _name_travels_in_grpc_metadata(self) -> "ServeApplication":
         # Serve's gRPC proxy routes by the `application` metadata, which carries printable ASCII only.
-        if not _is_metadata_value(self.name):
+        if not is_metadata_name(self.name):
             raise ConfigError(f"name: {self.name!r} must be printable ASCII without spaces (gRPC clients "
                               "name the application in request metadata)")
         return self
@@ -562,7 +561,7 @@ def load_config(source: Union[str, Path, Mapping[str, Any]]) -> ServeAppsConfig:
         cluster = ClusterConfig.model_validate(document)
     except ValidationError as error:
         raise _config_error(error) from None
-    if not _is_metadata_value(cluster.served_model_id):
+    if not is_metadata_name(cluster.served_model_id):
         raise ConfigError(f"model_id: {cluster.served_model_id!r} names the application, which must be printable "
                           "ASCII without spaces (gRPC clients name it in request metadata); set model_id")
     return ServeAppsConfig(
@@ -595,10 +594,6 @@ def _expanded_size(document: Any) -> int:
         return sizes[id(node)]
 
     return size(document)
-
-
-def _is_metadata_value(text: str) -> bool:
-    return text.isascii() and text.isprintable() and not any(char.isspace() for char in text)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -20,19 +20,16 @@ from typing import Optional, Union
 
 import grpc
 
-from cluster.arg_types import checked, positive_seconds
+from cluster.arg_types import application_name, checked, positive_seconds
+from protos import headroom_pb2 as pb
+from protos import headroom_pb2_grpc as pb_grpc
+from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
 
 # What the request's fields carry (protos/headroom.proto: uint32 max_tokens, uint64 seed), and
 # what the server takes: a value outside them was a traceback here, or a refusal there.
 max_tokens_value = checked(int, lambda value: 1 <= value < 2 ** 32, "an integer from 1 to 4294967295")
 seed_value = checked(int, lambda value: 0 <= value < 2 ** 64, "an integer from 0 to 2**64 - 1")
 temperature_value = checked(float, lambda value: 0 <= value < math.inf, "a number >= 0")
-# Serve's gRPC proxy routes by this metadata value, which carries printable ASCII only.
-application_name = checked(str, lambda name: name.isascii() and name.isprintable() and name.strip() == name != "",
-                           "an application name (printable ASCII)")
-from protos import headroom_pb2 as pb
-from protos import headroom_pb2_grpc as pb_grpc
-from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -148,10 +148,9 @@ def check_tls_files(config: ServeAppsConfig, from_flags: bool) -> None:
 def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if args.model is not None:
+        # A path as the replicas (Ray workers, elsewhere) read it; `--model .` is named after its directory.
         overrides["model"] = args.model
-        if args.model not in (BUILTIN_MODEL_NAME, *PACKAGED_MODELS) and os.path.exists(args.model):
-            # A path as the replicas (Ray workers, elsewhere) read it; `--model .` is named after its directory.
-            overrides["model"] = os.path.abspath(args.model)
+        _absolute_paths(overrides)
     if args.replicas is not None:
         overrides["replicas"] = {"num_replicas": args.replicas}
     autoscaling = {key: value for key, value in (("policy", args.autoscaling), ("min_replicas", args.min_replicas),

@@ -96,6 +96,9 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int =
         tokenizer = tokenizer_from_gguf_metadata(metadata)
         tokenizer_config = tokenizer_config_from_gguf_metadata(metadata)
         _check_token_ids(config, tokenizer.get_vocab_size(with_added_tokens=True))
+        chat_template = metadata.get("tokenizer.chat_template")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise GGUFError(f"{gguf_path}: tokenizer.chat_template is not a string")
     except GGUFTokenizerError as error:  # it names the key; the file too, as every error here does
         raise GGUFTokenizerError(f"{gguf_path}: {error}") from None
     except ModelLoadError:  # GGUFError (its message names the file), a layer count the weights lack
@@ -110,9 +113,7 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int =
     _write_json(model_dir / "tokenizer_config.json",
                 {**tokenizer_config, "model_max_length": config["max_position_embeddings"]})
     tokenizer.save(str(model_dir / "tokenizer.json"))
-    if chat_template := metadata.get("tokenizer.chat_template"):
-        if not isinstance(chat_template, str):
-            raise GGUFError(f"{gguf_path}: tokenizer.chat_template is not a string")
+    if chat_template:
         (model_dir / "chat_template.jinja").write_text(chat_template)
     write_weight_shards(reader, config, gguf_path, model_dir, max_shard_bytes)
 

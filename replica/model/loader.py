@@ -54,17 +54,17 @@ def load_model(
         raise ModelLoadError(str(err)) from err
     device = torch.device(device)
 
-    # Before the model is built for them: a config's layer count the weights do not hold.
-    check_layer_count(_tensor_names(model_dir), cfg.num_hidden_layers, model_dir)
     backend = get_attention_backend(attention_backend, device)
     ops = get_fused_ops(fused_ops, device)
-    # Built on the meta device: no time or memory spent on random init of weights about to be replaced.
     rank_cfg = shard_config(cfg, tp.size)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(rank_cfg, backend, ops, tp)
-        whole_model = LlamaForCausalLM(cfg, backend, ops) if tp.size > 1 else model
-    layout = checkpoint_layout(model, whole_model)
     with _Checkpoint(model_dir, device, weights_dtype) as checkpoint:
+        # Before the model is built for them: a config's layer count the weights do not hold.
+        check_layer_count(checkpoint.shapes, cfg.num_hidden_layers, model_dir)
+        # Built on the meta device: no time or memory spent on random init of weights about to be replaced.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(rank_cfg, backend, ops, tp)
+            whole_model = LlamaForCausalLM(cfg, backend, ops) if tp.size > 1 else model
+        layout = checkpoint_layout(model, whole_model)
         _check_against_model(layout, checkpoint.shapes, model_dir)
         model.load_state_dict({name: _stack(checkpoint, sources) for name, sources in layout.items()},
                               strict=False, assign=True)
@@ -80,17 +80,6 @@ def load_model(
     return model, rank_cfg
 
 
-def _tensor_names(model_dir: Path) -> list[str]:
-    names = []
-    for weights_path in weight_files(model_dir):
-        try:
-            with safe_open(weights_path, framework="pt", device="cpu") as weights:
-                names += list(weights.keys())
-        except Exception as error:  # noqa: BLE001 - safetensors' own error types vary
-            raise ModelLoadError(f"{weights_path}: not a safetensors file: {error}") from None
-    return names
-
-
 class _Checkpoint:
     """The directory's safetensors files, open: every tensor's shape, and reads of a whole
     tensor or of one slice of it, converted one tensor at a time so peak memory stays near
@@ -104,7 +93,11 @@ class _Checkpoint:
 
     def __enter__(self) -> "_Checkpoint":
         for weights_path in weight_files(self.model_dir):
-            weights = self._files.enter_context(safe_open(weights_path, framework="pt", device=str(self.device)))
+            try:
+                weights = self._files.enter_context(safe_open(weights_path, framework="pt", device=str(self.device)))
+            except Exception as error:  # noqa: BLE001 - safetensors' own error types vary
+                self._files.close()
+                raise ModelLoadError(f"{weights_path}: not a safetensors file: {error}") from None
             for name in weights.keys():
                 self._file_of[name] = weights
                 self.shapes[name] = tuple(weights.get_slice(name).get_shape())
