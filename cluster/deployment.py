@@ -114,13 +114,16 @@ class LLMReplica:
                                     config.limits.request_limits(), generation=False,
                                     credentials=Credentials([cluster_token()]), credential_name=CREDENTIAL_NAME)
         host = bind_address(config)
+        # /metrics answers before the engine loads (minutes for a large checkpoint): on
+        # Kubernetes the replica PodMonitor scrapes a worker pod from its start, and a port
+        # nobody serves for a minute fires HeadroomReplicaDown on a replica that is only loading.
+        self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
+        self.metrics_endpoint = f"{host}:{self.metrics_http.server_port}"
         try:  # binds, then spawns the engine core and waits for its engine
             port = await self.server.start(host, config.ports.replica_grpc, PORT_SEARCH)
         except OSError as error:
             raise RuntimeError(f"ports.replica_grpc: {error}") from None
         self.load_endpoint = f"{host}:{port}"
-        self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
-        self.metrics_endpoint = f"{host}:{self.metrics_http.server_port}"
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
         # This actor's process is the replica's front: as `headroom replica` does, its startup
         # heap (Ray, Serve, torch, grpc) leaves the collector's reach, so no full collection

@@ -1,7 +1,8 @@
 """Prometheus file-based service discovery written by the cluster itself: each application's
-ingress (on the head node) keeps `<dir>/<app>-replicas.json` listing the /metrics endpoint of
-every running replica of its application, and `<dir>/<app>-router.json` its own router's, so
-deploy/prometheus.yml follows the replicas Serve really runs (added, replaced, scaled away).
+ingress (on the head node) keeps `<dir>/<app>-replicas.json` (the name percent-encoded) listing
+the /metrics endpoint of every running replica of its application, and `<dir>/<app>-router.json`
+its own router's, so deploy/prometheus.yml follows the replicas Serve really runs (added,
+replaced, scaled away).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -20,12 +22,20 @@ logger = logging.getLogger(__name__)
 REFRESH_S = 5.0
 
 
+def file_stem(app_name: str) -> str:
+    """The application's name as one file name in the directory: a model id such as
+    `meta-llama/Llama-3.1-8B-Instruct` names an application, and its `/` would put the files in
+    a subdirectory deploy/prometheus.yml's globs never read (or, with `..`, outside the
+    directory). Percent-encoded, so two names never share a file; the label keeps the name."""
+    return urllib.parse.quote(app_name, safe="")
+
+
 def replicas_file(directory: Path, app_name: str) -> Path:
-    return directory / f"{app_name}-replicas.json"
+    return directory / f"{file_stem(app_name)}-replicas.json"
 
 
 def router_file(directory: Path, app_name: str) -> Path:
-    return directory / f"{app_name}-router.json"
+    return directory / f"{file_stem(app_name)}-router.json"
 
 
 def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> None:

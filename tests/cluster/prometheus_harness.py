@@ -24,30 +24,38 @@ from replica.model.cache import default_cache_dir
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SCRAPE_INTERVAL_S = 1
 # The dashboard's Grafana variables, as a dashboard showing every model would set them.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*", "$application": ".*"}
+
+
+# The binaries of Debian's prometheus package the tests run.
+PROMETHEUS_TOOLS = ("prometheus", "promtool")
 
 
 def prometheus_binary() -> Optional[str]:
-    """prometheus from PATH, else from the headroom cache (tools/prometheus), else fetched
-    into that cache from Debian's package where apt can reach it; None if none of them
-    (`prometheus_unavailable()` says why)."""
-    found = shutil.which("prometheus")
-    cached = default_cache_dir() / "tools" / "prometheus"
+    """prometheus (`prometheus_tool()`); None without it (`prometheus_unavailable()` says why)."""
+    return prometheus_tool("prometheus")
+
+
+def prometheus_tool(name: str) -> Optional[str]:
+    """`name` (prometheus or promtool) from PATH, else from the headroom cache (tools/NAME),
+    else fetched into that cache from Debian's package where apt can reach it; None if none
+    of them (`prometheus_unavailable()` says why)."""
+    found = shutil.which(name)
+    cached = default_cache_dir() / "tools" / name
     if found or cached.is_file():
         return found or str(cached)
-    return str(cached) if _fetch_from_debian(cached) is None else None
+    return str(cached) if _fetch_from_debian(cached.parent) is None else None
 
 
 def prometheus_unavailable() -> Optional[str]:
     """Why prometheus_binary() found none (the fetch's error), or None if it found one."""
-    return None if prometheus_binary() is not None else _fetch_from_debian(
-        default_cache_dir() / "tools" / "prometheus")
+    return None if prometheus_binary() is not None else _fetch_from_debian(default_cache_dir() / "tools")
 
 
 @functools.lru_cache(maxsize=None)  # one try per test process: a failed download is not retried per call
-def _fetch_from_debian(target: Path) -> Optional[str]:
-    """`apt-get download prometheus` and `dpkg -x` it into `target`: no root install, no apt
-    state changed. None on success, else why it failed."""
+def _fetch_from_debian(tools_dir: Path) -> Optional[str]:
+    """`apt-get download prometheus` and `dpkg -x` it, its PROMETHEUS_TOOLS into `tools_dir`:
+    no root install, no apt state changed. None on success, else why it failed."""
     if not (shutil.which("apt-get") and shutil.which("dpkg")):
         return "prometheus not on PATH, and no apt-get/dpkg to fetch Debian's package"
     with tempfile.TemporaryDirectory() as workdir:
@@ -57,13 +65,14 @@ def _fetch_from_debian(target: Path) -> Optional[str]:
             package = next(Path(workdir).glob("prometheus_*.deb"))
             subprocess.run(["dpkg", "-x", str(package), str(Path(workdir) / "root")], check=True,
                            capture_output=True, timeout=180)
-            binary = Path(workdir) / "root" / "usr" / "bin" / "prometheus"
-            if not binary.is_file():
-                return f"Debian's {package.name} holds no usr/bin/prometheus"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staged = target.with_name(f"{target.name}.{os.getpid()}.partial")  # one per writer
-            shutil.copy2(binary, staged)
-            staged.replace(target)  # atomic: a concurrent test never sees half a binary
+            for name in PROMETHEUS_TOOLS:
+                binary = Path(workdir) / "root" / "usr" / "bin" / name
+                if not binary.is_file():
+                    return f"Debian's {package.name} holds no usr/bin/{name}"
+                tools_dir.mkdir(parents=True, exist_ok=True)
+                staged = tools_dir / f"{name}.{os.getpid()}.partial"  # one per writer
+                shutil.copy2(binary, staged)
+                staged.replace(tools_dir / name)  # atomic: a concurrent test never sees half a binary
         except (subprocess.SubprocessError, StopIteration, OSError) as error:
             stderr = getattr(error, "stderr", None) or b""
             return f"fetching Debian's prometheus failed: {error!r} {stderr[-500:].decode(errors='replace')}".strip()

@@ -5,9 +5,7 @@ router; promtool accepts the rules, the scrape config and every dashboard query.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
@@ -19,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.autoscaler_metrics import AutoscalerCollector
 from cluster.autoscaling import Decision
-from replica.model.cache import default_cache_dir
 from replica.server.metrics import AUTOSCALER_METRIC_PREFIX, METRIC_NAMES, REPLICA_METRIC_NAMES
 from router.metrics import RouterMetrics
+from tests.cluster.prometheus_harness import prometheus_tool, prometheus_unavailable, with_grafana_variables
 from tests.replica.replica_harness import RunningReplica
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -108,13 +106,18 @@ def test_later_rows_hold_latency_quantiles_queue_depth_and_router_decisions():
     assert any("rate(headroom_router_decisions_total" in q and "replica" in q for q in later_queries)
 
 
-def test_every_panel_selects_the_dashboards_model():
-    # With several applications a panel that does not select $model mixes them all: replica
-    # series carry the model id, the router's and the autoscaler's the application.
+def test_every_panel_selects_the_dashboards_model_or_application():
+    # With several applications a panel that does not select one mixes them all: replica
+    # series carry the model id ($model), the router's and the autoscaler's the application
+    # ($application; a config may name an application otherwise than its model id).
     panel_queries = [query for query in dashboard_queries(dashboard()["panels"])]
     assert panel_queries
     for query in panel_queries:
-        assert 'model=~"$model"' in query or 'application=~"$model"' in query, query
+        assert 'model=~"$model"' in query or 'application=~"$application"' in query, query
+    variables = {variable["name"]: variable["query"]["query"] for variable in dashboard()["templating"]["list"]
+                 if variable["type"] == "query"}
+    assert variables == {"model": "label_values(headroom_num_requests_running, model)",
+                         "application": "label_values(application)"}
 
 
 def alert_rules() -> dict[str, dict]:
@@ -188,13 +191,10 @@ def test_every_queried_router_metric_is_in_a_routers_exposition():
 
 
 def promtool() -> str:
-    """promtool from PATH, else from the headroom cache (tools/promtool); skips without it."""
-    found = shutil.which("promtool")
-    cached = default_cache_dir() / "tools" / "promtool"
-    if found is None and os.access(cached, os.X_OK):
-        found = str(cached)
+    """promtool (from PATH, the headroom cache, or Debian's package); skips without it."""
+    found = prometheus_tool("promtool")
     if found is None:
-        pytest.skip("promtool not installed")
+        pytest.skip(prometheus_unavailable() or "promtool not installed")
     return found
 
 
@@ -215,11 +215,9 @@ def test_promtool_accepts_the_scrape_config():
 def test_promtool_parses_every_dashboard_query(tmp_path):
     # promtool parses PromQL only inside rule files: each panel query becomes a recording
     # rule, with Grafana's variables replaced by values they take.
-    grafana_variables = {"$__rate_interval": "1m", "$model": ".*"}
     rules = []
     for index, query in enumerate(q for q in dashboard_queries() if not q.startswith("label_values(")):
-        for variable, value in grafana_variables.items():
-            query = query.replace(variable, value)
+        query = with_grafana_variables(query)
         rules.append({"record": f"dashboard:query_{index}", "expr": query})
     rule_file = tmp_path / "dashboard_rules.yml"
     rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
@@ -286,3 +284,42 @@ def test_no_replica_up_fires_when_no_replica_answers(tmp_path):
     }]}]
     checked = promtool_test(tmp_path, series, fired, [])
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("app_name", ["meta-llama/Llama-3.1-8B-Instruct", "../../escaped", "a%2Fb"])
+def test_target_files_of_any_application_name_are_where_the_scrape_configs_globs_read(tmp_path, app_name):
+    """An application named as a model id (`org/model`) wrote its target files into a
+    subdirectory the globs never read (every panel empty, HeadroomNoReplicaUp on a healthy
+    cluster), and `..` out of the directory; the names are percent-encoded into one file each."""
+    import asyncio
+    import fnmatch
+
+    from cluster.config import DEFAULT_TARGETS_DIR
+    from cluster.prometheus_targets import PrometheusTargets
+
+    async def write() -> tuple[dict[str, list], list]:
+        async def endpoints() -> list[str]:
+            return ["10.0.0.1:9100"]
+
+        targets = PrometheusTargets(tmp_path / "targets", app_name, "10.0.0.2:9200", endpoints)
+        targets.start()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            written = [path for path in tmp_path.rglob("*") if path.is_file()]
+            if len(written) == 2:
+                break
+        files = {path.name: json.loads(path.read_text()) for path in written}
+        targets.stop()
+        return files, written
+
+    files, written = asyncio.run(write())
+    assert {path.parent for path in written} == {tmp_path / "targets"}  # not in or above a subdirectory
+    globs = [pattern for job in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+             if job["job_name"].startswith("headroom-") for config in job["file_sd_configs"]
+             for pattern in config["files"]]
+    read = {job: [name for name in files for pattern in globs
+                  if fnmatch.fnmatch(f"{DEFAULT_TARGETS_DIR}/{name}", pattern) and job in pattern]
+            for job in ("replicas", "router")}
+    assert all(len(names) == 1 for names in read.values()), read
+    assert files[read["replicas"][0]] == [{"targets": ["10.0.0.1:9100"], "labels": {"application": app_name}}]
+    assert files[read["router"][0]] == [{"targets": ["10.0.0.2:9200"], "labels": {"application": app_name}}]

@@ -117,7 +117,12 @@ def test_serve_config_v2_is_our_config_schema_and_the_values(documents, values_f
     serve_config = yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"])
     config = load_config(serve_config)
     with helm.Chart.load(CHART) as chart:
-        assert serve_config == chart.merge_values(values_of(values_file))["serve"]
+        expected = chart.merge_values(values_of(values_file))["serve"]
+    # The values, each application's router metrics port written in (headroom.routerMetricsPorts).
+    for index, app in enumerate(expected["applications"]):
+        ports = app.setdefault("args", {}).setdefault("ports", {})
+        ports["router_metrics"] = ports.get("router_metrics") or PortsConfig().router_metrics + index
+    assert serve_config == expected
     assert config.grpc_options.port == 9000 and config.http_options.port == 8000
 
 
@@ -170,30 +175,59 @@ def test_podmonitor_scrapes_the_replica_metrics_port_as_the_alerts_job(documents
     metrics_port = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args.ports.metrics
     assert container_ports(worker_container(service))[endpoint["port"]] == metrics_port
     # deploy/prometheus.yml, this PodMonitor and the HeadroomReplicaDown rule share one job name.
-    (job,) = [relabel["replacement"] for relabel in endpoint["relabelings"] if relabel["targetLabel"] == "job"]
+    (job,) = [relabel["replacement"] for relabel in endpoint["relabelings"] if relabel.get("targetLabel") == "job"]
+    # A pod still pulling its image (no replica yet) is not scraped, so no `up == 0` pages for it.
+    assert {"sourceLabels": ["__meta_kubernetes_pod_phase"], "regex": "Running", "action": "keep"} in endpoint["relabelings"]
     scrape_jobs = [job["job_name"] for job in yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]]
     assert job in scrape_jobs
     assert f'up{{job="{job}"}}' in (REPO / "deploy" / "alerts.yml").read_text()
 
 
-def test_router_podmonitor_scrapes_the_heads_router_metrics_port_as_the_scrape_configs_job(documents):
+def router_endpoints(documents: list[dict[str, Any]]) -> dict[str, int]:
+    """The router PodMonitor's head-pod ports by the application its relabeling names, after
+    checking each endpoint is one of the head's ports and the scrape config's job."""
     service = rayservice(documents)
     router_monitor = next(m for m in only(documents, "PodMonitor") if m["metadata"]["name"].endswith("-router"))
-    (endpoint,) = router_monitor["spec"]["podMetricsEndpoints"]
     head_template = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
     assert router_monitor["spec"]["selector"]["matchLabels"].items() <= head_template["metadata"]["labels"].items()
     (head,) = head_template["spec"]["containers"]
-    args = load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications[0].args
-    assert container_ports(head)[endpoint["port"]] == args.ports.router_metrics
-    (job,) = [relabel["replacement"] for relabel in endpoint["relabelings"] if relabel["targetLabel"] == "job"]
     scrape_jobs = [job["job_name"] for job in yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]]
-    assert job in scrape_jobs
-    # Labelled with the application as the file-based discovery labels them, so the dashboard's
-    # router panel, which selects application=~"$model", has data on Kubernetes too.
-    (application,) = [relabel["replacement"] for relabel in endpoint["relabelings"]
-                      if relabel["targetLabel"] == "application"]
-    serve_config = load_config(yaml.safe_load(service["spec"]["serveConfigV2"]))
-    assert application == serve_config.applications[0].name
+    ports = {}
+    for endpoint in router_monitor["spec"]["podMetricsEndpoints"]:
+        labels = {relabel["targetLabel"]: relabel["replacement"] for relabel in endpoint["relabelings"]}
+        assert labels["job"] in scrape_jobs
+        # Labelled with the application as the file-based discovery labels them, so the dashboard's
+        # router panels, which select application=~"$application", have data on Kubernetes too.
+        ports[labels["application"]] = container_ports(head)[endpoint["port"]]
+    return ports
+
+
+def test_router_podmonitor_scrapes_the_heads_router_metrics_port_as_the_scrape_configs_job(documents):
+    serve_config = load_config(yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"]))
+    assert router_endpoints(documents) == {app.name: app.args.ports.router_metrics for app in serve_config.applications}
+
+
+def test_each_applications_router_metrics_get_a_port_of_their_own_scraped_under_its_name():
+    # Every ingress binds the first free port from its own router_metrics: with one shared
+    # base, whichever started first took it, and the others' series went unscraped.
+    values = {"serve": {"applications": [{"name": name, "route_prefix": f"/{name}", "import_path": "cluster.app:build_app",
+                                          "args": {}} for name in ("a", "b", "c")]}}
+    values["serve"]["applications"][2]["args"] = {"ports": {"router_metrics": 9500}}
+    documents = render(values)
+    base = PortsConfig().router_metrics
+    assert router_endpoints(documents) == {"a": base, "b": base + 1, "c": 9500}
+    serve_config = load_config(yaml.safe_load(rayservice(documents)["spec"]["serveConfigV2"]))
+    assert [app.args.ports.router_metrics for app in serve_config.applications] == [base, base + 1, 9500]
+    (policy,) = only(documents, "NetworkPolicy")
+    admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule.get("ports", [])}
+    assert {base, base + 1, 9500} <= admitted
+
+
+def test_applications_sharing_a_router_metrics_port_fail_to_render():
+    values = {"serve": {"applications": [{"name": "a", "route_prefix": "/a", "args": {"ports": {"router_metrics": 9200}}},
+                                         {"name": "b", "route_prefix": "/b", "args": {"ports": {"router_metrics": 9200}}}]}}
+    with pytest.raises(helm.HelmError, match=r"serve.applications\[1\].args.ports.router_metrics: 9200"):
+        render(values)
 
 
 def test_every_pod_the_replica_podmonitor_scrapes_hosts_one_replica(documents, values_file):

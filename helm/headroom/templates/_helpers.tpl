@@ -41,10 +41,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- first $ports }}
 {{- end }}
 
-{{/* The router /metrics port on the head pod, where each application's ingress runs: the
-     first application's args.ports.router_metrics (later ones count up from it). */}}
-{{- define "headroom.routerMetricsPort" -}}
-{{- (((first .Values.serve.applications).args | default dict).ports | default dict).router_metrics | default 9200 | int }}
+{{/* The router /metrics port of each application (a JSON list, in the applications' order),
+     on the head pod, where every application's ingress runs: its args.ports.router_metrics,
+     else 9200 + its index. Each ingress binds the first free port from its own, so distinct
+     ports keep each one on its own port, which the head declares and the router PodMonitor
+     scrapes with that application's name (serveConfig writes them into the args). */}}
+{{- define "headroom.routerMetricsPorts" -}}
+{{- $ports := list }}
+{{- range $index, $app := .Values.serve.applications }}
+{{- $port := ((($app.args | default dict).ports | default dict).router_metrics | default (add 9200 $index) | int) }}
+{{- if has $port $ports }}
+{{- fail (printf "serve.applications[%d].args.ports.router_metrics: %d is an earlier application's too; each application's ingress serves its router metrics on a port of its own" $index $port) }}
+{{- end }}
+{{- $ports = append $ports $port }}
+{{- end }}
+{{- toJson $ports }}
 {{- end }}
 
 {{/* The replicas' internal gRPC port (LoadReporter, cluster token; `args.ports.replica_grpc`):
@@ -121,6 +132,14 @@ env:
      proxy from the mounted tls.existingSecret when one is set. */}}
 {{- define "headroom.serveConfig" -}}
 {{- $serve := deepCopy .Values.serve }}
+{{- $routerPorts := include "headroom.routerMetricsPorts" . | fromJsonArray }}
+{{- range $index, $app := $serve.applications }}
+{{- $args := $app.args | default dict }}
+{{- $ports := $args.ports | default dict }}
+{{- $_ := set $ports "router_metrics" (index $routerPorts $index) }}
+{{- $_ := set $args "ports" $ports }}
+{{- $_ := set $app "args" $args }}
+{{- end }}
 {{- if .Values.tls.existingSecret }}
 {{- $http := $serve.http_options | default dict }}
 {{- if or $http.ssl_certfile $http.ssl_keyfile }}
