@@ -206,6 +206,30 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
     yield SSE_DONE
 
 
+async def _first_awaited(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
+                         ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """`chunks` with its first item already awaited, so that a request refused before its
+    first output (a full queue, a lost replica, its first-token deadline) raises here, while
+    the response can still carry the error's own status (429, 503, 504) as OpenAI's does;
+    after the status line of a stream it can only be an event, which clients' retries never
+    see. Raises what `chunks` raises before its first item."""
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+
+    async def rest() -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        try:
+            if first is not None:
+                yield first
+                async for item in chunks:
+                    yield item
+        finally:
+            await chunks.aclose()  # the replica calls are cancelled however the stream stops
+
+    return rest()
+
+
 def _retrieved(future: asyncio.Future) -> None:
     """Marks a background future's exception as seen (asyncio logs one nobody retrieved), and
     logs it: the grammar compiler that failed to build is made again by the next constrained
@@ -628,6 +652,11 @@ class Ingress:
                                   body.tool_calling(self.tool_call_parser) if chat else None)
         chunks = self.choice_chunks(choices)
         if body.stream:
+            try:
+                chunks = await _first_awaited(chunks)
+            except Exception as error:
+                status, error_json = openai_error(error, param_for_field)
+                return JSONResponse(error_json, status_code=status)
             return StreamingResponse(
                 _sse_stream(chunks, bodies, [choice for choice, _ in choices], body.include_usage, param_for_field),
                 media_type="text/event-stream",

@@ -541,3 +541,86 @@ def test_a_constrained_request_cancelled_while_the_grammar_compiler_builds_leave
             await ingress.check_constraint(bad)
 
     asyncio.run(scenario())
+
+
+def completing_ingress(replica_stream):
+    """The ingress's methods for `_complete` on the built-in model, each choice's replica stream
+    `replica_stream(request)` (an async generator of RequestOutput) in place of Serve's."""
+    from cluster.config import ClusterConfig
+    from protos import headroom_pb2 as pb
+
+    config = ClusterConfig(model="builtin")
+    tokenizer = RecordingTokenizer().real
+    ingress = ingress_methods(tokenizer)
+    ingress.model_id, ingress.max_num_seqs = config.served_model_id, config.engine.max_num_seqs
+    ingress.engine_config, ingress.tool_call_parser = config.engine, config.tool_call_parser
+    ingress.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.token_bytes)
+
+    async def model_info():
+        return pb.ModelInfo(max_model_len=256, vocab_size=tokenizer.vocab_size, block_size=16)
+
+    async def stream(request):
+        async for output in replica_stream(request):
+            yield "replica-0", output
+
+    ingress.model_info, ingress.stream = model_info, stream
+    return ingress
+
+
+def post(ingress, path: str, body: dict):
+    """`_complete` on a real Starlette request carrying `body`."""
+    from starlette.requests import Request
+
+    from cluster.openai_api import ChatCompletionRequest as Chat
+
+    raw = json.dumps(body).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()  # the client stays connected
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}, receive)
+    return ingress._complete(request, Chat if path.endswith("chat/completions") else CompletionRequest)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_refused_before_its_first_token_answers_with_the_refusals_status(path):
+    """A full queue (or a lost replica, a first-token deadline) refused a streamed request with
+    a 200 and then an error event: the openai client raised a bare APIError with no status, so
+    its retries and backoff for 429 never ran. Now the status is the refusal's, as unstreamed;
+    a stream that got its first token still answers 200 and carries what follows."""
+    from replica.errors import QueueFullError
+
+    async def full_queue(request):
+        raise QueueFullError("the waiting queue is full (64 requests)")
+        yield  # an async generator
+
+    closed = []
+
+    async def two_tokens(request):
+        try:
+            yield chunk("a", [65])
+            yield chunk("b", [66], "length")
+        finally:
+            closed.append(request.request_id)
+
+    body = {"stream": True, "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]}
+                                               if "chat" in path else {"prompt": "hi"})}
+
+    async def run(replica_stream):
+        response = await post(completing_ingress(replica_stream), path, body)
+        events = ([part async for part in response.body_iterator] if isinstance(response, StreamingResponse)
+                  else [])
+        return response, events
+
+    refused, events = asyncio.run(run(full_queue))
+    assert refused.status_code == 429 and not isinstance(refused, StreamingResponse)
+    assert json.loads(refused.body)["error"]["code"] == "queue_full"
+    served, events = asyncio.run(run(two_tokens))
+    assert served.status_code == 200 and isinstance(served, StreamingResponse)
+    assert events[-1].strip() == "data: [DONE]" and any('"b"' in event for event in events)
+    assert len(closed) == 1  # the replica's stream was closed once read
