@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
@@ -92,10 +93,33 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < GREEDY_TEMPERATURE_EPS:
             object.__setattr__(self, "temperature", 0.0)
+        # An integer of another type (numpy's, from an offline script) as the int it is: the
+        # sampler's arrays take Python ints (np.int64 seeds overflowed there, failing the step).
+        for name in ("max_tokens", "top_k", "top_logprobs", "seed"):
+            value = getattr(self, name)
+            if _other_integer(value):
+                object.__setattr__(self, name, operator.index(value))
+        if any(_other_integer(token_id) for token_id in self.stop_token_ids):
+            object.__setattr__(self, "stop_token_ids", tuple(
+                operator.index(token_id) if _other_integer(token_id) else token_id for token_id in self.stop_token_ids))
+        if any(_other_integer(token_id) for token_id, _ in self.logit_bias):
+            object.__setattr__(self, "logit_bias", tuple(
+                (operator.index(token_id) if _other_integer(token_id) else token_id, bias)
+                for token_id, bias in self.logit_bias))
 
     def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (validate_request's second half)."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # In-process callers (LLMEngine.add_request) hand these in unchecked by any schema: a
+        # float seed passed here and failed the whole step, every other request's with it.
+        for name in ("max_tokens", "top_k", "top_logprobs") + (("seed",) if self.seed is not None else ()):
+            if not _is_int(getattr(self, name)):
+                raise InvalidRequestError(name, f"must be an integer, got {getattr(self, name)!r}")
+        for name, token_ids in (("stop_token_ids", self.stop_token_ids),
+                                ("logit_bias", [token_id for token_id, _ in self.logit_bias])):
+            for token_id in token_ids:
+                if not _is_int(token_id):
+                    raise InvalidRequestError(name, f"token ids must be integers, got {token_id!r}")
+        if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if prompt_len + self.max_tokens > max_model_len:
             raise InvalidRequestError(
@@ -158,6 +182,21 @@ class SamplingParams:
     def num_logprobs(self) -> Optional[int]:
         """Alternatives per token when the sampled token's logprob is asked for, else None."""
         return self.top_logprobs if self.logprobs or self.top_logprobs else None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _other_integer(value: object) -> bool:
+    """An integer that is not a Python int (numpy's, torch's 0-d): one operator.index converts."""
+    if isinstance(value, (int, float, str)) or value is None:
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_text(field_name: str, text: str) -> None:

@@ -294,6 +294,10 @@ def test_streamed_text_deltas_concatenate_to_the_full_decode():
         ([1, 2], SamplingParams(top_p=0), "top_p"),
         ([1, 2], SamplingParams(top_k=-2), "top_k"),
         ([1, 5000], SamplingParams(), "prompt_token_ids"),
+        # No schema checked these before the engine: a float seed failed the next step, the
+        # running request's too, and a float token id was truncated.
+        ([1, 2], SamplingParams(seed=1.5), "seed"),
+        ([1, 2], SamplingParams(stop_token_ids=(2.5,)), "stop_token_ids"),
     ],
 )
 def test_bad_request_is_rejected_at_the_edge_without_disturbing_running_work(prompt, params, field):
@@ -312,6 +316,16 @@ def test_bad_request_is_rejected_at_the_edge_without_disturbing_running_work(pro
     while engine.has_unfinished_requests():
         engine.step()
     assert running.output_token_ids == engine.generate([[1, 2, 3]], greedy)[0]
+
+
+def test_numpy_integers_in_sampling_params_are_the_ints_they_hold():
+    import numpy as np
+
+    params = SamplingParams(seed=np.int64(7), top_k=np.int32(5), stop_token_ids=(np.int64(3),),
+                            logit_bias=((np.int64(4), 1.0),))
+    assert params == SamplingParams(seed=7, top_k=5, stop_token_ids=(3,), logit_bias=((4, 1.0),))
+    assert all(type(value) is int for value in (params.seed, params.top_k, *params.stop_token_ids,
+                                                params.logit_bias[0][0]))
 
 
 def _run_to_completion(engine: LLMEngine, prompt: str, params: SamplingParams):
