@@ -391,7 +391,9 @@ class ChatMessage(BaseModel):
     def template_message(self) -> dict[str, Any]:
         """The message as a chat template reads it (Hugging Face's form: a call's arguments as
         an object where they parse, as vLLM renders them)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        # OpenAI's developer role is its system role renamed (o1 on): chat templates know only
+        # "system", and some drop a role they do not know (Qwen2.5: the instructions vanished).
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:

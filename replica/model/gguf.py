@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
 from replica.model.checkpoint import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE, check_layer_count
+from replica.text.chat_template import ChatTemplateError, check_chat_template
 from replica.model.gguf_tokenizer import (
     GGUFTokenizerError, tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata,
 )
@@ -99,6 +100,10 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int =
         chat_template = metadata.get("tokenizer.chat_template")
         if chat_template is not None and not isinstance(chat_template, str):
             raise GGUFError(f"{gguf_path}: tokenizer.chat_template is not a string")
+        if chat_template:
+            check_chat_template(chat_template)
+    except ChatTemplateError as error:
+        raise GGUFError(f"{gguf_path}: tokenizer.chat_template: {error}") from None
     except GGUFTokenizerError as error:  # it names the key; the file too, as every error here does
         raise GGUFTokenizerError(f"{gguf_path}: {error}") from None
     except ModelLoadError:  # GGUFError (its message names the file), a layer count the weights lack
@@ -114,7 +119,7 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int =
                 {**tokenizer_config, "model_max_length": config["max_position_embeddings"]})
     tokenizer.save(str(model_dir / "tokenizer.json"))
     if chat_template:
-        (model_dir / "chat_template.jinja").write_text(chat_template)
+        (model_dir / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     write_weight_shards(reader, config, gguf_path, model_dir, max_shard_bytes)
 
 

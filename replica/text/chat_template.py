@@ -1,7 +1,8 @@
 """A checkpoint's chat template (Jinja), found where Hugging Face checkpoints keep it and
 rendered as transformers' apply_chat_template renders it: a sandboxed environment with
-trim_blocks / lstrip_blocks, loop controls, raise_exception, strftime_now and a tojson that
-keeps non-ASCII text, the special tokens as variables, and the generation prompt appended.
+trim_blocks / lstrip_blocks, loop controls, the `{% generation %}` tag, raise_exception,
+strftime_now and a tojson that keeps non-ASCII text, the special tokens as variables, and the
+generation prompt appended.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -28,9 +30,9 @@ class ChatTemplateError(ValueError):
 def find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> Optional[str]:
     """The template text, from chat_template.jinja, chat_template.json or tokenizer_config.json."""
     if (model_dir / TEMPLATE_FILE).is_file():
-        return (model_dir / TEMPLATE_FILE).read_text()
+        return (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
     if (model_dir / LEGACY_TEMPLATE_FILE).is_file():
-        return json.loads((model_dir / LEGACY_TEMPLATE_FILE).read_text()).get("chat_template")
+        return json.loads((model_dir / LEGACY_TEMPLATE_FILE).read_text(encoding="utf-8")).get("chat_template")
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
         templates = {entry.get("name"): entry.get("template") for entry in template}
@@ -38,19 +40,47 @@ def find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> 
     return template
 
 
+# What a template's own code raises on a conversation it does not expect (an earlier call's
+# arguments as an object where it concatenates text, `|items` of a list): the conversation is
+# the cause, as vLLM answers it (400), not a server fault.
+RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                 RuntimeError)
+
+
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], **variables: Any) -> str:
     """The conversation as prompt text, ending where the assistant's reply begins."""
+    compiled = _compiled(template)
     try:
-        return _compiled(template).render(messages=[dict(message) for message in messages],
-                                          add_generation_prompt=True, **variables)
-    except jinja2.TemplateError as error:
-        raise ChatTemplateError(f"the chat template refused the conversation: {error}") from error
+        return compiled.render(messages=[dict(message) for message in messages], add_generation_prompt=True,
+                               **variables)
+    except RENDER_ERRORS as error:
+        detail = str(error) if isinstance(error, jinja2.TemplateError) else f"{type(error).__name__}: {error}"
+        raise ChatTemplateError(f"the chat template refused the conversation: {detail}") from error
+
+
+def check_chat_template(template: str) -> None:
+    """Raise ChatTemplateError when `template` does not compile: a checkpoint's broken template
+    is an error at load, naming it, not a 400 blamed on every chat request's messages."""
+    _compiled(template)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's
+    tokens for training masks (checkpoints fine-tuned on assistant-only loss ship it):
+    rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
 @lru_cache(maxsize=8)
 def _compiled(template: str) -> jinja2.Template:
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
+                                                extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders
 
-from replica.text.chat_template import find_chat_template, render_chat_template
+from replica.text.chat_template import ChatTemplateError, check_chat_template, find_chat_template, render_chat_template
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
 # Tokens an incremental detokenizer holds without releasing text before it stops decoding its
@@ -71,10 +71,22 @@ class Tokenizer:
             tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
             if not isinstance(tokenizer_config, dict):
                 raise ValueError("tokenizer_config.json is not a JSON object")
+            # transformers fills the special tokens tokenizer_config.json leaves out from here.
+            special_tokens_map = _read_json_if_present(model_dir / "special_tokens_map.json")
+            if isinstance(special_tokens_map, dict):
+                tokenizer_config = {**{name: token for name, token in special_tokens_map.items()
+                                       if name.endswith("_token")}, **tokenizer_config}
             tokenizer_json = model_dir / "tokenizer.json"
             if tokenizer_json.is_file():
-                return cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)
-            return cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config)
+                tokenizer = cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)
+            else:
+                tokenizer = cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config)
+            if tokenizer.chat_template is not None:
+                try:
+                    check_chat_template(tokenizer.chat_template)
+                except ChatTemplateError as error:
+                    raise TokenizerLoadError(f"{model_dir}: {error}") from None
+            return tokenizer
         except TokenizerLoadError:
             raise
         except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a broken file
@@ -160,9 +172,8 @@ class Tokenizer:
         tools: the template's `tools` variable (OpenAI's function tools), as transformers passes them.
         """
         if self.chat_template is not None:
-            variables = self._template_special_tokens()
-            if tools:
-                variables["tools"] = list(tools)
+            # As transformers passes them: `tools` and `documents` always defined, None when not given.
+            variables = {**self._template_special_tokens(), "tools": list(tools) if tools else None, "documents": None}
             return render_chat_template(self.chat_template, messages, **variables)
         bos = self._fast_tokenizer.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         turns = "".join(f"<|{message['role']}|>\n{message['content']}\n" for message in messages)
@@ -201,7 +212,7 @@ def _fast_tokenizer_via_transformers(model_dir: Path) -> FastTokenizer:
 
 
 def _read_json_if_present(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 class IncrementalDetokenizer:

@@ -205,6 +205,13 @@ def test_list_of_parts_content_is_its_text_parts_joined():
     assert request.messages[0].text == "one\ntwo"
 
 
+def test_a_developer_message_reaches_the_template_as_the_system_message():
+    # Templates know "system" only; Qwen2.5's dropped the developer's instructions silently.
+    request = parsed(ChatCompletionRequest, messages=[{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "hi"}])
+    assert [message.template_message()["role"] for message in request.messages] == ["system", "user"]
+
+
 def test_batched_prompts_and_best_of_rules():
     assert parsed(CompletionRequest, prompt=["a", "b"]).prompts == ["a", "b"]
     assert parsed(CompletionRequest, prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]

@@ -8,7 +8,7 @@ import pytest
 
 from replica.model.builtin import ensure_builtin_model
 from replica.text.chat_template import ChatTemplateError, find_chat_template, render_chat_template
-from replica.text.tokenizer import Tokenizer
+from replica.text.tokenizer import Tokenizer, TokenizerLoadError
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,6 +46,15 @@ turns={{ ns.turns }}
 assistant:
 {% endif %}"""
 
+# transformers' {% generation %} tag (assistant-only-loss fine-tunes ship it); `tools` and
+# `documents` tested as transformers passes them (None, not undefined).
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] }}{% endgeneration %}{% else %}<{{ message['role'] }}>{{ message['content'] }}"
+    "{% endif %}{% endfor %}{% if tools is not none %}{{ tools | tojson }}{% endif %}"
+    "{% if documents is defined %}[docs: {{ documents }}]{% endif %}<assistant>"
+)
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi!"}],
@@ -69,8 +78,8 @@ def chat_dir(tmp_path, template: str, where: str = "chat_template.jinja"):
     return model_dir
 
 
-@pytest.mark.parametrize("template", [SMOLLM2_TEMPLATE, LLAMA2_TEMPLATE, FEATURES_TEMPLATE],
-                         ids=["smollm2", "llama2", "features"])
+@pytest.mark.parametrize("template", [SMOLLM2_TEMPLATE, LLAMA2_TEMPLATE, FEATURES_TEMPLATE, GENERATION_TEMPLATE],
+                         ids=["smollm2", "llama2", "features", "generation-tools-documents"])
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 def test_rendering_equals_transformers_apply_chat_template(tmp_path, template, conversation):
     messages = CONVERSATIONS[conversation]
@@ -78,6 +87,44 @@ def test_rendering_equals_transformers_apply_chat_template(tmp_path, template, c
     reference = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert Tokenizer.from_pretrained(model_dir).apply_chat_template(messages) == expected
+
+
+def test_special_tokens_only_in_special_tokens_map_json_are_the_templates_and_the_tokenizers(tmp_path):
+    # transformers reads them there too: without, Llama-2's template lost its BOS and the
+    # tokenizer had no eos_token_id, so requests never ended on EOS.
+    model_dir = chat_dir(tmp_path, LLAMA2_TEMPLATE)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    special = {name: config.pop(name) for name in ("bos_token", "eos_token")}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "special_tokens_map.json").write_text(json.dumps(special))
+    messages = CONVERSATIONS[1]
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    assert tokenizer.apply_chat_template(messages) == reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (reference.bos_token_id, reference.eos_token_id)
+    assert tokenizer.eos_token_id is not None
+
+
+def test_a_template_failing_on_a_conversations_values_is_a_chat_template_error_not_a_server_fault():
+    # DeepSeek-V3's template concatenates an earlier call's arguments as text; they arrive
+    # parsed (as vLLM renders them): a TypeError inside the template was a 500.
+    concatenating = "{% for m in messages %}{{ 'args: ' + m['tool_calls'][0]['function']['arguments'] }}{% endfor %}"
+    messages = [{"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        render_chat_template(concatenating, messages)
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        render_chat_template("{{ messages[0]['content'] | items | list }}", [{"role": "user", "content": "[1, 2]"}])
+
+
+def test_a_checkpoint_whose_template_does_not_compile_fails_at_load_naming_it(tmp_path):
+    # It was found at the first chat request, as a 400 blaming that request's messages, and
+    # recompiled (and refused) on every one after it.
+    model_dir = chat_dir(tmp_path, "{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(TokenizerLoadError, match="chat template does not compile") as raised:
+        Tokenizer.from_pretrained(model_dir)
+    assert str(model_dir) in str(raised.value)
 
 
 def test_a_template_refusing_a_conversation_raises_its_message():

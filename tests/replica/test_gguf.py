@@ -290,6 +290,8 @@ def test_a_missing_file_is_file_not_found(tmp_path):
     ({"tokenizer.ggml.eos_token_id": 99999}, "eos_token_id 99999: not token ids of the vocabulary"),
     ({"llama.rope.freq_base": 0.0}, "rope_theta 0.0: must be a finite number > 0"),
     ({"tokenizer.chat_template": (5, GGUFValueType.UINT32)}, "tokenizer.chat_template is not a string"),
+    ({"tokenizer.chat_template": ("{% for m in messages %}", GGUFValueType.STRING)},
+     "tokenizer.chat_template: the checkpoint's chat template does not compile"),
     ({"llama.rope.scaling.type": ("linear", GGUFValueType.STRING)}, "malformed metadata: KeyError: 'llama.rope.scaling.factor'"),
     ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens: missing, or not a list of strings"),
 ])
