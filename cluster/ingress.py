@@ -533,10 +533,11 @@ class Ingress:
             # messages: an earlier tool call's arguments (parsed for the template) or the tools
             # (rendered as JSON) can be megabytes; 2.5 MB of arguments held the loop 0.4 s.
             large = body_bytes > INLINE_PARSE_MAX_BYTES
-            gather = lambda: [message.template_message() for message in body.messages]  # noqa: E731
-            messages = await asyncio.to_thread(gather) if large else gather()
+            gather = lambda: ([message.template_message() for message in body.messages],  # noqa: E731
+                              body.template_tools())
+            messages, tools = await asyncio.to_thread(gather) if large else gather()
             return [await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits,
-                                                tools=body.template_tools(), off_loop=large)]
+                                                tools=tools, off_loop=large)]
         prompts = body.prompts
         if sum(len(prompt) for prompt in prompts if isinstance(prompt, str)) > INLINE_TOKENIZE_MAX_CHARS:
             # One long prompt, or many short ones (256 prompts of 4,096 characters, a 1 MB body,
@@ -617,15 +618,15 @@ class Ingress:
             # The bounds the gRPC edges hold (RequestLimits): work per token for every stream.
             self.limits.check_stop(body.stop_strings)
             self.limits.check_token_lists(len(body.stop_token_ids), len(body.logit_bias or {}))
-            constraint = body.output_constraint()
-            prompts = await self._prompts(body, len(raw))
-            info = await self.model_info()
-            for tool_schema in body.tool_parameter_schemas() if chat else ():
-                await self.check_constraint(tool_schema)
+            # Building the constraints reads every schema (megabytes in a large body: 2 s of
+            # the loop for a 4 MB one); compiling them waits for the cheap checks below.
+            build = lambda: (body.output_constraint(), body.tool_parameter_schemas() if chat else [])  # noqa: E731
+            constraint, tool_schemas = await asyncio.to_thread(build) if len(raw) > INLINE_PARSE_MAX_BYTES else build()
             if constraint is not None:
-                await self.check_constraint(constraint)
                 # A constraint the engine ends mid-output (too costly to follow) names it too.
                 param_for_field["structured_output"] = constraint.param
+            prompts = await self._prompts(body, len(raw))
+            info = await self.model_info()
             choices = []
             for prompt_index, token_ids in enumerate(prompts):
                 base = body.base_sampling_params(self._max_tokens(body, len(token_ids), info.max_model_len),
@@ -643,6 +644,10 @@ class Ingress:
                             raise InvalidRequestError(prompt_param(prompt_index, len(prompts)), error.message) from None
                         raise
                     choices.append((choice, generation))
+            for tool_schema in tool_schemas:
+                await self.check_constraint(tool_schema)
+            if constraint is not None:
+                await self.check_constraint(constraint)
             echo_texts = await self._echo_texts(body)
         except InvalidRequestError as error:
             status, error_json = openai_error(error, param_for_field)

@@ -631,3 +631,52 @@ def test_a_stream_refused_before_its_first_token_answers_with_the_refusals_statu
     assert served.status_code == 200 and isinstance(served, StreamingResponse)
     assert events[-1].strip() == "data: [DONE]" and any('"b"' in event for event in events)
     assert len(closed) == 1  # the replica's stream was closed once read
+
+
+def test_more_tools_than_openais_bound_are_refused_before_any_is_validated():
+    from cluster.openai_structured import MAX_TOOLS
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    error = refused(ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                       "tools": [tool] * (MAX_TOOLS + 1)}).encode())
+    assert error.status == 400 and error.body["error"]["param"] == "tools"
+    assert f"at most {MAX_TOOLS} tools" in error.body["error"]["message"]
+    assert len(parsed(ChatCompletionRequest, messages=[{"role": "user", "content": "hi"}],
+                      tools=[tool] * MAX_TOOLS).tools) == MAX_TOOLS
+
+
+def test_schemas_are_compiled_only_for_a_request_the_cheap_checks_pass_and_built_off_the_loop_when_large():
+    """30,000 tools took the ingress 40 s of schema building and compiling before it refused
+    the request for its max_tokens; a 4 MB response_format schema held the loop 2 s."""
+    compiled, built_on, asked = [], [], []
+
+    async def replica(request):
+        asked.append(request.request_id)
+        yield chunk("[]", [65], "stop")
+
+    ingress = completing_ingress(replica)
+
+    async def check_constraint(constraint):
+        compiled.append(constraint.param)
+
+    ingress.check_constraint = check_constraint
+    tools = [{"type": "function", "function": {"name": f"f{index}", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "description": "d" * 1000}}}}} for index in range(100)]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required"}
+    refused_response = asyncio.run(post(ingress, "/v1/chat/completions", {**body, "max_tokens": 10**6}))
+    assert refused_response.status_code == 400 and json.loads(refused_response.body)["error"]["param"] == "max_tokens"
+    assert compiled == [] and asked == []
+    original = ChatCompletionRequest.output_constraint
+
+    def recording(self):
+        built_on.append(threading.current_thread())
+        return original(self)
+
+    ChatCompletionRequest.output_constraint = recording
+    try:
+        response = asyncio.run(post(ingress, "/v1/chat/completions", {**body, "max_tokens": 2, "stream": True}))
+    finally:
+        ChatCompletionRequest.output_constraint = original
+    assert response.status_code == 200 and len(asked) == 1
+    assert compiled == [f"tools[{index}].function.parameters" for index in range(100)] + ["tools"]
+    assert built_on and threading.main_thread() not in built_on
