@@ -438,9 +438,7 @@ class Ingress:
         try:
             prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits)
             info = await self.model_info()
-            constraint = output_constraint_from_proto(request)
-            if constraint is not None:
-                await self.check_constraint(OutputConstraint(*constraint))
+            constraint = await output_constraint_from_proto(request)
             generation = self._generation_request(
                 prompt_token_ids, info,
                 sampling=replace(sampling_params_from_proto(
@@ -450,6 +448,8 @@ class Ingress:
                 request_id=request.request_id or None,
                 ttft=ttft_targets_from_proto(request),
             )
+            if constraint is not None:  # compiled once the cheap checks above have passed
+                await self.check_constraint(OutputConstraint(*constraint))
             async for replica_id, output in self.stream(generation):
                 yield generate_response(output, replica_id)
         except HeadroomError as error:

@@ -91,7 +91,7 @@ class ReplicaServer:
         interceptors = [BearerAuthInterceptor(self.credentials, self.credential_name)] if self.credentials.required else []
         interceptors.append(MalformedRequestInterceptor())  # after auth: unauthenticated calls are refused as such
         options = (SHARED_PORT_SERVER_OPTIONS if self.shared_port else SERVER_OPTIONS) + (
-            ("grpc.max_receive_message_length", self.limits.message_cap()),)
+            ("grpc.max_receive_message_length", self.limits.receive_cap()),)
         server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_LoadReporterServicer_to_server(
             LoadReporterServicer(self.engine, self.load_reports, self._stopping), server

@@ -17,6 +17,9 @@ from replica.text.tokenizer import Tokenizer
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default receive limit
 # The least a gRPC server of ours takes in as it arrives (RequestLimits.message_cap).
 MIN_MESSAGE_CAP = 32 * 1024 * 1024
+# How far past max_request_bytes a replica's own gRPC server still parses a message, so that
+# one near the bound is refused naming `request` (RequestLimits.receive_cap).
+RECEIVE_SLACK_BYTES = 1024 * 1024
 # Far beyond what any context holds (~4 characters per token), small enough to tokenize in
 # about a second of one core.
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
@@ -56,6 +59,13 @@ class RequestLimits:
         server's responses too: a Tokenize reply of max_prompt_chars characters (at most 4
         tokens of at most 4 bytes each per character) fits."""
         return max(4 * self.max_request_bytes, 16 * self.max_prompt_chars, MIN_MESSAGE_CAP)
+
+    def receive_cap(self) -> int:
+        """What a replica's own gRPC server parses as it arrives, larger messages refused by
+        gRPC (RESOURCE_EXHAUSTED) unread: max_request_bytes and a little (message_cap bounds
+        what Serve's proxy sends as well, and sized it: a 30 MiB message was parsed on the
+        replica's event loop, stalling every stream 1.7 s, before the bound refused it)."""
+        return min(self.max_request_bytes + RECEIVE_SLACK_BYTES, self.message_cap())
 
     def check_request_bytes(self, num_bytes: int, field_name: str = "request") -> None:
         if num_bytes > self.max_request_bytes:

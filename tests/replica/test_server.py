@@ -513,6 +513,20 @@ def test_a_message_over_the_byte_limit_is_invalid_argument_naming_request(replic
         assert list(generation_stub(channel).Generate(pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=1))))
 
 
+def test_a_message_far_past_the_byte_limit_is_refused_by_grpc_unread(replica):
+    # The receive bound was 32 MiB: 30 MiB of token ids were parsed on the event loop (every
+    # stream stalled) before the byte limit refused them. Now gRPC refuses them as they arrive.
+    limits = RequestLimits()
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * (2 * limits.receive_cap())),
+                                 sampling=sampling(max_tokens=1))
+    assert request.ByteSize() > limits.receive_cap() > limits.max_request_bytes
+    with grpc.insecure_channel(replica.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            list(generation_stub(channel).Generate(request))
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert list(generation_stub(channel).Generate(pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=1))))
+
+
 def refused_beside_small_calls(replica, request: pb.GenerateRequest) -> tuple[float, list[float], grpc.aio.AioRpcError]:
     """Sends `request` (one the replica works on, then refuses) while Tokenize calls go back to
     back; its time to the refusal, the calls' round trips meanwhile, and the refusal."""
@@ -881,3 +895,29 @@ def test_each_output_field_reaches_its_generate_response_field():
         assert response.HasField("usage")
         assert response.SerializeToString(deterministic=True) == _keyword_generate_response(
             output, "replica-a").SerializeToString(deterministic=True)
+
+
+def test_a_large_output_constraint_is_read_off_the_event_loop(monkeypatch):
+    """A 3.8 MiB json_schema (within the 4 MiB request bound) was parsed and checked on the
+    replica's event loop: another stream's largest gap between messages went from 10 ms to
+    2.5 s. Past INLINE_CONSTRAINT_MAX_CHARS it is read on a worker thread; a small one inline."""
+    import threading
+
+    from replica.core.structured_output import StructuredOutput
+    from replica.server import grpc_service
+
+    threads = []
+    original = StructuredOutput.of
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(StructuredOutput, "of", recording)
+    properties = {f"p{index}": {"type": "string"} for index in range(grpc_service.INLINE_CONSTRAINT_MAX_CHARS // 20)}
+    large = pb.GenerateRequest(json_schema=json.dumps({"type": "object", "properties": properties}))
+    assert len(large.json_schema) > grpc_service.INLINE_CONSTRAINT_MAX_CHARS
+    constraint, field_name = asyncio.run(grpc_service.output_constraint_from_proto(large))
+    assert field_name == "json_schema" and threads[-1] is not threading.main_thread()
+    asyncio.run(grpc_service.output_constraint_from_proto(pb.GenerateRequest(regex="[ab]+")))
+    assert threads[-1] is threading.main_thread()
