@@ -598,9 +598,9 @@ class Ingress:
         try:
             raw = await read_body(http_request, self.limits.max_request_bytes)
             if len(raw) <= INLINE_PARSE_MAX_BYTES:
-                body = parse_body(raw, body_type)
+                body = parse_body(raw, body_type, self.limits)
             else:
-                body = await asyncio.to_thread(parse_body, raw, body_type)
+                body = await asyncio.to_thread(parse_body, raw, body_type, self.limits)
         except OpenAIError as error:
             return JSONResponse(error.body, status_code=error.status)
         if body.model not in (None, self.model_id):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -21,6 +21,9 @@ from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loa
 from replica.config import NumbersNotBooleans
 from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from replica.errors import HeadroomError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from replica.server.request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +98,11 @@ def openai_error(error: BaseException, param_for_field: dict[str, str]) -> tuple
     return 500, error_body(f"internal error: {error}", None, "internal_error", "server_error")
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """The request body as `model`; raises OpenAIError (400) naming the parameter at fault."""
+def parse_body(raw: bytes, model: type[BaseModel], limits: Optional[RequestLimits] = None) -> BaseModel:
+    """The request body as `model`; raises OpenAIError (400) naming the parameter at fault.
+    `limits`: the per-token lists' bounds, checked on the parsed JSON before the model
+    validates it (pydantic holds the GIL through a list of a million ids: the event loop too,
+    though a large body is parsed on a worker thread)."""
     try:
         document = json.loads(raw)  # detects UTF-8/16/32 as JSON allows; fails on other bytes
     except UnicodeDecodeError as error:
@@ -109,6 +115,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise OpenAIError(400, f"body: nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(document, dict):
         raise OpenAIError(400, f"body: expected a JSON object, got {type(document).__name__}")
+    if limits is not None:
+        _check_list_sizes(document, limits)
     try:
         return model.model_validate(document)
     except ValidationError as error:
@@ -125,6 +133,18 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
                                  if item_loc == loc)
         message = "; or ".join(messages) if first["type"] != "missing" else first["msg"]
         raise OpenAIError(400, f"{param or 'body'}: {message}", param) from None
+
+
+def _check_list_sizes(document: dict[str, Any], limits: RequestLimits) -> None:
+    """The bounds of the lists whose every entry costs work per token, on their raw JSON."""
+    stop, stop_token_ids, logit_bias = (document.get(name) for name in ("stop", "stop_token_ids", "logit_bias"))
+    try:
+        limits.check_token_lists(len(stop_token_ids) if isinstance(stop_token_ids, list) else 0,
+                                 len(logit_bias) if isinstance(logit_bias, dict) else 0)
+        if isinstance(stop, list) and all(isinstance(string, str) for string in stop):
+            limits.check_stop(stop)
+    except InvalidRequestError as error:
+        raise OpenAIError(400, str(error), error.field) from None
 
 
 def body_loc(loc: tuple[Union[str, int], ...], document: Any, missing: bool) -> tuple[Union[str, int], ...]:

@@ -680,3 +680,26 @@ def test_schemas_are_compiled_only_for_a_request_the_cheap_checks_pass_and_built
     assert response.status_code == 200 and len(asked) == 1
     assert compiled == [f"tools[{index}].function.parameters" for index in range(100)] + ["tools"]
     assert built_on and threading.main_thread() not in built_on
+
+
+@pytest.mark.parametrize("field, value", [("stop_token_ids", [1] * 200_000), ("logit_bias", {str(i): 1 for i in range(200_000)}),
+                                          ("stop", ["x"] * 200_000)])
+def test_per_token_lists_over_their_bound_are_refused_before_the_model_validates_them(monkeypatch, field, value):
+    """pydantic validated a million stop_token_ids (holding the GIL, and so the event loop,
+    though a large body is parsed on a worker thread) before the bound refused them."""
+    from replica.server.request_limits import RequestLimits
+
+    validated = []
+    original = CompletionRequest.model_validate.__func__
+
+    def recording(cls, document, *args, **kwargs):
+        validated.append(document)
+        return original(cls, document, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionRequest, "model_validate", classmethod(recording))
+    with pytest.raises(OpenAIError) as raised:
+        parse_body(json.dumps({"prompt": "hi", field: value}).encode(), CompletionRequest, RequestLimits())
+    assert raised.value.status == 400 and raised.value.body["error"]["param"] == field
+    assert "exceeds the limit" in raised.value.body["error"]["message"] and validated == []
+    assert parse_body(json.dumps({"prompt": "hi", "stop_token_ids": [1, 2]}).encode(), CompletionRequest,
+                      RequestLimits()).stop_token_ids == [1, 2]
