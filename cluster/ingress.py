@@ -40,7 +40,7 @@ from cluster.openai_api import (
     openai_error, parse_body,
 )
 from cluster.openai_responses import (
-    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
+    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse, usage,
 )
 from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
@@ -181,9 +181,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodies: CompletionBodies,
                       choices: list[Choice], include_usage: bool,
-                      param_for_field: dict[str, str]) -> AsyncIterator[str]:
+                      param_for_field: dict[str, str], continuous_usage: bool = False) -> AsyncIterator[str]:
     """OpenAI's SSE framing: `data: {json}` per chunk, then `data: [DONE]`. An error after the
     response started can only be an event of its own (the status line is already sent).
+    `include_usage`: a last chunk of the request's usage; `continuous_usage`: every chunk
+    carries the usage so far (every choice's), as vLLM's continuous_usage_stats.
 
     The opening chunks (a chat choice's role, echoed text) go out with the first engine
     output, as vLLM's do, not when the response starts: a client times its first token by the
@@ -192,13 +194,14 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
     results = {choice.index: ChoiceResult(choice.index, choice.prompt_index) for choice in choices}
     try:
         async for choice, chunk in chunks:
-            for first in opening:
-                yield sse(first)
-            opening = []
             results[choice.index].add(chunk)
+            so_far = {"usage": usage(list(results.values()))} if continuous_usage else {}
+            for first in opening:
+                yield sse({**first, **so_far})
+            opening = []
             body = bodies.chunk(choice.index, choice.prompt_index, chunk)
             if body is not None:
-                yield sse(body)
+                yield sse({**body, **so_far})
         if include_usage:
             yield sse(bodies.usage_chunk(list(results.values())))
     except Exception as error:
@@ -663,7 +666,8 @@ class Ingress:
                 status, error_json = openai_error(error, param_for_field)
                 return JSONResponse(error_json, status_code=status)
             return StreamingResponse(
-                _sse_stream(chunks, bodies, [choice for choice, _ in choices], body.include_usage, param_for_field),
+                _sse_stream(chunks, bodies, [choice for choice, _ in choices], body.include_usage, param_for_field,
+                            body.continuous_usage),
                 media_type="text/event-stream",
             )
         results = {choice.index: ChoiceResult(choice.index, choice.prompt_index) for choice, _ in choices}

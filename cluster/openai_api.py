@@ -177,6 +177,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far too.
+    continuous_usage_stats: StrictBool = False
 
 
 # Request fields whose null is their default (their types take no None).
@@ -275,6 +277,11 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def num_candidates(self) -> int:

@@ -518,7 +518,9 @@ class ToolCallOutput:
 
     # ---- whole responses ------------------------------------------------------------------
     def message(self, text: str, finish_reason: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
-        """The assistant message and the finish reason: `tool_calls` when the reply made calls."""
+        """The assistant message and the finish reason: `tool_calls` when the reply made calls
+        under `auto` or `required`; a named function's call keeps the engine's (`stop`), as
+        OpenAI's API and vLLM answer a forced call."""
         if self.parser is None:  # named: the arguments as written (cut short where max_tokens ended them)
             content, calls = None, [ParsedCall(self.calling.function_name, text)]
         else:
@@ -527,16 +529,15 @@ class ToolCallOutput:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [tool_call_json(call) for call in calls]
-            return message, _calls_finish_reason(finish_reason, calls)
+            return message, finish_reason if self.parser is None else _calls_finish_reason(finish_reason, calls)
         return message, finish_reason
 
     # ---- streaming ------------------------------------------------------------------------
     def feed(self, text: str, finish_reason: Optional[str]) -> tuple[str, list[dict[str, Any]], Optional[str]]:
         """One engine delta in: the content to stream now, the tool-call deltas, the finish reason."""
         self.text += text
-        if self.parser is None:
-            return "", self._named_delta(text), _calls_finish_reason(
-                finish_reason, [ParsedCall(self.calling.function_name, self.text)])
+        if self.parser is None:  # named: the engine's finish reason, as message() keeps it
+            return "", self._named_delta(text), finish_reason
         content, deltas = self.parser.feed(text, final=finish_reason is not None)
         if self.parser.calls:
             finish_reason = _calls_finish_reason(finish_reason, self._allowed(self.parser.calls))

@@ -703,3 +703,23 @@ def test_per_token_lists_over_their_bound_are_refused_before_the_model_validates
     assert "exceeds the limit" in raised.value.body["error"]["message"] and validated == []
     assert parse_body(json.dumps({"prompt": "hi", "stop_token_ids": [1, 2]}).encode(), CompletionRequest,
                       RequestLimits()).stop_token_ids == [1, 2]
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
+    """vLLM's stream_options.continuous_usage_stats was silently ignored (the one extension
+    field accepted without being honoured): with include_usage, every chunk carries it."""
+    async def replica(request):
+        yield chunk("a", [65])
+        yield RequestOutput("r", [66], "b", "length", 3, 2, 0, None, None, None)  # counts are the request's so far
+
+    async def events(stream_options):
+        body = {"stream": True, "max_tokens": 2, "prompt": "hi", "stream_options": stream_options}
+        response = await post(completing_ingress(replica), "/v1/completions", body)
+        return [json.loads(event.removeprefix("data: ")) async for event in response.body_iterator
+                if event.strip() != "data: [DONE]"]
+
+    continuous = asyncio.run(events({"include_usage": True, "continuous_usage_stats": True}))
+    assert [body["usage"]["completion_tokens"] for body in continuous] == [1, 2, 2]
+    assert continuous[-1]["choices"] == []  # the last: include_usage's own chunk
+    plain = asyncio.run(events({"include_usage": True}))
+    assert ["usage" in body for body in plain] == [False, False, True]
