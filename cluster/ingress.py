@@ -46,7 +46,7 @@ from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
 from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
-from replica.errors import EngineDeadError, HeadroomError, InvalidRequestError, ReplicaLostError
+from replica.errors import EngineDeadError, EngineShutdownError, HeadroomError, InvalidRequestError, ReplicaLostError
 from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, named_for_request, prompt_token_ids_from_proto,
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
@@ -207,6 +207,20 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
     except Exception as error:
         yield sse(openai_error(error, param_for_field)[1])
     yield SSE_DONE
+
+
+async def _aborted_as_errors(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
+                             ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """`chunks`, a choice the replica ended unfinished (`abort`: it shut down past its drain
+    time) raising EngineShutdownError: OpenAI's API has no such finish reason, and a 200 with
+    the text so far read as a whole answer (gRPC keeps FINISH_REASON_ABORT)."""
+    try:
+        async for choice, chunk in chunks:
+            if chunk.finish_reason == "abort":
+                raise EngineShutdownError("the replica stopped before this request finished; retry")
+            yield choice, chunk
+    finally:
+        await chunks.aclose()  # its replica calls are cancelled however this one stops
 
 
 async def _first_awaited(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
@@ -658,7 +672,7 @@ class Ingress:
         bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,
                                   body.num_logprobs, echo_texts,
                                   body.tool_calling(self.tool_call_parser) if chat else None)
-        chunks = self.choice_chunks(choices)
+        chunks = _aborted_as_errors(self.choice_chunks(choices))
         if body.stream:
             try:
                 chunks = await _first_awaited(chunks)

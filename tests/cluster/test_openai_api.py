@@ -723,3 +723,26 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
     assert continuous[-1]["choices"] == []  # the last: include_usage's own chunk
     plain = asyncio.run(events({"include_usage": True}))
     assert ["usage" in body for body in plain] == [False, False, True]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_its_replica_ended_unfinished_is_a_503_not_a_whole_answer(stream):
+    """A replica shut down past its drain time ends its streams with `abort`, which OpenAI's API
+    does not have: the text so far came back as a 200, read as the whole answer."""
+    async def replica(request):
+        yield chunk("a", [65])
+        yield chunk("", [], "abort")
+
+    async def run():
+        body = {"stream": stream, "max_tokens": 4, "prompt": "hi"}
+        response = await post(completing_ingress(replica), "/v1/completions", body)
+        events = [event async for event in response.body_iterator] if stream else []
+        return response, events
+
+    response, events = asyncio.run(run())
+    if stream:  # the status went out with the first token: an error event, then [DONE]
+        assert response.status_code == 200 and '"replica_unavailable"' in events[-2]
+        assert events[-1].strip() == "data: [DONE]"
+    else:
+        assert response.status_code == 503
+        assert json.loads(response.body)["error"]["code"] == "replica_unavailable"
