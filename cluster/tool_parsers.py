@@ -526,7 +526,9 @@ class ToolCallOutput:
         else:
             parsed = self.parser.parse(text)
             content, calls = parsed.content, self._allowed(parsed.calls)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        # No calls: the text, "" when empty, as without tools (null read as "no text" crashed
+        # clients calling .strip() on it); with calls, null when they are all there is.
+        message: dict[str, Any] = {"role": "assistant", "content": content if calls else content or ""}
         if calls:
             message["tool_calls"] = [tool_call_json(call) for call in calls]
             return message, finish_reason if self.parser is None else _calls_finish_reason(finish_reason, calls)

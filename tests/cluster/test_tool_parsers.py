@@ -354,3 +354,9 @@ def test_a_calls_tokens_carry_their_logprobs_in_its_deltas_as_vllm_sends_them():
     assert [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in call_chunks] == [
         [-1.0, -2.0, -3.0], [-4.0]]
     assert sent[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_an_empty_reply_offered_tools_has_empty_content_as_without_tools():
+    for calling in (ToolCalling("auto", parser="hermes"), ToolCalling("auto", parser="llama3_json")):
+        message, reason = ToolCallOutput(calling).message("", "stop")
+        assert message == {"role": "assistant", "content": ""} and reason == "stop"
