@@ -40,10 +40,10 @@ def values_of(values_file: Path | None) -> dict[str, Any] | None:
     return None if values_file is None else helm.values_from_yaml(values_file.read_text())
 
 
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def render(values: dict[str, Any] | None = None, release: str = "hr") -> list[dict[str, Any]]:
     """Every manifest `helm template` renders, parsed."""
     with helm.Chart.load(CHART) as chart:
-        rendered = chart.render(values, name="hr", namespace="serving", is_install=True)
+        rendered = chart.render(values, name=release, namespace="serving", is_install=True)
     return [document for path, text in rendered.items() if not path.endswith("NOTES.txt")
             for document in yaml.safe_load_all(text) if document]
 
@@ -507,3 +507,13 @@ def test_readme_documents_every_value():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     undocumented = [path for path in value_paths(values) if f"| `{path}` |" not in readme]
     assert undocumented == []
+
+
+def test_the_longest_release_name_helm_takes_renders_names_kuberay_and_the_api_server_take():
+    """Helm takes release names up to 53 characters; KubeRay refuses a RayService name over 47
+    and the API server a Service name over 63 (kubernetes-validate checks neither)."""
+    documents = render(release="r" * 53)
+    assert len(rayservice(documents)["metadata"]["name"]) <= 47
+    assert len(rayservice(documents)["spec"]["serveService"]["metadata"]["name"]) <= 63
+    for document in documents:
+        assert len(document["metadata"]["name"]) <= 63, document["metadata"]["name"]

@@ -2,12 +2,14 @@
 {{- .Chart.Name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Release-qualified name; the release name alone when it already contains the chart's. */}}
+{{/* Release-qualified name; the release name alone when it already contains the chart's. At
+     most 47 characters: KubeRay refuses a longer RayService name (its RayClusters' names add
+     a suffix within 53), and the clients' Service adds "-serve" within 63. */}}
 {{- define "headroom.fullname" -}}
 {{- if contains .Chart.Name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 47 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 47 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 
