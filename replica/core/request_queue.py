@@ -78,6 +78,10 @@ class SLOQueue:
     so the order is recomputed by `reorder()`, once per step: O(n log n) over the waiting
     requests, which is cheap next to a forward pass.
 
+    A preempted request that has streamed output goes first, oldest first, as fcfs puts it back
+    at the head: its TTFT deadline is behind it (met or missed), and ranked by it the request
+    sank below every new arrival and, under a steady stream of them, never resumed its stream.
+
     Doomed requests sink below every rescuable one, so under a sustained overload they wait
     for as long as rescuable ones keep arriving. The bound (`doomed_wait_factor`, off when
     None): a request that has waited that many times its TTFT SLO since it arrived is overdue,
@@ -102,7 +106,7 @@ class SLOQueue:
         self._requests.append(request)
         self._sorted = False
 
-    add_front = add  # ordering is by urgency; a preempted request keeps its deadline
+    add_front = add  # ordering is by urgency, and a preempted stream's by its arrival, ahead (_ordered)
 
     def reorder(self) -> None:
         self._sorted = False
@@ -115,7 +119,9 @@ class SLOQueue:
     def _ordered(self) -> list[Request]:
         if not self._sorted:
             now = self._clock()
-            self._requests.sort(key=lambda r: (-self._urgency_of(r, now), r.arrival_time))
+            self._requests.sort(key=lambda r: (r.num_output_tokens == 0,
+                                               -self._urgency_of(r, now) if r.num_output_tokens == 0 else 0.0,
+                                               r.arrival_time))
             self._promoted = None
             if self._doomed_wait_factor is not None and self._credit >= 1.0:
                 oldest = min((r for r in self._requests if self._overdue(r, now)),

@@ -230,6 +230,7 @@ class Scheduler:
 
         # 1. Running requests, in admission order.
         index = 0
+        waits_for_finishing = False
         while index < len(running) and token_budget > 0:
             request = running[index]
             num_pending = request.num_pending_tokens
@@ -254,8 +255,15 @@ class Scheduler:
                     break
                 if kv_cache.cancel_prefetches():  # a running request's memory before a prefetch's
                     continue
-                victim_index = self.select_victim(running, self.preemption.cost)
+                # Not a request whose token in flight is its last (async scheduling): its
+                # blocks come back at the next update, and preempting it un-finished it, its
+                # whole prompt to recompute for one token already sampled.
+                eligible = [i for i, other in enumerate(running) if not _last_token_in_flight(other)]
+                victim_index = eligible[self.select_victim([running[i] for i in eligible], self.preemption.cost)]
                 victim = running[victim_index]
+                if victim is request and len(eligible) < len(running):
+                    waits_for_finishing = True  # theirs first: nothing preempted, nothing admitted
+                    break
                 undone = next((entry for entry in scheduled if entry.request is victim), None)
                 if undone is not None:  # the victim already had its slice of this step
                     scheduled.remove(undone)
@@ -278,9 +286,9 @@ class Scheduler:
             token_budget -= num_new_tokens
             index += 1
 
-        # 2. Waiting requests, unless this step had to preempt: admitting now would only
-        # take back the memory the preemption just freed.
-        if not preempted:
+        # 2. Waiting requests, unless this step had to preempt (admitting now would only take
+        # back the memory the preemption just freed) or waits for finishing requests' memory.
+        if not preempted and not waits_for_finishing:
             self.waiting.reorder()
             token_budget = self._admit_waiting(token_budget, scheduled)
         # A prefetch lives one step: one whose request did not resume now gives its device blocks back.
@@ -691,3 +699,9 @@ def _check_pool(pool, held_blocks, label: str = "") -> None:
         assert block.ref_cnt == holders.get(block.block_id, 0), f"{label}{block} has {holders.get(block.block_id, 0)} holders"
         assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{label}{block} free-queue membership is wrong"
     assert len(free_ids) == pool.num_free_blocks
+
+
+def _last_token_in_flight(request: Request) -> bool:
+    """The token still being sampled for `request` (async scheduling) is its last (max_tokens)."""
+    num_pending = request.num_pending_tokens
+    return bool(num_pending) and len(request.output_token_ids) + num_pending >= request.sampling_params.max_tokens

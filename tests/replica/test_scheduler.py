@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 from sched_harness import (
+    check_budgets,
+    fake_next_token,
     make_request,
     make_scheduler,
     reference_outputs,
@@ -407,3 +409,70 @@ def test_headroom_leaves_out_the_watermark_only_while_something_runs():
     scheduler.add_request(make_request("first", list(range(12)), 20))
     run_step(scheduler)  # its 12-token prompt: 3 blocks held, 7 free, 2 of them the admission reserve
     assert scheduler.load().headroom_tokens == (7 - 2) * 4
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_a_stream_preempted_mid_output_resumes_under_a_steady_stream_of_arrivals(policy):
+    """Under `slo` a preempted request that had streamed output kept its spent TTFT deadline,
+    ranked as doomed below every new arrival, and under a steady stream of short requests
+    (one every 2 steps, each with a 100 ms SLO) never resumed; fcfs puts it back at the head."""
+    from replica.core.request import RequestStatus as Status
+
+    now = [0.0]
+    slo = {"default_ttft_slo_ms": 100.0} if policy == "slo" else {}
+    scheduler = make_scheduler(clock=lambda: now[0], block_size=4, num_kv_blocks=13, max_model_len=48,
+                               max_num_batched_tokens=64, max_num_seqs=3, scheduling_policy=policy, **slo)
+    streaming = make_request("A", list(range(11, 19)), 30, arrival_time=0.0)
+    scheduler.add_request(make_request("B", list(range(1, 9)), 30, arrival_time=0.0))
+    scheduler.add_request(streaming)
+    preempted_at = None
+    for step in range(200):
+        now[0] = step * 0.01
+        if step >= 5 and step % 2 == 0:
+            scheduler.add_request(make_request(f"s{step}", [100 + step % 50, 7, 7, 7], 6, arrival_time=now[0]))
+        output = scheduler.schedule()
+        check_budgets(scheduler, output)
+        if "A" in output.preempted_req_ids and preempted_at is None:
+            preempted_at = step
+            assert streaming.num_output_tokens > 0  # it had streamed: the case at stake
+        scheduler.update(output, {entry.request.request_id: fake_next_token(entry.request.all_token_ids)
+                                  for entry in output.scheduled if entry.samples})
+        scheduler.check_invariants()
+        if preempted_at is not None and streaming.status == Status.RUNNING:
+            break
+    assert preempted_at is not None and streaming.status == Status.RUNNING
+    assert step - preempted_at <= 20, f"resumed {step - preempted_at} steps after its preemption"
+
+
+def test_async_scheduling_never_preempts_a_request_whose_token_in_flight_is_its_last():
+    """Its blocks come back when that step is appended; preempted, its one sampled token was
+    thrown away and its whole prompt recomputed. The step waits for its blocks instead."""
+    scheduler = make_scheduler(block_size=4, num_kv_blocks=9, max_model_len=32, max_num_batched_tokens=64,
+                               max_num_seqs=4)
+    scheduler.add_request(make_request("old", list(range(1, 5)), 28))
+    one = make_request("one", list(range(40, 57)), 1)
+    in_flight = None
+    preempted_with_last_token = []
+    for step in range(100):
+        if step == 8:
+            scheduler.add_request(one)
+        output = scheduler.schedule()
+        check_budgets(scheduler, output)
+        if "one" in output.preempted_req_ids and one.num_pending_tokens:
+            preempted_with_last_token.append(step)
+        sampled = {}
+        for entry in output.scheduled:  # the token the step samples, from what it will have then
+            tokens = list(entry.request.all_token_ids)
+            if entry.start_pos + entry.num_new_tokens > len(tokens):
+                tokens.append(in_flight[1][entry.request.request_id])
+            if entry.samples:
+                sampled[entry.request.request_id] = fake_next_token(tokens)
+        if in_flight is not None:
+            scheduler.update(*in_flight)
+        in_flight = (output, sampled)
+        scheduler.check_invariants()
+        if step > 8 and not scheduler.has_unfinished_requests():
+            break
+    scheduler.update(*in_flight)
+    assert preempted_with_last_token == [] and one.num_preemptions == 0
+    assert one.status == RequestStatus.FINISHED_LENGTH and len(one.output_token_ids) == 1
