@@ -247,8 +247,10 @@ def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_optio
 def set_ray_environment(config: ServeAppsConfig) -> None:
     """What Ray's processes (the proxies, the ingresses, the replicas) must inherit for `config`,
     set in this process' environment before Ray starts."""
-    # A local cluster on loopback: Ray's token auth only gets in the way of `headroom status`.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's token auth stays on (its default for a local cluster since Ray 2.59): Ray's GCS and
+    # raylets listen on every interface whatever http_options.host says, and without it anyone
+    # who reached them read the cluster token from Ray's store (and could join as a node). A
+    # driver on this machine (`headroom status`) reads the token Ray wrote (~/.ray/auth_token).
     # Serve's gRPC proxy (its processes inherit this environment) bounds messages for every
     # application at once: by the largest application's limit.
     os.environ[PROXY_MAX_REQUEST_BYTES_ENV] = str(max(app.args.limits.max_request_bytes for app in config.applications))

@@ -10,7 +10,6 @@ refuses the one given (--api-key, else $HEADROOM_API_KEY), as a client outside w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def connect(address: str) -> None:
     """Joins a running Ray cluster as a driver (a no-op when already connected)."""
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as `headroom serve` starts it
+        # With Ray's token auth, as `headroom serve` starts it: the token from ~/.ray/auth_token.
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
 
 

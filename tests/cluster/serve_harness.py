@@ -44,8 +44,8 @@ DEPLOY_TIMEOUT_S = 300.0  # replicas start in seconds; a loaded shared machine c
 
 
 def enable_local_ray() -> None:
-    # As `headroom serve` does: a loopback-only test cluster needs no token auth.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # As `headroom serve` starts Ray: with its token auth (its default for a local cluster).
+    os.environ.pop("RAY_AUTH_MODE", None)
 
 
 # The live modules share one Ray (marked `shared_ray`; tests/conftest.py runs them one after

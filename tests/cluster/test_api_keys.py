@@ -155,6 +155,23 @@ def test_serves_controller_built_the_application_from_the_config_file_and_made_t
     assert SEEN_BEFORE_DEPLOYMENT["cluster token"] is None and stored_cluster_token() is not None
 
 
+def test_rays_own_ports_refuse_a_client_without_rays_token_so_the_cluster_token_stays_inside(cluster):
+    """Ray's GCS listens on every interface: with its token auth turned off (as `headroom serve`
+    used to), anyone reaching it read the cluster token from Ray's store with a plain gRPC call."""
+    import ray
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    from router.cluster_token import _KV_KEY, _KV_NAMESPACE, cluster_token
+
+    assert cluster_token()  # the secret at stake exists
+    gcs_port = ray._private.worker.global_worker.node.gcs_address.rsplit(":", 1)[1]
+    with grpc.insecure_channel(f"{ray.util.get_node_ip_address()}:{gcs_port}") as outsider:
+        with pytest.raises(grpc.RpcError) as refused:
+            gcs_service_pb2_grpc.InternalKVGcsServiceStub(outsider).InternalKVGet(
+                gcs_service_pb2.InternalKVGetRequest(key=_KV_KEY, namespace=_KV_NAMESPACE.encode()), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_the_ingress_router_hears_both_replicas_loads_with_the_cluster_token(cluster, https):
     statuses = status_command.replica_statuses()  # `headroom status` reads each load with the token
     replica_ids = {status.replica_id for status in statuses}

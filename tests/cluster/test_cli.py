@@ -583,8 +583,8 @@ def test_a_signal_while_the_applications_start_stops_the_cluster(monkeypatch, ca
 @pytest.mark.timeout(240)
 def test_serve_prints_its_endpoints_serves_and_stops_cleanly_on_sigint():
     # --api-key reaches Serve's proxy (in a Ray worker) through the environment Ray inherits.
-    env = {key: value for key, value in os.environ.items() if not key.startswith("HEADROOM_API_KEY")}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("HEADROOM_API_KEY") and key != "RAY_AUTH_MODE"}  # Ray's own default: token auth
     process = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", "builtin", "--replicas", "1", "--num-cpus", "2",
          "--http-port", "28300", "--grpc-port", "28301", "--max-model-len", "128", "--num-kv-blocks", "32",
