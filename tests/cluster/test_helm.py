@@ -449,9 +449,14 @@ def test_clients_prometheus_and_kuberays_operator_still_reach_their_ports(docume
             (container,) = template["spec"]["containers"]
             for endpoint in monitor["spec"]["podMetricsEndpoints"]:
                 assert container_ports(container)[endpoint["port"]] in open_ports, (monitor["metadata"]["name"], endpoint)
+    # The dashboard takes Ray jobs: KubeRay's operator in its own namespace alone, not any pod
+    # labelled as it anywhere (an empty namespaceSelector).
     (dashboard_rule,) = [rule for rule in rules_admitting(policy, 8265) if "ports" in rule]
-    assert dashboard_rule["from"] == [{"namespaceSelector": {}, "podSelector": {
-        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    assert dashboard_rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}},
+                                       "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    (elsewhere,) = only(render({"networkPolicy": {"operatorNamespace": "ray-system"}}), "NetworkPolicy")
+    (rule,) = [rule for rule in rules_admitting(elsewhere, 8265) if "ports" in rule]
+    assert rule["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}}
 
 
 def test_network_policy_peers_are_configurable_and_it_can_be_switched_off():
