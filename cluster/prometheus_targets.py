@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import tempfile
 import urllib.parse
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -38,13 +39,30 @@ def router_file(directory: Path, app_name: str) -> Path:
     return directory / f"{file_stem(app_name)}-router.json"
 
 
+class UnsafeTargetsDir(OSError):
+    """The targets directory is another user's: they could replace the files we write there."""
+
+
 def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> None:
-    """Writes one file_sd file atomically (Prometheus never reads half of one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes one file_sd file atomically (Prometheus never reads half of one), through a
+    temporary file made anew (O_EXCL: never a name planted beforehand, so a symlink there
+    cannot redirect the write: the default directory is under the shared /tmp), in a
+    directory this user owns; raises UnsafeTargetsDir for one another user owns."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    if hasattr(os, "getuid") and directory.stat().st_uid != os.getuid():
+        raise UnsafeTargetsDir(f"monitoring.targets_dir {str(directory)!r} belongs to another user (uid "
+                               f"{directory.stat().st_uid}), who could replace the target files: not written")
     groups = [{"targets": sorted(targets), "labels": labels}] if targets else []
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(groups, indent=1) + "\n")
-    os.replace(temporary, path)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(json.dumps(groups, indent=1) + "\n")
+        os.chmod(temporary, 0o644)  # Prometheus may run as another user; mkstemp made it 0600
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 class PrometheusTargets:
@@ -60,7 +78,11 @@ class PrometheusTargets:
 
     def start(self) -> None:
         labels = {"application": self.app_name}
-        write_targets(router_file(self.directory, self.app_name), [self.router_endpoint], labels)
+        try:
+            write_targets(router_file(self.directory, self.app_name), [self.router_endpoint], labels)
+        except UnsafeTargetsDir as error:  # serving goes on; Prometheus finds no targets there
+            logger.error("%s", error)
+            return
         self._task = asyncio.get_running_loop().create_task(self._refresh(labels), name="prometheus-targets")
 
     async def _refresh(self, labels: dict[str, str]) -> None:

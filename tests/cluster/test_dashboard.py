@@ -5,6 +5,7 @@ router; promtool accepts the rules, the scrape config and every dashboard query.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from dataclasses import asdict
@@ -323,3 +324,29 @@ def test_target_files_of_any_application_name_are_where_the_scrape_configs_globs
     assert all(len(names) == 1 for names in read.values()), read
     assert files[read["replicas"][0]] == [{"targets": ["10.0.0.1:9100"], "labels": {"application": app_name}}]
     assert files[read["router"][0]] == [{"targets": ["10.0.0.2:9200"], "labels": {"application": app_name}}]
+
+
+def test_target_files_never_follow_a_planted_symlink_nor_land_in_another_users_directory(tmp_path):
+    """The default directory is under the shared /tmp: a fixed temporary name another local
+    user planted as a symlink redirected the write into any file this user can write."""
+    import pwd
+
+    from cluster.prometheus_targets import UnsafeTargetsDir, replicas_file, write_targets
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    directory = tmp_path / "targets"
+    directory.mkdir()
+    path = replicas_file(directory, "app")
+    for planted in (path.with_suffix(".tmp"), directory / f".{path.name}.tmp"):
+        planted.symlink_to(victim)
+    write_targets(path, ["10.0.0.1:9100"], {"application": "app"})
+    assert victim.read_text() == "precious\n"
+    assert json.loads(path.read_text())[0]["targets"] == ["10.0.0.1:9100"] and not path.is_symlink()
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)  # Prometheus may run as another user
+    if os.getuid() == 0:  # another user's directory: not written there (root can hand it over)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+        with pytest.raises(UnsafeTargetsDir, match="belongs to another user"):
+            write_targets(theirs / "app-replicas.json", [], {})
