@@ -18,7 +18,7 @@ from cluster.arg_types import is_address, is_metadata_name
 from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, ConfigModel, EngineConfig
 from replica.model.registry import DEFAULT_MODEL_NAME
 from replica.server.request_limits import DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES, RequestLimits
-from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy, make_policy
+from router.policies import DEFAULT_STALENESS_S, POLICIES, RoutingPolicy, make_router_policy
 from cluster.autoscaling import POLICY_FUNCTIONS as AUTOSCALING_POLICY_FUNCTIONS
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 
@@ -205,7 +205,7 @@ class RouterConfig(_Strict):
         # The policy refuses a knob's value as it is built (its message starts with the knob's
         # name), which happens in each ingress once the cluster runs: build one here.
         try:
-            make_policy(self.policy, staleness_s=self.staleness_s, **self.knobs)
+            make_router_policy(self.policy, self.staleness_s, self.knobs)
         except ValueError as error:
             raise ConfigError(f"knobs.{error}") from None
         return self

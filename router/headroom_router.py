@@ -17,7 +17,9 @@ from router.inflight import InflightCounts, InflightTracker
 from router.kv_event_subscriber import KVEventSubscriber
 from router.load_subscriber import Backoff, LoadSubscriber
 from router.metrics import RouterMetrics
-from router.policies import DEFAULT_STALENESS_S, ReplicaView, RoutingRequest, make_policy
+from router.policies import (
+    DEFAULT_STALENESS_S, LOAD_BASED_POLICIES, ReplicaView, RoutingRequest, make_router_policy,
+)
 
 # The convention by which a request's size reaches the router: callers of the LLMReplica
 # deployment pass `routing=RoutingRequest(prompt_tokens, max_tokens, priority)` as a keyword
@@ -26,10 +28,6 @@ ROUTING_KWARG = "routing"
 # A call without the hint is routed as a short chat turn: size unknown, so load decides;
 # 16 is the engine's (and OpenAI completions') default max_tokens.
 UNSIZED_REQUEST = RoutingRequest(prompt_tokens=0, max_tokens=16)
-# Policies that score ReplicaLoad snapshots; with no fresh snapshot at all they have nothing
-# to go on and the router falls back to Ray Serve's queue-length choice. The others
-# (round_robin, pow2) never read loads and always rank.
-LOAD_BASED_POLICIES = frozenset({"headroom", "least_loaded", "precise_prefix"})
 # A choice the router made but Ray Serve has not confirmed (the replica may still reject
 # it, or the caller cancel) counts against its replica for at most this long.
 TENTATIVE_SEND_TTL_S = 5.0
@@ -65,10 +63,7 @@ class HeadroomRouter:
     ):
         """cluster_token: presented on every replica stream (router/cluster_token.py); None
         for replicas that ask for none."""
-        knobs = dict(knobs or {})
-        if policy in LOAD_BASED_POLICIES:
-            knobs["staleness_s"] = staleness_s
-        self.policy = make_policy(policy, rng, **knobs)
+        self.policy = make_router_policy(policy, staleness_s, knobs or {}, rng)
         self.staleness_s = staleness_s
         self.clock = clock
         self.wall_clock = wall_clock

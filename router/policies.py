@@ -10,7 +10,7 @@ import collections
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from router.policy_base import (  # noqa: F401  (re-exported: callers import the views from here)
     DEFAULT_STALENESS_S,
@@ -507,6 +507,19 @@ POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
     "precise_prefix": lambda rng, **knobs: PrecisePrefixPolicy(rng=rng, **knobs),
     "dynamo": lambda rng, **knobs: DynamoPolicy(rng=rng, **knobs),
 }
+
+
+# Policies that score ReplicaLoad snapshots and take staleness_s; with no fresh snapshot at all
+# they have nothing to go on and the router falls back to Ray Serve's queue-length choice. The
+# others (round_robin, pow2, approx_prefix, dynamo) never read loads and always rank.
+LOAD_BASED_POLICIES = frozenset({"headroom", "least_loaded", "precise_prefix"})
+
+
+def make_router_policy(name: str, staleness_s: float, knobs: Mapping[str, float],
+                       rng: Optional[random.Random] = None) -> RoutingPolicy:
+    """The policy as a router runs it: its knobs, and staleness_s where it takes one (the
+    router's config and the config's load-time check build it alike)."""
+    return make_policy(name, rng, **knobs, **({"staleness_s": staleness_s} if name in LOAD_BASED_POLICIES else {}))
 
 
 def make_policy(name: str, rng: Optional[random.Random] = None, **knobs: float) -> RoutingPolicy:

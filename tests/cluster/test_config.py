@@ -433,3 +433,17 @@ def test_a_removed_replica_may_finish_its_streams_for_the_drain_timeout():
 def test_max_ongoing_requests_admits_what_the_engine_can_hold():
     config = ClusterConfig(engine={"max_num_seqs": 32, "max_waiting_requests": 100})
     assert serve_deployment_options(config, cluster_gpus=0)["max_ongoing_requests"] == 132
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_routing_policy_loads_and_its_router_builds_it(policy):
+    """The load-time check built every policy with staleness_s, which round_robin, pow2,
+    approx_prefix and dynamo do not take: `--policy pow2` was a traceback (exit 1) where the
+    docs list all seven."""
+    from router.headroom_router import HeadroomRouter
+
+    config = load_config({"applications": [{"name": "a", "import_path": APP_IMPORT_PATH,
+                                            "args": {"model": "builtin", "router": {"policy": policy}}}]})
+    router = config.applications[0].args.router
+    assert router.policy == policy
+    assert HeadroomRouter(router.policy, staleness_s=router.staleness_s, knobs=router.knobs).policy.name == policy
