@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gRPC front processes serving the one engine core, sharing the port (default: "
                              "%(default)s; more where one front's event loop cannot stream the engine's tokens)")
     parser.add_argument("--shutdown-grace-s", type=seconds, default=5.0,
-                        help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted")
+                        help="on SIGINT/SIGTERM, seconds in-flight requests may finish before they are aborted "
+                             "(default: %(default)s)")
     add_engine_config_arguments(parser)
 
 

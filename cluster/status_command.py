@@ -134,7 +134,7 @@ def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[
     and the policy's last change of the count."""
     lines = []
     for app_name, count in counts.items():
-        line = f"{app_name}: {count.running} replicas running"
+        line = f"{app_name}: {count.running} replica{'' if count.running == 1 else 's'} running"
         decision = decisions.get(app_name)
         if not count.autoscaling:
             line += f" of {count.target} (fixed)"

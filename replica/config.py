@@ -145,17 +145,22 @@ class EngineConfig(ConfigModel):
     )
     max_model_len: Optional[int] = Field(
         None, ge=MIN_MAX_MODEL_LEN,
-        description="Longest sequence (prompt + output) in tokens; None: the model's context length (SmolLM2: 8192) "
+        description="Longest sequence (prompt + output) in tokens; unset (null): the model's context length (SmolLM2: 8192) "
         "where the KV pool holds one such sequence, else as many tokens as it holds (resolve_max_model_len).",
     )
     max_num_batched_tokens: int = Field(2048, description="Token budget of one engine step.")
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(
+        True, description="Split a prompt longer than the step's token budget over several steps (else it waits for a "
+        "step with room for it whole).")
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="When > 0, the most prompt tokens one request may run in a step."
     )
-    enable_prefix_caching: bool = True
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    enable_prefix_caching: bool = Field(
+        True, description="Keep finished requests' full KV blocks and reuse them for prompts that share the prefix.")
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs", description="Order of the waiting queue: fcfs (arrival), priority (the request's priority, then "
+        "arrival) or slo (TTFT-deadline urgency: docs/architecture.md).")
     victim_policy: Optional[VictimPolicy] = Field(
         None,
         description="Who is preempted when memory runs out; None follows scheduling_policy. "

@@ -227,9 +227,10 @@ def api_key_credentials(keys: Optional[Sequence[str]] = None, key_file: Optional
 def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
     """The server flags (`headroom serve`, `headroom replica`)."""
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                        help="require this key from every client (HTTP 'Authorization: Bearer KEY', gRPC metadata "
-                             f"'authorization: Bearer KEY'); repeat for several (default: ${API_KEY_ENV}, "
-                             "comma-separated; none: no key needed)")
+                        help="require this key from every client (HTTP 'Authorization: Bearer KEY' where the "
+                             f"command serves HTTP, gRPC metadata 'authorization: Bearer KEY'); repeat for several "
+                             f"(default: ${API_KEY_ENV}, comma-separated; none: no key needed; a flag's value shows "
+                             "in ps, the variable and --api-key-file do not)")
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
                         help=f"accept the keys in FILE too, one per line (default: ${API_KEY_FILE_ENV})")
 

@@ -358,7 +358,7 @@ def test_status_prints_running_against_desired_with_the_reason_and_the_draining(
     assert lines[1].startswith("scaled: 2 replicas running, desired 3 (headroom policy: kv_demand), Serve's target 3; "
                                "last change to 3 (kv_demand)")
     assert lines[1].endswith(", 1 draining")
-    assert lines[2] == "starting: 1 replicas running, Serve's target 1 (autoscaling: no decision published yet)"
+    assert lines[2] == "starting: 1 replica running, Serve's target 1 (autoscaling: no decision published yet)"
 
 
 class _BoardByHand:

@@ -381,6 +381,6 @@ def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_pree
         assert drain.result.replica_id != removed, (removed, drained)
 
     # Observability: the status command and the ingress' metrics say what the policy wanted.
-    assert f"{HEADROOM}: 1 replicas running, desired 1 (headroom policy:" in status_text, status_text
+    assert f"{HEADROOM}: 1 replica running, desired 1 (headroom policy:" in status_text, status_text
     assert f'headroom_autoscaler_desired_replicas{{application="{HEADROOM}",policy="headroom",reason=' in exposition
     assert f'headroom_autoscaler_running_replicas{{application="{HEADROOM}"}} 1.0' in exposition
