@@ -58,8 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autoscaling", choices=AUTOSCALING_POLICY_NAMES, default=None,
                         help="let Serve scale the replicas with this policy instead of a fixed --replicas: "
                              "headroom (KV demand, preemptions) or requests (requests in flight)")
-    parser.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default: 1)")
-    parser.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (default: 4)")
+    parser.add_argument("--min-replicas", type=int, default=None,
+                        help="autoscaling: fewest replicas (default: 1); given alone, turns on --autoscaling headroom")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="autoscaling: most replicas (default: 4); given alone, turns on --autoscaling headroom")
     parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="routing policy (default: headroom)")
     parser.add_argument("--host", default=None,
                         help=f"address the HTTP API (and, when loopback, every cluster endpoint) binds to "
