@@ -40,7 +40,7 @@ from cluster.openai_api import (
     openai_error, parse_body,
 )
 from cluster.openai_responses import (
-    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse, usage,
+    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
 )
 from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
@@ -185,23 +185,32 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
     """OpenAI's SSE framing: `data: {json}` per chunk, then `data: [DONE]`. An error after the
     response started can only be an event of its own (the status line is already sent).
     `include_usage`: a last chunk of the request's usage; `continuous_usage`: every chunk
-    carries the usage so far (every choice's), as vLLM's continuous_usage_stats.
+    carries its choice's usage so far (its prompt, its tokens; a chat choice's role chunk
+    none yet), as vLLM's continuous_usage_stats.
 
     The opening chunks (a chat choice's role, echoed text) go out with the first engine
     output, as vLLM's do, not when the response starts: a client times its first token by the
     first chunk (vLLM's `bench serve` does), which the role chunk sent at once made ~0 s."""
     opening = bodies.first_chunks([(choice.index, choice.prompt_index) for choice in choices])
     results = {choice.index: ChoiceResult(choice.index, choice.prompt_index) for choice in choices}
+    prompt_tokens = {choice.index: len(choice.prompt_token_ids) for choice in choices}
+
+    def with_usage(body: dict[str, Any], index: int, completion_tokens: int) -> dict[str, Any]:
+        if not continuous_usage:
+            return body
+        prompt = prompt_tokens[index]
+        return {**body, "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                                  "total_tokens": prompt + completion_tokens}}
+
     try:
         async for choice, chunk in chunks:
             results[choice.index].add(chunk)
-            so_far = {"usage": usage(list(results.values()))} if continuous_usage else {}
             for first in opening:
-                yield sse({**first, **so_far})
+                yield sse(with_usage(first, first["choices"][0]["index"], 0))
             opening = []
             body = bodies.chunk(choice.index, choice.prompt_index, chunk)
             if body is not None:
-                yield sse({**body, **so_far})
+                yield sse(with_usage(body, choice.index, chunk.num_output_tokens))
         if include_usage:
             yield sse(bodies.usage_chunk(list(results.values())))
     except Exception as error:

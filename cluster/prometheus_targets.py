@@ -75,6 +75,7 @@ class PrometheusTargets:
         self.router_endpoint = router_endpoint
         self.replica_endpoints = replica_endpoints
         self._task: asyncio.Task | None = None
+        self._started = False  # wrote its files (stop removes them only then)
 
     def start(self) -> None:
         labels = {"application": self.app_name}
@@ -83,6 +84,7 @@ class PrometheusTargets:
         except UnsafeTargetsDir as error:  # serving goes on; Prometheus finds no targets there
             logger.error("%s", error)
             return
+        self._started = True
         self._task = asyncio.get_running_loop().create_task(self._refresh(labels), name="prometheus-targets")
 
     async def _refresh(self, labels: dict[str, str]) -> None:
@@ -100,5 +102,10 @@ class PrometheusTargets:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if not self._started:  # the files there, if any, are another user's
+            return
         for path in (replicas_file(self.directory, self.app_name), router_file(self.directory, self.app_name)):
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:  # the rest of the shutdown goes on
+                logger.warning("could not remove Prometheus targets %s: %s", path, error)

@@ -33,6 +33,7 @@ from cluster.grpc_proxy import (
     PROXY_LOOPBACK_ONLY_ENV, PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV,
 )
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
+from cluster.prometheus_targets import file_stem
 from replica.model import ModelLoadError
 from replica.model.registry import (
     BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, resolve_model_path,
@@ -284,7 +285,7 @@ def endpoints_text(config: ServeAppsConfig, host: str) -> str:
         lines.append(f"  internal  replicas' LoadReporter {host}:{args.ports.replica_grpc} (one port per replica "
                      "on a node, counting up; routers and `headroom status` only: cluster token)")
         if args.monitoring.targets_dir is not None:
-            lines.append(f"  Prometheus targets  {args.monitoring.targets_dir}/{app.name}-*.json (file_sd, "
+            lines.append(f"  Prometheus targets  {args.monitoring.targets_dir}/{file_stem(app.name)}-*.json (file_sd, "
                          "kept current; deploy/prometheus.yml reads them)")
     if is_loopback_host(config.http_options.host):
         # Ray Serve 2.60 has no bind address for its gRPC proxy: say what happens instead.

@@ -71,11 +71,15 @@ class Tokenizer:
             tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
             if not isinstance(tokenizer_config, dict):
                 raise ValueError("tokenizer_config.json is not a JSON object")
-            # transformers fills the special tokens tokenizer_config.json leaves out from here.
+            # The special tokens special_tokens_map.json names, as transformers (5) reads them:
+            # they fill what tokenizer_config.json leaves out, and win over what it says unless
+            # it lists its added tokens (added_tokens_decoder: a config saved by a newer
+            # transformers, whose own entries are the current ones).
             special_tokens_map = _read_json_if_present(model_dir / "special_tokens_map.json")
             if isinstance(special_tokens_map, dict):
-                tokenizer_config = {**{name: token for name, token in special_tokens_map.items()
-                                       if name.endswith("_token")}, **tokenizer_config}
+                special = {name: token for name, token in special_tokens_map.items() if name.endswith("_token")}
+                tokenizer_config = ({**special, **tokenizer_config} if "added_tokens_decoder" in tokenizer_config
+                                    else {**tokenizer_config, **special})
             tokenizer_json = model_dir / "tokenizer.json"
             if tokenizer_json.is_file():
                 tokenizer = cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)

@@ -350,3 +350,20 @@ def test_target_files_never_follow_a_planted_symlink_nor_land_in_another_users_d
         os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
         with pytest.raises(UnsafeTargetsDir, match="belongs to another user"):
             write_targets(theirs / "app-replicas.json", [], {})
+        # An application refused there leaves that user's files alone when it stops.
+        import asyncio
+
+        from cluster.prometheus_targets import PrometheusTargets
+
+        (theirs / "app-router.json").write_text("theirs\n")
+
+        async def start_and_stop() -> None:
+            async def endpoints() -> list[str]:
+                return []
+
+            targets = PrometheusTargets(theirs, "app", "10.0.0.2:9200", endpoints)
+            targets.start()
+            targets.stop()
+
+        asyncio.run(start_and_stop())
+        assert (theirs / "app-router.json").read_text() == "theirs\n"

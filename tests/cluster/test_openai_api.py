@@ -712,9 +712,10 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
         yield chunk("a", [65])
         yield RequestOutput("r", [66], "b", "length", 3, 2, 0, None, None, None)  # counts are the request's so far
 
-    async def events(stream_options):
-        body = {"stream": True, "max_tokens": 2, "prompt": "hi", "stream_options": stream_options}
-        response = await post(completing_ingress(replica), "/v1/completions", body)
+    async def events(stream_options, n=1, path="/v1/completions"):
+        body = {"stream": True, "max_tokens": 2, "stream_options": stream_options, "n": n,
+                **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})}
+        response = await post(completing_ingress(replica), path, body)
         return [json.loads(event.removeprefix("data: ")) async for event in response.body_iterator
                 if event.strip() != "data: [DONE]"]
 
@@ -723,6 +724,13 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
     assert continuous[-1]["choices"] == []  # the last: include_usage's own chunk
     plain = asyncio.run(events({"include_usage": True}))
     assert ["usage" in body for body in plain] == [False, False, True]
+    # As vLLM's: each chunk its own choice's usage (n=2: 1, 2 for each), a role chunk none yet.
+    chat = asyncio.run(events({"include_usage": True, "continuous_usage_stats": True}, n=2, path="/v1/chat/completions"))
+    per_choice = {}
+    for body in chat[:-1]:
+        per_choice.setdefault(body["choices"][0]["index"], []).append(body["usage"]["completion_tokens"])
+    assert per_choice == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert chat[-1]["usage"]["completion_tokens"] == 4 and len({body["usage"]["prompt_tokens"] for body in chat[:-1]}) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -106,6 +106,19 @@ def test_special_tokens_only_in_special_tokens_map_json_are_the_templates_and_th
     assert tokenizer.eos_token_id is not None
 
 
+def test_a_special_token_both_files_name_is_special_tokens_map_jsons_as_transformers_reads_it(tmp_path):
+    # A config without added_tokens_decoder (saved by an older transformers): the map wins.
+    model_dir = chat_dir(tmp_path, LLAMA2_TEMPLATE)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert "added_tokens_decoder" not in config
+    (model_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|reserved_47|>"}))
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    assert tokenizer.eos_token_id == reference.eos_token_id == reference.convert_tokens_to_ids("<|reserved_47|>")
+    assert tokenizer.apply_chat_template(CONVERSATIONS[1]) == reference.apply_chat_template(
+        CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
+
+
 def test_a_template_failing_on_a_conversations_values_is_a_chat_template_error_not_a_server_fault():
     # DeepSeek-V3's template concatenates an earlier call's arguments as text; they arrive
     # parsed (as vLLM renders them): a TypeError inside the template was a 500.

@@ -51,9 +51,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "headroom.routerMetricsPorts" -}}
 {{- $ports := list }}
 {{- range $index, $app := .Values.serve.applications }}
-{{- $port := ((($app.args | default dict).ports | default dict).router_metrics | default (add 9200 $index) | int) }}
+{{- $set := (($app.args | default dict).ports | default dict).router_metrics }}
+{{- $port := $set | default (add 9200 $index) | int }}
 {{- if has $port $ports }}
-{{- fail (printf "serve.applications[%d].args.ports.router_metrics: %d is an earlier application's too; each application's ingress serves its router metrics on a port of its own" $index $port) }}
+{{- fail (printf "serve.applications[%d].args.ports.router_metrics: %d%s is an earlier application's too; each application's ingress serves its router metrics on a port of its own" $index $port (ternary "" " (9200 + its index: it sets none)" (not (empty $set)))) }}
 {{- end }}
 {{- $ports = append $ports $port }}
 {{- end }}
