@@ -84,7 +84,10 @@ def error_body(message: str, param: Optional[str], code: Optional[str] = None,
 def invalid_request_body(error: InvalidRequestError, param_for_field: dict[str, str]) -> dict[str, Any]:
     """An engine-side field error as OpenAI's error, `param` being the request body's field."""
     param = param_for_field.get(error.field, error.field)
-    return error_body(f"{param}: {str(error).removeprefix(f'{error.field}: ')}", param)
+    # The engine's message names its own field where it quotes it ("max_tokens (5000)"): the
+    # body's name for it (max_completion_tokens) there too.
+    message = str(error).removeprefix(f"{error.field}: ").replace(f"{error.field} (", f"{param} (")
+    return error_body(f"{param}: {message}", param)
 
 
 def openai_error(error: BaseException, param_for_field: dict[str, str]) -> tuple[int, dict[str, Any]]:

@@ -754,3 +754,17 @@ def test_a_choice_its_replica_ended_unfinished_is_a_503_not_a_whole_answer(strea
     else:
         assert response.status_code == 503
         assert json.loads(response.body)["error"]["code"] == "replica_unavailable"
+
+
+def test_an_error_quoting_the_engines_field_names_the_bodys_parameter_throughout():
+    # max_completion_tokens past the context: its param was right, its message said max_tokens.
+    async def never(request):
+        raise AssertionError("no replica is asked")
+        yield
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
+    response = asyncio.run(post(completing_ingress(never), "/v1/chat/completions", body))
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 400 and error["param"] == "max_completion_tokens"
+    assert "max_completion_tokens (5000)" in error["message"] and "max_tokens" not in error["message"].replace(
+        "max_completion_tokens", "")
