@@ -70,7 +70,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -118,8 +118,11 @@ class Report:
         print("| section | metric | value | target |\n|---|---|---|---|", flush=True)
 
     def add(self, row: Row) -> None:
+        """Prints the row and rewrites the JSON: a section that fails (or a call cut at its
+        limit) after some rows keeps them."""
         self.rows.append(row)
         print(f"| {row.section} | {row.metric} | {row.value} | {row.target} |", flush=True)
+        self.save()
 
     def save(self) -> None:
         if self.json_path is not None:
@@ -248,7 +251,8 @@ def preflight() -> None:
 
 
 def section(report: Report, name: str, run) -> None:
-    """Run one section; its rows, or one row saying how it failed (the others still run)."""
+    """Run one section; its rows, or one row saying how it failed (the others still run). A
+    section that yields its rows as it measures them keeps those it yielded before failing."""
     start = time.perf_counter()
     print(f"== {name}", flush=True)
     try:
@@ -306,7 +310,8 @@ def kill_session(process: subprocess.Popen) -> None:
 
 # ---- tests: the HF-parity tests on CUDA ---------------------------------------------------------
 def parity_tests() -> list[tuple]:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+    # No -x: one failure on CUDA must not hide the other tests' results (C1's first failure hid ~50).
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                "tests/replica/test_engine.py", "tests/replica/test_slo_engine.py", "tests/replica/test_kv_swap_engine.py",
                "tests/replica/test_step_host_reads.py"]
     output, returncode = run_subprocess(command, {**repo_env(), "HEADROOM_TEST_DEVICE": "cuda"}, timeout_s=240)
@@ -399,9 +404,11 @@ def hf_reference(model_dir, prompts: list[list[int]], dtype: torch.dtype, eos_fr
     return dict(tokens=tokens, scores=scores)
 
 
-def agreement_rows(label: str, ours: list[list[int]], hf: dict, target: str) -> list[tuple]:
+def agreement_rows(label: str, ours: list[list[int]], hf: dict, target: str,
+                   minimum: Optional[float] = None) -> list[tuple]:
     """Tokens equal to HF's before each prompt's first divergence, and HF's own logit gap
-    between its choice and ours at each divergence (a near-tie that rounding can flip)."""
+    between its choice and ours at each divergence (a near-tie that rounding can flip);
+    `minimum`: the share the target asks for, judged."""
     matched, exact, gaps = 0, 0, []
     for our_tokens, hf_tokens, hf_scores in zip(ours, hf["tokens"], hf["scores"]):
         prefix = next((i for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)) if a != b), len(hf_tokens))
@@ -411,7 +418,7 @@ def agreement_rows(label: str, ours: list[list[int]], hf: dict, target: str) -> 
             gaps.append(float(hf_scores[prefix, hf_tokens[prefix]] - hf_scores[prefix, our_tokens[prefix]]))
     total = sum(len(tokens) for tokens in hf["tokens"])
     rows = [(f"{label}: greedy tokens equal to HF before the first divergence", f"{matched}/{total} = {matched / total:.1%}",
-             target),
+             target if minimum is None else judged(target, matched >= minimum * total)),
             (f"{label}: prompts identical for all {AGREEMENT_TOKENS} tokens", f"{exact}/{len(ours)}")]
     if gaps:
         rows.append((f"{label}: HF logit gap at each divergence", ", ".join(f"{gap:.3f}" for gap in sorted(gaps)),
@@ -456,7 +463,7 @@ def forced_divergences(generate, prompts: list[list[int]], hf_tokens: list[list[
 
 
 def forced_agreement_rows(label: str, generate, prompts: list[list[int]], hf: dict, target: str,
-                          first_outputs: Optional[list[list[int]]] = None) -> list[tuple]:
+                          first_outputs: Optional[list[list[int]]] = None, minimum: Optional[float] = None) -> list[tuple]:
     """The share of positions where the engine's greedy token equals HF's given HF's tokens
     before it (forced_divergences), and HF's own logit gap at each position that differs."""
     found = forced_divergences(generate, prompts, hf["tokens"], first_outputs)
@@ -466,7 +473,7 @@ def forced_agreement_rows(label: str, generate, prompts: list[list[int]], hf: di
                   for position, ours in divergences)
     same = total - len(gaps)
     rows = [(f"{label}: greedy tokens equal to HF, each given HF's tokens before it", f"{same}/{total} = {same / total:.1%}",
-             target)]
+             target if minimum is None else judged(target, same >= minimum * total))]
     if gaps:
         rows.append((f"{label}: HF logit gap at each position that differs", ", ".join(f"{gap:.3f}" for gap in gaps),
                      "near-ties"))
@@ -515,32 +522,37 @@ def engine_sections(report: Report, model_dir: str, num_requests: int, decode_st
         decode_steps=decode_steps))
 
 
-def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: bool, modes, decode_steps: int):
+def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: bool, modes,
+                 decode_steps: int) -> Iterator[tuple]:
     from replica.config import make_engine_config
     from replica.core.engine import LLMEngine
     from replica.core.request import SamplingParams
 
     engine = LLMEngine(make_engine_config(**ENGINE_CONFIG, enforce_eager=eager), model_dir, device=DEVICE,
                        dtype="bfloat16")
-    rows = [("KV pool", f"{engine.config.num_kv_blocks} blocks of {engine.config.block_size}")]
+    # Rows are yielded as each is measured: a later mode failing keeps the first one's.
+    yield "KV pool", f"{engine.config.num_kv_blocks} blocks of {engine.config.block_size}"
     try:
         if not eager and hf_greedy:
             greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
             ours = engine.generate(prompts, greedy)
-            rows += agreement_rows("bf16 1.1B", ours, hf_greedy, "near 100%")
-            rows += forced_agreement_rows("bf16 1.1B", lambda batch: engine.generate(batch, greedy), prompts,
-                                          hf_greedy, "near 100%", first_outputs=ours)
+            yield from agreement_rows("bf16 1.1B", ours, hf_greedy, "near 100%")
+            yield from forced_agreement_rows("bf16 1.1B", lambda batch: engine.generate(batch, greedy), prompts,
+                                             hf_greedy, "near 100%", first_outputs=ours)
         compiled_before = compiled_attention_kernels()
         for label, _, async_scheduling, seed in modes:
             engine.async_scheduling = async_scheduling
-            rows += throughput_rows(engine, fresh_tokens(requests, seed), hf_result, label)
-            rows += decode_rows(engine, label, decode_steps, seed)
-        rows.append(("attention kernels Triton compiled during the timed runs (after the engine's warm-up)",
-                     str(compiled_attention_kernels() - compiled_before), "0"))
+            yield from throughput_rows(engine, fresh_tokens(requests, seed), hf_result, label)
+            yield from decode_rows(engine, label, decode_steps, seed)
+        yield ("attention kernels Triton compiled during the timed runs (after the engine's warm-up)",
+               str(compiled_attention_kernels() - compiled_before), "0")
+        if PROFILE_DIR is not None:  # after every timed run: the profiler's teardown cannot slow one
+            label, _, async_scheduling, seed = modes[0]
+            engine.async_scheduling = async_scheduling
+            profile_decode(engine, label, seed)
     finally:
         engine.shutdown()
         del engine
-    return rows
 
 
 def compiled_attention_kernels() -> int:
@@ -560,20 +572,25 @@ def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
     largest = max((t.num_seqs for t in decodes), default=0)
     at_largest = [t for t in decodes if t.num_seqs == largest]
     rows = [
-        (f"{label}: output tok/s", f"{result['tokens_per_s']:,.0f}", ">= 25,000"),
+        (f"{label}: output tok/s", f"{result['tokens_per_s']:,.0f}", judged(">= 25,000", result["tokens_per_s"] >= 25_000)),
         (f"{label}: steps, wall s, preemptions", f"{result['steps']}, {result['elapsed']:.2f}, {result['preemptions']}"),
         (f"{label}: mean decode step at the largest batch ({largest}), ms", f"{_mean_ms(t.wall_s for t in at_largest):.2f}"),
         (f"{label}: host ms per step (wall - wait), all / decode steps",
          f"{_mean_ms(t.host_s for t in timings):.2f} / {_mean_ms(t.host_s for t in decodes):.2f}"),
-        (f"{label}: decode steps' host ms: schedule / launch / update",
+        # Every decode batch, the small ones too: the launch target is judged at 256 (decode_rows).
+        (f"{label}: decode steps' host ms: schedule / launch / update (all batch sizes)",
          f"{_mean_ms(t.schedule_s for t in decodes):.3f} / {_mean_ms(t.launch_s for t in decodes):.3f} / "
-         f"{_mean_ms(t.update_s for t in decodes):.3f}", "launch <= 0.5"),
+         f"{_mean_ms(t.update_s for t in decodes):.3f}"),
     ]
     if hf_result:
         ratio = result["tokens_per_s"] / hf_result["tokens_per_s"]
         rows.append((f"{label}: vs HF generate (its fastest batch, {hf_result['batch_size']})", f"{ratio:.1f}x",
-                     ">= 20x"))
+                     judged(">= 20x", ratio >= 20)))
     return rows
+
+
+def judged(target: str, met: bool) -> str:
+    return f"{target}: {'met' if met else 'MISSED'}"
 
 
 def add_decode_requests(engine, name: str, batch: int, steps: int, seed: int) -> list:
@@ -606,21 +623,35 @@ def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
         engine.step()
         timings.append(engine.last_step)
     batch_sizes = [t.num_seqs for t in timings]
-    if PROFILE_DIR is not None:
-        profile_steps(engine, label, steps=4)
+    _drain(engine, requests)
+    # The targets hold at batch 256 only: a step timed at another batch judges nothing.
+    at_batch = min(batch_sizes) == max(batch_sizes) == DECODE_BATCH
+    wall_ms, launch_ms = _mean_ms(t.wall_s for t in timings), _mean_ms(t.launch_s for t in timings)
+    return [
+        (f"{label}: decode step at batch {DECODE_BATCH}, ~{DECODE_CONTEXT}-token contexts, wall ms",
+         f"{wall_ms:.2f}", judged("<= 3", at_batch and wall_ms <= 3)),
+        (f"{label}: same, host ms (wall - wait) / runner launch ms",
+         f"{_mean_ms(t.host_s for t in timings):.2f} / {launch_ms:.3f}", judged("launch <= 0.5", at_batch and launch_ms <= 0.5)),
+        (f"{label}: sequences in each timed step, min / max", f"{min(batch_sizes)} / {max(batch_sizes)}",
+         judged(f"{DECODE_BATCH} / {DECODE_BATCH}", at_batch)),
+    ]
+
+
+def _drain(engine, requests) -> None:
     for request in requests:
         engine.abort_request(request.request_id)
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()  # drains a step still in flight
-    return [
-        (f"{label}: decode step at batch {DECODE_BATCH}, ~{DECODE_CONTEXT}-token contexts, wall ms",
-         f"{_mean_ms(t.wall_s for t in timings):.2f}", "<= 3"),
-        (f"{label}: same, host ms (wall - wait) / runner launch ms",
-         f"{_mean_ms(t.host_s for t in timings):.2f} / {_mean_ms(t.launch_s for t in timings):.3f}", "launch <= 0.5"),
-        (f"{label}: sequences in each timed step, min / max", f"{min(batch_sizes)} / {max(batch_sizes)}",
-         f"{DECODE_BATCH} / {DECODE_BATCH}"),
-    ]
+
+
+def profile_decode(engine, label: str, seed: int) -> None:
+    """A fresh batch of 256 decodes, profiled over 4 steps once it is past its prefill."""
+    requests = add_decode_requests(engine, f"profile-{label}", DECODE_BATCH, 4, 2000 + seed)
+    while any(r.num_output_tokens == 0 for r in requests):
+        engine.step()
+    profile_steps(engine, label, steps=4)
+    _drain(engine, requests)
 
 
 def profile_steps(engine, label: str, steps: int) -> None:
@@ -649,7 +680,7 @@ def _mean_ms(values) -> float:
 
 
 # ---- smollm2: the real default model --------------------------------------------------------------
-def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
+def smollm2_agreement(path: str | None, cpu_smoke: bool) -> Iterator[tuple]:
     """The engine's greedy tokens against HF generate() on the converted SmolLM2 checkpoint, on
     this device, fp32 then bf16; the prompts are tests/replica/test_gguf_smollm2.py's 16."""
     from replica.config import make_engine_config
@@ -665,7 +696,8 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
     if path is None:
         cached = default_cache_dir() / "packages" / SMOLLM2_135M.name / Path(SMOLLM2_135M.member).name
         if not cached.is_file():
-            return [("SmolLM2 agreement", f"skipped: no --smollm2 and no cached copy at {cached}", "")]
+            yield "SmolLM2 agreement", f"skipped: no --smollm2 and no cached copy at {cached}", ""
+            return
         path = str(cached)
     model_dir = resolve_model_path(path)  # converts a GGUF once, as `headroom serve` does
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -673,8 +705,8 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
         chat_prompt(tokenizer, "What colour is grass?", SYSTEM), chat_prompt(tokenizer, "Is ice cold?", SYSTEM)]
     if cpu_smoke:
         prompts = prompts[:2]
-    rows = []
-    for dtype, target in ((torch.float32, "100%"), (torch.bfloat16, ">= 99%")):
+    # Rows are yielded per dtype: bf16 failing keeps fp32's.
+    for dtype, target, minimum in ((torch.float32, "100%", 1.0), (torch.bfloat16, ">= 99%", 0.99)):
         hf = hf_reference(model_dir, prompts, dtype, eos_free=True)
         engine = LLMEngine(make_engine_config(**SMOLLM2_ENGINE_CONFIG), str(model_dir), device=DEVICE,
                            dtype=str(dtype).removeprefix("torch."))
@@ -682,14 +714,14 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> list[tuple]:
         greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
         try:
             ours = engine.generate(prompts, greedy)
-            rows += agreement_rows(label, ours, hf, target)
+            rows = agreement_rows(label, ours, hf, target, minimum)
             rows += forced_agreement_rows(label, lambda batch: engine.generate(batch, greedy), prompts, hf, target,
-                                          first_outputs=ours)
+                                          first_outputs=ours, minimum=minimum)
         finally:
             engine.shutdown()
             del engine
             free_device_memory()
-    return rows
+        yield from rows
 
 
 # ---- served: headroom replica on the GPU against the offline engine --------------------------------
@@ -704,14 +736,16 @@ def served(model_dir: str, fronts: str = SERVED_FRONTS, clients: int = SERVED_CL
          "--dtype", "bfloat16", "--num-kv-blocks", "8192", "--workloads", SERVED_WORKLOADS, "--repeat", "3",
          "--api-server-count", fronts, "--client-processes", str(clients)],
         timeout_s=360)
-    lines = [line for line in output.splitlines() if line.startswith("targets:") or " x " in line[:20]]
+    # "partial:" lines come as each setup ends: a setup failing or the run cut at its timeout keeps them.
+    lines = [line for line in output.splitlines()
+             if line.startswith(("targets:", "partial:")) or " x " in line[:20]]
     return [(f"bench_served.py {SERVED_WORKLOADS} with fronts {fronts}, {clients} client processes",
              f"exit {returncode}", ">= 0.9 at 64 and 256 streams")] + [("served", line.strip(), "") for line in lines]
 
 
 # ---- swap: the host KV tier on the GPU (issue 23) --------------------------------------------------
 SWAP_BANDWIDTH_BLOCKS = (16, 256)
-SWAP_HOST_BLOCKS = 1024  # 1 GiB of pinned host memory for the 1.1B model's 1 MiB blocks (+ the null block)
+SWAP_HOST_BLOCKS = 1024  # 512 MiB of pinned host memory for the 1.1B model's 512 KiB blocks (+ the null block)
 SWAP_REPEATS = 5
 
 

@@ -446,16 +446,37 @@ def main() -> None:
     gc.freeze()
     served_at = {}  # by (stream interval, fronts): each a replica of its own, beside the one offline run
     for interval, fronts in setups:
-        process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
-                                         args.emulated_device, interval, fronts)
+        # One setup failing (a replica that does not start, a stuck shutdown) keeps the others'
+        # figures; each setup's ratios are printed as it ends ("partial:"), so a run cut at a
+        # time limit keeps those too.
         try:
-            pids = {"core": engine_core_pid(process.pid), "front": front_pids(process.pid), "client": os.getpid()}
-            served_at[interval, fronts] = {key: combine([serve_once(address, pids, workload(key[0], seed), key[1],
-                                                                    args.client_processes)
-                                                         for seed in seeds]) for key in workloads}
-        finally:
-            process.send_signal(2)
-            process.wait(timeout=60)
+            process, address = start_replica(args.core_torch_threads, args.model, args.device, args.dtype,
+                                             args.emulated_device, interval, fronts)
+            try:
+                pids = {"core": engine_core_pid(process.pid), "front": front_pids(process.pid), "client": os.getpid()}
+                served_at[interval, fronts] = {key: combine([serve_once(address, pids, workload(key[0], seed), key[1],
+                                                                        args.client_processes)
+                                                             for seed in seeds]) for key in workloads}
+            finally:
+                process.send_signal(2)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        except Exception as error:  # noqa: BLE001 - reported, and the other setups still run
+            print(f"partial:{'' if interval is None else f' interval {interval},'} {fronts} fronts: FAILED "
+                  f"{type(error).__name__}: {error}", flush=True)
+            continue
+        for key in workloads:
+            rate = served_at[interval, fronts][key][0].tokens_per_s
+            print(f"partial: {key[0]} x {key[1]},{'' if interval is None else f' interval {interval},'} {fronts} fronts: "
+                  "served/offline "
+                  f"{rate / offline[key][0].tokens_per_s:.2f} ({rate:.0f} / {offline[key][0].tokens_per_s:.0f} tok/s)",
+                  flush=True)
+    setups = [setup for setup in setups if setup in served_at]
+    if not setups:
+        sys.exit("bench_served: no setup served")
     served = served_at[setups[0]]
 
     import torch

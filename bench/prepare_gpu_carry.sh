@@ -32,16 +32,23 @@ mkdir -p .gguf1 .gguf2
 compressed=$(mktemp)
 trap 'rm -f "$compressed"' EXIT
 xz -T2 -6 -c "$gguf" > "$compressed"
-# Part 1 rides beside the wheels in call 1; part 2 beside them in call 2.
-head -c 43000000 "$compressed" > .gguf1/part
-tail -c +43000001 "$compressed" > .gguf2/part
 
+# What a call sends besides its carry: the checkout's tracked files and the untracked ones git
+# does not ignore (the device README's count), within the same 64 MiB.
+limit=$(( 64 * 1024 * 1024 ))
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+# Part 1 rides beside the wheels in call 1, as large as fits with 1 MiB to spare (the tree may
+# grow before the run); part 2, the rest, beside them in call 2.
+first=$(( limit - tree - wheels - 1024 * 1024 ))
+head -c "$first" "$compressed" > .gguf1/part
+tail -c +$(( first + 1 )) "$compressed" > .gguf2/part
+
 for part in .gguf1 .gguf2; do
-  size=$(( wheels + $(stat -c %s $part/part) ))
-  if [ "$size" -gt $(( 64 * 1024 * 1024 )) ]; then
-    echo "prepare_gpu_carry: .whl/ + $part/ is $size bytes, over the 64 MiB a device call carries" >&2
+  size=$(( tree + wheels + $(stat -c %s $part/part) ))
+  if [ "$size" -gt "$limit" ]; then
+    echo "prepare_gpu_carry: the tree ($tree) + .whl/ ($wheels) + $part/ is $size bytes, over the 64 MiB a device call carries" >&2
     exit 1
   fi
-  echo "carry [\".whl\", \"$part\"]: $size bytes"
+  echo "call with carry [\".whl\", \"$part\"]: $size bytes of $limit (tree $tree, wheels $wheels)"
 done
