@@ -6,7 +6,8 @@ one engine constraint a request may carry (replica/core/structured_output.py):
   `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`;
 - chat `tools` with `tool_choice`: `"required"` and a named function become a JSON schema the
   output must match (so any model calls a tool, the default SmolLM2 included), `"auto"` leaves
-  the output free for a tool parser (cluster/tool_parsers.py), `"none"` offers no tools.
+  the output free for a tool parser (cluster/tool_parsers.py), `"none"` keeps the tools in the
+  prompt and the output content (no call is read from it).
 
 Each constraint remembers the parameter it came from, so a bad one is refused naming it.
 """
@@ -198,8 +199,10 @@ class ToolFields(BaseModel):
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
         """The tools as the chat template's `tools` variable sees them (Hugging Face's form),
-        None when this request offers none."""
-        if self.tool_mode() == "none":
+        None when this request gives none. Under tool_choice "none" too, as OpenAI's API and
+        vLLM (by default) keep them in the model's context: the reply may draw on them, it
+        just makes no call (its text is content, never parsed for calls)."""
+        if not self.tools:
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 

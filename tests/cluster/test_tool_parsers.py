@@ -275,13 +275,18 @@ def test_required_output_cut_by_max_tokens_is_content_with_finish_reason_length(
     assert message == {"role": "assistant", "content": '[{"name": "f", "argu'} and finish_reason == "length"
 
 
-def test_tools_reach_the_template_in_hugging_faces_form_and_none_offers_none():
+def test_tools_reach_the_template_in_hugging_faces_form_under_none_too_which_reads_no_calls():
+    # As OpenAI's API and vLLM by default: "none" keeps the tools in context (they dropped out
+    # of the prompt here), and the reply is content, never parsed for calls nor constrained.
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
     request = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
     assert request.template_tools() == [tool]
     request = parse_body(json.dumps({**body, "tool_choice": "none"}).encode(), ChatCompletionRequest)
-    assert request.template_tools() is None and request.output_constraint() is None
+    assert request.template_tools() == [tool] and request.output_constraint() is None
+    assert request.tool_calling("hermes") is None and request.tool_parameter_schemas() == []
+    no_tools = parse_body(json.dumps({k: v for k, v in body.items() if k != "tools"}).encode(), ChatCompletionRequest)
+    assert no_tools.template_tools() is None
 
 
 @pytest.mark.parametrize("tool_choice", [None, "auto", "required", {"type": "function", "function": {"name": "g"}}])
