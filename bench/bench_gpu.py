@@ -92,6 +92,7 @@ SERVED_FRONTS = "1,2"  # `headroom replica --api-server-count`: as shipped, then
 SERVED_CLIENTS = 4
 DEVICE = "cuda"
 PROFILE_DIR: Path | None = None
+FULL_RUN = True  # the targets' own workloads (not --quick / --cpu-smoke): verdicts are judged
 ALL_SECTIONS = ("tests", "engine", "smollm2", "served", "peers", "tp", "structured", "swap")
 DEFAULT_SECTIONS = ("tests", "smollm2", "engine", "served", "tp")  # run in the order given
 # --cpu-smoke: every code path of this script on a CPU with a tiny model, in a minute or two.
@@ -154,8 +155,9 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
     args = parser.parse_args()
-    global PROFILE_DIR
+    global PROFILE_DIR, FULL_RUN
     PROFILE_DIR = Path(args.profile_dir) if args.profile_dir else None
+    FULL_RUN = not (args.quick or args.cpu_smoke)
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if unknown := sorted(set(sections) - set(ALL_SECTIONS)):
         parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(ALL_SECTIONS)})")
@@ -531,8 +533,8 @@ def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: b
     engine = LLMEngine(make_engine_config(**ENGINE_CONFIG, enforce_eager=eager), model_dir, device=DEVICE,
                        dtype="bfloat16")
     # Rows are yielded as each is measured: a later mode failing keeps the first one's.
-    yield "KV pool", f"{engine.config.num_kv_blocks} blocks of {engine.config.block_size}"
     try:
+        yield "KV pool", f"{engine.config.num_kv_blocks} blocks of {engine.config.block_size}"
         if not eager and hf_greedy:
             greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
             ours = engine.generate(prompts, greedy)
@@ -590,6 +592,9 @@ def throughput_rows(engine, requests, hf_result, label: str) -> list[tuple]:
 
 
 def judged(target: str, met: bool) -> str:
+    """The target with its verdict, on the target's own workload only (not --quick / --cpu-smoke)."""
+    if not FULL_RUN:
+        return f"{target} (not judged: --quick / --cpu-smoke)"
     return f"{target}: {'met' if met else 'MISSED'}"
 
 
@@ -714,14 +719,13 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> Iterator[tuple]:
         greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
         try:
             ours = engine.generate(prompts, greedy)
-            rows = agreement_rows(label, ours, hf, target, minimum)
-            rows += forced_agreement_rows(label, lambda batch: engine.generate(batch, greedy), prompts, hf, target,
-                                          first_outputs=ours, minimum=minimum)
+            yield from agreement_rows(label, ours, hf, target, minimum)
+            yield from forced_agreement_rows(label, lambda batch: engine.generate(batch, greedy), prompts, hf, target,
+                                             first_outputs=ours, minimum=minimum)
         finally:
             engine.shutdown()
             del engine
             free_device_memory()
-        yield from rows
 
 
 # ---- served: headroom replica on the GPU against the offline engine --------------------------------

@@ -52,6 +52,7 @@ import os
 import pathlib
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -168,9 +169,10 @@ def start_replica(core_torch_threads: int | None, model: str, device: str,
     if fronts > 1:
         flags.append(f"--api-server-count={fronts}")
     # The replica's default model is the real one, so name the offline loop's.
+    # Its own session: a replica stuck in shutdown is killed whole (core, fronts), not its first process.
     process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "replica", "--model", model, "--port", "0",
                                 "--device", device, *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                    filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     for line in process.stdout:
@@ -445,6 +447,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     served_at = {}  # by (stream interval, fronts): each a replica of its own, beside the one offline run
+    failed = {}  # setups that did not serve: named in the targets line, and the exit status is 1
     for interval, fronts in setups:
         # One setup failing (a replica that does not start, a stuck shutdown) keeps the others'
         # figures; each setup's ratios are printed as it ends ("partial:"), so a run cut at a
@@ -462,11 +465,12 @@ def main() -> None:
                 try:
                     process.wait(timeout=60)
                 except subprocess.TimeoutExpired:
-                    process.kill()
+                    os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
         except Exception as error:  # noqa: BLE001 - reported, and the other setups still run
+            failed[interval, fronts] = f"{type(error).__name__}: {error}"
             print(f"partial:{'' if interval is None else f' interval {interval},'} {fronts} fronts: FAILED "
-                  f"{type(error).__name__}: {error}", flush=True)
+                  f"{failed[interval, fronts]}", flush=True)
             continue
         for key in workloads:
             rate = served_at[interval, fronts][key][0].tokens_per_s
@@ -518,6 +522,8 @@ def main() -> None:
         if key[0] == 64:
             verdicts.append(f"ITL p99 at 64 streams{at} {itl_p99:.0f} ms vs 2x step p99 {ITL_TARGET_STEPS * step_p99:.0f} ms "
                             f"({'MET' if itl_p99 <= ITL_TARGET_STEPS * step_p99 else 'MISSED'})")
+    verdicts += [f"{'' if interval is None else f'interval {interval}, '}{fronts} fronts: FAILED ({why})"
+                 for (interval, fronts), why in failed.items()]
     print("targets: " + "; ".join(verdicts))
     if args.grpc_floor:
         print("gRPC's own CPU: a bare grpc.aio server writing the same messages at the served ITL p50, to this client")
@@ -532,6 +538,8 @@ def main() -> None:
                   f"{per_message(ours.cpu_s['client'], ours)} vs {per_message(floor.cpu_s['client'], floor)}; "
                   f"served/offline if the front cost only gRPC's CPU (offline CPU / core + bare server + client): "
                   f"{bound:.2f}")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,21 @@ xz -T2 -6 -c "$gguf" > "$compressed"
 # What a call sends besides its carry: the checkout's tracked files and the untracked ones git
 # does not ignore (the device README's count), within the same 64 MiB.
 limit=$(( 64 * 1024 * 1024 ))
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  echo "prepare_gpu_carry: needs git and a checkout (a device call sends the files git tracks or does not ignore)" >&2
+  exit 1
+fi
+# Files git lists but the checkout lacks (deleted, not committed) are not sent: stat skips them.
+tree=$( { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s -- 2>/dev/null || true; } |
+  awk '{s += $1} END {print s + 0}')
 wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
 # Part 1 rides beside the wheels in call 1, as large as fits with 1 MiB to spare (the tree may
 # grow before the run); part 2, the rest, beside them in call 2.
 first=$(( limit - tree - wheels - 1024 * 1024 ))
+if [ "$first" -le 0 ] || [ $(( $(stat -c %s "$compressed") - first )) -gt $(( limit - tree - wheels )) ]; then
+  echo "prepare_gpu_carry: the tree ($tree bytes) + .whl/ ($wheels) leave no room for the GGUF in two calls of 64 MiB" >&2
+  exit 1
+fi
 head -c "$first" "$compressed" > .gguf1/part
 tail -c +$(( first + 1 )) "$compressed" > .gguf2/part
 

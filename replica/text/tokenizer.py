@@ -71,10 +71,10 @@ class Tokenizer:
             tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
             if not isinstance(tokenizer_config, dict):
                 raise ValueError("tokenizer_config.json is not a JSON object")
-            # The special tokens special_tokens_map.json names, as transformers (5) reads them:
-            # they fill what tokenizer_config.json leaves out, and win over what it says unless
-            # it lists its added tokens (added_tokens_decoder: a config saved by a newer
-            # transformers, whose own entries are the current ones).
+            # The special tokens special_tokens_map.json names win over tokenizer_config.json's,
+            # as transformers (5) reads them, unless the config lists its added tokens
+            # (added_tokens_decoder: saved by a newer transformers, its own entries current);
+            # then they only fill what it leaves out (transformers ignores the map there).
             special_tokens_map = _read_json_if_present(model_dir / "special_tokens_map.json")
             if isinstance(special_tokens_map, dict):
                 special = {name: token for name, token in special_tokens_map.items() if name.endswith("_token")}
