@@ -618,11 +618,17 @@ def add_decode_requests(engine, name: str, batch: int, steps: int, seed: int) ->
     return requests
 
 
-def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
-    """Time decode steps at batch 256 once every request is past its prefill."""
-    requests = add_decode_requests(engine, f"decode-{label}", DECODE_BATCH, steps, 1000 + seed)
+def decoding_batch(engine, name: str, steps: int, seed: int) -> list:
+    """DECODE_BATCH requests added to `engine` (add_decode_requests) and stepped past their prefill."""
+    requests = add_decode_requests(engine, name, DECODE_BATCH, steps, seed)
     while any(r.num_output_tokens == 0 for r in requests):
         engine.step()
+    return requests
+
+
+def decode_rows(engine, label: str, steps: int, seed: int) -> list[tuple]:
+    """Time decode steps at batch 256 once every request is past its prefill."""
+    requests = decoding_batch(engine, f"decode-{label}", steps, 1000 + seed)
     timings = []
     for _ in range(steps):
         engine.step()
@@ -652,9 +658,7 @@ def _drain(engine, requests) -> None:
 
 def profile_decode(engine, label: str, seed: int) -> None:
     """A fresh batch of 256 decodes, profiled over 4 steps once it is past its prefill."""
-    requests = add_decode_requests(engine, f"profile-{label}", DECODE_BATCH, 4, 2000 + seed)
-    while any(r.num_output_tokens == 0 for r in requests):
-        engine.step()
+    requests = decoding_batch(engine, f"profile-{label}", 4, 2000 + seed)
     profile_steps(engine, label, steps=4)
     _drain(engine, requests)
 

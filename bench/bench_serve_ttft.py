@@ -97,9 +97,8 @@ def main() -> None:
     cold_prompt, fresh_prompt = (prompt_text(tokenizer, args.prompt_tokens, seed) for seed in (0, 1))
     command = [sys.executable, "-m", "cluster.cli", "serve", "--model", args.model, "--http-port",
                str(args.http_port), "--grpc-port", str(args.grpc_port), *args.serve_flags]
-    env = dict(os.environ)
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     try:
         ready_s = wait_until_serving(process, args.http_port, timeout_s=600)

@@ -194,8 +194,8 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     at the lower scale-down utilisation, after downscale_delay_s of wanting it, and never
     while preempting above the threshold or while KV is parked (its requests wait for a
     device): the band between the two utilisations keeps a demand near a boundary from
-    flapping the count. A scale-down
-    removes at most half the replicas it could (rounded up), then waits downscale_delay_s
+    flapping the count. A scale-down removes at most half the replicas it could (rounded
+    up), then waits downscale_delay_s
     again: the demand a smaller set carries is larger than the larger set measured (the same
     arrivals in bigger batches take longer, so more of them are live at once), and it is
     measured before the next step. The replica removed stops reporting while it drains, so the

@@ -641,9 +641,6 @@ class Ingress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             body.check_supported(self.max_num_seqs)
-            # The bounds the gRPC edges hold (RequestLimits): work per token for every stream.
-            self.limits.check_stop(body.stop_strings)
-            self.limits.check_token_lists(len(body.stop_token_ids), len(body.logit_bias or {}))
             # Building the constraints reads every schema (megabytes in a large body: 2 s of
             # the loop for a 4 MB one); compiling them waits for the cheap checks below.
             build = lambda: (body.output_constraint(), body.tool_parameter_schemas() if chat else [])  # noqa: E731

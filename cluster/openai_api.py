@@ -139,8 +139,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: Optional[RequestLimit
 
 
 def _check_list_sizes(document: dict[str, Any], limits: RequestLimits) -> None:
-    """The bounds of the lists whose every entry costs work per token, on their raw JSON."""
+    """The bounds (the gRPC edges' too) of the lists whose every entry costs work per token, on
+    their raw JSON: a value of another type the model refuses by name anyway."""
     stop, stop_token_ids, logit_bias = (document.get(name) for name in ("stop", "stop_token_ids", "logit_bias"))
+    stop = [stop] if isinstance(stop, str) else stop
     try:
         limits.check_token_lists(len(stop_token_ids) if isinstance(stop_token_ids, list) else 0,
                                  len(logit_bias) if isinstance(logit_bias, dict) else 0)

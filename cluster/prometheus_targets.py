@@ -50,9 +50,9 @@ def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> Non
     directory this user owns; raises UnsafeTargetsDir for one another user owns."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    if hasattr(os, "getuid") and directory.stat().st_uid != os.getuid():
+    if hasattr(os, "getuid") and (owner := directory.stat().st_uid) != os.getuid():
         raise UnsafeTargetsDir(f"monitoring.targets_dir {str(directory)!r} belongs to another user (uid "
-                               f"{directory.stat().st_uid}), who could replace the target files: not written")
+                               f"{owner}), who could replace the target files: not written")
     groups = [{"targets": sorted(targets), "labels": labels}] if targets else []
     descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     try:

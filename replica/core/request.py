@@ -96,16 +96,12 @@ class SamplingParams:
         # An integer of another type (numpy's, from an offline script) as the int it is: the
         # sampler's arrays take Python ints (np.int64 seeds overflowed there, failing the step).
         for name in ("max_tokens", "top_k", "top_logprobs", "seed"):
-            value = getattr(self, name)
-            if _other_integer(value):
+            if _other_integer(value := getattr(self, name)):
                 object.__setattr__(self, name, operator.index(value))
-        if any(_other_integer(token_id) for token_id in self.stop_token_ids):
-            object.__setattr__(self, "stop_token_ids", tuple(
-                operator.index(token_id) if _other_integer(token_id) else token_id for token_id in self.stop_token_ids))
+        if any(map(_other_integer, self.stop_token_ids)):
+            object.__setattr__(self, "stop_token_ids", tuple(map(_as_int, self.stop_token_ids)))
         if any(_other_integer(token_id) for token_id, _ in self.logit_bias):
-            object.__setattr__(self, "logit_bias", tuple(
-                (operator.index(token_id) if _other_integer(token_id) else token_id, bias)
-                for token_id, bias in self.logit_bias))
+            object.__setattr__(self, "logit_bias", tuple((_as_int(token_id), bias) for token_id, bias in self.logit_bias))
 
     def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (validate_request's second half)."""
@@ -197,6 +193,10 @@ def _other_integer(value: object) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _as_int(value: object) -> object:
+    return operator.index(value) if _other_integer(value) else value
 
 
 def check_text(field_name: str, text: str) -> None:

@@ -114,7 +114,7 @@ class ModelConfig:
             num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
             head_dim=_positive_int(raw, "head_dim", None) or _whole_heads(hidden_size, num_attention_heads),
-            rms_norm_eps=_finite(raw, "rms_norm_eps", 1e-6, positive=True),
+            rms_norm_eps=_finite("rms_norm_eps", raw.get("rms_norm_eps", 1e-6), positive=True),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_positive_int(raw, "max_position_embeddings", 2048, at_most=MAX_POSITION_EMBEDDINGS),
@@ -174,13 +174,8 @@ def _whole_heads(hidden_size: int, num_heads: int) -> int:
     return hidden_size // num_heads
 
 
-def _finite(raw: dict[str, Any], key: str, default: float, positive: bool = False) -> float:
-    """raw[key] as a finite float (> 0 with `positive`); ModelConfigError naming the key."""
-    value = raw.get(key, default)
-    return _finite_value(key, value, positive)
-
-
-def _finite_value(key: str, value: Any, positive: bool = False) -> float:
+def _finite(key: str, value: Any, positive: bool = False) -> float:
+    """`value` as a finite float (> 0 with `positive`); ModelConfigError naming the key."""
     try:
         number = float(value) if not isinstance(value, (bool, str)) else math.nan
     except (TypeError, ValueError):
@@ -210,9 +205,9 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if missing:
         raise ModelConfigError(f"rope type {rope_type!r} needs {', '.join(missing)}")
     # A rope_theta or factor of 0 (or NaN) made the rotary table non-finite: every output NaN.
-    rope_theta = _finite_value("rope_theta", rope_theta, positive=True)
+    rope_theta = _finite("rope_theta", rope_theta, positive=True)
     for key in _REQUIRED_ROPE_KEYS[rope_type]:
-        _finite_value(f"rope scaling {key}", params[key], positive=True)
+        _finite(f"rope scaling {key}", params[key], positive=True)
     if rope_type == "default":
         return rope_theta, None
     return rope_theta, {"rope_type": rope_type, **{key: params[key] for key in _REQUIRED_ROPE_KEYS[rope_type]}}

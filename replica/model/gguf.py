@@ -28,10 +28,10 @@ from safetensors.torch import save_file
 from replica.model.cache import build_once, converted_gguf_dir, default_cache_dir, report_progress
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
 from replica.model.checkpoint import SHARD_INDEX_FILE, SINGLE_WEIGHTS_FILE, check_layer_count
-from replica.text.chat_template import ChatTemplateError, check_chat_template
 from replica.model.gguf_tokenizer import (
     GGUFTokenizerError, tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata,
 )
+from replica.text.chat_template import ChatTemplateError, check_chat_template
 
 
 SUPPORTED_ARCHITECTURES = ("llama",)

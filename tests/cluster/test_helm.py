@@ -262,6 +262,10 @@ def test_serve_autoscales_with_the_headroom_policy_and_kuberay_adds_the_pods(doc
     service = rayservice(documents)
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
+    # A pod whose replica was scaled away goes before HeadroomReplicaDown's minute (KubeRay: 60 s).
+    alert_for = next(rule["for"] for group in yaml.safe_load((REPO / "deploy" / "alerts.yml").read_text())["groups"]
+                     for rule in group["rules"] if rule["alert"] == "HeadroomReplicaDown")
+    assert alert_for == "1m" and cluster["autoscalerOptions"]["idleTimeoutSeconds"] < 60
     (group,) = cluster["workerGroupSpecs"]
     for app in load_config(yaml.safe_load(service["spec"]["serveConfigV2"])).applications:
         autoscaling = app.args.replicas.autoscaling

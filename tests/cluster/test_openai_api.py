@@ -683,7 +683,7 @@ def test_schemas_are_compiled_only_for_a_request_the_cheap_checks_pass_and_built
 
 
 @pytest.mark.parametrize("field, value", [("stop_token_ids", [1] * 200_000), ("logit_bias", {str(i): 1 for i in range(200_000)}),
-                                          ("stop", ["x"] * 200_000)])
+                                          ("stop", ["x"] * 200_000), ("stop", "x" * 200_000)])
 def test_per_token_lists_over_their_bound_are_refused_before_the_model_validates_them(monkeypatch, field, value):
     """pydantic validated a million stop_token_ids (holding the GIL, and so the event loop,
     though a large body is parsed on a worker thread) before the bound refused them."""
