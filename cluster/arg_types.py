@@ -60,3 +60,14 @@ def is_metadata_name(text: str) -> bool:
 
 
 application_name = checked(str, is_metadata_name, "an application name (printable ASCII without spaces)")
+
+
+def chat_template(text: str) -> str:
+    """--chat-template: the template's text, from the file named or given inline (vLLM's two
+    forms); a file that cannot be read or a template that does not compile is a usage error."""
+    from replica.text.tokenizer import ChatTemplateError, resolve_chat_template  # jinja2 only when given
+
+    try:
+        return resolve_chat_template(text)
+    except ChatTemplateError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

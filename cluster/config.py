@@ -318,6 +318,11 @@ class ClusterConfig(_Strict):
         description="How chat completions with tool_choice auto find the model's tool calls in its text: hermes "
         "(<tool_call>{...}</tool_call>: Qwen, Hermes) or llama3_json (a JSON object per call: Llama 3.1+).",
     )
+    chat_template: Optional[str] = Field(
+        None, min_length=1,
+        description="A Jinja chat template to use instead of the checkpoint's (vLLM's --chat-template): a file, read "
+        "when the config loads, or the template itself; a model with neither refuses chat requests.",
+    )
     device: Device = Field("auto", description="auto = cuda when the replica has a GPU, else cpu.")
     dtype: Dtype = Field("auto", description="Weights and KV cache dtype; auto keeps the checkpoint's.")
     attention_backend: AttentionBackendName = Field(
@@ -332,6 +337,20 @@ class ClusterConfig(_Strict):
     @property
     def served_model_id(self) -> str:
         return self.model_id or Path(self.model).name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_template_text(cls, data: Any) -> Any:
+        # The file is read here, where the config loads: the ingresses that render chat run on
+        # Ray workers, perhaps on other nodes, which get the template's text with the config.
+        if isinstance(data, dict) and isinstance(data.get("chat_template"), str) and data["chat_template"]:
+            from replica.text.tokenizer import ChatTemplateError, resolve_chat_template  # jinja2 only when given
+
+            try:
+                return {**data, "chat_template": resolve_chat_template(data["chat_template"])}
+            except ChatTemplateError as error:
+                raise ConfigError(f"chat_template: {error}") from None
+        return data
 
     @model_validator(mode="after")
     def _gpus_for_every_rank(self) -> "ClusterConfig":

@@ -308,7 +308,10 @@ class Ingress:
         self.engine_config = config.engine  # the grammar compiler's time bounds
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
-        self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
+        self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model), chat_template=config.chat_template)
+        if self.tokenizer.chat_template is None:
+            logger.warning("model %s has no chat template: chat requests are refused (serve it with "
+                           "--chat-template FILE, or chat_template: in the config)", config.model)
         # The grammar compiler, made at start once a replica has said the model's vocabulary:
         # llguidance's view of the tokenizer takes ~0.23 s with the GIL held (SmolLM2's 49k ids),
         # which made by the first constrained request stalled every stream this ingress serves.

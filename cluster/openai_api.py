@@ -53,8 +53,9 @@ UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_ASKS, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (_ASKS, "not supported"),
     "cache_salt": (_ASKS, "cache_salt is not supported"),
-    "chat_template": (_ASKS, "the model's own chat template is always used"),
-    "chat_template_kwargs": (_ASKS, "the model's own chat template is always used"),
+    "chat_template": (_ASKS, "the server's chat template is always used (the model's, or headroom serve "
+                             "--chat-template)"),
+    "chat_template_kwargs": (_ASKS, "the server's chat template is always used, without extra variables"),
     "documents": (_ASKS, "documents (RAG templates) are not supported"),
     "mm_processor_kwargs": (_ASKS, "multimodal input is not supported"),
     "add_generation_prompt": (lambda value: value is False, "the generation prompt is always added"),

@@ -28,7 +28,7 @@ import tempfile
 import typing
 from typing import Optional
 
-from cluster.arg_types import checked, device_name, host_address, port_number, positive_int, seconds
+from cluster.arg_types import chat_template, checked, device_name, host_address, port_number, positive_int, seconds
 from cluster.config import Dtype
 from cluster.engine_args import add_engine_config_arguments, engine_config_from_args
 from replica.front.async_engine import AsyncEngine
@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=50051,
                         help="gRPC port; 0 picks a free one (default: %(default)s)")
     add_api_key_arguments(parser)
+    parser.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE",
+                        help="a Jinja chat template for gRPC `chat` instead of the model's own (a file, or the "
+                             "template itself); a model with neither refuses chat requests")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus /metrics on this port (same host); off when unset")
     parser.add_argument("--replica-id", default=None, help="id in load reports and metric labels (default: HOST-PID)")
@@ -117,7 +120,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _core_spec(config: EngineConfig, args: argparse.Namespace) -> CoreSpec:
     return CoreSpec(config, args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                    torch_threads=args.torch_threads, engine_factory=args.engine_factory)
+                    torch_threads=args.torch_threads, engine_factory=args.engine_factory,
+                    chat_template=args.chat_template)
 
 
 async def _serve(config: EngineConfig, replica_id: str, credentials: Credentials, args: argparse.Namespace) -> None:

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPUs the local Ray cluster offers (default: all)")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template to use instead of the model's own (a file, or the template "
+                             "itself); a model with neither refuses chat requests")
     add_engine_config_arguments(parser)
 
 
@@ -164,6 +167,8 @@ def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["router"] = {"policy": args.policy}
     if args.tool_call_parser is not None:
         overrides["tool_call_parser"] = args.tool_call_parser
+    if args.chat_template is not None:
+        overrides["chat_template"] = args.chat_template
     if engine := engine_overrides_from_args(args):
         overrides["engine"] = engine
     ports = {proxy: port for proxy, port in (("http", args.http_port), ("grpc", args.grpc_port)) if port is not None}

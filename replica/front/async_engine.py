@@ -205,7 +205,7 @@ class AsyncEngine:
         if self._engine is not None:
             return
         # The tokenizer loads here while the core builds the model.
-        tokenizer = Tokenizer.from_pretrained(resolve_model_path(self.spec.model))
+        tokenizer = Tokenizer.from_pretrained(resolve_model_path(self.spec.model), chat_template=self.spec.chat_template)
         if self._core_socket is not None:
             ready = await self.core.attach(self._core_socket)
         else:

@@ -37,6 +37,9 @@ class CoreSpec(NamedTuple):
     # "module:callable" taking LLMEngine's arguments; another engine class (or a test's
     # instrumented one) plugs in here.
     engine_factory: str = "replica.core.engine:LLMEngine"
+    # The front's chat template instead of the checkpoint's (--chat-template's text); the core
+    # renders no chat.
+    chat_template: Optional[str] = None
 
 
 class CoreReady(NamedTuple):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 BUILTIN_MODEL_NAME = "builtin"
 # Bump the version whenever the files written below change, so stale caches are not reused.
-BUILTIN_MODEL_DIRNAME = "builtin-llama-v1"
+BUILTIN_MODEL_DIRNAME = "builtin-llama-v2"
 
 NUM_BYTE_TOKENS = 256
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
@@ -29,6 +29,12 @@ BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 256, 257, 258
 # emit has a token (and decodes to nothing when special tokens are skipped).
 VOCAB_SIZE = 320
 WEIGHT_SEED = 0
+# Its chat format: BOS, "<|role|>\ncontent\n" per message, then "<|assistant|>\n" (the
+# tokens are plain bytes to this tokenizer; the model is random, so any format would do).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 WEIGHT_STD = 0.02
 
 MODEL_CONFIG = {
@@ -83,6 +89,7 @@ def _write_model_files(model_dir: Path) -> None:
             "model_max_length": MODEL_CONFIG["max_position_embeddings"],
             # Byte-level text must decode exactly as encoded: no space "cleanup".
             "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     build_byte_level_tokenizer().save(str(model_dir / "tokenizer.json"))

@@ -58,6 +58,37 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
         raise ChatTemplateError(f"the chat template refused the conversation: {detail}") from error
 
 
+def resolve_chat_template(value: str) -> str:
+    """A chat template given outside the checkpoint (`--chat-template`, vLLM's flag), as vLLM
+    reads it: the text of the file `value` names, or, when no such file exists and `value`
+    holds Jinja (`{`), the template itself (a Serve config or Helm values can carry it inline,
+    so no node needs the file). It must be UTF-8 and compile; ChatTemplateError otherwise."""
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a long inline template is no path the OS accepts
+        is_file = False
+    if is_file:
+        try:
+            template = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ChatTemplateError(f"{value}: cannot be read: {error.strerror or error}") from None
+        except UnicodeDecodeError:
+            raise ChatTemplateError(f"{value}: is not UTF-8 text") from None
+        where = f"{value}: "
+    elif "{" in value:
+        template, where = value, ""
+    else:
+        raise ChatTemplateError(f"{value}: no such file (and, with no '{{', not a template itself)")
+    if not template.strip():
+        raise ChatTemplateError(f"{where}the chat template is empty")
+    try:
+        check_chat_template(template)
+    except ChatTemplateError as error:
+        raise ChatTemplateError(f"{where}the chat template does not compile: {error.__cause__}") from None
+    return template
+
+
 def check_chat_template(template: str) -> None:
     """Raise ChatTemplateError when `template` does not compile: a checkpoint's broken template
     is an error at load, naming it, not a 400 blamed on every chat request's messages."""

@@ -14,7 +14,9 @@ from typing import Any, Callable, Optional, Sequence
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders
 
-from replica.text.chat_template import ChatTemplateError, check_chat_template, find_chat_template, render_chat_template
+from replica.text.chat_template import (  # noqa: F401 - resolve_chat_template: the cluster's way in
+    ChatTemplateError, check_chat_template, find_chat_template, render_chat_template, resolve_chat_template,
+)
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
 # Tokens an incremental detokenizer holds without releasing text before it stops decoding its
@@ -41,6 +43,10 @@ def _byte_level_alphabet() -> dict[str, int]:
     return characters
 
 
+NO_CHAT_TEMPLATE = ("the model has no chat template (none in its tokenizer_config.json, chat_template.jinja or "
+                    "chat_template.json): serve it with --chat-template FILE, or send a completion instead")
+
+
 class TokenizerLoadError(ValueError):
     """The directory holds no tokenizer we can load; the message names the missing file."""
 
@@ -48,7 +54,8 @@ class TokenizerLoadError(ValueError):
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special-token facts from tokenizer_config.json."""
 
-    def __init__(self, fast_tokenizer: FastTokenizer, model_dir: Path, tokenizer_config: dict[str, Any]):
+    def __init__(self, fast_tokenizer: FastTokenizer, model_dir: Path, tokenizer_config: dict[str, Any],
+                 chat_template: Optional[str] = None):
         self._fast_tokenizer = fast_tokenizer
         self._model_dir = model_dir
         self._tokenizer_config = tokenizer_config
@@ -57,15 +64,18 @@ class Tokenizer:
         # Some checkpoints (Llama 2, Mistral) ask for BOS in the config rather than in the
         # tokenizer.json post-processor; others put it in both, so add it only when missing.
         self._add_bos_token = bool(tokenizer_config.get("add_bos_token")) and self.bos_token_id is not None
-        self.chat_template = find_chat_template(model_dir, tokenizer_config)
+        # A template the server was given (--chat-template) wins over the checkpoint's, as in vLLM.
+        self.chat_template = chat_template if chat_template is not None else find_chat_template(model_dir, tokenizer_config)
         self._special_ids: Optional[frozenset[int]] = None  # ids_decode_skips', read at its first call
         self._ids_end = 0
         self._decode_stream_class = None  # decode_stream's: DecodeStream, or False where it does not apply
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, model_dir: str | Path, chat_template: Optional[str] = None) -> "Tokenizer":
         """The directory's tokenizer; TokenizerLoadError naming the directory when its files
-        (tokenizer.json, tokenizer_config.json, the chat template's) cannot be read as one."""
+        (tokenizer.json, tokenizer_config.json, the chat template's) cannot be read as one.
+        chat_template: a Jinja chat template to use instead of the checkpoint's (vLLM's
+        --chat-template, as chat_template.resolve_chat_template reads it)."""
         model_dir = Path(model_dir)
         try:
             tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
@@ -82,9 +92,9 @@ class Tokenizer:
                                     else {**tokenizer_config, **special})
             tokenizer_json = model_dir / "tokenizer.json"
             if tokenizer_json.is_file():
-                tokenizer = cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config)
+                tokenizer = cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config, chat_template)
             else:
-                tokenizer = cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config)
+                tokenizer = cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config, chat_template)
             if tokenizer.chat_template is not None:
                 try:
                     check_chat_template(tokenizer.chat_template)
@@ -169,19 +179,18 @@ class Tokenizer:
                             tools: Optional[Sequence[dict[str, Any]]] = None) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins.
 
-        The checkpoint's chat template when it has one (rendered as transformers does; a
-        conversation it refuses raises ChatTemplateError). Without one the fallback is BOS,
-        then "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n". Either way the
-        text already holds its special tokens: encode it with add_special_tokens=False.
+        The server's chat template (--chat-template) or else the checkpoint's, rendered as
+        transformers does; a conversation it refuses raises ChatTemplateError, and so does a
+        model with no template at all (a base model: transformers >= 4.44 and vLLM refuse it
+        too, rather than invent a format the model was never trained on). The text already
+        holds its special tokens: encode it with add_special_tokens=False.
         tools: the template's `tools` variable (OpenAI's function tools), as transformers passes them.
         """
-        if self.chat_template is not None:
-            # As transformers passes them: `tools` and `documents` always defined, None when not given.
-            variables = {**self._template_special_tokens(), "tools": list(tools) if tools else None, "documents": None}
-            return render_chat_template(self.chat_template, messages, **variables)
-        bos = self._fast_tokenizer.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        turns = "".join(f"<|{message['role']}|>\n{message['content']}\n" for message in messages)
-        return f"{bos}{turns}<|assistant|>\n"
+        if self.chat_template is None:
+            raise ChatTemplateError(NO_CHAT_TEMPLATE)
+        # As transformers passes them: `tools` and `documents` always defined, None when not given.
+        variables = {**self._template_special_tokens(), "tools": list(tools) if tools else None, "documents": None}
+        return render_chat_template(self.chat_template, messages, **variables)
 
     def _template_special_tokens(self) -> dict[str, str]:
         tokens = {name: self._special_token_text(name) for name in _TEMPLATE_SPECIAL_TOKENS}

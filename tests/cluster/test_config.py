@@ -447,3 +447,19 @@ def test_every_routing_policy_loads_and_its_router_builds_it(policy):
     router = config.applications[0].args.router
     assert router.policy == policy
     assert HeadroomRouter(router.policy, staleness_s=router.staleness_s, knobs=router.knobs).policy.name == policy
+
+
+def test_a_chat_template_file_is_read_where_the_config_loads_and_a_bad_one_named(tmp_path):
+    """The ingresses render chat on Ray workers, perhaps on other nodes: the config carries the
+    template's text, read from the file where the config loads (or given inline, as vLLM takes it)."""
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(text)
+    assert load_config({"chat_template": str(tmp_path / "chat.jinja")}).applications[0].args.chat_template == text
+    assert load_config({"chat_template": text}).applications[0].args.chat_template == text
+    assert load_config({}).applications[0].args.chat_template is None
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    for value, says in ((str(tmp_path / "missing.jinja"), "no such file"),
+                        (str(tmp_path / "broken.jinja"), "does not compile")):
+        with pytest.raises(ConfigError, match=f"^applications\\[0\\]\\.args\\.chat_template: .*{says}"):
+            load_config({"applications": [{"name": "a", "import_path": "cluster.app:build_app",
+                                            "args": {"chat_template": value}}]})

@@ -768,3 +768,37 @@ def test_an_error_quoting_the_engines_field_names_the_bodys_parameter_throughout
     assert response.status_code == 400 and error["param"] == "max_completion_tokens"
     assert "max_completion_tokens (5000)" in error["message"] and "max_tokens" not in error["message"].replace(
         "max_completion_tokens", "")
+
+
+def test_chat_with_a_model_that_has_no_chat_template_is_400_naming_messages_and_the_flag(tmp_path):
+    """A base model (no chat template) was given an invented "<|role|>" format, which it was
+    never trained on, and answered nonsense with a 200. Chat is now refused, as transformers
+    and vLLM refuse it, and a template given to the server serves it."""
+    import shutil
+
+    from replica.model.registry import resolve_model_path
+    from replica.text.tokenizer import Tokenizer, resolve_chat_template
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model_path("builtin"), base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    served = []
+
+    async def one_token(request):
+        served.append(list(request.prompt_token_ids))
+        yield chunk("a", [65], "length")
+
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    ingress = completing_ingress(one_token)
+    ingress.tokenizer = Tokenizer.from_pretrained(base)
+    refusal = asyncio.run(post(ingress, "/v1/chat/completions", body))
+    error = json.loads(refusal.body)["error"]
+    assert refusal.status_code == 400 and error["param"] == "messages" and "--chat-template" in error["message"]
+    assert not served  # refused before any replica
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ingress.tokenizer = Tokenizer.from_pretrained(base, chat_template=resolve_chat_template(template))
+    answer = asyncio.run(post(ingress, "/v1/chat/completions", body))
+    assert answer["choices"][0]["finish_reason"] == "length"  # a 200's body
+    assert served == [ingress.tokenizer.encode("hi", add_special_tokens=False)]

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica.model.builtin import BOS_TOKEN_ID, EOS_TOKEN_ID, build_byte_level_tokenizer, ensure_builtin_model
+from replica.text.chat_template import ChatTemplateError, resolve_chat_template
 from replica.text.tokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, Tokenizer, TokenizerLoadError
 
 MULTI_BYTE_TEXTS = ["plain ascii", "héllo wörld", "你好，世界", "emoji 👋🏽 and 👨‍👩‍👧", "mixed: 日本語 ∑ x² 🚀!"]
@@ -90,9 +91,48 @@ def test_without_tokenizer_json_falls_back_to_transformers(tmp_path):
     assert tokenizer.decode(tokenizer.encode("é👋")) == "é👋"
 
 
-def test_chat_template_fallback_format(tokenizer):
+def test_the_builtin_models_chat_template(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     assert tokenizer.apply_chat_template(messages) == "<s><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+
+
+def without_chat_template(model_dir, directory):
+    """A copy of the builtin model as a base model ships: no chat template anywhere."""
+    shutil.copytree(model_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_model_without_a_chat_template_refuses_chat_rather_than_inventing_a_format(model_dir, tmp_path):
+    tokenizer = Tokenizer.from_pretrained(without_chat_template(model_dir, tmp_path / "base"))
+    assert tokenizer.chat_template is None
+    with pytest.raises(ChatTemplateError, match="no chat template.*--chat-template FILE"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])
+
+
+def test_a_chat_template_given_to_the_server_is_used_instead_of_the_checkpoints(model_dir, tmp_path):
+    text = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (tmp_path / "template.jinja").write_text(text)
+    for value in (str(tmp_path / "template.jinja"), text):  # a file, or the template inline (vLLM's two forms)
+        for directory in (model_dir, without_chat_template(model_dir, tmp_path / f"base{len(value)}")):
+            tokenizer = Tokenizer.from_pretrained(directory, chat_template=resolve_chat_template(value))
+            assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}]) == "user: Hi!\nassistant:"
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "no such file"),
+    (b"\xff\xfe{{", "is not UTF-8 text"),
+    (b"  \n", "the chat template is empty"),
+    (b"{% for m in messages %}", "the chat template does not compile"),
+])
+def test_a_bad_chat_template_file_is_refused_naming_the_file(tmp_path, content, error):
+    template = tmp_path / "template.jinja"
+    if content is not None:
+        template.write_bytes(content)
+    with pytest.raises(ChatTemplateError, match=f"template.jinja: {error}"):
+        resolve_chat_template(str(template))
 
 
 def test_chat_template_in_the_directory_is_rendered_with_its_special_tokens(model_dir, tmp_path):
