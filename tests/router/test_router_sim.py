@@ -376,3 +376,21 @@ def test_the_swap_section_reports_ours_with_auto_and_recompute_against_every_bas
     assert "600 host blocks per replica beside 300 on the device" in text
     with pytest.raises(SystemExit):
         bench.parse_args(["--sections", "swap", "--workloads", "multi_tenant"])
+
+
+def test_each_seed_runs_its_own_window_of_the_trace(tmp_path):
+    """The seed drew only token ids, which nothing in the trace shares: seeds 0-4 were one
+    sample five times. Seed s now runs the requests from s x TRACE_SEED_STRIDE on."""
+    bench = load_bench_module()
+    stride = bench.TRACE_SEED_STRIDE
+    trace = tmp_path / "trace.csv"
+    rows = [f"2023-11-16 18:{minute:02d}:{second:02d}.0000000,{100 + index},{10 + index % 7}"
+            for index, (minute, second) in enumerate((i // 60 % 60, i % 60) for i in range(2 * stride + 5))]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    first = bench.make_workload("azure_trace", 5, 0, str(trace))
+    second = bench.make_workload("azure_trace", 5, 1, str(trace))
+    assert [r.body_len for r in first.requests] == [100, 101, 102, 103, 104]
+    assert [r.body_len for r in second.requests] == [100 + stride + i for i in range(5)]
+    assert bench.make_workload("azure_trace", 5, 0, str(trace)).requests == first.requests  # the same per seed
+    with pytest.raises(SystemExit, match="this seed's window needs"):
+        bench.make_workload("azure_trace", 10, 2, str(trace))
