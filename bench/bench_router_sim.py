@@ -102,10 +102,6 @@ LOADS = (0.5, 0.85, 1.2)  # of the workload's latency-calibrated rate
 TTFT_SLO_S = 2.0
 TPOT_SLO_S = 0.100
 REPORT_INTERVAL_S = DEFAULT_WATCH_INTERVAL_MS / 1000  # what WatchLoad pushes by default
-# Policies whose deployments refresh the replicas' load more often than ours: llm-d's scheduler
-# and the least-loaded picker are the Gateway API inference extension's, whose endpoint picker
-# scrapes every pod's metrics every 50 ms by default (--refresh-metrics-interval).
-REPORT_INTERVAL_BY_POLICY = {"precise_prefix": 0.05, "least_loaded": 0.05}
 WARMUP_FRACTION = 0.10  # the first arrivals find an empty cluster; their latencies are not counted
 FAKE_TOKEN_ID = 7  # the model is not simulated: every step samples this token...
 EOS_TOKEN_ID = 2  # ...or, at a request's natural output length below max_tokens, this one
@@ -388,7 +384,6 @@ class ClusterSim:
         if name in HOST_TIER:
             update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")
         config = self.config.model_copy(update=update)
-        report_interval_s = REPORT_INTERVAL_BY_POLICY.get(name, REPORT_INTERVAL_S)
         replicas = [SimReplica(f"replica-{i}", config, self.cost) for i in range(self.num_replicas)]
         policy = policy_for(name, rng, replicas)
         block_size = config.block_size
@@ -487,7 +482,7 @@ class ClusterSim:
                 clock += spec.gap_s / rate_rps
                 push(clock, self.ARRIVAL, index)
         for index in range(self.num_replicas):
-            push(rng.uniform(0, report_interval_s), self.REPORT, index)
+            push(rng.uniform(0, REPORT_INTERVAL_S), self.REPORT, index)
 
         while events and len(finished) < len(specs):
             now, _, kind, payload = heapq.heappop(events)
@@ -500,7 +495,7 @@ class ClusterSim:
                 load = replicas[index].report(now)
                 if feed_rng.random() >= self.feed.drop_fraction:
                     push(now + self.feed.delay_s, self.DELIVER, index, load)
-                push(now + report_interval_s, self.REPORT, index)
+                push(now + REPORT_INTERVAL_S, self.REPORT, index)
             else:  # DELIVER
                 index, load = payload
                 if inflight.observe_snapshot(load.replica_id, load.seq, load.timestamp):
@@ -1377,9 +1372,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
           f"{config.admission_max_hold_ms:g} ms or its TTFT SLO, the engine's rule), queued by TTFT SLO; baselines optimistic, first come first served",
           file=out)
     print(f"cost model: {args.cost_model} -- {cost.describe()}", file=out)
-    print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms ("
-          + ", ".join(f"{name} {interval * 1000:.0f} ms" for name, interval in REPORT_INTERVAL_BY_POLICY.items())
-          + f"), KV events every step, stale after 1 s; goodput SLO: "
+    print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms, KV events every step, stale after 1 s; goodput SLO: "
           f"TTFT <= {TTFT_SLO_S} s and TPOT <= {TPOT_SLO_S * 1000:.0f} ms (capacity section: the workload's "
           f"bound); seed {args.seed}; first {WARMUP_FRACTION:.0%} of arrivals not measured", file=out)
     print(f"trace: {args.trace} -- {TRACE_ATTRIBUTION}", file=out)
