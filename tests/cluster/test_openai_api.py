@@ -774,16 +774,11 @@ def test_chat_with_a_model_that_has_no_chat_template_is_400_naming_messages_and_
     """A base model (no chat template) was given an invented "<|role|>" format, which it was
     never trained on, and answered nonsense with a 200. Chat is now refused, as transformers
     and vLLM refuse it, and a template given to the server serves it."""
-    import shutil
-
     from replica.model.registry import resolve_model_path
     from replica.text.tokenizer import Tokenizer, resolve_chat_template
+    from tests.replica.test_tokenizer import without_chat_template
 
-    base = tmp_path / "base"
-    shutil.copytree(resolve_model_path("builtin"), base)
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    base = without_chat_template(resolve_model_path("builtin"), tmp_path / "base")
     served = []
 
     async def one_token(request):
