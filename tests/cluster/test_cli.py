@@ -68,6 +68,8 @@ def test_bad_engine_value_exits_2_naming_the_field(flags, field, capsys):
     (["--device", "tpu"], "argument --device: invalid value 'tpu': cpu, cuda or cuda:N"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     (["--shutdown-grace-s", "nan"], "argument --shutdown-grace-s: invalid value 'nan'"),
+    (["--chat-template", "/nonexistent/chat.jinja"], "argument --chat-template: /nonexistent/chat.jinja: no such file"),
+    (["--chat-template", "{% for m in messages %}"], "argument --chat-template: the chat template does not compile"),
 ])
 def test_a_replica_flag_the_engine_or_server_would_refuse_exits_2_naming_it(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
