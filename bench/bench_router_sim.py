@@ -372,14 +372,17 @@ class ClusterSim:
         self.seed = seed
         self.host_kv_blocks = host_kv_blocks  # per replica, for the policies in HOST_TIER
 
-    def run(self, name: str, workload: Workload, rate_rps: float, ttft_slo_s: float = TTFT_SLO_S) -> RunStats:
+    def run(self, name: str, workload: Workload, rate_rps: float, ttft_slo_s: float = TTFT_SLO_S,
+            replicas_of: Optional[str] = None) -> RunStats:
         """`name` routing `workload` offered at `rate_rps`; goodput counts requests within
-        `ttft_slo_s` and TPOT_SLO_S."""
+        `ttft_slo_s` and TPOT_SLO_S. `replicas_of`: the replicas policy `replicas_of` is deployed
+        on (admission and queue) instead of `name`'s own, to separate a router from its replicas."""
         # Ours with and without the host tier draw the same stream: what differs is the tier.
         rng = random.Random(f"{self.seed}:{OURS if name == OURS_AUTO else name}")
         feed_rng = random.Random(f"{self.seed}:feed")  # same drops for every policy
-        update = {"admission_mode": ADMISSION.get(name, "optimistic")}
-        if name in SLO_SCHEDULED:
+        deployed = name if replicas_of is None else replicas_of
+        update = {"admission_mode": ADMISSION.get(deployed, "optimistic")}
+        if deployed in SLO_SCHEDULED:
             update.update(scheduling_policy="slo", default_ttft_slo_ms=ttft_slo_s * 1000)
         if name in HOST_TIER:
             update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")

@@ -1,12 +1,17 @@
 """The router simulation at fixed offered rates: goodput (requests within the workload's P90
 TTFT bound and 100 ms TPOT) per policy over seeds, with variants of ours (policy knobs, engine
-overrides) beside the baselines in the same run. For probing what bounds a capacity or an
-overload figure (issue 27) without a whole capacity search.
+overrides) beside the baselines in the same run, and any router over another policy's replicas
+(`"replicas"`: ours' admission by expected growth and TTFT-SLO queue, or a baseline's vLLM-style
+optimistic admission and FCFS), which separates what a router buys from what its replicas do.
+For probing what bounds a capacity or an overload figure (issue 27) without a whole capacity
+search.
 
     python bench/router_sim_points.py --workload multi_tenant --rates 15.6,19.5 --bound 0.236 \
         [--seeds 0-4] [--policies headroom,approx_prefix,precise_prefix] \
         [--variant 'pinned={"knobs": {"pin_prefix_fraction": 0.3, "prefill_weight": 16}}'] \
-        [--variant 'no holds={"engine": {"admission_max_hold_ms": 1}}'] [--requests 400] [--jobs 2]
+        [--variant 'no holds={"engine": {"admission_max_hold_ms": 1}}'] \
+        [--variant 'approx_prefix over ours={"policy": "approx_prefix", "replicas": "headroom"}'] \
+        [--requests 400] [--jobs 2]
 
 Runs are bench_router_sim.py's ClusterSim (each replica a real Scheduler), requests per run as
 its capacity section (--capacity-requests), or with --full-workload its fixed-load tables'
@@ -43,9 +48,12 @@ def parse_variant(text: str) -> tuple[str, dict]:
         variant = json.loads(spec)
     except json.JSONDecodeError as error:
         raise SystemExit(f"--variant: {label!r} is not LABEL=JSON ({error})") from None
-    unknown = set(variant) - {"knobs", "engine", "policy"}
+    unknown = set(variant) - {"knobs", "engine", "policy", "replicas"}
     if not label or unknown:
-        raise SystemExit(f"--variant: {text!r}: want LABEL={{\"knobs\": ..., \"engine\": ..., \"policy\": ...}}")
+        raise SystemExit(f"--variant: {text!r}: want LABEL={{\"knobs\": ..., \"engine\": ..., \"policy\": ..., "
+                         f"\"replicas\": ...}}")
+    if variant.get("replicas", sim.OURS) not in sim.POLICY_NAMES:
+        raise SystemExit(f"--variant: {label!r}: replicas {variant['replicas']!r} is none of {', '.join(sim.POLICY_NAMES)}")
     return label, variant
 
 
@@ -63,7 +71,8 @@ def run_one(job: tuple) -> tuple:
     setup = sim.Setup(args, config, args.cost)
     policy = variant.get("policy", sim.OURS)
     runs = setup.workload(workload, seed) if full else setup.capacity_workload(workload, seed, rate, min_span)
-    stats = setup.sim(seed, sim.feed_for(policy)).run(policy, runs, rate, ttft_slo_s=bound)
+    stats = setup.sim(seed, sim.feed_for(policy)).run(policy, runs, rate, ttft_slo_s=bound,
+                                                      replicas_of=variant.get("replicas"))
     return label, rate, seed, stats
 
 
@@ -108,7 +117,8 @@ def main(argv=None) -> None:
     print("|---" * (3 + len(FIELDS)) + "|")
     for rate in rates:
         # The baselines as deployed: a variant that runs one on other replicas is not one.
-        baselines = [label for label in runs if runs[label].get("policy") in sim.BASELINES and not runs[label].get("engine")]
+        baselines = [label for label in runs if runs[label].get("policy") in sim.BASELINES
+                     and not runs[label].get("engine") and not runs[label].get("replicas")]
         best = max((np.mean([s.goodput_rps for s in results[(rate, b)]]) for b in baselines), default=0.0)
         for label in runs:
             stats = results[(rate, label)]

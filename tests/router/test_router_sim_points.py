@@ -64,3 +64,36 @@ def test_min_span_runs_as_many_requests_as_the_capacity_section_would():
 
     assert sim.capacity_requests("chat", 30, 4.0, 10.0) == 40  # 10 s of arrivals at 4 req/s
     assert "setup.capacity_workload(workload, seed, rate, min_span)" in SCRIPT.read_text()  # capacity_requests' count
+
+
+def test_a_router_runs_over_another_policys_replicas_and_is_not_a_baseline_there(monkeypatch):
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_router_sim as sim
+
+    # The probe: the engine config each run's replicas are built with.
+    built: list = []
+
+    class Recorded(sim.SimReplica):
+        def __init__(self, replica_id, config, cost):
+            built.append((config.admission_mode, config.scheduling_policy))
+            super().__init__(replica_id, config, cost)
+
+    monkeypatch.setattr(sim, "SimReplica", Recorded)
+    args = sim.parse_args(["--capacity-requests", "20"])
+    setup = sim.Setup(args, sim.engine_config(args.num_kv_blocks), args.cost)
+    workload = setup.capacity_workload("chat", 0, 4.0, 0.0)
+    setup.sim(0).run("pow2", workload, 4.0)
+    setup.sim(0).run("pow2", workload, 4.0, replicas_of=sim.OURS)
+    setup.sim(0).run(sim.OURS, workload, 4.0, replicas_of="pow2")
+    per_run = [set(built[i:i + args.replicas]) for i in range(0, len(built), args.replicas)]
+    assert per_run == [{("optimistic", "fcfs")}, {("reserve_expected", "slo")}, {("optimistic", "fcfs")}]
+
+    done = run("--workload", "chat", "--rates", "4", "--bound", "2", "--seeds", "0", "--requests", "30",
+               "--jobs", "1", "--policies", "pow2",
+               "--variant", 'pow2 over ours={"policy": "pow2", "replicas": "headroom"}')
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 4 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["pow2", "pow2 over ours"]
+    assert rows[0].endswith("| 1.00x |")  # the ratios are against pow2 as deployed, not over ours' replicas
+    bad = run("--rates", "4", "--bound", "2", "--variant", 'x={"replicas": "vllm"}')
+    assert bad.returncode != 0 and "replicas 'vllm' is none of" in bad.stderr.strip().splitlines()[-1]
