@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = engine_config_from_args(args)
         credentials = api_key_credentials_from_args(args)
         # A missing or unloadable directory is a usage error, before any process starts.
-        check_checkpoint(resolve_model_path(args.model))
+        check_checkpoint(resolve_model_path(args.model), chat_template=args.chat_template)
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if args.metrics_port is not None and args.metrics_port == args.port != 0:

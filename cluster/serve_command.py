@@ -23,7 +23,7 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
-from cluster.arg_types import positive_int
+from cluster.arg_types import chat_template, positive_int
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 from cluster.config import (
     DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config, serve_deployment_options,
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPUs the local Ray cluster offers (default: all)")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how tool_choice auto finds tool calls in the model's text (default: hermes)")
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
+    parser.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE",
                         help="a Jinja chat template to use instead of the model's own (a file, or the template "
                              "itself); a model with neither refuses chat requests")
     add_engine_config_arguments(parser)
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for app in config.applications:
             # Fetched and converted here, once, before any replica starts; a missing model fails here,
             # and so does a directory the replicas could not load (each would fail in turn, under Serve).
-            check_checkpoint(resolve_model_path(app.args.model))
+            check_checkpoint(resolve_model_path(app.args.model), chat_template=app.args.chat_template)
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if warning := open_door_warning(config.http_options.host, credentials):

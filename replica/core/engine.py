@@ -103,7 +103,9 @@ class LLMEngine:
         self.model_name = str(model)
         self.device = torch.device(device) if device else default_device()
         check_device(self.device)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        # The front renders chat with the server's template (--chat-template, which replaces a
+        # broken checkpoint template); the core only tokenizes and detokenizes.
+        self.tokenizer = Tokenizer.from_pretrained(model_dir, check_chat_template=False)
         # Tensor parallelism: worker processes for ranks 1..N-1; this process is rank 0.
         self.tp_workers = start_tensor_parallel(config, model_dir, self.device, dtype, attention_backend)
         tp = self.tp_workers.tp if self.tp_workers is not None else NO_TENSOR_PARALLEL

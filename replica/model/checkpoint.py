@@ -10,7 +10,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
 
@@ -60,18 +60,20 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: missing weights: neither {SINGLE_WEIGHTS_FILE} nor {SHARD_INDEX_FILE}")
 
 
-def check_checkpoint(model_dir: Path) -> None:
+def check_checkpoint(model_dir: Path, chat_template: Optional[str] = None) -> None:
     """ModelLoadError naming the file unless `model_dir` holds a config.json this model implementation
     runs, a tokenizer that loads, and safetensors files whose headers describe each tensor
     consistently, whose tensors the files hold (a truncated download) and whose layers are the
-    config's. Reads the config, the tokenizer's files and the headers, not the weights."""
+    config's. Reads the config, the tokenizer's files and the headers, not the weights.
+    chat_template: the server's (--chat-template), which replaces the checkpoint's: then the
+    checkpoint's own is not checked (a broken one is why a user gives another)."""
     config = read_model_config(model_dir)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{model_dir}: no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
     from replica.text.tokenizer import Tokenizer, TokenizerLoadError
 
     try:
-        Tokenizer.from_pretrained(model_dir)
+        Tokenizer.from_pretrained(model_dir, chat_template=chat_template)
     except TokenizerLoadError as error:
         raise ModelLoadError(str(error)) from None
     names: list[str] = []

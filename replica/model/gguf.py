@@ -12,6 +12,7 @@ more of it than one shard; the loader then reads each tensor-parallel rank's sli
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import struct
@@ -32,6 +33,8 @@ from replica.model.gguf_tokenizer import (
     GGUFTokenizerError, tokenizer_config_from_gguf_metadata, tokenizer_from_gguf_metadata,
 )
 from replica.text.chat_template import ChatTemplateError, check_chat_template
+
+logger = logging.getLogger(__name__)
 
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -101,9 +104,13 @@ def write_hf_checkpoint(gguf_path: Path, model_dir: Path, max_shard_bytes: int =
         if chat_template is not None and not isinstance(chat_template, str):
             raise GGUFError(f"{gguf_path}: tokenizer.chat_template is not a string")
         if chat_template:
-            check_chat_template(chat_template)
-    except ChatTemplateError as error:
-        raise GGUFError(f"{gguf_path}: tokenizer.chat_template: {error}") from None
+            # Converted as the file holds it: a template that does not compile is the tokenizer's
+            # load error (naming this file's cached conversion), unless the server replaces it
+            # (--chat-template), which is why a user would give one.
+            try:
+                check_chat_template(chat_template)
+            except ChatTemplateError as error:
+                logger.warning("%s: tokenizer.chat_template: %s (serve it with --chat-template FILE)", gguf_path, error)
     except GGUFTokenizerError as error:  # it names the key; the file too, as every error here does
         raise GGUFTokenizerError(f"{gguf_path}: {error}") from None
     except ModelLoadError:  # GGUFError (its message names the file), a layer count the weights lack

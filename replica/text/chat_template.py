@@ -21,23 +21,52 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TEMPLATE_FILE = "chat_template.jinja"
 LEGACY_TEMPLATE_FILE = "chat_template.json"  # {"chat_template": "..."}
 DEFAULT_TEMPLATE_NAME = "default"  # tokenizer_config.json may hold a list of named templates
+TOOL_USE_TEMPLATE_NAME = "tool_use"  # ...of which this one renders a conversation with tools
 
 
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: the template refused it (raise_exception) or failed."""
 
 
-def find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> Optional[str]:
-    """The template text, from chat_template.jinja, chat_template.json or tokenizer_config.json."""
+def find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> Optional[str | dict[str, str]]:
+    """The template text, from chat_template.jinja, chat_template.json or tokenizer_config.json;
+    a checkpoint with named templates (a list of {"name", "template"}) gives them by name, and
+    select_chat_template picks one per conversation, as transformers does."""
     if (model_dir / TEMPLATE_FILE).is_file():
         return (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
     if (model_dir / LEGACY_TEMPLATE_FILE).is_file():
         return json.loads((model_dir / LEGACY_TEMPLATE_FILE).read_text(encoding="utf-8")).get("chat_template")
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        templates = {entry.get("name"): entry.get("template") for entry in template}
-        return templates.get(DEFAULT_TEMPLATE_NAME)
+        return {entry["name"]: entry["template"] for entry in template}
     return template
+
+
+def select_chat_template(templates: str | Mapping[str, str], tools: bool) -> str:
+    """The template a conversation renders with, as transformers' get_chat_template picks it:
+    the only one; or, of named templates, `tool_use` when the request has tools and the
+    checkpoint names one, else `default`; ChatTemplateError when none applies."""
+    if isinstance(templates, str):
+        return templates
+    if tools and TOOL_USE_TEMPLATE_NAME in templates:
+        return templates[TOOL_USE_TEMPLATE_NAME]
+    if DEFAULT_TEMPLATE_NAME in templates:
+        return templates[DEFAULT_TEMPLATE_NAME]
+    raise ChatTemplateError(f"the model has chat templates named {', '.join(map(repr, templates))} but none named "
+                            f"{DEFAULT_TEMPLATE_NAME!r} (transformers refuses it too): serve it with --chat-template "
+                            "FILE, or send a completion instead")
+
+
+def check_chat_templates(templates: str | Mapping[str, str]) -> None:
+    """check_chat_template for each of a checkpoint's templates, the failing one named."""
+    if isinstance(templates, str):
+        check_chat_template(templates)
+        return
+    for name, template in templates.items():
+        try:
+            check_chat_template(template)
+        except ChatTemplateError as error:
+            raise ChatTemplateError(f"{error} (the template named {name!r})") from error.__cause__
 
 
 # What a template's own code raises on a conversation it does not expect (an earlier call's
@@ -65,9 +94,13 @@ def resolve_chat_template(value: str) -> str:
     so no node needs the file). It must be UTF-8 and compile; ChatTemplateError otherwise."""
     path = Path(value)
     try:
-        is_file = path.is_file()
+        # Any path that is there but a directory: a file, or one a shell hands over (`<(...)`, /dev/stdin).
+        is_file = path.exists() and not path.is_dir()
+        is_dir = path.is_dir()
     except (OSError, ValueError):  # a long inline template is no path the OS accepts
-        is_file = False
+        is_file = is_dir = False
+    if is_dir:
+        raise ChatTemplateError(f"{value}: is a directory, not a chat template file")
     if is_file:
         try:
             template = path.read_text(encoding="utf-8")

@@ -15,15 +15,17 @@ from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders
 
 from replica.text.chat_template import (  # noqa: F401 - resolve_chat_template: the cluster's way in
-    ChatTemplateError, check_chat_template, find_chat_template, render_chat_template, resolve_chat_template,
+    ChatTemplateError, check_chat_templates, find_chat_template, render_chat_template, resolve_chat_template,
+    select_chat_template,
 )
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
 # Tokens an incremental detokenizer holds without releasing text before it stops decoding its
 # window at every step (IncrementalDetokenizer.add_tokens): text needs a few at most.
 MAX_HELD_TOKENS = 16
-# The special tokens a chat template may name, as transformers passes them.
-_TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# The special tokens a chat template may name, as transformers (5) passes them: its special_tokens_map,
+# the named ones only (not the extra special tokens).
+_TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # A SentencePiece byte-fallback token: one byte of a character its vocabulary lacks.
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -64,18 +66,37 @@ class Tokenizer:
         # Some checkpoints (Llama 2, Mistral) ask for BOS in the config rather than in the
         # tokenizer.json post-processor; others put it in both, so add it only when missing.
         self._add_bos_token = bool(tokenizer_config.get("add_bos_token")) and self.bos_token_id is not None
-        # A template the server was given (--chat-template) wins over the checkpoint's, as in vLLM.
-        self.chat_template = chat_template if chat_template is not None else find_chat_template(model_dir, tokenizer_config)
+        # A template the server was given (--chat-template) wins over the checkpoint's, as in vLLM:
+        # then the checkpoint's is not even read, so a broken one does not stop the model serving.
+        # A str, or a checkpoint's named templates ({name: template}).
+        self.chat_template: Optional[str | dict[str, str]] = chat_template
+        # Why the checkpoint's template cannot be used (unreadable, does not compile), if so:
+        # from_pretrained raises it, or (check_chat_template=False) a chat request does.
+        self.chat_template_error: Optional[str] = None
+        if chat_template is None:
+            try:
+                self.chat_template = find_chat_template(model_dir, tokenizer_config)
+                if self.chat_template is not None:
+                    check_chat_templates(self.chat_template)
+            except (ChatTemplateError, ValueError, LookupError, TypeError, AttributeError, OSError) as error:
+                self.chat_template = None
+                self.chat_template_error = (f"{error}; --chat-template FILE replaces it" if isinstance(error, ChatTemplateError)
+                                            else f"the checkpoint's chat template cannot be read: "
+                                                 f"{type(error).__name__}: {error}; --chat-template FILE replaces it")
         self._special_ids: Optional[frozenset[int]] = None  # ids_decode_skips', read at its first call
         self._ids_end = 0
         self._decode_stream_class = None  # decode_stream's: DecodeStream, or False where it does not apply
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, chat_template: Optional[str] = None) -> "Tokenizer":
+    def from_pretrained(cls, model_dir: str | Path, chat_template: Optional[str] = None, *,
+                        check_chat_template: bool = True) -> "Tokenizer":
         """The directory's tokenizer; TokenizerLoadError naming the directory when its files
         (tokenizer.json, tokenizer_config.json, the chat template's) cannot be read as one.
         chat_template: a Jinja chat template to use instead of the checkpoint's (vLLM's
-        --chat-template, as chat_template.resolve_chat_template reads it)."""
+        --chat-template, as chat_template.resolve_chat_template reads it).
+        check_chat_template=False: a checkpoint's template that cannot be used is no load
+        error, only each chat request's (the engine core, which tokenizes and detokenizes but
+        renders no chat a server sends it, and never sees --chat-template)."""
         model_dir = Path(model_dir)
         try:
             tokenizer_config = _read_json_if_present(model_dir / "tokenizer_config.json")
@@ -95,11 +116,13 @@ class Tokenizer:
                 tokenizer = cls(FastTokenizer.from_file(str(tokenizer_json)), model_dir, tokenizer_config, chat_template)
             else:
                 tokenizer = cls(_fast_tokenizer_via_transformers(model_dir), model_dir, tokenizer_config, chat_template)
-            if tokenizer.chat_template is not None:
+            if tokenizer.chat_template_error is not None and check_chat_template:
+                raise TokenizerLoadError(f"{model_dir}: {tokenizer.chat_template_error}")
+            if chat_template is not None:
                 try:
-                    check_chat_template(tokenizer.chat_template)
+                    check_chat_templates(chat_template)
                 except ChatTemplateError as error:
-                    raise TokenizerLoadError(f"{model_dir}: {error}") from None
+                    raise TokenizerLoadError(f"chat_template: {error}") from None
             return tokenizer
         except TokenizerLoadError:
             raise
@@ -187,10 +210,11 @@ class Tokenizer:
         tools: the template's `tools` variable (OpenAI's function tools), as transformers passes them.
         """
         if self.chat_template is None:
-            raise ChatTemplateError(NO_CHAT_TEMPLATE)
+            raise ChatTemplateError(self.chat_template_error or NO_CHAT_TEMPLATE)
+        template = select_chat_template(self.chat_template, tools=bool(tools))
         # As transformers passes them: `tools` and `documents` always defined, None when not given.
         variables = {**self._template_special_tokens(), "tools": list(tools) if tools else None, "documents": None}
-        return render_chat_template(self.chat_template, messages, **variables)
+        return render_chat_template(template, messages, **variables)
 
     def _template_special_tokens(self) -> dict[str, str]:
         tokens = {name: self._special_token_text(name) for name in _TEMPLATE_SPECIAL_TOKENS}

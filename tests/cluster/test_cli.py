@@ -78,6 +78,14 @@ def test_a_replica_flag_the_engine_or_server_would_refuse_exits_2_naming_it(flag
     assert f"headroom replica: error: {message}" in capsys.readouterr().err
 
 
+def test_serve_names_its_chat_template_flag(capsys):
+    # Was "ConfigError: chat_template: ..." (with --config, a field the user never wrote).
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--chat-template", "/nonexistent/chat.jinja"])
+    assert exited.value.code == 2
+    assert "headroom serve: error: argument --chat-template: /nonexistent/chat.jinja: no such file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["replica", "serve"])
 def test_a_truncated_checkpoint_exits_2_naming_the_file_before_any_process_starts(command, tmp_path, capsys):
     # Was the engine core's SafetensorError traceback (replica: exit 1), or under serve, each replica's.

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from replica.model.builtin import ensure_builtin_model
-from replica.text.chat_template import ChatTemplateError, find_chat_template, render_chat_template
+from replica.text.chat_template import ChatTemplateError, find_chat_template, render_chat_template, select_chat_template
 from replica.text.tokenizer import Tokenizer, TokenizerLoadError
 
 transformers = pytest.importorskip("transformers")
@@ -161,4 +161,16 @@ def test_the_sandbox_refuses_attribute_escapes():
 def test_the_template_is_found_in_each_place_checkpoints_keep_it(tmp_path, where):
     model_dir = chat_dir(tmp_path, SMOLLM2_TEMPLATE, where)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    assert find_chat_template(model_dir, config) == SMOLLM2_TEMPLATE
+    found = find_chat_template(model_dir, config)
+    assert select_chat_template(found, tools=False) == SMOLLM2_TEMPLATE
+    # Named templates: a request with tools renders `tool_use`, as transformers picks it.
+    assert select_chat_template(found, tools=True) == ("x" if where == "tokenizer_config.json" else SMOLLM2_TEMPLATE)
+
+
+def test_named_templates_without_a_default_are_refused_as_such():
+    # transformers: "multiple chat templates with no default specified"; the message said the
+    # model had no template at all.
+    templates = {"tool_use": "{{ 1 }}", "rag": "{{ 2 }}"}
+    assert select_chat_template(templates, tools=True) == "{{ 1 }}"
+    with pytest.raises(ChatTemplateError, match="named 'tool_use', 'rag' but none named 'default'"):
+        select_chat_template(templates, tools=False)

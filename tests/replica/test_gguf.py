@@ -23,6 +23,7 @@ from gguf_files import (
 )
 from replica.model import gguf as gguf_module
 from replica.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, convert_gguf, unpermute_rotary_rows
+from replica.model.checkpoint import check_checkpoint
 from replica.model.config import ModelLoadError
 from replica.model.gguf_tokenizer import GGUFTokenizerError
 from replica.model.loader import checkpoint_layout, load_model
@@ -281,6 +282,17 @@ def test_a_missing_file_is_file_not_found(tmp_path):
     assert not os.path.exists(tmp_path / "cache")
 
 
+def test_a_gguf_template_that_does_not_compile_converts_and_is_replaced_by_the_servers(tmp_path, caplog):
+    # It was a conversion error, before any --chat-template could replace it (vLLM's flag does).
+    gguf_path = write_llama_gguf(tmp_path / "bad-template.gguf",
+                                 metadata={"tokenizer.chat_template": ("{% for m in messages %}", GGUFValueType.STRING)})
+    model_dir = convert_gguf(gguf_path, tmp_path / "cache")
+    assert f"{gguf_path}: tokenizer.chat_template: the checkpoint's chat template does not compile" in caplog.text
+    with pytest.raises(ModelLoadError, match="does not compile.*--chat-template FILE replaces it"):
+        check_checkpoint(model_dir)
+    check_checkpoint(model_dir, chat_template="{{ messages[0]['content'] }}")
+
+
 @pytest.mark.parametrize("metadata, message", [
     # Each was a traceback from deep in the conversion or the model's construction, a model
     # built without end, or one that loaded and answered NaN or never stopped (helper-52's fuzzing).
@@ -290,8 +302,6 @@ def test_a_missing_file_is_file_not_found(tmp_path):
     ({"tokenizer.ggml.eos_token_id": 99999}, "eos_token_id 99999: not token ids of the vocabulary"),
     ({"llama.rope.freq_base": 0.0}, "rope_theta 0.0: must be a finite number > 0"),
     ({"tokenizer.chat_template": (5, GGUFValueType.UINT32)}, "tokenizer.chat_template is not a string"),
-    ({"tokenizer.chat_template": ("{% for m in messages %}", GGUFValueType.STRING)},
-     "tokenizer.chat_template: the checkpoint's chat template does not compile"),
     ({"llama.rope.scaling.type": ("linear", GGUFValueType.STRING)}, "malformed metadata: KeyError: 'llama.rope.scaling.factor'"),
     ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens: missing, or not a list of strings"),
 ])

@@ -1,12 +1,15 @@
 """Tokenizer loading and round trips, and the incremental detokenizer's stream of text deltas."""
 
 import json
+import os
 import shutil
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replica.model.checkpoint import check_checkpoint
+from replica.model.config import ModelLoadError
 from replica.model.builtin import BOS_TOKEN_ID, EOS_TOKEN_ID, build_byte_level_tokenizer, ensure_builtin_model
 from replica.text.chat_template import ChatTemplateError, resolve_chat_template
 from replica.text.tokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, Tokenizer, TokenizerLoadError
@@ -121,6 +124,38 @@ def test_a_chat_template_given_to_the_server_is_used_instead_of_the_checkpoints(
             assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}]) == "user: Hi!\nassistant:"
 
 
+def test_a_broken_checkpoint_template_is_what_the_server_template_replaces(model_dir, tmp_path):
+    # vLLM's --chat-template replaces the tokenizer's; here the checkpoint's was compiled anyway
+    # (by the start-up check and by the engine core), so a model whose own template does not
+    # compile could not be served with a good one given.
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}"  # the for is never closed
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="does not compile.*--chat-template FILE replaces it"):
+        check_checkpoint(broken)
+    good = resolve_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    check_checkpoint(broken, chat_template=good)
+    assert Tokenizer.from_pretrained(broken, chat_template=good).apply_chat_template([{"role": "user", "content": "Hi"}]) == "Hi"
+    core = Tokenizer.from_pretrained(broken, check_chat_template=False)  # as the engine core loads it
+    assert core.encode("Hi", add_special_tokens=False) == Tokenizer.from_pretrained(model_dir).encode("Hi", add_special_tokens=False)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        core.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+def test_a_chat_template_from_a_pipe_is_read_and_a_directory_is_refused(tmp_path):
+    read, write = os.pipe()  # what `--chat-template <(...)` hands over: /dev/fd/N, no regular file
+    os.write(write, b"{{ messages[0]['content'] }}")
+    os.close(write)
+    try:
+        assert resolve_chat_template(f"/dev/fd/{read}") == "{{ messages[0]['content'] }}"
+    finally:
+        os.close(read)
+    with pytest.raises(ChatTemplateError, match="is a directory"):
+        resolve_chat_template(str(tmp_path))
+
+
 @pytest.mark.parametrize("content, error", [
     (None, "no such file"),
     (b"\xff\xfe{{", "is not UTF-8 text"),
@@ -140,12 +175,13 @@ def test_chat_template_in_the_directory_is_rendered_with_its_special_tokens(mode
     shutil.copytree(model_dir, chat_dir)
     config = json.loads((chat_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = (
-        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ sep_token }}\n{% endfor %}"
         "{% if add_generation_prompt %}[assistant] {% endif %}"
     )
+    config["sep_token"] = "</s>"  # every named special token, as transformers passes them (was bos/eos/unk/pad)
     (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
     prompt = Tokenizer.from_pretrained(chat_dir).apply_chat_template([{"role": "user", "content": "Hi!"}])
-    assert prompt == "<s>[user] Hi!\n[assistant] "
+    assert prompt == "<s>[user] Hi!</s>\n[assistant] "
 
 
 @pytest.mark.parametrize("text", MULTI_BYTE_TEXTS)
