@@ -373,10 +373,11 @@ class ClusterSim:
         self.host_kv_blocks = host_kv_blocks  # per replica, for the policies in HOST_TIER
 
     def run(self, name: str, workload: Workload, rate_rps: float, ttft_slo_s: float = TTFT_SLO_S,
-            replicas_of: Optional[str] = None) -> RunStats:
+            replicas_of: Optional[str] = None, engine: Optional[dict] = None) -> RunStats:
         """`name` routing `workload` offered at `rate_rps`; goodput counts requests within
         `ttft_slo_s` and TPOT_SLO_S. `replicas_of`: the replicas policy `replicas_of` is deployed
-        on (admission and queue) instead of `name`'s own, to separate a router from its replicas."""
+        on (admission and queue) instead of `name`'s own, to separate a router from its replicas.
+        `engine`: EngineConfig fields set last, over what the deployment sets (its admission mode too)."""
         # Ours with and without the host tier draw the same stream: what differs is the tier.
         rng = random.Random(f"{self.seed}:{OURS if name == OURS_AUTO else name}")
         feed_rng = random.Random(f"{self.seed}:feed")  # same drops for every policy
@@ -386,7 +387,7 @@ class ClusterSim:
             update.update(scheduling_policy="slo", default_ttft_slo_ms=ttft_slo_s * 1000)
         if name in HOST_TIER:
             update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")
-        config = self.config.model_copy(update=update)
+        config = self.config.model_copy(update={**update, **(engine or {})})
         replicas = [SimReplica(f"replica-{i}", config, self.cost) for i in range(self.num_replicas)]
         policy = policy_for(name, rng, replicas)
         block_size = config.block_size

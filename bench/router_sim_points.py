@@ -67,12 +67,11 @@ def run_one(job: tuple) -> tuple:
 
     sim.make_policy = with_knobs  # this process's runs only (each job sets its own)
     args = sim.parse_args(["--requests" if full else "--capacity-requests", str(requests)])
-    config = sim.engine_config(args.num_kv_blocks).model_copy(update=variant.get("engine", {}))
-    setup = sim.Setup(args, config, args.cost)
+    setup = sim.Setup(args, sim.engine_config(args.num_kv_blocks), args.cost)
     policy = variant.get("policy", sim.OURS)
     runs = setup.workload(workload, seed) if full else setup.capacity_workload(workload, seed, rate, min_span)
     stats = setup.sim(seed, sim.feed_for(policy)).run(policy, runs, rate, ttft_slo_s=bound,
-                                                      replicas_of=variant.get("replicas"))
+                                                      replicas_of=variant.get("replicas"), engine=variant.get("engine"))
     return label, rate, seed, stats
 
 

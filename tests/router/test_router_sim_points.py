@@ -85,8 +85,11 @@ def test_a_router_runs_over_another_policys_replicas_and_is_not_a_baseline_there
     setup.sim(0).run("pow2", workload, 4.0)
     setup.sim(0).run("pow2", workload, 4.0, replicas_of=sim.OURS)
     setup.sim(0).run(sim.OURS, workload, 4.0, replicas_of="pow2")
+    # A variant's engine fields go on last: its admission mode was overwritten by the deployment's.
+    setup.sim(0).run(sim.OURS, workload, 4.0, engine={"admission_mode": "optimistic"})
     per_run = [set(built[i:i + args.replicas]) for i in range(0, len(built), args.replicas)]
-    assert per_run == [{("optimistic", "fcfs")}, {("reserve_expected", "slo")}, {("optimistic", "fcfs")}]
+    assert per_run == [{("optimistic", "fcfs")}, {("reserve_expected", "slo")}, {("optimistic", "fcfs")},
+                       {("optimistic", "slo")}]
 
     done = run("--workload", "chat", "--rates", "4", "--bound", "2", "--seeds", "0", "--requests", "30",
                "--jobs", "1", "--policies", "pow2",
