@@ -183,7 +183,9 @@ class EngineConfig(ConfigModel):
         description="Under the reserve modes, how long the growth reserve may block the queue: the reserve a waiting "
         "request needs shrinks linearly from all to none over this time since the latest of its arrival (or requeue), "
         "the replica's last admission on the whole reserve and its last preemption; then it is admitted as the "
-        "optimistic mode would. A request whose TTFT SLO is shorter is held at most its SLO. None: holds are unbounded.",
+        "optimistic mode would. A request that can still make its TTFT SLO is held at most until its latest start (its "
+        "deadline less its predicted TTFT); one past that, or a preempted stream, keeps the whole hold. None: holds are "
+        "unbounded.",
     )
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."

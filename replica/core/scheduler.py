@@ -439,18 +439,25 @@ class Scheduler:
         of long generations, which frees nothing for seconds, costs its held requests at most
         that long to their first token; and after a preemption (a waived reserve that did not
         pay) the whole reserve is needed again (SGLang's new_token_ratio decays the same way
-        over steps and is reset by a retraction). A request with a TTFT SLO shorter than
-        admission_max_hold_ms is held at most its SLO: held longer it misses its deadline
-        whatever follows, and under a sustained overload it would only queue the next
-        arrivals behind a reserve that never frees (docs/benchmarks.md, issue 27)."""
+        over steps and is reset by a retraction). A request whose TTFT is still at stake (no
+        output yet, and the TTFT predictor says it can still make its deadline if started now)
+        is held at most until its latest start, the deadline less its predicted TTFT: held
+        longer it misses the deadline whatever follows. A request whose TTFT is no longer at
+        stake (a preempted stream, or one past its latest start) gains nothing on its TTFT
+        from being let in early and, let in on a waived reserve, is what the replica preempts
+        next (a resumed stream is the most recently admitted): it keeps the whole hold, as a
+        request without an SLO (docs/benchmarks.md, issue 27)."""
         max_hold_ms = self.config.admission_max_hold_ms
         if max_hold_ms is None:
             return 1.0
-        if request.ttft_deadline is not None:
-            max_hold_ms = min(max_hold_ms, (request.ttft_deadline - request.arrival_time) * 1000)
-            if max_hold_ms <= 0:
-                return 0.0
-        held_s = now - max(request.waiting_since, self._last_reserve_met_time, self._last_preemption_time)
+        start = max(request.waiting_since, self._last_reserve_met_time, self._last_preemption_time)
+        if request.ttft_deadline is not None and request.num_output_tokens == 0:
+            latest_start = request.ttft_deadline - self.ttft_predictor.predict(self._num_tokens_to_first_token(request))
+            if now < latest_start:
+                max_hold_ms = min(max_hold_ms, (latest_start - start) * 1000)
+                if max_hold_ms <= 0:
+                    return 0.0
+        held_s = now - start
         return min(1.0, max(0.0, 1.0 - held_s * 1000 / max_hold_ms))
 
     def _count_held_admission(self, request: Request, num_new_tokens: int, hit_blocks, num_hit_tokens: int) -> None:

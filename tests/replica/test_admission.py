@@ -93,20 +93,31 @@ def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
     assert first.num_output_tokens == second.num_output_tokens == 28
 
 
-def test_a_request_is_held_at_most_its_ttft_slo():
-    """Held past its TTFT deadline a request misses it whatever follows: with an SLO of 80 ms
-    the 500 ms hold ends at 80 ms (a request without an SLO keeps the whole hold)."""
+def test_a_request_is_held_at_most_until_its_latest_start():
+    """Held past its latest start (its TTFT deadline less its predicted TTFT) a request misses
+    the deadline whatever follows: with an SLO of 80 ms and an 8-token prompt (predicted 20.4
+    ms) the 500 ms hold ends at 59.6 ms. Past that, like a preempted stream or a request
+    without an SLO, it keeps the whole hold: letting it in early saves no TTFT."""
     now = [100.0]
     scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=500.0,
                                                     default_ttft_slo_ms=80.0)
     run_step(scheduler)
     assert [r.request_id for r in scheduler.running] == ["a"]
-    assert scheduler._reserve_share(second, 100.04) == pytest.approx(0.5)
-    now[0] = 100.08
+    latest_start = 100.08 - scheduler.ttft_predictor.predict(8)
+    assert latest_start == pytest.approx(100.0596)
+    assert scheduler._reserve_share(second, 100.0298) == pytest.approx(0.5)
+    assert scheduler._reserve_share(second, 100.07) == pytest.approx(1 - 70 / 500)  # doomed: the whole hold
+    now[0] = 100.0595
     run_step(scheduler)
     assert len(scheduler.running) == 2 and scheduler.load().admissions_relaxed_total == 1
-    second.ttft_deadline = None
     assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)  # 180 of 500 ms held
+    # A stream (its first token out) keeps the whole hold however far its deadline: its TTFT is
+    # behind it, and let in early on a waived reserve it is what the replica preempts next.
+    assert second.num_output_tokens > 0
+    second.ttft_deadline = 200.0
+    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)
+    second.ttft_deadline = None
+    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)
 
 
 def test_a_hold_runs_from_the_last_admission_on_the_whole_reserve_not_from_arrival():
