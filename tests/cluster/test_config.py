@@ -246,7 +246,8 @@ def test_stream_interval_defaults_to_1_and_reaches_the_replicas_engine_config():
 def test_router_knobs_are_the_policy_constructor_parameters():
     assert policy_knobs("headroom") == (
         "headroom_weight", "backlog_weight", "prefill_weight", "saturated_prefill_weight", "preemption_weight",
-        "pin_prefix_fraction", "pin_share_window", "tie_epsilon", "placement_margin")
+        "pin_prefix_fraction", "pin_share_window", "tie_epsilon", "placement_margin", "replicate_hot",
+        "hot_min_window")
     config = load_config(app_document(router={"policy": "least_loaded", "knobs": {"kv_cache_weight": 3}}))
     assert config.applications[0].args.router.knobs == {"kv_cache_weight": 3.0}
 

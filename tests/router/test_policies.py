@@ -447,6 +447,42 @@ def test_pinning_keeps_a_tenant_within_a_replicas_share_of_traffic_and_spreads_a
     assert policy.rank(tenant_request(0), cluster())[0] == "holder"
 
 
+def test_a_hot_prefix_is_replicated_its_requests_going_where_the_fewest_queue():
+    # Tenant 0 sent half of the last 256 requests: its system prompt is worth a copy on every
+    # replica, so its requests go to the shortest queue, not to the two replicas that cache it
+    # (ranked by the score, they stayed there while those replicas queued). A small tenant (one
+    # sixteenth) is ranked by the score, as without replication.
+    def cluster() -> list[ReplicaView]:
+        def roomy(name: str, waiting: int, cached: int = 0) -> ReplicaView:
+            return view(name, make_load(name, free_blocks=600, expected_output_tokens=200, num_waiting=waiting),
+                        cached_blocks=cached)
+        return [roomy("a", 5, 200), roomy("b", 3, 200), roomy("c", 0), roomy("d", 1)]
+
+    def routed(policy: HeadroomPolicy) -> HeadroomPolicy:
+        policy.rank(tenant_request(0), cluster())  # learns the replicas' block size, as serving does
+        for i in range(256):  # tenant 0 to its holders, the others elsewhere
+            tenant = 0 if i % 2 == 0 else 1 + (i // 2) % 8
+            policy.on_routed(tenant_request(tenant), "ab"[i // 2 % 2] if tenant == 0 else "cd"[i // 2 % 2], f"old{i}",
+                             cached_blocks=0)
+        return policy
+
+    policy = routed(headroom_policy())
+    off = routed(HeadroomPolicy(rng=random.Random(0), replicate_hot=False))
+    for seed in range(10):
+        policy.rng = off.rng = random.Random(seed)
+        assert policy.rank(tenant_request(0), cluster())[0] == "c"
+        assert off.rank(tenant_request(0), cluster())[0] in ("a", "b")
+        # A small tenant is not hot: ranked as without replication.
+        policy.rng, off.rng = random.Random(seed), random.Random(seed)
+        assert policy.rank(tenant_request(3), cluster()) == off.rank(tenant_request(3), cluster())
+    # Early in a run (fewer than hot_min_window requests routed) nothing is hot yet.
+    fresh = headroom_policy()
+    fresh.rank(tenant_request(0), cluster())
+    for i in range(8):
+        fresh.on_routed(tenant_request(0), "a", f"early{i}", cached_blocks=0)
+    assert fresh.rank(tenant_request(0), cluster())[0] in ("a", "b")
+
+
 def test_a_new_tenant_lands_where_the_fewest_prompt_blocks_were_routed_and_an_evicted_one_goes_home():
     # Four replicas with room, r3 with less of it (the lowest score). The router sent tenants
     # 1-12 to r0-r2 (four each), so a tenant no replica holds is placed on r3, where the fewest
