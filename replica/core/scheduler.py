@@ -137,6 +137,10 @@ class Scheduler:
         # A hold runs from the later of these and the request's arrival (see _reserve_share).
         self._last_preemption_time = -math.inf
         self._last_reserve_met_time = -math.inf
+        # The time between admission checks while requests run (a smoothed step time): a
+        # request's last chance to start by its latest start is the check before it.
+        self._last_admission_check_time: Optional[float] = None
+        self._admission_interval_s = 0.0
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
 
@@ -331,6 +335,11 @@ class Scheduler:
         kv_cache = self.kv_cache
         growth = self.growth
         now = self.clock()
+        if self.running and self._last_admission_check_time is not None:  # stepping: not an idle gap
+            interval = now - self._last_admission_check_time
+            self._admission_interval_s = (interval if not self._admission_interval_s
+                                          else 0.8 * self._admission_interval_s + 0.2 * interval)
+        self._last_admission_check_time = now
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
             # A swapped-out request starts where it stopped: its host blocks are copied back
@@ -441,8 +450,10 @@ class Scheduler:
         pay) the whole reserve is needed again (SGLang's new_token_ratio decays the same way
         over steps and is reset by a retraction). A request whose TTFT is still at stake (no
         output yet, and the TTFT predictor says it can still make its deadline if started now)
-        is held at most until its latest start, the deadline less its predicted TTFT: held
-        longer it misses the deadline whatever follows. A request whose TTFT is no longer at
+        is held at most until its latest start, the deadline less its predicted TTFT and less
+        one admission interval (the smoothed time between this replica's admission checks), so
+        the last check that can still start it in time needs none of the reserve: held longer
+        it misses the deadline whatever follows. A request whose TTFT is no longer at
         stake (a preempted stream, or one past its latest start) gains nothing on its TTFT
         from being let in early and, let in on a waived reserve, is what the replica preempts
         next (a resumed stream is the most recently admitted): it keeps the whole hold, as a
@@ -454,7 +465,8 @@ class Scheduler:
         if request.ttft_deadline is not None and request.num_output_tokens == 0:
             latest_start = request.ttft_deadline - self.ttft_predictor.predict(self._num_tokens_to_first_token(request))
             if now < latest_start:
-                max_hold_ms = min(max_hold_ms, (latest_start - start) * 1000)
+                # The ramp ends an admission interval early: at the last check before the latest start.
+                max_hold_ms = min(max_hold_ms, (latest_start - self._admission_interval_s - start) * 1000)
                 if max_hold_ms <= 0:
                     return 0.0
         held_s = now - start

@@ -120,6 +120,30 @@ def test_a_request_is_held_at_most_until_its_latest_start():
     assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)
 
 
+@pytest.mark.parametrize("step_s", [0.001, 0.015, 0.020])
+def test_the_last_admission_check_before_the_latest_start_needs_none_of_the_reserve(step_s):
+    """With steps of 15 ms the ramp to the latest start (43 ms) left 9% of the reserve at the last
+    check before it (30 ms), which did not fit; past it the request was doomed and waited out the
+    whole 500 ms hold (admitted at 480 ms; the SLO cap before admitted it at 75 ms, late). The ramp
+    ends one admission interval early: it is admitted by its latest start at every step time."""
+    now = [100.0]
+    scheduler = make_scheduler(lambda: now[0], block_size=4, num_kv_blocks=101, max_model_len=400,
+                               max_num_batched_tokens=512, admission_mode="reserve_max_tokens",
+                               admission_max_hold_ms=500.0, default_ttft_slo_ms=80.0)
+    # b fits beside a's growth only at a reserve share of about 0.03.
+    a, b = make_request("a", list(range(8)), 390), make_request("b", list(range(1000, 1340)), 10)
+    for request in (a, b):
+        request.arrival_time = now[0]
+        scheduler.add_request(request)
+    latest_start = b.ttft_deadline - scheduler.ttft_predictor.predict(340)
+    assert latest_start == pytest.approx(100.043)
+    while b.admitted_time is None and now[0] < 101:
+        run_step(scheduler)
+        now[0] += step_s
+    assert b.admitted_time <= latest_start
+    assert scheduler.load().admissions_relaxed_total == 1
+
+
 def test_a_hold_runs_from_the_last_admission_on_the_whole_reserve_not_from_arrival():
     """A request that queued long behind others is not waved through: the hold times how long
     the reserve has blocked the queue (under a sustained overload, the queue drains on whole
