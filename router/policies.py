@@ -281,9 +281,13 @@ class HeadroomPolicy(RoutingPolicy):
     of the prompt some replica caches (its deepest cached block was in more than one replica's
     share of the window's prompts; a window of at least `hot_min_window` = 32 requests), that
     prefix is replicated on every replica (a conversation's own earlier turns, cached on one
-    replica, are not hot: they keep the score's affinity): its requests go where
-    the fewest requests queue (waiting there, or sent since its snapshot), then where the most
-    room is left unpromised, whatever the replicas cache. Its traffic amortizes a prefix copy
+    replica, are not hot: they keep the score's affinity): its requests go, among the replicas
+    where they fit (then the rest), where the fewest requests queue (waiting there, or sent
+    since its snapshot), then where the most room is left unpromised, whatever the replicas
+    cache; near-ties at random. It counts in pinning's window, so pinning off
+    (`pin_prefix_fraction` 0, or `pin_share_window` 0) turns it off too; and it counts a block
+    in the block size of the replica caching most, so across replicas of different block
+    sizes a prefix is hot only by the requests routed to replicas of that size. Its traffic amortizes a prefix copy
     per replica, and its requests become the load that evens out the pinned tenants' bursts.
     Ranking it by the score kept it on the two or three replicas that first cached it, where
     replicas memory-bound by the cold tenants' prefixes queued (issue 27, hot_tenant: capacity
@@ -319,6 +323,9 @@ class HeadroomPolicy(RoutingPolicy):
         self.replicate_hot = replicate_hot
         if hot_min_window < 0 or hot_min_window != int(hot_min_window):
             raise ValueError(f"hot_min_window: must be a whole number of requests >= 0, got {hot_min_window}")
+        if replicate_hot and 0 < pin_share_window < hot_min_window:
+            raise ValueError(f"hot_min_window: {hot_min_window} is more than pin_share_window ({pin_share_window}), the "
+                             "window hot prefixes are counted in: nothing would ever be hot")
         self.hot_min_window = int(hot_min_window)
         if placement_margin < 0:
             raise ValueError(f"placement_margin: must be >= 0 (a fraction of a replica's pool), got {placement_margin}")
@@ -517,13 +524,26 @@ class HeadroomPolicy(RoutingPolicy):
         return merge_stale_by_queue_len(ranked, stale, self.rng)
 
     def _hot_ranked(self, request: RoutingRequest, fresh: list[ReplicaView]) -> list[ReplicaView]:
-        """A hot tenant's request: fewest requests queued (waiting there, or sent since its
-        snapshot) first, then the most room left unpromised after it; ties at random."""
-        room = {view.replica_id: self.score(request, view).headroom_after for view in fresh}
-        order = list(fresh)
-        self.rng.shuffle(order)
-        return sorted(order, key=lambda view: (view.load.num_waiting + view.inflight_since_snapshot.requests,
-                                               -room[view.replica_id]))
+        """A hot tenant's request: the replicas where it fits first (the fit filter holds here
+        too: a replica without room, whose queue may look short because it admits everything
+        and preempts, ranks after every one with it), each group by fewest requests queued
+        (waiting there, or sent since its snapshot), then the most room left unpromised after
+        it. Near-ties (the same queue, room within `tie_epsilon`) are ordered at random, so
+        routers reading the same snapshots do not all pick the same replica."""
+        scores = {view.replica_id: self.score(request, view) for view in fresh}
+
+        def queued(view: ReplicaView) -> int:
+            return view.load.num_waiting + view.inflight_since_snapshot.requests
+
+        ranked = sorted(fresh, key=lambda view: (not scores[view.replica_id].fits, queued(view),
+                                                 -scores[view.replica_id].headroom_after))
+        if not ranked:
+            return []
+        first = scores[ranked[0].replica_id]
+        ties = [view for view in ranked if scores[view.replica_id].fits == first.fits and queued(view) == queued(ranked[0])
+                and first.headroom_after - scores[view.replica_id].headroom_after <= self.tie_epsilon]
+        self.rng.shuffle(ties)
+        return ties + ranked[len(ties):]
 
     def _placed(self, views: list[ReplicaView], scores: dict[str, HeadroomScore],
                 placement: Optional[dict[str, int]]) -> list[ReplicaView]:

@@ -456,7 +456,9 @@ def test_a_hot_prefix_is_replicated_its_requests_going_where_the_fewest_queue():
         def roomy(name: str, waiting: int, cached: int = 0) -> ReplicaView:
             return view(name, make_load(name, free_blocks=600, expected_output_tokens=200, num_waiting=waiting),
                         cached_blocks=cached)
-        return [roomy("a", 5, 200), roomy("b", 3, 200), roomy("c", 0), roomy("d", 1)]
+        # "e" queues nothing because it has no room (it admits everything and preempts): last.
+        full = view("e", make_load("e", free_blocks=0, expected_output_tokens=200, kv_committed_tokens=2_000))
+        return [roomy("a", 5, 200), roomy("b", 3, 200), roomy("c", 0), roomy("d", 1), full]
 
     def routed(policy: HeadroomPolicy) -> HeadroomPolicy:
         policy.rank(tenant_request(0), cluster())  # learns the replicas' block size, as serving does
@@ -470,7 +472,8 @@ def test_a_hot_prefix_is_replicated_its_requests_going_where_the_fewest_queue():
     off = routed(HeadroomPolicy(rng=random.Random(0), replicate_hot=False))
     for seed in range(10):
         policy.rng = off.rng = random.Random(seed)
-        assert policy.rank(tenant_request(0), cluster())[0] == "c"
+        ranked = policy.rank(tenant_request(0), cluster())
+        assert ranked[0] == "c" and ranked[-1] == "e"
         assert off.rank(tenant_request(0), cluster())[0] in ("a", "b")
         # A small tenant is not hot: ranked as without replication.
         policy.rng, off.rng = random.Random(seed), random.Random(seed)
@@ -481,6 +484,32 @@ def test_a_hot_prefix_is_replicated_its_requests_going_where_the_fewest_queue():
     for i in range(8):
         fresh.on_routed(tenant_request(0), "a", f"early{i}", cached_blocks=0)
     assert fresh.rank(tenant_request(0), cluster())[0] in ("a", "b")
+
+
+def test_routers_reading_the_same_snapshots_spread_a_hot_prefix_over_near_equal_replicas():
+    # Two replicas queue nothing and differ by one block of room: a near-tie, so eight routers
+    # (independent random streams) do not all pick the roomier one.
+    def cluster() -> list[ReplicaView]:
+        return [view(name, make_load(name, free_blocks=free, expected_output_tokens=200, num_waiting=waiting),
+                     cached_blocks=cached)
+                for name, free, waiting, cached in (("a", 600, 4, 200), ("b", 600, 4, 200), ("c", 600, 0, 0),
+                                                    ("d", 599, 0, 0))]
+
+    picks = set()
+    for seed in range(8):
+        policy = HeadroomPolicy(rng=random.Random(seed))
+        policy.rank(tenant_request(0), cluster())
+        for i in range(64):
+            policy.on_routed(tenant_request(0 if i % 2 == 0 else 1 + i % 7), "a", f"r{i}", cached_blocks=0)
+        picks.add(policy.rank(tenant_request(0), cluster())[0])
+    assert picks == {"c", "d"}
+
+
+def test_hot_min_window_past_the_pin_share_window_is_a_clear_error():
+    with pytest.raises(ValueError, match="hot_min_window: 32 is more than pin_share_window"):
+        HeadroomPolicy(pin_share_window=16)
+    HeadroomPolicy(pin_share_window=16, replicate_hot=False)
+    HeadroomPolicy(pin_share_window=16, hot_min_window=16)
 
 
 def test_a_new_tenant_lands_where_the_fewest_prompt_blocks_were_routed_and_an_evicted_one_goes_home():
