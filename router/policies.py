@@ -287,11 +287,12 @@ class HeadroomPolicy(RoutingPolicy):
     cache; near-ties at random. It counts in pinning's window, so pinning off
     (`pin_prefix_fraction` 0, or `pin_share_window` 0) turns it off too; and it counts a block
     in the block size of the replica caching most, so across replicas of different block
-    sizes a prefix is hot only by the requests routed to replicas of that size. Its traffic amortizes a prefix copy
-    per replica, and its requests become the load that evens out the pinned tenants' bursts.
-    Ranking it by the score kept it on the two or three replicas that first cached it, where
-    replicas memory-bound by the cold tenants' prefixes queued (issue 27, hot_tenant: capacity
-    12.77 -> 13.13 req/s, P90 TTFT at 12.77 req/s 0.570 -> 0.228 s).
+    sizes a prefix is hot only by the requests routed to replicas of that size. Its traffic
+    amortizes a prefix copy per replica, and its requests become the load that evens out the
+    pinned tenants' bursts. Ranking it by the score kept it on the two or three replicas that
+    first cached it, where replicas memory-bound by the cold tenants' prefixes queued (issue 27,
+    hot_tenant: P90 TTFT at 12.77 req/s 0.570 -> 0.228 s before the latest-start holds; with
+    them, at 12.65 req/s, goodput 11.31 -> 11.47 req/s; docs/benchmarks.md).
 
     The weights were chosen on the router simulation (docs/benchmarks.md), not derived.
 
