@@ -324,9 +324,6 @@ class HeadroomPolicy(RoutingPolicy):
         self.replicate_hot = replicate_hot
         if hot_min_window < 0 or hot_min_window != int(hot_min_window):
             raise ValueError(f"hot_min_window: must be a whole number of requests >= 0, got {hot_min_window}")
-        if replicate_hot and 0 < pin_share_window < hot_min_window:
-            raise ValueError(f"hot_min_window: {hot_min_window} is more than pin_share_window ({pin_share_window}), the "
-                             "window hot prefixes are counted in: nothing would ever be hot")
         self.hot_min_window = int(hot_min_window)
         if placement_margin < 0:
             raise ValueError(f"placement_margin: must be >= 0 (a fraction of a replica's pool), got {placement_margin}")
@@ -342,6 +339,9 @@ class HeadroomPolicy(RoutingPolicy):
         if pin_share_window < 0 or pin_share_window != int(pin_share_window):
             raise ValueError(f"pin_share_window: must be a whole number of requests >= 0 (0: no gate), got {pin_share_window}")
         self.pin_share_window = int(pin_share_window)
+        if replicate_hot and 0 < self.pin_share_window < self.hot_min_window:
+            raise ValueError(f"hot_min_window: {self.hot_min_window} is more than pin_share_window ({self.pin_share_window}), "
+                             "the window hot prefixes are counted in: nothing would ever be hot")
         # The last `pin_share_window` requests routed that name a tenant: the tenants' shares,
         # where each tenant went, and the prompt blocks each replica received.
         self._recent = RecentRoutes(self.pin_share_window)
