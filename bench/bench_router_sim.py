@@ -92,8 +92,9 @@ ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "re
 # Ours' requests carry the run's TTFT SLO (the goodput bound) and its replicas queue by it
 # (scheduling_policy "slo": rescuable requests by earliest deadline, those that can no longer
 # make theirs after everyone else), so under overload the requests already late do not make
-# the rest late too; the engine then holds a request for growth at most its SLO (under the
-# reserve admission modes; scheduler._reserve_share). The baselines' replicas queue first come,
+# the rest late too; the engine then holds a request that can still make its SLO for growth at
+# most until its latest start (under the reserve admission modes; scheduler._reserve_share).
+# The baselines' replicas queue first come,
 # first served, as vLLM does.
 SLO_SCHEDULED = (OURS, OPTIMISTIC_OURS, LATE_STATS, OURS_AUTO)
 WORKLOADS = ("multi_tenant", "multi_turn", "hot_tenant", "chat", "mixed_long", "long_output", "azure_trace")
@@ -1373,7 +1374,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
           f"({config.num_usable_blocks * config.block_size} tokens), max_num_batched_tokens "
           f"{config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}; "
           f"admission: {OURS} reserve_expected (a request held for growth at most "
-          f"{config.admission_max_hold_ms:g} ms or its TTFT SLO, the engine's rule), queued by TTFT SLO; baselines optimistic, first come first served",
+          f"{config.admission_max_hold_ms:g} ms, one that can still make its TTFT SLO only until its latest start: the "
+          f"engine's rule), queued by TTFT SLO; baselines optimistic, first come first served",
           file=out)
     print(f"cost model: {args.cost_model} -- {cost.describe()}", file=out)
     print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms, KV events every step, stale after 1 s; goodput SLO: "
