@@ -94,8 +94,7 @@ ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "re
 # make theirs after everyone else), so under overload the requests already late do not make
 # the rest late too; the engine then holds a request that can still make its SLO for growth at
 # most until its latest start (under the reserve admission modes; scheduler._reserve_share).
-# The baselines' replicas queue first come,
-# first served, as vLLM does.
+# The baselines' replicas queue first come, first served, as vLLM does.
 SLO_SCHEDULED = (OURS, OPTIMISTIC_OURS, LATE_STATS, OURS_AUTO)
 WORKLOADS = ("multi_tenant", "multi_turn", "hot_tenant", "chat", "mixed_long", "long_output", "azure_trace")
 LOADS = (0.5, 0.85, 1.2)  # of the workload's latency-calibrated rate

@@ -7,6 +7,7 @@ missing stats fall back to queue length, never to an error.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -538,11 +539,12 @@ class HeadroomPolicy(RoutingPolicy):
 
         ranked = sorted(fresh, key=lambda view: (not scores[view.replica_id].fits, queued(view),
                                                  -scores[view.replica_id].headroom_after))
-        if not ranked:
-            return []
         first = scores[ranked[0].replica_id]
-        ties = [view for view in ranked if scores[view.replica_id].fits == first.fits and queued(view) == queued(ranked[0])
-                and first.headroom_after - scores[view.replica_id].headroom_after <= self.tie_epsilon]
+        # Sorted so, the near-ties are a leading run.
+        ties = list(itertools.takewhile(
+            lambda view: (scores[view.replica_id].fits == first.fits and queued(view) == queued(ranked[0])
+                          and first.headroom_after - scores[view.replica_id].headroom_after <= self.tie_epsilon),
+            ranked))
         self.rng.shuffle(ties)
         return ties + ranked[len(ties):]
 

@@ -95,8 +95,8 @@ def resolve_chat_template(value: str) -> str:
     path = Path(value)
     try:
         # Any path that is there but a directory: a file, or one a shell hands over (`<(...)`, /dev/stdin).
-        is_file = path.exists() and not path.is_dir()
         is_dir = path.is_dir()
+        is_file = not is_dir and path.exists()
     except (OSError, ValueError):  # a long inline template is no path the OS accepts
         is_file = is_dir = False
     if is_dir:

@@ -78,11 +78,12 @@ class Tokenizer:
                 self.chat_template = find_chat_template(model_dir, tokenizer_config)
                 if self.chat_template is not None:
                     check_chat_templates(self.chat_template)
-            except (ChatTemplateError, ValueError, LookupError, TypeError, AttributeError, OSError) as error:
-                self.chat_template = None
-                self.chat_template_error = (f"{error}; --chat-template FILE replaces it" if isinstance(error, ChatTemplateError)
-                                            else f"the checkpoint's chat template cannot be read: "
-                                                 f"{type(error).__name__}: {error}; --chat-template FILE replaces it")
+            except ChatTemplateError as error:
+                self.chat_template, self.chat_template_error = None, f"{error}; --chat-template FILE replaces it"
+            except (ValueError, LookupError, TypeError, AttributeError, OSError) as error:
+                self.chat_template, self.chat_template_error = None, (
+                    f"the checkpoint's chat template cannot be read: {type(error).__name__}: {error}; "
+                    "--chat-template FILE replaces it")
         self._special_ids: Optional[frozenset[int]] = None  # ids_decode_skips', read at its first call
         self._ids_end = 0
         self._decode_stream_class = None  # decode_stream's: DecodeStream, or False where it does not apply
