@@ -385,6 +385,8 @@ class ClusterSim:
         update = {"admission_mode": ADMISSION.get(deployed, "optimistic")}
         if deployed in SLO_SCHEDULED:
             update.update(scheduling_policy="slo", default_ttft_slo_ms=ttft_slo_s * 1000)
+        else:  # vLLM's prefix cache: plain LRU
+            update.update(prefix_cache_protected_share=0.0)
         if name in HOST_TIER:
             update.update(num_host_kv_blocks=self.host_kv_blocks, preemption_mode="auto")
         config = self.config.model_copy(update={**update, **(engine or {})})

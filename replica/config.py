@@ -158,6 +158,12 @@ class EngineConfig(ConfigModel):
     )
     enable_prefix_caching: bool = Field(
         True, description="Keep finished requests' full KV blocks and reuse them for prompts that share the prefix.")
+    prefix_cache_protected_share: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="Eviction order of the prefix cache (segmented LRU): freed blocks that were shared (a prefix-cache "
+        "hit while another request held them: a tenant's system prompt) are evicted only after every other freed "
+        "block, up to this fraction of the KV blocks; beyond it, and within each kind, least recently freed first. "
+        "0: plain LRU, as vLLM.")
     scheduling_policy: SchedulingPolicy = Field(
         "fcfs", description="Order of the waiting queue: fcfs (arrival), priority (the request's priority, then "
         "arrival) or slo (TTFT-deadline urgency: docs/architecture.md).")

@@ -4,6 +4,16 @@ and the KV events that describe every change of that index.
 Freed blocks keep their hash (lazy eviction): a later request with the same prefix can
 take them back until the free queue hands them out again, least recently freed first. Only
 then is the hash removed, so a BLOCK_REMOVED event means the KV is really gone.
+
+With a protected share (segmented LRU), a freed block that was shared, a prefix-cache hit
+while another request held it, waits in a second, protected segment that is handed out only
+once the first (the rest: outputs, one-off prompts, a conversation's history its next turn
+took up after the turn had ended) is empty; past its share of the pool, the protected
+segment's least recently freed blocks drop back into the first. A tenant's system prompt then
+outlives the one-off KV of a busier tenant's burst, where plain LRU (vLLM's, the share 0)
+evicts whatever was freed longest ago. Protecting every hit would also protect the histories
+of conversations that have ended over those of conversations still going (the router
+simulation's multi_turn lost 5-8% of its prefix hits so).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ MAX_PENDING_EVENTS_PER_BLOCK = 4
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "prev_free", "next_free", "protected")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -32,6 +42,9 @@ class KVBlock:
         # Links of the free queue; both None while the block is in use.
         self.prev_free: Optional[KVBlock] = None
         self.next_free: Optional[KVBlock] = None
+        # Shared since it was last filled (a prefix-cache hit while another request held it):
+        # freed, it joins the protected segment (SegmentedFreeQueue) until handed out or dropped back.
+        self.protected = False
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -93,19 +106,70 @@ class FreeBlockQueue:
             block = block.next_free
 
 
+class SegmentedFreeQueue:
+    """The free queue as two segments (segmented LRU): unprotected blocks, then protected
+    ones (KVBlock.protected), each least recently freed first. popleft_n empties the first
+    before it takes from the second; past `protected_cap` blocks, the protected segment's
+    oldest drop back to the first segment's tail, no longer protected. Iteration is eviction
+    order."""
+
+    def __init__(self, blocks: Iterable[KVBlock], protected_cap: int):
+        self.probation = FreeBlockQueue(blocks)
+        self.protected = FreeBlockQueue(())
+        self.protected_cap = protected_cap
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.probation.num_free_blocks + self.protected.num_free_blocks
+
+    def popleft_n(self, num_blocks: int) -> list[KVBlock]:
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        first = min(num_blocks, self.probation.num_free_blocks)
+        blocks = self.probation.popleft_n(first)
+        if num_blocks > first:
+            blocks += self.protected.popleft_n(num_blocks - first)
+        return blocks
+
+    def remove(self, block: KVBlock) -> None:
+        (self.protected if block.protected else self.probation).remove(block)
+
+    def extend(self, blocks: Sequence[KVBlock]) -> None:
+        self.probation.extend([block for block in blocks if not block.protected])
+        protected = self.protected
+        protected.extend([block for block in blocks if block.protected])
+        excess = protected.num_free_blocks - self.protected_cap
+        if excess > 0:
+            dropped = protected.popleft_n(excess)
+            for block in dropped:
+                block.protected = False
+            self.probation.extend(dropped)
+
+    def __iter__(self):
+        yield from self.probation
+        yield from self.protected
+
+
 class BlockPool:
     # The medium its KV events name (the host tier's pool says MEDIUM_HOST).
     medium = MEDIUM_DEVICE
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, protected_share: float = 0.0):
+        """`protected_share`: the fraction of the usable blocks that freed shared blocks may
+        hold in the free queue's protected segment (0: plain LRU)."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        if not 0.0 <= protected_share <= 1.0:
+            raise ValueError(f"protected_share must be in [0, 1], got {protected_share}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Block 0 is never handed out: block tables are padded with it.
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.ref_cnt = 1
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        protected_cap = int(protected_share * (num_blocks - 1))
+        self.protects_hits = protected_cap > 0
+        self.free_queue = (SegmentedFreeQueue(self.blocks[1:], protected_cap) if self.protects_hits
+                           else FreeBlockQueue(self.blocks[1:]))
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self._events: list[KVEvent] = []
         self._max_pending_events = MAX_PENDING_EVENTS_PER_BLOCK * num_blocks
@@ -156,6 +220,7 @@ class BlockPool:
                 elif holder is not None:
                     cached[block_hash] = holder
                 block.block_hash = block.parent_hash = None
+            block.protected = False
             block.ref_cnt = 1
         if len(events) > self._max_pending_events:
             self._compact_events()
@@ -170,12 +235,18 @@ class BlockPool:
                 if len(self._events) > self._max_pending_events:
                     self._compact_events()
             block.block_hash = block.parent_hash = None
+        if block.ref_cnt:  # a free block's flag says which segment holds it
+            block.protected = False
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-cache hits, reviving those that sat in the free queue."""
+        """Take a reference on prefix-cache hits, reviving those that sat in the free queue;
+        with a protected share, one another request holds is shared: protected once freed."""
+        protect = self.protects_hits
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif protect:
+                block.protected = True
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:

@@ -51,10 +51,11 @@ class Prefetched(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
+                 protected_share: float = 0.0):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, protected_share if enable_caching else 0.0)
         self.host_pool: Optional[HostBlockPool] = HostBlockPool(num_host_blocks) if num_host_blocks else None
         # Swapped-out requests: the host blocks holding their KV, and how many tokens that is.
         self.swapped: dict[str, SwappedOut] = {}

@@ -110,7 +110,8 @@ class Scheduler:
             raise ValueError("Scheduler: config.host_kv_bytes is not in blocks yet; the engine turns it into "
                              "num_host_kv_blocks for the model")
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                       num_host_blocks=config.num_host_kv_blocks)
+                                       num_host_blocks=config.num_host_kv_blocks,
+                                       protected_share=config.prefix_cache_protected_share)
         # Per victim: recompute or swap (the engine sets the costs it measured at start).
         self.preemption = PreemptionPlanner(config.preemption_mode, self.kv_cache)
         self.kv_block_bytes = 0  # of one block across layers, for the swap byte counts (the engine knows it)

@@ -1,6 +1,8 @@
 """The block pool against a plain model of it: the free queue is least-recently-freed first
 (popleft_n and extend splice it in bulk), a reused block's hash leaves the index with a
-BLOCK_REMOVED event, and a full block takes its hash unless another block holds it."""
+BLOCK_REMOVED event, and a full block takes its hash unless another block holds it. With a
+protected share, freed blocks that were shared (a prefix-cache hit while another request held
+them) are handed out after every other free block, up to their cap (segmented LRU)."""
 
 from __future__ import annotations
 
@@ -15,16 +17,27 @@ from replica.core.kv_events import BLOCK_REMOVED, BLOCK_STORED
 class PoolModel:
     """Lists and dicts: what BlockPool must do, slowly."""
 
-    def __init__(self, num_blocks: int):
-        self.free = list(range(1, num_blocks))  # head first
+    def __init__(self, num_blocks: int, protected_cap: int = 0):
+        self.probation = list(range(1, num_blocks))  # head first
+        self.protected: list[int] = []  # freed hits, head first
+        self.protected_cap = protected_cap
+        self.hit: set[int] = set()  # blocks shared since they were last handed out
         self.refs = {block_id: 0 for block_id in range(1, num_blocks)}
         self.hash_of: dict[int, bytes] = {}
         self.cached: dict[bytes, int] = {}
         self.events: list[tuple] = []
 
+    @property
+    def free(self) -> list[int]:
+        return self.probation + self.protected
+
     def get_new(self, count: int) -> list[int]:
-        taken, self.free = self.free[:count], self.free[count:]
+        free = self.free
+        taken = free[:count]
+        self.probation, self.protected = [b for b in self.probation if b not in taken], [
+            b for b in self.protected if b not in taken]
         for block_id in taken:
+            self.hit.discard(block_id)
             block_hash = self.hash_of.pop(block_id, None)
             if block_hash is not None and self.cached.get(block_hash) == block_id:
                 del self.cached[block_hash]
@@ -35,14 +48,20 @@ class PoolModel:
     def touch(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
             if self.refs[block_id] == 0:
-                self.free.remove(block_id)
+                (self.protected if block_id in self.protected else self.probation).remove(block_id)
+            elif self.protected_cap:  # shared: another request holds it
+                self.hit.add(block_id)
             self.refs[block_id] += 1
 
     def free_blocks(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
             self.refs[block_id] -= 1
             if self.refs[block_id] == 0:
-                self.free.append(block_id)
+                (self.protected if block_id in self.hit else self.probation).append(block_id)
+        while len(self.protected) > self.protected_cap:  # the oldest protected drop back
+            dropped = self.protected.pop(0)
+            self.hit.discard(dropped)
+            self.probation.append(dropped)
 
     def cache(self, block_ids: list[int], hashes: list[bytes], start: int, end: int) -> list[int]:
         took = []
@@ -56,11 +75,13 @@ class PoolModel:
         return took
 
 
+@pytest.mark.parametrize("protected_share", [0.0, 0.5])
 @pytest.mark.parametrize("seed", range(20))
-def test_the_pool_does_what_its_plain_model_does(seed):
+def test_the_pool_does_what_its_plain_model_does(seed, protected_share):
     rng = random.Random(seed)
     num_blocks = rng.choice([4, 9, 33])
-    pool, model = BlockPool(num_blocks), PoolModel(num_blocks)
+    pool = BlockPool(num_blocks, protected_share)
+    model = PoolModel(num_blocks, int(protected_share * (num_blocks - 1)))
     held: list[list[int]] = []  # each sequence's blocks, as BlockPool ids
     for _ in range(300):
         op = rng.random()
@@ -99,3 +120,49 @@ def test_the_pool_does_what_its_plain_model_does(seed):
         model.events = []
     with pytest.raises(ValueError):
         pool.get_new_blocks(pool.num_free_blocks + 1)
+
+
+def test_a_freed_shared_prefix_outlives_blocks_freed_after_it():
+    """A tenant's system prompt, shared by two of its requests at once, is evicted after a
+    burst's one-off blocks freed later, where plain LRU evicts it first (it was freed longest
+    ago)."""
+    for share, prompt_survives in ((0.0, False), (0.5, True)):
+        pool = BlockPool(9, share)
+        prompt = pool.get_new_blocks(2)
+        pool.cache_full_blocks(prompt, [b"p0", b"p1"], 0, 2)
+        pool.touch(pool.get_cached_prefix([b"p0", b"p1"]))  # the tenant's next request, while the first runs
+        pool.free_blocks(prompt)
+        pool.free_blocks(prompt)
+        burst = pool.get_new_blocks(6)  # another tenant's request: the other six free blocks
+        pool.cache_full_blocks(burst, [bytes([i]) for i in range(6)], 0, 6)
+        pool.free_blocks(burst)
+        pool.get_new_blocks(6)  # the next request needs six blocks
+        assert (len(pool.get_cached_prefix([b"p0", b"p1"])) == 2) is prompt_survives
+
+
+def test_a_conversations_history_hit_after_it_was_freed_is_not_protected():
+    """A turn's blocks, hit by the next turn once the turn has finished, are no shared prefix:
+    freed again, they are evicted by recency, before a burst freed after them is."""
+    pool = BlockPool(9, 0.5)
+    turn = pool.get_new_blocks(2)
+    pool.cache_full_blocks(turn, [b"t0", b"t1"], 0, 2)
+    pool.free_blocks(turn)
+    pool.touch(pool.get_cached_prefix([b"t0", b"t1"]))  # the next turn
+    pool.free_blocks(turn)
+    burst = pool.get_new_blocks(6)
+    pool.free_blocks(burst)
+    assert [block.protected for block in pool.free_queue] == [False] * 8
+    assert [block.block_id for block in pool.free_queue][:2] == [block.block_id for block in turn]
+
+
+def test_past_its_share_the_protected_segment_drops_its_oldest_back():
+    pool = BlockPool(5, 0.5)  # 4 usable blocks, 2 protected at most
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(blocks, [bytes([i]) for i in range(4)], 0, 4)
+    pool.touch(blocks)  # shared by a second request
+    pool.free_blocks(blocks)
+    pool.free_blocks(blocks)  # all four were shared: the two freed first drop back, unprotected
+    assert [block.block_id for block in pool.free_queue] == [1, 2, 3, 4]
+    assert [block.protected for block in pool.free_queue] == [False, False, True, True]
+    with pytest.raises(ValueError, match="protected_share"):
+        BlockPool(5, 1.5)
