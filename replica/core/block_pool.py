@@ -166,7 +166,7 @@ class BlockPool:
         # Block 0 is never handed out: block tables are padded with it.
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.ref_cnt = 1
-        protected_cap = int(protected_share * (num_blocks - 1))
+        protected_cap = int(round(protected_share * (num_blocks - 1), 6))  # 0.29 x 100 is 28.999...
         self.protects_hits = protected_cap > 0
         self.free_queue = (SegmentedFreeQueue(self.blocks[1:], protected_cap) if self.protects_hits
                            else FreeBlockQueue(self.blocks[1:]))
@@ -295,6 +295,12 @@ class BlockPool:
             block.block_hash = block.parent_hash = None
         self.cached_blocks.clear()
         self._events = [ALL_BLOCKS_CLEARED]
+        if self.protects_hits:  # nothing is shared any more: the protected free blocks hold nothing
+            protected = self.free_queue.protected
+            emptied = protected.popleft_n(protected.num_free_blocks)
+            for block in self.blocks:
+                block.protected = False
+            self.free_queue.probation.extend(emptied)
 
     def uncache_block(self, block: KVBlock) -> None:
         """Forget the block's prefix-cache entry, if it has one: its KV was never written."""

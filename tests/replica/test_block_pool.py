@@ -166,3 +166,22 @@ def test_past_its_share_the_protected_segment_drops_its_oldest_back():
     assert [block.protected for block in pool.free_queue] == [False, False, True, True]
     with pytest.raises(ValueError, match="protected_share"):
         BlockPool(5, 1.5)
+
+
+def test_a_cleared_cache_protects_nothing():
+    """After a failed step's clear_cache no block holds what its hash named: a block that was
+    protected is handed out before cached KV filled since (and the cap counts exactly)."""
+    pool = BlockPool(7, 0.5)
+    prompt = pool.get_new_blocks(3)
+    pool.cache_full_blocks(prompt, [b"a", b"b", b"c"], 0, 3)
+    pool.touch(prompt)
+    pool.free_blocks(prompt)
+    pool.free_blocks(prompt)
+    pool.clear_cache()
+    assert not any(block.protected for block in pool.blocks)
+    fresh = pool.get_new_blocks(3)
+    pool.cache_full_blocks(fresh, [b"x", b"y", b"z"], 0, 3)
+    pool.free_blocks(fresh)
+    pool.get_new_blocks(3)
+    assert len(pool.get_cached_prefix([b"x", b"y", b"z"])) == 3
+    assert BlockPool(101, 0.29).free_queue.protected_cap == 29
