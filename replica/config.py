@@ -190,14 +190,14 @@ class EngineConfig(ConfigModel):
         "request needs shrinks linearly from all to none over this time since the latest of its arrival (or requeue), "
         "the replica's last admission on the whole reserve and its last preemption; then it is admitted as the "
         "optimistic mode would. A request that can still make its TTFT SLO is held at most until its latest start (its "
-        "deadline less its predicted TTFT); one past that, or a preempted stream, is held over "
-        "admission_max_hold_lost_ms instead. None: holds are unbounded.",
+        "deadline less its predicted TTFT); one past that is held over admission_max_hold_late_ms instead; a "
+        "preempted stream keeps the whole hold. None: holds are unbounded.",
     )
-    admission_max_hold_lost_ms: Optional[float] = Field(
+    admission_max_hold_late_ms: Optional[float] = Field(
         1000.0, gt=0,
-        description="admission_max_hold_ms for a request whose TTFT is no longer at stake: a preempted stream, or one "
-        "past its latest start (at least admission_max_hold_ms). Let in early it saves no TTFT, and admitted on a "
-        "waived reserve it is the next preemption victim, so it is held longer. None: unbounded.",
+        description="admission_max_hold_ms for a request past its latest start (it will miss its TTFT SLO whenever it "
+        "starts; at least admission_max_hold_ms). Let in early it saves no TTFT, and admitted on a waived reserve it "
+        "is the next preemption victim, so it is held longer. None: unbounded.",
     )
     max_waiting_requests: int = Field(
         4096, ge=1, description="Bound of the waiting queue; beyond it new requests are refused."

@@ -457,29 +457,27 @@ class Scheduler:
         it misses the deadline whatever follows. A request whose TTFT is no longer at
         stake (a preempted stream, or one past its latest start) gains nothing on its TTFT
         from being let in early and, let in on a waived reserve, is what the replica preempts
-        next (a resumed stream is the most recently admitted): it is held over the longer
-        admission_max_hold_lost_ms (at least admission_max_hold_ms; in the router simulation
-        1 s instead of 0.5 s cut preemptions at the best baseline's capacity by 20-45% on every
-        workload and raised long_output's goodput past capacity 1.12-1.19x: docs/benchmarks.md,
-        issue 27's tenth run)."""
+        next (a resumed stream is the most recently admitted): it keeps the whole hold, and one
+        past its latest start the longer admission_max_hold_late_ms (at least the hold: in the
+        router simulation 1 s instead of 0.5 s cut preemptions at the best baseline's capacity
+        by 20-45% on every workload, and a preempted stream's longer hold changed nothing
+        there: docs/benchmarks.md, issue 27's tenth run)."""
         config = self.config
         max_hold_ms = config.admission_max_hold_ms
         if max_hold_ms is None:
             return 1.0
         start = max(request.waiting_since, self._last_reserve_met_time, self._last_preemption_time)
-        lost = request.num_output_tokens > 0  # a preempted stream
-        if not lost and request.ttft_deadline is not None:
+        if request.ttft_deadline is not None and request.num_output_tokens == 0:
             latest_start = request.ttft_deadline - self.ttft_predictor.predict(self._num_tokens_to_first_token(request))
-            lost = now >= latest_start
-            if not lost:
+            if now < latest_start:
                 # The ramp ends an admission interval early: at the last check before the latest start.
                 max_hold_ms = min(max_hold_ms, (latest_start - self._admission_interval_s - start) * 1000)
                 if max_hold_ms <= 0:
                     return 0.0
-        if lost:
-            if config.admission_max_hold_lost_ms is None:
+            elif config.admission_max_hold_late_ms is None:
                 return 1.0
-            max_hold_ms = max(max_hold_ms, config.admission_max_hold_lost_ms)
+            else:
+                max_hold_ms = max(max_hold_ms, config.admission_max_hold_late_ms)
         held_s = now - start
         return min(1.0, max(0.0, 1.0 - held_s * 1000 / max_hold_ms))
 

@@ -96,38 +96,38 @@ def test_a_hold_waives_the_reserve_over_admission_max_hold_ms(mode):
 def test_a_request_is_held_at_most_until_its_latest_start():
     """Held past its latest start (its TTFT deadline less its predicted TTFT) a request misses
     the deadline whatever follows: with an SLO of 80 ms and an 8-token prompt (predicted 20.4
-    ms) the 500 ms hold ends at 59.6 ms. Past that, like a preempted stream, it is held over the
-    longer admission_max_hold_lost_ms: letting it in early saves no TTFT, and on a waived
-    reserve it is the next victim. A request without an SLO and no output keeps the 500 ms."""
+    ms) the 500 ms hold ends at 59.6 ms. Past that it is held over the longer
+    admission_max_hold_late_ms: letting it in early saves no TTFT, and on a waived reserve it is
+    the next victim. A request without an SLO, and a preempted stream, keep the 500 ms."""
     now = [100.0]
     scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=500.0,
-                                                    admission_max_hold_lost_ms=1000.0, default_ttft_slo_ms=80.0)
+                                                    admission_max_hold_late_ms=1000.0, default_ttft_slo_ms=80.0)
     run_step(scheduler)
     assert [r.request_id for r in scheduler.running] == ["a"]
     latest_start = 100.08 - scheduler.ttft_predictor.predict(8)
     assert latest_start == pytest.approx(100.0596)
     assert scheduler._reserve_share(second, 100.0298) == pytest.approx(0.5)
-    assert scheduler._reserve_share(second, 100.07) == pytest.approx(1 - 70 / 1000)  # doomed: the lost hold
+    assert scheduler._reserve_share(second, 100.07) == pytest.approx(1 - 70 / 1000)  # late: the longer hold
     second.ttft_deadline = None
     assert scheduler._reserve_share(second, 100.07) == pytest.approx(1 - 70 / 500)  # no SLO: the hold
+    # Never shorter than the hold itself, and None leaves it unbounded.
     second.ttft_deadline = 100.08
+    late = scheduler.config
+    scheduler.config = late.model_copy(update={"admission_max_hold_late_ms": 100.0})
+    assert scheduler._reserve_share(second, 100.07) == pytest.approx(1 - 70 / 500)
+    scheduler.config = late.model_copy(update={"admission_max_hold_late_ms": None})
+    assert scheduler._reserve_share(second, 100.07) == 1.0
+    scheduler.config = late
     now[0] = 100.0595
     run_step(scheduler)
     assert len(scheduler.running) == 2 and scheduler.load().admissions_relaxed_total == 1
-    # A stream (its first token out) is held over the lost hold however far its deadline, and
-    # without one: its TTFT is behind it, and let in early on a waived reserve it is what the
-    # replica preempts next.
+    # A stream (its first token out) keeps the whole hold however far its deadline: its TTFT is
+    # behind it, and let in early on a waived reserve it is what the replica preempts next.
     assert second.num_output_tokens > 0
-    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 1000)
     second.ttft_deadline = 200.0
-    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 1000)
-    second.ttft_deadline = None
-    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 1000)
-    # Never shorter than the hold itself, and None leaves it unbounded.
-    scheduler.config = scheduler.config.model_copy(update={"admission_max_hold_lost_ms": 100.0})
     assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)
-    scheduler.config = scheduler.config.model_copy(update={"admission_max_hold_lost_ms": None})
-    assert scheduler._reserve_share(second, 100.18) == 1.0
+    second.ttft_deadline = None
+    assert scheduler._reserve_share(second, 100.18) == pytest.approx(1 - 180 / 500)
 
 
 @pytest.mark.parametrize("step_s", [0.001, 0.015, 0.020])
@@ -174,17 +174,14 @@ def test_a_hold_runs_from_the_last_admission_on_the_whole_reserve_not_from_arriv
 
 def test_a_preemption_restores_the_whole_reserve_for_every_waiting_request():
     now = [0.0]
-    scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=200.0,
-                                                    admission_max_hold_lost_ms=400.0)
+    scheduler, first, second = held_pair_on_a_clock(now, "reserve_max_tokens", admission_max_hold_ms=200.0)
     run_step(scheduler)
     now[0] = 0.1
     assert scheduler._reserve_share(second, now[0]) == pytest.approx(0.5)
     scheduler._preempt(0)  # the replica over-committed: waived reserves must be earned again
     assert scheduler._reserve_share(second, now[0]) == 1.0
     assert scheduler._reserve_share(second, 0.15) == pytest.approx(0.75)
-    # Requeued at 0.1 with its first token out: a stream, held over the lost hold.
-    assert first.num_output_tokens > 0
-    assert scheduler._reserve_share(first, 0.15) == pytest.approx(1 - 50 / 400)
+    assert scheduler._reserve_share(first, 0.15) == pytest.approx(0.75)  # requeued at 0.1
 
 
 def test_an_expired_hold_still_needs_memory_for_the_prompt_today():
