@@ -93,7 +93,8 @@ ADMISSION: dict[str, AdmissionMode] = {OURS: "reserve_expected", LATE_STATS: "re
 # (scheduling_policy "slo": rescuable requests by earliest deadline, those that can no longer
 # make theirs after everyone else), so under overload the requests already late do not make
 # the rest late too; the engine then holds a request that can still make its SLO for growth at
-# most until its latest start (under the reserve admission modes; scheduler._reserve_share).
+# most until its latest start, and one past it for admission_max_hold_late_ms (under the reserve
+# admission modes; scheduler._reserve_share).
 # The baselines' replicas queue first come, first served, as vLLM does.
 SLO_SCHEDULED = (OURS, OPTIMISTIC_OURS, LATE_STATS, OURS_AUTO)
 WORKLOADS = ("multi_tenant", "multi_turn", "hot_tenant", "chat", "mixed_long", "long_output", "azure_trace")
@@ -1375,8 +1376,10 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
           f"({config.num_usable_blocks * config.block_size} tokens), max_num_batched_tokens "
           f"{config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, max_model_len {config.max_model_len}; "
           f"admission: {OURS} reserve_expected (a request held for growth at most "
-          f"{config.admission_max_hold_ms:g} ms, one that can still make its TTFT SLO only until its latest start: the "
-          f"engine's rule), queued by TTFT SLO; baselines optimistic, first come first served",
+          f"{config.admission_max_hold_ms:g} ms, one that can still make its TTFT SLO only until its latest start, one "
+          f"past it {config.admission_max_hold_late_ms:g} ms: the engine's rule), queued by TTFT SLO; prefix cache "
+          f"keeps shared blocks longest (up to {config.prefix_cache_protected_share:g} of the pool); baselines "
+          f"optimistic, first come first served, plain LRU",
           file=out)
     print(f"cost model: {args.cost_model} -- {cost.describe()}", file=out)
     print(f"loads every {REPORT_INTERVAL_S * 1000:.0f} ms, KV events every step, stale after 1 s; goodput SLO: "

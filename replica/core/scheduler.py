@@ -459,9 +459,9 @@ class Scheduler:
         from being let in early and, let in on a waived reserve, is what the replica preempts
         next (a resumed stream is the most recently admitted): it keeps the whole hold, and one
         past its latest start the longer admission_max_hold_late_ms (at least the hold: in the
-        router simulation 1 s instead of 0.5 s cut preemptions at the best baseline's capacity
-        by 20-45% on every workload, and a preempted stream's longer hold changed nothing
-        there: docs/benchmarks.md, issue 27's tenth run)."""
+        router simulation 1 s instead of 0.5 s took preemptions at the best baseline's capacity
+        to 0.24-0.41x of it on every workload; a stream held as long stalls and cost goodput
+        past capacity: docs/benchmarks.md, issue 27's tenth run)."""
         config = self.config
         max_hold_ms = config.admission_max_hold_ms
         if max_hold_ms is None:
