@@ -135,15 +135,25 @@ class SegmentedFreeQueue:
         (self.protected if block.protected else self.probation).remove(block)
 
     def extend(self, blocks: Sequence[KVBlock]) -> None:
-        self.probation.extend([block for block in blocks if not block.protected])
+        kept, plain = [], []
+        for block in blocks:
+            (kept if block.protected else plain).append(block)
+        self.probation.extend(plain)
         protected = self.protected
-        protected.extend([block for block in blocks if block.protected])
+        protected.extend(kept)
         excess = protected.num_free_blocks - self.protected_cap
         if excess > 0:
             dropped = protected.popleft_n(excess)
             for block in dropped:
                 block.protected = False
             self.probation.extend(dropped)
+
+    def unprotect(self, blocks: Iterable[KVBlock]) -> None:
+        """Clear `blocks`' flags, the protected segment's joining the first segment's tail."""
+        emptied = self.protected.popleft_n(self.protected.num_free_blocks)
+        for block in blocks:
+            block.protected = False
+        self.probation.extend(emptied)
 
     def __iter__(self):
         yield from self.probation
@@ -296,11 +306,7 @@ class BlockPool:
         self.cached_blocks.clear()
         self._events = [ALL_BLOCKS_CLEARED]
         if self.protects_hits:  # nothing is shared any more: the protected free blocks hold nothing
-            protected = self.free_queue.protected
-            emptied = protected.popleft_n(protected.num_free_blocks)
-            for block in self.blocks:
-                block.protected = False
-            self.free_queue.probation.extend(emptied)
+            self.free_queue.unprotect(self.blocks)
 
     def uncache_block(self, block: KVBlock) -> None:
         """Forget the block's prefix-cache entry, if it has one: its KV was never written."""

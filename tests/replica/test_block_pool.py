@@ -81,7 +81,7 @@ def test_the_pool_does_what_its_plain_model_does(seed, protected_share):
     rng = random.Random(seed)
     num_blocks = rng.choice([4, 9, 33])
     pool = BlockPool(num_blocks, protected_share)
-    model = PoolModel(num_blocks, int(protected_share * (num_blocks - 1)))
+    model = PoolModel(num_blocks, pool.free_queue.protected_cap if pool.protects_hits else 0)
     held: list[list[int]] = []  # each sequence's blocks, as BlockPool ids
     for _ in range(300):
         op = rng.random()
