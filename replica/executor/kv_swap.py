@@ -36,16 +36,19 @@ swap-in of the same step.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import weakref
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from replica.attention.base import KVCaches
 from replica.config import ConfigError
 from replica.core.host_pool import BlockCopies
+
+logger = logging.getLogger(__name__)
 
 # Blocks staged on the device per round of copies: bounds the staging buffer.
 STAGING_BLOCKS = 32
@@ -79,7 +82,12 @@ def plan_rounds(host_device_pairs: Sequence[tuple[int, int]]) -> list[CopyRound]
     return rounds
 
 
-def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+# cudaErrorMemoryAllocation: the host cannot lock that much (a limit, not a refusal of the call).
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+
+
+def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+                      before_unpin: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Zeroed host memory page-locked at exactly its size (rounded to whole pages), until the
     tensor is collected: an anonymous mapping of its own registered with cudaHostRegister, as
     SGLang's host KV pools do. `pin_memory=True` goes through torch's caching host allocator,
@@ -87,7 +95,10 @@ def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     tier of 64 GiB and a block pinned 128 GiB, past the memory resolve_host_kv_blocks checked it
     against. A mapping of its own shares no page with another allocation, which a registration
     of heap memory could (a second one over a shared page fails). A host that cannot lock that
-    much fails the start in one line naming the setting."""
+    much fails the start in one line naming the setting; a runtime that refuses the call itself
+    (a sandboxed driver may not register foreign memory) gets `pin_memory=True` instead, with a
+    warning. `before_unpin` runs before the pages are unlocked (the copy stream drained: a copy
+    still in flight must not land in unmapped pages)."""
     num_bytes = math.prod(shape) * dtype.itemsize
     length = -(-max(num_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: what a registration locks
     mapped = mmap.mmap(-1, length)  # page-aligned, zero-filled by the OS as it is touched
@@ -95,17 +106,34 @@ def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     cudart = torch.cuda.cudart()
     pointer = tensor.data_ptr()
     error = int(cudart.cudaHostRegister(pointer, length, 0))  # as torch.cuda._pin_memory_utils
-    if error:
+    if error == CUDA_ERROR_MEMORY_ALLOCATION:
         raise ConfigError(f"host_kv_bytes / num_host_kv_blocks: the host KV tier's {num_bytes} bytes could not be "
                           f"page-locked (cudaHostRegister: CUDA error {error})")
+    if error:
+        del tensor, mapped  # unmapped as the tensor goes
+        logger.warning("cudaHostRegister refused the host KV tier's %d bytes (CUDA error %d); pinning it through "
+                       "torch's host allocator instead, which rounds the allocation up to a power of two",
+                       num_bytes, error)
+        try:
+            return _pinned_by_torch(shape, dtype)
+        except RuntimeError as fallback:
+            raise ConfigError(f"host_kv_bytes / num_host_kv_blocks: the host KV tier's {num_bytes} bytes could not be "
+                              f"page-locked (cudaHostRegister: CUDA error {error}; pin_memory: {fallback})") from None
     # Before the mapping goes: the tensor's collection runs this, and its storage (holding the
     # mapping) is freed after.
-    weakref.finalize(tensor, _unpin, cudart, pointer)
+    weakref.finalize(tensor, _unpin, cudart, pointer, before_unpin)
     return tensor
 
 
-def _unpin(cudart, pointer: int) -> None:
+def _pinned_by_torch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # torch's caching host allocator holds a block until the copies recorded on it are done.
+    return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+
+def _unpin(cudart, pointer: int, before_unpin: Optional[Callable[[], None]] = None) -> None:
     try:
+        if before_unpin is not None:
+            before_unpin()
         cudart.cudaHostUnregister(pointer)
     except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone before this runs
         pass
@@ -122,17 +150,17 @@ class KVSwapper:
         self.block_shape = tuple(key_cache.shape[1:])  # block_size, kv heads, head_dim
         self.num_layers = len(kv_caches)
         shape = (num_host_blocks + 1, self.num_layers, 2) + self.block_shape
+        self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(self.device) if self.on_cuda else None
         # Zeroed lazily by the OS on CPU; page-locked on CUDA, at exactly its size, for
-        # asynchronous copies.
-        self.host_cache = (pinned_host_zeros(shape, key_cache.dtype) if self.on_cuda
-                           else torch.zeros(shape, dtype=key_cache.dtype))
+        # asynchronous copies (the copy stream drained before the pages are unlocked).
+        self.host_cache = (pinned_host_zeros(shape, key_cache.dtype, before_unpin=self.stream.synchronize)
+                           if self.on_cuda else torch.zeros(shape, dtype=key_cache.dtype))
         self.bytes_per_block = self.host_cache[0].numel() * self.host_cache.element_size()
         # Blocks this rank copied each way (under tensor parallelism every rank copies its shard).
         self.swapped_out_blocks = self.swapped_in_blocks = self.written_through_blocks = 0
         self.prefetched_blocks = 0  # of swapped_in_blocks, those copied beside the step before
         self.runs = 0  # copies over the link: one per run of consecutive host blocks
         self.staging = torch.empty((STAGING_BLOCKS,) + shape[1:], dtype=key_cache.dtype, device=self.device)
-        self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(self.device) if self.on_cuda else None
 
     @torch.inference_mode()
     def copy(self, copies: BlockCopies) -> None:

@@ -172,3 +172,29 @@ def test_the_host_tier_is_page_locked_at_exactly_its_size_on_pages_of_its_own_an
     monkeypatch.setattr(torch.cuda, "cudart", lambda: refusing)
     with pytest.raises(ConfigError, match=r"^host_kv_bytes / num_host_kv_blocks: .* 1024 bytes could not be page-locked"):
         pinned_host_zeros((256,), torch.float32)
+
+
+def test_the_copy_stream_drains_before_the_host_tier_is_unlocked_and_a_refused_registration_pins_through_torch(
+        monkeypatch, caplog):
+    """A copy still queued on the swap stream must not land in pages already unmapped; a runtime
+    that refuses cudaHostRegister itself (not for lack of memory) leaves torch's pinning."""
+    import gc
+
+    from replica.executor import kv_swap
+
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host_cache = kv_swap.pinned_host_zeros((64,), torch.float32, before_unpin=lambda: cudart.calls.append(("drain",)))
+    pointer = host_cache.data_ptr()
+    del host_cache
+    gc.collect()
+    assert cudart.calls[1:] == [("drain",), ("unregister", pointer)]
+
+    unsupported = _RecordingCudart(register_error=801)  # cudaErrorNotSupported
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: unsupported)
+    pinned = []
+    monkeypatch.setattr(kv_swap, "_pinned_by_torch", lambda shape, dtype: pinned.append(shape) or torch.zeros(shape, dtype=dtype))
+    with caplog.at_level("WARNING", logger=kv_swap.__name__):
+        host_cache = kv_swap.pinned_host_zeros((4, 8), torch.bfloat16)
+    assert pinned == [(4, 8)] and host_cache.shape == (4, 8) and host_cache.dtype == torch.bfloat16
+    assert "CUDA error 801" in caplog.text and unsupported.calls[-1][0] == "register"  # nothing to unregister
