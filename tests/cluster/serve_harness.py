@@ -6,10 +6,12 @@ deployed as `headroom serve` deploys them or from a config file as KubeRay's Ray
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import pickle
+import shutil
 import tempfile
 import time
 import uuid
@@ -140,6 +142,15 @@ def deploy_from_config_file(config: ServeAppsConfig, config_file: Path,
         time.sleep(1.0)
 
 
+def _targets_dir(base_port: int) -> str:
+    """A Prometheus targets directory of the test's own, removed when the test process exits
+    (the ingress removes its files at shutdown, not the directory: 290 empty ones had piled up
+    under /tmp)."""
+    directory = tempfile.mkdtemp(prefix=f"headroom-targets-{base_port}-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
 def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num_cpus: float = 1,
                  proxy_location: str = "EveryNode", model: str = APP_NAME, num_replicas: int = 2,
                  limits: Optional[dict[str, Any]] = None) -> ServeAppsConfig:
@@ -166,7 +177,7 @@ def small_config(base_port: int, *, engine: Optional[dict[str, Any]] = None, num
                 "router": {"staleness_s": 5.0},
                 "ports": ports,
                 "limits": limits or {},
-                "monitoring": {"targets_dir": tempfile.mkdtemp(prefix=f"headroom-targets-{base_port}-")},
+                "monitoring": {"targets_dir": _targets_dir(base_port)},
             },
         }],
     })
