@@ -4,12 +4,17 @@ The host cache is one tensor, block-major: [host blocks, layers, key/value, bloc
 kv heads, head_dim], so a run of consecutive host blocks is one contiguous range. A batch of
 copies one way goes through a staging buffer on the device, [blocks, layers, key/value, ...]
 like the host cache: device -> host gathers the device blocks of every layer into it (one
-index_select over the stacked cache, KVCaches.stacked, and one strided copy, in the order of
-their host blocks) and then copies it out in one copy per run of consecutive host block ids,
-straight into the (pinned, on CUDA) host blocks; host -> device copies each run of host
-blocks into it and scatters it into the device blocks (one index_copy_). A round costs the
-host a handful of launches whatever the model's depth: it had been four per layer, which on
-an H200 put ~0.5 ms on every step that wrote a block through (2026-11-29). One copy per
+index_select over the stacked cache, KVCaches.stacked, seen as rows of one block of one
+layer's keys or values, written straight into the staging buffer in the order of their host
+blocks) and then copies it out in one copy per run of consecutive host block ids, straight
+into the (pinned, on CUDA) host blocks; host -> device copies each run of host blocks into it
+and scatters its rows into the device blocks (one index_copy_). A round costs the host a
+handful of launches whatever the model's depth: it had been four per layer, which on an H200
+put ~0.5 ms on every step that wrote a block through (2026-11-29). Row indices keep each
+launch whole: indexing the stacked cache along its block dimension made CUDA's index_copy_
+split into about one kernel per layer and key/value once the cache passes 2^31 elements (an
+H200's pool at 0.9 of its memory: ~5.7e10), where a row index stays a 64-bit multiply inside
+one kernel; and the gather needs no temporary the size of the staging buffer. One copy per
 direction per step where the step's host blocks are consecutive; the host pool hands them
 out in its LRU order, so in practice runs
 average 2.5-4.5 blocks (`runs` counts the copies: the router simulation's mixed_long at 100%,
@@ -42,6 +47,7 @@ import mmap
 import weakref
 from typing import Callable, NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from replica.attention.base import KVCaches
@@ -161,6 +167,14 @@ class KVSwapper:
         self.prefetched_blocks = 0  # of swapped_in_blocks, those copied beside the step before
         self.runs = 0  # copies over the link: one per run of consecutive host blocks
         self.staging = torch.empty((STAGING_BLOCKS,) + shape[1:], dtype=key_cache.dtype, device=self.device)
+        # Both as rows of one block of one layer's keys or values: the stacked cache's row
+        # (layer, key/value, block) is plane (layer x 2 + key/value) x blocks + block, and the
+        # staging buffer's rows run block-major, each block's planes in order.
+        self.num_planes = self.num_layers * 2
+        row_numel = math.prod(self.block_shape)
+        self.device_rows = self.stacked.view(-1, row_numel)
+        self.staging_rows = self.staging.view(-1, row_numel)
+        self.plane_starts = np.arange(self.num_planes, dtype=np.int64) * self.stacked.shape[2]
 
     @torch.inference_mode()
     def copy(self, copies: BlockCopies) -> None:
@@ -202,9 +216,8 @@ class KVSwapper:
             return
         for round_ in plan_rounds([(host_id, device_id) for device_id, host_id in device_host_pairs]):
             staging = self.staging[:len(round_.device_ids)]
-            # [layers, 2, blocks, ...] gathered, written block-major (the gather's temporary is
-            # the staging buffer's size again, ~170 MB at 32 blocks of an 80-layer, 8-KV-head model).
-            staging.copy_(self.stacked.index_select(2, self._ids(round_.device_ids)).movedim(2, 0))
+            torch.index_select(self.device_rows, 0, self._rows(round_.device_ids),
+                               out=self.staging_rows[:len(round_.device_ids) * self.num_planes])
             for row, host_id, length in round_.runs:
                 self.host_cache[host_id:host_id + length].copy_(staging[row:row + length], non_blocking=self.on_cuda)
             self.runs += len(round_.runs)
@@ -219,12 +232,14 @@ class KVSwapper:
             for row, host_id, length in round_.runs:
                 staging[row:row + length].copy_(self.host_cache[host_id:host_id + length], non_blocking=self.on_cuda)
             self.runs += len(round_.runs)
-            self.stacked.index_copy_(2, self._ids(round_.device_ids), staging.movedim(0, 2))
+            self.device_rows.index_copy_(0, self._rows(round_.device_ids),
+                                         self.staging_rows[:len(round_.device_ids) * self.num_planes])
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        """Block ids as an int64 index tensor on the device (from pinned memory, asynchronously, on CUDA)."""
-        tensor = torch.tensor(ids, dtype=torch.int64)
-        return tensor.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else tensor
+    def _rows(self, block_ids: list[int]) -> torch.Tensor:
+        """The stacked cache's rows of `block_ids`, in the staging buffer's row order, as an int64
+        index tensor on the device (from pinned memory, asynchronously, on CUDA)."""
+        rows = torch.from_numpy((np.asarray(block_ids, dtype=np.int64)[:, None] + self.plane_starts).ravel())
+        return rows.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else rows
 
     def synchronize(self) -> None:
         if self.stream is not None:

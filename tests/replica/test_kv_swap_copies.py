@@ -117,6 +117,7 @@ def test_a_round_of_copies_costs_the_same_ops_whatever_the_number_of_layers():
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
+    views = {"slice", "view", "movedim", "detach_", "lift_fresh", "alias"}
     counts = {}
     for num_layers in (1, 8):
         caches = allocate_kv_cache(num_layers, NUM_DEVICE_BLOCKS, *BLOCK_SHAPE, torch.float32, "cpu")
@@ -124,8 +125,10 @@ def test_a_round_of_copies_costs_the_same_ops_whatever_the_number_of_layers():
         copies = BlockCopies(((1, 5), (2, 9)), ((20, 3),), ((4, 30), (6, 31)), ((40, 7),))
         with CountOps() as counter:
             swapper.copy(copies)
-        counts[num_layers] = len(counter.ops)
-    assert counts[1] == counts[8] <= 40, counts
+        counts[num_layers] = [op for op in map(str, counter.ops) if op.split(".")[1] not in views]
+    # Four rounds (one per kind of copy), five runs: one gather or scatter a round and one copy a
+    # run; the gather writes into the staging buffer itself (a temporary and a copy had followed it).
+    assert counts[1] == counts[8] and len(counts[8]) == 9, counts
 
 
 class _RecordingCudart:
