@@ -61,12 +61,11 @@ def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
         return logits
     rows, token_ids, biases = zip(*entries)
     device = logits.device
-    biased = logits.clone()
-    biased.index_put_(
-        (to_device(rows, torch.long, device), to_device(token_ids, torch.long, device)),
-        to_device(biases, logits.dtype, device),
-        accumulate=True,
-    )
+    biased = logits.contiguous().clone()
+    # One index into the flattened logits, added to: index_put_(accumulate=True) takes CUDA's
+    # sort path, whose index range check has read the index's min and max back on the host.
+    keys = np.asarray(rows, dtype=np.int64) * logits.shape[-1] + np.asarray(token_ids, dtype=np.int64)
+    biased.view(-1).index_add_(0, to_device(keys, None, device), to_device(biases, logits.dtype, device))
     return biased
 
 
