@@ -286,10 +286,11 @@ def repo_env() -> dict:
 def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[str, object]:
     """(output, exit code or "timed out ..."), each line printed as the command writes it, so a
     device call cut at its limit keeps in its log every row the command had printed (it had been
-    printed only when the command ended). The command runs in a session of its own, and a
-    timeout kills the whole of it: bench_served.py's `headroom replica` and its engine core
-    would otherwise outlive it holding GPU memory the next sections need; and it is killed if
-    this process is (a call cut at its limit), not left running into the next call."""
+    printed only when the command ended). A timeout kills the command and every process it
+    started, sessions of their own included (bench_served.py's `headroom replica`, its engine core
+    and fronts would otherwise outlive it holding GPU memory the next sections need); and the
+    command itself dies with this process (a call cut at its limit), not running on into the
+    next call (what it started then may: the device tool's next call starts from what is left)."""
     process = subprocess.Popen(command, cwd=REPO, env=env or repo_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
                                preexec_fn=_die_with_parent)
@@ -307,24 +308,53 @@ def run_subprocess(command: list[str], env=None, timeout_s: int = 240) -> tuple[
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         returncode = f"timed out after {timeout_s} s"
-        kill_session(process)
+        kill_tree(process)
     except BaseException:  # Ctrl-C reaches this process only (the command's session is its own)
-        kill_session(process)
+        kill_tree(process)
         raise
-    reader.join(timeout=10)  # the pipe ends with the session (a process that left it may hold it open)
+    reader.join(timeout=10)  # the pipe ends with its last holder (one left running may keep it open)
     return "".join(lines), returncode
+
+
+try:  # resolved here: between fork and exec a threaded parent must not dlopen
+    import ctypes
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
 
 
 def _die_with_parent() -> None:
     """In the child before it runs: Linux sends it SIGKILL when this process dies."""
-    with contextlib.suppress(Exception):
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def kill_session(process: subprocess.Popen) -> None:
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, whatever session each put itself in (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rpartition(")")[2].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the command's session and every process below it, found before any dies (a
+    killed parent's children are handed to init and could no longer be told apart)."""
+    below = descendants(process.pid) if os.path.isdir("/proc") else []
     with contextlib.suppress(ProcessLookupError):  # the session may have ended by itself meanwhile
         os.killpg(process.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     process.wait()
 
 

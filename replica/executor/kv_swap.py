@@ -12,8 +12,8 @@ and scatters its rows into the device blocks (one index_copy_). A round costs th
 handful of launches whatever the model's depth: it had been four per layer, which on an H200
 put ~0.5 ms on every step that wrote a block through (2026-11-29). Row indices keep each
 launch whole: indexing the stacked cache along its block dimension made CUDA's index_copy_
-split into about one kernel per layer and key/value once the cache passes 2^31 elements (an
-H200's pool at 0.9 of its memory: ~5.7e10), where a row index stays a 64-bit multiply inside
+split into about one kernel per layer and key/value once the cache passes 2^31 bytes (an
+H200's pool at 0.9 of its memory: ~115 GB), where a row index stays a 64-bit multiply inside
 one kernel; and the gather needs no temporary the size of the staging buffer. One copy per
 direction per step where the step's host blocks are consecutive; the host pool hands them
 out in its LRU order, so in practice runs
@@ -41,7 +41,7 @@ swap-in of the same step.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import math
 import mmap
 import weakref
@@ -53,8 +53,6 @@ import torch
 from replica.attention.base import KVCaches
 from replica.config import ConfigError
 from replica.core.host_pool import BlockCopies
-
-logger = logging.getLogger(__name__)
 
 # Blocks staged on the device per round of copies: bounds the staging buffer.
 STAGING_BLOCKS = 32
@@ -88,10 +86,6 @@ def plan_rounds(host_device_pairs: Sequence[tuple[int, int]]) -> list[CopyRound]
     return rounds
 
 
-# cudaErrorMemoryAllocation: the host cannot lock that much (a limit, not a refusal of the call).
-CUDA_ERROR_MEMORY_ALLOCATION = 2
-
-
 def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype,
                       before_unpin: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Zeroed host memory page-locked at exactly its size (rounded to whole pages), until the
@@ -101,10 +95,10 @@ def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     tier of 64 GiB and a block pinned 128 GiB, past the memory resolve_host_kv_blocks checked it
     against. A mapping of its own shares no page with another allocation, which a registration
     of heap memory could (a second one over a shared page fails). A host that cannot lock that
-    much fails the start in one line naming the setting; a runtime that refuses the call itself
-    (a sandboxed driver may not register foreign memory) gets `pin_memory=True` instead, with a
-    warning. `before_unpin` runs before the pages are unlocked (the copy stream drained: a copy
-    still in flight must not land in unmapped pages)."""
+    much fails the start in one line naming the setting (no fallback to pin_memory: past its
+    rounding, a refused registration leaves the runtime's last error set, and torch raises it at
+    the next kernel launch, far from here). `before_unpin` runs before the pages are unlocked
+    (the copy stream drained: a copy still in flight must not land in unmapped pages)."""
     num_bytes = math.prod(shape) * dtype.itemsize
     length = -(-max(num_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: what a registration locks
     mapped = mmap.mmap(-1, length)  # page-aligned, zero-filled by the OS as it is touched
@@ -112,37 +106,23 @@ def pinned_host_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     cudart = torch.cuda.cudart()
     pointer = tensor.data_ptr()
     error = int(cudart.cudaHostRegister(pointer, length, 0))  # as torch.cuda._pin_memory_utils
-    if error == CUDA_ERROR_MEMORY_ALLOCATION:
+    if error:
         raise ConfigError(f"host_kv_bytes / num_host_kv_blocks: the host KV tier's {num_bytes} bytes could not be "
                           f"page-locked (cudaHostRegister: CUDA error {error})")
-    if error:
-        del tensor, mapped  # unmapped as the tensor goes
-        logger.warning("cudaHostRegister refused the host KV tier's %d bytes (CUDA error %d); pinning it through "
-                       "torch's host allocator instead, which rounds the allocation up to a power of two",
-                       num_bytes, error)
-        try:
-            return _pinned_by_torch(shape, dtype)
-        except RuntimeError as fallback:
-            raise ConfigError(f"host_kv_bytes / num_host_kv_blocks: the host KV tier's {num_bytes} bytes could not be "
-                              f"page-locked (cudaHostRegister: CUDA error {error}; pin_memory: {fallback})") from None
     # Before the mapping goes: the tensor's collection runs this, and its storage (holding the
     # mapping) is freed after.
     weakref.finalize(tensor, _unpin, cudart, pointer, before_unpin)
     return tensor
 
 
-def _pinned_by_torch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # torch's caching host allocator holds a block until the copies recorded on it are done.
-    return torch.zeros(shape, dtype=dtype, pin_memory=True)
-
-
 def _unpin(cudart, pointer: int, before_unpin: Optional[Callable[[], None]] = None) -> None:
-    try:
+    # Each step whatever the other did (at interpreter exit CUDA may be gone before this runs):
+    # pages unmapped while still registered would fail a later registration at their address.
+    with contextlib.suppress(Exception):
         if before_unpin is not None:
             before_unpin()
+    with contextlib.suppress(Exception):
         cudart.cudaHostUnregister(pointer)
-    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone before this runs
-        pass
 
 
 class KVSwapper:

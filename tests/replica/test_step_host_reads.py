@@ -21,6 +21,7 @@ where torch's sync debug mode also reports every synchronization made inside tor
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import traceback
@@ -77,7 +78,10 @@ class HostReadProbe(TorchFunctionMode):
 
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
-                frames = [frame for frame in traceback.extract_stack()[:-1] if frame.filename.startswith(REPLICA_DIR)]
+                stack = traceback.extract_stack()[:-1]
+                if any(frame.name == "_unpin" for frame in stack):
+                    return  # an earlier engine's host tier collected meanwhile: its teardown drains its copies
+                frames = [frame for frame in stack if frame.filename.startswith(REPLICA_DIR)]
                 self.reads[(f"torch sync: {message}", _engine_site(frames) or f"{filename}:{lineno}")] += 1
 
         previous = torch.cuda.get_sync_debug_mode()
@@ -99,7 +103,9 @@ class HostReadProbe(TorchFunctionMode):
 
 
 def _probe_launches(engine: LLMEngine) -> HostReadProbe:
-    """Wrap what the engine runs before a step's results are waited for."""
+    """Wrap what the engine runs before a step's results are waited for (earlier tests' engines
+    collected first, not inside a probed step)."""
+    gc.collect()
     probe = HostReadProbe()
 
     def probed(method):
