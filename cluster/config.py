@@ -424,7 +424,11 @@ class HTTPOptions(_Strict):
     # them (a mounted Secret on Kubernetes). Serve's gRPC proxy has no TLS: see the README.
     ssl_certfile: Optional[str] = Field(None, description="PEM certificate (chain) the HTTP proxy serves HTTPS with.")
     ssl_keyfile: Optional[str] = Field(None, description="PEM private key of ssl_certfile.")
-    ssl_ca_certs: Optional[str] = Field(None, description="CA bundle to verify client certificates with (optional).")
+    # Serve's field, refused: Ray Serve 2.60 hands uvicorn ssl_ca_certs but no ssl_cert_reqs, so
+    # its HTTP proxy verifies a client certificate only where a client sends one and serves those
+    # that send none: mutual TLS that lets everyone in.
+    ssl_ca_certs: Optional[str] = Field(None, description="Refused: Serve's HTTP proxy cannot require client "
+                                                          "certificates (Ray Serve 2.60).")
 
     @model_validator(mode="after")
     def _host_is_an_address(self) -> "HTTPOptions":
@@ -438,8 +442,10 @@ class HTTPOptions(_Strict):
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
             raise ConfigError(f"{missing}: HTTPS needs both ssl_certfile and ssl_keyfile")
-        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
-            raise ConfigError("ssl_ca_certs: client certificates need HTTPS (ssl_certfile and ssl_keyfile)")
+        if self.ssl_ca_certs is not None:
+            raise ConfigError("ssl_ca_certs: Ray Serve 2.60's HTTP proxy verifies a client certificate only when one is "
+                              "sent and never requires one, so this would let every client in; require client "
+                              "certificates at a TLS-terminating proxy in front of it, or use API keys (--api-key)")
         return self
 
 

@@ -113,7 +113,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeAppsConfig:
     http_options = document.setdefault("http_options", {})
     if args.tls_cert is not None:
         http_options.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
-    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+    for name in ("ssl_certfile", "ssl_keyfile"):
         if http_options.get(name):  # Serve's proxies do not run in this directory
             http_options[name] = os.path.abspath(http_options[name])
     config = load_config(document)
@@ -147,8 +147,6 @@ def check_tls_files(config: ServeAppsConfig, from_flags: bool) -> None:
     except ssl.SSLError as error:
         raise ConfigError(f"{cert} and {key}: not a PEM certificate and its matching private key "
                           f"({error.reason or error})") from None
-    if options.ssl_ca_certs is not None and not os.path.isfile(options.ssl_ca_certs):
-        raise ConfigError(f"http_options.ssl_ca_certs: no such file {options.ssl_ca_certs}")
 
 
 def _cluster_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,9 +245,13 @@ def with_local_binds(config: ServeAppsConfig) -> ServeAppsConfig:
 
 
 def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_options: Any) -> None:
-    """Starts the local Ray node `headroom serve` runs on."""
+    """Starts the local Ray node `headroom serve` runs on: always a cluster of its own. Plain
+    ray.init() joins the one RAY_ADDRESS names (KubeRay pods and Ray job shells set it) or a
+    `ray start` left on this machine, whose workers never got the environment set here: the API
+    keys --api-key exported, the proxies' bounds. That cluster served without a key, while this
+    command believed one was required."""
     set_ray_environment(config)
-    ray.init(include_dashboard=False, num_cpus=num_cpus, **ray_options)
+    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **ray_options)
 
 
 def set_ray_environment(config: ServeAppsConfig) -> None:

@@ -36,6 +36,11 @@ OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 API_KEY_ENV = "HEADROOM_API_KEY"
 API_KEY_FILE_ENV = "HEADROOM_API_KEY_FILE"
 API_KEY_SEPARATOR = ","
+# Set to 1 where a key is meant to be configured (the Helm chart, whenever it wires a Secret):
+# no key found then fails the start instead of opening the doors. An empty HEADROOM_API_KEY
+# alone means "no key", as a shell's `HEADROOM_API_KEY= headroom serve` does; an empty Secret
+# (`--from-literal=api-key="$(openssl rand -hex 32)"` without openssl) must not.
+API_KEY_REQUIRED_ENV = "HEADROOM_API_KEY_REQUIRED"
 
 
 class Credentials:
@@ -175,6 +180,9 @@ def configured_api_keys(keys: Optional[Sequence[str]] = None, key_file: Optional
         found.extend(_read_key_file(key_file, "--api-key-file"))
     elif environ.get(API_KEY_FILE_ENV):
         found.extend(_read_key_file(environ[API_KEY_FILE_ENV], API_KEY_FILE_ENV))
+    if not found and environ.get(API_KEY_REQUIRED_ENV, "").strip() not in ("", "0"):
+        raise CredentialsError(f"{API_KEY_REQUIRED_ENV}: a key is required, but {API_KEY_ENV} and "
+                               f"{API_KEY_FILE_ENV} hold none (an empty Secret?): not serving without one")
     return found
 
 

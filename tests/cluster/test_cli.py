@@ -495,6 +495,43 @@ def test_serve_beyond_loopback_without_a_key_warns_in_one_line_before_ray_starts
         assert all(warning.startswith("warning: serving on 0.0.0.0") and "\n" not in warning for warning in warnings)
 
 
+def test_serve_starts_a_ray_of_its_own_whatever_ray_address_names(monkeypatch):
+    """Plain ray.init() joined the cluster RAY_ADDRESS names (or a `ray start` left on the
+    machine), whose workers never got the environment `headroom serve` sets: its --api-key was
+    not enforced there, and nothing said so. address="local" starts a cluster of its own
+    whatever RAY_ADDRESS says (Ray's rule; checked by hand against a `ray start --head`)."""
+    from cluster import serve_command
+
+    seen = {}
+
+    def record(**options):
+        seen.update(options)
+        raise RayWouldStart
+
+    monkeypatch.setattr(serve_command.ray, "init", record)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    config = serve_config_from_args(build_parser().parse_args(["serve", "--model", "builtin"]))
+    with pytest.raises(RayWouldStart):
+        serve_command.init_local_ray(config, 1)
+    assert seen["address"] == "local" and seen["num_cpus"] == 1
+
+
+def test_ssl_ca_certs_is_refused_naming_it_since_serve_would_not_require_client_certificates(tmp_path, capsys):
+    from tests.cluster.tls_harness import self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "http_options": {"ssl_certfile": str(cert), "ssl_keyfile": str(key), "ssl_ca_certs": str(cert)},
+        "applications": [{"name": "builtin", "route_prefix": "/", "import_path": "cluster.app:build_app",
+                          "args": {"model": "builtin"}}]}))
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(config)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "ssl_ca_certs: Ray Serve 2.60's HTTP proxy verifies a client certificate only when one is sent" in err
+
+
 def test_serve_num_cpus_below_1_is_a_usage_error(capsys):
     # Was ray.init's ValueError traceback ("Resource quantities must be nonnegative") after Ray began starting.
     with pytest.raises(SystemExit) as exited:

@@ -321,6 +321,8 @@ def test_an_existing_secret_reaches_the_head_and_worker_containers_as_headroom_a
         (container,) = template["spec"]["containers"]
         (variable,) = api_key_env(container)
         assert variable["valueFrom"] == {"secretKeyRef": {"name": "serving-keys", "key": "keys"}}
+        # A blank value in that Secret fails the start (replica.server.auth), not opens the doors.
+        assert {"name": "HEADROOM_API_KEY_REQUIRED", "value": "1"} in container["env"]
         for kubernetes_version in KUBERNETES_VERSIONS:
             kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
                                           "template": template}, kubernetes_version, strict=True)
@@ -344,6 +346,7 @@ def test_without_a_key_no_container_gets_one_and_both_sources_at_once_fail_to_re
     for template in pod_templates(rayservice(documents)):
         (container,) = template["spec"]["containers"]
         assert api_key_env(container) == []
+        assert all(variable["name"] != "HEADROOM_API_KEY_REQUIRED" for variable in container["env"])
     with pytest.raises(helm.HelmError, match="apiKey: set existingSecret"):
         render({"apiKey": {"existingSecret": "serving-keys", "value": "sk-1"}})
 

@@ -172,6 +172,7 @@ def test_flag_keys_replace_the_environments_and_a_key_file_adds_its_lines(tmp_pa
                                                                                  "file-key-2"]
     assert auth.configured_api_keys(environ={}) == [] and auth.configured_api_keys(environ={auth.API_KEY_ENV: ""}) == []
     assert not auth.api_key_credentials(environ={}).required
+    assert auth.configured_api_keys(environ={auth.API_KEY_ENV: "k", auth.API_KEY_REQUIRED_ENV: "1"}) == ["k"]
 
 
 @pytest.mark.parametrize("keys, file_text, environ, message", [
@@ -180,6 +181,9 @@ def test_flag_keys_replace_the_environments_and_a_key_file_adds_its_lines(tmp_pa
     ([" sk-padded"], None, {}, "--api-key: an API key must be non-empty, without surrounding whitespace"),
     (None, None, {auth.API_KEY_ENV: "sk-1,,sk-2"}, "HEADROOM_API_KEY: an empty key between commas"),
     (None, "# only a comment\n\n", {}, "--api-key-file: {path} holds no API key"),
+    # The Helm chart's Secret, blank (a `$(openssl rand -hex 32)` that printed nothing): closed, not open.
+    (None, None, {auth.API_KEY_ENV: " \n", auth.API_KEY_REQUIRED_ENV: "1"},
+     "HEADROOM_API_KEY_REQUIRED: a key is required, but HEADROOM_API_KEY and HEADROOM_API_KEY_FILE hold none"),
 ])
 def test_an_unusable_key_source_is_one_line_naming_it_and_never_a_key(tmp_path, keys, file_text, environ, message):
     path = tmp_path / "keys"

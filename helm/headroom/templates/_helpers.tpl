@@ -115,7 +115,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* The containers' env: Serve's gRPC message cap and its proxy's size bound, and
-     HEADROOM_API_KEY from the Secret when one is configured. */}}
+     HEADROOM_API_KEY from the Secret when one is configured (HEADROOM_API_KEY_REQUIRED with it). */}}
 {{- define "headroom.env" -}}
 env:
   - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
@@ -128,6 +128,9 @@ env:
       secretKeyRef:
         name: {{ . }}
         key: {{ $.Values.apiKey.secretKey }}
+  # A Secret whose value is blank fails the start rather than opening the doors.
+  - name: HEADROOM_API_KEY_REQUIRED
+    value: "1"
 {{- end }}
 {{- end }}
 
