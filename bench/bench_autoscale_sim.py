@@ -13,7 +13,7 @@ autoscaling_stats for headroom; requests in flight for requests) every record in
 every control period the policy Serve would run gets an AutoscalingContext of them over
 look_back_period_s (raw series and means, as Serve hands them) and the result goes through
 Serve's own scaling arithmetic (factors, delays, bounds). A replica added takes --startup-s to serve (and counts from its start); a
-replica removed is Serve's choice (one still starting, else the newest), gets no new
+replica removed is Serve's choice on one node (one still starting, else the newest), gets no new
 requests and counts until its last stream ends.
 
 Both policies run at cluster/config.py's defaults (headroom: target_utilization 0.8,
@@ -280,7 +280,8 @@ class AutoscaleSim:
                     add_replica(now, now + self.startup_s)
                 scale_ups += 1
             elif decided < len(active):
-                # Serve's choice: replicas still starting first, then the newest running ones.
+                # Serve's choice on one node: replicas still starting first, then the newest running
+                # ones (across nodes Serve 2.60 also prefers non-head nodes with the fewest replicas).
                 by_priority = sorted(active, key=lambda i: (replicas[i].ready_at <= now, -replicas[i].started_at))
                 for i in by_priority[: len(active) - decided]:
                     replica = replicas[i]

@@ -135,6 +135,9 @@ class HeadroomPolicyParams:
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
     replica_startup_s: float = 30.0
+    # replicas.drain_timeout_s: how long a replica removed may still hold requests, and so how
+    # long its demand, which it stops reporting, is remembered (PolicyState.demand_before_scale_down).
+    drain_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,9 @@ class PolicyState:
     # The cluster's KV demand when it last scaled down. The replica removed stops reporting
     # while its requests still run (it drains), so the demand measured drops and then climbs
     # back as arrivals go to the replicas left: that climb, up to this level, is the same
-    # demand moving, not a trend to scale for.
+    # demand moving, not a trend to scale for; nor is the dip a drop to scale down further for.
     demand_before_scale_down: Optional[float] = None
+    scaled_down_at: Optional[float] = None  # when; the level is forgotten drain_timeout_s later
 
 
 # The demand history keeps at most one point per this many seconds (Serve decides every 0.1 s;
@@ -186,7 +190,8 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     one a replica started now will meet: today's plus its rise over the last
     replica_startup_s (the least-squares slope of the cluster's demand, never negative)
     continued for as long again, since a replica added when the demand reaches the target
-    serves only after it has grown that much more. A preemption rate
+    serves only after it has grown that much more (a history shorter than that, as after a
+    restart, is continued only as far as it reaches). A preemption rate
     above the threshold asks for one replica more than run now, at once (a replica already
     starting counts: one step per start), and so does KV parked in the host tiers beyond the
     target utilisation of their size: a swap-out is the cheap preemption, and once the tiers
@@ -194,7 +199,10 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     at the lower scale-down utilisation, after downscale_delay_s of wanting it, and never
     while preempting above the threshold or while KV is parked (its requests wait for a
     device): the band between the two utilisations keeps a demand near a boundary from
-    flapping the count. A scale-down removes at most half the replicas it could (rounded
+    flapping the count; while a replica removed drains (until the demand is back at its level
+    before the scale-down, or drain_timeout_s), that level stands in for the demand it holds
+    unseen. Nothing is taken at once and nothing scaled down while a replica Serve runs has not
+    reported yet. A scale-down removes at most half the replicas it could (rounded
     up), then waits downscale_delay_s
     again: the demand a smaller set carries is larger than the larger set measured (the same
     arrivals in bigger batches take longer, so more of them are live at once), and it is
@@ -212,9 +220,20 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     moved = state.demand_before_scale_down
     if moved is not None and demand >= moved:
         # The drained replica's share is back: the trend starts afresh from here.
-        state, moved = replace(state, demand_history=(), demand_before_scale_down=None), None
+        state, moved = replace(state, demand_history=(), demand_before_scale_down=None, scaled_down_at=None), None
+    elif moved is not None and state.scaled_down_at is not None and now - state.scaled_down_at >= params.drain_timeout_s:
+        # Whatever the drained replica held has ended by now: a demand still below is a fall.
+        state, moved = replace(state, demand_before_scale_down=None, scaled_down_at=None), None
+    # A replica Serve counts as running reports its first stats up to metrics_interval_s after it
+    # serves: until every one has, the means leave it out (a preemption rate it would halve) and
+    # the demand misses what it holds. No step at once and no scale-down on such a partial view.
+    all_reporting = len(signals) >= running
     history = _recorded(state.demand_history, now, demand, params.replica_startup_s)
-    growth = max(0.0, _slope(history)) * params.replica_startup_s
+    # Continued as far ahead as it was measured, up to replica_startup_s: a slope fitted on the
+    # 2-3 s after the history restarts, projected 30 s ahead, made one low sample a scale-up of
+    # three replicas (bench_autoscale_sim, 2026-11-30).
+    span = history[-1][0] - history[0][0] if history else 0.0
+    growth = max(0.0, _slope(history)) * min(params.replica_startup_s, span)
     if moved is not None:  # a climb back towards the demand before the scale-down is no growth
         growth = min(growth, moved - demand)
     capacity = sum(signal.kv_capacity_tokens for signal in signals) / len(signals)
@@ -228,14 +247,17 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     inputs = dict(kv_demand_tokens=demand, kv_capacity_tokens=capacity, waiting_prefill_tokens=waiting,
                   preemption_rate=preemption_rate, host_kv_parked_tokens=parked, host_kv_usage=host_usage,
                   kv_demand_growth_tokens=growth, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
-    kept = PolicyState(demand_history=history, demand_before_scale_down=moved)
+    kept = PolicyState(demand_history=history, demand_before_scale_down=moved,
+                       scaled_down_at=state.scaled_down_at if moved is not None else None)
 
     wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
     if reason == "kv_demand" and kv_replicas > math.ceil(demand / (params.target_utilization * capacity)):
         reason = "kv_trend"
     # Preempting, or the host tiers filling, is one replica more at once, whatever else asks for more.
     at_once: Optional[tuple[int, str]] = None
-    if preemption_rate > params.preemption_rate_threshold:
+    if not all_reporting:
+        pass
+    elif preemption_rate > params.preemption_rate_threshold:
         at_once = (running + 1, "preemptions")
     elif host_usage > params.target_utilization:
         at_once = (running + 1, "host_tier")
@@ -249,12 +271,16 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
             return _decision(at_once[0], at_once[1], params, inputs), replace(kept, wants_up_since=since)
         return _decision(target, "pending", params, inputs), replace(kept, wants_up_since=since)
 
-    fits = max(math.ceil((demand + growth) / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
-    if fits < target and preemption_rate <= params.preemption_rate_threshold and parked == 0:
+    # While a removed replica drains, the demand it holds is not measured: the level before the
+    # scale-down stands for it, or the next step would size the cluster without it.
+    held = max(demand + growth, moved) if moved is not None else demand + growth
+    fits = max(math.ceil(held / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
+    fewer = _bounded(target - math.ceil((target - fits) / 2), params)[0] if fits < target else target
+    if fewer < target and all_reporting and preemption_rate <= params.preemption_rate_threshold and parked == 0:
         since = state.wants_down_since if state.wants_down_since is not None else now
         if now - since >= params.downscale_delay_s:
-            return (_decision(target - math.ceil((target - fits) / 2), "low_demand", params, inputs),
-                    replace(kept, demand_before_scale_down=demand))
+            return (_decision(fewer, "low_demand", params, inputs),
+                    replace(kept, demand_before_scale_down=max(demand, moved or 0.0), scaled_down_at=now))
         return _decision(target, "pending", params, inputs), replace(kept, wants_down_since=since)
     return _decision(target, "steady", params, inputs), kept
 
@@ -307,7 +333,8 @@ def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dic
 # ---- in Serve's controller ---------------------------------------------------------------
 _STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since",
                "demand_history": "headroom.demand_history",
-               "demand_before_scale_down": "headroom.demand_before_scale_down"}
+               "demand_before_scale_down": "headroom.demand_before_scale_down",
+               "scaled_down_at": "headroom.scaled_down_at"}
 
 
 def latest_stats(ctx: AutoscalingContext) -> dict[Any, dict[str, float]]:

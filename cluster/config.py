@@ -123,8 +123,8 @@ class AutoscalingConfig(_Strict):
                               f"metrics_interval_s {self.metrics_interval_s}")
         return self
 
-    def serve_autoscaling_config(self) -> dict[str, Any]:
-        """Serve's `autoscaling_config` for this policy."""
+    def serve_autoscaling_config(self, drain_timeout_s: float = 300.0) -> dict[str, Any]:
+        """Serve's `autoscaling_config` for this policy (`drain_timeout_s`: the replicas')."""
         options: dict[str, Any] = {
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
@@ -145,6 +145,7 @@ class AutoscalingConfig(_Strict):
                     "upscale_delay_s", "downscale_delay_s", "replica_startup_s",
                 )
             }
+            options["policy"]["policy_kwargs"]["drain_timeout_s"] = drain_timeout_s
         return options
 
 
@@ -410,7 +411,7 @@ def serve_deployment_options(config: ClusterConfig, cluster_gpus: float) -> dict
     options["graceful_shutdown_timeout_s"] = replicas.drain_timeout_s
     options["graceful_shutdown_wait_loop_s"] = DRAIN_CHECK_PERIOD_S
     if replicas.autoscaling is not None:
-        options["autoscaling_config"] = replicas.autoscaling.serve_autoscaling_config()
+        options["autoscaling_config"] = replicas.autoscaling.serve_autoscaling_config(replicas.drain_timeout_s)
     else:
         options["num_replicas"] = replicas.num_replicas
     return options

@@ -114,21 +114,25 @@ def rising(start: float, per_s: float, until: float) -> tuple[tuple[float, float
 
 def test_a_rising_demand_is_scaled_for_where_it_will_be_when_a_new_replica_serves():
     # 2 replicas hold 16,000 tokens at 0.8; the demand, 12,000 now, rose 200 tokens/s over the
-    # last 10 s: in replica_startup_s (30 s) it reaches 18,000, which needs 3.
-    state = PolicyState(wants_up_since=0.0, demand_history=rising(10_000, 200, 10))
-    decision, state = decide(replicas(6000, 6000), running=2, target=2, params=PARAMS, now=10.0, state=state)
+    # last 30 s: in replica_startup_s (30 s) it reaches 18,000, which needs 3.
+    state = PolicyState(wants_up_since=0.0, demand_history=rising(6_000, 200, 30))
+    decision, state = decide(replicas(6000, 6000), running=2, target=2, params=PARAMS, now=30.0, state=state)
     assert (decision.desired_replicas, decision.reason, decision.kv_replicas) == (3, "kv_trend", 3)
     assert decision.kv_demand_growth_tokens == pytest.approx(200 * 30)
-    assert state.demand_history[-1] == (10.0, 12_000) and no_delay_running(state)
+    assert state.demand_history[-1] == (30.0, 12_000) and no_delay_running(state)
+    # Measured over 10 s only (the history restarted), the rise is continued 10 s: 14,000 fit 2.
+    decision, _ = decide(replicas(6000, 6000), running=2, target=2, params=PARAMS, now=10.0,
+                         state=PolicyState(wants_up_since=0.0, demand_history=rising(10_000, 200, 10)))
+    assert decision.kv_demand_growth_tokens == pytest.approx(200 * 10) and decision.desired_replicas == 2
 
 
 def test_a_falling_demand_adds_nothing_and_a_rising_one_holds_off_a_scale_down():
     falling, _ = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=10.0,
                         state=PolicyState(demand_history=rising(12_000, -1000, 10)))
     assert falling.kv_demand_growth_tokens == 0.0 and falling.reason == "pending"
-    # 2,000 tokens now fit one replica at 0.6 (6,000), but rising 200 tokens/s they reach 8,000 in 30 s.
-    held, _ = decide(replicas(1000, 1000), running=2, target=2, params=PARAMS, now=10.0,
-                     state=PolicyState(wants_down_since=-100.0, demand_history=rising(0, 200, 10)))
+    # 4,000 tokens now fit one replica at 0.6 (6,000), but rising 100 tokens/s they reach 7,000 in 30 s.
+    held, _ = decide(replicas(2000, 2000), running=2, target=2, params=PARAMS, now=30.0,
+                     state=PolicyState(wants_down_since=-100.0, demand_history=rising(1000, 100, 30)))
     assert (held.desired_replicas, held.reason) == (2, "steady")
 
 
@@ -201,6 +205,44 @@ def test_the_drained_replicas_demand_moving_to_the_others_is_no_trend_to_scale_u
     assert 5700.0 + 200.0 * second < 0.8 * CAPACITY and decision.kv_demand_growth_tokens > 0
 
 
+def test_the_demand_a_draining_replica_holds_stands_until_it_is_back_or_the_drain_has_ended():
+    # 23,000 tokens fit 4 replicas at 0.6. Scaled down to 4 while a removed replica drains,
+    # only 8,000 are measured: sized by that, the next step would go to 3 (and on, to 2) at
+    # 77% of KV and more once the drained requests' successors arrive.
+    params = HeadroomPolicyParams(**{**asdict(PARAMS), "drain_timeout_s": 300.0})
+    state = PolicyState(demand_before_scale_down=23_000.0, scaled_down_at=0.0, wants_down_since=None)
+    for now in (1.0, 31.0, 61.0, 299.0):
+        decision, state = decide(replicas(*[2000] * 4), running=4, target=4, params=params, now=now, state=state)
+        assert (decision.desired_replicas, decision.reason) == (4, "steady"), now
+    # The drain is over by drain_timeout_s: what is measured now is the demand, and it fits 2.
+    decision, state = decide(replicas(*[2000] * 4), running=4, target=4, params=params, now=300.0, state=state)
+    assert decision.reason == "pending" and state.demand_before_scale_down is None
+    decision, state = decide(replicas(*[2000] * 4), running=4, target=4, params=params, now=330.0, state=state)
+    assert (decision.desired_replicas, decision.reason, state.scaled_down_at) == (3, "low_demand", 330.0)
+
+
+def test_a_running_replica_that_has_not_reported_yet_adds_no_step_at_once_and_allows_no_scale_down():
+    # Two replicas preempting 0.6/s asked for a third; it serves but has not pushed its stats
+    # yet: their mean still reads 0.6, and asking for running + 1 again started a fourth.
+    decision, _ = decide(replicas(1000, 1000, preemption_rate=0.6), running=3, target=3, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason) == (3, "steady")
+    # Nor does the demand the two report (2,000: it fits 1) take replicas away meanwhile.
+    decision, _ = decide(replicas(1000, 1000), running=3, target=3, params=PARAMS, now=40.0,
+                         state=PolicyState(wants_down_since=0.0))
+    assert (decision.desired_replicas, decision.reason) == (3, "steady")
+    decision, _ = decide(replicas(1000, 1000, 0), running=3, target=3, params=PARAMS, now=40.0,
+                         state=PolicyState(wants_down_since=0.0))
+    assert (decision.desired_replicas, decision.reason) == (2, "low_demand")  # once all three have
+
+
+def test_at_min_replicas_a_demand_that_fits_fewer_is_steady_not_a_scale_down():
+    params = HeadroomPolicyParams(**{**asdict(PARAMS), "min_replicas": 2})
+    decision, state = decide(replicas(100, 100), running=2, target=2, params=params, now=100.0,
+                             state=PolicyState(wants_down_since=0.0))
+    assert (decision.desired_replicas, decision.reason) == (2, "steady")
+    assert state.demand_before_scale_down is None and state.wants_down_since is None
+
+
 def test_a_wall_clock_stepped_back_restarts_the_history_and_the_delays():
     # A trend rising to t = 1,029 and a scale-up wanted since 1,000; the clock steps back an hour
     # and the demand is low: the stale trend and timers go, and the scale-down runs its own delay.
@@ -264,9 +306,15 @@ def test_the_policys_own_defaults_are_the_configs():
     # A Serve config may name the policy function without policy_kwargs: the dataclass's
     # defaults then apply, and they must be the documented ones (cluster/config.py).
     from cluster.config import AutoscalingConfig as HeadroomAutoscalingConfig
+    from cluster.config import ReplicasConfig
 
     defaults = HeadroomAutoscalingConfig(policy="headroom")
-    assert asdict(HeadroomPolicyParams()) == {name: getattr(defaults, name) for name in asdict(HeadroomPolicyParams())}
+    expected = {name: getattr(defaults, name) for name in asdict(HeadroomPolicyParams()) if name != "drain_timeout_s"}
+    expected["drain_timeout_s"] = ReplicasConfig.model_fields["drain_timeout_s"].default  # the replicas' setting
+    assert asdict(HeadroomPolicyParams()) == expected
+    kwargs = ClusterConfig(replicas={"autoscaling": {"policy": "headroom"}, "drain_timeout_s": 45}).replicas
+    assert kwargs.autoscaling.serve_autoscaling_config(kwargs.drain_timeout_s)["policy"]["policy_kwargs"] == {
+        **expected, "drain_timeout_s": 45}
 
 
 def test_bounds_clamp_and_say_so():
