@@ -465,8 +465,8 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._check_application(grpc_context)
         try:
-            prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits)
             info = await self.model_info()
+            prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits, info.max_model_len)
             constraint = await output_constraint_from_proto(request)
             generation = self._generation_request(
                 prompt_token_ids, info,
