@@ -66,7 +66,7 @@ class RequestStream:
 
     def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None, stream_interval: int = 1):
         self.request = request
-        self._pending: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._pending: collections.deque[RequestOutput | MergingOutput | BaseException] = collections.deque()
         # Set while something in _pending is due to the consumer (with interval 1: whenever
         # anything is pending).
         self._arrived = asyncio.Event()
@@ -84,8 +84,11 @@ class RequestStream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         pending = self._pending
-        if pending and isinstance(item, RequestOutput) and isinstance(pending[-1], RequestOutput):
-            pending[-1] = merge_outputs(pending[-1], item)
+        last = pending[-1] if pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, MergingOutput):
+            last.add(item)
+        elif isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            pending[-1] = MergingOutput(last).add(item)
         else:
             pending.append(item)
         if self._interval > 1 and isinstance(item, RequestOutput) and item.finish_reason is None:
@@ -117,6 +120,8 @@ class RequestStream:
         item = self._pending.popleft()
         if not self._pending:
             self._arrived.clear()
+        if isinstance(item, MergingOutput):
+            item = item.output()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -125,22 +130,48 @@ class RequestStream:
         return item
 
 
+class MergingOutput:
+    """Outputs a stream's consumer has yet to read, merged as they arrive into one carrying every
+    delta in order, its counts, finish and stop reasons the latest's. Extended in place and built
+    into a RequestOutput once, when read: merging by building a new output each step copied
+    everything held so far, so a reader L tokens behind cost the front's event loop O(L) a step
+    and O(L^2) over the stream (~2.4 ms a step at 128k tokens with top-20 logprobs)."""
+
+    __slots__ = ("new_token_ids", "_texts", "logprobs", "top_logprobs", "latest")
+
+    def __init__(self, first: RequestOutput):
+        self.new_token_ids = list(first.new_token_ids)
+        self._texts = [first.text]
+        self.logprobs = None if first.logprobs is None else list(first.logprobs)
+        self.top_logprobs = None if first.top_logprobs is None else list(first.top_logprobs)
+        self.latest = first
+
+    def add(self, later: RequestOutput) -> "MergingOutput":
+        self.new_token_ids += later.new_token_ids
+        self._texts.append(later.text)
+        if later.logprobs is not None or self.logprobs is not None:
+            self.logprobs = [] if self.logprobs is None else self.logprobs
+            self.logprobs += later.logprobs or []
+        if later.top_logprobs is not None or self.top_logprobs is not None:
+            self.top_logprobs = [] if self.top_logprobs is None else self.top_logprobs
+            self.top_logprobs += later.top_logprobs or []
+        self.latest = later
+        return self
+
+    def output(self) -> RequestOutput:
+        """Field by field: dataclasses.replace costs 3x as much (a test checks that no field is
+        left out)."""
+        latest = self.latest
+        return RequestOutput(
+            latest.request_id, self.new_token_ids, "".join(self._texts), latest.finish_reason,
+            latest.num_prompt_tokens, latest.num_output_tokens, latest.num_cached_tokens, self.logprobs,
+            self.top_logprobs, latest.stop_reason,
+        )
+
+
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both deltas, in order; counts, finish and stop reasons are the later's.
-    Built field by field: it runs for every stream whose writer is behind, every step, and
-    dataclasses.replace costs 3x as much (a test checks that no field is left out)."""
-    return RequestOutput(
-        later.request_id, earlier.new_token_ids + later.new_token_ids, earlier.text + later.text,
-        later.finish_reason, later.num_prompt_tokens, later.num_output_tokens, later.num_cached_tokens,
-        _concat(earlier.logprobs, later.logprobs), _concat(earlier.top_logprobs, later.top_logprobs),
-        later.stop_reason,
-    )
-
-
-def _concat(earlier: Optional[list], later: Optional[list]) -> Optional[list]:
-    if earlier is None and later is None:
-        return None
-    return (earlier or []) + (later or [])
+    """One output carrying both deltas, in order; counts, finish and stop reasons the later's."""
+    return MergingOutput(earlier).add(later).output()
 
 
 @dataclass

@@ -88,6 +88,26 @@ def test_a_merged_output_carries_every_field_of_the_later_one_but_the_concatenat
         [1, 2], "ab", [-0.1, -0.2], [("t1",), ("t2",)])
 
 
+def test_a_reader_far_behind_reads_every_delta_once_and_the_held_outputs_are_not_copied_per_step():
+    """A stalled reader's held outputs grow in place: merging by building a new output each step
+    copied all of them every step (O(L) a step, O(L^2) over the stream, on the front's event loop)."""
+    async def main():
+        outputs = stream()
+        outputs.put(output([1], "a"))  # no logprobs asked until later: None, then lists, as a merge sees them
+        outputs.put(output([2], "b", logprobs=[-0.2]))
+        held = outputs._pending[-1]
+        tokens_list = held.new_token_ids
+        for index in range(3, 1001):
+            outputs.put(output([index], "x", "length" if index == 1000 else None, logprobs=[-index / 10]))
+        assert outputs._pending[-1] is held and held.new_token_ids is tokens_list  # extended, not rebuilt
+        (read,) = [item async for item in outputs]
+        assert read.new_token_ids == list(range(1, 1001)) and read.text == "ab" + "x" * 998
+        assert read.logprobs == [-0.2] + [-index / 10 for index in range(3, 1001)]
+        assert (read.finish_reason, read.num_output_tokens) == ("length", 1000) and outputs.finished
+
+    asyncio.run(main())
+
+
 def test_with_an_interval_the_first_token_is_due_at_once_then_every_n_tokens_and_the_finish_at_once():
     async def main():
         outputs = stream(stream_interval=3)
