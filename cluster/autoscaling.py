@@ -75,6 +75,7 @@ REASONS = (
     "min_replicas",   # the wanted count was below the bounds
     "max_replicas",   # the wanted count was above the bounds
     "no_stats",       # no replica has reported yet: the count stays
+    "awaiting_stats", # a running replica has yet to report: no step at once and no scale-down (for a while)
     "requests",       # the requests-in-flight policy (its reasons are its own arithmetic)
 )
 # Signs that the cluster is already out of device KV: a step up for them skips upscale_delay_s.
@@ -155,12 +156,18 @@ class PolicyState:
     # demand moving, not a trend to scale for; nor is the dip a drop to scale down further for.
     demand_before_scale_down: Optional[float] = None
     scaled_down_at: Optional[float] = None  # when; the level is forgotten drain_timeout_s later
+    # Since when fewer replicas have reported than Serve runs (None: all have).
+    partial_since: Optional[float] = None
 
 
 # The demand history keeps at most one point per this many seconds (Serve decides every 0.1 s;
 # a replica's stats change once per metrics_interval_s), and needs this many for a trend.
 DEMAND_HISTORY_SPACING_S = 1.0
 DEMAND_TREND_MIN_POINTS = 3
+# How long a running replica that has yet to report holds back steps at once and scale-downs
+# (a new one reports within metrics_interval_s, 2 s by default): past this, one whose stats
+# never parse must not stop the policy, which goes on with those that report.
+UNREPORTED_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -202,7 +209,7 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     flapping the count; while a replica removed drains (until the demand is back at its level
     before the scale-down, or drain_timeout_s), that level stands in for the demand it holds
     unseen. Nothing is taken at once and nothing scaled down while a replica Serve runs has not
-    reported yet. A scale-down removes at most half the replicas it could (rounded
+    reported yet (for UNREPORTED_GRACE_S at most: reason awaiting_stats). A scale-down removes at most half the replicas it could (rounded
     up), then waits downscale_delay_s
     again: the demand a smaller set carries is larger than the larger set measured (the same
     arrivals in bigger batches take longer, so more of them are live at once), and it is
@@ -226,8 +233,12 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
         state, moved = replace(state, demand_before_scale_down=None, scaled_down_at=None), None
     # A replica Serve counts as running reports its first stats up to metrics_interval_s after it
     # serves: until every one has, the means leave it out (a preemption rate it would halve) and
-    # the demand misses what it holds. No step at once and no scale-down on such a partial view.
-    all_reporting = len(signals) >= running
+    # the demand misses what it holds. No step at once and no scale-down on such a partial view,
+    # for UNREPORTED_GRACE_S at most.
+    partial_since = None
+    if len(signals) < running:
+        partial_since = state.partial_since if state.partial_since is not None else now
+    all_reporting = partial_since is None or now - partial_since >= UNREPORTED_GRACE_S
     history = _recorded(state.demand_history, now, demand, params.replica_startup_s)
     # Continued as far ahead as it was measured, up to replica_startup_s: a slope fitted on the
     # 2-3 s after the history restarts, projected 30 s ahead, made one low sample a scale-up of
@@ -248,7 +259,7 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
                   preemption_rate=preemption_rate, host_kv_parked_tokens=parked, host_kv_usage=host_usage,
                   kv_demand_growth_tokens=growth, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
     kept = PolicyState(demand_history=history, demand_before_scale_down=moved,
-                       scaled_down_at=state.scaled_down_at if moved is not None else None)
+                       scaled_down_at=state.scaled_down_at if moved is not None else None, partial_since=partial_since)
 
     wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
     if reason == "kv_demand" and kv_replicas > math.ceil(demand / (params.target_utilization * capacity)):
@@ -282,7 +293,7 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
             return (_decision(fewer, "low_demand", params, inputs),
                     replace(kept, demand_before_scale_down=max(demand, moved or 0.0), scaled_down_at=now))
         return _decision(target, "pending", params, inputs), replace(kept, wants_down_since=since)
-    return _decision(target, "steady", params, inputs), kept
+    return _decision(target, "steady" if all_reporting else "awaiting_stats", params, inputs), kept
 
 
 def _clock_went_back(state: PolicyState, now: float) -> bool:
@@ -334,7 +345,7 @@ def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dic
 _STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since",
                "demand_history": "headroom.demand_history",
                "demand_before_scale_down": "headroom.demand_before_scale_down",
-               "scaled_down_at": "headroom.scaled_down_at"}
+               "scaled_down_at": "headroom.scaled_down_at", "partial_since": "headroom.partial_since"}
 
 
 def latest_stats(ctx: AutoscalingContext) -> dict[Any, dict[str, float]]:

@@ -425,9 +425,9 @@ class HTTPOptions(_Strict):
     # them (a mounted Secret on Kubernetes). Serve's gRPC proxy has no TLS: see the README.
     ssl_certfile: Optional[str] = Field(None, description="PEM certificate (chain) the HTTP proxy serves HTTPS with.")
     ssl_keyfile: Optional[str] = Field(None, description="PEM private key of ssl_certfile.")
-    # Serve's field, refused: Ray Serve 2.60 hands uvicorn ssl_ca_certs but no ssl_cert_reqs, so
-    # its HTTP proxy verifies a client certificate only where a client sends one and serves those
-    # that send none: mutual TLS that lets everyone in.
+    # Serve's field, refused: Ray Serve 2.60 hands uvicorn ssl_ca_certs but no ssl_cert_reqs
+    # (uvicorn's default: CERT_NONE), so its HTTP proxy never requests a client certificate and
+    # serves every client: mutual TLS that lets everyone in.
     ssl_ca_certs: Optional[str] = Field(None, description="Refused: Serve's HTTP proxy cannot require client "
                                                           "certificates (Ray Serve 2.60).")
 
@@ -444,9 +444,9 @@ class HTTPOptions(_Strict):
             missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
             raise ConfigError(f"{missing}: HTTPS needs both ssl_certfile and ssl_keyfile")
         if self.ssl_ca_certs is not None:
-            raise ConfigError("ssl_ca_certs: Ray Serve 2.60's HTTP proxy verifies a client certificate only when one is "
-                              "sent and never requires one, so this would let every client in; require client "
-                              "certificates at a TLS-terminating proxy in front of it, or use API keys (--api-key)")
+            raise ConfigError("ssl_ca_certs: Ray Serve 2.60's HTTP proxy never requests a client certificate with it, "
+                              "so this would let every client in; require client certificates at a TLS-terminating "
+                              "proxy in front of it, or use API keys (--api-key)")
         return self
 
 

@@ -465,8 +465,11 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._check_application(grpc_context)
         try:
+            # The context, where known already: refused token ids are then never copied out of the
+            # message (validate_request, below, refuses them anyway).
+            known = self._model_info.max_model_len if self._model_info is not None else None
+            prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits, known)
             info = await self.model_info()
-            prompt_token_ids = await prompt_token_ids_from_proto(request, self.tokenizer, self.limits, info.max_model_len)
             constraint = await output_constraint_from_proto(request)
             generation = self._generation_request(
                 prompt_token_ids, info,

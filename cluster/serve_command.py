@@ -251,7 +251,11 @@ def init_local_ray(config: ServeAppsConfig, num_cpus: Optional[int], **ray_optio
     keys --api-key exported, the proxies' bounds. That cluster served without a key, while this
     command believed one was required."""
     set_ray_environment(config)
-    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **ray_options)
+    context = ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **ray_options)
+    if os.environ.get("RAY_ADDRESS"):  # what `headroom status` and `headroom bench` would join
+        logger.warning("RAY_ADDRESS=%s is not this cluster: headroom serve started a Ray of its own at %s "
+                       "(headroom status / bench: --address %s)", os.environ["RAY_ADDRESS"],
+                       context.address_info["gcs_address"], context.address_info["gcs_address"])
 
 
 def set_ray_environment(config: ServeAppsConfig) -> None:

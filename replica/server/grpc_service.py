@@ -264,13 +264,12 @@ def model_info_proto(engine: LLMEngine | ServedEngine, model_id: str) -> pb.Mode
 
 async def _write(context: grpc.aio.ServicerContext, response: pb.GenerateResponse) -> bool:
     """Write one response; False when the call is already over (its client disconnected or
-    reset the stream: grpc raises its internal ExecuteBatchError, which, let through, logged a
-    traceback at ERROR for every slow reader that hung up)."""
+    reset the stream: grpc raises its ExecuteBatchError, a grpc.aio.InternalError, which, let
+    through, logged a traceback at ERROR for every slow reader that hung up). Anything else (a
+    response of ours that does not serialize) still fails the call."""
     try:
         await context.write(response)
-    except asyncio.CancelledError:
-        raise
-    except Exception as error:  # noqa: BLE001 - grpc's own (cygrpc) class, not public
+    except (grpc.aio.InternalError, grpc.aio.UsageError) as error:
         logger.debug("Generate: the client is gone (%s)", type(error).__name__)
         return False
     return True

@@ -76,7 +76,7 @@ def shared_ray() -> None:
     if ray.is_initialized() and _shared_ray_started_with != environment:
         ray.shutdown()
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, num_cpus=SHARED_RAY_CPUS, log_to_driver=False)
+        ray.init(address="local", include_dashboard=False, num_cpus=SHARED_RAY_CPUS, log_to_driver=False)
         _shared_ray_started_with = environment
 
 

@@ -13,7 +13,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from cluster.autoscaling import (
     HOST_CAPACITY_STAT, HOST_PARKED_STAT, KV_CAPACITY_STAT, KV_DEMAND_STAT, PREEMPTION_RATE_STAT,
-    WAITING_PREFILL_STAT, HeadroomAutoscalingPolicy, HeadroomPolicyParams, PolicyState, ReplicaSignal,
+    UNREPORTED_GRACE_S, WAITING_PREFILL_STAT, HeadroomAutoscalingPolicy, HeadroomPolicyParams, PolicyState, ReplicaSignal,
     Decision, DecisionBoard, DecisionPublisher, RequestsAutoscalingPolicy, autoscaling_stats, decide,
 )
 from cluster.config import ClusterConfig
@@ -224,15 +224,19 @@ def test_the_demand_a_draining_replica_holds_stands_until_it_is_back_or_the_drai
 def test_a_running_replica_that_has_not_reported_yet_adds_no_step_at_once_and_allows_no_scale_down():
     # Two replicas preempting 0.6/s asked for a third; it serves but has not pushed its stats
     # yet: their mean still reads 0.6, and asking for running + 1 again started a fourth.
-    decision, _ = decide(replicas(1000, 1000, preemption_rate=0.6), running=3, target=3, params=PARAMS, now=0.0)
-    assert (decision.desired_replicas, decision.reason) == (3, "steady")
+    decision, state = decide(replicas(1000, 1000, preemption_rate=0.6), running=3, target=3, params=PARAMS, now=0.0)
+    assert (decision.desired_replicas, decision.reason, state.partial_since) == (3, "awaiting_stats", 0.0)
     # Nor does the demand the two report (2,000: it fits 1) take replicas away meanwhile.
     decision, _ = decide(replicas(1000, 1000), running=3, target=3, params=PARAMS, now=40.0,
-                         state=PolicyState(wants_down_since=0.0))
-    assert (decision.desired_replicas, decision.reason) == (3, "steady")
-    decision, _ = decide(replicas(1000, 1000, 0), running=3, target=3, params=PARAMS, now=40.0,
-                         state=PolicyState(wants_down_since=0.0))
-    assert (decision.desired_replicas, decision.reason) == (2, "low_demand")  # once all three have
+                         state=PolicyState(wants_down_since=0.0, partial_since=38.0))
+    assert (decision.desired_replicas, decision.reason) == (3, "awaiting_stats")
+    decision, state = decide(replicas(1000, 1000, 0), running=3, target=3, params=PARAMS, now=40.0,
+                             state=PolicyState(wants_down_since=0.0, partial_since=38.0))
+    assert (decision.desired_replicas, decision.reason, state.partial_since) == (2, "low_demand", None)  # all have
+    # One whose stats never parse stops nothing for long: past the grace the others decide.
+    decision, _ = decide(replicas(1000, 1000, preemption_rate=0.6), running=3, target=3, params=PARAMS,
+                         now=10.0 + UNREPORTED_GRACE_S, state=PolicyState(partial_since=10.0))
+    assert (decision.desired_replicas, decision.reason) == (4, "preemptions")
 
 
 def test_at_min_replicas_a_demand_that_fits_fewer_is_steady_not_a_scale_down():

@@ -529,7 +529,7 @@ def test_ssl_ca_certs_is_refused_naming_it_since_serve_would_not_require_client_
         main(["serve", "--config", str(config)])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "ssl_ca_certs: Ray Serve 2.60's HTTP proxy verifies a client certificate only when one is sent" in err
+    assert "ssl_ca_certs: Ray Serve 2.60's HTTP proxy never requests a client certificate with it" in err
 
 
 def test_serve_num_cpus_below_1_is_a_usage_error(capsys):

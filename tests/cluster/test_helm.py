@@ -427,6 +427,12 @@ def rules_admitting(policy: dict[str, Any], port: int) -> list[dict[str, Any]]:
             if "ports" not in rule or any(entry["port"] == port for entry in rule["ports"])]
 
 
+def test_ssl_ca_certs_fails_to_render_since_serve_would_never_request_client_certificates():
+    with pytest.raises(helm.HelmError, match="serve.http_options.ssl_ca_certs: refused"):
+        render({"serve": {"http_options": {"ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem",
+                                           "ssl_ca_certs": "/ca.pem"}}})
+
+
 def test_only_the_releases_pods_reach_the_replicas_internal_port(documents):
     (policy,) = only(documents, "NetworkPolicy")
     service = rayservice(documents)

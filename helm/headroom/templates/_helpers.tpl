@@ -146,6 +146,9 @@ env:
 {{- $_ := set $args "ports" $ports }}
 {{- $_ := set $app "args" $args }}
 {{- end }}
+{{- if ($serve.http_options | default dict).ssl_ca_certs }}
+{{- fail "serve.http_options.ssl_ca_certs: refused: Ray Serve 2.60's HTTP proxy never requests a client certificate with it, so it would let every client in; require client certificates at a TLS-terminating proxy in front, or use API keys (apiKey)" }}
+{{- end }}
 {{- if .Values.tls.existingSecret }}
 {{- $http := $serve.http_options | default dict }}
 {{- if or $http.ssl_certfile $http.ssl_keyfile }}
