@@ -357,7 +357,7 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         "gauge",
         "Replicas the application's autoscaling policy wants now, and why (reason: kv_demand, kv_trend, "
         "waiting_work, preemptions, host_tier, low_demand, steady, pending, min_replicas, max_replicas, "
-        "no_stats; requests for Serve's request-count policy).",
+        "no_stats, awaiting_stats; requests for Serve's request-count policy).",
         None,
         ("application", "policy", "reason"),
     ),
