@@ -31,6 +31,10 @@ UNSIZED_REQUEST = RoutingRequest(prompt_tokens=0, max_tokens=16)
 # A choice the router made but Ray Serve has not confirmed (the replica may still reject
 # it, or the caller cancel) counts against its replica for at most this long.
 TENTATIVE_SEND_TTL_S = 5.0
+# How long a request's end, reported before its routing (Serve marshals the two callbacks onto
+# the router's loop separately: a request refused at once, or a very short one, may end first),
+# is remembered so that the late routing records nothing live.
+ENDED_BEFORE_ROUTED_TTL_S = 60.0
 
 
 def routing_request_of(kwargs: Mapping[str, Any]) -> RoutingRequest:
@@ -77,6 +81,9 @@ class HeadroomRouter:
             self.kv_events = KVEventSubscriber(self.cache_index, backoff=backoff, clock=clock,
                                                on_resync=self.metrics.kv_event_resynced, metadata=metadata)
         self._tentative: dict[str, TentativeSend] = {}  # request key -> the router's first choice
+        self._replica_ids: set[str] = set()  # what Serve routes to now (sync_replicas)
+        self._live: dict[str, str] = {}  # request key -> the replica it was routed to, until it ends
+        self._ended_before_routed: dict[str, tuple[str, float]] = {}  # request key -> (replica, when)
 
     # ---- the replica set -------------------------------------------------------------
     def sync_replicas(self, endpoints: Mapping[str, Optional[str]]) -> None:
@@ -87,8 +94,11 @@ class HeadroomRouter:
                 self.loads.subscribe(replica_id, endpoint)
                 if self.kv_events is not None:
                     self.kv_events.subscribe(replica_id, endpoint)
-        for replica_id in self.loads.replica_ids - set(endpoints):
+        # Every replica that left, subscribed or not (one routed to by queue length before it
+        # announced an endpoint has bookkeeping and metric series too).
+        for replica_id in (self._replica_ids | self.loads.replica_ids) - set(endpoints):
             self.remove_replica(replica_id)
+        self._replica_ids = set(endpoints)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a dead or removed replica: its stream, its bookkeeping, its metric series."""
@@ -100,6 +110,9 @@ class HeadroomRouter:
         self.policy.forget_replica(replica_id)
         for key in [key for key, send in self._tentative.items() if send.replica_id == replica_id]:
             del self._tentative[key]
+        for key in [key for key, owner in self._live.items() if owner == replica_id]:
+            del self._live[key]
+        self._replica_ids.discard(replica_id)
 
     # ---- routing -----------------------------------------------------------------------
     def rank(self, request: RoutingRequest, queue_lens: Mapping[str, int], request_key: str) -> Optional[list[str]]:
@@ -144,18 +157,37 @@ class HeadroomRouter:
     def routed(self, request: RoutingRequest, request_key: str, replica_id: str) -> None:
         """Ray Serve sent the request to `replica_id` and the replica accepted it."""
         self._tentative.pop(request_key, None)
+        if self._replica_ids and replica_id not in self._replica_ids:
+            return  # removed meanwhile (a scale-down during the accept round trip): nothing to recreate
         send = self._send_of(request, replica_id)
         self.inflight.record_sent(replica_id, send.blocks, self.wall_clock(), send.prefill_tokens)
         cached = {other: self._cached_blocks(request, other) for other in self.cache_index.replica_ids()}
         cached_blocks, _, block_size = cached.get(replica_id, (0, 0, 0))
         spilled = any(blocks > cached_blocks for blocks, _, _ in cached.values())
         self.metrics.decided(replica_id, cached_blocks * block_size, spilled)
+        ended = self._ended_before_routed.pop(request_key, None)
+        if ended is not None and ended[0] == replica_id:
+            return  # it ended before this call came: its prompt is live nowhere
+        self._live[request_key] = replica_id
         self.policy.on_routed(request, replica_id, request_key, cached_blocks)
 
-    def abandoned(self, request_key: str) -> None:
-        """The request will not be sent after all (cancelled), or it finished."""
+    def abandoned(self, request_key: str, replica_id: Optional[str] = None) -> None:
+        """The request will not be sent after all (cancelled), or it ended on `replica_id` (a
+        rejection there, or its end; None: wherever it was routed). An end reported for another
+        replica than the one it is live on (a rejected attempt's, after its retry was accepted)
+        leaves the live one be; one reported before its routing is remembered for it."""
         self._tentative.pop(request_key, None)
-        self.policy.on_finished(request_key)
+        live_on = self._live.get(request_key)
+        if live_on is not None and (replica_id is None or live_on == replica_id):
+            del self._live[request_key]
+            self.policy.on_finished(request_key)
+        elif live_on is None and replica_id is not None:
+            now = self.clock()
+            self._ended_before_routed[request_key] = (replica_id, now)
+            if len(self._ended_before_routed) > 1024:  # bounded: most are read within a loop turn
+                expired_before = now - ENDED_BEFORE_ROUTED_TTL_S
+                for key in [key for key, (_, at) in self._ended_before_routed.items() if at < expired_before]:
+                    del self._ended_before_routed[key]
 
     def _cached_blocks(self, request: RoutingRequest, replica_id: str) -> tuple[int, int, int]:
         """(leading prompt blocks the replica caches, as a score (ReplicaCache.hit_blocks); of

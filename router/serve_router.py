@@ -88,4 +88,6 @@ class HeadroomRequestRouter(RequestRouter):
         )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.headroom.abandoned(internal_request_id)
+        # Serve 2.60 marshals this onto the router's loop apart from on_request_routed: it may
+        # come first (HeadroomRouter.abandoned keeps what it needs for that).
+        self.headroom.abandoned(internal_request_id, replica_id.unique_id)

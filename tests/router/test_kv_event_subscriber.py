@@ -58,7 +58,7 @@ def test_routed_requests_count_predicted_hits_and_spills_away_from_the_holder():
         router = HeadroomRouter("headroom")
         endpoint = f"127.0.0.1:{port}"
         try:
-            router.sync_replicas({"holder": endpoint})
+            router.sync_replicas({"holder": endpoint, "elsewhere": None})  # the other: no endpoint announced yet
             async for _ in server.engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0)):
                 pass
             await eventually(lambda: router.cache_index.get("holder") is not None

@@ -581,3 +581,40 @@ def test_a_load_without_a_block_size_is_ranked_and_routed_to_without_dividing_by
     assert sorted(ranked) == ["fine", "odd"]
     for replica_id in ranked:
         router.routed(request, "k", replica_id)
+
+
+def test_a_request_that_ends_before_its_routing_is_reported_leaves_nothing_live_and_a_rejection_elsewhere_no_hole():
+    """Serve 2.60 puts on_request_completed and on_request_routed on the router's loop apart: a
+    request refused at once (or a very short one) could end first, and its prompt blocks then
+    stayed 'live' on the replica for good, pinning its tenant there after the prefix was gone."""
+    from router_harness import router_over
+
+    loads = {"r0": make_load("r0"), "r1": make_load("r1")}
+    prompt = tuple(range(3, 3 + 64))
+    request = RoutingRequest(prompt_tokens=len(prompt), max_tokens=8, prompt_token_ids=prompt)
+    router = router_over(loads)
+    router.rank(request, {"r0": 0, "r1": 0}, "k")  # the policy learns the replicas' block sizes
+    router.abandoned("k", "r0")  # its end, first
+    router.routed(request, "k", "r0")
+    assert not router.policy._live.of("r0") and not router._live
+    # A rejected attempt's end (on r1) arriving after its retry was accepted on r0 leaves r0's live.
+    router.rank(request, {"r0": 0, "r1": 0}, "k2")
+    router.routed(request, "k2", "r0")
+    router.abandoned("k2", "r1")
+    assert sum(router.policy._live.of("r0").values()) == 3 and router._live == {"k2": "r0"}
+    router.abandoned("k2", "r0")  # its own end
+    assert not router.policy._live.of("r0") and not router._live
+
+
+def test_a_replica_that_left_leaves_no_bookkeeping_and_a_late_routing_to_it_recreates_none():
+    from router_harness import router_over
+
+    router = router_over({"r0": make_load("r0")})
+    request = RoutingRequest(prompt_tokens=100, max_tokens=50)
+    router.sync_replicas({"r0": None, "early": None})  # "early" has announced no endpoint yet
+    router.routed(request, "a", "early")  # routed by queue length meanwhile
+    assert router.inflight.counts("early").requests == 1
+    router.sync_replicas({"r0": None})  # it left
+    assert router.inflight.counts("early").requests == 0 and "early" not in router._replica_ids
+    router.routed(request, "b", "early")  # Serve's accept, after the removal
+    assert router.inflight.counts("early").requests == 0 and not router._live
