@@ -251,6 +251,11 @@ class PortsConfig(_Strict):
         address = self.bind_address
         if address is not None and not is_address(address):
             raise ConfigError(f"bind_address: {address!r} is neither an IP address nor a host name")
+        if address is not None and address.strip("[]") in ("0.0.0.0", "::"):
+            # It is announced, too: a router on another node dialling 0.0.0.0 reaches its own node,
+            # maybe another replica there, and takes that one's load and cache for this one's.
+            raise ConfigError(f"bind_address: {address!r} listens everywhere but is also the address routers and "
+                              "Prometheus dial; give one they reach (null: the node's IP)")
         return self
 
     @model_validator(mode="after")

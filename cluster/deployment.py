@@ -24,6 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from cluster.arg_types import host_port
 from cluster.autoscaling import autoscaling_stats
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
 from cluster.serve_logging import log_client_errors_in_one_line
@@ -118,12 +119,12 @@ class LLMReplica:
         # Kubernetes the replica PodMonitor scrapes a worker pod from its start, and a port
         # nobody serves for a minute fires HeadroomReplicaDown on a replica that is only loading.
         self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
-        self.metrics_endpoint = f"{host}:{self.metrics_http.server_port}"
+        self.metrics_endpoint = host_port(host, self.metrics_http.server_port)
         try:  # binds, then spawns the engine core and waits for its engine
             port = await self.server.start(host, config.ports.replica_grpc, PORT_SEARCH)
         except OSError as error:
             raise RuntimeError(f"ports.replica_grpc: {error}") from None
-        self.load_endpoint = f"{host}:{port}"
+        self.load_endpoint = host_port(host, port)
         logger.info("replica %s (rank %d) announces load at %s", self.replica_id, context.rank.rank, self.load_endpoint)
         # This actor's process is the replica's front: as `headroom replica` does, its startup
         # heap (Ray, Serve, torch, grpc) leaves the collector's reach, so no full collection

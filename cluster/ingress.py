@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.arg_types import host_port
 from cluster.autoscaler_metrics import AutoscalerCollector
 from cluster.autoscaling import decision_board
 from cluster.config import ClusterConfig
@@ -337,7 +338,7 @@ class Ingress:
         self.targets: Optional[PrometheusTargets] = None
         if config.monitoring.targets_dir is not None:
             self.targets = PrometheusTargets(Path(config.monitoring.targets_dir), self.app_name,
-                                             f"{host}:{self.router_metrics_http.server_port}",
+                                             host_port(host, self.router_metrics_http.server_port),
                                              self._replica_metrics_endpoints)
             self.targets.start()
 

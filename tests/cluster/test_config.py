@@ -91,6 +91,7 @@ def test_router_policy_names_are_the_router_registry():
      "applications[0].args.ports.replica_grpc: 9100 is also ports.metrics; each endpoint needs a port of its own"),
     ({"ports": {"router_metrics": 9100}}, "ports.router_metrics: 9100 is also ports.metrics"),
     ({"ports": {"bind_address": "not an ip"}}, "ports.bind_address: 'not an ip' is neither an IP address nor a host name"),
+    ({"ports": {"bind_address": "0.0.0.0"}}, "ports.bind_address: '0.0.0.0' listens everywhere but is also the address"),
     ({"applications": [{"name": "a"}, {"name": "a", "route_prefix": "/b"}]}, "applications[1].name: "),
     ({"applications": [{"name": "a"}, {"name": "b"}]}, "applications[1].route_prefix: "),
     ({"applications": [{"name": "a", "import_path": "my.app:app"}]}, "applications[0].import_path: "),
@@ -464,3 +465,11 @@ def test_a_chat_template_file_is_read_where_the_config_loads_and_a_bad_one_named
         with pytest.raises(ConfigError, match=f"^applications\\[0\\]\\.args\\.chat_template: .*{says}"):
             load_config({"applications": [{"name": "a", "import_path": "cluster.app:build_app",
                                             "args": {"chat_template": value}}]})
+
+
+def test_an_ipv6_bind_address_is_announced_in_brackets_as_grpc_and_prometheus_dial_it():
+    # `fd00::1:9300` does not resolve: every router fell back to Serve's choice (logged at DEBUG).
+    from cluster.arg_types import host_port
+
+    assert host_port("fd00::1", 9300) == "[fd00::1]:9300" and host_port("[::1]", 9100) == "[::1]:9100"
+    assert host_port("10.1.2.3", 9300) == "10.1.2.3:9300" and host_port("node-a.local", 9300) == "node-a.local:9300"
