@@ -15,6 +15,8 @@ from typing import Callable, Generic, Optional, Sequence, TypeVar
 
 import grpc
 
+from protos.keepalive import CLIENT_KEEPALIVE_OPTIONS
+
 logger = logging.getLogger(__name__)
 
 
@@ -86,7 +88,7 @@ class StreamSubscription(abc.ABC):
     async def _run(self) -> None:
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.endpoint) as channel:
+                async with grpc.aio.insecure_channel(self.endpoint, options=CLIENT_KEEPALIVE_OPTIONS) as channel:
                     await self._stream_once(channel)
             except grpc.aio.AioRpcError as error:
                 logger.debug("%s %s at %s: %s", self.kind, self.replica_id, self.endpoint, error.code())

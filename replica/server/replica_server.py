@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
+from protos.keepalive import SERVER_KEEPALIVE_OPTIONS
 from replica.front.async_engine import AsyncEngine
 from replica.server.auth import BearerAuthInterceptor, Credentials
 from replica.server.grpc_reflection import enable_reflection
@@ -42,8 +43,9 @@ LOAD_REPORTER_SERVICE = pb.DESCRIPTOR.services_by_name["LoadReporter"].full_name
 # connections. Off, a taken port fails to bind, so the next one can be tried. The fronts of
 # one replica (`headroom replica --api-server-count N`) share theirs on purpose: the kernel
 # spreads new connections over them.
-SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
-SHARED_PORT_SERVER_OPTIONS = (("grpc.so_reuseport", 1),)
+# Routers' streams ping every KEEPALIVE_TIME_MS (protos/keepalive.py): accepted, with or without data.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),) + SERVER_KEEPALIVE_OPTIONS
+SHARED_PORT_SERVER_OPTIONS = (("grpc.so_reuseport", 1),) + SERVER_KEEPALIVE_OPTIONS
 # Without new loads (an idle engine) the gauges are still refreshed this often, so the
 # smoothed preemption rate visibly decays to zero.
 IDLE_METRICS_REFRESH_S = 1.0
