@@ -37,12 +37,6 @@ _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-
                         r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
-def host_port(host: str, port: int) -> str:
-    """`host:port` as gRPC and Prometheus dial it: an IPv6 literal in brackets (`[fd00::1]:9300`;
-    `fd00::1:9300` did not resolve, and every router fell back to Serve's choice, logged at DEBUG)."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def is_address(text: str) -> bool:
     """An IP address or an RFC 1123 host name (not resolved: a name may only resolve on the nodes)."""
     return is_ip_address(text) or _HOST_NAME.fullmatch(text) is not None

@@ -266,11 +266,9 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
         reason = "kv_trend"
     # Preempting, or the host tiers filling, is one replica more at once, whatever else asks for more.
     at_once: Optional[tuple[int, str]] = None
-    if not all_reporting:
-        pass
-    elif preemption_rate > params.preemption_rate_threshold:
+    if all_reporting and preemption_rate > params.preemption_rate_threshold:
         at_once = (running + 1, "preemptions")
-    elif host_usage > params.target_utilization:
+    elif all_reporting and host_usage > params.target_utilization:
         at_once = (running + 1, "host_tier")
     if at_once is not None and at_once[0] >= wanted:
         wanted, reason = at_once

@@ -24,7 +24,6 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.context import _get_global_client
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cluster.arg_types import host_port
 from cluster.autoscaling import autoscaling_stats
 from cluster.config import ClusterConfig, resolve_device, serve_deployment_options
 from cluster.serve_logging import log_client_errors_in_one_line
@@ -36,7 +35,7 @@ from replica.core.outputs import RequestOutput
 from replica.server.grpc_service import TTFTTargets, model_info_proto
 from replica.server.metrics import ReplicaMetrics
 from replica.core.request import SamplingParams
-from replica.server.auth import Credentials
+from replica.server.auth import Credentials, host_port
 from replica.server.replica_server import ReplicaServer
 from replica.core.process import freeze_startup_heap
 from replica.ipc.messages import CoreSpec

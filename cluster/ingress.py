@@ -28,7 +28,6 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.arg_types import host_port
 from cluster.autoscaler_metrics import AutoscalerCollector
 from cluster.autoscaling import decision_board
 from cluster.config import ClusterConfig
@@ -55,7 +54,9 @@ from replica.server.grpc_service import (
 from replica.model.registry import resolve_model_path
 from replica.core.outputs import RequestOutput
 from replica.core.request import validate_request
-from replica.server.auth import Credentials, api_key_credentials, metadata_authorization, missing_credential
+from replica.server.auth import (
+    Credentials, api_key_credentials, host_port, metadata_authorization, missing_credential,
+)
 from replica.server.request_limits import INLINE_TOKENIZE_MAX_CHARS, encode_prompt
 from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler

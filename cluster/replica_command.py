@@ -35,7 +35,7 @@ from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import child_environment
 from replica.config import ATTENTION_BACKEND_NAMES, ConfigError, EngineConfig
 from replica.server.auth import (
-    Credentials, CredentialsError, add_api_key_arguments, api_key_credentials_from_args, open_door_warning,
+    Credentials, CredentialsError, add_api_key_arguments, api_key_credentials_from_args, host_port, open_door_warning,
 )
 from replica.server.metrics import ReplicaMetrics, use_multiprocess_metrics
 from replica.model import ModelConfigError, ModelLoadError
@@ -172,7 +172,7 @@ async def _serve_fronts(config: EngineConfig, replica_id: str, credentials: Cred
     # (and with it every stream and every new request) mid-serving.
     freeze_startup_heap()
     # Printed (not only logged) so a parent process using --port 0 can read the port.
-    print(f"listening on {args.host}:{port}" + (f" ({fronts} fronts)" if fronts > 1 else ""), flush=True)
+    print(f"listening on {host_port(args.host, port)}" + (f" ({fronts} fronts)" if fronts > 1 else ""), flush=True)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -298,7 +298,7 @@ async def _serve_front(index: int, core_socket: socket.socket, settings: FrontSe
     engine.on_dead(lambda error: stop_requested.set())  # front 0 stopped the core, or it died
     await server.start(args.host, settings.port, join=True)
     freeze_startup_heap()
-    print(f"front {index} listening on {args.host}:{settings.port}", flush=True)
+    print(f"front {index} listening on {host_port(args.host, settings.port)}", flush=True)
     os.dup2(2, 1)  # nobody reads the pipe after that line: a later print must not fill it
     await stop_requested.wait()
     await server.stop(args.shutdown_grace_s)

@@ -150,11 +150,9 @@ class KVSwapper:
         # Both as rows of one block of one layer's keys or values: the stacked cache's row
         # (layer, key/value, block) is plane (layer x 2 + key/value) x blocks + block, and the
         # staging buffer's rows run block-major, each block's planes in order.
-        self.num_planes = self.num_layers * 2
-        row_numel = math.prod(self.block_shape)
-        self.device_rows = self.stacked.view(-1, row_numel)
-        self.staging_rows = self.staging.view(-1, row_numel)
-        self.plane_starts = np.arange(self.num_planes, dtype=np.int64) * self.stacked.shape[2]
+        self.row_numel = math.prod(self.block_shape)
+        self.device_rows = self.stacked.view(-1, self.row_numel)
+        self.plane_starts = np.arange(self.num_layers * 2, dtype=np.int64) * self.stacked.shape[2]
 
     @torch.inference_mode()
     def copy(self, copies: BlockCopies) -> None:
@@ -196,8 +194,7 @@ class KVSwapper:
             return
         for round_ in plan_rounds([(host_id, device_id) for device_id, host_id in device_host_pairs]):
             staging = self.staging[:len(round_.device_ids)]
-            torch.index_select(self.device_rows, 0, self._rows(round_.device_ids),
-                               out=self.staging_rows[:len(round_.device_ids) * self.num_planes])
+            torch.index_select(self.device_rows, 0, self._rows(round_.device_ids), out=staging.view(-1, self.row_numel))
             for row, host_id, length in round_.runs:
                 self.host_cache[host_id:host_id + length].copy_(staging[row:row + length], non_blocking=self.on_cuda)
             self.runs += len(round_.runs)
@@ -212,8 +209,7 @@ class KVSwapper:
             for row, host_id, length in round_.runs:
                 staging[row:row + length].copy_(self.host_cache[host_id:host_id + length], non_blocking=self.on_cuda)
             self.runs += len(round_.runs)
-            self.device_rows.index_copy_(0, self._rows(round_.device_ids),
-                                         self.staging_rows[:len(round_.device_ids) * self.num_planes])
+            self.device_rows.index_copy_(0, self._rows(round_.device_ids), staging.view(-1, self.row_numel))
 
     def _rows(self, block_ids: list[int]) -> torch.Tensor:
         """The stacked cache's rows of `block_ids`, in the staging buffer's row order, as an int64

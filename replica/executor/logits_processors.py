@@ -61,7 +61,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
         return logits
     rows, token_ids, biases = zip(*entries)
     device = logits.device
-    biased = logits.contiguous().clone()
+    biased = logits.clone(memory_format=torch.contiguous_format)  # viewed flat below
     # One index into the flattened logits, added to: index_put_(accumulate=True) takes CUDA's
     # sort path, whose index range check has read the index's min and max back on the host.
     keys = np.asarray(rows, dtype=np.int64) * logits.shape[-1] + np.asarray(token_ids, dtype=np.int64)

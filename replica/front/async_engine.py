@@ -169,11 +169,6 @@ class MergingOutput:
         )
 
 
-def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both deltas, in order; counts, finish and stop reasons the later's."""
-    return MergingOutput(earlier).add(later).output()
-
-
 @dataclass
 class ServedEngine:
     """What the front knows of the engine in the core: the facts servicers and callers read

@@ -257,6 +257,13 @@ def export_api_key_flags(args: argparse.Namespace, environ: MutableMapping[str, 
         environ[API_KEY_FILE_ENV] = os.path.abspath(args.api_key_file)
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC binds and dials it and Prometheus scrapes it: an IPv6 literal in
+    brackets (`[fd00::1]:9300`; an announced `fd00::1:9300` did not resolve, and every router
+    fell back to Serve's choice, logged at DEBUG)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def is_loopback_host(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback

@@ -26,7 +26,7 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from protos.keepalive import SERVER_KEEPALIVE_OPTIONS
 from replica.front.async_engine import AsyncEngine
-from replica.server.auth import BearerAuthInterceptor, Credentials
+from replica.server.auth import BearerAuthInterceptor, Credentials, host_port
 from replica.server.grpc_reflection import enable_reflection
 from replica.server.grpc_service import GenerationServicer, LoadReporterServicer
 from replica.server.load_report import LoadReportBuilder
@@ -168,9 +168,8 @@ def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_se
     for port in range(base_port, last_port + 1):
         if check_free and port and not _port_is_free(host, port):
             continue
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            return server.add_insecure_port(address)
+            return server.add_insecure_port(host_port(host, port))
         except RuntimeError:  # grpc's "Failed to bind": taken (or not an address of this host)
             continue
     raise OSError(f"no free port on {host} in {base_port}..{last_port}")

@@ -469,7 +469,7 @@ def test_a_chat_template_file_is_read_where_the_config_loads_and_a_bad_one_named
 
 def test_an_ipv6_bind_address_is_announced_in_brackets_as_grpc_and_prometheus_dial_it():
     # `fd00::1:9300` does not resolve: every router fell back to Serve's choice (logged at DEBUG).
-    from cluster.arg_types import host_port
+    from replica.server.auth import host_port
 
     assert host_port("fd00::1", 9300) == "[fd00::1]:9300" and host_port("[::1]", 9100) == "[::1]:9100"
     assert host_port("10.1.2.3", 9300) == "10.1.2.3:9300" and host_port("node-a.local", 9300) == "node-a.local:9300"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from replica.front.async_engine import RequestStream, merge_outputs
+from replica.front.async_engine import MergingOutput, RequestStream
 from replica.config import make_engine_config
 from replica.core.outputs import RequestOutput, make_request
 from replica.core.request import SamplingParams
@@ -75,12 +75,12 @@ def test_an_error_is_not_merged_away_and_ends_the_stream_after_the_tokens_before
 
 
 def test_a_merged_output_carries_every_field_of_the_later_one_but_the_concatenated_deltas():
-    # merge_outputs builds the output field by field (for speed): a field added to
+    # MergingOutput builds the output field by field (for speed): a field added to
     # RequestOutput must not be dropped from merged outputs.
     concatenated = {"new_token_ids", "text", "logprobs", "top_logprobs"}
     earlier = RequestOutput("r", [1], "a", None, 3, 1, 0, logprobs=[-0.1], top_logprobs=[("t1",)])
     later = RequestOutput("r", [2], "b", "stop", 3, 2, 5, logprobs=[-0.2], top_logprobs=[("t2",)], stop_reason=7)
-    merged = merge_outputs(earlier, later)
+    merged = MergingOutput(earlier).add(later).output()
     for field in dataclasses.fields(RequestOutput):
         if field.name not in concatenated:
             assert getattr(merged, field.name) == getattr(later, field.name), field.name

@@ -323,32 +323,27 @@ def test_logit_bias_over_the_limit_is_refused_where_it_enters():
     assert raised.value.field == "logit_bias" and "3 entries exceeds the limit of 2" in raised.value.message
 
 
-def test_token_ids_past_the_context_are_refused_before_they_are_copied_out_of_the_message():
+def test_token_ids_past_the_context_are_refused_before_they_are_copied_out_of_the_message(monkeypatch):
     """A 4 MiB message of ids (4 million): copying them into a list held the front's event loop,
     every stream's, ~0.2 s before validate_request refused the length. Refused on the count alone."""
-    from replica.server.grpc_service import prompt_token_ids_from_proto
+    import replica.server.grpc_service as grpc_service
     from replica.errors import InvalidRequestError
 
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 2048), sampling=sampling(max_tokens=4))
     copied = []
-    real_list = list
 
     def watching_list(values):  # the branch's copy, seen: it must not happen for a refused prompt
         copied.append(len(values))
-        return real_list(values)
+        return [*values]
 
-    import replica.server.grpc_service as grpc_service
-    grpc_service.list = watching_list
-    try:
-        with pytest.raises(InvalidRequestError) as raised:
-            asyncio.run(prompt_token_ids_from_proto(request, tokenizer=None, limits=RequestLimits(), max_model_len=2048))
-        assert raised.value.field == "prompt" and "2048 tokens leaves no room to generate within max_model_len (2048)" \
-            in raised.value.message and copied == []
-        shorter = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 2047), sampling=sampling(max_tokens=1))
-        assert len(asyncio.run(prompt_token_ids_from_proto(shorter, None, RequestLimits(), 2048))) == 2047
-        assert copied == [2047]
-    finally:
-        del grpc_service.list
+    monkeypatch.setattr(grpc_service, "list", watching_list, raising=False)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 2048), sampling=sampling(max_tokens=4))
+    with pytest.raises(InvalidRequestError) as raised:
+        asyncio.run(grpc_service.prompt_token_ids_from_proto(request, None, RequestLimits(), max_model_len=2048))
+    assert raised.value.field == "prompt" and copied == []
+    assert "2048 tokens leaves no room to generate within max_model_len (2048)" in raised.value.message
+    shorter = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 2047), sampling=sampling(max_tokens=1))
+    assert len(asyncio.run(grpc_service.prompt_token_ids_from_proto(shorter, None, RequestLimits(), 2048))) == 2047
+    assert copied == [2047]
 
 
 def test_request_bytes_that_do_not_parse_are_invalid_argument_and_the_replica_serves_on(replica):
