@@ -35,6 +35,7 @@ class KVEventSubscription(StreamSubscription):
         first = True
         previous_seq = None
         async for batch in call:
+            self._check_identity(batch.replica_id)
             if first:
                 self._delivered()
                 first = False

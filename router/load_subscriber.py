@@ -49,6 +49,7 @@ class LoadSubscription(StreamSubscription):
         first = True
         try:
             async for load in call:
+                self._check_identity(load.replica_id)
                 self.load = load
                 self.received_at = self.clock()
                 if first:

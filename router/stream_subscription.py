@@ -35,6 +35,12 @@ class Backoff:
         return nominal / 2 + rng.uniform(0.0, nominal / 2)
 
 
+class WrongReplica(Exception):
+    """The endpoint answered as another replica: the one subscribed to is gone and its port was
+    taken by a new one (which the router learns of under its own id). Nothing it sends is
+    applied; the subscription keeps backing off until its replica is unsubscribed."""
+
+
 class StreamSubscription(abc.ABC):
     """One replica's server stream, kept open until close(): after a stream error or a clean
     end (the replica restarting its server) it reconnects, backing off while the replica
@@ -62,6 +68,7 @@ class StreamSubscription(abc.ABC):
         self.connects = 0  # streams that delivered at least one message
         self.failed_attempts = 0  # consecutive attempts without a message; sets the backoff
         self.stopped = False
+        self.wrong_replica: Optional[str] = None  # the id the endpoint last answered as, if not ours
         self._task: Optional[asyncio.Task] = None
 
     def start(self) -> None:
@@ -92,6 +99,11 @@ class StreamSubscription(abc.ABC):
                     await self._stream_once(channel)
             except grpc.aio.AioRpcError as error:
                 logger.debug("%s %s at %s: %s", self.kind, self.replica_id, self.endpoint, error.code())
+            except WrongReplica as error:
+                if self.wrong_replica != str(error):
+                    logger.warning("%s %s: %s answers as replica %s; ignoring it until %s is removed",
+                                   self.kind, self.replica_id, self.endpoint, error, self.replica_id)
+                self.wrong_replica = str(error)
             except Exception:  # never let one replica's stream die silently: keep retrying
                 logger.exception("%s %s at %s failed", self.kind, self.replica_id, self.endpoint)
             self._disconnected()
@@ -99,11 +111,18 @@ class StreamSubscription(abc.ABC):
             self.failed_attempts += 1
             await asyncio.sleep(delay_s)
 
+    def _check_identity(self, replica_id: str) -> None:
+        """Raise WrongReplica unless a message's `replica_id` is this subscription's (empty:
+        a replica that does not say, trusted)."""
+        if replica_id and replica_id != self.replica_id:
+            raise WrongReplica(replica_id)
+
     def _delivered(self) -> None:
         """Call on a stream's first message: only a stream that delivers resets the backoff,
         so a replica that accepts connections and then fails at once is not hammered."""
         self.connects += 1
         self.failed_attempts = 0
+        self.wrong_replica = None
 
     def _disconnected(self) -> None:
         """The stream ended or failed; subclasses drop what no longer holds."""

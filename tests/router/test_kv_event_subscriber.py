@@ -54,7 +54,7 @@ def test_the_index_learns_what_the_replica_cached_and_is_rebuilt_after_a_restart
 def test_routed_requests_count_predicted_hits_and_spills_away_from_the_holder():
     async def scenario() -> None:
         port = free_port()
-        server = await start_replica(port)
+        server = await start_replica(port, "holder")
         router = HeadroomRouter("headroom")
         endpoint = f"127.0.0.1:{port}"
         try:

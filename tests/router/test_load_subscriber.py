@@ -33,9 +33,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def start_replica(port: int) -> ReplicaServer:
+async def start_replica(port: int, replica_id: str = "r0") -> ReplicaServer:
+    """replica_id: what the server says it is in its streams; the router checks it against the
+    id it subscribed under ("" says nothing, and is trusted)."""
     engine = AsyncEngine(CoreSpec(make_engine_config(**ENGINE_CONFIG), "builtin", device="cpu"))
-    server = ReplicaServer(engine, "replica-under-test", "builtin", ReplicaMetrics("replica-under-test", "builtin"))
+    server = ReplicaServer(engine, replica_id, "builtin", ReplicaMetrics(replica_id or "anonymous", "builtin"))
     await server.start("127.0.0.1", port)
     return server
 
@@ -109,6 +111,32 @@ def test_subscription_ages_while_the_replica_is_down_and_resumes_after_it_restar
     asyncio.run(scenario())
 
 
+def test_a_new_replica_on_a_gone_replicas_port_is_not_taken_for_it():
+    """Ports are reused: until Serve reports r0 gone, its subscription reconnects to whatever
+    listens there. A replica answering under another id is neither its load nor its cache."""
+    async def scenario() -> None:
+        port = free_port()
+        server = await start_replica(port, "r0")
+        router = HeadroomRouter("headroom", staleness_s=0.3, backoff=Backoff(initial_s=0.05, max_s=0.2))
+        try:
+            router.sync_replicas({"r0": f"127.0.0.1:{port}"})
+            loads = router.loads.get("r0")
+            await eventually(lambda: loads.load is not None and router.cache_index.get("r0") is not None)
+            await server.stop(0.5)
+            server = await start_replica(port, "r9")  # a new replica takes the port
+            await eventually(lambda: loads.wrong_replica == "r9" and router.kv_events.get("r0").wrong_replica == "r9")
+            await asyncio.sleep(0.4)
+            assert loads.load.replica_id == "r0" and loads.age_s() > 0.3  # r0's last load, ageing
+            assert router.cache_index.get("r0") is None  # nothing of r9's cache under r0
+            assert loads.connects == 1 and loads.failed_attempts >= 2  # backing off, not streaming
+            assert router.rank(RoutingRequest(prompt_tokens=40, max_tokens=60), {"r0": 0}, "k") is None
+        finally:
+            await router.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
+
+
 def test_stale_loads_fall_back_to_ray_serves_choice_and_fresh_ones_rank():
     async def scenario() -> None:
         port = free_port()
@@ -134,7 +162,7 @@ def test_stale_loads_fall_back_to_ray_serves_choice_and_fresh_ones_rank():
 
 def test_a_burst_with_no_new_snapshot_spreads_over_equally_loaded_replicas():
     async def scenario() -> None:
-        server = await start_replica(0)
+        server = await start_replica(0, replica_id="")  # read under two ids
         router = HeadroomRouter("headroom", rng=random.Random(3))
         try:
             endpoint = f"127.0.0.1:{server.port}"
@@ -179,7 +207,7 @@ def test_a_replica_whose_engine_core_died_is_routed_around_at_once_though_its_qu
     """A dead core fails requests fast, so its queue looks shortest: the replica's stream
     says it serves nothing more and the router drops it long before its load goes stale."""
     async def scenario() -> None:
-        dying, healthy = await start_replica(0), await start_replica(0)
+        dying, healthy = await start_replica(0, "dying"), await start_replica(0, "healthy")
         router = HeadroomRouter("headroom", staleness_s=5.0)
         request = RoutingRequest(prompt_tokens=40, max_tokens=60)
         try:
