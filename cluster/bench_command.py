@@ -28,6 +28,8 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 
 REQUEST_TIMEOUT_S = 600.0
+DEFAULT_REQUESTS = 64  # a closed-loop run's; a trace replays whole unless --requests says
+DEFAULT_CONCURRENCY = 8  # a closed-loop run's; a trace's arrivals are not capped unless --concurrency says
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,11 @@ class RequestResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target_arguments(parser)
-    parser.add_argument("--requests", type=positive_int, default=64, help="requests to send (default: %(default)s)")
-    parser.add_argument("--concurrency", type=positive_int, default=8,
-                        help="most requests in flight at once (default: %(default)s)")
+    parser.add_argument("--requests", type=positive_int, default=None,
+                        help=f"requests to send (default: {DEFAULT_REQUESTS}; with --trace, the whole trace)")
+    parser.add_argument("--concurrency", type=positive_int, default=None,
+                        help=f"most requests in flight at once (default: {DEFAULT_CONCURRENCY}; with --trace, no cap: "
+                             "a capped replay times TTFT from each request's arrival in the trace, its wait included)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length without a trace (default: %(default)s)")
     parser.add_argument("--max-tokens", type=max_tokens_value, default=64, help="output length without a trace (default: %(default)s)")
     parser.add_argument("--trace", default=None,
@@ -61,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ray cluster address for the replicas' preemption counters (default: %(default)s)")
 
 
-def trace_requests(path: str, num_requests: int, speedup: float) -> list[BenchRequest]:
-    """The trace's first requests at their recorded offsets, divided by `speedup`."""
+def trace_requests(path: str, num_requests: Optional[int], speedup: float) -> list[BenchRequest]:
+    """The trace's first `num_requests` requests (None: all) at their recorded offsets, divided by `speedup`."""
     return [BenchRequest(request.arrival_s / speedup, request.prompt_tokens, request.output_tokens)
             for request in read_trace(path, num_requests)]
 
@@ -82,20 +86,24 @@ def prompt_ids(index: int, length: int, vocab_size: int) -> list[int]:
 
 async def run_load(target: str, metadata: tuple[tuple[str, str], ...],
                    credentials: Optional[grpc.ChannelCredentials], requests: list[BenchRequest],
-                   concurrency: int, vocab_size: int, progress: Progress) -> tuple[list[RequestResult], float]:
-    """Sends every request (at its arrival offset, at most `concurrency` at once) with the
-    call `metadata` over a channel with `credentials` (cluster.generate_command.target_connection);
-    returns the results and the wall time of the run."""
+                   concurrency: Optional[int], vocab_size: int, progress: Progress,
+                   open_loop: bool = False) -> tuple[list[RequestResult], float]:
+    """Sends every request (at its arrival offset, at most `concurrency` at once; None: no cap)
+    with the call `metadata` over a channel with `credentials`
+    (cluster.generate_command.target_connection); returns the results and the wall time of the
+    run. `open_loop` (a trace's replay): TTFT counts from the request's arrival, so a request the
+    cap held counts its wait, as the trace's user would have waited."""
     task = progress.add_task("requests", total=len(requests))
-    slots = asyncio.Semaphore(concurrency)
+    slots = asyncio.Semaphore(concurrency or len(requests))
     async with open_channel(target, credentials, aio=True) as channel:
         stub = pb_grpc.GenerationStub(channel)
         started = time.monotonic()
 
         async def one(index: int, request: BenchRequest) -> RequestResult:
-            await asyncio.sleep(max(0.0, started + request.arrival_s - time.monotonic()))
+            arrival = started + request.arrival_s
+            await asyncio.sleep(max(0.0, arrival - time.monotonic()))
             async with slots:
-                result = await _generate(stub, metadata, index, request, vocab_size)
+                result = await _generate(stub, metadata, index, request, vocab_size, arrival if open_loop else None)
             progress.advance(task)
             return result
 
@@ -103,13 +111,16 @@ async def run_load(target: str, metadata: tuple[tuple[str, str], ...],
         return list(results), time.monotonic() - started
 
 
-async def _generate(stub, metadata, index: int, request: BenchRequest, vocab_size: int) -> RequestResult:
+async def _generate(stub, metadata, index: int, request: BenchRequest, vocab_size: int,
+                    arrival: Optional[float] = None) -> RequestResult:
+    """arrival: when the request arrived (time.monotonic()), if not now: TTFT counts from it."""
     proto = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt_ids(index, request.prompt_tokens, vocab_size)),
         sampling=pb.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
     )
     result = RequestResult()
     sent = last = time.monotonic()
+    sent = sent if arrival is None else min(sent, arrival)
     try:
         async for response in stub.Generate(proto, timeout=REQUEST_TIMEOUT_S, metadata=metadata):
             if not response.token_ids:
@@ -163,7 +174,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.trace is not None:
             requests = trace_requests(args.trace, args.requests, args.trace_scale)
         else:
-            requests = [BenchRequest(0.0, args.prompt_tokens, args.max_tokens)] * args.requests
+            requests = [BenchRequest(0.0, args.prompt_tokens, args.max_tokens)] * (args.requests or DEFAULT_REQUESTS)
     except (ValueError, KeyError, TypeError) as error:  # TypeError: a row short of a column
         message = str(error)
         parser.error(message if message.startswith("--trace:") else f"--trace: {args.trace}: not a trace ({message})")
@@ -186,7 +197,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         results, wall_s = asyncio.run(
-            run_load(args.target, metadata, credentials, requests, args.concurrency, info.vocab_size, progress)
+            run_load(args.target, metadata, credentials, requests,
+                     args.concurrency if args.trace is not None else args.concurrency or DEFAULT_CONCURRENCY,
+                     info.vocab_size, progress, open_loop=args.trace is not None)
         )
     preemptions_after = preemptions_total()
     preemptions = (None if preemptions_before is None or preemptions_after is None

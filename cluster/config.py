@@ -92,7 +92,8 @@ class AutoscalingConfig(_Strict):
         5.0, ge=0, description="How long more replicas must be wanted before they start (the headroom "
         "policy's preemption step skips it).",
     )
-    downscale_delay_s: float = Field(60.0, ge=0, description="How long fewer replicas must be wanted before one stops.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="How long fewer replicas must be wanted before any stop (the headroom "
+                                     "policy then removes half the replicas it could).")
     # A replica added when the demand reaches the target serves only after this long, while the
     # demand goes on rising: the policy scales for where its trend will be by then.
     replica_startup_s: float = Field(
@@ -177,11 +178,13 @@ class ReplicasConfig(_Strict):
         return self
 
 
-def policy_knobs(policy: str) -> tuple[str, ...]:
-    """The tuning parameters a routing policy's constructor takes (staleness_s has its own field)."""
+def policy_knobs(policy: str) -> dict[str, Any]:
+    """The tuning parameters a routing policy's constructor takes, with their defaults
+    (staleness_s has its own field)."""
     policy_class = next(cls for cls in RoutingPolicy.__subclasses__() if cls.name == policy)
     parameters = inspect.signature(policy_class.__init__).parameters
-    return tuple(name for name in parameters if name not in ("self", "rng", "staleness_s"))
+    return {name: parameter.default for name, parameter in parameters.items()
+            if name not in ("self", "rng", "staleness_s")}
 
 
 class RouterConfig(_Strict):
@@ -192,8 +195,24 @@ class RouterConfig(_Strict):
         DEFAULT_STALENESS_S, gt=0, description="A load snapshot older than this falls back to queue length."
     )
     knobs: dict[str, float] = Field(
-        default_factory=dict, description="Constructor parameters of the policy, e.g. preemption_weight."
+        default_factory=dict, description="Constructor parameters of the policy, e.g. preemption_weight "
+        "(numbers; a switch such as replicate_hot also takes true or false)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches_as_numbers(cls, data: Any) -> Any:
+        """A switch knob (a constructor parameter defaulting to a boolean) given as true or false
+        is 1 or 0, before the knobs' number check refuses a boolean for a number."""
+        if isinstance(data, Mapping) and isinstance(data.get("knobs"), Mapping):
+            try:
+                defaults = policy_knobs(data.get("policy", "headroom"))
+            except StopIteration:  # an unknown policy: its own field says so
+                return data
+            knobs = {knob: float(value) if isinstance(value, bool) and isinstance(defaults.get(knob), bool) else value
+                     for knob, value in data["knobs"].items()}
+            data = {**data, "knobs": knobs}
+        return data
 
     @model_validator(mode="after")
     def _knobs_belong_to_policy(self) -> "RouterConfig":

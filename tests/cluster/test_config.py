@@ -245,12 +245,19 @@ def test_stream_interval_defaults_to_1_and_reaches_the_replicas_engine_config():
 
 
 def test_router_knobs_are_the_policy_constructor_parameters():
-    assert policy_knobs("headroom") == (
+    assert tuple(policy_knobs("headroom")) == (
         "headroom_weight", "backlog_weight", "prefill_weight", "saturated_prefill_weight", "preemption_weight",
         "pin_prefix_fraction", "pin_share_window", "tie_epsilon", "placement_margin", "replicate_hot",
         "hot_min_window")
     config = load_config(app_document(router={"policy": "least_loaded", "knobs": {"kv_cache_weight": 3}}))
     assert config.applications[0].args.router.knobs == {"kv_cache_weight": 3.0}
+
+
+def test_a_switch_knob_takes_a_boolean_and_a_number_knob_refuses_one():
+    config = load_config(app_document(router={"knobs": {"replicate_hot": False, "hot_min_window": 0}}))
+    assert config.applications[0].args.router.knobs == {"replicate_hot": 0.0, "hot_min_window": 0.0}
+    with pytest.raises(ConfigError, match="knobs.preemption_weight: Input should be a number, not the boolean true"):
+        load_config(app_document(router={"knobs": {"preemption_weight": True}}))
 
 
 def test_bare_cluster_config_becomes_the_only_application_with_its_ports():
