@@ -338,6 +338,11 @@ class EngineConfig(ConfigModel):
                               f"({host_bytes} bytes)")
         if self.preemption_mode == "swap" and not self.has_host_tier:
             raise ConfigError("preemption_mode: 'swap' needs a host KV tier (set num_host_kv_blocks or host_kv_bytes)")
+        if self.has_host_tier and self.preemption_mode == "recompute" and not self.enable_prefix_caching:
+            # Nothing would ever enter it: victims are recomputed, and no cached block spills.
+            field = "host_kv_bytes" if self.host_kv_bytes is not None else "num_host_kv_blocks"
+            raise ConfigError(f"{field}: a host KV tier holds swapped-out requests and spilled prefix-cache "
+                              "blocks; with preemption_mode 'recompute' and prefix caching off it would hold nothing")
         if self.max_model_len is None:  # checked once the model's context is known (resolve_max_model_len)
             # ... which can be no shorter than the pool or, with chunked prefill off, one step allows.
             if self.gpu_memory_utilization is None and self.pool_tokens < MIN_MAX_MODEL_LEN:

@@ -48,6 +48,7 @@ class Prefetched(NamedTuple):
     step_id: int  # the step whose copies carry the prefetch
     num_start: int  # tokens its device blocks hold once the copies are done
     num_hit_tokens: int  # of those, found in the device's prefix cache rather than copied
+    num_copies: int  # blocks copied back
 
 
 class KVCacheManager:
@@ -67,6 +68,7 @@ class KVCacheManager:
         self.prefetched: dict[str, Prefetched] = {}
         self.prefetched_blocks = 0  # swap-in copies that overlapped the step before the resuming one
         self.prefetches_cancelled = 0  # prefetches whose device blocks were taken back unused
+        self.prefetch_cancelled_blocks = 0  # their copies: the blocks swapped in twice when prefetched again
         # Host blocks this step's swap-ins read: held until the step's copies are taken, so no
         # swap-out of the same step (copied first) can overwrite them.
         self._host_blocks_read: list[KVBlock] = []
@@ -447,8 +449,18 @@ class KVCacheManager:
         return sum(1 for block in blocks if block.block_hash is None or block.block_hash not in host_cached)
 
     def can_swap_out(self, request: Request) -> bool:
-        num_blocks = self.num_swap_blocks(request)
-        return self.host_pool is not None and num_blocks > 0 and num_blocks <= self.host_pool.num_free_blocks
+        """Whether the host tier has the free blocks a swap-out takes: one per copy, and each
+        host copy it reuses that sits free (held by nobody, so in the free queue). A copy
+        another swapped-out request holds takes none."""
+        host_pool = self.host_pool
+        if host_pool is None or self.num_swap_blocks(request) == 0:
+            return False
+        blocks = self.req_to_blocks.get(request.request_id, ())[:self.num_swap_blocks(request)]
+        num_needed = 0
+        for block in blocks:
+            host = host_pool.get_cached_block(block.block_hash) if block.block_hash is not None else None
+            num_needed += host is None or host.ref_cnt == 0
+        return num_needed <= host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> int:
         """Copy the request's computed KV into host blocks it then holds and free its device
@@ -510,7 +522,7 @@ class KVCacheManager:
         copies = [(host.block_id, device.block_id)
                   for host, device in zip(host_blocks[num_hit_blocks:], device_blocks[num_hit_blocks:])]
         self._prefetch.extend(copies)
-        self.prefetched[request.request_id] = Prefetched(step_id, num_start, num_hit_tokens)
+        self.prefetched[request.request_id] = Prefetched(step_id, num_start, num_hit_tokens, len(copies))
         self.swapped_in_blocks += len(copies)
         self.prefetched_blocks += len(copies)
         return len(copies)
@@ -529,7 +541,7 @@ class KVCacheManager:
         cancelled = [request_id for request_id, prefetched in self.prefetched.items()
                      if made_before_step is None or prefetched.step_id < made_before_step]
         for request_id in cancelled:
-            del self.prefetched[request_id]
+            self.prefetch_cancelled_blocks += self.prefetched.pop(request_id).num_copies  # copied again if prefetched again
             blocks = self.req_to_blocks.pop(request_id)
             del self.num_cached_blocks[request_id]
             self.num_request_blocks -= len(blocks)
@@ -563,13 +575,18 @@ class KVCacheManager:
         return copies
 
     # ---- preemption cost ---------------------------------------------------------------
-    def rebuild_cost(self, request: Request) -> int:
-        """Computed tokens the request would have to recompute if preempted now: all of them
-        except the leading blocks other live requests also hold. Those stay cached for sure;
-        the request's private blocks are the ones the preemption hands to someone else."""
-        num_shared_prefix_blocks = 0
+    def num_shared_prefix_blocks(self, request: Request) -> int:
+        """The request's leading cached blocks other live requests also hold: a preemption
+        leaves them on the device, where its resumption finds them (no recompute, no copy)."""
+        num_blocks = 0
         for block in self.req_to_blocks.get(request.request_id, ()):
             if block.ref_cnt < 2 or block.block_hash is None:
                 break
-            num_shared_prefix_blocks += 1
-        return max(0, request.num_computed_tokens - num_shared_prefix_blocks * self.block_size)
+            num_blocks += 1
+        return num_blocks
+
+    def rebuild_cost(self, request: Request) -> int:
+        """Computed tokens the request would have to recompute if preempted now: all of them
+        except its shared prefix blocks. Those stay cached for sure; the request's private
+        blocks are the ones the preemption hands to someone else."""
+        return max(0, request.num_computed_tokens - self.num_shared_prefix_blocks(request) * self.block_size)

@@ -59,13 +59,14 @@ class PreemptionPlanner:
 
     def swap_cost(self, request: Request) -> Optional[float]:
         """Seconds to copy out now the blocks the host tier lacks (full cached blocks written
-        through are there already) and all of them back later; None when it cannot swap (no
-        host tier, no room there, or nothing computed worth keeping)."""
+        through are there already) and back later all but its shared prefix blocks (those stay
+        on the device, where its resumption finds them, as recompute_cost has it too); None when
+        it cannot swap (no host tier, no room there, or nothing computed worth keeping)."""
         kv_cache = self.kv_cache
         if self.mode == RECOMPUTE or not kv_cache.can_swap_out(request):
             return None
-        num_blocks = kv_cache.num_swap_out_copies(request) + kv_cache.num_swap_blocks(request)
-        return num_blocks * self.costs.swap_s_per_block
+        num_back = max(0, kv_cache.num_swap_blocks(request) - kv_cache.num_shared_prefix_blocks(request))
+        return (kv_cache.num_swap_out_copies(request) + num_back) * self.costs.swap_s_per_block
 
     def choose(self, request: Request) -> tuple[str, float]:
         """(mode, its estimated cost in seconds) for preempting `request` now."""

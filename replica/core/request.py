@@ -232,7 +232,11 @@ class Request:
     num_pending_tokens: int = 0
     num_preemptions: int = 0  # for memory
     num_slo_preemptions: int = 0  # forward passes aborted to let a more urgent request in
-    num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
+    # The prompt's prefix-cache hit (device and host tiers) at its first admission: what usage
+    # reports as cached. A readmission's hit covers its own output too, and a swap-in restores
+    # rather than hits: neither says what the cache saved the prompt.
+    num_cached_tokens: int = 0
+    num_start_tokens: int = 0  # tokens it did not compute at its latest admission: hits, restored, kept
     # Computed tokens thrown away by the latest preemption; settled on re-admission,
     # when the prefix-cache hit tells how many of them really must be recomputed.
     num_computed_tokens_lost: int = 0

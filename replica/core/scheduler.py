@@ -341,7 +341,10 @@ class Scheduler:
             self._admission_interval_s = (interval if not self._admission_interval_s
                                           else 0.8 * self._admission_interval_s + 0.2 * interval)
         self._last_admission_check_time = now
-        while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
+        # Requests prefetched this step: off the queue while the rest of it is admitted, then
+        # back at its front, in order, to resume first next step.
+        prefetching: list[Request] = []
+        while self.waiting and token_budget > 0 and len(self.running) + len(prefetching) < config.max_num_seqs:
             request = self.waiting.peek()
             # A swapped-out request starts where it stopped: its host blocks are copied back
             # (or were, beside the step before: prefetched into the device blocks it holds).
@@ -388,7 +391,8 @@ class Scheduler:
                 # beside it and it resumes next step, first in line (nothing overtakes it).
                 kv_cache.allocate_slots(request, 0, hit_blocks, num_start)
                 kv_cache.prefetch_swap_in(request, len(hit_blocks), num_start, num_hit_tokens, self._step_id + 1)
-                break
+                prefetching.append(self.waiting.pop())
+                continue  # it holds its blocks: the requests behind it may be admitted or prefetched too
             if host_hits:  # no spill of this very allocation may reuse them
                 kv_cache.hold_host_hits(host_hits)
             new_blocks = allocate(1.0)
@@ -414,6 +418,8 @@ class Scheduler:
                 kv_cache.copy_in_host_hits(request, len(hit_blocks), host_hits)
                 num_hit_tokens += len(host_hits) * kv_cache.block_size
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+            if request.first_admitted_time is None:  # a readmission's hit is mostly its own KV
+                request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             if num_restored:
                 if prefetched is not None:
                     kv_cache.admit_prefetched(request)
@@ -425,7 +431,7 @@ class Scheduler:
                 request.num_computed_tokens_lost = 0
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_start
-            request.num_cached_tokens = num_hit_tokens
+            request.num_start_tokens = num_start
             request.admitted_time = now
             if request.first_admitted_time is None:
                 request.first_admitted_time = now
@@ -437,6 +443,8 @@ class Scheduler:
                 )
             )
             token_budget -= num_new_tokens
+        for request in reversed(prefetching):
+            self.waiting.add_front(request)
         return token_budget
 
     def _reserve_share(self, request: Request, now: float) -> float:
@@ -599,8 +607,10 @@ class Scheduler:
                 now = self.clock()
             if request.first_token_time is None:
                 request.first_token_time = now
-                # Admission to first token, over the prompt tokens the prefix cache did not cover.
-                self.ttft_predictor.record(request.num_prompt_tokens - request.num_cached_tokens,
+                # Latest admission to first token, over the prompt tokens it computed since (not
+                # those it found cached, restored from the host tier, or kept).
+                self.ttft_predictor.record(request.num_prompt_tokens - min(request.num_start_tokens,
+                                                                           request.num_prompt_tokens),
                                            now - request.admitted_time)
                 first_tokens = True
             request.last_token_time = now

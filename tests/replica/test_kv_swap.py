@@ -13,7 +13,8 @@ from replica.config import ConfigError, make_engine_config
 from replica.core.preemption_mode import RECOMPUTE, SWAP, PreemptionCosts
 from replica.core.request import RequestStatus
 from replica.core.scheduler import SchedulerOutput
-from tests.replica.sched_harness import make_request, make_scheduler, reference_outputs, run_step, run_to_completion
+from tests.replica.sched_harness import (fake_next_token, make_request, make_scheduler, reference_outputs, run_step,
+                                         run_to_completion)
 
 
 class SimulatedKV:
@@ -102,6 +103,34 @@ def _requests(prefix=(), num_requests=6, max_tokens=30):
     return [make_request(f"r{i}", list(prefix) + [i + 1, 2 * i + 3, 5], max_tokens) for i in range(num_requests)]
 
 
+@pytest.mark.parametrize("mode, host_blocks", [("recompute", 0), ("swap", 64)])
+def test_the_ttft_predictor_learns_from_the_tokens_a_readmission_computed(mode, host_blocks):
+    """A request preempted before its first token is sampled from its latest admission: over the
+    prompt tokens it computed since, not those it got back from the host tier."""
+    now = [0.0]
+    scheduler = make_scheduler(clock=lambda: now[0], block_size=4, max_model_len=40, max_num_batched_tokens=8,
+                               reserve_full_sequence=False, num_kv_blocks=14, num_host_kv_blocks=host_blocks,
+                               preemption_mode=mode, enable_prefix_caching=False)
+    samples = []
+    record = scheduler.ttft_predictor.record
+    scheduler.ttft_predictor.record = lambda tokens, seconds: (samples.append((tokens, seconds)), record(tokens, seconds))
+    old, victim = make_request("old", list(range(1, 17)), 24), make_request("victim", list(range(100, 132)), 4)
+    scheduler.add_request(old)
+    for step in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        if step == 3:
+            scheduler.add_request(victim)
+        output = scheduler.schedule()
+        now[0] += output.num_scheduled_tokens * 1e-3  # the forward pass: 1 ms per token
+        scheduler.update(output, {entry.request.request_id: fake_next_token(entry.request.all_token_ids)
+                                  for entry in output.scheduled if entry.samples})
+    assert victim.num_preemptions > 0 and (scheduler.counters.swap_preemptions > 0) == (mode == "swap")
+    assert len(samples) == 2
+    for tokens, seconds in samples:  # every sample at the forward pass's 1 ms per token
+        assert seconds == pytest.approx(tokens * 1e-3), samples
+
+
 def test_cramped_pool_swaps_victims_and_resumes_them_without_recomputing_a_token():
     # 16 usable blocks of 4 tokens for six requests growing to 33 tokens (9 blocks) each.
     outputs, scheduler = _run(_requests(), num_kv_blocks=17, num_host_kv_blocks=64, preemption_mode="swap")
@@ -113,7 +142,9 @@ def test_cramped_pool_swaps_victims_and_resumes_them_without_recomputing_a_token
     # Every block that went out by a copy, or was found on the host (written through), came back
     # by a copy, or was still in the device's prefix cache (no two prompts share a block).
     num_device_hits = kv_cache.prefix_cache_hits // 4
-    assert kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host == kv_cache.swapped_in_blocks + num_device_hits
+    # (A prefetch taken back and made again copies its blocks again.)
+    assert (kv_cache.swapped_out_blocks + kv_cache.swap_out_blocks_on_host
+            == kv_cache.swapped_in_blocks - kv_cache.prefetch_cancelled_blocks + num_device_hits)
     assert kv_cache.swapped_in_blocks > 0
     assert kv_cache.swap_out_blocks_on_host > 0, "full blocks written through must not be copied out again"
 
@@ -139,7 +170,8 @@ def test_the_load_reports_the_host_tier_and_what_swapping_moved():
     load = scheduler.load()
     assert load.host_kv_blocks_free == 64
     # Back by a copy, or still in the device's prefix cache (no two prompts share a block).
-    assert (load.swapped_in_blocks_total + scheduler.kv_cache.prefix_cache_hits // 4
+    assert (load.swapped_in_blocks_total - scheduler.kv_cache.prefetch_cancelled_blocks
+            + scheduler.kv_cache.prefix_cache_hits // 4
             == load.swapped_out_blocks_total + scheduler.kv_cache.swap_out_blocks_on_host)
     assert load.recompute_tokens_avoided_total == scheduler.counters.recompute_tokens_avoided > 0
     assert make_scheduler().load().host_kv_blocks_total == 0  # no host tier: all zero
@@ -270,6 +302,28 @@ def _finish(scheduler, simulated, first_step):
     assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks and not kv_cache.swapped
 
 
+def test_many_swapped_requests_are_prefetched_in_one_step_and_the_queue_behind_them_moves():
+    # Memory and budget hold all of them: one prefetch per step made ten resumptions take ten
+    # steps, and a request queued behind them waited as long.
+    scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=256, max_num_seqs=32,
+                               num_kv_blocks=400, num_host_kv_blocks=400, preemption_mode="swap")
+    requests = [make_request(f"r{i}", [i + 1] * 9 + [i, 7], 40) for i in range(12)]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(3):
+        run_step(scheduler)
+    for request in requests[2:]:  # a burst of swap preemptions, as one memory spike makes
+        scheduler._preempt(scheduler.running.index(request))
+    run_step(scheduler)  # copies them out; with a forward pass beside it, prefetches them back
+    assert scheduler.kv_cache.prefetched_blocks > 0 and len(scheduler.kv_cache.prefetched) == 10
+    late = make_request("late", [500, 501, 502], 4)
+    scheduler.add_request(late)
+    run_step(scheduler)
+    assert all(request.status == RequestStatus.RUNNING for request in requests)
+    assert late.first_token_time is not None
+    scheduler.check_invariants()
+
+
 def test_a_running_request_short_of_a_block_takes_back_a_prefetch_before_preempting_anyone():
     scheduler, a, b, simulated = _prefetch_one()
     output = run_step(scheduler)  # a's 33rd token opens a block: b's prefetch gives its 8 back
@@ -344,6 +398,55 @@ def test_auto_prices_a_victim_whose_blocks_were_written_through_at_the_copies_le
     scheduler.check_invariants()
 
 
+def test_auto_prices_a_victim_sharing_a_prefix_without_the_shared_blocks_on_either_side():
+    # Ten leading blocks are also the running holder's: a preemption leaves them on the device,
+    # so recompute re-prefills only the victim's own tokens and a swap copies back only its own
+    # blocks. Priced with the shared blocks coming back, the swap looked dearer than recompute.
+    scheduler = make_scheduler(block_size=4, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64,
+                               num_host_kv_blocks=64)
+    prefix = list(range(100, 140))
+    holder, victim = make_request("holder", prefix + [1, 2], 40), make_request("victim", prefix + [3, 4, 5, 6, 7], 40)
+    scheduler.add_request(holder)
+    run_step(scheduler)
+    scheduler.add_request(victim)
+    for _ in range(3):
+        run_step(scheduler)
+    kv_cache, planner = scheduler.kv_cache, scheduler.preemption
+    assert kv_cache.num_shared_prefix_blocks(victim) == 10
+    planner.costs = PreemptionCosts(recompute_s_per_token=1e-3, swap_s_per_block=1e-3)
+    copies = kv_cache.num_swap_out_copies(victim) + kv_cache.num_swap_blocks(victim) - 10
+    assert planner.recompute_cost(victim) == pytest.approx((victim.num_computed_tokens - 40) * 1e-3)
+    assert planner.choose(victim) == (SWAP, pytest.approx(copies * 1e-3)) and copies * 1e-3 < planner.recompute_cost(victim)
+    copied_before = kv_cache.swapped_out_blocks
+    scheduler._preempt(scheduler.running.index(victim))
+    kv_cache.take_block_copies()
+    while victim.status != RequestStatus.RUNNING:
+        run_step(scheduler)
+    copied = kv_cache.swapped_out_blocks - copied_before + kv_cache.swapped_in_blocks
+    assert copied <= copies  # what it priced, at most
+    scheduler.check_invariants()
+
+
+def test_a_victim_whose_prefix_another_swapped_request_holds_on_the_host_needs_room_only_for_its_own():
+    scheduler = make_scheduler(block_size=4, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=40,
+                               num_host_kv_blocks=8, preemption_mode="swap")
+    prefix = list(range(100, 112))  # 3 full blocks, shared
+    first, second = make_request("a", prefix + [1, 2, 3, 4, 5], 20), make_request("b", prefix + [6, 7, 8, 9, 10], 20)
+    scheduler.add_request(first)
+    run_step(scheduler)
+    scheduler.add_request(second)
+    for _ in range(3):
+        run_step(scheduler)
+    kv_cache = scheduler.kv_cache
+    scheduler._preempt(scheduler.running.index(first))  # swapped: it holds the prefix's host copies
+    kv_cache.take_block_copies()
+    assert "a" in kv_cache.swapped and kv_cache.num_free_host_blocks < kv_cache.num_swap_blocks(second)
+    assert kv_cache.can_swap_out(second) and scheduler.preemption.choose(second)[0] == SWAP
+    scheduler._preempt(scheduler.running.index(second))
+    assert scheduler.counters.swap_preemptions == 2 and sorted(kv_cache.swapped) == ["a", "b"]
+    scheduler.check_invariants()
+
+
 def test_cheapest_victim_ranks_by_the_cost_of_the_mode_chosen_for_each():
     # Recompute-only, the shortest request is cheapest; with swapping cheap, each victim's
     # cost is its blocks' round trip, so the one with fewest blocks is cheapest either way,
@@ -367,6 +470,7 @@ def test_cheapest_victim_ranks_by_the_cost_of_the_mode_chosen_for_each():
     (dict(host_kv_bytes=1 << 20, num_host_kv_blocks=4), "host_kv_bytes"),
     (dict(num_host_kv_blocks=-1), "num_host_kv_blocks"),
     (dict(preemption_swap_bytes_per_s=0), "preemption_swap_bytes_per_s"),
+    (dict(num_host_kv_blocks=8, preemption_mode="recompute", enable_prefix_caching=False), "num_host_kv_blocks"),
 ])
 def test_a_bad_host_tier_configuration_fails_with_one_line_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as error:
@@ -565,10 +669,11 @@ def host_tier_scenarios(draw):
         block_size=block_size, max_model_len=32,
         num_kv_blocks=draw(st.integers(min_blocks, 2 * min_blocks)),
         max_num_batched_tokens=draw(st.integers(8, 48)), max_num_seqs=draw(st.integers(1, 8)),
-        enable_prefix_caching=draw(st.booleans()),
+        enable_prefix_caching=(caching := draw(st.booleans())),
         victim_policy=draw(st.sampled_from(["fcfs", "cheapest"])),
         num_host_kv_blocks=draw(st.integers(1, 40)),
-        preemption_mode=draw(st.sampled_from(["swap", "auto", "recompute"])),
+        # Recompute without prefix caching would leave the tier unused: a refused configuration.
+        preemption_mode=draw(st.sampled_from(["swap", "auto", "recompute"] if caching else ["swap", "auto"])),
         admission_mode=draw(st.sampled_from(["optimistic", "reserve_max_tokens", "reserve_expected"])),
         # Unbounded holds, or holds that are always over (the wall clock must not decide an example).
         admission_max_hold_ms=draw(st.sampled_from([None, 1e-9])),

@@ -193,3 +193,30 @@ def test_a_prefix_spilled_to_the_host_and_hit_there_gives_a_roomy_pools_tokens()
     assert engine.generate([prompt], GREEDY) == expected
     assert kv_cache.host_hit_blocks == 5, "the shared prefix must have been copied back from the host"
     _check_pools_empty(engine)
+
+
+def test_usage_reports_the_prompts_first_cache_hit_whatever_preempted_it():
+    """A readmission's hit covers the request's own output (and a swap-in restores, it does not
+    hit): usage's cached prompt tokens are the first admission's, never more than the prompt."""
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 250) for _ in range(12)]
+    prompts = [shared + [rng.randrange(3, 250) for _ in range(rng.randint(2, 6))] for _ in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reports = {}
+    engines = {"roomy": _engine(256, max_model_len=48),
+               "recompute": _engine(14, max_model_len=48, preemption_mode="recompute"),
+               "swap": _engine(14, max_model_len=48, num_host_kv_blocks=64, preemption_mode="swap")}
+    for name, engine in engines.items():
+        requests = [engine.make_request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        engine.add_request(requests[0], detokenize=False)
+        engine.step(), engine.step()  # r0's prompt is cached before the others arrive
+        for request in requests[1:]:
+            engine.add_request(request, detokenize=False)
+        last = {}
+        while engine.has_unfinished_requests():
+            last.update((output.request_id, output) for output in engine.step())
+        reports[name] = [last[request.request_id].num_cached_tokens for request in requests]
+        if name != "roomy":
+            assert sum(request.num_preemptions for request in requests) > 0, f"{name}: nothing was preempted"
+        _check_pools_empty(engine)
+    assert reports["recompute"] == reports["swap"] == reports["roomy"] == [0, 12, 12, 12, 12, 12]
