@@ -86,7 +86,7 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_kv_swapped_in_blocks_total": MetricSpec(
         "counter",
-        "KV blocks copied back from the host tier to the device when swapped requests resumed.",
+        "KV blocks copied back from the host tier to the device for swapped requests to resume (a prefetch taken back unused and made again copies its blocks again).",
         None,
         REPLICA_LABELS,
     ),
