@@ -123,7 +123,28 @@ class FunctionDefinition(BaseModel):
 
     @property
     def parameters_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        """The arguments' schema: an object whichever way it was given (no `type` means an
+        object, as the validator reads it; as given, a forced call could be any JSON value)."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}}
+        return self.parameters if "type" in self.parameters else {**self.parameters, "type": "object"}
+
+
+# Values that are data, not schemas: a `$ref` inside them is not a reference.
+_SCHEMA_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples", "example"))
+
+
+def _rebased_refs(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#", "#/$defs/X", "#/properties/a") pointing into
+    `base`, the JSON pointer the schema is moved to: a tool's parameters nested in the array
+    of calls keep referring to their own root and definitions."""
+    if isinstance(schema, dict):
+        return {key: (base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                      else value if key in _SCHEMA_DATA_KEYWORDS else _rebased_refs(value, base))
+                for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased_refs(item, base) for item in schema]
+    return schema
 
 
 class ToolDefinition(BaseModel):
@@ -223,12 +244,15 @@ class ToolFields(BaseModel):
             function = next(tool.function for tool in self.tools if tool.function.name == name)
             return OutputConstraint(StructuredOutput.of("json", function.parameters_schema, "tool_choice"), "tool_choice")
         if mode == "required":
+            # Each tool's parameters sit in the root's $defs, their references rebased there:
+            # pasted under the call, "#" and "#/$defs/..." would point into the array of calls.
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
                 {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                  "arguments": tool.function.parameters_schema},
+                                                  "arguments": {"$ref": f"#/$defs/tool_{index}"}},
                  "required": ["name", "arguments"], "additionalProperties": False}
-                for tool in self.tools
-            ]}}
+                for index, tool in enumerate(self.tools)
+            ]}, "$defs": {f"tool_{index}": _rebased_refs(tool.function.parameters_schema, f"#/$defs/tool_{index}")
+                          for index, tool in enumerate(self.tools)}}
             if self.parallel_tool_calls is False:
                 calls["maxItems"] = 1
             return OutputConstraint(StructuredOutput.of("json", calls, "tools"), "tools")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import json
 import logging
 import re
@@ -87,7 +88,8 @@ SLOW_MASK_STEPS = 3
 
 # A grammar in llguidance's Lark: a `start` rule (`?start:` / `!start:` / `start.2:` too) or the
 # %llguidance directive; llguidance's own is_lark_syntax misses the prefixed forms.
-_LARK_START = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start(\.-?\d+)?\s*:)")
+# (GBNF's `start ::= ...` is a rule of that name, not Lark's start.)
+_LARK_START = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start(\.-?\d+)?\s*:(?!:=))")
 
 
 def lark_grammar(text: str, field: str) -> str:
@@ -99,9 +101,23 @@ def lark_grammar(text: str, field: str) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
-        return _group_stacked_quantifiers(gbnf_to_lark(text))
+        return _group_stacked_quantifiers(gbnf_to_lark(_renamed_start_rule(text)))
     except Exception as error:  # noqa: BLE001 - any failure of the converter is the grammar's fault, by name
         raise InvalidRequestError(field, f"not a GBNF grammar (root ::= ...) llguidance can convert: {error}") from None
+
+
+# GBNF in tokens: a string literal, a character class, a comment, a rule name, anything else.
+_GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|(?P<name>[A-Za-z][A-Za-z0-9_-]*)|.', re.S)
+
+
+def _renamed_start_rule(gbnf: str) -> str:
+    """A GBNF rule named `start` renamed (the converter's Lark has a `start` rule of its own):
+    every use of the name outside literals, classes and comments."""
+    if not re.search(r"(?m)^\s*start\s*::=", gbnf):
+        return gbnf
+    taken = {match["name"] for match in _GBNF_TOKEN.finditer(gbnf) if match["name"]}
+    renamed = next(f"start{suffix}" for suffix in itertools.count(1) if f"start{suffix}" not in taken)
+    return "".join(renamed if match["name"] == "start" else match.group() for match in _GBNF_TOKEN.finditer(gbnf))
 
 
 # The Lark that llguidance's GBNF converter writes, in tokens: a directive line, a string or

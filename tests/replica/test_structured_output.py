@@ -205,6 +205,8 @@ def test_a_gbnf_grammar_as_vllms_docs_write_it_is_served_and_a_broken_one_refuse
     ('root ::= item ("," ws item)*\nitem ::= [a-z]+\nws ::= ([ \\t]+)?', ["a,b", "ab, c"], ["a,", ",a"]),
     # an item zero times, which llguidance refuses as a range ending at 0: the empty string
     ('root ::= "a"{0} "b" ("c"+){0,0} x{0}\nx ::= "q"', ["b"], ["ab", "bc", "bq"]),
+    # a GBNF rule named `start`, not Lark's start rule
+    ('root ::= start " " name\nstart ::= "hi"\nname ::= [a-z]+', ["hi bob"], ["hi", "bob"]),
 ])
 def test_gbnf_quantifiers_llguidances_lark_refuses_are_served(builtin_engine, gbnf, accepted, refused):
     """llguidance's GBNF converter drops the parentheses around a one-item group, so `([0-9]+)?`
@@ -890,3 +892,48 @@ def test_smollm2_outputs_under_one_schema_of_each_family_parse_and_validate(smol
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": f"Record {index} as JSON."}])
                for index in range(len(schemas))]
     assert _validate_schema_set(engine, schemas, prompts, max_tokens=64) == {0.0: 8, 1.0: 8}
+
+
+def test_tool_calls_forced_by_required_or_by_name_keep_each_tools_own_schema(builtin_engine):
+    """Under `required` each tool's parameters sit inside an array of calls: their "#" and
+    "#/$defs/..." references (pydantic writes both) must still mean the tool's own root and
+    definitions. Parameters with no `type` are an object (forced, any JSON value was allowed)."""
+    from cluster.openai_api import ChatCompletionRequest, parse_body
+
+    compiler = _compiler(builtin_engine)
+
+    def constraint(tools: list, choice) -> StructuredOutput:
+        body = parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                      "tool_choice": choice}).encode(), ChatCompletionRequest)
+        built = body.output_constraint()
+        compiler.check(built.constraint, built.param)
+        return built.constraint
+
+    def accepts(structured: StructuredOutput, text: str) -> bool:
+        matcher = compiler.matcher(structured).matcher
+        return matcher.consume_tokens(builtin_engine.tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    def tool(name: str, parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    weather = tool("weather", {"$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}},
+                               "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+                               "required": ["city", "unit"], "type": "object"})
+    tree = tool("tree", {"type": "object", "properties": {"label": {"type": "string"},
+                                                         "children": {"type": "array", "items": {"$ref": "#"}}},
+                         "required": ["label"]})
+    untyped = tool("city", {"properties": {"city": {"type": "string"}}, "required": ["city"]})
+    try:
+        required = constraint([weather, tree], "required")
+        assert accepts(required, '[{"name": "weather", "arguments": {"city": "Paris", "unit": "c"}}]')
+        assert not accepts(required, '[{"name": "weather", "arguments": {"city": "Paris", "unit": "k"}}]')
+        assert accepts(required, '[{"name": "tree", "arguments": {"label": "a", "children": [{"label": "b"}]}}]')
+        assert not accepts(required, '[{"name": "tree", "arguments": {"label": "a", "children": '
+                                     '[[{"name": "tree", "arguments": {"label": "x"}}]]}}]')
+        named = constraint([untyped], {"type": "function", "function": {"name": "city"}})
+        assert accepts(named, '{"city": "Paris"}')
+        assert not accepts(named, '7.5') and not accepts(named, '"Paris"')
+        assert not accepts(constraint([untyped], "required"), '[{"name": "city", "arguments": 42}]')
+    finally:
+        compiler.shutdown()
