@@ -30,16 +30,20 @@ class KernelConfig:
 # clean (CUDA-graph replays, 2026-11-25, docs/benchmarks.md "Decode attention kernel"). Every entry
 # compiles with no spills, and an H100 holds split_programs_per_sm of each entry that can split
 # (tests/replica/test_attention_compile.py). `bench/bench_attention.py --sweep` re-times them.
-# Comments: registers per thread, programs per SM, in the tile shapes of GQA 4 (32/8 heads).
+# Comments: registers per thread, programs per SM, in the tile shapes of GQA 4 (32/8 heads), as
+# Triton 3.6.0 compiles them (3.7.1: within 11 registers and one program of these).
 #
 # Decodes: two stages beat three at head dims 128 (geometric mean over batch 1 x 16k to 256 x 4k
 # +3%, batch 256 +8%) and 256, in fewer registers (three: 140 at 256, 3 programs per SM); head dim
-# 64 keeps 64 keys and three stages (7% ahead of 32 keys and two).
+# 64 keeps 64 keys and three stages (7% ahead of 32 keys and two). Head dim 256 now runs one stage
+# all the same: with two, Triton 3.7.1 spills the MHA split tile (32/32 heads: 96 registers, 8 B
+# stored); one compiles clean under 3.6.0 and 3.7.1 in 120-128 registers, 4 programs per SM, in
+# every tile shape (8 warps and two stages would too, in 74-100); not yet timed against two.
 DECODE_CONFIGS: Mapping[int, KernelConfig] = MappingProxyType({
     32: KernelConfig(key_tile=64, num_warps=4, num_stages=2),  # 64, 8
     64: KernelConfig(key_tile=64, num_warps=4, num_stages=3),  # 80, 6
     128: KernelConfig(key_tile=32, num_warps=4, num_stages=2),  # 72-80, 6-7
-    256: KernelConfig(key_tile=16, num_warps=4, num_stages=2),  # 80 single pass, 128 split: 4
+    256: KernelConfig(key_tile=16, num_warps=4, num_stages=1),  # 122-124, 4
 })
 # Short-query tiles of 32 or 64 rows: 4 warps hold 4 programs per SM up to head dim 64; at 128
 # they would not (32 keys, 3 stages: 126-168 registers, 3 programs with 3 or 8 query heads per kv
