@@ -36,7 +36,7 @@ from cluster.engine_args import add_engine_config_arguments, engine_overrides_fr
 from cluster.prometheus_targets import file_stem
 from replica.model import ModelLoadError
 from replica.model.registry import (
-    BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, resolve_model_path,
+    BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, check_tensor_parallel, resolve_model_path,
 )
 from replica.config import ConfigError
 from replica.server.auth import (
@@ -317,7 +317,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for app in config.applications:
             # Fetched and converted here, once, before any replica starts; a missing model fails here,
             # and so does a directory the replicas could not load (each would fail in turn, under Serve).
-            check_checkpoint(resolve_model_path(app.args.model), chat_template=app.args.chat_template)
+            model_dir = resolve_model_path(app.args.model)
+            check_checkpoint(model_dir, chat_template=app.args.chat_template)
+            if app.args.engine.tensor_parallel_size > 1:  # or every replica fails its start, in turn, under Serve
+                try:
+                    check_tensor_parallel(model_dir, app.args.engine.tensor_parallel_size)
+                except ConfigError as error:
+                    raise ConfigError(f"engine.{error}") from None
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if warning := open_door_warning(config.http_options.host, credentials):

@@ -28,6 +28,19 @@ DEFAULT_MODEL_NAME = SMOLLM2_135M.name
 GGUF_SUFFIX = ".gguf"
 
 
+def check_tensor_parallel(model_dir: Path, size: int) -> None:
+    """ConfigError (one line naming tensor_parallel_size) unless the model in `model_dir`
+    divides among `size` ranks: the commands check it before any replica starts."""
+    from replica.config import ConfigError
+    from replica.model.checkpoint import read_model_config
+    from replica.parallel.group import TensorParallelConfigError, check_divisible  # torch: only when asked
+
+    try:
+        check_divisible(read_model_config(Path(model_dir)), size)
+    except TensorParallelConfigError as error:
+        raise ConfigError(str(error)) from None
+
+
 def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
     """The Hugging Face-style directory of a model name, GGUF file or directory.
 

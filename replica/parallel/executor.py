@@ -25,6 +25,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -44,7 +45,8 @@ from replica.executor.rank_config import resolve_rank_config
 from replica.executor.step_abort import StepAborted
 from replica.model import ModelConfig, load_model
 from replica.parallel.group import (
-    RENDEZVOUS_TIMEOUT_S, TensorParallel, TensorParallelDead, join_group, rendezvous_store,
+    RENDEZVOUS_TIMEOUT_S, TensorParallel, TensorParallelDead, join_group, remove_rendezvous, rendezvous_path,
+    rendezvous_store,
 )
 from replica.parallel.graphs import agree_on_decode_graphs
 from replica.parallel.vote import WorkerVote
@@ -73,7 +75,7 @@ class StepMessage:
 class WorkerSpec:
     rank: int
     size: int
-    port: int
+    rendezvous: str  # the group's store (group.rendezvous_path)
     model_dir: str
     config: EngineConfig
     device: str
@@ -84,8 +86,9 @@ class WorkerSpec:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: cuda:r on a GPU node (Serve reserved the replica's GPUs), else the CPU."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """Rank r's device: the r-th GPU from rank 0's (cuda:r under Serve, which reserved the
+    replica's GPUs; from cuda:N given one), else the CPU."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
 class TensorParallelWorkers:
@@ -96,12 +99,12 @@ class TensorParallelWorkers:
         context = multiprocessing.get_context("spawn")
         self.size = size
         self.board = context.RawValue("q", -1)  # the step id the latest SLO order names
-        store = rendezvous_store(size)
-        port = store.port
+        self._rendezvous = path = rendezvous_path()
+        store = rendezvous_store(size, path)
         self._connections = []
         self._processes = []
         for rank in range(1, size):
-            spec = WorkerSpec(rank, size, port, str(model_dir), config, str(rank_device(device, rank)), dtype,
+            spec = WorkerSpec(rank, size, path, str(model_dir), config, str(rank_device(device, rank)), dtype,
                               attention_backend, torch.get_num_threads(), os.getpid())
             ours, theirs = context.Pipe()
             process = context.Process(target=worker_main, args=(spec, theirs, self.board),
@@ -113,8 +116,34 @@ class TensorParallelWorkers:
         self._store = store  # the workers' rendezvous; kept for the group's lifetime
         # Stops the workers when this handle goes away without shutdown() (an engine whose own
         # start failed after spawning them), as shutdown() does.
-        self._stop = weakref.finalize(self, _stop_workers, self._connections, self._processes)
-        self.tp = join_group(store, 0, size, device, config.tensor_parallel_timeout_s)
+        self._stop = weakref.finalize(self, _stop_workers, self._connections, self._processes, path)
+        self.tp = self._join(store, device, config.tensor_parallel_timeout_s)
+
+    def _join(self, store, device: torch.device, timeout_s: float) -> TensorParallel:
+        """Rank 0 joins the group, watching the workers meanwhile: one that exits before it
+        joins (killed, or its device refused it) fails the start at once, naming its rank,
+        instead of after the rendezvous timeout."""
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = join_group(store, 0, self.size, device, timeout_s)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the starting thread
+                joined["error"] = error
+
+        thread = threading.Thread(target=join, name="tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            try:
+                self.check_alive()
+            except TensorParallelDead:
+                if thread.is_alive():
+                    self._stop()
+                    raise
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     @property
     def pids(self) -> list[int]:
@@ -161,7 +190,8 @@ class TensorParallelWorkers:
         self._stop()
 
 
-def _stop_workers(connections, processes) -> None:
+def _stop_workers(connections, processes, rendezvous: str) -> None:
+    remove_rendezvous(rendezvous)
     for connection in connections:
         try:
             connection.send(None)
@@ -198,6 +228,18 @@ class TensorParallelRunner(ModelRunner):
         self._step_id = -1  # of the step being launched
         # This step's block-table changes past the staged buffer, sent to the workers with it.
         self._overflow: list[tuple[np.ndarray, np.ndarray]] = []
+        # A step shipped to the workers that rank 0 has not carried through its collectives
+        # (the forward's all-reduces, the sampled ids' broadcast): a failure then leaves them
+        # waiting in one, and the next step would meet it out of step.
+        self.workers_mid_step = False
+
+    def check_recoverable(self) -> None:
+        """After a failed step, before the engine serves on: TensorParallelDead when the
+        workers are stuck mid-step, since no later step could meet them (they would wait out
+        the collective timeout, then fail it anyway)."""
+        if self.workers_mid_step:
+            raise TensorParallelDead("a step failed on rank 0 while the other ranks were in it: the ranks are out "
+                                     "of step")
 
     def enable_decode_padding(self) -> None:
         """Pad decode-only steps to the graph ladder on every rank: each runs the padded pass
@@ -211,7 +253,14 @@ class TensorParallelRunner(ModelRunner):
         self._step_id = scheduler_output.step_id
         if scheduler_output.block_copies is not None:  # every rank swaps its shard (even in a step that runs nothing)
             self.workers.send(scheduler_output.block_copies)
-        return super().launch(scheduler_output)
+        try:
+            in_flight = super().launch(scheduler_output)
+        except StepAborted:  # every rank unwound at the same layer
+            self.workers_mid_step = False
+            raise
+        if self.workers_mid_step and not any(entry.samples for entry in scheduler_output.scheduled):
+            self.workers_mid_step = False  # no ids to broadcast: the workers are done with the forward
+        return in_flight
 
     def _prepare(self, scheduled, graphable: bool) -> _StepPlan:
         self._overflow = []
@@ -219,6 +268,7 @@ class TensorParallelRunner(ModelRunner):
         # A step is graphable exactly when it may not be aborted (launch): the workers vote
         # on the same steps rank 0 does, and never on one padded for a graph.
         self.workers.send(StepMessage(self._step_id, not graphable, plan, self.staged.last_sent(), self._overflow))
+        self.workers_mid_step = True
         return plan
 
     def _apply_unstaged_changes(self, flat_index: np.ndarray, block_ids: np.ndarray) -> None:
@@ -229,6 +279,7 @@ class TensorParallelRunner(ModelRunner):
 
     def _send_sampled(self, step, token_ids, logprobs, top_token_ids, top_logprobs) -> StepInFlight:
         self.tp.broadcast(token_ids.contiguous(), src=0)
+        self.workers_mid_step = False
         return super()._send_sampled(step, token_ids, logprobs, top_token_ids, top_logprobs)
 
 
@@ -241,7 +292,7 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
-    tp = join_group(rendezvous_store(spec.size, spec.port), spec.rank, spec.size, device,
+    tp = join_group(rendezvous_store(spec.size, spec.rendezvous), spec.rank, spec.size, device,
                     spec.config.tensor_parallel_timeout_s)
     try:
         runner, vote, model_config, config = _build_rank(spec, tp, device, board)
@@ -368,11 +419,10 @@ def start_tensor_parallel(config: EngineConfig, model_dir, device: torch.device,
     size = config.tensor_parallel_size
     if size == 1:
         return None
-    from replica.model.checkpoint import read_model_config
-    from replica.parallel.group import TensorParallelConfigError, check_divisible
+    from replica.model.registry import check_tensor_parallel
 
-    try:
-        check_divisible(read_model_config(Path(model_dir)), size)
-    except TensorParallelConfigError as error:
-        raise ConfigError(str(error)) from None
+    check_tensor_parallel(Path(model_dir), size)
+    if device.type == "cuda" and (last := rank_device(device, size - 1).index) >= torch.cuda.device_count():
+        raise ConfigError(f"tensor_parallel_size: {size} ranks from {device} need up to cuda:{last}; this host "
+                          f"shows {torch.cuda.device_count()} CUDA devices")
     return TensorParallelWorkers(size, model_dir, config, device, dtype, attention_backend)

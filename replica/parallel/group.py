@@ -13,6 +13,8 @@ import dataclasses
 import datetime
 import functools
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -144,10 +146,23 @@ class TensorParallel:
 NO_TENSOR_PARALLEL = TensorParallel()
 
 
-def rendezvous_store(size: int, port: int = 0, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0's store (port 0: any free port, read back from store.port); the others connect to it."""
-    return dist.TCPStore("127.0.0.1", port, size, port == 0, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+def rendezvous_path() -> str:
+    """Where a new group's ranks meet: a file in a directory of its own only this user may
+    enter (every rank is on one node). A TCPStore listened on every interface, whatever host
+    it was given, with no authentication: anyone who reached the port could join the group."""
+    return os.path.join(tempfile.mkdtemp(prefix="headroom-tp-"), "store")
+
+
+def rendezvous_store(size: int, path: str, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.FileStore:
+    """A rank's handle on the group's store at `path` (rendezvous_path); the file goes with the
+    last handle, the directory with remove_rendezvous."""
+    store = dist.FileStore(path, size)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+def remove_rendezvous(path: str) -> None:
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TensorParallel:
@@ -162,7 +177,11 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
         os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
         group = dist.ProcessGroupNCCL(store, rank, size)
     else:  # this timeout bounds the joining; each collective passes its own
-        group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        # Gloo's own sockets on loopback (its default device binds the hostname's address).
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = dist.ProcessGroupGloo(store, rank, size, options)
     return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s))
 
 

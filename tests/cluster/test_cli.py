@@ -368,6 +368,8 @@ def test_a_config_files_relative_paths_are_read_from_the_commands_directory(tmp_
     (["--replicas", "3", "--autoscaling", "requests"],
      "error: replicas.num_replicas: set either num_replicas or autoscaling, not both\n"),
     (["--block-size", "48"], "error: engine.block_size: must be a power of two from 1 to 256, got 48\n"),
+    # refused before Ray starts (every replica failed its start in turn, under Serve's retries)
+    (["--model", "builtin", "--tensor-parallel-size", "3"], "error: engine.tensor_parallel_size: 3 does not divide"),
 ])
 def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:

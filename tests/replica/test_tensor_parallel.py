@@ -470,8 +470,8 @@ def pool_over_ranks(tp: TensorParallel, min_blocks: int):
         return str(error)
 
 
-def _rank_1_sizes_its_pool(port: int, results) -> None:
-    tp = join_group(rendezvous_store(2, port), 1, 2, torch.device("cpu"), 30.0)
+def _rank_1_sizes_its_pool(rendezvous: str, results) -> None:
+    tp = join_group(rendezvous_store(2, rendezvous), 1, 2, torch.device("cpu"), 30.0)
     for min_blocks in (2, 240):
         results.put(pool_over_ranks(tp, min_blocks))
 
@@ -756,6 +756,86 @@ def test_a_hung_worker_fails_the_step_after_the_collective_timeout_not_never(tin
         assert 4.0 <= elapsed < 60, f"rank 0 gave up after {elapsed:.1f} s"
     finally:
         os.kill(worker, signal.SIGKILL)
+        engine.shutdown()
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once_naming_its_rank(monkeypatch):
+    """Rank 0 waited out the 120 s rendezvous, then raised a raw store timeout. The worker is
+    killed as it starts (an OOM kill; on CUDA, a device it cannot take)."""
+    from replica.parallel import executor
+
+    started = []
+    real_start = executor.multiprocessing.context.SpawnProcess.start
+
+    def start_then_kill(process):
+        real_start(process)
+        started.append(process.pid)
+        os.kill(process.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(executor.multiprocessing.context.SpawnProcess, "start", start_then_kill)
+    began = time.monotonic()
+    with pytest.raises(TensorParallelDead, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        make_engine(tensor_parallel_size=2)
+    assert started and time.monotonic() - began < 30
+
+
+def test_the_ranks_meet_in_a_private_directory_gone_once_the_engine_stops(tiny_mqa, monkeypatch):
+    """Not a TCP store: it listened on every interface, unauthenticated, whatever host it was given."""
+    from replica.parallel import executor
+
+    paths = []
+    real_path = executor.rendezvous_path
+    monkeypatch.setattr(executor, "rendezvous_path", lambda: paths.append(real_path()) or paths[-1])
+    engine = make_engine(tiny_mqa, tensor_parallel_size=2)
+    try:
+        (path,) = paths
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+        run(engine, PROMPTS[:1])
+    finally:
+        engine.shutdown()
+    assert not os.path.exists(os.path.dirname(path))
+
+
+def test_ranks_take_the_gpus_from_rank_0s_and_more_ranks_than_gpus_are_refused_at_start():
+    from replica.parallel.executor import rank_device, start_tensor_parallel
+
+    assert [str(rank_device(torch.device("cuda", 2), rank)) for rank in range(2)] == ["cuda:2", "cuda:3"]
+    assert str(rank_device(torch.device("cuda"), 1)) == "cuda:1" and str(rank_device(torch.device("cpu"), 1)) == "cpu"
+    config = make_engine_config(**{**TIGHT, "tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks from cuda:1 need up to cuda:2; this host "
+                                          rf"shows {torch.cuda.device_count()} CUDA devices$"):
+        start_tensor_parallel(config, ensure_builtin_model(), torch.device("cuda", 1), None, "torch")
+
+
+def test_a_step_failing_on_rank_0_mid_step_ends_the_engine_at_once_not_after_the_timeout(tiny_mqa):
+    """The engine core recovers from a failed step and serves on; under TP a failure on rank 0
+    after the workers started the step (its sampler, or logprobs only rank 0 computes) leaves
+    them in the sampled ids' broadcast, where the next step met them out of step and waited out
+    the collective timeout. It is TensorParallelDead at once; a failure before the step is
+    shipped still recovers."""
+    engine = make_engine(tiny_mqa, tensor_parallel_size=2, tensor_parallel_timeout_s=30.0)
+    sampler = engine.runner.sampler
+    real_sample = sampler.sample
+    try:
+        run(engine, PROMPTS[:1])  # both ranks serve first
+
+        def failing_sample(*args, **kwargs):
+            raise RuntimeError("injected sampler failure")
+
+        sampler.sample = failing_sample
+        sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=3)  # greedy rows skip the sampler
+        engine.add_request(engine.make_request("victim", PROMPTS[1], sampled), detokenize=False)
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(20):  # past the prompt's chunks, to its first sampled token
+                engine.step()
+        assert engine.runner.workers_mid_step  # the probe: the worker waits in the broadcast
+        engine.abort_request("victim")
+        started = time.monotonic()
+        with pytest.raises(TensorParallelDead, match="out of step"):
+            engine.recover_from_failed_step()
+        assert time.monotonic() - started < 5.0
+    finally:
+        sampler.sample = real_sample
         engine.shutdown()
 
 

@@ -42,8 +42,8 @@ def agree(tp, cuda_graphs, sizes):
         return str(error)
 
 
-def _rank_1_agrees(port: int, results) -> None:
-    tp = join_group(rendezvous_store(2, port), 1, 2, torch.device("cpu"), 30.0)
+def _rank_1_agrees(rendezvous: str, results) -> None:
+    tp = join_group(rendezvous_store(2, rendezvous), 1, 2, torch.device("cpu"), 30.0)
     for _, (cuda_graphs, sizes) in CASES:
         results.put(agree(tp, cuda_graphs, sizes))
 

@@ -8,19 +8,20 @@ from typing import Callable, Iterator
 
 import torch
 
-from replica.parallel.group import TensorParallel, join_group, rendezvous_store
+from replica.parallel.group import TensorParallel, join_group, remove_rendezvous, rendezvous_path, rendezvous_store
 
 
 @contextlib.contextmanager
 def beside_rank_1(rank_1_target: Callable[[int, "multiprocessing.Queue"], None]
                   ) -> Iterator[tuple[TensorParallel, "multiprocessing.Queue"]]:
-    """Starts rank 1 as `rank_1_target(store_port, results)` in a spawned process, joins rank 0
+    """Starts rank 1 as `rank_1_target(rendezvous, results)` in a spawned process, joins rank 0
     to the group here and yields (rank 0's group, the queue rank 1 puts its answers on); rank 1
     is joined on exit, and killed if it is still alive then."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    store = rendezvous_store(2)
-    rank_1 = context.Process(target=rank_1_target, args=(store.port, results), daemon=True)
+    path = rendezvous_path()
+    store = rendezvous_store(2, path)
+    rank_1 = context.Process(target=rank_1_target, args=(path, results), daemon=True)
     rank_1.start()
     try:
         yield join_group(store, 0, 2, torch.device("cpu"), 30.0), results
@@ -28,3 +29,4 @@ def beside_rank_1(rank_1_target: Callable[[int, "multiprocessing.Queue"], None]
         rank_1.join(timeout=30)
         if rank_1.is_alive():
             rank_1.kill()
+        remove_rendezvous(path)
