@@ -46,7 +46,9 @@ from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
 from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
-from replica.errors import EngineDeadError, EngineShutdownError, HeadroomError, InvalidRequestError, ReplicaLostError
+from replica.errors import (
+    EngineDeadError, EngineShutdownError, HeadroomError, InvalidRequestError, QueueFullError, ReplicaLostError,
+)
 from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, named_for_request, prompt_token_ids_from_proto,
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
@@ -682,7 +684,7 @@ class Ingress:
             if constraint is not None:
                 await self.check_constraint(constraint)
             echo_texts = await self._echo_texts(body)
-        except InvalidRequestError as error:
+        except (InvalidRequestError, QueueFullError) as error:  # QueueFullError: the compiles are backed up
             status, error_json = openai_error(error, param_for_field)
             return JSONResponse(error_json, status_code=status)
         bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,

@@ -236,10 +236,14 @@ class ToolFields(BaseModel):
 
     def tool_parameter_schemas(self) -> list[OutputConstraint]:
         """Each offered tool's parameters schema, to be compiled on its own so that a bad one is
-        refused naming that tool (under `auto` too, where nothing else would compile it)."""
-        if self.tool_mode() == "none":
+        refused naming that tool (under `auto` too, where nothing else would compile it; there
+        leniently: nothing enforces it, and a keyword llguidance cannot enforce, such as
+        pydantic's uniqueItems for a set, is no reason to refuse the tool)."""
+        mode = self.tool_mode()
+        if mode == "none":
             return []
-        return [OutputConstraint(StructuredOutput.of("json", tool.function.parameters_schema, param), param)
+        return [OutputConstraint(StructuredOutput.of("json", tool.function.parameters_schema, param,
+                                                     lenient=mode == "auto"), param)
                 for index, tool in enumerate(self.tools) for param in (f"tools[{index}].function.parameters",)]
 
     def tool_constraint(self) -> Optional[OutputConstraint]:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 import numpy as np
 
 from replica.config import EngineConfig
-from replica.errors import InvalidRequestError
+from replica.errors import InvalidRequestError, QueueFullError
 
 if TYPE_CHECKING:
     import llguidance
@@ -47,6 +47,8 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice")
 # fill max_tokens with newlines; separators as json.dumps writes them.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_COMPILE_TIMEOUT_S = EngineConfig.model_fields["structured_output_compile_timeout_s"].default
+QUEUED_COMPILE_POLL_S = 0.02  # how often a waiter looks whether its queued compile has started
+MIN_QUEUED_COMPILE_WAIT_S = 1.0  # a compile may wait this long for a thread, whatever its own bound
 _CACHE_SIZE = 256
 # llguidance builds a grammar by recursion over its rules' nesting: a Lark grammar whose rules
 # nest 3,000 deep (60 KB of text) overflowed a thread's default 8 MB stack and killed the
@@ -250,14 +252,21 @@ def _closed(schema: object, open_refs: set, keep_open: bool, path: str) -> objec
     return closed
 
 
+# A schema that is only checked, never enforced (a tool's parameters under tool_choice auto):
+# keywords llguidance does not implement (uniqueItems, not, if/then, an unknown format, ...)
+# are warnings, as OpenAI and vLLM take such tools; a schema that is not one still fails.
+LENIENT_JSON_OPTIONS = {**JSON_OPTIONS, "lenient": True}
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _satisfiable(schema_text: str) -> bool:
+def _satisfiable(schema_text: str, lenient: bool = False) -> bool:
     """Whether llguidance compiles a JSON schema (as text) to a grammar with no error (no
     tokenizer needed; ~0.3 ms for an agent's schema, once per schema: requests repeat theirs)."""
     import llguidance
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema_text, overrides=LENIENT_JSON_OPTIONS if lenient else JSON_OPTIONS)
         is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     except (ValueError, TypeError, RuntimeError):
         return False
@@ -271,9 +280,10 @@ class StructuredOutput:
 
     kind: str
     spec: Union[str, tuple[str, ...]] = ""
+    lenient: bool = False  # a JSON schema checked, not enforced: what llguidance cannot do is let be
 
     @classmethod
-    def json_schema(cls, schema: Union[str, dict, bool]) -> "StructuredOutput":
+    def json_schema(cls, schema: Union[str, dict, bool], lenient: bool = False) -> "StructuredOutput":
         """From a schema as a dict or JSON text, kept in its key order: a JSON object's keys
         come out in the order the schema's properties name them."""
         if isinstance(schema, str):
@@ -287,20 +297,20 @@ class StructuredOutput:
             schema = {}
         closed = closed_schema(schema)
         text = json.dumps(closed, separators=(",", ":"))
-        if closed != schema and not _satisfiable(text):
+        if closed != schema and not _satisfiable(text, lenient):
             given = json.dumps(schema, separators=(",", ":"))
-            if _satisfiable(given):
+            if _satisfiable(given, lenient):
                 text = given  # a shape closed_schema misjudged: as given rather than refused
-        return cls("json", text)
+        return cls("json", text, lenient)
 
     @classmethod
-    def of(cls, kind: str, value: object, field: str) -> "StructuredOutput":
+    def of(cls, kind: str, value: object, field: str, lenient: bool = False) -> "StructuredOutput":
         """The constraint one API field asks for: a JSON schema (kind "json" or "json_schema",
         its errors naming `field`), any JSON object ("json_object"; value unused), a choice among
         strings, or a regex / grammar. The OpenAI API and the gRPC servicer both map through it."""
         if kind in ("json", "json_schema"):
             try:
-                return cls.json_schema(value)
+                return cls.json_schema(value, lenient)
             except InvalidRequestError as error:
                 raise InvalidRequestError(field, error.message) from None
         if kind == "json_object":
@@ -317,7 +327,8 @@ class StructuredOutput:
 
         matcher = llguidance.LLMatcher
         if self.kind == "json":
-            return matcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
+            return matcher.grammar_from_json_schema(self.spec, overrides=LENIENT_JSON_OPTIONS if self.lenient
+                                                    else JSON_OPTIONS)
         if self.kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.kind == "regex":
@@ -577,7 +588,8 @@ class GrammarCompiler:
 
     async def check_async(self, constraint: StructuredOutput, field_name: str) -> None:
         """Compile (or find compiled) within the time bound; raise InvalidRequestError naming
-        `field_name` when the constraint is malformed, unsupported or too slow to compile. The
+        `field_name` when the constraint is malformed, unsupported or too slow to compile, and
+        QueueFullError when it waited as long for a compile thread (others ahead of it). The
         wait is the caller's coroutine (the edges'), so a client that goes away (its request's
         task cancelled) stops waiting at once, and its compile leaves the queue when nobody else
         waits for it and it has not started: clients that disconnect while a slow compile holds
@@ -587,8 +599,20 @@ class GrammarCompiler:
         with self._lock:
             self._waiters[future] = self._waiters.get(future, 0) + 1
         gone = False
+        loop = asyncio.get_running_loop()
+        compiled = asyncio.shield(asyncio.wrap_future(future))
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
+            # The bound is the compile's own time: a backlog of other compiles queued ahead of
+            # it is the server's, not this constraint's (a valid schema was refused, naming the
+            # client's parameter, behind twenty slow ones). Waiting as long again for a thread
+            # is a full queue, to retry.
+            queued_until = loop.time() + max(self.timeout_s, MIN_QUEUED_COMPILE_WAIT_S)
+            while not future.running() and not future.done():
+                if loop.time() >= queued_until:
+                    self.abandon(constraint, future)
+                    raise QueueFullError(f"{field_name}: the structured-output compiles are backed up; retry later")
+                await asyncio.wait({compiled}, timeout=QUEUED_COMPILE_POLL_S)
+            await asyncio.wait_for(compiled, self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as error:
             if isinstance(error, asyncio.CancelledError) and not future.cancelled():
                 gone = True  # this caller was cancelled, not the compile
