@@ -645,10 +645,10 @@ def test_more_tools_than_openais_bound_are_refused_before_any_is_validated():
                       tools=[tool] * MAX_TOOLS).tools) == MAX_TOOLS
 
 
-def test_schemas_are_compiled_only_for_a_request_the_cheap_checks_pass_and_built_off_the_loop_when_large():
+def test_schemas_are_compiled_only_for_a_request_the_cheap_checks_pass_and_built_off_the_loop_when_large(monkeypatch):
     """30,000 tools took the ingress 40 s of schema building and compiling before it refused
     the request for its max_tokens; a 4 MB response_format schema held the loop 2 s."""
-    compiled, built_on, asked = [], [], []
+    compiled, asked = [], []
 
     async def replica(request):
         asked.append(request.request_id)
@@ -666,50 +666,42 @@ def test_schemas_are_compiled_only_for_a_request_the_cheap_checks_pass_and_built
     refused_response = asyncio.run(post(ingress, "/v1/chat/completions", {**body, "max_tokens": 10**6}))
     assert refused_response.status_code == 400 and json.loads(refused_response.body)["error"]["param"] == "max_tokens"
     assert compiled == [] and asked == []
-    original = ChatCompletionRequest.output_constraint
-
-    def recording(self):
-        built_on.append(threading.current_thread())
-        return original(self)
-
-    ChatCompletionRequest.output_constraint = recording
-    try:
-        response = asyncio.run(post(ingress, "/v1/chat/completions", {**body, "max_tokens": 2, "stream": True}))
-    finally:
-        ChatCompletionRequest.output_constraint = original
+    built_on = building_threads(monkeypatch)
+    response = asyncio.run(post(ingress, "/v1/chat/completions", {**body, "max_tokens": 2, "stream": True}))
     assert response.status_code == 200 and len(asked) == 1
     assert compiled == [f"tools[{index}].function.parameters" for index in range(100)] + ["tools"]
     assert built_on and threading.main_thread() not in built_on
 
 
-def test_a_small_body_with_a_schema_builds_it_off_the_loop_and_one_without_on_it():
-    """Checking a schema is llguidance's work: 60 KB of date-time properties held the loop 0.6 s."""
-    built_on = []
-
-    async def replica(request):
-        yield chunk("{}", [65], "stop")
-
+def building_threads(monkeypatch) -> list:
+    """The threads a chat body's constraints are built on, from now to the test's end."""
+    threads = []
     original = ChatCompletionRequest.output_constraint
 
     def recording(self):
-        built_on.append(threading.current_thread())
+        threads.append(threading.current_thread())
         return original(self)
 
-    ChatCompletionRequest.output_constraint = recording
-    try:
-        schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}
-        for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}, {}):
-            ingress = completing_ingress(replica)
+    monkeypatch.setattr(ChatCompletionRequest, "output_constraint", recording)
+    return threads
 
-            async def check_constraint(constraint):  # the compile: not what this test watches
-                pass
 
-            ingress.check_constraint = check_constraint
-            response = asyncio.run(post(ingress, "/v1/chat/completions",
-                                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}))
-            assert isinstance(response, dict), response.body  # the completion (an error: a JSONResponse)
-    finally:
-        ChatCompletionRequest.output_constraint = original
+def test_a_small_body_with_a_schema_builds_it_off_the_loop_and_one_without_on_it(monkeypatch):
+    """Checking a schema is llguidance's work: 60 KB of date-time properties held the loop 0.6 s."""
+    async def replica(request):
+        yield chunk("{}", [65], "stop")
+
+    async def check_constraint(constraint):  # the compile: not what this test watches
+        pass
+
+    built_on = building_threads(monkeypatch)
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}, {}):
+        ingress = completing_ingress(replica)
+        ingress.check_constraint = check_constraint
+        response = asyncio.run(post(ingress, "/v1/chat/completions",
+                                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}))
+        assert isinstance(response, dict), response.body  # the completion (an error: a JSONResponse)
     assert built_on[0] is not threading.main_thread() and built_on[1] is threading.main_thread()
 
 
