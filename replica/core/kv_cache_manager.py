@@ -533,13 +533,13 @@ class KVCacheManager:
         del self.prefetched[request.request_id]
         self._host_blocks_read.extend(self.swapped.pop(request.request_id).host_blocks)
 
-    def cancel_prefetches(self, made_before_step: Optional[int] = None) -> bool:
+    def cancel_prefetches(self, made_before_step: Optional[int] = None, most: Optional[int] = None) -> bool:
         """Give back the device blocks of prefetched requests that did not resume (all, or
-        those prefetched before step `made_before_step`); they keep their host blocks. Their
-        prefix blocks stay cached: the KV is there once the prefetch's step is. Returns whether
-        any was cancelled."""
-        cancelled = [request_id for request_id, prefetched in self.prefetched.items()
-                     if made_before_step is None or prefetched.step_id < made_before_step]
+        those prefetched before step `made_before_step`; at most `most` of them, the latest
+        made first); they keep their host blocks. Their prefix blocks stay cached: the KV is
+        there once the prefetch's step is. Returns whether any was cancelled."""
+        cancelled = [request_id for request_id, prefetched in reversed(self.prefetched.items())
+                     if made_before_step is None or prefetched.step_id < made_before_step][:most]
         for request_id in cancelled:
             self.prefetch_cancelled_blocks += self.prefetched.pop(request_id).num_copies  # copied again if prefetched again
             blocks = self.req_to_blocks.pop(request_id)

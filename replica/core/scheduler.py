@@ -258,7 +258,7 @@ class Scheduler:
                 new_blocks = kv_cache.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                if kv_cache.cancel_prefetches():  # a running request's memory before a prefetch's
+                if kv_cache.cancel_prefetches(most=1):  # a running request's memory before a prefetch's (the latest's)
                     continue
                 # Not a request whose token in flight is its last (async scheduling): its
                 # blocks come back at the next update, and preempting it un-finished it, its
@@ -391,8 +391,14 @@ class Scheduler:
                 # beside it and it resumes next step, first in line (nothing overtakes it).
                 kv_cache.allocate_slots(request, 0, hit_blocks, num_start)
                 kv_cache.prefetch_swap_in(request, len(hit_blocks), num_start, num_hit_tokens, self._step_id + 1)
-                prefetching.append(self.waiting.pop())
-                continue  # it holds its blocks: the requests behind it may be admitted or prefetched too
+                self.waiting.remove(request)  # not pop(): no admission (the SLO queue's credit counts them)
+                prefetching.append(request)
+                continue  # the swapped requests behind it may be prefetched too
+            if prefetching:
+                # After a prefetch, nothing but prefetches: an admission now could hit a block a
+                # prefetch writes beside this step (its prefix hash is registered) and read it
+                # unwritten, and its reserve would not count the prefetched requests' growth.
+                break
             if host_hits:  # no spill of this very allocation may reuse them
                 kv_cache.hold_host_hits(host_hits)
             new_blocks = allocate(1.0)

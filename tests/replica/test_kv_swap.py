@@ -324,6 +324,36 @@ def test_many_swapped_requests_are_prefetched_in_one_step_and_the_queue_behind_t
     scheduler.check_invariants()
 
 
+def test_no_request_is_admitted_beside_a_prefetch_to_read_the_blocks_it_writes():
+    """A prefetch's device blocks carry their prefix hashes from the step it is made: a request
+    admitted in that step that shares the prefix hit them, and its forward pass read blocks the
+    prefetch was still writing (the simulation's check). After a prefetch, only prefetches."""
+    scheduler = make_scheduler(block_size=4, max_model_len=40, max_num_batched_tokens=64, num_kv_blocks=14,
+                               num_host_kv_blocks=64, preemption_mode="swap", scheduling_policy="priority")
+    simulated = SimulatedKV(4)
+    prefix = list(range(100, 116))  # 4 full blocks
+    owner = make_request("A", prefix + [7], 6, priority=5)
+    for request in (make_request("R", [1, 2, 3], 30, priority=0), owner):
+        scheduler.add_request(request)
+    step = 0
+    for _ in range(2):
+        simulated(step, run_step(scheduler))
+        step += 1
+    scheduler._preempt(scheduler.running.index(owner))  # swapped out
+    scheduler.add_request(make_request("F", list(range(200, 228)), 2, priority=1))  # takes its device copies' room
+    scheduler.add_request(make_request("B", prefix + [9, 9], 4, priority=6))  # shares its prefix, behind it
+    prefetches = 0
+    while scheduler.has_unfinished_requests() and step < 40:
+        output = run_step(scheduler)
+        simulated(step, output)  # asserts no forward pass touches a block a prefetch beside it writes
+        if output.block_copies is not None and output.block_copies.prefetch:
+            prefetches += 1
+            assert not any(entry.is_new for entry in output.scheduled if entry.request.request_id != "A")
+        step += 1
+    assert prefetches > 0 and not scheduler.has_unfinished_requests()
+    scheduler.check_invariants()
+
+
 def test_a_running_request_short_of_a_block_takes_back_a_prefetch_before_preempting_anyone():
     scheduler, a, b, simulated = _prefetch_one()
     output = run_step(scheduler)  # a's 33rd token opens a block: b's prefetch gives its 8 back
@@ -336,6 +366,27 @@ def test_a_running_request_short_of_a_block_takes_back_a_prefetch_before_preempt
     _finish(scheduler, simulated, 3)
     assert {"a": a.output_token_ids, "b": b.output_token_ids} == reference_outputs(
         [make_request("a", list(range(1, 32)), 20), make_request("b", list(range(100, 130)), 12)])
+
+
+def test_a_running_request_short_of_a_block_takes_back_only_the_latest_prefetch():
+    # Four swapped requests prefetched in one step, the pool then full: the running one needs a
+    # block the step after, and one prefetch's blocks are enough (all four were taken back).
+    scheduler = make_scheduler(block_size=4, max_model_len=40, max_num_batched_tokens=64, num_kv_blocks=11,
+                               num_host_kv_blocks=64, preemption_mode="swap", enable_prefix_caching=False)
+    kv_cache = scheduler.kv_cache
+    running = make_request("R", list(range(1, 8)), 30)
+    swapped = [make_request(f"v{i}", list(range(100 + 10 * i, 107 + 10 * i)), 20) for i in range(4)]
+    for request in [running, *swapped]:
+        scheduler.add_request(request)
+    run_step(scheduler)
+    for request in swapped:
+        scheduler._preempt(scheduler.running.index(request))
+    run_step(scheduler)
+    assert sorted(kv_cache.prefetched) == ["v0", "v1", "v2", "v3"] and kv_cache.num_free_blocks == 0
+    run_step(scheduler)  # R needs its next block
+    assert kv_cache.prefetches_cancelled == 1 and kv_cache.prefetch_cancelled_blocks == 2
+    assert scheduler.counters.preemptions == 4  # the four swaps, no victim more
+    scheduler.check_invariants()
 
 
 def test_aborting_a_request_mid_prefetch_frees_both_tiers():
