@@ -137,21 +137,11 @@ class FunctionDefinition(BaseModel):
         return self.parameters if "type" in self.parameters else {**self.parameters, "type": "object"}
 
 
-# Values that are data, not schemas: a `$ref` inside them is not a reference.
-_SCHEMA_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples", "example"))
-
-
-def _rebased_refs(schema: Any, base: str) -> Any:
-    """`schema` with each local `$ref` ("#", "#/$defs/X", "#/properties/a") pointing into
-    `base`, the JSON pointer the schema is moved to: a tool's parameters nested in the array
-    of calls keep referring to their own root and definitions."""
-    if isinstance(schema, dict):
-        return {key: (base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                      else value if key in _SCHEMA_DATA_KEYWORDS else _rebased_refs(value, base))
-                for key, value in schema.items()}
-    if isinstance(schema, list):
-        return [_rebased_refs(item, base) for item in schema]
-    return schema
+def _as_resource(schema: dict[str, Any], index: int) -> dict[str, Any]:
+    """A tool's parameters as a schema resource of its own (an `$id`, the tool's if it has one):
+    nested in the array of calls, its "#", "#/$defs/..." and "#anchor" references still resolve
+    against its own root, as JSON Schema resolves them inside any `$id`."""
+    return schema if "$id" in schema else {"$id": f"urn:headroom:tool:{index}", **schema}
 
 
 class ToolDefinition(BaseModel):
@@ -255,15 +245,15 @@ class ToolFields(BaseModel):
             function = next(tool.function for tool in self.tools if tool.function.name == name)
             return OutputConstraint(StructuredOutput.of("json", function.parameters_schema, "tool_choice"), "tool_choice")
         if mode == "required":
-            # Each tool's parameters sit in the root's $defs, their references rebased there:
-            # pasted under the call, "#" and "#/$defs/..." would point into the array of calls.
+            # Each tool's parameters are a resource of their own in the root's $defs: pasted
+            # under the call as they were, "#" and "#/$defs/..." pointed into the array of calls.
+            resources = [_as_resource(tool.function.parameters_schema, index) for index, tool in enumerate(self.tools)]
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
                 {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                  "arguments": {"$ref": f"#/$defs/tool_{index}"}},
+                                                  "arguments": {"$ref": resource["$id"]}},
                  "required": ["name", "arguments"], "additionalProperties": False}
-                for index, tool in enumerate(self.tools)
-            ]}, "$defs": {f"tool_{index}": _rebased_refs(tool.function.parameters_schema, f"#/$defs/tool_{index}")
-                          for index, tool in enumerate(self.tools)}}
+                for tool, resource in zip(self.tools, resources)
+            ]}, "$defs": {f"tool_{index}": resource for index, resource in enumerate(resources)}}
             if self.parallel_tool_calls is False:
                 calls["maxItems"] = 1
             return OutputConstraint(StructuredOutput.of("json", calls, "tools"), "tools")

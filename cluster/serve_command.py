@@ -314,7 +314,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
                 raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
                                   "use `serve run` for runtime environments")
-        for app in config.applications:
+        for index, app in enumerate(config.applications):
             # Fetched and converted here, once, before any replica starts; a missing model fails here,
             # and so does a directory the replicas could not load (each would fail in turn, under Serve).
             model_dir = resolve_model_path(app.args.model)
@@ -323,7 +323,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 try:
                     check_tensor_parallel(model_dir, app.args.engine.tensor_parallel_size)
                 except ConfigError as error:
-                    raise ConfigError(f"engine.{error}") from None
+                    where = f"applications[{index}].args." if len(config.applications) > 1 else ""
+                    raise ConfigError(f"{where}engine.{error}") from None
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if warning := open_door_warning(config.http_options.host, credentials):

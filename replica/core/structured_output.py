@@ -607,11 +607,17 @@ class GrammarCompiler:
             # client's parameter, behind twenty slow ones). Waiting as long again for a thread
             # is a full queue, to retry.
             queued_until = loop.time() + max(self.timeout_s, MIN_QUEUED_COMPILE_WAIT_S)
+            backed_up = QueueFullError(f"{field_name}: the structured-output compiles are backed up; retry later")
             while not future.running() and not future.done():
                 if loop.time() >= queued_until:
-                    self.abandon(constraint, future)
-                    raise QueueFullError(f"{field_name}: the structured-output compiles are backed up; retry later")
+                    with self._lock:
+                        alone = self._waiters.get(future, 0) <= 1
+                    if alone:  # others waiting for the same compile keep it queued
+                        self.abandon(constraint, future)
+                    raise backed_up
                 await asyncio.wait({compiled}, timeout=QUEUED_COMPILE_POLL_S)
+            if future.cancelled():  # another waiter gave it up while it was still queued
+                raise backed_up
             await asyncio.wait_for(compiled, self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as error:
             if isinstance(error, asyncio.CancelledError) and not future.cancelled():

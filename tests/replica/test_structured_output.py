@@ -633,6 +633,34 @@ def test_the_compile_bound_counts_the_compile_not_its_wait_for_a_thread(builtin_
         compiler.shutdown()
 
 
+def test_requests_waiting_for_one_queued_compile_are_all_told_to_retry(builtin_engine, monkeypatch):
+    """The first to give up waiting for a thread cancelled the shared compile: the others were
+    told their constraint took too long to compile (a 400) instead of to retry."""
+    import asyncio
+
+    import replica.core.structured_output as structured_output
+
+    monkeypatch.setattr(structured_output, "MIN_QUEUED_COMPILE_WAIT_S", 0.2)
+    compiler = GrammarCompiler(builtin_engine.tokenizer.fast_tokenizer_json(), builtin_engine.model_config.vocab_size,
+                               builtin_engine.eos_token_ids, timeout_s=0.1)
+    release, holding = _hold_compile_threads(compiler)
+
+    async def scenario() -> list:
+        shared = StructuredOutput("regex", "[a-z]{4}")
+        first = asyncio.ensure_future(compiler.check_async(shared, "guided_regex"))
+        await asyncio.sleep(0.1)
+        second = asyncio.ensure_future(compiler.check_async(shared, "guided_regex"))
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    try:
+        errors = asyncio.run(scenario())
+        assert [type(error) for error in errors] == [QueueFullError, QueueFullError], errors
+    finally:
+        _release(release, holding)
+    compiler.check(StructuredOutput("regex", "[a-z]{4}"), "guided_regex")  # nothing failed stays cached
+    compiler.shutdown()
+
+
 def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_request_ends(builtin_engine):
     big = StructuredOutput.json_schema({"type": "object", "properties": {
         f"field_{index}": {"type": "string", "pattern": f"^[a-z]{{{index % 7 + 1}}}[0-9]+$"} for index in range(300)},
@@ -953,8 +981,15 @@ def test_tool_calls_forced_by_required_or_by_name_keep_each_tools_own_schema(bui
                                                          "children": {"type": "array", "items": {"$ref": "#"}}},
                          "required": ["label"]})
     untyped = tool("city", {"properties": {"city": {"type": "string"}}, "required": ["city"]})
+    # The same definition's name in another tool, an anchor, a property named like a keyword,
+    # and a schema with an $id of its own.
+    other = tool("other", {"$id": "https://example.com/other.json", "type": "object",
+                           "$defs": {"Unit": {"enum": ["k"], "type": "string", "$anchor": "unit"}},
+                           "properties": {"default": {"$ref": "#unit"}}, "required": ["default"]})
     try:
-        required = constraint([weather, tree], "required")
+        required = constraint([weather, tree, other], "required")
+        assert accepts(required, '[{"name": "other", "arguments": {"default": "k"}}]')
+        assert not accepts(required, '[{"name": "other", "arguments": {"default": "c"}}]')
         assert accepts(required, '[{"name": "weather", "arguments": {"city": "Paris", "unit": "c"}}]')
         assert not accepts(required, '[{"name": "weather", "arguments": {"city": "Paris", "unit": "k"}}]')
         assert accepts(required, '[{"name": "tree", "arguments": {"label": "a", "children": [{"label": "b"}]}}]')
