@@ -254,8 +254,9 @@ class EngineConfig(ConfigModel):
     structured_output_compile_timeout_s: float = Field(
         10.0, gt=0,
         description="Longest a request's output constraint (JSON schema, regex, grammar, choice) may take to "
-        "compile, counted from when a compile thread takes it; a slower one is refused as invalid input where it "
-        "enters (one that waits as long for a thread, behind others, is refused as a full queue: retry).",
+        "compile. Where the request enters it counts from when a compile thread takes it: a slower one is refused "
+        "as invalid input, and one that waits as long for a thread, behind others, as a full queue (retry). In the "
+        "engine core, a request still waiting for its grammar this long after it arrived ends as a full queue.",
     )
     structured_output_max_mask_ms: float = Field(
         10.0, gt=0,
