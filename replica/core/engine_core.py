@@ -34,6 +34,11 @@ from replica.core.slo import SLOView
 
 logger = logging.getLogger(__name__)
 
+# How often an idle tensor-parallel core checks that its worker processes are alive: one that
+# died while nothing ran went unnoticed until the next request (no step sent it anything), so
+# the front, Serve's health check and the load stream went on reporting a live replica.
+IDLE_WORKER_CHECK_S = 0.5
+
 
 class EngineCore:
     # What a UtilityCall may run: read-only views of the core's state, for tests and tools.
@@ -258,10 +263,16 @@ class EngineCore:
     # ---- the threads -------------------------------------------------------------------
     def _take_inbox(self, block: bool) -> Optional[list[tuple[int, Any]]]:
         """Everything received since the last call, as (front, message); waits for something
-        when `block`. None once front 0's channel is closed and nothing is left."""
+        when `block`. None once front 0's channel is closed and nothing is left. A
+        tensor-parallel worker that exits meanwhile raises TensorParallelDead within
+        IDLE_WORKER_CHECK_S, which ends the core as it does from a step."""
+        workers = getattr(self.engine, "tp_workers", None)
         with self._inbox_changed:
             while block and not self._inbox and not self._channel_closed:
-                self._inbox_changed.wait()
+                if workers is None:
+                    self._inbox_changed.wait()
+                elif not self._inbox_changed.wait(IDLE_WORKER_CHECK_S):
+                    workers.check_alive()
             messages, self._inbox = self._inbox, []
             if self._arrivals:
                 self._arrivals = []

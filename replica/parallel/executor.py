@@ -2,9 +2,10 @@
 processes (spawned, one device each), all in one torch.distributed group.
 
 The scheduler stays single, on rank 0. Its runner (TensorParallelRunner) prepares each step's
-inputs as the one-device runner does, then ships exactly what it copied to its device (the
-staged input bytes and the host-side step plan) to every worker over a pipe; each worker puts
-those bytes on its own device and runs the same forward pass on its shard, meeting the others
+inputs as the one-device runner does, then ships what it copied to its device (the staged input
+words that changed since that host buffer was last shipped, and the host-side step plan) to
+every worker over a pipe; each worker patches its mirror of rank 0's buffer, puts the same
+bytes on its own device and runs the same forward pass on its shard, meeting the others
 in the row-parallel all-reduces, the logits all-gather and (steps that may be aborted) the
 vote at every layer boundary; a padded decode step replays the rank's own CUDA graph of the
 size rank 0 padded to, those collectives captured inside (parallel/graphs.py). Rank 0
@@ -12,8 +13,9 @@ samples; one broadcast gives every rank the sampled ids that the next step's inp
 the device.
 
 A dead or silent worker never hangs the replica: rank 0 checks the workers before each step,
-a collective with a dead peer fails at once (gloo: connection closed) and every eager
-collective has a timeout (a replayed graph's have none, but the broadcast after it has);
+every write to a worker's pipe gives up after the collective timeout (a stopped worker stops
+reading it), a collective with a dead peer fails at once (gloo: connection closed) and every
+eager collective has a timeout (a replayed graph's have none, but the broadcast after it has);
 TensorParallelDead then takes the engine core down, and the front reports the replica dead
 (EngineDeadError). A worker exits when rank 0 goes away.
 """
@@ -25,11 +27,15 @@ import gc
 import logging
 import multiprocessing
 import os
+import select
+import socket
+import struct
 import threading
 import time
 import weakref
 from pathlib import Path
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
 import numpy as np
@@ -42,6 +48,7 @@ from replica.executor.cuda_graphs import capture_sizes, use_cuda_graphs
 from replica.executor.model_runner import ModelRunner, StepInFlight, _StepPlan
 from replica.executor.preemption_profile import preemption_costs
 from replica.executor.rank_config import resolve_rank_config
+from replica.executor.staging import StagedChanges
 from replica.executor.step_abort import StepAborted
 from replica.model import ModelConfig, load_model
 from replica.parallel.group import (
@@ -57,6 +64,10 @@ logger = logging.getLogger(__name__)
 PARENT_WATCH_INTERVAL_S = 1.0
 # How many of its latest padded decode steps' sizes a worker keeps for its stats.
 RECENT_GRAPH_SIZES = 4096
+# Rank 0 writes to a worker's pipe without ever blocking in the write (a stopped worker stops
+# reading, and a message past the socket's buffer would block it for good); it polls for room
+# until the collective timeout instead.
+_SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 @dataclass
@@ -66,7 +77,7 @@ class StepMessage:
     step_id: int
     abortable: bool  # the ranks vote at each layer boundary
     plan: _StepPlan
-    staged_bytes: bytes
+    staged: StagedChanges  # the staged input words that changed since their host buffer last shipped
     # Block-table changes past the staged buffer's capacity (rare), applied before the staged ones.
     overflow_changes: list[tuple[np.ndarray, np.ndarray]]
 
@@ -101,7 +112,12 @@ class TensorParallelWorkers:
         self.board = context.RawValue("q", -1)  # the step id the latest SLO order names
         self._rendezvous = path = rendezvous_path()
         store = rendezvous_store(size, path)
+        self.timeout_s = config.tensor_parallel_timeout_s
         self._connections = []
+        # Each connection's socket (its own descriptor), written to without blocking (_write_within).
+        self._sockets: list[socket.socket] = []
+        # Per worker: a write to it gave up part way, so its pipe holds a partial message.
+        self._broken: list[bool] = []
         self._processes = []
         for rank in range(1, size):
             spec = WorkerSpec(rank, size, path, str(model_dir), config, str(rank_device(device, rank)), dtype,
@@ -112,11 +128,14 @@ class TensorParallelWorkers:
             process.start()
             theirs.close()
             self._connections.append(ours)
+            self._sockets.append(socket.fromfd(ours.fileno(), socket.AF_UNIX, socket.SOCK_STREAM))
+            self._broken.append(False)
             self._processes.append(process)
         self._store = store  # the workers' rendezvous; kept for the group's lifetime
         # Stops the workers when this handle goes away without shutdown() (an engine whose own
         # start failed after spawning them), as shutdown() does.
-        self._stop = weakref.finalize(self, _stop_workers, self._connections, self._processes, path)
+        self._stop = weakref.finalize(self, _stop_workers, self._sockets, self._broken, self._processes, path,
+                                      self.timeout_s)
         self.tp = self._join(store, device, config.tensor_parallel_timeout_s)
 
     def _join(self, store, device: torch.device, timeout_s: float) -> TensorParallel:
@@ -156,12 +175,25 @@ class TensorParallelWorkers:
                                          f"{process.exitcode}")
 
     def send(self, message: Any) -> None:
+        """`message` to every worker (a step, a step's block copies, a question), as
+        Connection.send frames it; TensorParallelDead naming the rank when a worker is gone or
+        has not taken it within the collective timeout (hung, or stopped: its pipe full)."""
         self.check_alive()
-        for rank, connection in enumerate(self._connections, start=1):
+        frame = _frame(message)
+        deadline = time.monotonic() + self.timeout_s
+        for index, sock in enumerate(self._sockets):
+            rank = index + 1
+            if self._broken[index]:
+                raise TensorParallelDead(f"tensor-parallel rank {rank}: its pipe holds a message cut short")
             try:
-                connection.send(message)
-            except (BrokenPipeError, ConnectionError, OSError) as error:
+                sent = _write_within(sock, frame, deadline)
+            except OSError as error:  # BrokenPipeError, ConnectionResetError: it is gone
                 raise TensorParallelDead(f"tensor-parallel rank {rank}: cannot send it a step: {error}") from error
+            if not sent:
+                self._broken[index] = True
+                raise TensorParallelDead(
+                    f"tensor-parallel rank {rank} (pid {self._processes[index].pid}) took no message for "
+                    f"{self.timeout_s:g} s (tensor_parallel_timeout_s): hung or stopped")
 
     def wait_ready(self) -> None:
         """Until every worker has loaded its shard and built its runner (rank 0's first step
@@ -190,18 +222,62 @@ class TensorParallelWorkers:
         self._stop()
 
 
-def _stop_workers(connections, processes, rendezvous: str) -> None:
-    remove_rendezvous(rendezvous)
-    for connection in connections:
+def _frame(message: Any) -> tuple[bytes, memoryview]:
+    """`message` as Connection.send frames it, for the worker's Connection.recv: its pickle's
+    length (4 bytes, big-endian; past 2 GiB -1 then 8 bytes), then the pickle."""
+    payload = ForkingPickler.dumps(message)
+    size = len(payload)
+    return (struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)), payload
+
+
+def _write_within(sock: socket.socket, buffers, deadline: float) -> bool:
+    """Write `buffers` in order without blocking, waiting for room in the socket until
+    `deadline` (time.monotonic()); False when it came first, part of them perhaps written.
+    One sendmsg when they fit, as a step's message does unless the worker is behind."""
+    views = [memoryview(buffer) for buffer in buffers]
+    poller = None
+    while True:
         try:
-            connection.send(None)
+            sent = sock.sendmsg(views, (), _SEND_FLAGS)
+        except BlockingIOError:
+            sent = 0
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if not views:
+            return True
+        views[0] = views[0][sent:]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        if poller is None:
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+        poller.poll(max(1, int(remaining * 1000)))
+
+
+def _stop_workers(sockets: list[socket.socket], broken: list[bool], processes, rendezvous: str,
+                  timeout_s: float) -> None:
+    """Each worker reads None and returns; one that does not take it within the collective
+    timeout (hung, stopped), or whose pipe holds a message cut short, is killed at once."""
+    remove_rendezvous(rendezvous)
+    frame = _frame(None)
+    deadline = time.monotonic() + timeout_s
+    unreachable = set()
+    for index, sock in enumerate(sockets):
+        try:
+            if broken[index] or not _write_within(sock, frame, deadline):
+                unreachable.add(index)
         except OSError:
-            pass
-    for process in processes:
+            pass  # it is gone
+    for index, process in enumerate(processes):
+        if index in unreachable:
+            process.kill()
         process.join(timeout=10)
         if process.is_alive():
             process.kill()
             process.join()
+    for sock in sockets:
+        sock.close()
 
 
 class TensorParallelRunner(ModelRunner):
@@ -389,7 +465,7 @@ class _Worker:
         if isinstance(message, BlockCopies):  # this rank's shard of the blocks, before the step that reads them
             runner.kv_swap.copy(message)
             return
-        runner.staged.receive(message.staged_bytes)
+        runner.staged.receive(message.staged)
         for flat_index, block_ids in message.overflow_changes:
             runner.rows.block_tables.apply_on_device(torch.from_numpy(flat_index).to(runner.device),
                                                      torch.from_numpy(block_ids).to(runner.device))

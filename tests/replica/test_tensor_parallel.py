@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -870,3 +871,56 @@ def process_gone(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_hung_worker_fails_a_step_larger_than_its_pipe_buffer_after_the_timeout_not_never(tiny_mqa):
+    """The test above ships a 32-token step, which fits the pipe's buffer. A step past it (here
+    four prompts of 2,000 tokens in one 16,384-token budget) blocked rank 0 in write() to the
+    stopped worker for good, before any collective could time out: every write to a worker now
+    gives up after the collective timeout too, naming the rank."""
+    ours, theirs = socket.socketpair()  # the buffer a worker's pipe has (multiprocessing's Pipe)
+    pipe_buffer = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    ours.close()
+    theirs.close()
+    engine = make_engine(tiny_mqa, tensor_parallel_size=2, tensor_parallel_timeout_s=4.0, block_size=16,
+                         num_kv_blocks=600, max_num_batched_tokens=16384)
+    (worker,) = engine.tp_workers.pids
+    try:
+        run(engine, PROMPTS[:1])  # the probe: both ranks serve before the worker hangs
+        os.kill(worker, signal.SIGSTOP)
+        rng = random.Random(2000)
+        for index in range(4):
+            prompt = [rng.randrange(TINY_VOCAB) for _ in range(2000)]
+            engine.add_request(engine.make_request(f"long-{index}", prompt, GREEDY), detokenize=False)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelDead, match=r"rank 1 \(pid \d+\) took no message for 4 s"):
+            engine.step()
+        elapsed = time.monotonic() - started
+        assert engine.runner.staged.last_sent().nbytes > pipe_buffer, "the step's message fit the pipe's buffer"
+        assert 4.0 <= elapsed < 10, f"rank 0 gave up after {elapsed:.1f} s"
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        engine.shutdown()
+
+
+def test_a_worker_killed_while_the_replica_is_idle_takes_it_down_without_a_request():
+    """The idle core waited on its inbox alone, and only a step checked the workers: the front
+    (and the health check, the load stream) saw a live replica until the next request."""
+    config = make_engine_config(**{**TIGHT, "tensor_parallel_size": 2})
+
+    async def scenario():
+        front = await AsyncEngine.launch(config, "builtin", device="cpu")
+        try:
+            (worker,) = tp_worker_pids(front.core.process.pid)
+            killed_at = time.monotonic()
+            os.kill(worker, signal.SIGKILL)
+            while front.dead is None and time.monotonic() - killed_at < 30:
+                await asyncio.sleep(0.05)
+            return time.monotonic() - killed_at, front.dead
+        finally:
+            await front.shutdown()
+
+    elapsed, dead = asyncio.run(scenario())
+    print(f"reported dead {elapsed:.2f} s after the kill")
+    assert isinstance(dead, EngineDeadError)
+    assert elapsed < 5, f"the idle replica took {elapsed:.1f} s to report dead"
