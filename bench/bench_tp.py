@@ -139,11 +139,13 @@ def compare_step_times(model: str, repeat: int) -> dict:
             for size, engine in ((1, tp1), (2, tp2)):
                 prefill[size].append(workload.prefill_step(engine))
         decode = {1: [], 2: []}
+        shipped = []  # bytes of staged inputs each TP=2 decode step sent each worker
         for size, engine in ((1, tp1), (2, tp2)):
             workload.start_decodes(engine, repeat)
         for _ in range(repeat):
             for size, engine in ((1, tp1), (2, tp2)):
                 decode[size].append(workload.decode_step(engine))
+            shipped.append(tp2.runner.staged.last_sent().nbytes)
         for engine in (tp1, tp2):
             while engine.has_unfinished_requests():
                 engine.step()
@@ -151,7 +153,8 @@ def compare_step_times(model: str, repeat: int) -> dict:
     finally:
         tp2.shutdown()
     return {"prefill": {size: median_ms(times) for size, times in prefill.items()},
-            "decode": {size: median_ms(times) for size, times in decode.items()}, "layers": layers}
+            "decode": {size: median_ms(times) for size, times in decode.items()}, "layers": layers,
+            "shipped_bytes": statistics.median(shipped), "staged_bytes": tp2.runner.staged.num_bytes}
 
 
 def vote_cost(model: str, repeat: int) -> dict:
@@ -239,6 +242,9 @@ def main() -> None:
     for name, label in (("prefill", f"prefill, {PREFILL_TOKENS} tokens"), ("decode", f"decode, {DECODE_BATCH} seqs")):
         tp1, tp2 = steps[name][1], steps[name][2]
         print(f"{label:<34}{tp1:>10.2f}{tp2:>10.2f}{tp1 / tp2:>11.2f}")
+    print(f"staged inputs a TP=2 decode step ships each worker: {steps['shipped_bytes']:.0f} B of the "
+          f"{steps['staged_bytes']} B buffer ({steps['shipped_bytes'] / steps['staged_bytes']:.4f}; the words that "
+          f"changed since that buffer was last shipped)")
     print(f"vote per layer (rank 0, {votes['votes']} votes): {votes['vote_ms'] * 1000:.0f} us; "
           f"layer time (TP=2 prefill step / layers): {votes['layer_ms'] * 1000:.0f} us; "
           f"vote / layer = {votes['vote_ms'] / votes['layer_ms']:.3f}")
