@@ -43,7 +43,7 @@ DECODE_CONFIGS: Mapping[int, KernelConfig] = MappingProxyType({
     32: KernelConfig(key_tile=64, num_warps=4, num_stages=2),  # 64, 8
     64: KernelConfig(key_tile=64, num_warps=4, num_stages=3),  # 80, 6
     128: KernelConfig(key_tile=32, num_warps=4, num_stages=2),  # 72-80, 6-7
-    256: KernelConfig(key_tile=16, num_warps=4, num_stages=1),  # 122-124, 4
+    256: KernelConfig(key_tile=16, num_warps=4, num_stages=1),  # 120-128 (128: no margin for 4), 4
 })
 # Short-query tiles of 32 or 64 rows: 4 warps hold 4 programs per SM up to head dim 64; at 128
 # they would not (32 keys, 3 stages: 126-168 registers, 3 programs with 3 or 8 query heads per kv

@@ -103,6 +103,10 @@ class LLMEngine:
         self.model_name = str(model)
         self.device = torch.device(device) if device else default_device()
         check_device(self.device)
+        if self.device.type == "cuda":
+            # Events, streams and graph captures made without a device take the current one:
+            # on cuda:1 they went to cuda:0 (a capture of nothing, events that waited for nothing).
+            torch.cuda.set_device(self.device)
         # The front renders chat with the server's template (--chat-template, which replaces a
         # broken checkpoint template); the core only tokenizes and detokenizes.
         self.tokenizer = Tokenizer.from_pretrained(model_dir, check_chat_template=False)

@@ -175,7 +175,12 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
         # memory), torch's NCCL all-reduce captures safely (vLLM's finding, vllm#2152). Read
         # when the group is built.
         os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
-        group = dist.ProcessGroupNCCL(store, rank, size)
+        # NCCL's watchdog times each collective by the group's timeout (10 minutes unless set),
+        # not by the one a call passes: the start-up's bound (a peer may still be loading its
+        # shard) rather than that, as torch's own init_process_group sets it.
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, timeout_s))
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
     else:  # this timeout bounds the joining; each collective passes its own
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
