@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from replica.model.checkpoint import generation_eos_ids
 from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig
 from replica.core.kv_events import KVEvent
@@ -120,7 +121,10 @@ class LLMEngine:
         config = resolve_rank_config(config, self.model, self.model_config, self.device, tp)
         on_cuda = self.device.type == "cuda"
         self.config = config
-        self.eos_token_ids = self.model_config.eos_token_ids or (
+        # config.json's, then generation_config.json's (as HF's generate() stops on both), else the tokenizer's.
+        eos_token_ids = tuple(dict.fromkeys(
+            self.model_config.eos_token_ids + generation_eos_ids(model_dir, self.model_config.vocab_size)))
+        self.eos_token_ids = eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
         self.scheduler = Scheduler(config, clock=clock)

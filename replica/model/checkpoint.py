@@ -39,8 +39,24 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_path}: {error}") from None
 
 
+def generation_eos_ids(model_dir: Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids generation_config.json names (HF's generate() stops on them too:
+    an instruct model's end-of-turn token may be listed only there); () without a usable one."""
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(token_id for token_id in ids
+                 if isinstance(token_id, int) and not isinstance(token_id, bool) and 0 <= token_id < vocab_size)
+
+
 def weight_files(model_dir: Path) -> list[Path]:
-    """The directory's safetensors files: the shards its index names, else model.safetensors."""
+    """The directory's safetensors files: model.safetensors, else the shards its index names
+    (HF's order: a directory holding both loads the single file)."""
+    single_path = model_dir / SINGLE_WEIGHTS_FILE
+    if single_path.is_file():
+        return [single_path]
     index_path = model_dir / SHARD_INDEX_FILE
     if index_path.is_file():
         try:
@@ -54,9 +70,6 @@ def weight_files(model_dir: Path) -> list[Path]:
         if missing:
             raise ModelLoadError(f"{index_path} lists missing shard file(s): {', '.join(missing)}")
         return [model_dir / name for name in shard_names]
-    single_path = model_dir / SINGLE_WEIGHTS_FILE
-    if single_path.is_file():
-        return [single_path]
     raise ModelLoadError(f"{model_dir}: missing weights: neither {SINGLE_WEIGHTS_FILE} nor {SHARD_INDEX_FILE}")
 
 

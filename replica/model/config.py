@@ -81,6 +81,12 @@ class ModelConfig:
                 f"unsupported architecture {', '.join(architectures) or '(none given)'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if raw.get("quantization_config") is not None:
+            # Its weights are stored quantized, with scales beside them: read as plain floats they
+            # are wrong by their scales (an FP8 checkpoint loaded "fine" and answered nonsense).
+            method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+            raise ModelConfigError(f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
+                                   "supported; use the model's unquantized (bf16/fp16/fp32) weights")
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported; only 'silu' (SwiGLU) is")
@@ -102,7 +108,9 @@ class ModelConfig:
         if not all(_is_int(token_id) and 0 <= token_id < vocab_size for token_id in eos_token_ids):
             # An id no output can be would never end a request.
             raise ModelConfigError(f"eos_token_id {eos!r}: not token ids of the vocabulary (0 to {vocab_size - 1})")
-        sliding_window = _positive_int(raw, "sliding_window", None)
+        # Mistral's window is 4096 unless config.json says otherwise (null: none), as transformers reads it.
+        mistral_default = 4096 if architecture == "MistralForCausalLM" and "sliding_window" not in raw else None
+        sliding_window = _positive_int(raw, "sliding_window", mistral_default)
         if is_qwen2 and not raw.get("use_sliding_window", False):
             sliding_window = None  # Qwen2 writes a window it does not use
         return cls(
@@ -185,14 +193,36 @@ def _finite(key: str, value: Any, positive: bool = False) -> float:
     return number
 
 
+def _rope_fields(params: dict[str, Any]) -> dict[str, Any]:
+    """A rope dict's scaling fields, the pre-4.45 `type` read as `rope_type`, without the theta."""
+    fields = {key: value for key, value in params.items() if key not in ("rope_theta", "type")}
+    fields["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return fields
+
+
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling or None) from either the transformers 5 or the older spelling."""
-    if isinstance(raw.get("rope_parameters"), dict):
-        params = dict(raw["rope_parameters"])
-        rope_theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
-    else:
-        params = dict(raw.get("rope_scaling") or {})
-        rope_theta = raw.get("rope_theta", 10000.0)
+    """(rope_theta, rope_scaling or None) from either the transformers 5 or the older spelling.
+    Where a config gives the same thing twice and the two disagree (rope_scaling beside
+    rope_parameters, a rope_theta inside them beside the top-level one, a top-level
+    original_max_position_embeddings beside the nested one), it is refused naming both:
+    transformers' precedence among them has changed between versions, and either reading
+    silently differed from it."""
+    modern = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
+    legacy = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) and raw.get("rope_scaling") else None
+    if modern is not None and legacy is not None and _rope_fields(modern) != _rope_fields(legacy):
+        raise ModelConfigError(f"rope_scaling {legacy!r} and rope_parameters {modern!r} disagree; give one")
+    params = dict(modern if modern is not None else legacy or {})
+    nested_theta = params.pop("rope_theta", None)
+    top_theta = raw.get("rope_theta")
+    if nested_theta is not None and top_theta is not None and nested_theta != top_theta:
+        raise ModelConfigError(f"rope_theta {top_theta!r} and the rope parameters' rope_theta {nested_theta!r} "
+                               "disagree; give one")
+    rope_theta = nested_theta if nested_theta is not None else top_theta if top_theta is not None else 10000.0
+    top_original = raw.get("original_max_position_embeddings")
+    if (top_original is not None and "original_max_position_embeddings" in params
+            and params["original_max_position_embeddings"] != top_original):
+        raise ModelConfigError(f"original_max_position_embeddings {top_original!r} and the rope parameters' "
+                               f"{params['original_max_position_embeddings']!r} disagree; give one")
     legacy_rope_type = params.pop("type", None)  # the pre-4.45 spelling of rope_type
     rope_type = params.pop("rope_type", None) or legacy_rope_type or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:

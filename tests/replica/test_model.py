@@ -324,3 +324,53 @@ def test_pre_v5_rope_spelling_parses_like_rope_parameters():
 def test_heads_that_do_not_group_evenly_are_rejected():
     with pytest.raises(ModelConfigError, match="num_attention_heads \\(4\\).*num_key_value_heads \\(3\\)"):
         ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **TINY_SHAPE, "num_key_value_heads": 3})
+
+
+def test_a_config_that_says_one_thing_twice_must_agree_and_a_theta_among_the_rope_parameters_counts():
+    """transformers' precedence among these has moved between versions; each silently read one
+    way diverged from HF at the first tokens."""
+    shape = dict(architectures=["LlamaForCausalLM"], **TINY_SHAPE)
+    with pytest.raises(ModelConfigError, match="rope_scaling .* and rope_parameters .* disagree"):
+        ModelConfig.from_hf_config({**shape, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    with pytest.raises(ModelConfigError, match="rope_theta 10000.0 and the rope parameters' rope_theta 100.0"):
+        ModelConfig.from_hf_config({**shape, "rope_theta": 1e4, "rope_scaling": {"rope_type": "default",
+                                                                                 "rope_theta": 100.0}})
+    assert ModelConfig.from_hf_config({**shape, "rope_scaling": {"rope_type": "default", "rope_theta": 100.0}}
+                                      ).rope_theta == 100.0
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32}
+    with pytest.raises(ModelConfigError, match="original_max_position_embeddings 8 and the rope parameters' 32"):
+        ModelConfig.from_hf_config({**shape, "rope_parameters": llama3, "original_max_position_embeddings": 8})
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_quantization_config():
+    """An FP8 checkpoint loaded its weights without their scales: 1,000x off, no error."""
+    with pytest.raises(ModelConfigError, match="quantization_config \\(quant_method 'fbgemm_fp8'\\): quantized"):
+        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **TINY_SHAPE,
+                                    "quantization_config": {"quant_method": "fbgemm_fp8"}})
+
+
+def test_mistral_without_a_sliding_window_key_has_transformers_4096_window():
+    shape = {"architectures": ["MistralForCausalLM"], **TINY_SHAPE, "max_position_embeddings": 32768}
+    assert ModelConfig.from_hf_config(shape).sliding_window == 4096
+    assert ModelConfig.from_hf_config({**shape, "sliding_window": None}).sliding_window is None
+    assert ModelConfig.from_hf_config({**shape, "sliding_window": 1024}).max_model_len == 1024
+
+
+def test_a_directory_with_both_a_single_file_and_an_index_loads_the_single_file_as_hf_does(llama_copy):
+    from replica.model.checkpoint import weight_files
+
+    (llama_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "other.safetensors"}}))
+    (llama_copy / "other.safetensors").write_bytes(b"")
+    assert weight_files(llama_copy) == [llama_copy / "model.safetensors"]
+
+
+def test_generation_configs_end_of_sequence_ids_stop_generation_too(llama_copy):
+    """HF's generate() stops on them: an instruct model's end-of-turn token may be listed only there."""
+    from replica.model.checkpoint import generation_eos_ids
+
+    (llama_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 99999, True, 7]}))
+    assert generation_eos_ids(llama_copy, vocab_size=256) == (5, 7)  # ids of the vocabulary only
+    (llama_copy / "generation_config.json").write_text("not json")
+    assert generation_eos_ids(llama_copy, vocab_size=256) == ()

@@ -127,7 +127,7 @@ def broken_copy(source, tmp_path, broken: str):
                                     lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64)),
         "index without weight_map": ("badindex", ("model.safetensors",), lambda d: (
             d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))),
-        "index naming no file": ("intindex", (), lambda d: (
+        "index naming no file": ("intindex", ("model.safetensors",), lambda d: (
             d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": 5}}))),
         "negative size": ("negative", (), lambda d: _edit_config(d, hidden_size=-256)),
         "more layers than the weights": ("layers", (), lambda d: _edit_config(d, num_hidden_layers=2 ** 40)),
