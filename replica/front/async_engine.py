@@ -344,6 +344,13 @@ class AsyncEngine:
         if self._processor is not None:
             self._processor.finish(request_id, "abort")
 
+    def abort_stream(self, stream: "RequestStream") -> None:
+        """abort() of the request this stream reads, by its core id: its client's id may equal
+        another live request's core id (a cancelled id reused, another front's), and abort()
+        by that id ended the other request while this one ran on."""
+        if self._processor is not None:
+            self._processor.finish_stream(stream.request_id, "abort")
+
     def _abort_in_core(self, request_id: str) -> None:
         if self.dead is None:  # a dead core holds nothing any more
             self.core.abort(request_id)
@@ -357,7 +364,7 @@ class AsyncEngine:
                 yield output
         finally:
             if not stream.finished:
-                self.abort(stream.request_id)
+                self.abort_stream(stream)
 
     # ---- load --------------------------------------------------------------------------
     def load(self) -> SchedulerLoad:

@@ -178,6 +178,11 @@ class OutputProcessor:
         is then the output that carries the text before it)."""
         self._finish(self._core_ids.get(request_id, request_id), finish_reason, last)
 
+    def finish_stream(self, core_id: str, finish_reason: str) -> None:
+        """End the request whose core id this is (a stream knows its core id; a client's id may
+        equal another request's core id, so `finish` could end the wrong one)."""
+        self._finish(core_id, finish_reason)
+
     def finish_all(self, finish_reason: str) -> None:
         """End every live request as `finish` does (by its core id: a client's id may equal
         another request's core id)."""

@@ -318,7 +318,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # Runs on client cancellation too (grpc.aio cancels this task): the request
             # must not keep its KV blocks once nobody reads its stream.
             if not stream.finished:
-                self.engine.abort(stream.request_id)
+                self.engine.abort_stream(stream)
         if failure is not None:
             await context.abort(*grpc_status(named_for_request(failure, request)))
 

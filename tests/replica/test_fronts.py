@@ -108,6 +108,31 @@ def test_a_client_id_shaped_like_another_fronts_core_id_stays_apart_and_its_abor
     assert ended[-1].finish_reason == "abort"
 
 
+def test_a_disconnected_stream_aborts_its_own_request_though_another_clients_id_is_its_core_id():
+    """Client A's "x" is core id "x|f0"; client B picked the id "x|f0" (core id "x|f0|f0"). A's
+    reader going away (generate() closed, as a cancelled gRPC call's) aborted B by that id, and
+    A ran on to max_tokens with nobody reading it."""
+    async def scenario():
+        first, second = await two_fronts()
+        try:
+            reader_a = first.generate(list(range(3, 40)), LONG, request_id="x")
+            await reader_a.__anext__()
+            b = first.add_request(list(range(60, 90)), LONG, request_id="x|f0")
+            first_of_b = await b.__anext__()
+            await reader_a.aclose()  # A's client went away
+            rest = [first_of_b] + await collect(b)
+            state_a = await first.core.call_utility("request_state", "x|f0")
+            assert await first.core.call_utility("check_invariants")
+            return rest, state_a
+        finally:
+            await second.shutdown(grace_period_s=0)
+            await first.shutdown(grace_period_s=0)
+
+    rest, state_a = asyncio.run(scenario())
+    assert rest[-1].finish_reason == "length" and sum(len(output.new_token_ids) for output in rest) == 200
+    assert state_a is None  # A left the core
+
+
 def test_a_front_that_leaves_takes_its_requests_out_of_the_core_and_the_others_stream_on():
     async def scenario():
         first, second = await two_fronts()
