@@ -262,7 +262,7 @@ class LLMEngine:
                     self._drop_compile_if_unwanted(request, future)
                     raise TimeoutError(f"its grammar took longer than "
                                        f"{self.config.structured_output_compile_timeout_s:g} s to compile")
-                request.grammar = self.grammar_compiler.matcher(request.sampling_params.structured_output)
+                request.grammar = self.grammar_compiler.matcher(request.sampling_params.structured_output, future)
                 self.scheduler.add_request(request)
             except Exception as error:  # noqa: BLE001 - reported as the request's end, logged
                 logger.warning("request %s: structured output not served: %s", request_id, error)

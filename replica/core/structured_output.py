@@ -662,9 +662,14 @@ class GrammarCompiler:
         with self._lock:
             return sum(1 for future in self._compiled.values() if not future.running() and not future.done())
 
-    def matcher(self, constraint: StructuredOutput) -> "RequestGrammar":
-        """A fresh matcher for one request (blocks until compiled: call once `compile` is done)."""
-        future = self.compile(constraint)
+    def matcher(self, constraint: StructuredOutput,
+                future: Optional[concurrent.futures.Future] = None) -> "RequestGrammar":
+        """A fresh matcher for one request from its compile, `future` (from `compile`; blocks
+        until it is done), or from the cache's (a compile of its own if it has none). The engine
+        passes the future its request waited for: looked up again, a compile the cache had let
+        go of meanwhile (256 newer constraints, or a failed matcher forgotten) started afresh
+        and blocked the step behind the whole compile queue."""
+        future = self.compile(constraint) if future is None else future
         return RequestGrammar(future.result().deep_copy(), lambda: self._forget(constraint, future))
 
     def shutdown(self) -> None:

@@ -690,6 +690,29 @@ def test_a_constraint_slower_to_compile_than_the_bound_is_refused_and_a_parked_r
     slow.shutdown()
 
 
+def test_a_parked_request_takes_its_matcher_from_its_own_compile_not_the_cache(builtin_engine):
+    """The cache may let a finished compile go before its request is adopted (256 newer
+    constraints, or a failed matcher forgotten): looked up again, it was compiled afresh inside
+    the step, behind the whole compile queue (a 1.1 s step)."""
+    engine = builtin_engine
+    constraint = StructuredOutput("regex", "[0-9]{5}-[a-z]{2}")
+    request = engine.make_request("parked-evicted", [1, 2, 3], SamplingParams(
+        max_tokens=8, temperature=0.0, structured_output=constraint))
+    engine.add_request(request, detokenize=False)
+    (_, future, _), = [entry for key, entry in engine._compiling.items() if key == "parked-evicted"]
+    future.result(timeout=30)
+    engine.grammar_compiler._forget(constraint, future)  # let go of by the cache meanwhile
+    compiles = []
+    real_compile = engine.grammar_compiler.compile
+    engine.grammar_compiler.compile = lambda c: compiles.append(c) or real_compile(c)
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.grammar_compiler.compile = real_compile
+    assert compiles == [] and re.fullmatch(r"[0-9]{5}-[a-z]{2}", engine.tokenizer.decode(request.output_token_ids))
+
+
 def test_a_compile_in_progress_never_stalls_the_step_loop_for_other_requests(builtin_engine):
     """Compiling off the step loop: while a constrained request's grammar cannot finish (the
     compiler's one thread held until the free request is done), a free request arriving with it
