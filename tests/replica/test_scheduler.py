@@ -476,3 +476,28 @@ def test_async_scheduling_never_preempts_a_request_whose_token_in_flight_is_its_
     scheduler.update(*in_flight)
     assert preempted_with_last_token == [] and one.num_preemptions == 0
     assert one.status == RequestStatus.FINISHED_LENGTH and len(one.output_token_ids) == 1
+
+
+def test_the_priority_queue_skips_removed_requests_and_a_burst_of_removals_stays_cheap(monkeypatch):
+    import replica.core.request_queue as request_queue
+
+    heapified = []
+    real_heapify = request_queue.heapq.heapify
+    monkeypatch.setattr(request_queue.heapq, "heapify", lambda heap: heapified.append(len(heap)) or real_heapify(heap))
+    queue = request_queue.PriorityQueue()
+    requests = [make_request(f"r{i}", [1, 2], 4, priority=i % 3) for i in range(5000)]
+    for request in requests:
+        queue.add(request)
+    for request in requests[:4990]:
+        queue.remove(request)
+    # Re-heapified per removal, 4,096 aborts held the busy loop 0.6 s: now a rebuild each time
+    # most of the heap is removed entries, its sizes halving.
+    assert len(heapified) < 20 and sum(heapified) < 3 * 5000
+    left = requests[4990:]
+    assert len(queue) == 10 and list(queue) == sorted(left, key=lambda r: (r.priority, r.arrival_time))
+    queue.add(requests[0])  # removed, then back
+    assert queue.peek() is min(left + [requests[0]], key=lambda r: (r.priority, r.arrival_time))
+    popped = [queue.pop() for _ in range(11)]
+    assert popped == sorted(left + [requests[0]], key=lambda r: (r.priority, r.arrival_time)) and len(queue) == 0
+    with pytest.raises(ValueError):
+        queue.remove(requests[1])
