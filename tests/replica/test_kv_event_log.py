@@ -53,7 +53,7 @@ def test_a_big_snapshot_is_split_into_parts_that_share_its_seq():
     log = KVEventLog()
     log.publish([stored(i.to_bytes(16, "little"), None) for i in range(40_000)])
     (snapshot,) = log.batches_after(None)
-    parts = kv_event_batch_protos(snapshot, "r", 16)
+    parts = list(kv_event_batch_protos(snapshot, "r", 16))
     assert len(parts) == 3 and {part.seq for part in parts} == {1} and all(part.snapshot for part in parts)
     assert sum(len(part.events) for part in parts) == 40_001
 

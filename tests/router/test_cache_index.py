@@ -57,7 +57,7 @@ def test_a_steps_events_in_several_parts_apply_as_one_batch():
     cache = ReplicaCache()
     assert cache.apply(snapshot(3, HASHES[:1]))
     many = [bytes([index % 256, index // 256]) * 8 for index in range(KV_EVENTS_PER_MESSAGE + 1)]
-    parts = kv_event_batch_protos(KVEventBatch(4, [engine_stored(h, None) for h in many]), "r", 16)
+    parts = list(kv_event_batch_protos(KVEventBatch(4, [engine_stored(h, None) for h in many]), "r", 16))
     assert [part.seq for part in parts] == [4, 4] and not any(part.snapshot for part in parts)
     assert all(cache.apply(part) for part in parts)
     assert len(cache.hashes) == 1 + len(many) and cache.seq == 4
