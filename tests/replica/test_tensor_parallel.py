@@ -716,6 +716,20 @@ def tp_worker_pids(pid: int) -> list[int]:
     return workers
 
 
+def kill_the_worker(front: AsyncEngine) -> float:
+    """SIGKILL a TP=2 front's worker rank; when (time.monotonic())."""
+    (worker,) = tp_worker_pids(front.core.process.pid)
+    killed_at = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    return killed_at
+
+
+def assert_reported_dead(elapsed_s: float, dead, within_s: float) -> None:
+    print(f"reported dead {elapsed_s:.2f} s after the kill")
+    assert isinstance(dead, EngineDeadError)
+    assert elapsed_s < within_s, f"the replica took {elapsed_s:.1f} s to report dead"
+
+
 def test_a_killed_worker_takes_the_replica_down_as_engine_dead_not_a_hang():
     config = make_engine_config(**{**TIGHT, "tensor_parallel_size": 2, "max_model_len": 256, "num_kv_blocks": 80})
 
@@ -726,9 +740,7 @@ def test_a_killed_worker_takes_the_replica_down_as_engine_dead_not_a_hang():
             stream = front.add_request(PROMPTS[1], long, request_id="long")
             first = await anext(stream.__aiter__())
             assert first.new_token_ids, "the replica served before the kill"
-            (worker,) = tp_worker_pids(front.core.process.pid)
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
+            killed_at = kill_the_worker(front)
             with pytest.raises(EngineDeadError):
                 async for _ in stream:
                     pass
@@ -736,10 +748,7 @@ def test_a_killed_worker_takes_the_replica_down_as_engine_dead_not_a_hang():
         finally:
             await front.shutdown()
 
-    elapsed, dead = asyncio.run(scenario())
-    print(f"reported dead {elapsed:.2f} s after the kill")
-    assert isinstance(dead, EngineDeadError)
-    assert elapsed < 10, f"the replica took {elapsed:.1f} s to report dead"
+    assert_reported_dead(*asyncio.run(scenario()), within_s=10)
 
 
 def test_a_hung_worker_fails_the_step_after_the_collective_timeout_not_never(tiny_mqa):
@@ -911,16 +920,11 @@ def test_a_worker_killed_while_the_replica_is_idle_takes_it_down_without_a_reque
     async def scenario():
         front = await AsyncEngine.launch(config, "builtin", device="cpu")
         try:
-            (worker,) = tp_worker_pids(front.core.process.pid)
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
+            killed_at = kill_the_worker(front)
             while front.dead is None and time.monotonic() - killed_at < 30:
                 await asyncio.sleep(0.05)
             return time.monotonic() - killed_at, front.dead
         finally:
             await front.shutdown()
 
-    elapsed, dead = asyncio.run(scenario())
-    print(f"reported dead {elapsed:.2f} s after the kill")
-    assert isinstance(dead, EngineDeadError)
-    assert elapsed < 5, f"the idle replica took {elapsed:.1f} s to report dead"
+    assert_reported_dead(*asyncio.run(scenario()), within_s=5)
