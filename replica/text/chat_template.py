@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
 LEGACY_TEMPLATE_FILE = "chat_template.json"  # {"chat_template": "..."}
+ADDITIONAL_TEMPLATES_DIR = "additional_chat_templates"  # NAME.jinja each, beside chat_template.jinja (transformers 4.54+)
 DEFAULT_TEMPLATE_NAME = "default"  # tokenizer_config.json may hold a list of named templates
 TOOL_USE_TEMPLATE_NAME = "tool_use"  # ...of which this one renders a conversation with tools
 
@@ -30,8 +31,20 @@ class ChatTemplateError(ValueError):
 
 def find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> Optional[str | dict[str, str]]:
     """The template text, from chat_template.jinja, chat_template.json or tokenizer_config.json;
-    a checkpoint with named templates (a list of {"name", "template"}) gives them by name, and
-    select_chat_template picks one per conversation, as transformers does."""
+    a checkpoint with named templates (a list of {"name", "template"}, or the files of
+    additional_chat_templates/ beside the main one, which is then `default`) gives them by
+    name, and select_chat_template picks one per conversation, as transformers does."""
+    template = _main_chat_template(model_dir, tokenizer_config)
+    extra_dir = model_dir / ADDITIONAL_TEMPLATES_DIR
+    extras = ({path.stem: path.read_text(encoding="utf-8") for path in sorted(extra_dir.glob("*.jinja"))}
+              if extra_dir.is_dir() else {})
+    if not extras:
+        return template
+    named = dict(template) if isinstance(template, dict) else {DEFAULT_TEMPLATE_NAME: template} if template else {}
+    return {**named, **extras}
+
+
+def _main_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> Optional[str | dict[str, str]]:
     if (model_dir / TEMPLATE_FILE).is_file():
         return (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
     if (model_dir / LEGACY_TEMPLATE_FILE).is_file():

@@ -167,6 +167,23 @@ def test_the_template_is_found_in_each_place_checkpoints_keep_it(tmp_path, where
     assert select_chat_template(found, tools=True) == ("x" if where == "tokenizer_config.json" else SMOLLM2_TEMPLATE)
 
 
+def test_templates_in_additional_chat_templates_are_named_by_their_files_as_transformers_reads_them(tmp_path):
+    """A checkpoint's tool_use template kept in additional_chat_templates/ was never used."""
+    model_dir = chat_dir(tmp_path, "DEFAULT{{ messages[0]['content'] }}")
+    (model_dir / "additional_chat_templates").mkdir()
+    (model_dir / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS{{ tools | length }}")
+    found = find_chat_template(model_dir, json.loads((model_dir / "tokenizer_config.json").read_text()))
+    assert set(found) == {"default", "tool_use"}
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "x"}]
+    ours = Tokenizer.from_pretrained(model_dir)
+    for with_tools in (None, tools):
+        expected = reference.apply_chat_template(messages, tools=with_tools, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(messages, tools=with_tools) == expected
+    assert ours.apply_chat_template(messages, tools=tools).startswith("TOOLS1")
+
+
 def test_named_templates_without_a_default_are_refused_as_such():
     # transformers: "multiple chat templates with no default specified"; the message said the
     # model had no template at all.
