@@ -119,8 +119,8 @@ async def _generate(stub, metadata, index: int, request: BenchRequest, vocab_siz
         sampling=pb.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
     )
     result = RequestResult()
-    sent = last = time.monotonic()
-    sent = sent if arrival is None else min(sent, arrival)
+    last = time.monotonic()
+    sent = last if arrival is None else min(last, arrival)
     try:
         async for response in stub.Generate(proto, timeout=REQUEST_TIMEOUT_S, metadata=metadata):
             if not response.token_ids:
@@ -180,6 +180,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(message if message.startswith("--trace:") else f"--trace: {args.trace}: not a trace ({message})")
     if not requests:
         parser.error(f"--trace: {args.trace} holds no request")
+    # A trace's arrivals are not capped unless --concurrency says (None: no cap).
+    concurrency = args.concurrency or (None if args.trace is not None else DEFAULT_CONCURRENCY)
     metadata, credentials = target_connection(args, parser)
     with open_channel(args.target, credentials) as channel:
         try:
@@ -197,9 +199,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         results, wall_s = asyncio.run(
-            run_load(args.target, metadata, credentials, requests,
-                     args.concurrency if args.trace is not None else args.concurrency or DEFAULT_CONCURRENCY,
-                     info.vocab_size, progress, open_loop=args.trace is not None)
+            run_load(args.target, metadata, credentials, requests, concurrency, info.vocab_size, progress,
+                     open_loop=args.trace is not None)
         )
     preemptions_after = preemptions_total()
     preemptions = (None if preemptions_before is None or preemptions_after is None

@@ -92,8 +92,10 @@ class AutoscalingConfig(_Strict):
         5.0, ge=0, description="How long more replicas must be wanted before they start (the headroom "
         "policy's preemption step skips it).",
     )
-    downscale_delay_s: float = Field(60.0, ge=0, description="How long fewer replicas must be wanted before any stop (the headroom "
-                                     "policy then removes half the replicas it could).")
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="How long fewer replicas must be wanted before any stop (the headroom policy then "
+        "removes half the replicas it could).",
+    )
     # A replica added when the demand reaches the target serves only after this long, while the
     # demand goes on rising: the policy scales for where its trend will be by then.
     replica_startup_s: float = Field(

@@ -35,8 +35,8 @@ class KVEventSubscription(StreamSubscription):
         first = True
         previous_seq = None
         async for batch in call:
-            self._check_identity(batch.replica_id)
-            if first:
+            if first:  # a stream answers for one replica: its first message says which
+                self._check_identity(batch.replica_id)
                 self._delivered()
                 first = False
             if batch.snapshot and batch.seq != previous_seq:

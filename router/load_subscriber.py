@@ -49,13 +49,13 @@ class LoadSubscription(StreamSubscription):
         first = True
         try:
             async for load in call:
-                self._check_identity(load.replica_id)
-                self.load = load
-                self.received_at = self.clock()
-                if first:
+                if first:  # a stream answers for one replica: its first message says which
+                    self._check_identity(load.replica_id)
                     self._delivered()
                     self.not_serving = None
                     first = False
+                self.load = load
+                self.received_at = self.clock()
         except grpc.aio.AioRpcError as error:
             reason = not_serving_reason(error.trailing_metadata())
             if reason is not None and self.not_serving is None:

@@ -332,9 +332,7 @@ class LLMEngine:
         request would have hit KV that was never written (helper-46's fuzzing)."""
         if self.scheduler.has_unfinished_requests():
             raise RuntimeError("recover_from_failed_step: abort every live request first")
-        check_recoverable = getattr(self.runner, "check_recoverable", None)
-        if check_recoverable is not None:  # tensor parallel: the other ranks may be stuck in the failed step
-            check_recoverable()
+        self.runner.check_recoverable()  # tensor parallel: the other ranks may be stuck in the failed step
         self._in_flight = None
         if self.device.type == "cuda":
             # Whatever of it is still queued ends before the next step writes the inputs it may

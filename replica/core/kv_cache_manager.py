@@ -453,9 +453,10 @@ class KVCacheManager:
         host copy it reuses that sits free (held by nobody, so in the free queue). A copy
         another swapped-out request holds takes none."""
         host_pool = self.host_pool
-        if host_pool is None or self.num_swap_blocks(request) == 0:
+        num_blocks = self.num_swap_blocks(request)
+        if host_pool is None or num_blocks == 0:
             return False
-        blocks = self.req_to_blocks.get(request.request_id, ())[:self.num_swap_blocks(request)]
+        blocks = self.req_to_blocks.get(request.request_id, ())[:num_blocks]
         num_needed = 0
         for block in blocks:
             host = host_pool.get_cached_block(block.block_hash) if block.block_hash is not None else None

@@ -341,8 +341,8 @@ class Scheduler:
             self._admission_interval_s = (interval if not self._admission_interval_s
                                           else 0.8 * self._admission_interval_s + 0.2 * interval)
         self._last_admission_check_time = now
-        # Requests prefetched this step: off the queue while the rest of it is admitted, then
-        # back at its front, in order, to resume first next step.
+        # Requests prefetched this step: off the queue while the swapped requests behind them are
+        # prefetched too, then back at its front, in order, to resume first next step.
         prefetching: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) + len(prefetching) < config.max_num_seqs:
             request = self.waiting.peek()
@@ -424,8 +424,6 @@ class Scheduler:
                 kv_cache.copy_in_host_hits(request, len(hit_blocks), host_hits)
                 num_hit_tokens += len(host_hits) * kv_cache.block_size
             kv_cache.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
-            if request.first_admitted_time is None:  # a readmission's hit is mostly its own KV
-                request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             if num_restored:
                 if prefetched is not None:
                     kv_cache.admit_prefetched(request)
@@ -441,6 +439,8 @@ class Scheduler:
             request.admitted_time = now
             if request.first_admitted_time is None:
                 request.first_admitted_time = now
+                # Usage's cached tokens: a readmission's hit is mostly its own KV.
+                request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             self.running.append(request)
             growth.admitted(request)
             scheduled.append(

@@ -192,6 +192,10 @@ class ModelRunner:
             StagedField("block_changes", torch.int32, 2 * self.block_change_capacity),
         ]
 
+    def check_recoverable(self) -> None:
+        """After a failed step: raise if this runner cannot step again (one device always can;
+        TensorParallelRunner's workers may be stuck in the failed step)."""
+
     def enable_decode_padding(self) -> None:
         """Pad decode-only steps to the capture ladder, as graph replays need. Graphs turn
         it on; on its own (any device) it runs the padded pass eagerly, which lets a CPU

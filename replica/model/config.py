@@ -81,10 +81,11 @@ class ModelConfig:
                 f"unsupported architecture {', '.join(architectures) or '(none given)'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if raw.get("quantization_config") is not None:
+        quantization = raw.get("quantization_config")
+        if quantization is not None:
             # Its weights are stored quantized, with scales beside them: read as plain floats they
             # are wrong by their scales (an FP8 checkpoint loaded "fine" and answered nonsense).
-            method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
             raise ModelConfigError(f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
                                    "supported; use the model's unquantized (bf16/fp16/fp32) weights")
         hidden_act = raw.get("hidden_act", "silu")
