@@ -266,7 +266,7 @@ class EngineCore:
         when `block`. None once front 0's channel is closed and nothing is left. A
         tensor-parallel worker that exits meanwhile raises TensorParallelDead within
         IDLE_WORKER_CHECK_S, which ends the core as it does from a step."""
-        workers = getattr(self.engine, "tp_workers", None)
+        workers = self.engine.tp_workers
         with self._inbox_changed:
             while block and not self._inbox and not self._channel_closed:
                 if workers is None:
