@@ -14,7 +14,8 @@ the device.
 
 A dead or silent worker never hangs the replica: rank 0 checks the workers before each step,
 every write to a worker's pipe gives up after the collective timeout (a stopped worker stops
-reading it), a collective with a dead peer fails at once (gloo: connection closed) and every
+reading it), a collective with a dead peer fails at once (gloo: connection closed; NCCL: rank 0
+waiting for the step's tokens checks its workers meanwhile, wait_watching_workers) and every
 eager collective has a timeout (a replayed graph's have none, but the broadcast after it has);
 TensorParallelDead then takes the engine core down, and the front reports the replica dead
 (EngineDeadError). A worker exits when rank 0 goes away.
@@ -36,7 +37,7 @@ import weakref
 from pathlib import Path
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -68,6 +69,12 @@ RECENT_GRAPH_SIZES = 4096
 # reading, and a message past the socket's buffer would block it for good); it polls for room
 # until the collective timeout instead.
 _SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+# Rank 0 waiting on NCCL for a step's tokens polls the step's event this often (a sleep of
+# ~0.1 ms: under 1% of a decode step), and checks its workers this often: NCCL's wait never
+# raises, so a worker that died mid-step would otherwise hold it until NCCL's watchdog fires
+# (max(120 s, tensor_parallel_timeout_s)), where gloo fails the collective at once.
+DEVICE_POLL_S = 0.0001
+STEP_WORKER_CHECK_S = 0.05
 
 
 @dataclass
@@ -169,10 +176,7 @@ class TensorParallelWorkers:
         return [process.pid for process in self._processes]
 
     def check_alive(self) -> None:
-        for rank, process in enumerate(self._processes, start=1):
-            if process.exitcode is not None:
-                raise TensorParallelDead(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                                         f"{process.exitcode}")
+        check_workers_alive(self._processes)
 
     def send(self, message: Any) -> None:
         """`message` to every worker (a step, a step's block copies, a question), as
@@ -220,6 +224,37 @@ class TensorParallelWorkers:
 
     def shutdown(self) -> None:
         self._stop()
+
+
+def check_workers_alive(processes) -> None:
+    """TensorParallelDead naming the first of `processes` (ranks 1..N-1, in order) that exited."""
+    for rank, process in enumerate(processes, start=1):
+        if process.exitcode is not None:
+            raise TensorParallelDead(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                                     f"{process.exitcode}")
+
+
+def wait_watching_workers(done: Callable[[], bool], check_workers: Callable[[], None],
+                          poll_s: float = DEVICE_POLL_S, check_every_s: float = STEP_WORKER_CHECK_S) -> None:
+    """Return once `done()`; meanwhile `check_workers()` every `check_every_s`, which raises
+    (TensorParallelDead) for a dead worker: a wait on the device that a dead peer would
+    otherwise stretch to NCCL's watchdog timeout."""
+    next_check = time.monotonic()
+    while not done():
+        if time.monotonic() >= next_check:
+            check_workers()
+            next_check = time.monotonic() + check_every_s
+        time.sleep(poll_s)
+
+
+class _WatchedEvent:
+    """A step's CUDA event (StepInFlight.done) whose synchronize() watches the workers."""
+
+    def __init__(self, event: torch.cuda.Event, check_workers: Callable[[], None]):
+        self.event, self.check_workers = event, check_workers
+
+    def synchronize(self) -> None:
+        wait_watching_workers(self.event.query, self.check_workers)
 
 
 def _frame(message: Any) -> tuple[bytes, memoryview]:
@@ -356,7 +391,10 @@ class TensorParallelRunner(ModelRunner):
     def _send_sampled(self, step, token_ids, logprobs, top_token_ids, top_logprobs) -> StepInFlight:
         self.tp.broadcast(token_ids.contiguous(), src=0)
         self.workers_mid_step = False
-        return super()._send_sampled(step, token_ids, logprobs, top_token_ids, top_logprobs)
+        in_flight = super()._send_sampled(step, token_ids, logprobs, top_token_ids, top_logprobs)
+        if in_flight.done is not None:  # NCCL: the step's event completes only once every rank met its collectives
+            in_flight.done = _WatchedEvent(in_flight.done, self.workers.check_alive)
+        return in_flight
 
 
 # ---- the worker process -------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import functools
 import os
 import shutil
@@ -60,11 +61,12 @@ class TensorParallel:
     def _run(self, name: str, work_of) -> None:
         """One collective. On gloo the wait is the host's, and a dead or hung peer raises
         TensorParallelDead here. On NCCL the wait only orders the compute stream after the
-        collective and never raises: a rank whose peer stopped answering is ended by NCCL's
-        watchdog once the collective passes the group's timeout (tensor_parallel_timeout_s;
-        TORCH_NCCL_ASYNC_ERROR_HANDLING's default tears the process down), so the engine core
-        dies and its front reports EngineDeadError, as for a killed core: down, not hung, but
-        not through this exception."""
+        collective and never raises: rank 0, waiting for a step's tokens, watches its workers
+        meanwhile (executor.wait_watching_workers), so a dead one raises TensorParallelDead
+        there; otherwise a rank whose peer stopped answering is ended by NCCL's watchdog once
+        the collective passes the group's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's default
+        tears the process down), so the engine core dies and its front reports
+        EngineDeadError, as for a killed core: down, not hung, but not through this exception."""
         try:
             work_of(self.group).wait()
         except RuntimeError as error:  # gloo: a peer closed its connection, or the timeout passed
@@ -146,11 +148,54 @@ class TensorParallel:
 NO_TENSOR_PARALLEL = TensorParallel()
 
 
+# The rendezvous directories: this prefix in the temp directory, each holding its owner's lock
+# file (held with flock for the group's lifetime; the kernel releases it when the owner dies).
+RENDEZVOUS_PREFIX = "headroom-tp-"
+_OWNER_LOCK = "owner.lock"
+# The lock on each directory this process made, held until remove_rendezvous (or its death).
+_held_locks: dict[str, int] = {}
+
+
 def rendezvous_path() -> str:
     """Where a new group's ranks meet: a file in a directory of its own only this user may
     enter (every rank is on one node). A TCPStore listened on every interface, whatever host
-    it was given, with no authentication: anyone who reached the port could join the group."""
-    return os.path.join(tempfile.mkdtemp(prefix="headroom-tp-"), "store")
+    it was given, with no authentication: anyone who reached the port could join the group.
+
+    A rank 0 killed outright (the OOM killer, Ray ending the actor) never removes its
+    directory, and replicas restart again and again: each new group first removes the
+    directories whose owner is gone (remove_stale_rendezvous)."""
+    remove_stale_rendezvous()
+    directory = tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
+    # Locked under a name the sweep ignores, then renamed into place: a sweep never sees the
+    # lock file unlocked, so never takes a directory being made for a stale one.
+    pending = os.path.join(directory, f"{_OWNER_LOCK}.pending")
+    lock = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.rename(pending, os.path.join(directory, _OWNER_LOCK))
+    _held_locks[directory] = lock
+    return os.path.join(directory, "store")
+
+
+def remove_stale_rendezvous() -> None:
+    """Remove each rendezvous directory whose owner's lock can be taken: its owner is dead
+    (a lock, unlike a pid, cannot be mistaken for a later process's). One without the lock
+    file is left alone (an older version's, or one being made)."""
+    parent = tempfile.gettempdir()
+    for name in os.listdir(parent):
+        if not name.startswith(RENDEZVOUS_PREFIX):
+            continue
+        directory = os.path.join(parent, name)
+        try:
+            lock = os.open(os.path.join(directory, _OWNER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # no lock file, another user's, or removed meanwhile
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner is alive
+            os.close(lock)
+            continue
+        shutil.rmtree(directory, ignore_errors=True)  # holding the lock, so no other sweep races it
+        os.close(lock)
 
 
 def rendezvous_store(size: int, path: str, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> dist.FileStore:
@@ -162,7 +207,12 @@ def rendezvous_store(size: int, path: str, timeout_s: float = RENDEZVOUS_TIMEOUT
 
 
 def remove_rendezvous(path: str) -> None:
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    """The directory of `path` gone, then its owner's lock released (by its owner, rank 0)."""
+    directory = os.path.dirname(path)
+    shutil.rmtree(directory, ignore_errors=True)
+    lock = _held_locks.pop(directory, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TensorParallel:
