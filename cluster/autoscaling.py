@@ -15,7 +15,9 @@ preemption rate passes `preemption_rate_threshold` or the KV parked in the host 
 `target_utilization` of them (the next preemptions would recompute); fewer only when the
 demand would fit the smaller count at `scale_down_utilization` (hysteresis) for
 `downscale_delay_s`, the mean preemption rate is at most its threshold and nothing is
-parked, and then half the surplus at a time.
+parked, and then half the surplus at a time; and once a scale-down has rebounded (a backlog
+or a step at once asked for the count it left), never below that count again until the demand
+has eased by the same band (the pressure floor).
 
 The host tier is not capacity: a request parked there makes no progress until it is back on
 the device. Its KV stays in the demand (a swapped-out request is a waiting one, whose tokens
@@ -158,6 +160,20 @@ class PolicyState:
     scaled_down_at: Optional[float] = None  # when; the level is forgotten drain_timeout_s later
     # Since when fewer replicas have reported than Serve runs (None: all have).
     partial_since: Optional[float] = None
+    # The count before the latest scale-down, and when: a backlog or a step at once asking for
+    # it again within drain_timeout_s is a rebound (the smaller count could not carry the load).
+    scaled_down_from: int = 0
+    scaled_down_from_at: Optional[float] = None
+    # After a rebound, the most replicas a backlog (the waiting prefill) or the preemption or
+    # host-tier step asked for beyond those running: scale-downs go no lower. The backlog that
+    # built at fewer is gone at this count, so what it measures here never says fewer would do.
+    # Kept for downscale_delay_s after it was last asked for, then while the KV demand stays
+    # above scale_down_utilization / target_utilization of the demand at that point (the band
+    # the KV arithmetic has: the load that built the backlog has not eased by it). Only after a
+    # rebound: a one-off burst that scaled up once leaves no floor, so the count comes back.
+    pressure_floor: int = 0
+    pressure_floor_asked_at: Optional[float] = None
+    pressure_floor_demand: Optional[float] = None  # the demand it stands for, once its delay has passed
 
 
 # The demand history keeps at most one point per this many seconds (Serve decides every 0.1 s;
@@ -206,7 +222,9 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     at the lower scale-down utilisation, after downscale_delay_s of wanting it, and never
     while preempting above the threshold or while KV is parked (its requests wait for a
     device): the band between the two utilisations keeps a demand near a boundary from
-    flapping the count; while a replica removed drains (until the demand is back at its level
+    flapping the count, and the pressure floor keeps the count the waiting prefill or a step at
+    once asked for beyond those running (PolicyState.pressure_floor) until the demand falls by
+    that band; while a replica removed drains (until the demand is back at its level
     before the scale-down, or drain_timeout_s), that level stands in for the demand it holds
     unseen. Nothing is taken at once and nothing scaled down while a replica Serve runs has not
     reported yet (for UNREPORTED_GRACE_S at most: reason awaiting_stats). A scale-down removes at most half the replicas it could (rounded
@@ -259,7 +277,8 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
                   preemption_rate=preemption_rate, host_kv_parked_tokens=parked, host_kv_usage=host_usage,
                   kv_demand_growth_tokens=growth, kv_replicas=kv_replicas, waiting_replicas=waiting_replicas)
     kept = PolicyState(demand_history=history, demand_before_scale_down=moved,
-                       scaled_down_at=state.scaled_down_at if moved is not None else None, partial_since=partial_since)
+                       scaled_down_at=state.scaled_down_at if moved is not None else None, partial_since=partial_since,
+                       scaled_down_from=state.scaled_down_from, scaled_down_from_at=state.scaled_down_from_at)
 
     wanted, reason = (kv_replicas, "kv_demand") if kv_replicas >= waiting_replicas else (waiting_replicas, "waiting_work")
     if reason == "kv_demand" and kv_replicas > math.ceil(demand / (params.target_utilization * capacity)):
@@ -272,6 +291,8 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
         at_once = (running + 1, "host_tier")
     if at_once is not None and at_once[0] >= wanted:
         wanted, reason = at_once
+    kept = _with_pressure_floor(kept, state, max(waiting_replicas, at_once[0] if at_once is not None else 0),
+                                running, demand, now, params)
     if wanted > target:
         since = state.wants_up_since if state.wants_up_since is not None else now
         if reason in AT_ONCE_REASONS or now - since >= params.upscale_delay_s:
@@ -283,21 +304,45 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
     # While a removed replica drains, the demand it holds is not measured: the level before the
     # scale-down stands for it, or the next step would size the cluster without it.
     held = max(demand + growth, moved) if moved is not None else demand + growth
-    fits = max(math.ceil(held / (params.scale_down_utilization * capacity)), waiting_replicas, 1)
+    fits = max(math.ceil(held / (params.scale_down_utilization * capacity)), waiting_replicas, kept.pressure_floor, 1)
     fewer = _bounded(target - math.ceil((target - fits) / 2), params)[0] if fits < target else target
     if fewer < target and all_reporting and preemption_rate <= params.preemption_rate_threshold and parked == 0:
         since = state.wants_down_since if state.wants_down_since is not None else now
         if now - since >= params.downscale_delay_s:
             return (_decision(fewer, "low_demand", params, inputs),
-                    replace(kept, demand_before_scale_down=max(demand, moved or 0.0), scaled_down_at=now))
+                    replace(kept, demand_before_scale_down=max(demand, moved or 0.0), scaled_down_at=now,
+                            scaled_down_from=target, scaled_down_from_at=now))
         return _decision(target, "pending", params, inputs), replace(kept, wants_down_since=since)
     return _decision(target, "steady" if all_reporting else "awaiting_stats", params, inputs), kept
+
+
+def _with_pressure_floor(kept: PolicyState, state: PolicyState, asked: int, running: int, demand: float, now: float,
+                         params: HeadroomPolicyParams) -> PolicyState:
+    """`kept` with the pressure floor (PolicyState.pressure_floor) after this decision: `asked`
+    is the count the waiting prefill or a step at once asks for. Without it, a backlog that
+    builds at N-1 replicas and drains at N scaled 1 -> 2 -> 1 ... every downscale_delay_s and
+    replica startup, the backlog's latency at every return to N-1. It is set by a rebound (the
+    count a scale-down left asked for again within drain_timeout_s), not by the first scale-up:
+    a floor from every backlog kept the replica a one-off burst added while a steady load it
+    left behind stayed above the band."""
+    floor, asked_at, floor_demand = state.pressure_floor, state.pressure_floor_asked_at, state.pressure_floor_demand
+    rebound = (state.scaled_down_from_at is not None and now - state.scaled_down_from_at <= params.drain_timeout_s
+               and asked >= state.scaled_down_from)
+    if asked > running and (rebound or asked_at is not None):  # this many are too few for the load
+        floor, asked_at, floor_demand = max(asked, floor if asked_at is not None else 0), now, None
+    elif asked_at is not None and now - asked_at >= params.downscale_delay_s:
+        if floor_demand is None:  # the demand the count carries with the backlog gone
+            floor_demand = demand
+        elif demand <= params.scale_down_utilization / params.target_utilization * floor_demand:
+            floor, asked_at, floor_demand = 0, None, None  # the load eased by the band: fewer may do
+    return replace(kept, pressure_floor=floor, pressure_floor_asked_at=asked_at, pressure_floor_demand=floor_demand)
 
 
 def _clock_went_back(state: PolicyState, now: float) -> bool:
     """Whether `now` is before a time `state` holds (a wall clock stepped back): its history
     would keep a stale trend, and its delays would wait as long as the step."""
-    times = [t for t in (state.wants_up_since, state.wants_down_since) if t is not None]
+    times = [t for t in (state.wants_up_since, state.wants_down_since, state.pressure_floor_asked_at,
+                         state.scaled_down_from_at) if t is not None]
     if state.demand_history:
         times.append(state.demand_history[-1][0])
     return any(now < t for t in times)
@@ -343,7 +388,10 @@ def _decision(count: int, reason: str, params: HeadroomPolicyParams, inputs: dic
 _STATE_KEYS = {"wants_up_since": "headroom.wants_up_since", "wants_down_since": "headroom.wants_down_since",
                "demand_history": "headroom.demand_history",
                "demand_before_scale_down": "headroom.demand_before_scale_down",
-               "scaled_down_at": "headroom.scaled_down_at", "partial_since": "headroom.partial_since"}
+               "scaled_down_at": "headroom.scaled_down_at", "partial_since": "headroom.partial_since",
+               "scaled_down_from": "headroom.scaled_down_from", "scaled_down_from_at": "headroom.scaled_down_from_at",
+               "pressure_floor": "headroom.pressure_floor", "pressure_floor_asked_at": "headroom.pressure_floor_asked_at",
+               "pressure_floor_demand": "headroom.pressure_floor_demand"}
 
 
 def latest_stats(ctx: AutoscalingContext) -> dict[Any, dict[str, float]]:
@@ -439,7 +487,7 @@ class DecisionPublisher:
         app_name = app_name or ""
         board = self._lookup()
         if board is None:
-            if record["desired_replicas"] != record["target_replicas"]:
+            if is_new_change(record, self._unsent_latest.get(app_name)):
                 self._unsent_changes.append((app_name, record))
             self._unsent_latest[app_name] = record
             return
@@ -478,6 +526,17 @@ class DecisionPublisher:
 # Decisions that changed an application's count, kept per application (for `headroom status`
 # and tests: a change lasts one control loop, 0.1 s, before Serve's target follows it).
 BOARD_CHANGES_KEPT = 32
+# What makes one change another: the same wish decided again is the change already kept.
+CHANGE_KEYS = ("desired_replicas", "target_replicas", "reason", "policy")
+
+
+def is_new_change(record: dict[str, Any], previous: Optional[dict[str, Any]]) -> bool:
+    """Whether `record` changes the count, other than the decision before it did. Serve applies
+    the `requests` policy's delays after the policy, which is asked every control loop: through
+    an upscale delay each loop published the same wish again, and the kept changes were all
+    that one, `headroom status`'s "last change" dated to the last loop."""
+    return record["desired_replicas"] != record["target_replicas"] and (
+        previous is None or any(record[key] != previous[key] for key in CHANGE_KEYS))
 
 
 class DecisionBoard:
@@ -489,11 +548,11 @@ class DecisionBoard:
         self.changes: dict[str, list[dict[str, Any]]] = {}
 
     def record(self, app_name: str, record: dict[str, Any]) -> None:
-        self.latest[app_name] = record
-        if record["desired_replicas"] != record["target_replicas"]:
+        if is_new_change(record, self.latest.get(app_name)):
             changes = self.changes.setdefault(app_name, [])
             changes.append(record)
             del changes[:-BOARD_CHANGES_KEPT]
+        self.latest[app_name] = record
 
     def get(self, app_name: str) -> Optional[dict[str, Any]]:
         return self.latest.get(app_name)

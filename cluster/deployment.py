@@ -9,9 +9,11 @@ controller. If the core dies, `check_health` fails and Serve replaces the replic
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Mapping, Optional
@@ -54,6 +56,8 @@ ROUTING_STATS_PERIOD_S = 30.0
 # Co-located replicas (ingresses) count up from ports.metrics, ports.replica_grpc
 # (ports.router_metrics); more than this on one node would be a configuration mistake.
 PORT_SEARCH = 64
+# How often a base port waited for (serve_metrics_on_free_port) is tried again.
+BASE_PORT_RETRY_S = 0.25
 # On stop, in-flight requests may finish for this long before they are aborted.
 SHUTDOWN_GRACE_S = 5.0
 # How often Serve asks check_health (a dict lookup): a replica whose engine core died is
@@ -117,7 +121,8 @@ class LLMReplica:
         # /metrics answers before the engine loads (minutes for a large checkpoint): on
         # Kubernetes the replica PodMonitor scrapes a worker pod from its start, and a port
         # nobody serves for a minute fires HeadroomReplicaDown on a replica that is only loading.
-        self.metrics_http = serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics, "ports.metrics")
+        self.metrics_http = await serve_metrics_on_free_port(metrics.start_http_server, host, config.ports.metrics,
+                                                             "ports.metrics")
         self.metrics_endpoint = host_port(host, self.metrics_http.server_port)
         try:  # binds, then spawns the engine core and waits for its engine
             port = await self.server.start(host, config.ports.replica_grpc, PORT_SEARCH)
@@ -171,6 +176,7 @@ class LLMReplica:
         # for its streams. Anything still running gets a last grace here.
         await self.server.stop(SHUTDOWN_GRACE_S)
         self.metrics_http.shutdown()
+        self.metrics_http.server_close()  # the port, for the next replica on this node at once
 
 
 def running_replicas(app_name: Optional[str] = None) -> list[tuple[str, dict]]:
@@ -230,20 +236,43 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
-def serve_metrics_on_free_port(
-    start_http_server: Callable[[int, str], tuple[WSGIServer, threading.Thread]], host: str, base_port: int, config_field: str
+async def serve_metrics_on_free_port(
+    start_http_server: Callable[[int, str], tuple[WSGIServer, threading.Thread]], host: str, base_port: int,
+    config_field: str, base_port_wait_s: float = 0.0,
 ) -> WSGIServer:
     """Serves /metrics on the first free port from `base_port` up: processes sharing a node
     take consecutive ports, which Prometheus' scrape config can list. `config_field` names the
-    config field of `base_port` for the error."""
-    for port in range(base_port, min(base_port + PORT_SEARCH, 65536)):
+    config field of `base_port` for the error. `base_port_wait_s`: how long `base_port` may be
+    waited for before counting up, for a process whose predecessor may still hold it (an
+    in-place update starts the new ingress while the old one drains), where the next port up
+    would be kept for good and a PodMonitor scrapes the base port."""
+    deadline, waited = time.monotonic() + base_port_wait_s, False
+    while True:
         try:
-            server, _ = start_http_server(port, host)
-        except OSError:  # taken by a co-located replica (or anything else)
+            return _serve_metrics(start_http_server, host, base_port)
+        except OSError:  # taken: by a predecessor draining, a co-located replica, anything else
+            if time.monotonic() >= deadline:
+                break
+            if not waited:
+                logger.info("%s %d is taken: waiting up to %.0f s for it to come free (a predecessor draining?)",
+                            config_field, base_port, base_port_wait_s)
+                waited = True
+            await asyncio.sleep(BASE_PORT_RETRY_S)
+    if waited:
+        logger.warning("%s %d still taken after %.0f s: counting up from it", config_field, base_port, base_port_wait_s)
+    for port in range(base_port + 1, min(base_port + PORT_SEARCH, 65536)):
+        try:
+            return _serve_metrics(start_http_server, host, port)
+        except OSError:
             continue
-        logger.info("metrics on http://%s:%d/metrics", host, port)
-        return server
     raise RuntimeError(f"{config_field}: no free port in {base_port}..{base_port + PORT_SEARCH - 1}")
+
+
+def _serve_metrics(start_http_server: Callable[[int, str], tuple[WSGIServer, threading.Thread]], host: str,
+                   port: int) -> WSGIServer:
+    server, _ = start_http_server(port, host)
+    logger.info("metrics on http://%s:%d/metrics", host, port)
+    return server
 
 
 def llm_replica_deployment(config: ClusterConfig, cluster_gpus: float) -> serve.Deployment:

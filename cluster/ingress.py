@@ -83,6 +83,11 @@ RETRY_PAUSES_S = (0.2, 1.0)
 # The ingress only relays streams; the engines bound the work they accept (and refuse
 # beyond their queues), so Serve's default limit of 5 would be the cluster's bottleneck.
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
+# How long a stopping ingress may finish its streams (Serve's default, stated): an in-place
+# update starts the new one meanwhile, which waits that long, and its __del__ more, for its
+# router metrics port where a PodMonitor scrapes that port.
+INGRESS_DRAIN_S = 20.0
+INGRESS_DEL_S = 5.0
 # Serve's gRPC proxy picks the application from this metadata key.
 APPLICATION_METADATA_KEY = "application"
 # OpenAI's body field names for the engine's field names, where they differ.
@@ -287,6 +292,7 @@ def refuse_without_api_key(grpc_context: RayServegRPCContext, credentials: Crede
 @serve.deployment(
     name=INGRESS_DEPLOYMENT_NAME,
     max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+    graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
     ray_actor_options={
         # It relays bytes; a whole CPU reserved for it could keep an engine replica from starting.
         "num_cpus": 0,
@@ -327,8 +333,10 @@ class Ingress:
         self.token_text = TokenText(lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=False),
                                     self.tokenizer.token_bytes)
         host = bind_address(config)
-        self.router_metrics_http = serve_metrics_on_free_port(
-            router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics"
+        self.router_metrics_http = await serve_metrics_on_free_port(
+            router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics",
+            # Target files follow any port; without them Prometheus scrapes the configured one.
+            base_port_wait_s=INGRESS_DRAIN_S + INGRESS_DEL_S if config.monitoring.targets_dir is None else 0.0,
         )
         # Serve's controller publishes each autoscaling decision on the board; its gauges are
         # served beside the router's (cluster/autoscaler_metrics.py).
@@ -350,6 +358,7 @@ class Ingress:
         if self.targets is not None:
             self.targets.stop()
         self.router_metrics_http.shutdown()
+        self.router_metrics_http.server_close()  # the port, for the next ingress at once
         if self.autoscaler_metrics is not None:
             router_metrics.PROCESS_ROUTER_REGISTRY.unregister(self.autoscaler_metrics)
         parent_del = getattr(super(), "__del__", None)  # Serve's ASGI wrapper shuts the app down

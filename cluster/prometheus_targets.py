@@ -43,11 +43,18 @@ class UnsafeTargetsDir(OSError):
     """The targets directory is another user's: they could replace the files we write there."""
 
 
-def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> None:
+def file_identity(status: os.stat_result) -> tuple[int, int, int]:
+    """Which file a path holds: the one a writer made, not another with the same content
+    (two ingresses of one application list the same replicas)."""
+    return status.st_dev, status.st_ino, status.st_mtime_ns
+
+
+def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> tuple[int, int, int]:
     """Writes one file_sd file atomically (Prometheus never reads half of one), through a
     temporary file made anew (O_EXCL: never a name planted beforehand, so a symlink there
     cannot redirect the write: the default directory is under the shared /tmp), in a
-    directory this user owns; raises UnsafeTargetsDir for one another user owns."""
+    directory this user owns; raises UnsafeTargetsDir for one another user owns. Returns the
+    file_identity of the file written."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     if hasattr(os, "getuid") and (owner := directory.stat().st_uid) != os.getuid():
@@ -58,15 +65,21 @@ def write_targets(path: Path, targets: list[str], labels: dict[str, str]) -> Non
     try:
         with os.fdopen(descriptor, "w") as file:
             file.write(json.dumps(groups, indent=1) + "\n")
+            file.flush()
+            identity = file_identity(os.fstat(file.fileno()))
         os.chmod(temporary, 0o644)  # Prometheus may run as another user; mkstemp made it 0600
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+    return identity
 
 
 class PrometheusTargets:
-    """Keeps one application's two target files current until stopped, then removes them."""
+    """Keeps one application's two target files current until stopped, then removes those it
+    wrote. An in-place `serve deploy` starts the application's new ingress while the old one
+    drains: the old one's stop leaves the files the new one wrote in their place, and the new
+    one writes again any file that has gone missing."""
 
     def __init__(self, directory: Path, app_name: str, router_endpoint: str,
                  replica_endpoints: Callable[[], Awaitable[list[str]]]):
@@ -75,25 +88,30 @@ class PrometheusTargets:
         self.router_endpoint = router_endpoint
         self.replica_endpoints = replica_endpoints
         self._task: asyncio.Task | None = None
-        self._started = False  # wrote its files (stop removes them only then)
+        self._written: dict[Path, tuple[int, int, int]] = {}  # path -> file_identity of what this one wrote last
 
     def start(self) -> None:
         labels = {"application": self.app_name}
         try:
-            write_targets(router_file(self.directory, self.app_name), [self.router_endpoint], labels)
+            self._write(router_file(self.directory, self.app_name), [self.router_endpoint], labels)
         except UnsafeTargetsDir as error:  # serving goes on; Prometheus finds no targets there
             logger.error("%s", error)
             return
-        self._started = True
         self._task = asyncio.get_running_loop().create_task(self._refresh(labels), name="prometheus-targets")
 
+    def _write(self, path: Path, targets: list[str], labels: dict[str, str]) -> None:
+        self._written[path] = write_targets(path, targets, labels)
+
     async def _refresh(self, labels: dict[str, str]) -> None:
+        router, replicas = router_file(self.directory, self.app_name), replicas_file(self.directory, self.app_name)
         written: list[str] | None = None
         while True:
             try:
+                if not router.exists():  # removed by the ingress this one replaced, as it stopped
+                    self._write(router, [self.router_endpoint], labels)
                 endpoints = await self.replica_endpoints()
-                if endpoints != written:
-                    write_targets(replicas_file(self.directory, self.app_name), endpoints, labels)
+                if endpoints != written or not replicas.exists():
+                    self._write(replicas, endpoints, labels)
                     written = endpoints
             except Exception as error:  # a controller hiccup: keep the last file, try again
                 logger.warning("could not refresh Prometheus targets of %s: %s", self.app_name, error)
@@ -102,10 +120,13 @@ class PrometheusTargets:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        if not self._started:  # the files there, if any, are another user's
-            return
-        for path in (replicas_file(self.directory, self.app_name), router_file(self.directory, self.app_name)):
+        # Only a file that is still the one this one wrote: the application's next ingress (an
+        # in-place update starts it while this one drains) may have written its own there.
+        for path, identity in self._written.items():
             try:
-                path.unlink(missing_ok=True)
+                if file_identity(path.stat()) == identity:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
             except OSError as error:  # the rest of the shutdown goes on
                 logger.warning("could not remove Prometheus targets %s: %s", path, error)

@@ -28,7 +28,7 @@ from replica.server.status import grpc_status
 
 # gRPC metadata keys are lower case; HTTP's header is matched case-insensitively by the server.
 AUTHORIZATION_METADATA_KEY = "authorization"
-BEARER_PREFIX = "Bearer "
+BEARER_PREFIX = "Bearer "  # as clients send it; read with the scheme in any case (RFC 7235)
 # Services any client may call without a credential: load balancers' and Kubernetes' health
 # probes, and reflection (which lists services, not data).
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -75,7 +75,7 @@ class Credentials:
         return matched
 
     def accepts_authorization(self, header: Optional[str]) -> bool:
-        """`Authorization: Bearer <secret>` (the scheme exactly as OpenAI clients send it)."""
+        """`Authorization: Bearer <secret>` (the scheme in any case, as bearer_token reads it)."""
         return self.accepts(bearer_token(header))
 
 
@@ -86,10 +86,16 @@ def missing_credential(what: str, header: str = "metadata 'authorization") -> Au
 
 
 def bearer_token(header: Optional[str]) -> Optional[str]:
-    """The token of an `Authorization: Bearer <token>` value, else None (another scheme, none)."""
-    if header is None or not header.startswith(BEARER_PREFIX):
+    """The token of an `Authorization: Bearer <token>` value, else None (another scheme, none).
+    RFC 7235 makes the scheme case-insensitive and lets spaces part it from the token: clients
+    that send `bearer <token>` (some HTTP libraries lower-case it) or pad it are served; a
+    secret never has surrounding whitespace (Credentials refuses one), so none is lost."""
+    if header is None:
         return None
-    return header[len(BEARER_PREFIX):]
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != BEARER_PREFIX.strip().lower():
+        return None
+    return token.strip()
 
 
 def metadata_authorization(metadata: Optional[Iterable[tuple[str, object]]]) -> Optional[str]:

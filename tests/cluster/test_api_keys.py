@@ -432,6 +432,25 @@ def test_the_http_check_compares_any_wrong_key_with_every_key_in_constant_time(m
     assert asyncio.run(_asgi_get(app, "/health", {})) == 200
 
 
+def test_http_takes_the_bearer_scheme_in_any_case_and_the_key_between_spaces(monkeypatch):
+    """RFC 7235: `bearer <key>` and padded values are the same credential (they were 401)."""
+    from starlette.testclient import TestClient
+
+    monkeypatch.setenv(API_KEY_ENV, KEY_A)
+    monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
+
+    async def routes(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    client = TestClient(ingress.RequireAPIKey(routes))
+    for value in (f"Bearer {KEY_A}", f"bearer {KEY_A}", f"BEARER {KEY_A}", f"Bearer  {KEY_A}", f"Bearer {KEY_A} "):
+        assert client.get("/v1/models", headers={"Authorization": value}).status_code == 200, value
+    for value in (f"bearer {WRONG_KEY}", f"Basic {KEY_A}", KEY_A, f"bearer{KEY_A}"):
+        response = client.get("/v1/models", headers={"Authorization": value})
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer", value
+
+
 def test_the_grpc_proxys_check_compares_any_wrong_key_with_every_key_in_constant_time(compare_digest_calls):
     """The proxy's own handler (grpc_proxy.bounded_unary) on a real loopback server, with a
     stand-in for the Serve handler it would ship the request to."""

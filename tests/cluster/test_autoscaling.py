@@ -156,6 +156,72 @@ def test_waiting_prefill_sets_a_floor():
     assert (decision.desired_replicas, decision.reason, decision.waiting_replicas) == (4, "waiting_work", 4)
 
 
+def simulate(load, seconds: float, start: int = 1, startup_s: float = 30.0) -> list[tuple[float, int, int, str]]:
+    """The policy deciding once a second against `load(running, t)` -> (demand, waiting prefill,
+    preemption rate) per replica, replicas serving startup_s after they are asked for and
+    gone at once when removed; the count changes as (t, from, to, reason)."""
+    params = HeadroomPolicyParams(min_replicas=1, max_replicas=4)
+    state, target, running, starting, changes = PolicyState(), start, start, [], []
+    for t in range(int(seconds)):
+        running += sum(1 for ready in starting if ready <= t)
+        starting = [ready for ready in starting if ready > t]
+        demand, waiting, preemption_rate = load(running, t)
+        signals = [ReplicaSignal(32_768.0, demand, waiting, preemption_rate)] * running
+        decision, state = decide(signals, running, target, params, float(t), state)
+        desired = decision.desired_replicas
+        if desired > target:
+            starting += [t + startup_s] * (desired - target)
+        elif desired < target:
+            removed_starting = min(target - desired, len(starting))
+            starting = starting[:len(starting) - removed_starting]
+            running -= target - desired - removed_starting
+        if desired != target:
+            changes.append((t, target, desired, decision.reason))
+        target = desired
+    return changes
+
+
+@pytest.mark.parametrize("waiting_in_demand", [False, True])
+def test_a_backlog_that_builds_at_one_replica_fewer_rebounds_once_and_stays(waiting_in_demand):
+    """A waiting prefill that builds at one replica and drains at two: the floor it asked for
+    was gone at two, so the policy scaled 1 -> 2 -> 1 every ~95 s (13 changes in 600 s), the
+    backlog's latency back at every return to one replica. The first scale-down's rebound sets a
+    floor that stands until the load eases."""
+    def load(running: int, t: float) -> tuple[float, float, float]:
+        eased = t >= 900  # the load falls to a third: one replica keeps up
+        waiting = 20_000.0 if running == 1 and not eased else 0.0
+        demand = (2000.0 if eased else 6000.0) + (waiting if waiting_in_demand else 0.0)
+        return demand / running, waiting / running, 0.0
+
+    changes = simulate(load, 1200)
+    assert [change[1:] for change in changes] == [(1, 2, "waiting_work"), (2, 1, "low_demand"),
+                                                  (1, 2, "waiting_work"), (2, 1, "low_demand")], changes
+    assert changes[3][0] >= 900
+
+
+def test_a_one_off_burst_leaves_no_floor():
+    """A backlog that one replica met once (a burst), under a steady load one replica carries:
+    the count goes back to one, though the steady load never eases by the band."""
+    def load(running: int, t: float) -> tuple[float, float, float]:
+        waiting = 20_000.0 if 10 <= t < 40 else 0.0
+        return 6000.0 / running, waiting / running, 0.0
+
+    assert [change[1:] for change in simulate(load, 600)] == [(1, 2, "waiting_work"), (2, 1, "low_demand")]
+
+
+def test_preemptions_that_stop_at_one_replica_more_rebound_once_and_stay():
+    def load(running: int, t: float) -> tuple[float, float, float]:
+        return 0.3 * 32_768 / running, 0.0, 1.2 if running == 1 else 0.0
+
+    assert [change[1:] for change in simulate(load, 1200)] == [(1, 2, "preemptions"), (2, 1, "low_demand"),
+                                                               (1, 2, "preemptions")]
+
+
+def test_an_idle_cluster_still_scales_in():
+    assert [change[1:] for change in simulate(lambda running, t: (0.0, 0.0, 0.0), 900, start=4)] == \
+        [(4, 2, "low_demand"), (2, 1, "low_demand")]
+
+
 def test_scale_down_needs_the_demand_to_fit_fewer_at_the_lower_utilisation_for_the_delay():
     # 3 replicas, 7,000 tokens of demand in all: it fits 1 replica at 0.8 (8,000) but 2 at 0.6.
     decision, state = decide(replicas(3000, 2000, 2000), running=3, target=3, params=PARAMS, now=0.0)
@@ -437,3 +503,28 @@ def test_decisions_made_before_the_board_is_found_reach_it_in_order_once_it_is()
     assert board.get("app")["desired_replicas"] == 1 and board.get("app")["target_replicas"] == 2
     publisher.publish("app", Decision(1, "low_demand"), 1, 1, "headroom")  # nothing left over to replay
     assert len(board.get_changes("app")) == 2 and board.get("app")["target_replicas"] == 1
+
+
+def test_a_wish_decided_again_every_control_loop_through_serves_upscale_delay_is_one_change():
+    """Serve applies the requests policy's delays after it, asking it every 0.1 s: each loop of
+    the delay published the same wish, the 32 changes kept were all that one, and `headroom
+    status` dated its "last change" to the latest loop."""
+    by_hand = _BoardByHand()
+    policy = RequestsAutoscalingPolicy()
+    policy.board._lookup = lambda: by_hand
+    ticks = [context({}, running=2, target=2, requests=96.0, target_ongoing_requests=32)] * 50
+    ticks += [context({}, running=2, target=3, requests=96.0, target_ongoing_requests=32)]  # Serve follows
+    ticks += [context({}, running=3, target=3, requests=20.0, target_ongoing_requests=32)] * 50  # fewer...
+    ticks += [context({}, running=3, target=3, requests=96.0, target_ongoing_requests=32)]  # ...then 3 again
+    ticks += [context({}, running=3, target=3, requests=150.0, target_ongoing_requests=32)] * 3
+    for tick in ticks:
+        policy(tick)
+    changes = by_hand.board.get_changes("app")
+    assert [(change["desired_replicas"], change["target_replicas"]) for change in changes] == [(3, 2), (1, 3), (4, 3)]
+    assert by_hand.board.get("app")["desired_replicas"] == 4
+    # The publisher keeps what it decided before the board was found the same way.
+    publisher = DecisionPublisher()
+    publisher._lookup = lambda: None
+    for _ in range(40):
+        publisher.publish("app", Decision(3, "requests"), 2, 2, "requests")
+    assert len(publisher._unsent_changes) == 1

@@ -351,6 +351,47 @@ def test_without_a_key_no_container_gets_one_and_both_sources_at_once_fail_to_re
         render({"apiKey": {"existingSecret": "serving-keys", "value": "sk-1"}})
 
 
+def api_key_annotations(documents: list[dict[str, Any]]) -> list[str | None]:
+    return [template["metadata"].get("annotations", {}).get("checksum/api-key")
+            for template in pod_templates(rayservice(documents))]
+
+
+def test_a_rotated_key_changes_both_pod_templates_so_the_old_key_stops_being_accepted():
+    """The containers read HEADROOM_API_KEY from the Secret as they start: `helm upgrade --set
+    apiKey.value=NEW` changed only the Secret, so no pod restarted and the old key stayed valid."""
+    first, again, rotated = (api_key_annotations(render({"apiKey": {"value": key}}))
+                             for key in ("sk-first", "sk-first", "sk-rotated"))
+    assert len(first) == 2 and len(set(first)) == 1 and first[0]
+    assert again == first and set(rotated).isdisjoint(first)
+    assert "sk-first" not in json.dumps(first)
+    # An existing Secret, rotated outside Helm: apiKey.revision is what changes the pods.
+    secret = {"existingSecret": "serving-keys", "secretKey": "keys"}
+    revisions = [api_key_annotations(render({"apiKey": {**secret, **extra}})) for extra in ({}, {"revision": 2},
+                                                                                         {"revision": 3})]
+    assert all(len(set(annotations)) == 1 and annotations[0] for annotations in revisions)
+    assert len({annotations[0] for annotations in revisions}) == 3
+    assert api_key_annotations(render()) == [None, None]  # no key: nothing to restart for
+
+
+def test_replica_grpc_port_0_is_any_free_port_not_the_default():
+    """`| default 9300` took 0 (any free port) for unset: the pod declared, and the NetworkPolicy
+    named, a port the replicas never bound."""
+    values = {"serve": {"applications": [{"name": "builtin", "args": {"ports": {"replica_grpc": 0}}}]}}
+    documents = render(values)
+    service = rayservice(documents)
+    assert "replica-grpc" not in container_ports(worker_container(service))
+    (policy,) = only(documents, "NetworkPolicy")
+    assert not any(port["port"] in (0, PortsConfig().replica_grpc) for rule in policy["spec"]["ingress"]
+                   for port in rule.get("ports", []))
+    release = policy["spec"]["podSelector"]["matchLabels"]
+    assert {"from": [{"podSelector": {"matchLabels": release}}]} in policy["spec"]["ingress"]  # every port
+    for kubernetes_version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(policy, kubernetes_version, strict=True)
+        for template in pod_templates(service):
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                          "template": template}, kubernetes_version, strict=True)
+
+
 def test_every_pod_caps_serves_grpc_messages_as_headroom_serve_does():
     """Serve's gRPC proxy takes 2 GiB per message by default and buffers it whole before any
     check (the API key's included): every pod gets the cap `headroom serve` sets, from the

@@ -31,9 +31,18 @@ def test_only_a_configured_secret_is_accepted():
 def test_authorization_header_needs_the_bearer_scheme():
     credentials = Credentials(["sk-1"])
     assert credentials.accepts_authorization("Bearer sk-1")
-    for header in (None, "", "sk-1", "Basic sk-1", "Bearer ", "Bearer  sk-1", "bearer sk-1x"):
+    for header in (None, "", "sk-1", "Basic sk-1", "Bearer ", "Bearersk-1", "bearer sk-1x", "Bearer sk-1 sk-1"):
         assert not credentials.accepts_authorization(header), header
     assert bearer_token("Bearer abc") == "abc" and bearer_token("Token abc") is None
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_spaces_around_the_token_are_dropped():
+    """RFC 7235: the scheme is case-insensitive and one or more spaces part it from the token;
+    `bearer <key>` (as some HTTP libraries send it) was refused as a missing key."""
+    credentials = Credentials(["sk-1"])
+    for header in ("bearer sk-1", "BEARER sk-1", "Bearer  sk-1", " Bearer sk-1 "):
+        assert credentials.accepts_authorization(header), header
+        assert bearer_token(header) == "sk-1", header
 
 
 def test_every_secret_is_compared_with_compare_digest(monkeypatch):

@@ -62,11 +62,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* The replicas' internal gRPC port (LoadReporter, cluster token; `args.ports.replica_grpc`):
-     every application must agree, since the worker pod declares and the NetworkPolicy names one. */}}
+     every application must agree, since the worker pod declares and the NetworkPolicy names one.
+     0 (any free port) is a setting, not unset (`default` would take 9300 for it): nothing is
+     declared then, and the NetworkPolicy's rule for the release's own pods admits every port. */}}
 {{- define "headroom.replicaGrpcPort" -}}
 {{- $ports := list }}
 {{- range .Values.serve.applications }}
-{{- $ports = append $ports (((.args | default dict).ports | default dict).replica_grpc | default 9300 | int) }}
+{{- $appPorts := (.args | default dict).ports | default dict }}
+{{- $ports = append $ports (ternary $appPorts.replica_grpc 9300 (hasKey $appPorts "replica_grpc") | int) }}
 {{- end }}
 {{- $ports = uniq $ports }}
 {{- if ne (len $ports) 1 }}
@@ -85,6 +88,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.apiKey.existingSecret }}
 {{- else if .Values.apiKey.value }}
 {{- printf "%s-api-key" (include "headroom.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* The pod templates' annotations: a checksum of the API key (apiKey.value), or of the Secret's
+     name and key and apiKey.revision (apiKey.existingSecret). The containers read
+     HEADROOM_API_KEY from the Secret once, as they start: a rotated key changed nothing in the
+     pod templates, and the old key stayed accepted until the pods happened to restart. A changed
+     annotation is a changed RayService cluster spec, which KubeRay replaces. */}}
+{{- define "headroom.podAnnotations" -}}
+{{- if .Values.apiKey.existingSecret }}
+checksum/api-key: {{ printf "%s/%s/%v" .Values.apiKey.existingSecret .Values.apiKey.secretKey .Values.apiKey.revision | sha256sum | quote }}
+{{- else if .Values.apiKey.value }}
+checksum/api-key: {{ .Values.apiKey.value | sha256sum | quote }}
 {{- end }}
 {{- end }}
 
