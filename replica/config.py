@@ -266,6 +266,14 @@ class EngineConfig(ConfigModel):
         "constraint whose mask after its first token is slower is refused where it enters, and a request whose "
         "masks are slower 3 times (with fewer than 3 within the limit in a row between them) ends with an error.",
     )
+    structured_output_step_mask_ms: float = Field(
+        50.0, gt=0,
+        description="Most predicted mask time (CPU time, summed over a step's constrained rows, each predicted "
+        "from its own latest mask) one step may take: many constrained rows, each within "
+        "structured_output_max_mask_ms, would otherwise hold every request in the batch back by their sum. "
+        "Constrained rows past it wait for a later step (those that waited longest go first; at least one runs "
+        "each step); unconstrained rows never wait for it.",
+    )
     stream_interval: int = Field(
         1, ge=1,
         description="Tokens per streamed message after a request's first (vLLM's and SGLang's --stream-interval): "

@@ -144,6 +144,7 @@ class Scheduler:
         self._admission_interval_s = 0.0
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
+        self._num_constrained = 0  # live requests with a structured-output grammar (their masks are budgeted)
 
     # ---- requests in and out -------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -169,6 +170,8 @@ class Scheduler:
         if request.ttft_deadline is None:
             request.ttft_deadline = ttft_deadline(request.arrival_time, self.config.default_ttft_slo_ms)
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self._num_constrained += 1
         request.waiting_since = request.arrival_time
         self.waiting.add(request)
         self.growth.add(request, self._count_waiting(request))
@@ -194,6 +197,8 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        if request.grammar is not None:
+            self._num_constrained -= 1
         self._finished_req_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -232,6 +237,9 @@ class Scheduler:
         # so it reads the token lists' lengths rather than the properties, too).
         threshold = config.long_prefill_token_threshold
         whole_limit = threshold if threshold > 0 else math.inf
+        # Structured outputs: the running constrained requests whose masks this step builds
+        # (None: all of them), and the mask time left for admissions.
+        masked, mask_room = self._mask_turns(whole_limit) if self._num_constrained else (None, math.inf)
 
         # 1. Running requests, in admission order.
         index = 0
@@ -250,6 +258,10 @@ class Scheduler:
                 if num_new_tokens is None:
                     index += 1  # it runs whole or not at all; a later, smaller one may fit
                     continue
+            if (masked is not None and num_new_tokens == num_remaining and request.grammar is not None
+                    and id(request) not in masked):
+                index += 1  # it would sample: its mask waits for a step with room for it
+                continue
 
             # Preempt until the allocation succeeds. Two exits: blocks were found, or the
             # request itself was the victim (nothing left to take from), which ends the
@@ -295,17 +307,20 @@ class Scheduler:
         # back the memory the preemption just freed) or waits for finishing requests' memory.
         if not preempted and not waits_for_finishing:
             self.waiting.reorder()
-            token_budget = self._admit_waiting(token_budget, scheduled)
+            token_budget = self._admit_waiting(token_budget, scheduled, mask_room)
         # A prefetch lives one step: one whose request did not resume now gives its device blocks back.
         if kv_cache.prefetched:
             kv_cache.cancel_prefetches(made_before_step=self._step_id + 1)
 
+        step_id, constrained = self._step_id + 1, self._num_constrained > 0
         for entry in scheduled:
             request = entry.request
             num_computed = request.num_computed_tokens = request.num_computed_tokens + entry.num_new_tokens
             if num_computed >= len(request.all_token_ids) + request.num_pending_tokens:
                 entry.samples = True
                 request.num_pending_tokens += 1  # until update() appends it
+                if constrained and request.grammar is not None:
+                    request.grammar.masked_at_step = step_id  # _mask_turns: when its mask was last built
 
         self._step_id += 1
         num_scheduled_tokens = config.max_num_batched_tokens - token_budget
@@ -321,6 +336,32 @@ class Scheduler:
             block_copies=kv_cache.take_block_copies(),
         )
 
+    def _mask_turns(self, whole_limit: float) -> tuple[Optional[set[int]], float]:
+        """The running constrained requests that may sample this step (their `id`s), so that
+        their masks' predicted time (each request's grammar's `mask_s`, its latest) stays within
+        structured_output_step_mask_ms: the requests whose masks were built longest ago first,
+        at least one, then any that still fit. None when they all fit. A step builds its
+        constrained rows' masks before it samples, so the sum of many masks each within
+        structured_output_max_mask_ms held every request of the batch back (63 parallel samples
+        at ~9 ms a mask: 1.2 s steps). A request that waits keeps its tokens and its KV, as one
+        past the token budget does. Also the mask time left for admissions."""
+        budget = self.config.structured_output_step_mask_ms / 1e3
+        # Those that would sample if scheduled (a chunk of a long prompt builds no mask).
+        limit = min(whole_limit, self.config.max_num_batched_tokens)
+        candidates = [request for request in self.running if request.grammar is not None
+                      and len(request.all_token_ids) + request.num_pending_tokens - request.num_computed_tokens <= limit
+                      and not _last_token_in_flight(request)]
+        predicted = sum(request.grammar.mask_s for request in candidates)
+        if predicted <= budget:
+            return None, budget - predicted
+        candidates.sort(key=lambda request: request.grammar.masked_at_step)  # stable: then in admission order
+        masked, spent = set(), 0.0
+        for request in candidates:
+            if not masked or spent + request.grammar.mask_s <= budget:
+                masked.add(id(request))
+                spent += request.grammar.mask_s
+        return masked, budget - spent
+
     def _step_tokens(self, num_remaining: int, token_budget: int) -> Optional[int]:
         """Tokens a request with `num_remaining` uncomputed tokens runs this step: at most the
         long-prefill threshold and the budget left. None when it does not fit the budget and
@@ -331,8 +372,11 @@ class Scheduler:
             return num_tokens
         return token_budget if self.config.enable_chunked_prefill else None
 
-    def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest], mask_room: float) -> int:
+        """Admit waiting requests into this step within `token_budget`; returns what is left.
+        mask_room: the predicted mask time this step may still take (_mask_turns)."""
         config = self.config
+        mask_budget = config.structured_output_step_mask_ms / 1e3
         kv_cache = self.kv_cache
         growth = self.growth
         now = self.clock()
@@ -360,6 +404,13 @@ class Scheduler:
             num_new_tokens = self._step_tokens(request.num_tokens - num_start, token_budget)
             if num_new_tokens is None:
                 break  # it waits whole, and nothing behind it skips ahead
+            if request.grammar is not None and num_new_tokens == request.num_tokens - num_start:
+                if request.grammar.mask_s > mask_room and mask_room < mask_budget and num_new_tokens > 1:
+                    # No room for its first mask beside the others': its prompt's last token (and
+                    # that mask) next step, as a running request's turn; nothing behind it waits.
+                    num_new_tokens -= 1
+                else:
+                    mask_room -= request.grammar.mask_s
             watermark_blocks = self._admission_reserve_blocks()
             optimistic_fit = request.num_tokens if config.reserve_full_sequence else None
             growth_blocks = own_growth = 0

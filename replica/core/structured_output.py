@@ -431,8 +431,8 @@ class GrammarCompiler:
                    max_mask_ms=config.structured_output_max_mask_ms)
 
     def compile(self, constraint: StructuredOutput) -> concurrent.futures.Future:
-        """A future of the compiled matcher (a template: take copies with `matcher`); the
-        future raises InvalidRequestError (field "structured_output") when it does not compile."""
+        """A future of the CompiledGrammar (its matcher a template: take copies with `matcher`);
+        the future raises InvalidRequestError (field "structured_output") when it does not compile."""
         with self._lock:
             future = self._compiled.get(constraint)
             if future is not None:
@@ -456,7 +456,7 @@ class GrammarCompiler:
             finally:
                 threading.stack_size(previous)
 
-    def _compile(self, constraint: StructuredOutput) -> "llguidance.LLMatcher":
+    def _compile(self, constraint: StructuredOutput) -> "CompiledGrammar":
         import llguidance
 
         try:
@@ -475,7 +475,7 @@ class GrammarCompiler:
                                                            "it admits nothing, or only by an endless recursion")
         if matcher.is_error():
             raise InvalidRequestError("structured_output", _one_line(matcher.get_error()))
-        error = self._first_token_error(matcher, mask)
+        error, first_masks_s = self._first_token_error(matcher, mask)
         if error:  # its first line: the rest is a dump of llguidance's parser state
             raise InvalidRequestError("structured_output", _too_complex_message("", error) if _too_complex(error)
                                       else _one_line(error.splitlines()[0]))
@@ -498,7 +498,7 @@ class GrammarCompiler:
             found = None
         if found is not None:
             raise InvalidRequestError("structured_output", _too_complex_message(f"{found[0]} ", found[1]))
-        return matcher
+        return CompiledGrammar(matcher, first_masks_s)
 
     def _costly_lexeme(self, lexemes: list[tuple[str, str]], grammar_of: Callable[[list[str]], str],
                        mask: np.ndarray) -> Optional[tuple[str, str]]:
@@ -539,11 +539,12 @@ class GrammarCompiler:
             return str(error) or "not a grammar"
         if not probe.is_error():
             probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return probe.get_error() if probe.is_error() else self._first_token_error(probe, mask)
+        return probe.get_error() if probe.is_error() else self._first_token_error(probe, mask)[0]
 
-    def _first_token_error(self, matcher: "llguidance.LLMatcher", mask: np.ndarray) -> Optional[str]:
+    def _first_token_error(self, matcher: "llguidance.LLMatcher", mask: np.ndarray) -> tuple[Optional[str], float]:
         """llguidance's error where a constraint's lexer blows up on its first byte, or a mask
-        after it that takes longer than the limit, else None.
+        after it that takes longer than the limit, else None; and the slowest mask after a first
+        byte, in seconds (what the scheduler first predicts a request's masks cost).
         The first mask (in `mask`) builds a large lexeme with llguidance's build budget
         (initial_lexer_fuel, a million units), but each token consumed after that has a step's
         (step_lexer_fuel, 200,000): a regex such as `(a{1000}){1000}` masks its first token, then
@@ -559,11 +560,12 @@ class GrammarCompiler:
             probes = [token_id for token_id in np.flatnonzero(allowed)[:len(self._eos_ids) + 1]
                       if int(token_id) not in self._eos_ids][:1]
         if not len(probes):  # only EOS may come: nothing more to build
-            return None
+            return None, 0.0
+        slowest_ms = 0.0
         for token_id in probes:
             probe = matcher.deep_copy()
             if not probe.consume_token(int(token_id)) or probe.is_error():
-                return probe.get_error() or "the matcher refused a token its first mask allows"
+                return probe.get_error() or "the matcher refused a token its first mask allows", slowest_ms / 1e3
             # The mask after it: what a step pays for this constraint from here on.
             mask_ms = self._mask_ms(probe, mask)
             if mask_ms > self.max_mask_ms and not probe.is_error():
@@ -571,10 +573,11 @@ class GrammarCompiler:
                 # states built once; a constraint that is slow is slow every time.
                 mask_ms = min(mask_ms, self._mask_ms(probe, mask))
             if probe.is_error():
-                return probe.get_error()
+                return probe.get_error(), slowest_ms / 1e3
             if mask_ms > self.max_mask_ms:
-                return _slow_mask_error(mask_ms, self.max_mask_ms)
-        return None
+                return _slow_mask_error(mask_ms, self.max_mask_ms), mask_ms / 1e3
+            slowest_ms = max(slowest_ms, mask_ms)
+        return None, slowest_ms / 1e3
 
     @staticmethod
     def _mask_ms(matcher: "llguidance.LLMatcher", mask: np.ndarray) -> float:
@@ -670,7 +673,9 @@ class GrammarCompiler:
         go of meanwhile (256 newer constraints, or a failed matcher forgotten) started afresh
         and blocked the step behind the whole compile queue."""
         future = self.compile(constraint) if future is None else future
-        return RequestGrammar(future.result().deep_copy(), lambda: self._forget(constraint, future))
+        compiled = future.result()
+        return RequestGrammar(compiled.matcher.deep_copy(), lambda: self._forget(constraint, future),
+                              compiled.first_masks_s)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -689,14 +694,30 @@ def compiled_in_time(future: concurrent.futures.Future, deadline: float) -> bool
     return (time.monotonic() if done_at is None else done_at) <= deadline
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constraint compiled: the matcher every request under it copies, and the slowest mask the
+    compile's probe timed after a first byte (seconds; 0 where none was timed)."""
+
+    matcher: "llguidance.LLMatcher"
+    first_masks_s: float
+
+
 class RequestGrammar:
     """One request's matcher; it has consumed exactly the request's output tokens."""
 
-    __slots__ = ("matcher", "num_consumed", "on_failure", "slow_steps", "fast_steps", "too_slow")
+    __slots__ = ("matcher", "num_consumed", "on_failure", "slow_steps", "fast_steps", "too_slow", "mask_s",
+                 "masked_at_step")
 
-    def __init__(self, matcher: "llguidance.LLMatcher", on_failure=None):
+    def __init__(self, matcher: "llguidance.LLMatcher", on_failure=None, mask_s: float = 0.0):
         self.matcher = matcher
         self.num_consumed = 0
+        # What its next mask is predicted to cost (CPU seconds): its latest mask's share of the
+        # step's build (GrammarBitmask), at first the compile's probe. The scheduler keeps a
+        # step's sum within structured_output_step_mask_ms, and lets the requests whose masks
+        # were built longest ago (masked_at_step, a scheduler step id) go first.
+        self.mask_s = mask_s
+        self.masked_at_step = -1
         # Its masks over the time limit (GrammarBitmask), counted until SLOW_MASK_STEPS masks
         # in a row were within it (fast_steps); at SLOW_MASK_STEPS, why the request must end.
         self.slow_steps = 0
@@ -746,6 +767,10 @@ class GrammarBitmask:
     mask within max_mask_ms: a request whose mask is over it SLOW_MASK_STEPS times (with fewer
     than SLOW_MASK_STEPS within it in a row between them) is marked `too_slow` (the engine ends it).
 
+    Each row's mask time is kept as its grammar's `mask_s`, the scheduler's prediction of its
+    next (structured_output_step_mask_ms bounds a step's sum): a row built alone, its own; a row
+    of the parallel build, its share of that build's CPU time (_share_build_time).
+
     The executor builds a step's masks at once, on its own threads, and times none of them, so
     the step's whole build is timed (wall time): when it is within the limit, so was every row.
     When it is not, each row's mask is built again on its own, timed by this thread's CPU time
@@ -788,14 +813,16 @@ class GrammarBitmask:
                 # A matcher that lost track constrains nothing (logged when it did); one too slow
                 # to follow is ending (a step launched before the engine ended it still has it).
                 host[index].fill_(-1)
+                grammar.mask_s = 0.0
             elif grammar.slow_steps:
                 suspects.append((grammar, index))
             else:
                 live.append((grammar.matcher, index))
         if live:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             self._executor.unsafe_compute_mask_ptr(live, host.data_ptr(), host.shape[1] * 4, count)
             elapsed = time.perf_counter() - start
+            _share_build_time(time.process_time() - cpu_start, [grammars[index] for _, index in live])
             # Within the limit, so was every row. Over it: find the slow rows, unless a search
             # found none lately and this build is not much slower than that one.
             if elapsed > self.max_mask_s and (elapsed > self._search_above_s
@@ -819,7 +846,7 @@ class GrammarBitmask:
         is over the limit; whether it was."""
         start = time.thread_time()
         grammar.matcher.unsafe_compute_mask_ptr(host[index].data_ptr(), host.shape[1] * 4)
-        elapsed = time.thread_time() - start
+        elapsed = grammar.mask_s = time.thread_time() - start
         if elapsed <= self.max_mask_s:
             grammar.fast_steps += 1
             if grammar.fast_steps >= SLOW_MASK_STEPS:
@@ -831,6 +858,22 @@ class GrammarBitmask:
             grammar.too_slow = _slow_mask_error(elapsed * 1e3, self.max_mask_s * 1e3) + \
                 f", for {grammar.slow_steps} of its tokens"
         return True
+
+
+# What a mask never timed weighs when a parallel build's time is shared out: an ordinary mask
+# (medians 6-34 us on SmolLM2's 49k ids, bench_structured.py --sections mask-costs).
+PRESUMED_MASK_S = 20e-6
+
+
+def _share_build_time(cpu_s: float, grammars: Sequence[RequestGrammar]) -> None:
+    """Each row's share of a parallel build's CPU time (the process's: the executor's threads;
+    llguidance times no single row of it) as its `mask_s`: in proportion to what each was
+    predicted to cost, so a row timed alone before (a search, a slow row) keeps its weight beside
+    cheap ones, and the shares add up to what the build cost."""
+    weights = [grammar.mask_s + PRESUMED_MASK_S for grammar in grammars]
+    scale = cpu_s / sum(weights)
+    for grammar, weight in zip(grammars, weights):
+        grammar.mask_s = weight * scale
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
