@@ -1,6 +1,6 @@
 """A router's subscriptions to replica streams (WatchLoad, WatchKVEvents): each kept open until
 closed, reconnecting with exponential backoff and jitter while its replica is unreachable,
-and the set of them keyed by replica id.
+and the set of them keyed by replica id, whose streams end when it is closed or discarded.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -83,6 +84,18 @@ class StreamSubscription(abc.ABC):
         if self._task is not None:
             self._task.cancel()
 
+    def stop_soon(self) -> None:
+        """stop(), from any thread and at any moment (a garbage collection's finalizer): the
+        task is cancelled by its own event loop, on its next turn."""
+        task = self._task
+        if task is None:
+            return
+        self.stopped = True
+        try:
+            task.get_loop().call_soon_threadsafe(self.stop)
+        except RuntimeError:  # its loop is closed, and the task ended with it
+            pass
+
     async def close(self) -> None:
         self.stop()
         if self._task is not None:
@@ -136,12 +149,16 @@ S = TypeVar("S", bound=StreamSubscription)
 
 class SubscriptionSet(Generic[S]):
     """One router's subscriptions of one kind, keyed by replica id. Not thread-safe: call it
-    from the event loop the router runs on."""
+    from the event loop the router runs on. Dropped without close(), it still ends its streams
+    (Ray Serve 2.60 discards a request router with no hook to close it: a proxy drops the
+    handle of a deleted application, a handle is garbage collected), or each would keep its
+    task, its channel and its replica's stream for the life of the process."""
 
     def __init__(self, make: Callable[[str, str], S]):
         self._make = make
         self._subscriptions: dict[str, S] = {}
         self._closing: set[asyncio.Task] = set()
+        weakref.finalize(self, _stop_soon, self._subscriptions)
 
     def subscribe(self, replica_id: str, endpoint: str) -> None:
         """Watch `replica_id` at `endpoint`; a changed endpoint replaces the old stream."""
@@ -175,3 +192,9 @@ class SubscriptionSet(Generic[S]):
             self.unsubscribe(replica_id)
         if self._closing:
             await asyncio.gather(*self._closing)
+
+
+def _stop_soon(subscriptions: dict[str, StreamSubscription]) -> None:
+    """A discarded SubscriptionSet's finalizer: holds no reference to the set itself."""
+    for subscription in list(subscriptions.values()):
+        subscription.stop_soon()

@@ -55,7 +55,7 @@ async def main():
         outputs = [output async for output in front.generate([5, 6, 7, 8] * 5, params)]
         assert sum(len(output.new_token_ids) for output in outputs) == 6 and outputs[-1].finish_reason == "length"
         assert all(len(top.token_ids) == 2 for output in outputs for top in output.top_logprobs)
-        assert front.kv_events.batches_after(None), "no KV events reached the front"
+        assert await front.kv_events.batches_after(None), "no KV events reached the front"
         assert (await front.core.call_utility("counters"))["generation_tokens"] == 6
         try:
             await front.core.call_utility("no_such_utility")
