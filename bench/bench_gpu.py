@@ -741,9 +741,10 @@ def cached_smollm2() -> Optional[str]:
     """The model cache's copy of the default model's GGUF, if it holds one (the GPU machine has
     no network to fetch it: --smollm2 brings it there)."""
     from replica.model.cache import default_cache_dir
+    from replica.model.package_fetch import packaged_checkpoint
     from replica.model.registry import SMOLLM2_135M
 
-    cached = default_cache_dir() / "packages" / SMOLLM2_135M.name / Path(SMOLLM2_135M.member).name
+    cached = packaged_checkpoint(SMOLLM2_135M, default_cache_dir())
     return str(cached) if cached.is_file() else None
 
 

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=max_tokens_value, default=64,
                         help="most tokens to generate (default: %(default)s)")
     parser.add_argument("--temperature", type=temperature_value, default=None,
-                        help="0 = greedy (default: the server's, 1.0)")
+                        help="0 = greedy (default: the server's: the model's generation_config.json, else 1.0)")
     parser.add_argument("--seed", type=seed_value, default=None, help="sampler seed, for reproducible output")
     parser.add_argument("--timeout-s", type=positive_seconds, default=300.0, help="give up after this long (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",

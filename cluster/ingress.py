@@ -10,6 +10,7 @@ on its replica.
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations at
 # runtime, from the copy of the class Serve's ingress pickles, where names may not resolve.
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -36,14 +37,15 @@ from cluster.deployment import (
     running_replicas, serve_metrics_on_free_port,
 )
 from cluster.openai_api import (
-    ChatCompletionRequest, Choice, CompletionRequest, OpenAIError, choice_sampling_params, error_body,
-    openai_error, parse_body,
+    ChatCompletionRequest, Choice, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
+    choice_sampling_params, error_body, openai_error, parse_body,
 )
 from cluster.openai_responses import (
     SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
 )
 from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
+from cluster.tool_parsers import PARSERS
 from cluster.serve_logging import ClientRefusal, DisconnectWhenReceiveIsCancelled, log_client_errors_in_one_line
 from protos import headroom_pb2 as pb
 from replica.errors import (
@@ -53,6 +55,7 @@ from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, named_for_request, prompt_token_ids_from_proto,
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
+from replica.model.checkpoint import sampling_defaults
 from replica.model.registry import resolve_model_path
 from replica.core.outputs import RequestOutput
 from replica.core.request import validate_request
@@ -68,6 +71,7 @@ from router import metrics as router_metrics
 logger = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT_NAME = "Ingress"
+HEADROOM_VERSION = importlib.metadata.version("headroom")  # GET /version's
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 # How Ray reports a replica that died (killed, crashed, its node lost) under a call.
 REPLICA_LOST_ERRORS = (RayActorError, WorkerCrashedError, NodeDiedError, ReplicaUnavailableError)
@@ -98,15 +102,21 @@ CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 # larger ones on a worker thread, where the Python parts of the work yield to the loop: a 3 MB
 # body of 700,000 one-token prompts took 1.7 s, every stream's and request's, on the loop.
 INLINE_PARSE_MAX_BYTES = 64 * 1024
+# The Retry-After of a 429 or 503, in seconds: a full queue frees a place as soon as any of its
+# requests finishes, and a lost replica's requests go to the others at once, so a short wait is
+# honest; the router spreads the retries over the replicas.
+RETRY_AFTER_S = 1
 # How long /health answers from one lookup of Serve's controller.
 HEALTH_CACHE_S = 1.0
 # Token-id prompts echoed back are decoded on the event loop up to this many tokens in all
 # (about a millisecond), on a worker thread beyond.
 INLINE_DECODE_MAX_TOKENS = 4096
 
-# The routes that need the API key (as vLLM's server: its /v1 API; /health and the API's
-# own description stay open).
+# The routes that need the API key: the /v1 API, as vLLM's server, and vLLM's /tokenize and
+# /detokenize, which it leaves open but which cost this server work per request; /health,
+# /version and the API's own description stay open.
 API_KEY_PATH_PREFIX = "/v1"
+API_KEY_PATHS = frozenset({"/tokenize", "/detokenize"})
 HTTP_AUTHORIZATION_HINT = "header 'Authorization"
 
 
@@ -135,13 +145,13 @@ def prompt_param(index: int, num_prompts: int) -> str:
 
 
 def _needs_api_key(scope: dict[str, Any]) -> bool:
-    """Whether the request's path, below the application's route prefix, is a /v1 route: the
-    path as the routes match it (Starlette's get_route_path: the prefix is cut only at a
+    """Whether the request's path, below the application's route prefix, is a /v1 route or one of
+    API_KEY_PATHS: the path as the routes match it (Starlette's get_route_path: the prefix is cut only at a
     segment boundary, so /v1/models under root /v is itself, and needs the key)."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
         path = path[len(root):]
-    return path == API_KEY_PATH_PREFIX or path.startswith(API_KEY_PATH_PREFIX + "/")
+    return path == API_KEY_PATH_PREFIX or path.startswith(API_KEY_PATH_PREFIX + "/") or path in API_KEY_PATHS
 
 
 api = FastAPI(title="headroom", description="OpenAI-compatible API of one headroom model")
@@ -171,6 +181,19 @@ async def _openai_validation_error(request: Request, error: RequestValidationErr
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"] if part != "body") or None
     return JSONResponse(error_body(f"{param or 'body'}: {first['msg']}", param), status_code=400)
+
+
+def error_response(error: BaseException, param_for_field: dict[str, str]) -> JSONResponse:
+    """The response `error` ends a request with (openai_error's status and body); a 429 (a
+    replica's queue is full) or 503 (no replica can serve it now) says in Retry-After when to
+    try again, which the openai client waits rather than its own backoff."""
+    status, body = openai_error(error, param_for_field)
+    return JSONResponse(body, status_code=status, headers=retry_after(status))
+
+
+def retry_after(status: int) -> Optional[dict[str, str]]:
+    """The Retry-After header of a response of this status, if it takes one."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -265,6 +288,12 @@ async def _first_awaited(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
     return rest()
 
 
+def _other_model(model_id: str, named: str) -> JSONResponse:
+    """A body's `model` naming another model than the one served: 404, as OpenAI's API answers."""
+    return JSONResponse(error_body(f"model: this endpoint serves {model_id!r}, not {named!r}", "model",
+                                   "model_not_found"), status_code=404)
+
+
 def _retrieved(future: asyncio.Future) -> None:
     """Marks a background future's exception as seen (asyncio logs one nobody retrieved), and
     logs it: the grammar compiler that failed to build is made again by the next constrained
@@ -318,7 +347,10 @@ class Ingress:
         self.engine_config = config.engine  # the grammar compiler's time bounds
         # Tokenizing here gives the router each prompt's exact size and lets bad input fail
         # at the edge, before it costs a replica anything.
-        self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model), chat_template=config.chat_template)
+        model_dir = resolve_model_path(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=config.chat_template)
+        # What requests leave unset takes, read as each replica's engine reads it (they log it).
+        self.sampling_defaults = sampling_defaults(model_dir, config.engine.generation_config)
         if self.tokenizer.chat_template is None:
             logger.warning("model %s has no chat template: chat requests are refused (serve it with "
                            "--chat-template FILE, or chat_template: in the config)", config.model)
@@ -487,7 +519,8 @@ class Ingress:
             generation = self._generation_request(
                 prompt_token_ids, info,
                 sampling=replace(sampling_params_from_proto(
-                    request.sampling, max_model_len=info.max_model_len, num_prompt_tokens=len(prompt_token_ids)
+                    request.sampling, max_model_len=info.max_model_len, num_prompt_tokens=len(prompt_token_ids),
+                    defaults=self.sampling_defaults,
                 ), structured_output=constraint[0] if constraint else None),
                 priority=engine_priority(request.priority),
                 request_id=request.request_id or None,
@@ -527,7 +560,8 @@ class Ingress:
         if await self._has_running_replica():
             return Response(status_code=200)
         return JSONResponse(error_body(f"application {self.app_name!r} has no running replica", None,
-                                       "replica_unavailable", "server_error"), status_code=503)
+                                       "replica_unavailable", "server_error"),
+                            status_code=503, headers=retry_after(503))
 
     # (when the last lookup started, the lookup): shared by every /health call for HEALTH_CACHE_S.
     _health: Optional[tuple[float, asyncio.Future]] = None
@@ -562,6 +596,65 @@ class Ingress:
         return {"id": self.model_id, "object": "model", "created": self.started_at, "owned_by": "headroom",
                 "max_model_len": info.max_model_len}
 
+    @api.get("/version")
+    async def version(self) -> dict[str, str]:
+        """vLLM's GET /version: this server's package version."""
+        return {"version": HEADROOM_VERSION}
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's POST /tokenize: a prompt's token ids, or a conversation's as chat completions
+        renders it (`messages`, with its tools and template fields), with the context length."""
+        try:
+            raw, body = await self._parsed_body(request, TokenizeRequest)
+            if body.model not in (None, self.model_id):
+                return _other_model(self.model_id, body.model)
+            body.check_supported()
+            if body.messages is not None:
+                token_ids = await self._chat_prompt(body, len(raw))
+            else:
+                add_special_tokens = body.add_special_tokens is not False
+                token_ids = await encode_prompt(self.tokenizer, body.prompt, add_special_tokens=add_special_tokens,
+                                                limits=self.limits, field_name="prompt")
+            info = await self.model_info()
+        except OpenAIError as error:
+            return JSONResponse(error.body, status_code=error.status)
+        except InvalidRequestError as error:
+            return error_response(error, {})
+        return {"count": len(token_ids), "max_model_len": info.max_model_len, "tokens": token_ids,
+                "token_strs": self.tokenizer.token_strings(token_ids) if body.return_token_strs else None}
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's POST /detokenize: token ids' text (special tokens skipped, as vLLM's)."""
+        try:
+            _, body = await self._parsed_body(request, DetokenizeRequest)
+            if body.model not in (None, self.model_id):
+                return _other_model(self.model_id, body.model)
+            info = await self.model_info()
+
+            def decode() -> str:
+                for token_id in body.tokens:  # one outside the vocabulary (or a C long) made the decoder raise
+                    if not 0 <= token_id < info.vocab_size:
+                        raise InvalidRequestError("tokens", f"token id {token_id} is outside the vocabulary "
+                                                            f"[0, {info.vocab_size})")
+                return self.tokenizer.decode(body.tokens)
+
+            text = await asyncio.to_thread(decode) if len(body.tokens) > INLINE_DECODE_MAX_TOKENS else decode()
+        except OpenAIError as error:
+            return JSONResponse(error.body, status_code=error.status)
+        except InvalidRequestError as error:
+            return error_response(error, {})
+        return {"prompt": text}
+
+    async def _parsed_body(self, http_request: Request, body_type: type) -> tuple[bytes, Any]:
+        """The raw body and it parsed as `body_type` (parse_body; a large one on a worker
+        thread); raises OpenAIError."""
+        raw = await read_body(http_request, self.limits.max_request_bytes)
+        if len(raw) <= INLINE_PARSE_MAX_BYTES:
+            return raw, parse_body(raw, body_type, self.limits)
+        return raw, await asyncio.to_thread(parse_body, raw, body_type, self.limits)
+
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._complete(request, CompletionRequest)
@@ -574,21 +667,25 @@ class Ingress:
                        ) -> list[list[int]]:
         """Each prompt's token ids; `body_bytes` the size of the body they came in."""
         if isinstance(body, ChatCompletionRequest):
-            # A large conversation is gathered and rendered on a worker thread, however few its
-            # messages: an earlier tool call's arguments (parsed for the template) or the tools
-            # (rendered as JSON) can be megabytes; 2.5 MB of arguments held the loop 0.4 s.
-            large = body_bytes > INLINE_PARSE_MAX_BYTES
-            gather = lambda: ([message.template_message() for message in body.messages],  # noqa: E731
-                              body.template_tools())
-            messages, tools = await asyncio.to_thread(gather) if large else gather()
-            return [await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits,
-                                                tools=tools, off_loop=large)]
+            return [await self._chat_prompt(body, body_bytes)]
         prompts = body.prompts
         if sum(len(prompt) for prompt in prompts if isinstance(prompt, str)) > INLINE_TOKENIZE_MAX_CHARS:
             # One long prompt, or many short ones (256 prompts of 4,096 characters, a 1 MB body,
             # held the event loop 0.34 s): one worker thread tokenizes them all.
             return await asyncio.to_thread(self._encode_prompts, prompts, body.add_special_tokens)
         return self._encode_prompts(prompts, body.add_special_tokens)
+
+    async def _chat_prompt(self, body: Union[ChatCompletionRequest, TokenizeRequest], body_bytes: int) -> list[int]:
+        """The token ids of a body's conversation, rendered with its tools and template fields."""
+        # A large conversation is gathered and rendered on a worker thread, however few its
+        # messages: an earlier tool call's arguments (parsed for the template) or the tools
+        # (rendered as JSON) can be megabytes; 2.5 MB of arguments held the loop 0.4 s.
+        large = body_bytes > INLINE_PARSE_MAX_BYTES
+        gather = lambda: ([message.template_message() for message in body.messages],  # noqa: E731
+                          body.template_tools())
+        messages, tools = await asyncio.to_thread(gather) if large else gather()
+        return await chat_prompt_token_ids(self.tokenizer, messages, field="messages", limits=self.limits,
+                                           tools=tools, off_loop=large, **body.template_options())
 
     def _encode_prompts(self, prompts: list[Union[str, list[int]]], add_special_tokens: bool) -> list[list[int]]:
         """Each prompt's token ids, each text checked against the limits first (as encode_prompt does)."""
@@ -631,29 +728,20 @@ class Ingress:
         grammars = await asyncio.shield(made)
         await grammars.check_async(constraint.constraint, constraint.param)
 
-    @staticmethod
-    def _max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,
+    def _max_tokens(self, body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,
                     max_model_len: int) -> int:
         requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
-        # Unset (chat) or null: up to the context length, as in OpenAI's and vLLM's APIs.
-        return requested if requested is not None else max_model_len - num_prompt_tokens
+        # Unset (chat) or null: up to the context length (and the model's max_new_tokens), as in vLLM's API.
+        return self.sampling_defaults.max_tokens_or_default(requested, max_model_len - num_prompt_tokens)
 
     async def _complete(self, http_request: Request, body_type: type):
         chat = body_type is ChatCompletionRequest
         try:
-            raw = await read_body(http_request, self.limits.max_request_bytes)
-            if len(raw) <= INLINE_PARSE_MAX_BYTES:
-                body = parse_body(raw, body_type, self.limits)
-            else:
-                body = await asyncio.to_thread(parse_body, raw, body_type, self.limits)
+            raw, body = await self._parsed_body(http_request, body_type)
         except OpenAIError as error:
             return JSONResponse(error.body, status_code=error.status)
         if body.model not in (None, self.model_id):
-            return JSONResponse(
-                error_body(f"model: this endpoint serves {self.model_id!r}, not {body.model!r}", "model",
-                           "model_not_found"),
-                status_code=404,
-            )
+            return _other_model(self.model_id, body.model)
         param_for_field = dict(CHAT_PARAM_FOR_FIELD if chat else COMPLETION_PARAM_FOR_FIELD)
         if chat:
             param_for_field["max_tokens"] = body.max_tokens_param
@@ -669,12 +757,19 @@ class Ingress:
             if constraint is not None:
                 # A constraint the engine ends mid-output (too costly to follow) names it too.
                 param_for_field["structured_output"] = constraint.param
+            tool_calling = body.tool_calling(self.tool_call_parser) if chat else None
+            # The text a tool parser reads keeps the parser's tags where the checkpoint makes them
+            # special tokens: skipped, a call came back as content (vLLM's #25281).
+            kept_special_token_ids = (self.tokenizer.special_token_ids(PARSERS[tool_calling.parser].TAGS)
+                                      if tool_calling is not None and tool_calling.parser is not None else ())
             prompts = await self._prompts(body, len(raw))
             info = await self.model_info()
             choices = []
             for prompt_index, token_ids in enumerate(prompts):
-                base = body.base_sampling_params(self._max_tokens(body, len(token_ids), info.max_model_len),
-                                                 body.num_logprobs, constraint.constraint if constraint else None)
+                base = replace(body.base_sampling_params(
+                    self._max_tokens(body, len(token_ids), info.max_model_len), body.num_logprobs,
+                    constraint.constraint if constraint else None, self.sampling_defaults,
+                ), kept_special_token_ids=kept_special_token_ids)
                 for candidate in range(body.num_candidates):
                     choice = Choice(prompt_index * body.num_candidates + candidate, prompt_index, token_ids,
                                     choice_sampling_params(base, candidate))
@@ -684,8 +779,9 @@ class Ingress:
                                                               request_id=f"{request_id}-{choice.index}")
                     except InvalidRequestError as error:
                         if len(prompts) > 1 and param_for_field.get(error.field, error.field) == "prompt":
-                            # A batch names the prompt at fault, as its text prompts' checks do.
-                            raise InvalidRequestError(prompt_param(prompt_index, len(prompts)), error.message) from None
+                            # A batch names the prompt at fault, as its text prompts' checks do (the
+                            # error's class kept: its OpenAI code).
+                            raise type(error)(prompt_param(prompt_index, len(prompts)), error.message) from None
                         raise
                     choices.append((choice, generation))
             for tool_schema in tool_schemas:
@@ -694,18 +790,15 @@ class Ingress:
                 await self.check_constraint(constraint)
             echo_texts = await self._echo_texts(body)
         except (InvalidRequestError, QueueFullError) as error:  # QueueFullError: the compiles are backed up
-            status, error_json = openai_error(error, param_for_field)
-            return JSONResponse(error_json, status_code=status)
+            return error_response(error, param_for_field)
         bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,
-                                  body.num_logprobs, echo_texts,
-                                  body.tool_calling(self.tool_call_parser) if chat else None)
+                                  body.num_logprobs, echo_texts, tool_calling)
         chunks = _aborted_as_errors(self.choice_chunks(choices))
         if body.stream:
             try:
                 chunks = await _first_awaited(chunks)
             except Exception as error:
-                status, error_json = openai_error(error, param_for_field)
-                return JSONResponse(error_json, status_code=status)
+                return error_response(error, param_for_field)
             return StreamingResponse(
                 _sse_stream(chunks, bodies, [choice for choice, _ in choices], body.include_usage, param_for_field,
                             body.continuous_usage),
@@ -716,7 +809,6 @@ class Ingress:
             async for choice, chunk in chunks:
                 results[choice.index].add(chunk)
         except Exception as error:
-            status, error_json = openai_error(error, param_for_field)
-            return JSONResponse(error_json, status_code=status)
+            return error_response(error, param_for_field)
         generated = [results[index] for index in sorted(results)]
         return bodies.response(generated, best_choices(generated, body.num_candidates, body.n))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API's requests: body parsing with errors in OpenAI's shape that
 name the parameter, the /v1/completions and /v1/chat/completions bodies (OpenAI's fields and
-vLLM's sampling extensions, with vLLM's meanings), and what each choice asks of the engine.
+vLLM's sampling and chat template extensions, with vLLM's meanings) and vLLM's /tokenize and
+/detokenize bodies, and what each choice asks of the engine.
 Structured output and tool calling parameters become one engine constraint
 (cluster/openai_structured.py). A parameter the engine cannot honour (images, audio, ...) is
 refused by name, never silently ignored.
@@ -19,8 +20,9 @@ from cluster.openai_structured import OutputConstraint, StructuredOutputFields, 
 from replica.core.structured_output import MAX_JSON_DEPTH, StructuredOutput, loads_json, nested_deeper_than
 
 from replica.config import NumbersNotBooleans
-from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
+from replica.core.request import MAX_TOP_LOGPROBS, SamplingDefaults, SamplingParams
 from replica.errors import HeadroomError, InvalidRequestError
+from replica.text.tokenizer import RESERVED_TEMPLATE_VARIABLES
 
 if TYPE_CHECKING:
     from replica.server.request_limits import RequestLimits
@@ -55,16 +57,23 @@ UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_salt": (_ASKS, "cache_salt is not supported"),
     "chat_template": (_ASKS, "the server's chat template is always used (the model's, or headroom serve "
                              "--chat-template)"),
-    "chat_template_kwargs": (_ASKS, "the server's chat template is always used, without extra variables"),
     "documents": (_ASKS, "documents (RAG templates) are not supported"),
     "mm_processor_kwargs": (_ASKS, "multimodal input is not supported"),
-    "add_generation_prompt": (lambda value: value is False, "the generation prompt is always added"),
-    "continue_final_message": (_ASKS, "continuing the final message is not supported"),
     "kv_transfer_params": (_ASKS, "KV transfer is not supported"),
     # Chat's fields (ToolFields), so these reach this table only on /v1/completions.
     "tools": (_ASKS, "tool calling needs /v1/chat/completions"),
     "tool_choice": (lambda value: value not in (None, "none"), "tool calling needs /v1/chat/completions"),
 }
+
+
+def refuse_unsupported(extra: Optional[dict[str, Any]]) -> None:
+    """Raise InvalidRequestError naming the first of a body's extra keys that asks for something
+    in UNSUPPORTED_PARAMS."""
+    for name, value in (extra or {}).items():
+        if name in UNSUPPORTED_PARAMS:
+            asks, reason = UNSUPPORTED_PARAMS[name]
+            if asks(value):
+                raise InvalidRequestError(name, reason)
 
 
 class OpenAIError(Exception):
@@ -85,10 +94,11 @@ def error_body(message: str, param: Optional[str], code: Optional[str] = None,
 def invalid_request_body(error: InvalidRequestError, param_for_field: dict[str, str]) -> dict[str, Any]:
     """An engine-side field error as OpenAI's error, `param` being the request body's field."""
     param = param_for_field.get(error.field, error.field)
-    # The engine's message names its own field where it quotes it ("max_tokens (5000)"): the
-    # body's name for it (max_completion_tokens) there too.
-    message = str(error).removeprefix(f"{error.field}: ").replace(f"{error.field} (", f"{param} (")
-    return error_body(f"{param}: {message}", param)
+    if error.openai_code is not None:
+        # An error OpenAI's API codes (context_length_exceeded) in its own words, which clients
+        # match on: the message as it is, `param` naming the field.
+        return error_body(error.message, param, error.openai_code)
+    return error_body(f"{param}: {error.message}", param)
 
 
 def openai_error(error: BaseException, param_for_field: dict[str, str]) -> tuple[int, dict[str, Any]]:
@@ -189,7 +199,7 @@ class StreamOptions(BaseModel):
 
 # Request fields whose null is their default (their types take no None).
 NULL_IS_DEFAULT = frozenset({"stream", "echo", "logprobs", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-                             "add_special_tokens"})
+                             "add_special_tokens", "add_generation_prompt", "continue_final_message"})
 
 
 class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
@@ -260,11 +270,7 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
 
     def check_supported(self, max_choices: int) -> None:
         """Raise InvalidRequestError naming the first parameter this server cannot honour."""
-        for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_PARAMS:
-                asks, reason = UNSUPPORTED_PARAMS[name]
-                if asks(value):
-                    raise InvalidRequestError(name, reason)
+        refuse_unsupported(self.model_extra)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "only allowed with stream: true")
         best_of = self.best_of or self.n
@@ -303,15 +309,15 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
         return constraints[0] if constraints else None
 
     def base_sampling_params(self, max_tokens: int, num_logprobs: Optional[int],
-                             structured_output: Optional[StructuredOutput] = None) -> SamplingParams:
-        defaults = SamplingParams()
-        default = lambda value, name: getattr(defaults, name) if value is None else value  # noqa: E731
-        return SamplingParams(
+                             structured_output: Optional[StructuredOutput] = None,
+                             defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """A null or absent parameter takes `defaults`' value (the model's, as vLLM's server does)."""
+        return defaults.sampling_params(
             max_tokens=max_tokens,
-            temperature=default(self.temperature, "temperature"),
-            top_p=default(self.top_p, "top_p"),
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,
-            min_p=default(self.min_p, "min_p"),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
@@ -320,9 +326,9 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
             top_logprobs=num_logprobs or 0,
             stop=self.stop_strings,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            presence_penalty=default(self.presence_penalty, "presence_penalty"),
-            frequency_penalty=default(self.frequency_penalty, "frequency_penalty"),
-            repetition_penalty=default(self.repetition_penalty, "repetition_penalty"),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             structured_output=structured_output,
         )
@@ -467,8 +473,54 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-class ChatCompletionRequest(_OpenAIRequest, ToolFields):
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Raise InvalidRequestError naming the first message field OpenAI's API would refuse."""
+    for index, message in enumerate(messages):
+        for name in ("function_call", "audio"):
+            if (message.model_extra or {}).get(name):
+                raise InvalidRequestError(f"messages[{index}].{name}", "not supported (tool calls are: tool_calls)")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequestError(f"messages[{index}].tool_calls", "only assistant messages hold tool calls")
+        # As OpenAI's API: only an assistant's turn may leave out its content (it may be
+        # all tool calls), and a tool's result must say which call it answers.
+        if message.content is None and message.role != "assistant":
+            raise InvalidRequestError(f"messages[{index}].content", f"required in a {message.role} message")
+        if message.role == "tool" and message.tool_call_id is None:
+            raise InvalidRequestError(f"messages[{index}].tool_call_id", "required in a tool message")
+
+
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat body fields for the chat template: the generation prompt (on by default),
+    continuing the last (assistant) message instead, and the template's own variables
+    (`chat_template_kwargs`, such as Qwen3's `enable_thinking`)."""
+
     messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def check_template_fields(self) -> None:
+        """Raise InvalidRequestError naming the first template field that cannot be honoured."""
+        for name in sorted(self.chat_template_kwargs or ()):
+            if name in RESERVED_TEMPLATE_VARIABLES:
+                raise InvalidRequestError(f"chat_template_kwargs.{name}", "is a variable the server sets itself (from "
+                                                                          "the request's other fields or the model)")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message", "cannot be used with add_generation_prompt true "
+                                                                    "(its default): set add_generation_prompt false")
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message", f"needs an assistant message last to continue, "
+                                                                    f"not a {self.messages[-1].role} message")
+
+    def template_options(self) -> dict[str, Any]:
+        """Tokenizer.apply_chat_template's keyword arguments for this request."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(_OpenAIRequest, ToolFields, ChatTemplateFields):
     # Chat has no fixed default: unset means up to the context length, as in OpenAI's API.
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -492,18 +544,8 @@ class ChatCompletionRequest(_OpenAIRequest, ToolFields):
         super().check_supported(max_choices)
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "requires logprobs: true")
-        for index, message in enumerate(self.messages):
-            for name in ("function_call", "audio"):
-                if (message.model_extra or {}).get(name):
-                    raise InvalidRequestError(f"messages[{index}].{name}", "not supported (tool calls are: tool_calls)")
-            if message.tool_calls and message.role != "assistant":
-                raise InvalidRequestError(f"messages[{index}].tool_calls", "only assistant messages hold tool calls")
-            # As OpenAI's API: only an assistant's turn may leave out its content (it may be
-            # all tool calls), and a tool's result must say which call it answers.
-            if message.content is None and message.role != "assistant":
-                raise InvalidRequestError(f"messages[{index}].content", f"required in a {message.role} message")
-            if message.role == "tool" and message.tool_call_id is None:
-                raise InvalidRequestError(f"messages[{index}].tool_call_id", "required in a tool message")
+        check_messages(self.messages)
+        self.check_template_fields()
         self.tool_mode()  # a named tool_choice must name a tool
 
     def output_constraint(self) -> Optional[OutputConstraint]:
@@ -529,3 +571,39 @@ class Choice:
     prompt_index: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
+
+
+class TokenizeRequest(ToolFields, ChatTemplateFields):
+    """vLLM's POST /tokenize: a `prompt`, or `messages` rendered through the chat template as
+    chat completions renders them (with its tools and template fields)."""
+
+    model_config = ConfigDict(extra="allow")  # as chat's: what cannot be honoured is refused by name
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    # vLLM's defaults: BOS and the like on a prompt; a rendered conversation holds its own.
+    add_special_tokens: Optional[StrictBool] = None
+    return_token_strs: StrictBool = False
+
+    def check_supported(self) -> None:
+        """Raise InvalidRequestError naming the first field this server cannot honour."""
+        refuse_unsupported(self.model_extra)
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt", "give either a prompt or messages" + (
+                "" if self.prompt is None else ", not both"))
+        if self.messages is not None:
+            check_messages(self.messages)
+            self.check_template_fields()
+            if self.add_special_tokens:
+                raise InvalidRequestError("add_special_tokens", "not with messages: the rendered conversation holds "
+                                                                "the model's special tokens already")
+
+
+class DetokenizeRequest(NumbersNotBooleans):
+    """vLLM's POST /detokenize: token ids back to their text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]

@@ -255,9 +255,11 @@ class CompletionBodies:
             tokens.append(token)
             offsets.append(text_offset)
             text_offset += len(token)
-            # OpenAI: the top alternatives, and always the sampled token too.
+            # OpenAI: the top alternatives, and always the sampled token too, with its own
+            # logprob: assigned last, over an alternative whose text is the same (the bytes of a
+            # partial character all show as U+FFFD), so that it agrees with token_logprobs.
             top = {self.token_text(top_id): max(value, MIN_LOGPROB) for top_id, value in zip(top_ids, top_values)}
-            top.setdefault(token, max(logprob, MIN_LOGPROB))
+            top[token] = max(logprob, MIN_LOGPROB)
             top_dicts.append(top)
         return {"tokens": tokens, "token_logprobs": [max(value, MIN_LOGPROB) for value in result.logprobs],
                 "top_logprobs": top_dicts, "text_offset": offsets}

@@ -35,6 +35,7 @@ from cluster.grpc_proxy import (
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from cluster.prometheus_targets import file_stem
 from replica.model import ModelLoadError
+from replica.model.checkpoint import sampling_defaults
 from replica.model.registry import (
     BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, check_tensor_parallel, resolve_model_path,
 )
@@ -319,6 +320,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             # and so does a directory the replicas could not load (each would fail in turn, under Serve).
             model_dir = resolve_model_path(app.args.model)
             check_checkpoint(model_dir, chat_template=app.args.chat_template)
+            sampling_defaults(model_dir, app.args.engine.generation_config)  # a default no request could have
             if app.args.engine.tensor_parallel_size > 1:  # or every replica fails its start, in turn, under Serve
                 try:
                     check_tensor_parallel(model_dir, app.args.engine.tensor_parallel_size)

@@ -234,6 +234,10 @@ class ToolParser:
     """One layout of tool calls, read as the reply is written: `feed` takes the next piece of
     text and returns the content to send and the call deltas; `final` marks the reply's end."""
 
+    # The tags it reads, which a checkpoint may make special tokens (Llama 3's <|python_tag|>):
+    # the text of a request it reads keeps them (SamplingParams.kept_special_token_ids).
+    TAGS: tuple[str, ...] = ()
+
     def __init__(self):
         self.text = ""
         self.calls: list[ParsedCall] = []  # every call begun, its arguments as written so far
@@ -286,6 +290,7 @@ class ToolParser:
 
 class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
+    TAGS = (START, END)
 
     def __init__(self):
         super().__init__()
@@ -428,6 +433,7 @@ class _JsonCallList(ToolParser):
 
 class Llama3JsonToolParser(_JsonCallList):
     OPENING = "<|python_tag|>"
+    TAGS = (OPENING,)
     SEPARATORS = ";"
     # Without tags a reply that is a JSON object with a "name" (`{"name": "Bob", "age": 42}`)
     # is an answer, not a call to make: a call names its parameters.

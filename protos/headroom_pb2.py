@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/headroom.proto\x12\x0bheadroom.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.headroom.v1.ChatMessage\"\x9f\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x0c\n\x04stop\x18\n \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x04\x88\x01\x01\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.headroom.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xe0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.headroom.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\t \x01(\x0b\x32\x19.headroom.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.headroom.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1d\n\x10ttft_deadline_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08\x12\x15\n\x0bjson_schema\x18\n \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0b \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0c \x01(\tH\x01\x12\x11\n\x07grammar\x18\r \x01(\tH\x01\x12&\n\x06\x63hoice\x18\x0e \x01(\x0b\x32\x14.headroom.v1.ChoicesH\x01\x42\x08\n\x06promptB\x13\n\x11output_constraintB\x13\n\x11_ttft_deadline_msB\x0e\n\x0c_ttft_slo_ms\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.headroom.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.headroom.v1.Usage\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x18.headroom.v1.TopLogprobs\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\x05H\x00\x42\r\n\x0bstop_reason\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"r\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\"\r\n\x0bLoadRequest\"+\n\x10WatchLoadRequest\x12\x17\n\x0fmax_interval_ms\x18\x01 \x01(\r\"\x9e\x06\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x17\n\x0fheadroom_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1e\n\x16waiting_prefill_tokens\x18\x0b \x01(\x04\x12\x19\n\x11preemptions_total\x18\x0c \x01(\x04\x12\x17\n\x0fpreemption_rate\x18\r \x01(\x01\x12#\n\x1bpreemption_rate_per_running\x18\x0e \x01(\x01\x12\x1f\n\x17recomputed_tokens_total\x18\x0f \x01(\x04\x12\x14\n\x0cstep_time_ms\x18\x10 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x11 \x01(\x01\x12\x14\n\x0cmax_num_seqs\x18\x12 \x01(\r\x12\x1b\n\x13kv_committed_tokens\x18\x13 \x01(\x04\x12\x1d\n\x15\x61\x64missions_held_total\x18\x14 \x01(\x04\x12\x1e\n\x16\x65xpected_output_tokens\x18\x15 \x01(\r\x12\x1c\n\x14host_kv_blocks_total\x18\x16 \x01(\r\x12\x1b\n\x13host_kv_blocks_free\x18\x17 \x01(\r\x12\x1e\n\x16swap_preemptions_total\x18\x18 \x01(\x04\x12&\n\x1erecompute_tokens_avoided_total\x18\x19 \x01(\x04\x12\x1b\n\x13host_hit_cost_ratio\x18\x1a \x01(\x01\x12\x1f\n\x17prefetched_blocks_total\x18\x1b \x01(\x04\x12\x1d\n\x15\x63opy_wait_steps_total\x18\x1c \x01(\x04\x12\x1e\n\x16\x63opy_wait_blocks_total\x18\x1d \x01(\x04\"\x16\n\x14WatchKVEventsRequest\"\x81\x01\n\x07KVEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.headroom.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12%\n\x06medium\x18\x04 \x01(\x0e\x32\x15.headroom.v1.KVMedium\"{\n\x0cKVEventBatch\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12$\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x14.headroom.v1.KVEvent*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x84\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_EVENT_BLOCK_STORED\x10\x01\x12\x1a\n\x16KV_EVENT_BLOCK_REMOVED\x10\x02\x12\x1f\n\x1bKV_EVENT_ALL_BLOCKS_CLEARED\x10\x03*4\n\x08KVMedium\x12\x14\n\x10KV_MEDIUM_DEVICE\x10\x00\x12\x12\n\x0eKV_MEDIUM_HOST\x10\x01\x32\xe7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.headroom.v1.GenerateRequest\x1a\x1d.headroom.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.headroom.v1.TokenizeRequest\x1a\x1d.headroom.v1.TokenizeResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.headroom.v1.ModelInfoRequest\x1a\x16.headroom.v1.ModelInfo2\xe6\x01\n\x0cLoadReporter\x12=\n\x07GetLoad\x12\x18.headroom.v1.LoadRequest\x1a\x18.headroom.v1.ReplicaLoad\x12\x46\n\tWatchLoad\x12\x1d.headroom.v1.WatchLoadRequest\x1a\x18.headroom.v1.ReplicaLoad0\x01\x12O\n\rWatchKVEvents\x12!.headroom.v1.WatchKVEventsRequest\x1a\x19.headroom.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/headroom.proto\x12\x0bheadroom.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.headroom.v1.ChatMessage\"\xbd\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x0c\n\x04stop\x18\n \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.headroom.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xe0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.headroom.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\t \x01(\x0b\x32\x19.headroom.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.headroom.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1d\n\x10ttft_deadline_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08\x12\x15\n\x0bjson_schema\x18\n \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0b \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0c \x01(\tH\x01\x12\x11\n\x07grammar\x18\r \x01(\tH\x01\x12&\n\x06\x63hoice\x18\x0e \x01(\x0b\x32\x14.headroom.v1.ChoicesH\x01\x42\x08\n\x06promptB\x13\n\x11output_constraintB\x13\n\x11_ttft_deadline_msB\x0e\n\x0c_ttft_slo_ms\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.headroom.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.headroom.v1.Usage\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x18.headroom.v1.TopLogprobs\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\x05H\x00\x42\r\n\x0bstop_reason\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"r\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\"\r\n\x0bLoadRequest\"+\n\x10WatchLoadRequest\x12\x17\n\x0fmax_interval_ms\x18\x01 \x01(\r\"\x9e\x06\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x17\n\x0fheadroom_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1e\n\x16waiting_prefill_tokens\x18\x0b \x01(\x04\x12\x19\n\x11preemptions_total\x18\x0c \x01(\x04\x12\x17\n\x0fpreemption_rate\x18\r \x01(\x01\x12#\n\x1bpreemption_rate_per_running\x18\x0e \x01(\x01\x12\x1f\n\x17recomputed_tokens_total\x18\x0f \x01(\x04\x12\x14\n\x0cstep_time_ms\x18\x10 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x11 \x01(\x01\x12\x14\n\x0cmax_num_seqs\x18\x12 \x01(\r\x12\x1b\n\x13kv_committed_tokens\x18\x13 \x01(\x04\x12\x1d\n\x15\x61\x64missions_held_total\x18\x14 \x01(\x04\x12\x1e\n\x16\x65xpected_output_tokens\x18\x15 \x01(\r\x12\x1c\n\x14host_kv_blocks_total\x18\x16 \x01(\r\x12\x1b\n\x13host_kv_blocks_free\x18\x17 \x01(\r\x12\x1e\n\x16swap_preemptions_total\x18\x18 \x01(\x04\x12&\n\x1erecompute_tokens_avoided_total\x18\x19 \x01(\x04\x12\x1b\n\x13host_hit_cost_ratio\x18\x1a \x01(\x01\x12\x1f\n\x17prefetched_blocks_total\x18\x1b \x01(\x04\x12\x1d\n\x15\x63opy_wait_steps_total\x18\x1c \x01(\x04\x12\x1e\n\x16\x63opy_wait_blocks_total\x18\x1d \x01(\x04\"\x16\n\x14WatchKVEventsRequest\"\x81\x01\n\x07KVEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.headroom.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12%\n\x06medium\x18\x04 \x01(\x0e\x32\x15.headroom.v1.KVMedium\"{\n\x0cKVEventBatch\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12$\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x14.headroom.v1.KVEvent*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x84\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_EVENT_BLOCK_STORED\x10\x01\x12\x1a\n\x16KV_EVENT_BLOCK_REMOVED\x10\x02\x12\x1f\n\x1bKV_EVENT_ALL_BLOCKS_CLEARED\x10\x03*4\n\x08KVMedium\x12\x14\n\x10KV_MEDIUM_DEVICE\x10\x00\x12\x12\n\x0eKV_MEDIUM_HOST\x10\x01\x32\xe7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.headroom.v1.GenerateRequest\x1a\x1d.headroom.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.headroom.v1.TokenizeRequest\x1a\x1d.headroom.v1.TokenizeResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.headroom.v1.ModelInfoRequest\x1a\x16.headroom.v1.ModelInfo2\xe6\x01\n\x0cLoadReporter\x12=\n\x07GetLoad\x12\x18.headroom.v1.LoadRequest\x1a\x18.headroom.v1.ReplicaLoad\x12\x46\n\tWatchLoad\x12\x1d.headroom.v1.WatchLoadRequest\x1a\x18.headroom.v1.ReplicaLoad0\x01\x12O\n\rWatchKVEvents\x12!.headroom.v1.WatchKVEventsRequest\x1a\x19.headroom.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3053
-  _globals['_FINISHREASON']._serialized_end=3173
-  _globals['_KVEVENTKIND']._serialized_start=3176
-  _globals['_KVEVENTKIND']._serialized_end=3308
-  _globals['_KVMEDIUM']._serialized_start=3310
-  _globals['_KVMEDIUM']._serialized_end=3362
+  _globals['_FINISHREASON']._serialized_start=3083
+  _globals['_FINISHREASON']._serialized_end=3203
+  _globals['_KVEVENTKIND']._serialized_start=3206
+  _globals['_KVEVENTKIND']._serialized_end=3338
+  _globals['_KVMEDIUM']._serialized_start=3340
+  _globals['_KVMEDIUM']._serialized_end=3392
   _globals['_TOKENIDS']._serialized_start=38
   _globals['_TOKENIDS']._serialized_end=61
   _globals['_CHATMESSAGE']._serialized_start=63
@@ -46,41 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=109
   _globals['_CHATMESSAGES']._serialized_end=167
   _globals['_SAMPLINGPARAMS']._serialized_start=170
-  _globals['_SAMPLINGPARAMS']._serialized_end=713
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=592
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=640
-  _globals['_GENERATEREQUEST']._serialized_start=716
-  _globals['_GENERATEREQUEST']._serialized_end=1196
-  _globals['_CHOICES']._serialized_start=1198
-  _globals['_CHOICES']._serialized_end=1224
-  _globals['_USAGE']._serialized_start=1226
-  _globals['_USAGE']._serialized_end=1313
-  _globals['_GENERATERESPONSE']._serialized_start=1316
-  _globals['_GENERATERESPONSE']._serialized_end=1621
-  _globals['_TOPLOGPROBS']._serialized_start=1623
-  _globals['_TOPLOGPROBS']._serialized_end=1673
-  _globals['_TOKENIZEREQUEST']._serialized_start=1675
-  _globals['_TOKENIZEREQUEST']._serialized_end=1734
-  _globals['_TOKENIZERESPONSE']._serialized_start=1736
-  _globals['_TOKENIZERESPONSE']._serialized_end=1773
-  _globals['_MODELINFOREQUEST']._serialized_start=1775
-  _globals['_MODELINFOREQUEST']._serialized_end=1793
-  _globals['_MODELINFO']._serialized_start=1795
-  _globals['_MODELINFO']._serialized_end=1909
-  _globals['_LOADREQUEST']._serialized_start=1911
-  _globals['_LOADREQUEST']._serialized_end=1924
-  _globals['_WATCHLOADREQUEST']._serialized_start=1926
-  _globals['_WATCHLOADREQUEST']._serialized_end=1969
-  _globals['_REPLICALOAD']._serialized_start=1972
-  _globals['_REPLICALOAD']._serialized_end=2770
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=2772
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=2794
-  _globals['_KVEVENT']._serialized_start=2797
-  _globals['_KVEVENT']._serialized_end=2926
-  _globals['_KVEVENTBATCH']._serialized_start=2928
-  _globals['_KVEVENTBATCH']._serialized_end=3051
-  _globals['_GENERATION']._serialized_start=3365
-  _globals['_GENERATION']._serialized_end=3596
-  _globals['_LOADREPORTER']._serialized_start=3599
-  _globals['_LOADREPORTER']._serialized_end=3829
+  _globals['_SAMPLINGPARAMS']._serialized_end=743
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=602
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=650
+  _globals['_GENERATEREQUEST']._serialized_start=746
+  _globals['_GENERATEREQUEST']._serialized_end=1226
+  _globals['_CHOICES']._serialized_start=1228
+  _globals['_CHOICES']._serialized_end=1254
+  _globals['_USAGE']._serialized_start=1256
+  _globals['_USAGE']._serialized_end=1343
+  _globals['_GENERATERESPONSE']._serialized_start=1346
+  _globals['_GENERATERESPONSE']._serialized_end=1651
+  _globals['_TOPLOGPROBS']._serialized_start=1653
+  _globals['_TOPLOGPROBS']._serialized_end=1703
+  _globals['_TOKENIZEREQUEST']._serialized_start=1705
+  _globals['_TOKENIZEREQUEST']._serialized_end=1764
+  _globals['_TOKENIZERESPONSE']._serialized_start=1766
+  _globals['_TOKENIZERESPONSE']._serialized_end=1803
+  _globals['_MODELINFOREQUEST']._serialized_start=1805
+  _globals['_MODELINFOREQUEST']._serialized_end=1823
+  _globals['_MODELINFO']._serialized_start=1825
+  _globals['_MODELINFO']._serialized_end=1939
+  _globals['_LOADREQUEST']._serialized_start=1941
+  _globals['_LOADREQUEST']._serialized_end=1954
+  _globals['_WATCHLOADREQUEST']._serialized_start=1956
+  _globals['_WATCHLOADREQUEST']._serialized_end=1999
+  _globals['_REPLICALOAD']._serialized_start=2002
+  _globals['_REPLICALOAD']._serialized_end=2800
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=2802
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=2824
+  _globals['_KVEVENT']._serialized_start=2827
+  _globals['_KVEVENT']._serialized_end=2956
+  _globals['_KVEVENTBATCH']._serialized_start=2958
+  _globals['_KVEVENTBATCH']._serialized_end=3081
+  _globals['_GENERATION']._serialized_start=3395
+  _globals['_GENERATION']._serialized_end=3626
+  _globals['_LOADREPORTER']._serialized_start=3629
+  _globals['_LOADREPORTER']._serialized_end=3859
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 VictimPolicy = Literal["fcfs", "priority", "cheapest"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 FusedOpsName = Literal[FUSED_OPS_NAMES]  # type: ignore[valid-type]
+GenerationConfigMode = Literal["auto", "none"]
 
 # The KV block sizes a config may name: the powers of two from 1 to 256 (EngineConfig.block_size).
 BLOCK_SIZES = tuple(1 << shift for shift in range(9))
@@ -147,6 +148,15 @@ class EngineConfig(ConfigModel):
         None, ge=MIN_MAX_MODEL_LEN,
         description="Longest sequence (prompt + output) in tokens; unset (null): the model's context length (SmolLM2: 8192) "
         "where the KV pool holds one such sequence, else as many tokens as it holds (resolve_max_model_len).",
+    )
+    generation_config: GenerationConfigMode = Field(
+        "auto",
+        description="Where a request's unset sampling parameters come from. auto (vLLM's --generation-config "
+        "default): the model's generation_config.json, where it gives temperature, top_p, top_k, min_p or "
+        "repetition_penalty, and its max_new_tokens as the most an unset max_tokens means (logged at start); "
+        "none (vLLM's 'vllm'): ignore the file, so unset means temperature 1, top_p 1, no top_k, min_p or "
+        "repetition penalty, max_tokens up to the context. A request's own values always win. do_sample is not "
+        "read, as vLLM does not read it.",
     )
     max_num_batched_tokens: int = Field(2048, description="Token budget of one engine step.")
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
@@ -280,6 +290,22 @@ class EngineConfig(ConfigModel):
         "the first token goes out at once, later ones are held until this many have accumulated, the last output "
         "at once with whatever is held. 1 sends every step's tokens; more sends fewer gRPC/HTTP messages (less "
         "front and client CPU per token) at the cost of burstier streams (inter-message latency up to N steps).",
+    )
+    stream_stall_timeout_s: float = Field(
+        30.0, ge=0, le=MAX_WAIT_S,
+        description="Longest a request's stream may hold outputs its reader has not taken (a client that keeps "
+        "its gRPC or HTTP stream open but stops reading): past it the request is aborted, its KV blocks freed, "
+        "and the stream ends with StreamStalledError (counted as finish reason abort). Its unread outputs are "
+        "merged into one, so this also bounds their memory to this many seconds of the request's tokens; a "
+        "reader that takes anything within it never hits it. 0: no bound.",
+    )
+    front_stall_timeout_s: float = Field(
+        10.0, ge=0, le=MAX_WAIT_S,
+        description="Longest the engine core waits for a front (a front process of the replica, not a client) "
+        "to read its next output message: past it the front is taken as gone (wedged, its socket full), its "
+        "requests aborted, its unsent outputs dropped and its channel closed, as if its process had died; the "
+        "front that started the core then stops it, as its exit does. A front that reads at all, however far "
+        "behind, never hits it. 0: no bound.",
     )
     fused_ops: FusedOpsName = Field(
         DEFAULT_FUSED_OPS,

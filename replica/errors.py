@@ -49,6 +49,14 @@ class InvalidRequestError(HeadroomError, ValueError):
         return (type(self), (self.field, self.message))
 
 
+class ContextLengthExceededError(InvalidRequestError):
+    """A prompt, or a prompt and its max_tokens, past the model's context length: OpenAI's code
+    for it, and its sentence as OpenAI's API and vLLM's server word it, which clients match on
+    (LiteLLM's "maximum context length") to trim a conversation and retry."""
+
+    openai_code = "context_length_exceeded"
+
+
 class AuthenticationError(HeadroomError, PermissionError):
     """The call carried no credential a door accepts (an API key, the cluster token). Its
     message names the credential and how to send it, never a value presented or configured."""
@@ -108,3 +116,13 @@ class FirstTokenDeadlineExceeded(HeadroomError, RuntimeError):
     @property
     def client_message(self) -> str:
         return f"ttft_deadline_ms: {self}"
+
+
+class StreamStalledError(HeadroomError, RuntimeError):
+    """The stream's reader took none of its outputs for EngineConfig.stream_stall_timeout_s:
+    the request was aborted (its KV blocks freed) and its unread outputs dropped. A reader that
+    comes back gets this in their place."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 408
+    openai_code = "stream_stalled"

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from replica.model.checkpoint import generation_eos_ids
+from replica.model.checkpoint import generation_eos_ids, sampling_defaults
 from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig
 from replica.core.kv_events import KVEvent
@@ -127,6 +127,13 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
+        # What requests leave unset takes (config.generation_config): the doors build each
+        # request's SamplingParams with it, so an in-process caller's SamplingParams are its own.
+        self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
+        if self.sampling_defaults.model_values:
+            logger.warning("default sampling parameters from the model's generation_config.json: %s (a request's "
+                           "own values win; generation_config: none ignores the file)",
+                           ", ".join(f"{name}={value}" for name, value in self.sampling_defaults.model_values.items()))
         self.scheduler = Scheduler(config, clock=clock)
         graph_safe_backend = self.model.attn_backend.supports_cuda_graphs
         cuda_graphs = use_cuda_graphs(self.device, config.enforce_eager, graph_safe_backend)
@@ -210,7 +217,8 @@ class LLMEngine:
         else:
             self.scheduler.add_request(request)
         if detokenize:
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, kept_special_token_ids=request.sampling_params.kept_special_token_ids)
 
     def _add_constrained(self, request: Request) -> None:
         """Check it now, compile its grammar on the compiler's thread (a cached grammar is done

@@ -10,7 +10,10 @@ thread per channel. Each front's requests are its own: their rows, refusals and 
 to it alone, while every front gets each step's load and KV events (a router's WatchLoad or
 WatchKVEvents may land on any of them). Front 0 started the core: its Shutdown, or its
 channel closing, stops the core; another front's leaves only that front, whose requests
-are aborted.
+are aborted. A front that reads nothing for `front_stall_timeout_s` while an output waits for
+it (its process wedged: the socket is full, its sender blocked) is taken as gone the same way,
+its unsent outputs dropped: the core would otherwise queue a message for it every step, and
+keep its requests' KV, for as long as it stays wedged.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import Any, Optional, Sequence
 
 from replica.core.engine import LLMEngine
@@ -42,7 +46,8 @@ IDLE_WORKER_CHECK_S = 0.5
 
 class EngineCore:
     # What a UtilityCall may run: read-only views of the core's state, for tests and tools.
-    UTILITIES = ("request_state", "counters", "check_invariants", "cached_block_hashes", "grammar_compiler_ready")
+    UTILITIES = ("request_state", "counters", "check_invariants", "cached_block_hashes", "grammar_compiler_ready",
+                 "unsent_messages")
 
     def __init__(self, engine: LLMEngine, channels: Sequence[FrameSocket] | FrameSocket | None):
         """channels: one per front, front 0's first (a single channel: one front)."""
@@ -62,6 +67,10 @@ class EngineCore:
         # One queue and sender thread per front: a front slow to read backs up only its own.
         self._outboxes: list[queue.SimpleQueue[Optional[tuple]]] = [queue.SimpleQueue() for _ in self.channels]
         self._fronts_open = [True] * len(self.channels)
+        # When each front's sender began the message it is sending (None while it waits for one):
+        # a front whose socket has taken no whole message for front_stall_timeout_s is wedged.
+        self._sending_since: list[Optional[float]] = [None] * len(self.channels)
+        self._front_stall_timeout_s = engine.config.front_stall_timeout_s
         self._rejected: list[tuple[int, str, BaseException]] = []  # (front, request id, error)
         self._stopping = False
 
@@ -168,8 +177,9 @@ class EngineCore:
                 else:
                     self._front_left(front)
 
-    def _front_left(self, front: int) -> None:
-        """Front `front` said Shutdown or its channel closed: abort its requests, send it nothing more."""
+    def _front_left(self, front: int, why: Optional[str] = None) -> None:
+        """Front `front` said Shutdown or its channel closed (or, `why`, it stopped reading):
+        abort its requests, send it nothing more."""
         if not self._fronts_open[front]:
             return
         self._fronts_open[front] = False
@@ -179,7 +189,34 @@ class EngineCore:
             del self._owners[request_id]
             if self._requests.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
-        logger.info("front %d left; aborted its %d requests", front, len(theirs))
+        if why is None:
+            logger.info("front %d left; aborted its %d requests", front, len(theirs))
+        else:
+            logger.warning("front %d %s; aborted its %d requests and closed its channel", front, why, len(theirs))
+
+    def _drop_stalled_fronts(self) -> None:
+        """Take out every front whose sender has been blocked on one message for longer than
+        front_stall_timeout_s. Its socket is shut, which wakes the sender (a close alone would
+        not), and its unsent messages are dropped; the receiver then reads EOF, as from a dead
+        front. Front 0's stops the core, as its channel closing does."""
+        timeout = self._front_stall_timeout_s
+        if not timeout:
+            return
+        now = time.monotonic()
+        for front, since in enumerate(self._sending_since):
+            if since is None or now - since <= timeout or not self._fronts_open[front]:
+                continue
+            self.channels[front].shutdown()
+            outbox = self._outboxes[front]
+            while not outbox.empty():
+                outbox.get_nowait()
+            why = f"read no output for {now - since:.1f} s (front_stall_timeout_s {timeout:g})"
+            if front == 0:
+                logger.warning("front 0 %s; stopping the engine core", why)
+                self._fronts_open[0] = False
+                self._stopping = True
+            else:
+                self._front_left(front, why)
 
     def _put(self, front: int, wire: tuple) -> None:
         if self._fronts_open[front]:
@@ -188,6 +225,7 @@ class EngineCore:
     def _send_outputs(self, rows: list[tuple]) -> None:
         """One StepOutputs per front: the step's CoreOutput rows as the engine built them (each
         front its own requests'), the load after it."""
+        self._drop_stalled_fronts()
         requests = self._requests
         owners = self._owners
         # Adds refused, and requests the engine ended with an error (rows below finish them).
@@ -201,7 +239,7 @@ class EngineCore:
             for row in rows:
                 if row[2] is not None:  # its finish reason: it has left the engine
                     del requests[row[0]]
-            self._outboxes[0].put(to_wire(StepOutputs(
+            self._put(0, to_wire(StepOutputs(
                 rows, load, stats.step_time_s, stats.generation_tokens_per_s, kv_events,
                 [(request_id, error) for _, request_id, error in rejected],
             )))
@@ -251,6 +289,10 @@ class EngineCore:
     def grammar_compiler_ready(self) -> bool:
         """Whether the engine's grammar compiler is built (process.py builds it before CoreReady)."""
         return self.engine.grammar_compiler is not None
+
+    def unsent_messages(self) -> list[int]:
+        """Each front's messages queued in the core and not yet sent (a front behind, or wedged)."""
+        return [outbox.qsize() for outbox in self._outboxes]
 
     def check_invariants(self) -> bool:
         self.engine.scheduler.check_invariants()
@@ -312,12 +354,14 @@ class EngineCore:
             monitor.publish_arrivals(tuple(self._arrivals))
 
     def _send_loop(self, front: int) -> None:
-        outbox, channel = self._outboxes[front], self.channels[front]
+        outbox, channel, sending_since = self._outboxes[front], self.channels[front], self._sending_since
         while (wire := outbox.get()) is not None:
+            sending_since[front] = time.monotonic()
             try:
                 channel.send(wire)
             except (ChannelClosed, OSError):
                 return  # the front is gone; the busy loop finds out from the receiver
+            sending_since[front] = None
 
 
 # What a front's receiver puts in the inbox when its channel closes (front 0's stops the core).

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     engine.prepare_structured_outputs()  # not in the first constrained request's step
     _send_all(channels, CoreReady(engine.config, engine.model_config, tuple(engine.eos_token_ids),
-                                  str(engine.device), load_to_wire(engine.load())))
+                                  engine.sampling_defaults, str(engine.device), load_to_wire(engine.load())))
     from replica.core.engine_core import EngineCore  # after the engine: its imports are the slow part anyway
 
     freeze_startup_heap()

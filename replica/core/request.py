@@ -12,7 +12,7 @@ import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
-from replica.errors import InvalidRequestError
+from replica.errors import ContextLengthExceededError, InvalidRequestError
 
 if TYPE_CHECKING:
     from replica.core.structured_output import StructuredOutput
@@ -82,6 +82,10 @@ class SamplingParams:
     # the matched string is left out of the output unless include_stop_str_in_output.
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # Special tokens the text keeps though it skips the others: a tool parser's tags, where the
+    # checkpoint makes them special (vLLM keeps every special token of a tool-calling request,
+    # EOS and control tokens showing in its content; here only these show).
+    kept_special_token_ids: tuple[int, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -111,18 +115,15 @@ class SamplingParams:
             if not _is_int(getattr(self, name)):
                 raise InvalidRequestError(name, f"must be an integer, got {getattr(self, name)!r}")
         for name, token_ids in (("stop_token_ids", self.stop_token_ids),
-                                ("logit_bias", [token_id for token_id, _ in self.logit_bias])):
+                                ("logit_bias", [token_id for token_id, _ in self.logit_bias]),
+                                ("kept_special_token_ids", self.kept_special_token_ids)):
             for token_id in token_ids:
                 if not _is_int(token_id):
                     raise InvalidRequestError(name, f"token ids must be integers, got {token_id!r}")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if prompt_len + self.max_tokens > max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds "
-                f"max_model_len ({max_model_len})",
-            )
+            raise context_length_exceeded(max_model_len, prompt_len, self.max_tokens)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             # NaN passes every comparison below, and infinities turn logits into NaN.
@@ -161,7 +162,8 @@ class SamplingParams:
         if vocab_size is None:
             return
         for field_name, token_ids in (("stop_token_ids", self.stop_token_ids),
-                                      ("logit_bias", [token_id for token_id, _ in self.logit_bias])):
+                                      ("logit_bias", [token_id for token_id, _ in self.logit_bias]),
+                                      ("kept_special_token_ids", self.kept_special_token_ids)):
             for token_id in token_ids:
                 if not 0 <= token_id < vocab_size:
                     raise InvalidRequestError(field_name, f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
@@ -208,6 +210,42 @@ def check_text(field_name: str, text: str) -> None:
         raise InvalidRequestError(
             field_name, f"not valid Unicode: lone surrogate {text[error.start]!r} at index {error.start}"
         ) from None
+
+
+# The fields a model's generation_config.json may set defaults for, under the names both use
+# (vLLM's list; its max_new_tokens is SamplingDefaults.max_tokens).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request's unset sampling parameters take: the model's recommendations (its
+    generation_config.json, under EngineConfig.generation_config "auto", as vLLM's
+    --generation-config auto) where it gives them, else SamplingParams' own defaults. Every door
+    (OpenAI HTTP, gRPC, the CLI through gRPC) builds its SamplingParams with `sampling_params`."""
+
+    params: SamplingParams = SamplingParams()  # SamplingParams' defaults, the model's in place
+    max_tokens: Optional[int] = None  # the model's max_new_tokens: the most an unset max_tokens means
+
+    @property
+    def model_values(self) -> dict[str, Any]:
+        """The defaults the model changes, by field: what the engine logs at start."""
+        built_in = SamplingParams()
+        changed = {name: getattr(self.params, name) for name in MODEL_DEFAULT_FIELDS
+                   if getattr(self.params, name) != getattr(built_in, name)}
+        return changed if self.max_tokens is None else {**changed, "max_tokens": self.max_tokens}
+
+    def sampling_params(self, **given: Any) -> SamplingParams:
+        """SamplingParams of a request's fields; each one given as None (unset) takes its default."""
+        return SamplingParams(**{name: getattr(self.params, name) if value is None else value
+                                 for name, value in given.items()})
+
+    def max_tokens_or_default(self, requested: Optional[int], room: int) -> int:
+        """A request's max_tokens; unset, up to the context (`room`: max_model_len less the prompt),
+        as OpenAI's and vLLM's APIs mean it, and at most the model's max_new_tokens."""
+        if requested is not None:
+            return requested
+        return room if self.max_tokens is None else min(room, self.max_tokens)
 
 
 StopReason = Union[str, int]  # the stop string or stop token id that ended a request
@@ -291,6 +329,22 @@ class Request:
         return None
 
 
+def context_length_exceeded(max_model_len: int, num_prompt_tokens: int,
+                            max_tokens: Optional[int] = None) -> ContextLengthExceededError:
+    """The refusal of a prompt that leaves no room to generate within the context (`prompt`), or
+    of a prompt and max_tokens past it (`max_tokens`), in the sentence OpenAI's API and vLLM's
+    server send (clients match "maximum context length"), the same over gRPC and HTTP."""
+    head = f"This model's maximum context length is {max_model_len} tokens."
+    if max_tokens is None:
+        return ContextLengthExceededError(
+            "prompt", f"{head} However, your request has {num_prompt_tokens} input tokens, which leaves no room for "
+                      "the completion. Please reduce the length of the input messages.")
+    return ContextLengthExceededError(
+        "max_tokens", f"{head} However, you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                      f"the messages, {max_tokens} in the completion). Please reduce the length of the messages or "
+                      "completion.")
+
+
 def validate_request(prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *, max_model_len: int,
                      vocab_size: int | None = None) -> None:
     """Raise InvalidRequestError naming the first bad field of the prompt or the sampling params.
@@ -303,9 +357,7 @@ def validate_request(prompt_token_ids: Sequence[int], sampling_params: SamplingP
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt", "must not be empty")
     if len(prompt_token_ids) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt", f"{len(prompt_token_ids)} tokens leaves no room to generate within max_model_len ({max_model_len})"
-        )
+        raise context_length_exceeded(max_model_len, len(prompt_token_ids))
     if vocab_size is not None:
         for token_id in prompt_token_ids:
             if not 0 <= token_id < vocab_size:

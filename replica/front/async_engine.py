@@ -31,8 +31,8 @@ from replica.core.outputs import RequestOutput, StepStats, make_request
 from replica.front.kv_event_log import KVEventLog
 from replica.model import ModelConfig
 from replica.model.registry import resolve_model_path
-from replica.core.request import Request, SamplingParams
-from replica.errors import EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, InvalidRequestError, QueueFullError
+from replica.core.request import Request, SamplingDefaults, SamplingParams
+from replica.errors import EngineDeadError, EngineShutdownError, EngineStepError, FirstTokenDeadlineExceeded, InvalidRequestError, QueueFullError, StreamStalledError
 from replica.core.load import SchedulerLoad
 from replica.front.core_client import EngineCoreClient
 from replica.ipc.messages import CoreSpec, StepFailed, StepOutputs, load_from_wire
@@ -42,7 +42,7 @@ from replica.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineShutdownError", "EngineStepError", "FirstTokenDeadlineExceeded",
-           "RequestStream", "ServedEngine"]
+           "RequestStream", "ServedEngine", "StreamStalledError"]
 
 
 class RequestStream:
@@ -62,14 +62,24 @@ class RequestStream:
     streams) writes one message per N tokens; a consumer that falls behind still merges more.
 
     With `first_token_timeout_s`, waiting for the first output longer than that (from the
-    stream's creation) raises FirstTokenDeadlineExceeded; the caller aborts the request."""
+    stream's creation) raises FirstTokenDeadlineExceeded; the caller aborts the request.
 
-    def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None, stream_interval: int = 1):
+    With `stall_timeout_s` (EngineConfig.stream_stall_timeout_s), a consumer that leaves due
+    outputs unread that long (a client that keeps its stream open but stops reading: its writer
+    blocks on the transport's flow control) stalls the stream: `put` says so and the output
+    processor aborts the request (`abandon`), so neither its KV blocks nor its growing backlog
+    outlive the reader's interest. The time counts from the first output that found an earlier
+    one still unread; a consumer that keeps up never reads the clock."""
+
+    def __init__(self, request: Request, first_token_timeout_s: Optional[float] = None, stream_interval: int = 1,
+                 stall_timeout_s: float = 0.0):
         self.request = request
         self._pending: collections.deque[RequestOutput | MergingOutput | BaseException] = collections.deque()
         # Set while something in _pending is due to the consumer (with interval 1: whenever
         # anything is pending).
         self._arrived = asyncio.Event()
+        self._stall_timeout_s = stall_timeout_s
+        self._unread_since: Optional[float] = None  # when an output first found a due one unread
         self._interval = stream_interval
         self._released_first = False  # an output has been made due: later ones wait for N tokens
         self.finished = False
@@ -82,7 +92,9 @@ class RequestStream:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Queue `item` for the consumer; True once the consumer has left due outputs unread past
+        the stall timeout (the caller then ends the request: `abandon`)."""
         pending = self._pending
         last = pending[-1] if pending else None
         if isinstance(item, RequestOutput) and isinstance(last, MergingOutput):
@@ -93,9 +105,31 @@ class RequestStream:
             pending.append(item)
         if self._interval > 1 and isinstance(item, RequestOutput) and item.finish_reason is None:
             if self._released_first and len(pending[-1].new_token_ids) < self._interval:
-                return  # held: its group of N tokens is not full yet
+                return False  # held: its group of N tokens is not full yet
             self._released_first = True
+        if self._arrived.is_set():  # what was due before is still unread
+            return self._stalled()
         self._arrived.set()
+        return False
+
+    def _stalled(self) -> bool:
+        if not self._stall_timeout_s:
+            return False
+        now = time.monotonic()
+        if self._unread_since is None:
+            self._unread_since = now
+            return False
+        return now - self._unread_since > self._stall_timeout_s
+
+    def abandon(self) -> StreamStalledError:
+        """Drop the unread outputs of a stalled stream (`put` said so); the error that ends it."""
+        unread = sum(len(item.new_token_ids) for item in self._pending if not isinstance(item, BaseException))
+        self._pending.clear()
+        self._arrived.clear()
+        return StreamStalledError(
+            f"request {self.request.request_id!r}: its reader took nothing for "
+            f"{time.monotonic() - self._unread_since:.1f} s (stream_stall_timeout_s {self._stall_timeout_s:g}) "
+            f"while {unread} tokens waited; the request was aborted")
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -117,6 +151,7 @@ class RequestStream:
                         f"(request {self.request.request_id!r})"
                     ) from None
         self._first_token_by = None  # the deadline is met once anything arrives
+        self._unread_since = None
         item = self._pending.popleft()
         if not self._pending:
             self._arrived.clear()
@@ -179,6 +214,7 @@ class ServedEngine:
     config: EngineConfig  # as the core resolved it
     model_config: ModelConfig
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: SamplingDefaults  # what requests leave unset takes
     device: str
     clock: Callable[[], float]
     stats: StepStats  # the core's smoothed step time and token rate, as of its latest step
@@ -237,7 +273,8 @@ class AsyncEngine:
         else:
             ready = await self.core.start(self.spec, self.fronts)
         self._engine = ServedEngine(self.spec.model, tokenizer, ready.config, ready.model_config,
-                                    ready.eos_token_ids, ready.device, time.monotonic, self.stats)
+                                    ready.eos_token_ids, ready.sampling_defaults, ready.device, time.monotonic,
+                                    self.stats)
         # Other fronts' clients may use the same request ids: with several fronts the core knows
         # each front's by a suffix of its own, front 0's too (a client id may end like another
         # front's suffix: "x|f1" from front 0 is "x|f1|f0", never front 1's "x").
@@ -333,7 +370,8 @@ class AsyncEngine:
         # within one step can still fill the queue: those adds come back rejected).
         if self._load.num_waiting >= bound:
             raise QueueFullError(f"waiting queue is full ({bound} requests)")
-        stream = RequestStream(request, first_token_timeout_s, engine.config.stream_interval)
+        stream = RequestStream(request, first_token_timeout_s, engine.config.stream_interval,
+                               engine.config.stream_stall_timeout_s)
         self._processor.track(stream, request_id)
         self.core.add(request)
         return stream

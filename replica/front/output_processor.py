@@ -2,12 +2,14 @@
 RequestOutputs (detokenized here, not in the core, with usage counts), matches stop strings
 on that text, and puts each output on its request's stream, where the request observer (the
 request metrics) sees it. It is also where a request ends early on the front's side (abort,
-a stop string) and where a dead core or a failed step fails the streams it holds.
+a stop string, a reader that stopped reading) and where a dead core or a failed step fails
+the streams it holds.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -18,13 +20,19 @@ from replica.core.request import Request
 from replica.text.stop_strings import StopStringMatcher
 from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 class Stream:
     """What the processor needs of a request's stream (RequestStream in async_engine)."""
 
     request: Request
 
-    def put(self, item: RequestOutput | BaseException) -> None: ...
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """True: its reader has stalled (left outputs unread past its bound); the processor then
+        ends the request with what `abandon` returns."""
+
+    def abandon(self) -> BaseException: ...
 
 
 class RequestObserver(Protocol):
@@ -100,7 +108,8 @@ class OutputProcessor:
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         core_id = stream.request.request_id
         request_id = request_id or core_id
-        self._live[core_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer), matcher, request_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, kept_special_token_ids=params.kept_special_token_ids)
+        self._live[core_id] = _Live(stream, detokenizer, matcher, request_id)
         if core_id != request_id:
             self._core_ids[request_id] = core_id
 
@@ -155,7 +164,13 @@ class OutputProcessor:
                 continue
             if core_finished:
                 self._drop(request_id)
-            self._put(state.stream, output)
+                self._put(state.stream, output)
+            elif self._put(state.stream, output):
+                # Its reader stopped reading (RequestStream's stall timeout): the request would
+                # hold its KV blocks, and its stream a growing backlog, for nobody.
+                error = state.stream.abandon()
+                logger.warning("%s", error)
+                self._finish(request_id, "abort", last=error)
 
     @staticmethod
     def _text_delta(state: _Live, new_token_ids: list[int], finished: bool) -> tuple[str, Optional[str]]:
@@ -189,7 +204,8 @@ class OutputProcessor:
         for core_id in list(self._live):
             self._finish(core_id, finish_reason)
 
-    def _finish(self, core_id: str, finish_reason: str, last: Optional[RequestOutput] = None) -> None:
+    def _finish(self, core_id: str, finish_reason: str, last: Optional[RequestOutput | BaseException] = None) -> None:
+        """`last`: the output (or error) that ends the stream, else an empty one with `finish_reason`."""
         state = self._drop(core_id)
         if state is None:
             return  # already ended
@@ -221,12 +237,13 @@ class OutputProcessor:
         state = self._live.get(self._core_ids.get(request_id, request_id))
         return state.stream if state is not None else None
 
-    def _put(self, stream: Stream, item: RequestOutput | BaseException) -> None:
-        """The one place an output or error reaches a stream, so the observer misses none."""
+    def _put(self, stream: Stream, item: RequestOutput | BaseException) -> bool:
+        """The one place an output or error reaches a stream, so the observer misses none; what
+        the stream's `put` says."""
         observer = self.observer
         if observer is not None:
             if isinstance(item, BaseException):
                 observer.on_failed(stream.request)
             else:
                 observer.on_output(stream.request, item)
-        stream.put(item)
+        return stream.put(item)

@@ -55,11 +55,17 @@ class FrameSocket:
             view = view[received:]
         return bytes(buffer)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """End the connection both ways, keeping the socket: a thread blocked sending or
+        receiving on it wakes with an error or EOF (closing alone would leave it blocked), and
+        the other end reads EOF."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.shutdown()
         self.sock.close()
 
 

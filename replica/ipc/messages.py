@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from replica.config import EngineConfig
 from replica.model import ModelConfig
-from replica.core.request import Request, SamplingParams
+from replica.core.request import Request, SamplingDefaults, SamplingParams
 from replica.core.load import LOAD_FIELDS, SchedulerLoad
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -48,6 +48,7 @@ class CoreReady(NamedTuple):
     config: EngineConfig  # as resolved by the core (the KV pool may be sized from free memory)
     model_config: ModelConfig
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: SamplingDefaults  # what requests leave unset takes (the model's generation_config.json)
     device: str
     load: tuple  # SchedulerLoad's fields
 

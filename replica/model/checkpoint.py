@@ -12,9 +12,14 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional
 
+from replica.core.request import MODEL_DEFAULT_FIELDS, SamplingDefaults, SamplingParams
+from replica.errors import InvalidRequestError
 from replica.model.config import ModelConfig, ModelConfigError, ModelLoadError
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# transformers' GenerationConfig defaults for the fields sampling_defaults reads.
+HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 # tokenizer.json, or the files a slow tokenizer is converted from (replica/text/tokenizer.py).
@@ -43,12 +48,58 @@ def generation_eos_ids(model_dir: Path, vocab_size: int) -> tuple[int, ...]:
     """The end-of-sequence ids generation_config.json names (HF's generate() stops on them too:
     an instruct model's end-of-turn token may be listed only there); () without a usable one."""
     try:
-        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+        eos = json.loads((model_dir / GENERATION_CONFIG_FILE).read_text()).get("eos_token_id")
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         return ()
     ids = eos if isinstance(eos, list) else [eos]
     return tuple(token_id for token_id in ids
                  if isinstance(token_id, int) and not isinstance(token_id, bool) and 0 <= token_id < vocab_size)
+
+
+def sampling_defaults(model_dir: Path, generation_config: str) -> SamplingDefaults:
+    """What the model's requests leave unset takes (EngineConfig.generation_config): under "auto",
+    the temperature, top_p, top_k, min_p and repetition_penalty generation_config.json gives, and
+    its max_new_tokens as an unset max_tokens' cap, as vLLM's --generation-config auto reads them;
+    under "none", or with no such file, SamplingParams' own defaults.
+
+    `do_sample` is not read, as vLLM does not read it: a file with `do_sample: false` beside a
+    temperature means that temperature (HF's generate() would be greedy), and one that gives no
+    temperature means 1.0. A file that does not read, or a value no request could have (a string,
+    a temperature below 0, a top_p of 2), is a ModelLoadError naming the file and the key: every
+    request that left the field unset would otherwise be refused for a value it never sent.
+    """
+    if generation_config == "none":
+        return SamplingDefaults()
+    path = model_dir / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return SamplingDefaults()
+    ignore_it = "(or serve with generation_config: none to ignore the file)"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelLoadError(f"{path}: not readable JSON: {error} {ignore_it}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: not a JSON object {ignore_it}")
+    # A null is unset, as vLLM reads it; so is a value equal to HF's own default (vLLM reads the
+    # file through transformers' to_diff_dict(), which drops those: an explicit top_k of 50 is
+    # not a recommendation, only HF's default written out).
+    given = {name: raw[name] for name in MODEL_DEFAULT_FIELDS
+             if raw.get(name) is not None
+             and (isinstance(raw[name], bool) or raw[name] != HF_GENERATION_DEFAULTS.get(name))}
+    max_new_tokens = raw.get("max_new_tokens")
+    for name, value in (*given.items(), ("max_new_tokens", max_new_tokens)):
+        integer = name in ("top_k", "max_new_tokens")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int if integer else (int, float))):
+            raise ModelLoadError(f"{path}: {name} {json.dumps(value)}: must be {'an integer' if integer else 'a number'} "
+                                 f"{ignore_it}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ModelLoadError(f"{path}: max_new_tokens {max_new_tokens}: must be >= 1 {ignore_it}")
+    params = SamplingParams(**given)
+    try:  # the checks a request's own values get
+        params.validate(prompt_len=0, max_model_len=params.max_tokens)
+    except InvalidRequestError as error:
+        raise ModelLoadError(f"{path}: {error.field} {given[error.field]}: {error.message} {ignore_it}") from None
+    return SamplingDefaults(params, max_new_tokens)
 
 
 def weight_files(model_dir: Path) -> list[Path]:

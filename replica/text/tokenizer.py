@@ -9,14 +9,14 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders
 
 from replica.text.chat_template import (  # noqa: F401 - resolve_chat_template: the cluster's way in
-    ChatTemplateError, check_chat_templates, find_chat_template, render_chat_template, resolve_chat_template,
-    select_chat_template,
+    RENDERER_VARIABLES, ChatTemplateError, check_chat_templates, find_chat_template, render_chat_template,
+    resolve_chat_template, select_chat_template,
 )
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ends in while a multi-byte character is incomplete
@@ -26,6 +26,8 @@ MAX_HELD_TOKENS = 16
 # The special tokens a chat template may name, as transformers (5) passes them: its special_tokens_map,
 # the named ones only (not the extra special tokens).
 _TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The template variables apply_chat_template sets, which a request's own (`template_kwargs`) may not replace.
+RESERVED_TEMPLATE_VARIABLES = RENDERER_VARIABLES | {"tools", "documents", *_TEMPLATE_SPECIAL_TOKENS}
 # A SentencePiece byte-fallback token: one byte of a character its vocabulary lacks.
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -199,9 +201,22 @@ class Tokenizer:
             self._ids_end = max(self.vocab_size, max(added, default=-1) + 1)
         return self._ids_end, self._special_ids if skip_special_tokens else frozenset()
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            tools: Optional[Sequence[dict[str, Any]]] = None) -> str:
-        """The prompt text for a conversation, ending where the assistant's reply begins.
+    def token_strings(self, token_ids: Sequence[int]) -> list[Optional[str]]:
+        """Each id's token as the vocabulary writes it (`Ġthe`; None for an id past it)."""
+        return [self._fast_tokenizer.id_to_token(token_id) for token_id in token_ids]
+
+    def special_token_ids(self, texts: Sequence[str]) -> tuple[int, ...]:
+        """The ids of those of `texts` that are special tokens here (decoding skips them)."""
+        _, special = self.ids_decode_skips()
+        token_ids = (self._fast_tokenizer.token_to_id(text) for text in texts)
+        return tuple(token_id for token_id in token_ids if token_id in special)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: Optional[Sequence[dict[str, Any]]] = None,
+                            *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """The prompt text for a conversation, ending where the assistant's reply begins (or, as
+        render_chat_template takes `add_generation_prompt` and `continue_final_message`, where
+        the last message's content ends).
 
         The server's chat template (--chat-template) or else the checkpoint's, rendered as
         transformers does; a conversation it refuses raises ChatTemplateError, and so does a
@@ -209,13 +224,20 @@ class Tokenizer:
         too, rather than invent a format the model was never trained on). The text already
         holds its special tokens: encode it with add_special_tokens=False.
         tools: the template's `tools` variable (OpenAI's function tools), as transformers passes them.
+        template_kwargs: more variables for the template (vLLM's chat_template_kwargs, such as
+        Qwen3's `enable_thinking`); one named as a variable set here is a ChatTemplateError.
         """
         if self.chat_template is None:
             raise ChatTemplateError(self.chat_template_error or NO_CHAT_TEMPLATE)
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs or ()))
+        if reserved:
+            raise ChatTemplateError(f"template variable {reserved[0]!r} is set by the renderer itself")
         template = select_chat_template(self.chat_template, tools=bool(tools))
         # As transformers passes them: `tools` and `documents` always defined, None when not given.
-        variables = {**self._template_special_tokens(), "tools": list(tools) if tools else None, "documents": None}
-        return render_chat_template(template, messages, **variables)
+        variables = {**(template_kwargs or {}), **self._template_special_tokens(),
+                     "tools": list(tools) if tools else None, "documents": None}
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, **variables)
 
     def _template_special_tokens(self) -> dict[str, str]:
         tokens = {name: self._special_token_text(name) for name in _TEMPLATE_SPECIAL_TOKENS}
@@ -273,10 +295,17 @@ class IncrementalDetokenizer:
     or a run held past MAX_HELD_TOKENS, which DecodeStream would decode whole at every step.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 kept_special_token_ids: Sequence[int] = ()):
+        """kept_special_token_ids: special tokens whose text is kept though the others are
+        skipped (SamplingParams.kept_special_token_ids)."""
         self._tokenizer = tokenizer
+        vocab_end, skipped = tokenizer.ids_decode_skips(skip_special_tokens)
+        self._decode_skips = vocab_end, skipped.difference(kept_special_token_ids)
+        # The skipped ids never reach the window (add_tokens): decoding it without skipping
+        # then shows the kept ones and changes nothing else.
+        skip_special_tokens = skip_special_tokens and not kept_special_token_ids
         self._skip_special_tokens = skip_special_tokens
-        self._decode_skips = tokenizer.ids_decode_skips(skip_special_tokens)
         self._step = tokenizer.decode_stream(skip_special_tokens)  # None: the Python window only
         self._byte_level = tokenizer.byte_level
         self.output_token_ids: list[int] = []

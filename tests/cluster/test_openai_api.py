@@ -406,9 +406,9 @@ class RecordingTokenizer:
         self.threads.append(threading.current_thread())
         return self.real.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages, tools=None):
+    def apply_chat_template(self, messages, tools=None, **options):
         self.threads.append(threading.current_thread())
-        return self.real.apply_chat_template(messages, tools)
+        return self.real.apply_chat_template(messages, tools, **options)
 
 
 def ingress_methods(tokenizer):
@@ -550,17 +550,20 @@ def test_a_constrained_request_cancelled_while_the_grammar_compiler_builds_leave
     asyncio.run(scenario())
 
 
-def completing_ingress(replica_stream):
+def completing_ingress(replica_stream, sampling_defaults=None):
     """The ingress's methods for `_complete` on the built-in model, each choice's replica stream
-    `replica_stream(request)` (an async generator of RequestOutput) in place of Serve's."""
+    `replica_stream(request)` (an async generator of RequestOutput) in place of Serve's; what
+    requests leave unset takes `sampling_defaults` (SamplingParams' own unless given)."""
     from cluster.config import ClusterConfig
     from protos import headroom_pb2 as pb
+    from replica.core.request import SamplingDefaults
 
     config = ClusterConfig(model="builtin")
     tokenizer = RecordingTokenizer().real
     ingress = ingress_methods(tokenizer)
     ingress.model_id, ingress.max_num_seqs = config.served_model_id, config.engine.max_num_seqs
     ingress.engine_config, ingress.tool_call_parser = config.engine, config.tool_call_parser
+    ingress.sampling_defaults = sampling_defaults or SamplingDefaults()
     ingress.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.token_bytes)
 
     async def model_info():
@@ -780,7 +783,8 @@ def test_a_choice_its_replica_ended_unfinished_is_a_503_not_a_whole_answer(strea
 
 
 def test_an_error_quoting_the_engines_field_names_the_bodys_parameter_throughout():
-    # max_completion_tokens past the context: its param was right, its message said max_tokens.
+    # max_completion_tokens past the context: its param was right, its message said max_tokens;
+    # it is OpenAI's context_length_exceeded now, in OpenAI's words, which name no field.
     async def never(request):
         raise AssertionError("no replica is asked")
         yield
@@ -789,8 +793,8 @@ def test_an_error_quoting_the_engines_field_names_the_bodys_parameter_throughout
     response = asyncio.run(post(completing_ingress(never), "/v1/chat/completions", body))
     error = json.loads(response.body)["error"]
     assert response.status_code == 400 and error["param"] == "max_completion_tokens"
-    assert "max_completion_tokens (5000)" in error["message"] and "max_tokens" not in error["message"].replace(
-        "max_completion_tokens", "")
+    assert error["code"] == "context_length_exceeded" and "5000 in the completion" in error["message"]
+    assert "max_tokens" not in error["message"]
 
 
 def test_chat_with_a_model_that_has_no_chat_template_is_400_naming_messages_and_the_flag(tmp_path):

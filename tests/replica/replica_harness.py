@@ -32,10 +32,10 @@ MODEL_ID = "builtin"
 class RunningReplica:
     def __init__(self, engine_factory: str = CoreSpec._field_defaults["engine_factory"],
                  limits: RequestLimits = RequestLimits(), server_options: Optional[dict[str, Any]] = None,
-                 port: int = 0, port_search: int = 1, **engine_config: Any):
+                 port: int = 0, port_search: int = 1, model: str = "builtin", **engine_config: Any):
         """server_options: ReplicaServer's keyword options (generation, credentials, ...);
-        port, port_search: where it binds, as ReplicaServer.start takes them."""
-        self.spec = CoreSpec(make_engine_config(**engine_config), "builtin", device="cpu", engine_factory=engine_factory)
+        port, port_search: where it binds, as ReplicaServer.start takes them; model: what it serves."""
+        self.spec = CoreSpec(make_engine_config(**engine_config), model, device="cpu", engine_factory=engine_factory)
         self.limits = limits
         self.server_options = server_options or {}
         self.metrics = ReplicaMetrics(REPLICA_ID, MODEL_ID)

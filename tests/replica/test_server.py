@@ -340,7 +340,7 @@ def test_token_ids_past_the_context_are_refused_before_they_are_copied_out_of_th
     with pytest.raises(InvalidRequestError) as raised:
         asyncio.run(grpc_service.prompt_token_ids_from_proto(request, None, RequestLimits(), max_model_len=2048))
     assert raised.value.field == "prompt" and copied == []
-    assert "2048 tokens leaves no room to generate within max_model_len (2048)" in raised.value.message
+    assert "maximum context length is 2048 tokens. However, your request has 2048 input tokens" in raised.value.message
     shorter = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 2047), sampling=sampling(max_tokens=1))
     assert len(asyncio.run(grpc_service.prompt_token_ids_from_proto(shorter, None, RequestLimits(), 2048))) == 2047
     assert copied == [2047]
