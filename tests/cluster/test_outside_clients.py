@@ -1043,6 +1043,8 @@ def test_bad_http_input_is_refused_in_openais_shape_and_the_next_request_is_serv
     assert isinstance(error["message"], str) and isinstance(error["type"], str)
     if named.endswith(": ") or " " in named:  # no parameter at fault: the message says where
         assert error["message"].startswith(named), error
+    elif error["code"] == "context_length_exceeded":  # OpenAI's words, which clients match on
+        assert error["param"] == named and "maximum context length" in error["message"], error
     else:
         assert error["param"] == named and error["message"].startswith(f"{named}: "), error
     assert good_http_request_succeeds()
