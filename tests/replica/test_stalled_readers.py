@@ -28,8 +28,8 @@ from replica.server.request_metrics import RequestMetrics
 from replica_harness import RunningReplica, sampling
 
 # Long enough that every request below is still generating when its stall is acted on
-# (~4 ms a token for the built-in model on a CPU: ~7 s a request).
-LONG = SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=20)
+# (~4 ms a token for the built-in model on a CPU: ~4 s a request, twice the stall bounds below).
+LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=20)
 PROMPT, OTHER_PROMPT = list(range(3, 40)), list(range(60, 90))
 
 
