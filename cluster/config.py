@@ -249,6 +249,15 @@ class PortsConfig(_Strict):
         9200, ge=1, le=65535,
         description="Each ingress' router /metrics (headroom_router_*); ingresses sharing a node count up from it.",
     )
+    # Waiting is for a scraper that knows the base port alone (the Helm chart's PodMonitor), where
+    # an in-place update starts the new ingress while the old one drains on that port; elsewhere
+    # it would only hold up every start of applications sharing the base (target files follow any port).
+    router_metrics_wait_s: float = Field(
+        0.0, ge=0, le=300,
+        description="How long an ingress finding its ports.router_metrics taken waits for it to come free "
+        "before counting up (the Helm chart sets 25: a predecessor draining, up to 20 s, then its __del__); "
+        "0 = count up at once.",
+    )
     # The replica-internal endpoint (LoadReporter: loads and KV events for the routers and
     # `headroom status`, behind the cluster token): a fixed base, so a NetworkPolicy or a
     # firewall can name it; co-located replicas count up from it, like their /metrics.

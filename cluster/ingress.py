@@ -12,7 +12,10 @@ on its replica.
 import asyncio
 import importlib.metadata
 import logging
+import math
+import random
 import time
+import tomllib
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +44,7 @@ from cluster.openai_api import (
     choice_sampling_params, error_body, openai_error, parse_body,
 )
 from cluster.openai_responses import (
-    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse,
+    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse, without_generation,
 )
 from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
@@ -55,7 +58,7 @@ from replica.server.grpc_service import (
     chat_prompt_token_ids, engine_priority, generate_response, named_for_request, prompt_token_ids_from_proto,
     output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
 )
-from replica.model.checkpoint import sampling_defaults
+from replica.model.checkpoint import read_model_config, sampling_defaults
 from replica.model.registry import resolve_model_path
 from replica.core.outputs import RequestOutput
 from replica.core.request import validate_request
@@ -71,7 +74,8 @@ from router import metrics as router_metrics
 logger = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT_NAME = "Ingress"
-HEADROOM_VERSION = importlib.metadata.version("headroom")  # GET /version's
+# Where the packages sit in a source tree (run with PYTHONPATH or as a Ray working_dir): its pyproject.toml.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 # How Ray reports a replica that died (killed, crashed, its node lost) under a call.
 REPLICA_LOST_ERRORS = (RayActorError, WorkerCrashedError, NodeDiedError, ReplicaUnavailableError)
@@ -88,8 +92,9 @@ RETRY_PAUSES_S = (0.2, 1.0)
 # beyond their queues), so Serve's default limit of 5 would be the cluster's bottleneck.
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
 # How long a stopping ingress may finish its streams (Serve's default, stated): an in-place
-# update starts the new one meanwhile, which waits that long, and its __del__ more, for its
-# router metrics port where a PodMonitor scrapes that port.
+# update starts the new one meanwhile, which may wait that long, and its __del__ more, for its
+# router metrics port (ports.router_metrics_wait_s: the Helm chart, whose PodMonitor scrapes that
+# port, sets their sum; tests/cluster/test_helm.py holds it to them).
 INGRESS_DRAIN_S = 20.0
 INGRESS_DEL_S = 5.0
 # Serve's gRPC proxy picks the application from this metadata key.
@@ -102,10 +107,12 @@ CHAT_PARAM_FOR_FIELD = {"prompt": "messages", "prompt_token_ids": "messages"}
 # larger ones on a worker thread, where the Python parts of the work yield to the loop: a 3 MB
 # body of 700,000 one-token prompts took 1.7 s, every stream's and request's, on the loop.
 INLINE_PARSE_MAX_BYTES = 64 * 1024
-# The Retry-After of a 429 or 503, in seconds: a full queue frees a place as soon as any of its
-# requests finishes, and a lost replica's requests go to the others at once, so a short wait is
-# honest; the router spreads the retries over the replicas.
-RETRY_AFTER_S = 1
+# The wait a 429 or 503 asks for, in milliseconds, drawn for each refusal from this range: a full
+# queue frees a place as soon as any of its requests finishes, and a lost replica's requests go to
+# the others at once, so a short wait is honest; the router spreads the retries over the replicas.
+# The openai client waits exactly what the server says (retry-after-ms, else Retry-After), with
+# no jitter of its own: one fixed value sent every client refused together back together.
+RETRY_AFTER_MS = (500, 2000)
 # How long /health answers from one lookup of Serve's controller.
 HEALTH_CACHE_S = 1.0
 # Token-id prompts echoed back are decoded on the event loop up to this many tokens in all
@@ -192,8 +199,31 @@ def error_response(error: BaseException, param_for_field: dict[str, str]) -> JSO
 
 
 def retry_after(status: int) -> Optional[dict[str, str]]:
-    """The Retry-After header of a response of this status, if it takes one."""
-    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    """The retry headers of a response of this status, if it takes them: a wait drawn from
+    RETRY_AFTER_MS in `retry-after-ms` (which the openai client reads first), and in whole
+    seconds, rounded up, in the standard Retry-After."""
+    if status not in (429, 503):
+        return None
+    wait_ms = random.randint(*RETRY_AFTER_MS)
+    return {"Retry-After": str(math.ceil(wait_ms / 1000)), "retry-after-ms": str(wait_ms)}
+
+
+def headroom_version(source_root: Path = SOURCE_ROOT) -> str:
+    """This server's version (GET /version): the installed package's, else, run from a source
+    tree (PYTHONPATH, a Ray working_dir, where no package metadata exists), its pyproject.toml's,
+    else 0+unknown."""
+    try:
+        return importlib.metadata.version("headroom")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with open(source_root / "pyproject.toml", "rb") as file:
+            return str(tomllib.load(file)["project"]["version"])
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return "0+unknown"
+
+
+HEADROOM_VERSION = headroom_version()
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -262,6 +292,16 @@ async def _aborted_as_errors(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
             yield choice, chunk
     finally:
         await chunks.aclose()  # its replica calls are cancelled however this one stops
+
+
+async def _without_generation(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
+                              ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """`chunks` of an echo-only completion (max_tokens 0), its generated token dropped."""
+    try:
+        async for choice, chunk in chunks:
+            yield choice, without_generation(chunk)
+    finally:
+        await chunks.aclose()
 
 
 async def _first_awaited(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
@@ -349,6 +389,8 @@ class Ingress:
         # at the edge, before it costs a replica anything.
         model_dir = resolve_model_path(config.model)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=config.chat_template)
+        # The model's vocabulary, as each replica reads it: /detokenize answers with no replica up.
+        self.vocab_size = read_model_config(model_dir).vocab_size
         # What requests leave unset takes, read as each replica's engine reads it (they log it).
         self.sampling_defaults = sampling_defaults(model_dir, config.engine.generation_config)
         if self.tokenizer.chat_template is None:
@@ -367,8 +409,7 @@ class Ingress:
         host = bind_address(config)
         self.router_metrics_http = await serve_metrics_on_free_port(
             router_metrics.start_http_server, host, config.ports.router_metrics, "ports.router_metrics",
-            # Target files follow any port; without them Prometheus scrapes the configured one.
-            base_port_wait_s=INGRESS_DRAIN_S + INGRESS_DEL_S if config.monitoring.targets_dir is None else 0.0,
+            base_port_wait_s=config.ports.router_metrics_wait_s,
         )
         # Serve's controller publishes each autoscaling decision on the board; its gauges are
         # served beside the router's (cluster/autoscaler_metrics.py).
@@ -552,6 +593,14 @@ class Ingress:
             self._model_info = await self.llm.model_info.remote()
         return self._model_info
 
+    def _known_max_model_len(self) -> Optional[int]:
+        """max_model_len as known here without asking a replica (/tokenize answers with none up):
+        what one has said, else the configured value; None while it follows the model and the KV
+        pool a replica sizes (a GPU's profiled pool may cut it) and no replica has said it yet."""
+        if self._model_info is not None:
+            return self._model_info.max_model_len
+        return self.engine_config.max_model_len
+
     # ---- HTTP: OpenAI-compatible API ----------------------------------------------------
     @api.get("/health")
     async def health(self):
@@ -604,7 +653,8 @@ class Ingress:
     @api.post("/tokenize")
     async def tokenize(self, request: Request):
         """vLLM's POST /tokenize: a prompt's token ids, or a conversation's as chat completions
-        renders it (`messages`, with its tools and template fields), with the context length."""
+        renders it (`messages`, with its tools and template fields), with the context length (null
+        while no replica has said it and none is configured). Nothing here waits for a replica."""
         try:
             raw, body = await self._parsed_body(request, TokenizeRequest)
             if body.model not in (None, self.model_id):
@@ -616,28 +666,26 @@ class Ingress:
                 add_special_tokens = body.add_special_tokens is not False
                 token_ids = await encode_prompt(self.tokenizer, body.prompt, add_special_tokens=add_special_tokens,
                                                 limits=self.limits, field_name="prompt")
-            info = await self.model_info()
         except OpenAIError as error:
             return JSONResponse(error.body, status_code=error.status)
         except InvalidRequestError as error:
             return error_response(error, {})
-        return {"count": len(token_ids), "max_model_len": info.max_model_len, "tokens": token_ids,
+        return {"count": len(token_ids), "max_model_len": self._known_max_model_len(), "tokens": token_ids,
                 "token_strs": self.tokenizer.token_strings(token_ids) if body.return_token_strs else None}
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request):
-        """vLLM's POST /detokenize: token ids' text (special tokens skipped, as vLLM's)."""
+        """vLLM's POST /detokenize: token ids' text (special tokens skipped, as vLLM's); no replica asked."""
         try:
             _, body = await self._parsed_body(request, DetokenizeRequest)
             if body.model not in (None, self.model_id):
                 return _other_model(self.model_id, body.model)
-            info = await self.model_info()
 
             def decode() -> str:
                 for token_id in body.tokens:  # one outside the vocabulary (or a C long) made the decoder raise
-                    if not 0 <= token_id < info.vocab_size:
+                    if not 0 <= token_id < self.vocab_size:
                         raise InvalidRequestError("tokens", f"token id {token_id} is outside the vocabulary "
-                                                            f"[0, {info.vocab_size})")
+                                                            f"[0, {self.vocab_size})")
                 return self.tokenizer.decode(body.tokens)
 
             text = await asyncio.to_thread(decode) if len(body.tokens) > INLINE_DECODE_MAX_TOKENS else decode()
@@ -730,9 +778,8 @@ class Ingress:
 
     def _max_tokens(self, body: Union[CompletionRequest, ChatCompletionRequest], num_prompt_tokens: int,
                     max_model_len: int) -> int:
-        requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
         # Unset (chat) or null: up to the context length (and the model's max_new_tokens), as in vLLM's API.
-        return self.sampling_defaults.max_tokens_or_default(requested, max_model_len - num_prompt_tokens)
+        return self.sampling_defaults.max_tokens_or_default(body.requested_max_tokens, max_model_len - num_prompt_tokens)
 
     async def _complete(self, http_request: Request, body_type: type):
         chat = body_type is ChatCompletionRequest
@@ -792,8 +839,12 @@ class Ingress:
         except (InvalidRequestError, QueueFullError) as error:  # QueueFullError: the compiles are backed up
             return error_response(error, param_for_field)
         bodies = CompletionBodies("chat" if chat else "completion", request_id, self.model_id, self.token_text,
-                                  body.num_logprobs, echo_texts, tool_calling)
+                                  body.num_logprobs, echo_texts, tool_calling, prompt_token_ids=prompts,
+                                  echo_logprobs=not chat and body.echo_logprobs,
+                                  prompt_logprobs_field=body.prompt_logprobs)
         chunks = _aborted_as_errors(self.choice_chunks(choices))
+        if not chat and body.echo_only:
+            chunks = _without_generation(chunks)
         if body.stream:
             try:
                 chunks = await _first_awaited(chunks)

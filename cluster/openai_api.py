@@ -47,9 +47,9 @@ UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (lambda value: value not in (None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "allowed_token_ids": (_ASKS, "allowed_token_ids is not supported"),
     "bad_words": (_ASKS, "bad_words is not supported"),
-    "prompt_logprobs": (_ASKS, "prompt log-probabilities are not computed"),
     "truncate_prompt_tokens": (_ASKS, "prompt truncation is not supported"),
-    "skip_special_tokens": (lambda value: value is False, "special tokens are always skipped in the text"),
+    "skip_special_tokens": (lambda value: value is False, "special tokens are skipped in the text (a tool-calling "
+                                                          "request's keeps only its tool parser's tags)"),
     "spaces_between_special_tokens": (lambda value: value is False, "not configurable"),
     "structural_tag": (_ASKS, "structural tags are not supported; use a JSON schema, regex, choice or grammar"),
     "logits_processors": (_ASKS, "custom logits processors are not supported"),
@@ -233,6 +233,9 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: StrictBool = False
     priority: int = 0  # vLLM's sense, which is the engine's: lower runs first
+    # Each prompt token's logprob and this many alternatives, in vLLM's shape (its -1, the whole
+    # vocabulary, is past the bound).
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("n", mode="before")
     @classmethod
@@ -281,6 +284,8 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
                                       f"{best_of} sequences per prompt exceeds the server's max_num_seqs ({max_choices})")
         if self.stream and best_of > self.n:
             raise InvalidRequestError("best_of", "cannot be streamed when best_of > n: the best are known only at the end")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs", "not available with stream: true (as in vLLM)")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -308,6 +313,11 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
                                                             f"{constraints[0].param} is given too")
         return constraints[0] if constraints else None
 
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        """Alternatives per prompt token the engine computes, None for no prompt logprobs."""
+        return self.prompt_logprobs
+
     def base_sampling_params(self, max_tokens: int, num_logprobs: Optional[int],
                              structured_output: Optional[StructuredOutput] = None,
                              defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
@@ -324,6 +334,7 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
             # best_of ranks candidates by cumulative logprob, so they need theirs.
             logprobs=num_logprobs is not None or self.num_candidates > self.n,
             top_logprobs=num_logprobs or 0,
+            prompt_logprobs=self.num_prompt_logprobs,
             stop=self.stop_strings,
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty,
@@ -382,6 +393,29 @@ class CompletionRequest(_OpenAIRequest):
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt alone comes back (OpenAI's legacy way to score a
+        prompt, with logprobs). The engine generates one token, as vLLM's does, that is dropped."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt's tokens open the choices' logprobs, the first with null (vLLM's and
+        OpenAI's legacy completions)."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        # Enough alternatives for both the echoed prompt's logprobs and vLLM's field, each cut to its own.
+        asked = [count for count in (self.prompt_logprobs, self.logprobs if self.echo_logprobs else None)
+                 if count is not None]
+        return max(asked) if asked else None
+
     def check_supported(self, max_choices: int) -> None:
         super().check_supported(max_choices)
         # Every sequence is a replica call of its own, made and relayed by the ingress's event
@@ -392,8 +426,6 @@ class CompletionRequest(_OpenAIRequest):
         if num_prompts > 1 and num_prompts * self.num_candidates > max_choices:
             raise InvalidRequestError("prompt", f"{num_prompts} prompts x {self.num_candidates} sequences each exceeds "
                                                 f"the server's max_num_seqs ({max_choices}) sequences per request")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo", "with logprobs it needs prompt log-probabilities, which are not computed")
 
 
 class TextPart(BaseModel):

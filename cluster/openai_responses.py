@@ -1,16 +1,17 @@
 """The OpenAI-compatible HTTP API's responses: completion and chat bodies, SSE chunks (never an
-empty delta mid-stream), log-probabilities in each API's own shape, usage over every choice,
-and best_of's choice of the n most likely candidates.
+empty delta mid-stream), log-probabilities in each API's own shape (an echoed prompt's in the
+completion's, vLLM's prompt_logprobs in its own), usage over every choice, and best_of's choice
+of the n most likely candidates.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional
 
-from replica.core.outputs import RequestOutput
+from replica.core.outputs import PromptLogprobs, RequestOutput
 from cluster.openai_structured import ToolCalling
 from cluster.tool_parsers import ToolCallOutput
 
@@ -63,8 +64,11 @@ class ChoiceResult:
     finish_reason: Optional[str] = None
     stop_reason: Optional[str | int] = None
     last: Optional[RequestOutput] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # when asked for: with the first output
 
     def add(self, chunk: RequestOutput) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.text += chunk.text
         self.token_ids.extend(chunk.new_token_ids)
         self.logprobs.extend(chunk.logprobs or ())
@@ -76,6 +80,13 @@ class ChoiceResult:
     @property
     def cumulative_logprob(self) -> float:
         return sum(self.logprobs)
+
+
+def without_generation(output: RequestOutput) -> RequestOutput:
+    """An output of an echo-only completion (max_tokens 0): the one token the engine generated
+    for it (vLLM's way too) never shows; the choice ends as "length", with no tokens."""
+    return replace(output, new_token_ids=[], text="", num_output_tokens=0, logprobs=None, top_logprobs=None,
+                   finish_reason="length" if output.finish_reason is not None else None, stop_reason=None)
 
 
 def best_choices(results: list[ChoiceResult], num_candidates: int, n: int) -> list[ChoiceResult]:
@@ -111,10 +122,16 @@ class CompletionBodies:
 
     num_logprobs: None when the client asked for no log-probabilities, else the number of
     alternatives per token. echo_texts: per prompt, text that opens each of its choices.
-    tool_calling: a chat request's tools, whose calls its choices' text becomes."""
+    tool_calling: a chat request's tools, whose calls its choices' text becomes.
+    prompt_token_ids: per prompt, its tokens, where its log-probabilities are shown: opening a
+    completion's logprobs (`echo_logprobs`, with num_logprobs alternatives), and as vLLM's
+    `prompt_logprobs` field when the client asked for that (`prompt_logprobs_field`: its count
+    of alternatives)."""
 
     def __init__(self, kind: Literal["completion", "chat"], request_id: str, model_id: str, token_text: TokenText,
-                 num_logprobs: Optional[int], echo_texts: list[str], tool_calling: Optional[ToolCalling] = None):
+                 num_logprobs: Optional[int], echo_texts: list[str], tool_calling: Optional[ToolCalling] = None,
+                 prompt_token_ids: Optional[list[list[int]]] = None, echo_logprobs: bool = False,
+                 prompt_logprobs_field: Optional[int] = None):
         self.chat = kind == "chat"
         self.request_id = request_id
         self.model_id = model_id
@@ -130,6 +147,10 @@ class CompletionBodies:
         # of their text in the choice's, and the output), and tokens settled but not yet sent.
         self._unsettled: dict[int, list[tuple[int, RequestOutput]]] = {}
         self._settled: dict[int, ChoiceResult] = {}
+        self.prompt_token_ids = prompt_token_ids
+        self.echo_logprobs = echo_logprobs and not self.chat
+        self.prompt_logprobs_field = prompt_logprobs_field
+        self._echoed: set[int] = set()  # streamed completions with echo_logprobs whose prompt is out
 
     @property
     def _chunk_object(self) -> str:
@@ -148,7 +169,7 @@ class CompletionBodies:
             if self.chat:
                 delta = {"role": "assistant", "content": echo}
                 chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
-            elif echo:
+            elif echo and not self.echo_logprobs:  # else the prompt opens the choice's first chunk, with its logprobs
                 self._text_offsets[index] = len(echo)
                 chunks.append(self._chunk({"index": index, "text": echo, "logprobs": None, "finish_reason": None}))
         return chunks
@@ -163,14 +184,20 @@ class CompletionBodies:
         if not chunk.text and chunk.finish_reason is None:
             return None
         del self._pending[index]
-        logprobs = self._logprobs(pending, self._text_offsets.get(index, 0))
-        if not self.chat and pending.token_ids:
-            self._text_offsets[index] = self._text_offsets.get(index, 0) + sum(
-                len(self.token_text(token_id)) for token_id in pending.token_ids)
+        text = chunk.text
+        echoes = self.echo_logprobs and index not in self._echoed
+        if echoes:  # the choice's first chunk: the prompt and its logprobs open it
+            self._echoed.add(index)
+            text = self.echo_texts[prompt_index] + text
+        text_offset = self._text_offsets.get(index, 0)
+        logprobs = self._logprobs(pending, text_offset, echoes)
+        if not self.chat:
+            shown = (self.prompt_token_ids[prompt_index] if echoes else []) + pending.token_ids
+            self._text_offsets[index] = text_offset + sum(len(self.token_text(token_id)) for token_id in shown)
         if self.chat:
-            choice = {"index": index, "delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs}
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": chunk.text, "logprobs": logprobs}
+            choice = {"index": index, "text": text, "logprobs": logprobs}
         choice.update(finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason)
         return self._chunk(choice)
 
@@ -211,7 +238,7 @@ class CompletionBodies:
         choices = []
         for result in sorted(chosen, key=lambda result: result.index):
             echo = self.echo_texts[result.prompt_index]
-            logprobs = self._logprobs(result, len(echo))
+            logprobs = self._logprobs(result, 0 if self.echo_logprobs else len(echo), self.echo_logprobs)
             finish_reason = result.finish_reason
             if self.chat:
                 message = {"role": "assistant", "content": echo + result.text}
@@ -223,18 +250,52 @@ class CompletionBodies:
             else:
                 choice = {"index": result.index, "text": echo + result.text, "logprobs": logprobs}
             choice.update(finish_reason=finish_reason, stop_reason=result.stop_reason)
+            if self.prompt_logprobs_field is not None and not self.chat:  # vLLM's: on each completion choice
+                choice["prompt_logprobs"] = self._prompt_logprobs(result)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(obj), "choices": choices, "usage": usage(results)}
+        body = {**self._envelope(obj), "choices": choices, "usage": usage(results)}
+        if self.prompt_logprobs_field is not None and self.chat:  # vLLM's: once, beside the choices (one prompt)
+            body["prompt_logprobs"] = self._prompt_logprobs(results[0])
+        return body
 
     # ---- log-probabilities --------------------------------------------------------------
-    def _logprobs(self, result: ChoiceResult, text_offset: int) -> Optional[dict[str, Any]]:
+    def _logprobs(self, result: ChoiceResult, text_offset: int, with_prompt: bool = False) -> Optional[dict[str, Any]]:
+        """with_prompt: a completion's logprobs open with its prompt's (echo with logprobs)."""
         if self.num_logprobs is None:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(token_id, logprob, top) for token_id, logprob, top
                                 in zip(result.token_ids, result.logprobs, self._tops(result))]}
-        return self._completion_logprobs(result, text_offset)
+        if not with_prompt:
+            return self._completion_logprobs(result.token_ids, result.logprobs, self._tops(result), text_offset)
+        prompt_token_ids, gathered = self.prompt_token_ids[result.prompt_index], result.prompt_logprobs
+        # The first token has no context: null, as OpenAI's and vLLM's legacy completions show it.
+        tops = [(top.token_ids[:self.num_logprobs], top.logprobs[:self.num_logprobs]) for top in gathered.top or ()]
+        prompt = self._completion_logprobs(prompt_token_ids, [None] + gathered.logprobs,
+                                           [None] + (tops or [([], [])] * len(gathered.logprobs)), text_offset)
+        text_offset += sum(map(len, prompt["tokens"]))
+        generated = self._completion_logprobs(result.token_ids, result.logprobs, self._tops(result), text_offset)
+        return {key: prompt[key] + generated[key] for key in prompt}
+
+    def _prompt_logprobs(self, result: ChoiceResult) -> list[Optional[dict[str, dict[str, Any]]]]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, then by token id the
+        token's and its most likely alternatives' logprob, rank and text."""
+        prompt_token_ids, gathered = self.prompt_token_ids[result.prompt_index], result.prompt_logprobs
+        entries: list[Optional[dict[str, dict[str, Any]]]] = [None]
+        for position, (token_id, logprob, rank) in enumerate(zip(prompt_token_ids[1:], gathered.logprobs,
+                                                                  gathered.ranks)):
+            entry = {str(token_id): self._vllm_logprob(token_id, logprob, rank)}
+            if gathered.top is not None:
+                top = gathered.top[position]
+                alternatives = zip(top.token_ids[:self.prompt_logprobs_field], top.logprobs[:self.prompt_logprobs_field])
+                for top_rank, (top_id, top_logprob) in enumerate(alternatives, start=1):
+                    entry.setdefault(str(top_id), self._vllm_logprob(top_id, top_logprob, top_rank))
+            entries.append(entry)
+        return entries
+
+    def _vllm_logprob(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": self.token_text(token_id)}
 
     def _tops(self, result: ChoiceResult) -> list[tuple[list[int], list[float]]]:
         return result.top_logprobs or [([], [])] * len(result.token_ids)
@@ -248,18 +309,26 @@ class CompletionBodies:
         token = self.token_text(token_id)
         return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": self.token_text.bytes_of(token_id)}
 
-    def _completion_logprobs(self, result: ChoiceResult, text_offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, token_ids: list[int], token_logprobs: list[Optional[float]],
+                             tops: list[Optional[tuple[list[int], list[float]]]], text_offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object of these tokens; a None logprob (a prompt's first
+        token) shows as null, in token_logprobs and top_logprobs."""
         tokens, offsets, top_dicts = [], [], []
-        for token_id, logprob, (top_ids, top_values) in zip(result.token_ids, result.logprobs, self._tops(result)):
+        for token_id, logprob, top_entry in zip(token_ids, token_logprobs, tops):
             token = self.token_text(token_id)
             tokens.append(token)
             offsets.append(text_offset)
             text_offset += len(token)
+            if logprob is None:
+                top_dicts.append(None)
+                continue
+            top_ids, top_values = top_entry
             # OpenAI: the top alternatives, and always the sampled token too, with its own
             # logprob: assigned last, over an alternative whose text is the same (the bytes of a
             # partial character all show as U+FFFD), so that it agrees with token_logprobs.
             top = {self.token_text(top_id): max(value, MIN_LOGPROB) for top_id, value in zip(top_ids, top_values)}
             top[token] = max(logprob, MIN_LOGPROB)
             top_dicts.append(top)
-        return {"tokens": tokens, "token_logprobs": [max(value, MIN_LOGPROB) for value in result.logprobs],
+        return {"tokens": tokens,
+                "token_logprobs": [None if value is None else max(value, MIN_LOGPROB) for value in token_logprobs],
                 "top_logprobs": top_dicts, "text_offset": offsets}

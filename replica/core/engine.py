@@ -27,7 +27,7 @@ from replica.executor.memory_profile import kv_cache_bytes_per_block
 from replica.executor.rank_config import resolve_rank_config
 from replica.executor.preemption_profile import preemption_costs
 from replica.executor.model_runner import StepInFlight
-from replica.core.outputs import RequestOutput, StepStats, make_request
+from replica.core.outputs import PromptLogprobs, RequestOutput, StepStats, make_request
 from replica.core.request import Request, RequestStatus, SamplingParams, validate_request
 from replica.core.structured_output import GrammarCompiler, compiled_in_time
 from replica.core.load import SchedulerLoad
@@ -212,6 +212,8 @@ class LLMEngine:
             # taken, and the first request then failed (or was dropped, never to finish) as its
             # compile ended (helper-43's fuzzing).
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        if request.sampling_params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs.empty(request.sampling_params.prompt_logprobs)
         if request.sampling_params.structured_output is not None:
             self._add_constrained(request)
         else:
@@ -383,7 +385,7 @@ class LLMEngine:
                  return_when=FIRST_COMPLETED)
             not_served += self._adopt_compiled()
         if not_served:
-            not_served = [(request.request_id, [], "abort", request.num_cached_tokens, None, None, None, None)
+            not_served = [(request.request_id, [], "abort", request.num_cached_tokens, None, None, None, None, None)
                           if as_rows else RequestOutput.of(request, [], "", "abort") for request in not_served]
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -454,6 +456,8 @@ class LLMEngine:
         """Wait for a launched step's tokens, append them and build the outputs (RequestOutputs,
         or the engine core's CoreOutput rows)."""
         runner_output = launched.in_flight.result()
+        if runner_output.prompt_logprobs:  # first: a request's first token carries them all
+            self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         updates = self.scheduler.update(launched.scheduler_output, runner_output.sampled_token_ids)
         # Once per request and step: the lookups below are skipped when nothing asked for them
         # (the engine core leaves detokenizing to the front), and the output is built directly.
@@ -494,7 +498,10 @@ class LLMEngine:
                     if finished is not None:
                         text += detokenizer.flush()
                         del detokenizers[request_id]
-            logprobs = top_logprobs = None
+            logprobs = top_logprobs = prompt_logprobs = None
+            first = len(request.output_token_ids) == 1
+            if first and request.prompt_logprobs is not None:
+                prompt_logprobs = request.prompt_logprobs
             if all_logprobs:
                 logprob = all_logprobs.get(request_id)
                 logprobs = [logprob] if logprob is not None else None
@@ -506,15 +513,23 @@ class LLMEngine:
                     request_id, [token_id], finished.finish_reason if finished is not None else None,
                     request.num_cached_tokens, logprobs, [tuple(top)] if top_logprobs else None,
                     request.stop_reason if finished is not None else None,
-                    request.first_admitted_time if len(request.output_token_ids) == 1 else None,
+                    request.first_admitted_time if first else None,
+                    prompt_logprobs.to_wire() if prompt_logprobs is not None else None,
                 ))
             else:
                 outputs.append(RequestOutput(
                     request_id, [token_id], text, finished.finish_reason if finished is not None else None,
                     len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
-                    logprobs, top_logprobs, request.stop_reason if finished is not None else None,
+                    logprobs, top_logprobs, request.stop_reason if finished is not None else None, prompt_logprobs,
                 ))
         return outputs
+
+    def _gather_prompt_logprobs(self, gathered: dict[str, tuple[int, PromptLogprobs]]) -> None:
+        """Add a step's prompt log-probabilities to their requests' (those still live)."""
+        for request_id, (first_position, values) in gathered.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.prompt_logprobs.extend(first_position, values)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (offline batch use and tests); returns output token ids."""

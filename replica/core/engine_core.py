@@ -13,7 +13,8 @@ channel closing, stops the core; another front's leaves only that front, whose r
 are aborted. A front that reads nothing for `front_stall_timeout_s` while an output waits for
 it (its process wedged: the socket is full, its sender blocked) is taken as gone the same way,
 its unsent outputs dropped: the core would otherwise queue a message for it every step, and
-keep its requests' KV, for as long as it stays wedged.
+keep its requests' KV, for as long as it stays wedged. That clock runs only once the front has
+attached (the core has heard from it): a front process still starting reads nothing yet.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class EngineCore:
         # When each front's sender began the message it is sending (None while it waits for one):
         # a front whose socket has taken no whole message for front_stall_timeout_s is wedged.
         self._sending_since: list[Optional[float]] = [None] * len(self.channels)
+        # When the core first heard from each front (its receiver's first message; front 0 sent the
+        # spec): the stall clock starts there. Another front's process takes seconds to start and
+        # attach while front 0 serves, every step's load piling up in its socket meanwhile, and was
+        # taken out as wedged before it had read a thing (its attach then failed, and so its start).
+        self._attached_at: list[Optional[float]] = [0.0] + [None] * (len(self.channels) - 1)
         self._front_stall_timeout_s = engine.config.front_stall_timeout_s
         self._rejected: list[tuple[int, str, BaseException]] = []  # (front, request id, error)
         self._stopping = False
@@ -203,13 +209,20 @@ class EngineCore:
         if not timeout:
             return
         now = time.monotonic()
-        for front, since in enumerate(self._sending_since):
-            if since is None or now - since <= timeout or not self._fronts_open[front]:
+        for front, (since, attached_at) in enumerate(zip(self._sending_since, self._attached_at)):
+            if since is None or attached_at is None or not self._fronts_open[front]:
+                continue
+            # A send blocked since before the front attached is counted from its attach.
+            since = max(since, attached_at)
+            if now - since <= timeout:
                 continue
             self.channels[front].shutdown()
             outbox = self._outboxes[front]
-            while not outbox.empty():
-                outbox.get_nowait()
+            while True:  # its sender may take one meanwhile: empty() then get_nowait() raced it
+                try:
+                    outbox.get_nowait()
+                except queue.Empty:
+                    break
             why = f"read no output for {now - since:.1f} s (front_stall_timeout_s {timeout:g})"
             if front == 0:
                 logger.warning("front 0 %s; stopping the engine core", why)
@@ -331,6 +344,8 @@ class EngineCore:
                 message = from_wire(channel.recv())
             except ChannelClosed:
                 break
+            if self._attached_at[front] is None:
+                self._attached_at[front] = time.monotonic()
             if isinstance(message, AddRequest):
                 message = message.to_request(eos_token_ids)
             with self._inbox_changed:

@@ -170,7 +170,11 @@ class KVCacheManager:
 
     def _hit_hashes(self, request: Request) -> list[bytes]:
         """The hashes of the request's blocks a prefix hit may cover: its full blocks, short of
-        its last token (whose logits the model must still compute)."""
+        its last token (whose logits the model must still compute); none while it gathers its
+        prompt's log-probabilities, which need every prompt position's logits (as vLLM, it
+        still stores its blocks for others)."""
+        if request.gathers_prompt_logprobs:
+            return []
         return self._update_block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
 
     def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

@@ -20,6 +20,41 @@ class TopLogprobs(NamedTuple):
     logprobs: list[float]
 
 
+class PromptLogprobs(NamedTuple):
+    """Log-probabilities of a prompt's tokens (SamplingParams.prompt_logprobs), each under the
+    model given the tokens before it, of the raw logits as the sampled tokens' are. Entry i is
+    prompt token i + 1's: the first token has no context, so no entry (the APIs show a null)."""
+
+    logprobs: list[float]
+    ranks: list[int]  # each token's rank in the vocabulary there, 1 the most likely
+    top: Optional[list[TopLogprobs]]  # the prompt_logprobs most likely at each position; None when 0
+
+    @classmethod
+    def empty(cls, num_top: int) -> "PromptLogprobs":
+        return cls([], [], [] if num_top else None)
+
+    def extend(self, first_position: int, more: "PromptLogprobs") -> None:
+        """Append `more`, entries from `first_position` on, past those this holds already: a
+        prefill recomputed after a preemption may repeat positions a step still in flight
+        computed too (equal values; the first kept)."""
+        skip = len(self.logprobs) - first_position
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs from position {first_position} follow only {len(self.logprobs)}")
+        self.logprobs.extend(more.logprobs[skip:])
+        self.ranks.extend(more.ranks[skip:])
+        if self.top is not None:
+            self.top.extend(more.top[skip:])
+
+    def to_wire(self) -> tuple:
+        """As plain tuples (replica/ipc/messages.py's CoreOutput)."""
+        return self.logprobs, self.ranks, None if self.top is None else [tuple(top) for top in self.top]
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> "PromptLogprobs":
+        logprobs, ranks, top = wire
+        return cls(logprobs, ranks, None if top is None else [TopLogprobs._make(entry) for entry in top])
+
+
 @dataclass
 class RequestOutput:
     """What one step added to one request's output."""
@@ -38,6 +73,8 @@ class RequestOutput:
     top_logprobs: Optional[list[TopLogprobs]] = None  # per new token, when asked for
     # On the last output: the stop string or stop token id that ended it (None for EOS).
     stop_reason: Optional[StopReason] = None
+    # With the first token, when asked for (SamplingParams.prompt_logprobs).
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from replica.errors import ContextLengthExceededError, InvalidRequestError
 
 if TYPE_CHECKING:
+    from replica.core.outputs import PromptLogprobs
     from replica.core.structured_output import StructuredOutput
 
 
@@ -78,6 +79,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # the sampled token's log-probability
     top_logprobs: int = 0  # this many most likely alternatives per token, with theirs
+    # Each prompt token's log-probability given the tokens before it (vLLM's prompt_logprobs),
+    # with this many most likely alternatives at each position; None: not computed. They come
+    # with the first token (RequestOutput.prompt_logprobs); asked for, the prompt takes no
+    # prefix-cache hits, since a cached token has no logits.
+    prompt_logprobs: Optional[int] = None
     # Strings that end generation, matched on the detokenized text across token boundaries;
     # the matched string is left out of the output unless include_stop_str_in_output.
     stop: tuple[str, ...] = ()
@@ -99,7 +105,7 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         # An integer of another type (numpy's, from an offline script) as the int it is: the
         # sampler's arrays take Python ints (np.int64 seeds overflowed there, failing the step).
-        for name in ("max_tokens", "top_k", "top_logprobs", "seed"):
+        for name in ("max_tokens", "top_k", "top_logprobs", "prompt_logprobs", "seed"):
             if _other_integer(value := getattr(self, name)):
                 object.__setattr__(self, name, operator.index(value))
         if any(map(_other_integer, self.stop_token_ids)):
@@ -111,7 +117,8 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first bad field (validate_request's second half)."""
         # In-process callers (LLMEngine.add_request) hand these in unchecked by any schema: a
         # float seed passed here and failed the whole step, every other request's with it.
-        for name in ("max_tokens", "top_k", "top_logprobs") + (("seed",) if self.seed is not None else ()):
+        optional_ints = tuple(name for name in ("seed", "prompt_logprobs") if getattr(self, name) is not None)
+        for name in ("max_tokens", "top_k", "top_logprobs") + optional_ints:
             if not _is_int(getattr(self, name)):
                 raise InvalidRequestError(name, f"must be an integer, got {getattr(self, name)!r}")
         for name, token_ids in (("stop_token_ids", self.stop_token_ids),
@@ -142,6 +149,9 @@ class SamplingParams:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("prompt_logprobs",
+                                      f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             low, high = PENALTY_RANGE
             if not low <= getattr(self, name) <= high:
@@ -287,6 +297,10 @@ class Request:
     # The engine core's matcher of sampling_params.structured_output (a RequestGrammar), set
     # once compiled; it has consumed exactly output_token_ids.
     grammar: Optional[Any] = None
+    # The engine core's prompt log-probabilities gathered so far (sampling_params.prompt_logprobs),
+    # prefill chunk by prefill chunk: entry i is prompt token i + 1's. Complete when the first
+    # token is sampled, which carries them out.
+    prompt_logprobs: Optional["PromptLogprobs"] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -308,6 +322,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def gathers_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not yet out (they go with the first
+        token): every prompt position must be computed, none taken from the prefix cache."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

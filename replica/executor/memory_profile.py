@@ -18,7 +18,7 @@ import torch
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import ConfigError, EngineConfig
-from replica.executor.sampler import Sampler, SamplingBatch
+from replica.executor.sampler import Sampler, SamplingBatch, logprobs_of, prompt_logits_rows
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
@@ -135,6 +135,11 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
     logits = model.compute_logits(hidden[:num_rows])
     Sampler().sample(logits, SamplingBatch.of_params([_WORST_CASE_SAMPLING] * num_rows, [0] * num_rows,
                                                      model_config.vocab_size, device))
+    del logits
+    # A prefill chunk's prompt log-probabilities: one piece of full-vocabulary logits at a time.
+    num_rows = min(prompt_logits_rows(model_config.vocab_size), num_tokens)
+    logprobs_of(model.compute_logits(hidden[:num_rows]), torch.zeros(num_rows, dtype=torch.int64, device=device),
+                MAX_TOP_LOGPROBS)
     return prefill.num_kv_blocks * kv_cache_bytes_per_block(model_config, block_size, next(model.parameters()).dtype)
 
 

@@ -11,6 +11,11 @@ structured-output rows is launched up to its logits only: its grammars' masks ne
 of the step before, so the engine takes those in first and then calls `sample_tokens`, while
 the forward pass runs on the device (vLLM's execute_model / sample_tokens split).
 
+A request that asks for its prompt's log-probabilities has them computed from the logits of
+each prefill chunk's positions, a bounded number of rows at a time (sampler.PROMPT_LOGITS_BYTES), and
+copied back beside the sampled tokens; a step with such rows runs eagerly and unpruned, and a
+step without them computes no logits but the sampling rows'.
+
 Padded rows of a graph batch are harmless: slot -1 (the KV write skips it), sequence
 length 1 on the null block 0 (attention stays finite), never sampled.
 """
@@ -31,11 +36,11 @@ from replica.config import EngineConfig
 from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
 from replica.executor.kv_swap import KVSwapper
 from replica.executor.request_rows import RequestRows
-from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch
+from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch, logprobs_of, prompt_logits_rows
 from replica.executor.staging import StagedField, StagedInputs
 from replica.executor.step_abort import StepAbort, StepAborted
 from replica.executor.logits_processors import to_device
-from replica.core.outputs import TopLogprobs
+from replica.core.outputs import PromptLogprobs, TopLogprobs
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.core.request import MAX_TOP_LOGPROBS
 from replica.core.structured_output import GrammarBitmask, GrammarMask
@@ -51,6 +56,48 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, Optional[float]]  # None for rows that did not ask; empty when none did
     top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # only requests that asked
+    # Per request gathering its prompt's logprobs this step (any row, sampling or not): the first
+    # position's index in PromptLogprobs and the values from there on.
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobRows:
+    """A step's token rows whose logits give prompt log-probabilities (host arrays, one entry per
+    row), and the spans of them each request gathers."""
+
+    token_index: np.ndarray  # int64: the row in the forward pass's tokens
+    target_ids: np.ndarray  # int64: the prompt token that follows it, whose logprob is taken
+    spans: list[tuple[str, int, int, int]]  # request id, first position, rows, alternatives asked
+    max_top: int  # the most alternatives a span asks for
+
+
+@dataclass
+class _PromptLogprobsInFlight:
+    """A step's prompt log-probabilities on their way to the host."""
+
+    spans: list[tuple[str, int, int, int]]
+    logprobs: torch.Tensor  # host float32 [rows]
+    ranks: torch.Tensor  # host int64 [rows]
+    top_token_ids: Optional[torch.Tensor]  # host int64 [rows, max_top]
+    top_logprobs: Optional[torch.Tensor]  # host float32 [rows, max_top]
+    done: Optional[torch.cuda.Event]
+
+    def result(self) -> dict[str, tuple[int, PromptLogprobs]]:
+        if self.done is not None:
+            self.done.synchronize()
+        logprobs, ranks = self.logprobs.tolist(), self.ranks.tolist()
+        top_ids = self.top_token_ids.tolist() if self.top_token_ids is not None else None
+        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        gathered, row = {}, 0
+        for request_id, first_position, num_rows, num_top in self.spans:
+            end = row + num_rows
+            top = ([TopLogprobs(ids[:num_top], values[:num_top]) for ids, values in zip(top_ids[row:end],
+                                                                                         top_values[row:end])]
+                   if num_top else None)
+            gathered[request_id] = (first_position, PromptLogprobs(logprobs[row:end], ranks[row:end], top))
+            row = end
+        return gathered
 
 
 @dataclass
@@ -70,10 +117,17 @@ class StepInFlight:
     wait_s: float = field(default=0.0)  # host time result() spent waiting for the device
     # Launched up to its logits; sampling waits for its grammars (ModelRunner.sample_tokens).
     unsampled: Optional["_UnsampledStep"] = None
+    prompt_logprobs: Optional[_PromptLogprobsInFlight] = None  # when a request gathers them this step
 
     def result(self) -> ModelRunnerOutput:
         if self.unsampled is not None:
             raise RuntimeError("the step's constrained rows were never sampled (ModelRunner.sample_tokens)")
+        output = self._sampled()
+        if self.prompt_logprobs is not None:
+            output.prompt_logprobs = self.prompt_logprobs.result()
+        return output
+
+    def _sampled(self) -> ModelRunnerOutput:
         if not self.request_ids:
             return ModelRunnerOutput({}, {})
         if self.done is not None:
@@ -152,6 +206,9 @@ class ModelRunner:
         self._host_top_logprobs = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.float32,
                                                pin_memory=on_cuda) for _ in range(2)]
         self._num_launched = 0
+        # Rows of full-vocabulary logits computed for prompt log-probabilities, in all (tests
+        # check that a request that asks for none costs none).
+        self.num_prompt_logprob_rows = 0
         self.decode_sizes: list[int] = []
         # What a padded decode pass leaves for the sampler: every row's logits and greedy token.
         self.decode_logits: Optional[torch.Tensor] = None  # float32 [largest size, vocab]
@@ -244,7 +301,11 @@ class ModelRunner:
         finally:
             if step_abort is not None:
                 step_abort.end()
+        prompt_logprobs = None
+        if step.prompt_logprobs is not None:  # before the sampling rows' logits, as every rank takes them
+            prompt_logprobs = self._send_prompt_logprobs(step.prompt_logprobs, hidden)
         in_flight = self._sample(step, hidden, scheduled)
+        in_flight.prompt_logprobs = prompt_logprobs
         in_flight.launch_s = time.perf_counter() - start
         return in_flight
 
@@ -264,6 +325,7 @@ class ModelRunner:
                                              [scheduled[index].request.grammar for index in constrained_seqs])
         # The engine appended the step before's tokens first: the histories hold every token.
         sampled = self._sample_logits(step, unsampled.logits, scheduled, grammar, histories_complete=True)
+        sampled.prompt_logprobs = in_flight.prompt_logprobs
         in_flight.unsampled = None
         sampled.launch_s = in_flight.launch_s + time.perf_counter() - start
         return sampled
@@ -289,6 +351,7 @@ class ModelRunner:
         # admissions and new blocks, and the per-sequence values the arrays are built from.
         seq_row_list, query_len_list, start_list, token_lists, request_ids, samples = [], [], [], [], [], []
         constrained_seqs = []  # sampling sequences with a structured-output grammar
+        prompt_logprob_seqs = []  # sequences of requests gathering their prompt's logprobs
         for entry in scheduled:
             request = entry.request
             if entry.is_new:
@@ -305,6 +368,8 @@ class ModelRunner:
             samples.append(entry.samples)
             if request.grammar is not None and entry.samples:
                 constrained_seqs.append(len(samples) - 1)
+            if request.prompt_logprobs is not None and not request.output_token_ids:
+                prompt_logprob_seqs.append(len(samples) - 1)
         seq_rows = np.array(seq_row_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
         # A token the host does not have yet (a position past the request's known tokens)
@@ -349,8 +414,10 @@ class ModelRunner:
         views["pending_token_index"][: len(pending_seqs)] = query_start_loc[pending_seqs]
         views["pending_rows"][: len(pending_seqs)] = seq_rows[pending_seqs]
 
+        prompt_logprobs = (_prompt_logprob_rows(scheduled, prompt_logprob_seqs, query_start_loc)
+                           if prompt_logprob_seqs else None)
         graph_size = None
-        if decode_only and graphable and self.decode_sizes:
+        if decode_only and graphable and self.decode_sizes and prompt_logprobs is None:
             graph_size = padded_batch_size(self.decode_sizes, num_seqs)
             if graph_size is not None:
                 self._pad_decode_rows(views, num_seqs, graph_size)
@@ -402,7 +469,7 @@ class ModelRunner:
             facts=sampling.facts, wants_logprobs=sampling.wants_logprobs,
             num_top_logprobs=sampling.num_top_logprobs, pending_rows_of_samples=processed_rows,
             sample_request_ids=sample_request_ids,
-            constrained_seqs=constrained_seqs or None,
+            constrained_seqs=constrained_seqs or None, prompt_logprobs=prompt_logprobs,
         )
 
     def _apply_unstaged_changes(self, flat_index: np.ndarray, block_ids: np.ndarray) -> None:
@@ -531,6 +598,41 @@ class ModelRunner:
             hidden = hidden.index_select(0, self.staged.device_views["logits_indices"][:len(step.sampling_seqs)])
         return self.model.compute_logits(hidden)
 
+    def prompt_logprob_values(self, rows: PromptLogprobRows, hidden: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The prompt tokens' logprobs, ranks and top alternatives at `rows` (device tensors),
+        computed a bounded number of rows at a time (sampler.prompt_logits_rows) so that only the
+        gathered values outlive each piece's full-vocabulary logits. Under tensor parallelism
+        every rank runs it (each piece's logits are a gather)."""
+        num_rows = len(rows.token_index)
+        token_index = to_device(rows.token_index, None, self.device)
+        target_ids = to_device(rows.target_ids, None, self.device)
+        logprobs = torch.empty(num_rows, dtype=torch.float32, device=self.device)
+        ranks = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        top_logprobs = top_token_ids = None
+        if rows.max_top:
+            top_logprobs = torch.empty((num_rows, rows.max_top), dtype=torch.float32, device=self.device)
+            top_token_ids = torch.empty((num_rows, rows.max_top), dtype=torch.int64, device=self.device)
+        piece = prompt_logits_rows(self.vocab_size)
+        for start in range(0, num_rows, piece):
+            end = min(start + piece, num_rows)
+            values = logprobs_of(self.model.compute_logits(hidden.index_select(0, token_index[start:end])),
+                                 target_ids[start:end], rows.max_top)
+            for out, value in zip((logprobs, ranks, top_logprobs, top_token_ids), values):
+                if out is not None:
+                    out[start:end] = value
+        self.num_prompt_logprob_rows += num_rows
+        return logprobs, ranks, top_token_ids, top_logprobs
+
+    def _send_prompt_logprobs(self, rows: PromptLogprobRows, hidden: torch.Tensor) -> _PromptLogprobsInFlight:
+        """The step's prompt log-probabilities computed and copied to the host without waiting."""
+        values = [_to_host(value) if value is not None else None for value in self.prompt_logprob_values(rows, hidden)]
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _PromptLogprobsInFlight(rows.spans, *values, done)
+
     def keep_sampled(self, token_ids: torch.Tensor) -> None:
         """The step's sampled tokens stay on the device, in their rows, as the next step's inputs."""
         self.last_token_by_row.index_copy_(0, self.staged.device_views["sample_rows"][:len(token_ids)], token_ids)
@@ -604,6 +706,38 @@ class ModelRunner:
         return LogitsProcessing([request.sampling_params for request in requests], requests, pending_token_ids)
 
 
+def _prompt_logprob_rows(scheduled: list[ScheduledRequest], seqs: list[int], query_start_loc: np.ndarray
+                         ) -> Optional[PromptLogprobRows]:
+    """The rows of a step whose logits give prompt log-probabilities: of each of these
+    sequences (requests gathering them), its positions p in this step's slice whose next
+    token is still a prompt token (p < prompt length - 1), past those it has gathered already
+    (a prefill recomputed after a preemption); None when there are none."""
+    token_index, target_ids, spans = [], [], []
+    for seq in seqs:
+        entry = scheduled[seq]
+        request = entry.request
+        first = max(entry.start_pos, len(request.prompt_logprobs.logprobs))
+        end = min(entry.start_pos + entry.num_new_tokens, len(request.prompt_token_ids) - 1)
+        if first >= end:
+            continue
+        row = int(query_start_loc[seq]) + first - entry.start_pos
+        token_index.extend(range(row, row + end - first))
+        target_ids.extend(request.prompt_token_ids[first + 1:end + 1])
+        spans.append((request.request_id, first, end - first, request.sampling_params.prompt_logprobs))
+    if not spans:
+        return None
+    return PromptLogprobRows(np.array(token_index, dtype=np.int64), np.array(target_ids, dtype=np.int64), spans,
+                             max(num_top for *_, num_top in spans))
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in host memory, without waiting (pinned, non-blocking) on CUDA."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 @dataclass
 class _StepPlan:
     """What the host decided for one step, for the device half of the launch."""
@@ -627,12 +761,14 @@ class _StepPlan:
     max_sampling_seq_len: int  # the longest context among the sequences that sample (0: none does)
     # The sampling sequences with a structured-output grammar (indices into the step's), if any.
     constrained_seqs: Optional[list[int]] = None
+    prompt_logprobs: Optional[PromptLogprobRows] = None  # rows whose logits give prompt logprobs, if any
 
     @property
     def prunes_last_layer(self) -> bool:
         """An eager pass with tokens that do not sample runs its last layer, past the K/V write, for
-        the sampling rows alone (a prefill's other tokens only fill the cache)."""
-        return self.graph_size is None and len(self.sampling_seqs) < self.num_tokens
+        the sampling rows alone (a prefill's other tokens only fill the cache), unless some of
+        those tokens' logits give prompt log-probabilities."""
+        return self.graph_size is None and len(self.sampling_seqs) < self.num_tokens and self.prompt_logprobs is None
 
 
 @dataclass

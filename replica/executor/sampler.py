@@ -27,6 +27,32 @@ from replica.executor.logits_processors import TokenHistory, apply_logits_proces
 from replica.core.request import SamplingParams
 
 
+# Full-vocabulary logits computed at once for prompt log-probabilities: a prefill chunk's rows
+# are taken this many bytes of float32 logits at a time (341 rows of a 49k vocabulary, 130 of
+# 128k), so that a 2,048-token chunk never holds its 2048 x vocab logits, only what is gathered.
+PROMPT_LOGITS_BYTES = 64 << 20
+
+
+def prompt_logits_rows(vocab_size: int) -> int:
+    """Rows of logits one piece of a step's prompt log-probabilities computes at once."""
+    return max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per row of raw logits [rows, vocab]: the log-probability of its token in `token_ids`, that
+    token's rank (1: the most likely; ties share the better rank, as vLLM counts), and with
+    num_top its num_top most likely (logprobs, token ids), most likely first. log_softmax of the
+    raw logits, as the sampled tokens' logprobs (vLLM's convention)."""
+    all_logprobs = logits.float().log_softmax(dim=-1)
+    token_logprobs = all_logprobs.gather(-1, token_ids.unsqueeze(1))
+    ranks = (all_logprobs > token_logprobs).sum(dim=-1) + 1
+    if not num_top:
+        return token_logprobs.squeeze(1), ranks, None, None
+    top_logprobs, top_token_ids = all_logprobs.topk(num_top, dim=-1)
+    return token_logprobs.squeeze(1), ranks, top_logprobs, top_token_ids
+
+
 @dataclass
 class SamplingArrays:
     """Host arrays of per-row sampling parameters (numpy, one entry per row)."""

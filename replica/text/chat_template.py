@@ -8,6 +8,7 @@ generation prompt appended.
 from __future__ import annotations
 
 import json
+import secrets
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -92,31 +93,49 @@ RENDERER_VARIABLES = frozenset({"messages", "add_generation_prompt", "raise_exce
 # the cause, as vLLM answers it (400), not a server fault.
 RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
                  RuntimeError)
+_NOTHING_TO_CONTINUE = "there is nothing in the rendered conversation to continue"
 
 
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                          continue_final_message: bool = False, **variables: Any) -> str:
     """The conversation as prompt text, ending where the assistant's reply begins (the template's
     generation prompt, unless not `add_generation_prompt`); or, `continue_final_message`, cut
-    right after the last message's content, so that the model writes on in that message, as
-    transformers cuts it (a template that trims the content's trailing space: after the content
-    trimmed)."""
+    right after the last message's content, so that the model writes on in that message (a
+    template that trims the content's trailing space: after the content trimmed, as transformers
+    cuts it); ChatTemplateError naming continue_final_message when the template drops or rewrites
+    that content."""
     compiled = _compiled(template)
+    text = _render(compiled, messages, add_generation_prompt, variables)
+    if not continue_final_message:
+        return text
+    final = messages[-1]["content"] or ""
+    if not final.strip():
+        raise ChatTemplateError(f"continue_final_message: the last message's content is empty: {_NOTHING_TO_CONTINUE}")
+    # Where the content ends is where a marker appended to it lands when rendered again.
+    # transformers searches the text for the content itself (rindex), which for a short one
+    # matched inside the template's own end-of-turn tag ("d" in ChatML's `<|im_end|>`).
+    marker = f"HeadroomContinue{secrets.token_hex(8)}"  # letters and digits: no filter changes it
+    marked = _render(compiled, [*messages[:-1], {**messages[-1], "content": final + marker}], add_generation_prompt,
+                     variables)
+    if marked.count(marker) == 1:
+        cut = marked[:marked.index(marker)]
+        # The text before the marker must be the conversation's own; what the template trims from
+        # the content's end (kept there only because the marker followed it) stays out, as in `text`.
+        for prefix in (cut, cut.rstrip()):
+            if text.startswith(prefix):
+                return prefix
+    raise ChatTemplateError(f"continue_final_message: the chat template drops or rewrites the last message's "
+                            f"content: {_NOTHING_TO_CONTINUE}")
+
+
+def _render(compiled: jinja2.Template, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+            variables: Mapping[str, Any]) -> str:
     try:
-        text = compiled.render(messages=[dict(message) for message in messages],
+        return compiled.render(messages=[dict(message) for message in messages],
                                add_generation_prompt=add_generation_prompt, **variables)
     except RENDER_ERRORS as error:
         detail = str(error) if isinstance(error, jinja2.TemplateError) else f"{type(error).__name__}: {error}"
         raise ChatTemplateError(f"the chat template refused the conversation: {detail}") from error
-    if not continue_final_message:
-        return text
-    final = messages[-1]["content"] or ""
-    if not final.strip() or final.strip() not in text:
-        raise ChatTemplateError("continue_final_message: the last message's content is empty, or the chat template "
-                                "drops or rewrites it: there is nothing in the rendered conversation to continue")
-    start = text.rindex(final.strip())
-    kept = len(final.lstrip())
-    return text[:start + (kept if text[start:start + kept] == final else len(final.strip()))]
 
 
 def resolve_chat_template(value: str) -> str:

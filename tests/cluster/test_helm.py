@@ -19,6 +19,7 @@ from ray.serve.schema import DeploymentSchema
 
 from cluster.config import PortsConfig, load_config, serve_deployment_options
 from cluster.grpc_proxy import PROXY_MAX_REQUEST_BYTES_ENV, SERVE_GRPC_MAX_MESSAGE_SIZE_ENV
+from cluster.ingress import INGRESS_DEL_S, INGRESS_DRAIN_S
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) not installed")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
@@ -118,10 +119,12 @@ def test_serve_config_v2_is_our_config_schema_and_the_values(documents, values_f
     config = load_config(serve_config)
     with helm.Chart.load(CHART) as chart:
         expected = chart.merge_values(values_of(values_file))["serve"]
-    # The values, each application's router metrics port written in (headroom.routerMetricsPorts).
+    # The values, each application's router metrics port written in (headroom.routerMetricsPorts),
+    # with the wait for it.
     for index, app in enumerate(expected["applications"]):
         ports = app.setdefault("args", {}).setdefault("ports", {})
         ports["router_metrics"] = ports.get("router_metrics") or PortsConfig().router_metrics + index
+        ports.setdefault("router_metrics_wait_s", INGRESS_DRAIN_S + INGRESS_DEL_S)
     assert serve_config == expected
     assert config.grpc_options.port == 9000 and config.http_options.port == 8000
 
@@ -221,6 +224,20 @@ def test_each_applications_router_metrics_get_a_port_of_their_own_scraped_under_
     (policy,) = only(documents, "NetworkPolicy")
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule.get("ports", [])}
     assert {base, base + 1, 9500} <= admitted
+
+
+def test_each_ingress_waits_for_its_router_metrics_port_through_an_update_as_long_as_its_predecessor_holds_it():
+    """The PodMonitor scrapes each application's configured port alone, so a new ingress that
+    counted up past the port its draining predecessor still held went unscraped for good. The
+    chart asks for the wait (ports.router_metrics_wait_s), which outside it is 0: applications
+    sharing a base port there each waited 25 s at every start."""
+    assert PortsConfig().router_metrics_wait_s == 0
+    values = {"serve": {"applications": [{"name": "a", "route_prefix": "/a", "args": {}},
+                                         {"name": "b", "route_prefix": "/b",
+                                          "args": {"ports": {"router_metrics_wait_s": 3}}}]}}
+    serve_config = load_config(yaml.safe_load(rayservice(render(values))["spec"]["serveConfigV2"]))
+    assert [app.args.ports.router_metrics_wait_s for app in serve_config.applications] == [
+        INGRESS_DRAIN_S + INGRESS_DEL_S, 3]
 
 
 def test_applications_sharing_a_router_metrics_port_fail_to_render():
@@ -371,6 +388,21 @@ def test_a_rotated_key_changes_both_pod_templates_so_the_old_key_stops_being_acc
     assert all(len(set(annotations)) == 1 and annotations[0] for annotations in revisions)
     assert len({annotations[0] for annotations in revisions}) == 3
     assert api_key_annotations(render()) == [None, None]  # no key: nothing to restart for
+
+
+def test_with_a_revision_the_value_stays_out_of_the_pod_templates_annotation():
+    """The annotation was a sha256 of apiKey.value, which anyone who can read the pods sees (a
+    short key is found from it by guessing). With apiKey.revision set, the revision alone drives
+    it, as with an existing Secret: a new value with the same revision rolls nothing."""
+    import hashlib
+
+    by_value = {key: api_key_annotations(render({"apiKey": {"value": key, "revision": 7}}))
+                for key in ("sk-first", "sk-rotated")}
+    assert by_value["sk-first"] == by_value["sk-rotated"] and by_value["sk-first"][0]
+    assert hashlib.sha256(b"sk-first").hexdigest() not in by_value["sk-first"]
+    assert api_key_annotations(render({"apiKey": {"value": "sk-first", "revision": 8}})) != by_value["sk-first"]
+    # Without one, the value's unsalted sha256, as the chart's values and README say.
+    assert api_key_annotations(render({"apiKey": {"value": "sk-first"}}))[0] == hashlib.sha256(b"sk-first").hexdigest()
 
 
 def test_replica_grpc_port_0_is_any_free_port_not_the_default():

@@ -217,7 +217,7 @@ def test_batched_prompts_and_best_of_rules():
     assert parsed(CompletionRequest, prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]
     assert parsed(CompletionRequest, prompt=[1, 2]).prompts == [[1, 2]]
     for fields, param in (({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
-                          ({"n": 9}, "n"), ({"echo": True, "logprobs": 1}, "echo")):
+                          ({"n": 9}, "n"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
         with pytest.raises(InvalidRequestError) as raised:
             parsed(CompletionRequest, prompt="p", **fields).check_supported(max_choices=8)
         assert raised.value.field == param
@@ -565,9 +565,12 @@ def completing_ingress(replica_stream, sampling_defaults=None):
     ingress.engine_config, ingress.tool_call_parser = config.engine, config.tool_call_parser
     ingress.sampling_defaults = sampling_defaults or SamplingDefaults()
     ingress.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.token_bytes)
+    ingress.vocab_size = tokenizer.vocab_size
+    # What a replica said, as the ingress keeps it.
+    ingress._model_info = pb.ModelInfo(max_model_len=256, vocab_size=tokenizer.vocab_size, block_size=16)
 
     async def model_info():
-        return pb.ModelInfo(max_model_len=256, vocab_size=tokenizer.vocab_size, block_size=16)
+        return ingress._model_info
 
     async def stream(request):
         async for output in replica_stream(request):

@@ -904,7 +904,7 @@ HTTP_PROBES = [
     ("best_of_streamed", "POST", C, completion(best_of=3, stream=True), 400, "best_of"),
     ("logprobs_above_20", "POST", C, completion(logprobs=21), 400, "logprobs"),
     ("logprobs_negative", "POST", C, completion(logprobs=-1), 400, "logprobs"),
-    ("echo_with_logprobs", "POST", C, completion(echo=True, logprobs=1), 400, "echo"),
+    ("prompt_logprobs_streamed", "POST", C, completion(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
     ("presence_penalty_above_two", "POST", C, completion(presence_penalty=3), 400, "presence_penalty"),
     ("frequency_penalty_below_minus_two", "POST", C, completion(frequency_penalty=-3), 400, "frequency_penalty"),
     ("repetition_penalty_zero", "POST", C, completion(repetition_penalty=0), 400, "repetition_penalty"),

@@ -191,3 +191,37 @@ def test_named_templates_without_a_default_are_refused_as_such():
     assert select_chat_template(templates, tools=True) == "{{ 1 }}"
     with pytest.raises(ChatTemplateError, match="named 'tool_use', 'rag' but none named 'default'"):
         select_chat_template(templates, tools=False)
+
+
+# Llama 3's turn format: the content trimmed, then its end-of-turn tag.
+LLAMA3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template, kept", [(SMOLLM2_TEMPLATE, lambda content: content),
+                                            (LLAMA3_TEMPLATE, str.strip)], ids=["chatml", "llama3"])
+@pytest.mark.parametrize("content", ["d", "im", "<", " leading and trailing ", "The capital of France is"])
+def test_a_continued_message_is_cut_right_after_its_content_whatever_the_end_of_turn_tag_holds(template, kept,
+                                                                                               content):
+    """The cut was at the content's last occurrence in the text: a short content ("d", "im", "<")
+    matched inside the template's end-of-turn tag (`...assistant\\nd<|im_end`), and content with
+    leading space lost its trailing space where the template keeps it."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    before = render_chat_template(template, messages[:1], add_generation_prompt=True)
+    assert render_chat_template(template, messages, add_generation_prompt=False,
+                                continue_final_message=True) == before + kept(content)
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}",  # drops the assistant's content
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | upper }}{% endfor %}",  # rewrites it
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{{ messages[-1]['content'] }}",  # twice
+])
+def test_a_template_that_drops_or_rewrites_the_continued_content_is_an_error_naming_the_field(template):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    with pytest.raises(ChatTemplateError, match="^continue_final_message: .*nothing in the rendered conversation"):
+        render_chat_template(template, messages, add_generation_prompt=False, continue_final_message=True)

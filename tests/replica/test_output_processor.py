@@ -66,7 +66,7 @@ class Harness:
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         for index, token_id in enumerate(token_ids):
             finish = finish_last if index == len(token_ids) - 1 else None
-            self.processor.process([(request_id, [token_id], finish, 0, None, None, None, None)])
+            self.processor.process([(request_id, [token_id], finish, 0, None, None, None, None, None)])
 
 
 @pytest.fixture
@@ -114,12 +114,23 @@ def test_no_text_is_held_back_without_stop_strings(harness):
 
 def test_the_cores_stop_token_id_and_top_logprobs_reach_the_output(harness):
     stream = harness.track("r", stop_token_ids=(7,), top_logprobs=2)
-    harness.processor.process([("r", [5], None, 0, [-0.5], [([5, 9], [-0.5, -1.5])], None, 11.0)])
-    harness.processor.process([("r", [7], "stop", 0, [-0.1], [([7, 5], [-0.1, -2.0])], 7, None)])
+    harness.processor.process([("r", [5], None, 0, [-0.5], [([5, 9], [-0.5, -1.5])], None, 11.0, None)])
+    harness.processor.process([("r", [7], "stop", 0, [-0.1], [([7, 5], [-0.1, -2.0])], 7, None, None)])
     first, last = stream.items
     assert first.top_logprobs == [TopLogprobs([5, 9], [-0.5, -1.5])] and first.stop_reason is None
     assert last.finish_reason == "stop" and last.stop_reason == 7
     assert stream.request.first_admitted_time == 11.0
+
+
+def test_a_prompts_logprobs_reach_the_first_output_as_the_core_sent_them(harness):
+    from replica.core.outputs import PromptLogprobs
+
+    stream = harness.track("r", prompt_logprobs=1)
+    sent = PromptLogprobs([-1.5, -0.25], [3, 1], [TopLogprobs([9], [-0.5]), TopLogprobs([2], [-0.25])])
+    harness.processor.process([("r", [5], None, 0, None, None, None, 11.0, sent.to_wire())])
+    harness.processor.process([("r", [7], "length", 0, None, None, None, None, None)])
+    first, last = stream.items
+    assert first.prompt_logprobs == sent and last.prompt_logprobs is None
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -129,7 +140,7 @@ def test_the_stop_tokens_text_is_left_out_unless_asked_for_as_vllm_does(harness,
     stop_id = harness.tokenizer.encode("A", add_special_tokens=False)[0]
     stream = harness.track("r", stop_token_ids=(stop_id,), include_stop_str_in_output=include)
     harness.generate("r", "hi")
-    harness.processor.process([("r", [stop_id], "stop", 0, None, None, stop_id, None)])
+    harness.processor.process([("r", [stop_id], "stop", 0, None, None, stop_id, None, None)])
     assert stream.text == ("hiA" if include else "hi")
     assert stream.items[-1].new_token_ids == [stop_id] and stream.items[-1].stop_reason == stop_id
 
@@ -183,7 +194,7 @@ def test_a_stop_string_ends_the_request_whose_row_matched_it_not_a_client_of_tha
     assert retry.request.request_id == "a#1" != other.request.request_id
     aborted.clear()
     for token_id in tokenizer.encode("END", add_special_tokens=False):
-        processor.process([(retry.request.request_id, [token_id], None, 0, None, None, None, None)])
+        processor.process([(retry.request.request_id, [token_id], None, 0, None, None, None, None, None)])
     assert retry.items[-1].finish_reason == "stop" and retry.items[-1].request_id == "a"
     assert other.items == [] and "a#1" in processor and aborted == ["a#1"]
 
@@ -198,5 +209,5 @@ def test_a_core_id_ended_early_is_given_to_no_new_request_while_its_rows_may_arr
     processor.finish("a", "abort")
     other = tracked(processor, "a#1")
     assert other.request.request_id != retry.request.request_id
-    processor.process([(retry.request.request_id, [ord("Z")], None, 0, None, None, None, None)])  # in flight
+    processor.process([(retry.request.request_id, [ord("Z")], None, 0, None, None, None, None, None)])  # in flight
     assert other.items == []

@@ -146,6 +146,71 @@ def test_a_front_that_stops_reading_is_taken_out_of_the_core_while_the_other_fro
     assert "aborted its 1 requests and closed its channel" in err
 
 
+def test_a_front_still_starting_is_not_taken_for_a_wedged_one_and_serves_once_it_attaches():
+    """Another front's process takes seconds to start while front 0 serves already: every step's
+    load piled up in its socket, and past front_stall_timeout_s the core took it out as wedged
+    before it had read a thing, so its attach failed (and with it the replica's start). The clock
+    starts once the front has attached."""
+    config = make_engine_config(max_model_len=2048, block_size=16, num_kv_blocks=400, front_stall_timeout_s=1.0)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        first = AsyncEngine(CoreSpec(config, "builtin", device="cpu"), fronts=2)
+        await first.start()
+        second = None
+        try:
+            (socket_of_second,) = first.core.take_front_sockets()
+            busy = asyncio.create_task(read_all(first.add_request(PROMPT, LONG, request_id="busy")))
+            await wait_for(lambda: _unsent_to(first, 1, 20), "messages to pile up for the starting front")
+            await asyncio.sleep(2.0)  # twice the stall timeout, its sender blocked all along
+            second = AsyncEngine(CoreSpec(config, "builtin", device="cpu"), front_index=1,
+                                 core_socket=socket_of_second)
+            await second.start()
+            served = await asyncio.wait_for(read_all(second.add_request(OTHER_PROMPT, short)), 60)
+            busy.cancel()
+            return served
+        finally:
+            if second is not None:
+                await second.shutdown(grace_period_s=0)
+            await first.shutdown(grace_period_s=0)
+
+    served = asyncio.run(scenario())
+    assert served[-1].finish_reason == "length"
+    assert sum(len(output.new_token_ids) for output in served) == short.max_tokens
+
+
+def test_dropping_a_wedged_fronts_backlog_survives_its_sender_taking_the_last_message_meanwhile():
+    """The backlog was emptied with `while not empty(): get_nowait()`, while the front's sender
+    thread may take the last message between the two: queue.Empty escaped the busy loop and
+    ended the engine core, every front's requests with it."""
+    import queue
+    import socket
+
+    from replica.core.engine_core import EngineCore
+
+    class SenderTakesTheLast(queue.SimpleQueue):
+        def empty(self) -> bool:
+            was_empty = super().empty()
+            if not was_empty:
+                self.get()  # the sender, right after this look
+            return was_empty
+
+    core = object.__new__(EngineCore)  # the drop alone: no engine, one wedged front
+    ends = socket.socketpair()
+    backlog = SenderTakesTheLast()
+    backlog.put(("a step's outputs",))
+    core.channels, core._outboxes = [None, FrameSocket(ends[0])], [queue.SimpleQueue(), backlog]
+    core._fronts_open, core._owners, core._requests = [True, True], {}, {}
+    core._front_stall_timeout_s = 1.0
+    core._sending_since, core._attached_at = [None, time.monotonic() - 5.0], [0.0, 0.0]
+    try:
+        core._drop_stalled_fronts()
+    finally:
+        for end in ends:
+            end.close()
+    assert core._fronts_open == [True, False] and backlog.get_nowait() is None  # only its stop mark left
+
+
 async def _unsent_to(front: AsyncEngine, index: int, count: int):
     unsent = (await front.core.call_utility("unsent_messages"))[index]
     return unsent > count and unsent

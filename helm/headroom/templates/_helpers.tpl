@@ -91,14 +91,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The pod templates' annotations: a checksum of the API key (apiKey.value), or of the Secret's
-     name and key and apiKey.revision (apiKey.existingSecret). The containers read
-     HEADROOM_API_KEY from the Secret once, as they start: a rotated key changed nothing in the
-     pod templates, and the old key stayed accepted until the pods happened to restart. A changed
-     annotation is a changed RayService cluster spec, which KubeRay replaces. */}}
+{{/* The pod templates' annotations: a checksum of the Secret's name and key and apiKey.revision
+     (apiKey.existingSecret, or apiKey.value with a revision set), else of apiKey.value itself.
+     The containers read HEADROOM_API_KEY from the Secret once, as they start: a rotated key
+     changed nothing in the pod templates, and the old key stayed accepted until the pods happened
+     to restart. A changed annotation is a changed RayService cluster spec, which KubeRay replaces
+     (a new Ray cluster beside the old one until it serves). Helm keeps no state a secret salt could
+     live in, so the value's checksum is an unsalted sha256 that anyone who reads the pods sees:
+     values.yaml and the README say so (apiKey.value is for test clusters). */}}
 {{- define "headroom.podAnnotations" -}}
-{{- if .Values.apiKey.existingSecret }}
-checksum/api-key: {{ printf "%s/%s/%v" .Values.apiKey.existingSecret .Values.apiKey.secretKey .Values.apiKey.revision | sha256sum | quote }}
+{{- if or .Values.apiKey.existingSecret (and .Values.apiKey.value (ne (toString .Values.apiKey.revision) "")) }}
+checksum/api-key: {{ printf "%s/%s/%v" (include "headroom.apiKeySecret" .) .Values.apiKey.secretKey .Values.apiKey.revision | sha256sum | quote }}
 {{- else if .Values.apiKey.value }}
 checksum/api-key: {{ .Values.apiKey.value | sha256sum | quote }}
 {{- end }}
@@ -150,8 +153,12 @@ env:
 {{- end }}
 {{- end }}
 
-{{/* Serve's config as the RayService runs it: the `serve` values, with HTTPS on the HTTP
-     proxy from the mounted tls.existingSecret when one is set. */}}
+{{/* Serve's config as the RayService runs it: the `serve` values, each application's router
+     metrics port written in, with the wait for it (ports.router_metrics_wait_s, unless set: the
+     router PodMonitor scrapes that port alone, and an in-place update starts the new ingress while
+     the old one drains on it, up to cluster/ingress.py's INGRESS_DRAIN_S + INGRESS_DEL_S, 25 s,
+     which tests/cluster/test_helm.py holds this to), and HTTPS on the HTTP proxy from the mounted
+     tls.existingSecret when one is set. */}}
 {{- define "headroom.serveConfig" -}}
 {{- $serve := deepCopy .Values.serve }}
 {{- $routerPorts := include "headroom.routerMetricsPorts" . | fromJsonArray }}
@@ -159,6 +166,9 @@ env:
 {{- $args := $app.args | default dict }}
 {{- $ports := $args.ports | default dict }}
 {{- $_ := set $ports "router_metrics" (index $routerPorts $index) }}
+{{- if not (hasKey $ports "router_metrics_wait_s") }}
+{{- $_ := set $ports "router_metrics_wait_s" 25 }}
+{{- end }}
 {{- $_ := set $args "ports" $ports }}
 {{- $_ := set $app "args" $args }}
 {{- end }}
