@@ -31,6 +31,8 @@ from replica_harness import RunningReplica, sampling
 # (~4 ms a token for the built-in model on a CPU: ~4 s a request, twice the stall bounds below).
 LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=20)
 PROMPT, OTHER_PROMPT = list(range(3, 40)), list(range(60, 90))
+# Through gRPC the stall starts only once HTTP/2's window has filled: more tokens for that.
+GRPC_MAX_TOKENS = 2000
 
 
 async def wait_for(condition, what: str, timeout_s: float = 60.0):
@@ -238,14 +240,14 @@ def test_a_grpc_client_that_stops_reading_has_its_request_aborted_and_is_told_re
     stall and then RESOURCE_EXHAUSTED naming it."""
     replica = RunningReplica(max_model_len=2048, block_size=16, num_kv_blocks=400, stream_stall_timeout_s=2.0)
     request = pb.GenerateRequest(request_id="stalled", token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling(
-        max_tokens=LONG.max_tokens, temperature=0.0, ignore_eos=True, top_logprobs=20))
+        max_tokens=GRPC_MAX_TOKENS, temperature=0.0, ignore_eos=True, top_logprobs=20))
 
     async def scenario():
         async with grpc.aio.insecure_channel(replica.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
             call = pb_grpc.GenerationStub(channel).Generate(request)
             read = len((await call.read()).token_ids)  # then the client reads nothing
             state, generated_then = await asyncio.to_thread(replica.core_call, "request_state", "stalled"), 0
-            while state is not None and state["num_output_tokens"] < LONG.max_tokens:
+            while state is not None and state["num_output_tokens"] < GRPC_MAX_TOKENS:
                 generated_then, state = state["num_output_tokens"], await asyncio.to_thread(
                     replica.core_call, "request_state", "stalled")
                 await asyncio.sleep(0.1)
@@ -265,7 +267,7 @@ def test_a_grpc_client_that_stops_reading_has_its_request_aborted_and_is_told_re
     assert state is None, "the request ran to its end: it was not aborted"
     assert generated_then > read  # the stall took hold: the core generated on, unread
     received = read + sum(len(response.token_ids) for response in responses)
-    assert received < LONG.max_tokens and not any(response.finish_reason for response in responses)
+    assert received < GRPC_MAX_TOKENS and not any(response.finish_reason for response in responses)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "stream_stall_timeout_s 2" in error.details()
     aborted = [value for (name, labels), value in samples.items()
                if name == "headroom_request_success_total" and ("finish_reason", "abort") in labels]
