@@ -3,7 +3,7 @@
     python bench/bench_structured.py [--model smollm2-135m] [--batch 64] [--max-tokens 32] [--repeat 2]
                                      [--validate-max-tokens 160] [--threads 2] [--device cpu]
                                      [--async-scheduling on|off] [--emulated-device]
-                                     [--sections compile,throughput,validity,mask-costs,slow-row]
+                                     [--sections compile,throughput,validity,mask-costs,slow-row,slow-rows]
 
 On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --device cuda.
 
@@ -34,6 +34,13 @@ On a GPU: `python bench/bench_gpu.py --sections structured` runs it with --devic
    a few bytes into it, past the edge's probe (within llguidance's limits), with the mask time limit off and on (the default): the batch's
    tok/s beside it over its tok/s alone, in turns, medians quoted. Run it with
    `--emulated-device`: on the CPU a step of 64 rows takes most of a second and 20 ms hides in it.
+6. Many slow rows (`slow-rows`, not in the default run): `--batch` - `--slow-rows` unconstrained
+   requests alone, then beside `--slow-rows` requests whose masks each take several ms (a regex
+   of nested repetitions the edge's probe admits; the per-mask limit lifted in the runner so none
+   is ended on a loaded machine: each within the limit, together past a step's budget),
+   without a per-step mask budget and with the default one (structured_output_step_mask_ms): the
+   unconstrained requests' tok/s beside them over their tok/s alone, in turns, medians quoted,
+   and the slow requests' tokens. With `--emulated-device`, as above.
 """
 
 from __future__ import annotations
@@ -113,7 +120,8 @@ def main() -> None:
     parser.add_argument("--emulated-device", action="store_true",
                         help="bench/emulated_device.py's device instead of the model's forward pass (CPU)")
     parser.add_argument("--sections", default="compile,throughput,validity",
-                        help="comma-separated: compile, throughput, validity, mask-costs, slow-row")
+                        help="comma-separated: compile, throughput, validity, mask-costs, slow-row, slow-rows")
+    parser.add_argument("--slow-rows", type=int, default=8, help="slow-masked requests in the slow-rows section")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     torch.set_num_threads(args.threads)
@@ -250,6 +258,8 @@ def main() -> None:
         mask_costs(engine, constraints)
     if "slow-row" in sections:
         slow_row(engine, prompts, args.max_tokens, args.repeat)
+    if "slow-rows" in sections:
+        slow_rows(engine, prompts, args.max_tokens, args.repeat, args.slow_rows)
     engine.shutdown()
 
 
@@ -393,6 +403,75 @@ def slow_row(engine, prompts, max_tokens: int, repeat: int) -> None:
         rate = statistics.median(rates[side])
         print(f"  beside one slow-masked request, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
               f"the slow request wrote {slow_tokens[side]} tokens")
+
+
+# A regex whose every mask takes several ms on the 2-core VM, from the first token on, each within
+# structured_output_max_mask_ms (its compile's probe admits it) and many together past a step's budget.
+SLOW_ROWS_REGEX = "(a{150}){150}"
+
+
+def slow_rows(engine, prompts, max_tokens: int, repeat: int, count: int) -> None:
+    """The unconstrained requests' tok/s beside `count` slow-masked ones, over their tok/s alone,
+    without a per-step mask budget and with the default one."""
+    from replica.core.request import SamplingParams
+    from replica.core.structured_output import StructuredOutput
+
+    budget_ms = engine.config.structured_output_step_mask_ms
+    default_config = engine.scheduler.config
+    engine.runner.max_mask_ms, engine.runner.grammar_bitmask = 1e9, None  # each slow mask within "a limit"
+    runs = [0]
+    prompts = prompts[:engine.config.max_num_seqs - count]
+
+    def run(slow: bool, step_budget_ms: float) -> tuple[float, int]:
+        engine.scheduler.config = default_config.model_copy(update={"structured_output_step_mask_ms": step_budget_ms})
+        requests, slow_requests = [], []
+        for index in range(count if slow else 0):
+            runs[0] += 1  # a grammar of its own each: a shared lexer would be warm (slow_row)
+            constraint = StructuredOutput("regex", SLOW_ROWS_REGEX.replace("a{150}", f"a{{{150 + runs[0]}}}"))
+            slow_request = engine.make_request(f"slow-{index}-{time.monotonic_ns()}", prompts[index], SamplingParams(
+                max_tokens=4 * max_tokens, temperature=0.0, structured_output=constraint))
+            engine.add_request(slow_request, detokenize=False)
+            slow_requests.append(slow_request)
+        # Compiled and decoding before the clock starts: what is timed is their masks, not compiles.
+        while any(request.num_output_tokens == 0 and not request.is_finished for request in slow_requests):
+            engine.step()
+        before = sum(request.num_output_tokens for request in slow_requests)
+        for index, prompt in enumerate(prompts):
+            request = engine.make_request(f"batch-{index}-{time.monotonic_ns()}", prompt,
+                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            engine.add_request(request, detokenize=False)
+            requests.append(request)
+        start = time.perf_counter()
+        while any(not request.is_finished for request in requests):
+            engine.step()
+            engine.take_kv_events()
+        elapsed = time.perf_counter() - start
+        written = sum(request.num_output_tokens for request in slow_requests) - before
+        for request in slow_requests:
+            engine.abort_request(request.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return len(requests) * max_tokens / elapsed, written
+
+    try:
+        run(True, budget_ms)  # warm-up
+        rates = {"alone": [], "no budget": [], "budget": []}
+        written = {}
+        for _ in range(repeat):
+            rates["alone"].append(run(False, budget_ms)[0])
+            rate, written["no budget"] = run(True, 1e9)
+            rates["no budget"].append(rate)
+            rate, written["budget"] = run(True, budget_ms)
+            rates["budget"].append(rate)
+    finally:
+        engine.scheduler.config = default_config
+    alone = statistics.median(rates["alone"])
+    print(f"slow rows, {len(prompts)} unconstrained x {max_tokens} tokens: alone {alone:.0f} tok/s")
+    for side, label in (("no budget", "no step mask budget (before)"),
+                        ("budget", f"step mask budget {budget_ms:g} ms (structured_output_step_mask_ms)")):
+        rate = statistics.median(rates[side])
+        print(f"  beside {count} slow-masked requests, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
+              f"they wrote {written[side]} tokens meanwhile")
 
 
 if __name__ == "__main__":
