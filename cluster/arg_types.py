@@ -24,6 +24,8 @@ def checked(convert, check, wanted: str):
 
 
 port_number = checked(int, lambda port: 0 <= port <= 65535, "a port, 0-65535")
+# A port a server must listen on as given (Serve's proxies: no "any free port").
+fixed_port_number = checked(int, lambda port: 1 <= port <= 65535, "a port, 1-65535")
 positive_int = checked(int, lambda value: value >= 1, "an integer >= 1")
 seconds = checked(float, lambda value: math.isfinite(value) and value >= 0, "a number of seconds >= 0")
 positive_seconds = checked(float, lambda value: 0 < value < math.inf, "a number of seconds > 0")

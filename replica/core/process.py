@@ -8,12 +8,14 @@ or goes away.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import importlib
 import logging
 import os
 import signal
 import socket
+import sys
 from typing import Callable
 
 from replica.config import ConfigError
@@ -60,15 +62,37 @@ def build_engine(spec: CoreSpec):
                    attention_backend=spec.attention_backend)
 
 
+# prctl(2)'s option that has the kernel signal this process when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent, the front `parent_pid`, dies (Linux;
+    elsewhere only the channel's EOF ends a serving core); strictly, when the thread that
+    started it ends: the front's event loop's, which runs as long as the front. Building the
+    engine takes minutes for a large model, reading no channel: a front killed meanwhile
+    (SIGKILL, the OOM killer, Ray killing a replica's actor) left the core building, then
+    holding its memory and device, for nothing. SIGKILL, as SIGINT and SIGTERM are ignored
+    here; a front that died before this ran is no longer this process's parent."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fd", required=True,
                         help="this end of each front's socketpair, comma-separated, front 0's first")
+    parser.add_argument("--parent-pid", type=int, required=True, help="front 0's process: this one dies with it")
     args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
     # Ctrl-C in a terminal reaches the whole process group, and a service manager's stop (systemd
     # signals every process of the unit) sends SIGTERM to each; the front decides when the core
     # stops (after its graceful drain, and with several fronts after theirs), so the core must
-    # not die first. A front that dies closes its channel, which ends the core anyway.
+    # not die first. Front 0 dying takes the core with it (die_with_parent); another front that
+    # dies closes its channel, which the core reads.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")

@@ -64,28 +64,38 @@ class EngineCoreClient:
         """Spawn the core and wait until its engine is built; raises the core's build error
         (ConfigError, FileNotFoundError, ...) or EngineDeadError if it died starting.
         fronts > 1: the core also serves that many - 1 other fronts, whose channels
-        `take_front_sockets` hands out."""
+        `take_front_sockets` hands out. Cancelled (Ctrl-C while the engine builds) or failing
+        here, it kills the core, which reads no channel until its engine is built."""
         pairs = [socket.socketpair() for _ in range(fronts)]
         core_ends = [core_end for _, core_end in pairs]
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "replica.core.process", "--fd",
-                 ",".join(str(core_end.fileno()) for core_end in core_ends)],
+                 ",".join(str(core_end.fileno()) for core_end in core_ends), "--parent-pid", str(os.getpid())],
                 pass_fds=tuple(core_end.fileno() for core_end in core_ends), env=child_environment(),
             )
         finally:
             for core_end in core_ends:
                 core_end.close()
         self._front_sockets = [front_end for front_end, _ in pairs[1:]]
-        self._channel = await AsyncFrameSocket.open(pairs[0][0])
-        self._channel.send(spec)
         try:
+            self._channel = await AsyncFrameSocket.open(pairs[0][0])
+            self._channel.send(spec)
             answer = await self._channel.recv()
         except ChannelClosed:
             code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
             await self._channel.close()
             self._close_front_sockets()
             raise EngineDeadError(f"the engine core exited with code {code} while starting") from None
+        except BaseException:
+            self.process.kill()
+            self.process.wait()  # at once: killed
+            self._close_front_sockets()
+            if self._channel is None:
+                pairs[0][0].close()
+            else:
+                await self._channel.close()
+            raise
         if isinstance(answer, CoreFailed):
             await self._channel.close()
             self._close_front_sockets()
@@ -132,11 +142,8 @@ class EngineCoreClient:
         """Ask the core to exit (it aborts what it still holds) and wait for it; kill it if it
         hangs. Attached: take this front out (the core aborts its requests) and close the channel."""
         self._close_front_sockets()
-        if self._channel is None and self.process is not None:  # start() cancelled before its channel opened
-            self.process.kill()
-            await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
         if self._channel is None or (self.process is None and self.ready is None):
-            return  # never started, or never attached
+            return  # never started (a start that failed here killed its core), or never attached
         self._closing = True
         if self.dead is None:
             try:

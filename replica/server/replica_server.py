@@ -166,7 +166,7 @@ def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_se
     joining a shared port does not check."""
     last_port = base_port if base_port == 0 else min(base_port + port_search, 65536) - 1
     for port in range(base_port, last_port + 1):
-        if check_free and port and not _port_is_free(host, port):
+        if check_free and port and not port_is_free(host, port):
             continue
         try:
             return server.add_insecure_port(host_port(host, port))
@@ -179,7 +179,7 @@ def _bind_first_free(server: grpc.aio.Server, host: str, base_port: int, port_se
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
-def _port_is_free(host: str, port: int) -> bool:
+def port_is_free(host: str, port: int) -> bool:
     """Whether no socket holds `port` on any address `host` names (both families for a
     wildcard), by a plain bind as gRPC's own (SO_REUSEADDR, so a closed connection's TIME_WAIT
     does not count) without SO_REUSEPORT (which a listener that set it would let in)."""

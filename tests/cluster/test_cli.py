@@ -318,6 +318,7 @@ def test_a_client_key_it_could_not_send_exits_2_naming_the_flag(command, key, ca
     (["replica", "--torch-threads", "100000"], "argument --torch-threads: invalid value '100000'"),
     # ray.init's own refusal of the address: a ValueError traceback.
     (["status", "--address", "nohost"], "--address: Invalid address format: nohost"),
+    (["bench", "--address", "nohost"], "--address: Invalid address format: nohost"),  # was ignored
 ])
 def test_a_client_or_replica_flag_refused_before_anything_starts_exits_2_naming_it(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -360,11 +361,9 @@ def test_a_config_files_relative_paths_are_read_from_the_commands_directory(tmp_
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "0"], "error: engine.max_model_len:"),
     (["--stream-interval", "0"], "error: engine.stream_interval: Input should be greater than or equal to 1\n"),
-    (["--replicas", "0"], "error: replicas.num_replicas:"),
     (["--model", "/nonexistent/model"], "error: model '/nonexistent/model': not a known model name"),
     (["--autoscaling", "headroom", "--min-replicas", "4", "--max-replicas", "2"],
      "error: replicas.autoscaling.max_replicas: 2 is below min_replicas 4\n"),
-    (["--min-replicas", "0"], "error: replicas.autoscaling.min_replicas: Input should be greater than or equal to 1\n"),
     (["--replicas", "3", "--autoscaling", "requests"],
      "error: replicas.num_replicas: set either num_replicas or autoscaling, not both\n"),
     (["--block-size", "48"], "error: engine.block_size: must be a power of two from 1 to 256, got 48\n"),
@@ -491,7 +490,7 @@ def test_serve_beyond_loopback_without_a_key_warns_in_one_line_before_ray_starts
                                      (["--host", "127.0.0.1"], 0), ([], 0)):
         caplog.clear()
         with pytest.raises(RayWouldStart):
-            main(["serve", "--model", "builtin", *flags])
+            main(["serve", "--model", "builtin", *proxy_port_flags(), *flags])
         warnings = [record.getMessage() for record in caplog.records if "without an API key" in record.getMessage()]
         assert len(warnings) == warnings_expected, (flags, warnings)
         assert all(warning.startswith("warning: serving on 0.0.0.0") and "\n" not in warning for warning in warnings)
@@ -601,11 +600,12 @@ def test_serve_whose_replicas_cannot_be_placed_exits_2_before_any_application_st
 
     calls = fake_ray(monkeypatch, {"CPU": 2.0}, start)
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--model", "builtin", "--replicas", "3"])
+        main(["serve", "--model", "builtin", "--replicas", "3", *proxy_port_flags()])
     assert exited.value.code == 2
     assert calls == ["ray.init", "ray.shutdown"]
     err = capsys.readouterr().err
-    assert "error: replicas.num_replicas: the replicas need 3 CPUs to start, the Ray cluster has 2" in err
+    assert "error: --replicas: 3 replicas need 3 CPUs to start, the Ray cluster has 2 (--num-cpus sets the local " \
+           "node's); pass --replicas 2\n" in err
 
 
 def test_a_signal_while_the_applications_start_stops_the_cluster(monkeypatch, capsys):
@@ -620,7 +620,7 @@ def test_a_signal_while_the_applications_start_stops_the_cluster(monkeypatch, ca
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         started = time.monotonic()
-        assert main(["serve", "--model", "builtin", "--replicas", "1"]) == 128 + signal.SIGTERM
+        assert main(["serve", "--model", "builtin", "--replicas", "1", *proxy_port_flags()]) == 128 + signal.SIGTERM
         assert time.monotonic() - started < 10
     finally:
         for signum, handler in handlers.items():
@@ -796,3 +796,272 @@ def test_a_client_commands_bad_flag_exits_2_naming_it_before_any_call(argv, mess
         main([arg.format(**paths) for arg in argv] + ["--target", "127.0.0.1:1"])
     assert exited.value.code == 2
     assert message.format(**paths) in capsys.readouterr().err
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports nothing listens on now (the kernel's picks)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for held in sockets:
+        held.bind(("127.0.0.1", 0))
+    ports = [held.getsockname()[1] for held in sockets]
+    for held in sockets:
+        held.close()
+    return ports
+
+
+def proxy_port_flags() -> list[str]:
+    http_port, grpc_port = free_ports(2)
+    return ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+
+
+@pytest.mark.parametrize("flags, config, message", [
+    # Each started Ray, then every replica's engine core refused it in turn under Serve's
+    # retries, and `headroom serve` ended in a traceback (exit 1); `headroom replica` said it in one line.
+    (["--max-model-len", "4096"], None, "error: engine.max_model_len: 4096 exceeds the model's 2048\n"),
+    ([], {"applications": [{"name": "a", "args": {"model": "builtin"}},
+                           {"name": "b", "route_prefix": "/b", "args": {"model": "builtin",
+                                                                         "engine": {"max_model_len": 4096}}}]},
+     "error: applications[1].args.engine.max_model_len: 4096 exceeds the model's 2048\n"),
+])
+def test_serve_refuses_an_engine_setting_the_model_cannot_hold_before_ray_starts(flags, config, message, tmp_path,
+                                                                                  monkeypatch, capsys):
+    from cluster import serve_command
+
+    def stop_before_ray(*args, **kwargs):
+        raise RayWouldStart
+
+    monkeypatch.setattr(serve_command, "init_local_ray", stop_before_ray)
+    config_flags = []
+    if config is not None:
+        (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+        config_flags = ["--config", str(tmp_path / "serve.yaml")]
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", "--replicas", "1", *config_flags, *proxy_port_flags(), *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_device_cuda_for_replicas_that_reserve_no_gpu():
+    # Ray hides every GPU from such a replica: each failed its start in turn, under Serve.
+    from cluster.config import load_config
+    from cluster.serve_command import check_resources_fit
+    from replica.config import ConfigError
+
+    check_resources_fit(load_config({"device": "cuda", "replicas": {"num_replicas": 1}}), {"CPU": 2.0, "GPU": 1.0})
+    for document, resources, message in [
+        ({"device": "cuda"}, {"CPU": 8.0}, "device: cuda, but a replica reserves no GPU (the Ray cluster has none)"),
+        ({"device": "cuda", "replicas": {"num_gpus": 0}}, {"CPU": 8.0, "GPU": 1.0},
+         "device: cuda, but a replica reserves no GPU (replicas.num_gpus is 0)"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            check_resources_fit(load_config(document), resources)
+        assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("flags, message", [
+    # A machine with one GPU: the default two replicas named config fields nobody had written.
+    ([], "error: --replicas: 2 replicas (the default) need 2 GPUs to start, the Ray cluster has 1; "
+         "pass --replicas 1\n"),
+    (["--replicas", "3"], "error: --replicas: 3 replicas need 3 GPUs to start, the Ray cluster has 1; pass --replicas 1\n"),
+    (["--autoscaling", "headroom", "--min-replicas", "2"],
+     "error: --min-replicas: 2 replicas need 2 GPUs to start, the Ray cluster has 1; pass --min-replicas 1\n"),
+])
+def test_serve_with_more_replicas_than_gpus_names_the_flag_that_fixes_it(flags, message, monkeypatch, capsys):
+    def start(config):
+        raise AssertionError("an application started")
+
+    calls = fake_ray(monkeypatch, {"CPU": 8.0, "GPU": 1.0}, start)
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", *proxy_port_flags(), *flags])
+    assert exited.value.code == 2
+    assert calls == ["ray.init", "ray.shutdown"]
+    assert message in capsys.readouterr().err
+
+
+def test_an_application_serve_cannot_deploy_is_one_line_and_exit_1(monkeypatch, capsys):
+    # Was serve.run_many's RuntimeError traceback, which named the deployment but not why.
+    from types import SimpleNamespace
+
+    from cluster import serve_command
+
+    def start(config):
+        raise RuntimeError("Deploying application builtin failed: Failed to update the deployments ['LLMReplica'].")
+
+    calls = fake_ray(monkeypatch, {"CPU": 8.0}, start)
+    failed = SimpleNamespace(status="DEPLOY_FAILED", message=(
+        "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
+        "initial health check failing. See controller logs for details. Error:\n"
+        "ray::ServeReplica:builtin:LLMReplica.initialize_and_get_metadata() (pid=1, ip=127.0.0.1)\n"
+        "  File \"replica/front/core_client.py\", line 103, in start\n"
+        "replica.config.ConfigError: num_host_kv_blocks: 4 blocks of 100 bytes exceed its container's memory limit\n"))
+    monkeypatch.setattr(serve_command.serve, "status", lambda: SimpleNamespace(applications={
+        "builtin": SimpleNamespace(deployments={"LLMReplica": failed, "Ingress": SimpleNamespace(
+            status="UPDATING", message="")})}))
+    assert main(["serve", "--model", "builtin", "--replicas", "1", *proxy_port_flags()]) == 1
+    assert calls == ["ray.init", "serve.shutdown", "ray.shutdown"]
+    assert capsys.readouterr().err.splitlines() == [
+        "headroom serve: error: Deploying application builtin failed: Failed to update the deployments "
+        "['LLMReplica'].; replica.config.ConfigError: num_host_kv_blocks: 4 blocks of 100 bytes exceed its "
+        "container's memory limit"]
+
+
+def test_serve_refuses_a_proxy_port_already_taken_before_ray_starts(tmp_path, monkeypatch, capsys):
+    # Was a traceback once Ray had started (Serve's proxy failing to bind).
+    from cluster import serve_command
+
+    def stop_before_ray(*args, **kwargs):
+        raise RayWouldStart
+
+    monkeypatch.setattr(serve_command, "init_local_ray", stop_before_ray)
+    free_port, other_port = free_ports(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "serve.yaml").write_text(yaml.safe_dump({"model": "builtin", "ports": {"http": port}}))
+        for argv, message in [
+            (["--model", "builtin", "--http-port", str(port), "--grpc-port", str(free_port)],
+             f"error: --http-port: 127.0.0.1:{port} is in use (another headroom serve?); choose another port\n"),
+            (["--model", "builtin", "--http-port", str(free_port), "--grpc-port", str(port)],
+             f"error: --grpc-port: 0.0.0.0:{port} is in use"),
+            (["--config", str(tmp_path / "serve.yaml"), "--grpc-port", str(free_port)],
+             f"error: http_options.port: 127.0.0.1:{port} is in use"),
+        ]:
+            with pytest.raises(SystemExit) as exited:
+                main(["serve", *argv])
+            assert exited.value.code == 2
+            assert message in capsys.readouterr().err
+        with pytest.raises(RayWouldStart):  # both free
+            main(["serve", "--model", "builtin", "--http-port", str(free_port), "--grpc-port", str(other_port)])
+
+
+@pytest.mark.parametrize("flags, message", [
+    # Plain ints: the errors named config fields (replicas.num_replicas), or a port Serve refused late.
+    (["--replicas", "0"], "argument --replicas: invalid value '0': an integer >= 1"),
+    (["--min-replicas", "0"], "argument --min-replicas: invalid value '0': an integer >= 1"),
+    (["--max-replicas", "-1"], "argument --max-replicas: invalid value '-1': an integer >= 1"),
+    (["--http-port", "70000"], "argument --http-port: invalid value '70000': a port, 1-65535"),
+    (["--grpc-port", "0"], "argument --grpc-port: invalid value '0': a port, 1-65535"),
+    (["--admission-max-hold-ms", "never"], "argument --admission-max-hold-ms: invalid float value: 'never'"),
+])
+def test_serve_replica_and_port_flags_are_refused_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "builtin", *flags])
+    assert exited.value.code == 2
+    assert f"headroom serve: error: {message}\n" in capsys.readouterr().err
+
+
+def test_an_engine_flag_whose_none_means_something_takes_none():
+    # admission_max_hold_ms's None (holds unbounded) could only be written in a config file.
+    from cluster.engine_args import engine_config_from_args
+
+    for value in ("none", "None", "NONE"):
+        args = build_parser().parse_args(["replica", "--admission-max-hold-ms", value])
+        assert engine_config_from_args(args).admission_max_hold_ms is None
+    args = build_parser().parse_args(["serve", "--model", "builtin", "--admission-max-hold-late-ms", "none"])
+    assert serve_config_from_args(args).applications[0].args.engine.admission_max_hold_late_ms is None
+    # A choice spelled "none" stays itself, and an unset flag keeps the default.
+    args = build_parser().parse_args(["replica", "--generation-config", "none", "--admission-max-hold-ms", "250"])
+    config = engine_config_from_args(args)
+    assert (config.generation_config, config.admission_max_hold_ms, config.admission_max_hold_late_ms) == (
+        "none", 250.0, EngineConfig().admission_max_hold_late_ms)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped by whoever inherited it, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def _replica_building_its_engine(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """`headroom replica` whose engine core is building an engine that takes minutes; its core's pid."""
+    from tests.cluster.slow_engine import SLOW_ENGINE_ENV
+
+    mark = tmp_path / "core-pid"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0",
+         "--engine-factory", "tests.cluster.slow_engine:slow_engine"],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, SLOW_ENGINE_ENV: str(mark)},
+    )
+    deadline = time.monotonic() + 120
+    while not mark.exists() or not mark.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, "the engine core never began building"
+        time.sleep(0.1)
+    return process, int(mark.read_text())
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_the_replica_starts_stops_its_engine_core_and_exits_130(tmp_path):
+    # The core (which ignores SIGINT: Ctrl-C reaches the whole process group) built on, alone,
+    # for as long as its engine took, after the command had exited with a traceback.
+    process, core_pid = _replica_building_its_engine(tmp_path)
+    try:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 128 + signal.SIGINT
+        assert _wait_gone(core_pid, 5)
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        stop(process)
+        if _alive(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_an_engine_core_dies_with_its_front_even_while_it_builds(tmp_path):
+    # A front killed outright (SIGKILL, the OOM killer, Ray killing an actor) while its core
+    # built the engine left the core building, and holding its memory, for nothing.
+    process, core_pid = _replica_building_its_engine(tmp_path)
+    try:
+        process.kill()
+        process.wait(timeout=30)
+        assert _wait_gone(core_pid, 5)
+    finally:
+        stop(process)
+        if _alive(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
+
+
+def test_ctrl_c_in_a_client_command_exits_130_without_a_traceback():
+    # Was KeyboardInterrupt's traceback (generate mid-stream, bench, serve before Ray).
+    with socket.socket() as silent:  # a server that accepts the connection and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(60)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "generate", "hi", "--target", f"127.0.0.1:{silent.getsockname()[1]}"],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            connection, _ = silent.accept()  # generate is in its call
+            with connection:
+                process.send_signal(signal.SIGINT)
+                assert process.wait(timeout=30) == 128 + signal.SIGINT
+            assert process.stderr.read() == "" and process.stdout.read() == ""
+        finally:
+            stop(process)
+
+
+def test_generate_into_a_closed_pipe_stops_quietly_as_unix_tools_do(tmp_path):
+    # `headroom generate ... | head -c5`: was BrokenPipeError's traceback.
+    replica, port = start_replica()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "generate", "hi", "--target", f"127.0.0.1:{port}",
+             "--max-tokens", "4"],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        process.stdout.close()  # the reader has gone before the first token
+        assert process.wait(timeout=60) == 128 + signal.SIGPIPE
+        assert process.stderr.read() == ""
+    finally:
+        stop(replica)
