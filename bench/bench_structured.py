@@ -353,6 +353,20 @@ def mask_costs(engine, constraints) -> None:
     edge.shutdown()
 
 
+def in_turns(run, repeat: int, sides: list[tuple[str, tuple]]) -> tuple[dict[str, float], dict]:
+    """`run(*args)` -> (tok/s, something else) for each side in turns, `repeat` times after one
+    warm-up of the last side (so drift weighs on every side): each side's median tok/s, and the
+    other value of its last run."""
+    run(*sides[-1][1])
+    rates: dict[str, list[float]] = {name: [] for name, _ in sides}
+    last = {}
+    for _ in range(repeat):
+        for name, args in sides:
+            rate, last[name] = run(*args)
+            rates[name].append(rate)
+    return {name: statistics.median(values) for name, values in rates.items()}, last
+
+
 def slow_row(engine, prompts, max_tokens: int, repeat: int) -> None:
     """The batch's tok/s beside one slow-masked request, over its tok/s alone."""
     from replica.core.request import SamplingParams
@@ -387,20 +401,13 @@ def slow_row(engine, prompts, max_tokens: int, repeat: int) -> None:
             engine.step()
         return len(requests) * max_tokens / elapsed, slow_request.num_output_tokens if beside else 0
 
-    run(True, default_ms)  # warm-up
-    rates = {"alone": [], "beside, no limit": [], "beside, limit": []}
-    slow_tokens = {}
-    for _ in range(repeat):
-        rates["alone"].append(run(False, default_ms)[0])
-        rate, slow_tokens["beside, no limit"] = run(True, 1e9)
-        rates["beside, no limit"].append(rate)
-        rate, slow_tokens["beside, limit"] = run(True, default_ms)
-        rates["beside, limit"].append(rate)
-    alone = statistics.median(rates["alone"])
+    rates, slow_tokens = in_turns(run, repeat, [("alone", (False, default_ms)), ("beside, no limit", (True, 1e9)),
+                                                ("beside, limit", (True, default_ms))])
+    alone = rates["alone"]
     print(f"slow row, batch {len(prompts)} x {max_tokens} tokens: alone {alone:.0f} tok/s")
     for side, label in (("beside, no limit", "no mask time limit (before)"),
                         ("beside, limit", f"limit {default_ms:g} ms (structured_output_max_mask_ms)")):
-        rate = statistics.median(rates[side])
+        rate = rates[side]
         print(f"  beside one slow-masked request, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
               f"the slow request wrote {slow_tokens[side]} tokens")
 
@@ -454,22 +461,15 @@ def slow_rows(engine, prompts, max_tokens: int, repeat: int, count: int) -> None
         return len(requests) * max_tokens / elapsed, written
 
     try:
-        run(True, budget_ms)  # warm-up
-        rates = {"alone": [], "no budget": [], "budget": []}
-        written = {}
-        for _ in range(repeat):
-            rates["alone"].append(run(False, budget_ms)[0])
-            rate, written["no budget"] = run(True, 1e9)
-            rates["no budget"].append(rate)
-            rate, written["budget"] = run(True, budget_ms)
-            rates["budget"].append(rate)
+        rates, written = in_turns(run, repeat, [("alone", (False, budget_ms)), ("no budget", (True, 1e9)),
+                                                ("budget", (True, budget_ms))])
     finally:
         engine.scheduler.config = default_config
-    alone = statistics.median(rates["alone"])
+    alone = rates["alone"]
     print(f"slow rows, {len(prompts)} unconstrained x {max_tokens} tokens: alone {alone:.0f} tok/s")
     for side, label in (("no budget", "no step mask budget (before)"),
                         ("budget", f"step mask budget {budget_ms:g} ms (structured_output_step_mask_ms)")):
-        rate = statistics.median(rates[side])
+        rate = rates[side]
         print(f"  beside {count} slow-masked requests, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
               f"they wrote {written[side]} tokens meanwhile")
 
