@@ -44,7 +44,8 @@ from cluster.openai_api import (
     choice_sampling_params, error_body, openai_error, parse_body,
 )
 from cluster.openai_responses import (
-    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, sse, without_generation,
+    SSE_DONE, ChoiceResult, CompletionBodies, TokenText, best_choices, response_json_in_pieces, sse,
+    without_generation,
 )
 from cluster.openai_structured import OutputConstraint
 from cluster.prometheus_targets import PrometheusTargets
@@ -60,7 +61,7 @@ from replica.server.grpc_service import (
 )
 from replica.model.checkpoint import read_model_config, sampling_defaults
 from replica.model.registry import resolve_model_path
-from replica.core.outputs import RequestOutput
+from replica.core.outputs import PromptLogprobs, RequestOutput
 from replica.core.request import validate_request
 from replica.server.auth import (
     Credentials, api_key_credentials, host_port, metadata_authorization, missing_credential,
@@ -118,6 +119,11 @@ HEALTH_CACHE_S = 1.0
 # Token-id prompts echoed back are decoded on the event loop up to this many tokens in all
 # (about a millisecond), on a worker thread beyond.
 INLINE_DECODE_MAX_TOKENS = 4096
+# A response, or a streamed chunk, showing prompt log-probabilities is built and rendered on the
+# event loop up to this many of their entries (a prompt token with its alternatives: ~2 us each
+# built and rendered, ~2 ms in all), on a worker thread beyond: a 128k-token prompt's with 20
+# alternatives, echoed and in vLLM's field too, is 5.5M entries, seconds of every stream's loop.
+INLINE_LOGPROBS_MAX_ENTRIES = 1024
 
 # The routes that need the API key: the /v1 API, as vLLM's server, and vLLM's /tokenize and
 # /detokenize, which it leaves open but which cost this server work per request; /health,
@@ -264,15 +270,23 @@ async def _sse_stream(chunks: AsyncIterator[tuple[Choice, RequestOutput]], bodie
         return {**body, "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                                   "total_tokens": prompt + completion_tokens}}
 
+    def event(choice: Choice, chunk: RequestOutput, in_pieces: bool = False) -> Optional[str]:
+        body = bodies.chunk(choice.index, choice.prompt_index, chunk)
+        return None if body is None else sse(with_usage(body, choice.index, chunk.num_output_tokens), in_pieces)
+
     try:
         async for choice, chunk in chunks:
             results[choice.index].add(chunk)
             for first in opening:
                 yield sse(with_usage(first, first["choices"][0]["index"], 0))
             opening = []
-            body = bodies.chunk(choice.index, choice.prompt_index, chunk)
-            if body is not None:
-                yield sse(with_usage(body, choice.index, chunk.num_output_tokens))
+            if (bodies.opens_with_prompt(choice.index)
+                    and bodies.prompt_logprob_entries(choice.prompt_index) > INLINE_LOGPROBS_MAX_ENTRIES):
+                text = await asyncio.to_thread(event, choice, chunk, True)
+            else:
+                text = event(choice, chunk)
+            if text is not None:
+                yield text
         if include_usage:
             yield sse(bodies.usage_chunk(list(results.values())))
     except Exception as error:
@@ -300,6 +314,38 @@ async def _without_generation(chunks: AsyncIterator[tuple[Choice, RequestOutput]
     try:
         async for choice, chunk in chunks:
             yield choice, without_generation(chunk)
+    finally:
+        await chunks.aclose()
+
+
+async def _prompt_logprobs_shared(chunks: AsyncIterator[tuple[Choice, RequestOutput]]
+                                  ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """`chunks` of a request asking for prompt log-probabilities with several choices a prompt,
+    where only each prompt's first choice computes them (choice_sampling_params): each other
+    choice's first chunk gets that choice's, and waits for them (they come with its first token,
+    which the others' prefill, a prefix-cache hit of its blocks, rarely beats)."""
+    gathered: dict[int, PromptLogprobs] = {}  # by prompt index
+    held: dict[int, list[tuple[Choice, RequestOutput]]] = {}  # other choices' chunks before them, by prompt
+    given: set[int] = set()  # choices whose first chunk has them
+
+    def shared(choice: Choice, chunk: RequestOutput) -> tuple[Choice, RequestOutput]:
+        if choice.index in given:
+            return choice, chunk
+        given.add(choice.index)
+        return choice, replace(chunk, prompt_logprobs=gathered[choice.prompt_index])
+
+    try:
+        async for choice, chunk in chunks:
+            if choice.sampling.prompt_logprobs is not None:  # the prompt's first choice: computes them
+                if chunk.prompt_logprobs is not None:
+                    gathered[choice.prompt_index] = chunk.prompt_logprobs
+                yield choice, chunk
+                for other in held.pop(choice.prompt_index, ()):
+                    yield shared(*other)
+            elif choice.prompt_index in gathered:
+                yield shared(choice, chunk)
+            else:
+                held.setdefault(choice.prompt_index, []).append((choice, chunk))
     finally:
         await chunks.aclose()
 
@@ -843,6 +889,8 @@ class Ingress:
                                   echo_logprobs=not chat and body.echo_logprobs,
                                   prompt_logprobs_field=body.prompt_logprobs)
         chunks = _aborted_as_errors(self.choice_chunks(choices))
+        if body.num_prompt_logprobs is not None and body.num_candidates > 1:
+            chunks = _prompt_logprobs_shared(chunks)
         if not chat and body.echo_only:
             chunks = _without_generation(chunks)
         if body.stream:
@@ -862,4 +910,9 @@ class Ingress:
         except Exception as error:
             return error_response(error, param_for_field)
         generated = [results[index] for index in sorted(results)]
-        return bodies.response(generated, best_choices(generated, body.num_candidates, body.n))
+        chosen = best_choices(generated, body.num_candidates, body.n)
+        if sum(bodies.prompt_logprob_entries(result.prompt_index) for result in chosen) > INLINE_LOGPROBS_MAX_ENTRIES:
+            # Rendered there too: FastAPI would turn the dict into JSON on the loop.
+            return await asyncio.to_thread(lambda: Response(
+                response_json_in_pieces(bodies.response(generated, chosen)), media_type="application/json"))
+        return bodies.response(generated, chosen)

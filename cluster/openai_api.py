@@ -346,8 +346,12 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
 
 
 def choice_sampling_params(base: SamplingParams, index: int) -> SamplingParams:
-    """Candidate `index` of a prompt: vLLM's parallel sampling gives each its own seed."""
-    return base if base.seed is None or index == 0 else replace(base, seed=base.seed + index)
+    """Candidate `index` of a prompt: vLLM's parallel sampling gives each its own seed. Only
+    candidate 0 computes the prompt's log-probabilities (the ingress hands them to the others):
+    each would repeat the whole prefill for them, taking no prefix-cache hits."""
+    if index == 0 or (base.seed is None and base.prompt_logprobs is None):
+        return base
+    return replace(base, seed=None if base.seed is None else base.seed + index, prompt_logprobs=None)
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]

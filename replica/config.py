@@ -305,7 +305,9 @@ class EngineConfig(ConfigModel):
         "to read its next output message: past it the front is taken as gone (wedged, its socket full), its "
         "requests aborted, its unsent outputs dropped and its channel closed, as if its process had died; the "
         "front that started the core then stops it, as its exit does. A front that reads at all, however far "
-        "behind, never hits it; nor does one still starting (counted from its attach). 0: no bound.",
+        "behind, never hits it; nor does one still starting (counted from its attach), though one that has not "
+        "attached 120 s after the core started (hung while starting) is taken out too "
+        "(replica/core/engine_core.py's FRONT_ATTACH_TIMEOUT_S). 0: no bound, for either.",
     )
     fused_ops: FusedOpsName = Field(
         DEFAULT_FUSED_OPS,

@@ -457,7 +457,7 @@ class LLMEngine:
         or the engine core's CoreOutput rows)."""
         runner_output = launched.in_flight.result()
         if runner_output.prompt_logprobs:  # first: a request's first token carries them all
-            self._gather_prompt_logprobs(runner_output.prompt_logprobs)
+            self._gather_prompt_logprobs(launched.scheduler_output, runner_output.prompt_logprobs)
         updates = self.scheduler.update(launched.scheduler_output, runner_output.sampled_token_ids)
         # Once per request and step: the lookups below are skipped when nothing asked for them
         # (the engine core leaves detokenizing to the front), and the output is built directly.
@@ -501,7 +501,9 @@ class LLMEngine:
             logprobs = top_logprobs = prompt_logprobs = None
             first = len(request.output_token_ids) == 1
             if first and request.prompt_logprobs is not None:
-                prompt_logprobs = request.prompt_logprobs
+                # Out with this output: the core need not hold them (a 128k-token prompt's top 20
+                # are millions of entries) for the rest of the request's life.
+                prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if all_logprobs:
                 logprob = all_logprobs.get(request_id)
                 logprobs = [logprob] if logprob is not None else None
@@ -524,11 +526,17 @@ class LLMEngine:
                 ))
         return outputs
 
-    def _gather_prompt_logprobs(self, gathered: dict[str, tuple[int, PromptLogprobs]]) -> None:
-        """Add a step's prompt log-probabilities to their requests' (those still live)."""
+    def _gather_prompt_logprobs(self, scheduler_output: SchedulerOutput,
+                                gathered: dict[str, tuple[int, PromptLogprobs]]) -> None:
+        """Add a step's prompt log-probabilities to the requests of that step still live. By the
+        step's own request objects, not their ids: one aborted while its step was in flight may
+        have a new request under its id, which took the old one's values (or, from a later
+        position than it holds, failed the whole step in PromptLogprobs.extend)."""
+        stepped = {entry.request.request_id: entry.request for entry in scheduler_output.scheduled}
+        live = self.scheduler.requests
         for request_id, (first_position, values) in gathered.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
+            request = stepped[request_id]
+            if live.get(request_id) is request and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(first_position, values)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[int]]:

@@ -14,7 +14,9 @@ are aborted. A front that reads nothing for `front_stall_timeout_s` while an out
 it (its process wedged: the socket is full, its sender blocked) is taken as gone the same way,
 its unsent outputs dropped: the core would otherwise queue a message for it every step, and
 keep its requests' KV, for as long as it stays wedged. That clock runs only once the front has
-attached (the core has heard from it): a front process still starting reads nothing yet.
+attached (the core has heard from it): a front process still starting reads nothing yet. One
+that has not attached FRONT_ATTACH_TIMEOUT_S after the core started (hung while starting) is
+taken out the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ logger = logging.getLogger(__name__)
 # died while nothing ran went unnoticed until the next request (no step sent it anything), so
 # the front, Serve's health check and the load stream went on reporting a live replica.
 IDLE_WORKER_CHECK_S = 0.5
+# How long another front may take to attach (its first word) after the core started, while
+# front_stall_timeout_s is on: one that has not by then hung while starting, and would have a
+# message queued for it every step for ever, its stall clock never started. A front process's
+# start (Python, its imports, its gRPC server) takes 2-5 s: this is ten times that, for a
+# loaded node, and twice again; what queues for it meanwhile is one message a step (the load and
+# KV events), ~12k at 100 steps a second.
+FRONT_ATTACH_TIMEOUT_S = 120.0
 
 
 class EngineCore:
@@ -76,7 +85,9 @@ class EngineCore:
         # attach while front 0 serves, every step's load piling up in its socket meanwhile, and was
         # taken out as wedged before it had read a thing (its attach then failed, and so its start).
         self._attached_at: list[Optional[float]] = [0.0] + [None] * (len(self.channels) - 1)
+        self._started_at = time.monotonic()
         self._front_stall_timeout_s = engine.config.front_stall_timeout_s
+        self._front_attach_timeout_s = FRONT_ATTACH_TIMEOUT_S
         self._rejected: list[tuple[int, str, BaseException]] = []  # (front, request id, error)
         self._stopping = False
 
@@ -202,20 +213,29 @@ class EngineCore:
 
     def _drop_stalled_fronts(self) -> None:
         """Take out every front whose sender has been blocked on one message for longer than
-        front_stall_timeout_s. Its socket is shut, which wakes the sender (a close alone would
-        not), and its unsent messages are dropped; the receiver then reads EOF, as from a dead
-        front. Front 0's stops the core, as its channel closing does."""
+        front_stall_timeout_s, and every front not attached FRONT_ATTACH_TIMEOUT_S after the
+        core started. Its socket is shut, which wakes the sender (a close alone would not), and
+        its unsent messages are dropped; the receiver then reads EOF, as from a dead front.
+        Front 0's stops the core, as its channel closing does."""
         timeout = self._front_stall_timeout_s
         if not timeout:
             return
         now = time.monotonic()
         for front, (since, attached_at) in enumerate(zip(self._sending_since, self._attached_at)):
-            if since is None or attached_at is None or not self._fronts_open[front]:
+            if not self._fronts_open[front]:
                 continue
-            # A send blocked since before the front attached is counted from its attach.
-            since = max(since, attached_at)
-            if now - since <= timeout:
-                continue
+            if attached_at is None:
+                if now - self._started_at <= self._front_attach_timeout_s:
+                    continue
+                why = f"did not attach within {self._front_attach_timeout_s:g} s of the engine core's start"
+            else:
+                if since is None:
+                    continue
+                # A send blocked since before the front attached is counted from its attach.
+                since = max(since, attached_at)
+                if now - since <= timeout:
+                    continue
+                why = f"read no output for {now - since:.1f} s (front_stall_timeout_s {timeout:g})"
             self.channels[front].shutdown()
             outbox = self._outboxes[front]
             while True:  # its sender may take one meanwhile: empty() then get_nowait() raced it
@@ -223,7 +243,6 @@ class EngineCore:
                     outbox.get_nowait()
                 except queue.Empty:
                     break
-            why = f"read no output for {now - since:.1f} s (front_stall_timeout_s {timeout:g})"
             if front == 0:
                 logger.warning("front 0 %s; stopping the engine core", why)
                 self._fronts_open[0] = False

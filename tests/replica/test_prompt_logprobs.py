@@ -46,7 +46,7 @@ def oracle(hf_model, prompt: list[int]) -> tuple[list[float], list[int], list[li
     logprobs = logits.float().log_softmax(dim=-1)[:-1]
     targets = torch.tensor(prompt[1:])
     token_logprobs = logprobs.gather(-1, targets.unsqueeze(1))
-    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)  # vLLM v1's: a tie takes its worst rank
     return token_logprobs.squeeze(1).tolist(), ranks.tolist(), logprobs.topk(TOP, dim=-1).indices.tolist()
 
 
@@ -158,6 +158,51 @@ def test_a_request_preempted_mid_prefill_and_recomputed_hands_out_its_prompt_log
         check_against_oracle(hf_model, prompt, handed_out(request_outputs))
     # The recomputed prefill took no logits for the positions gathered before its preemption.
     assert llm.runner.num_prompt_logprob_rows == sum(len(prompt) - 1 for prompt in prompts)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_lets_go_of_its_prompt_logprobs_once_its_first_output_carried_them(async_scheduling):
+    """The core held them (a 128k-token prompt's top 20: millions of entries) for the request's
+    whole life, long after its first output had sent them."""
+    llm = engine(max_num_batched_tokens=4, async_scheduling=async_scheduling)
+    request = llm.make_request("r", _prompts((10,))[0], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                        prompt_logprobs=2))
+    llm.add_request(request, detokenize=False)
+    rows = []
+    while not rows:
+        rows = llm.step_rows()
+    assert PromptLogprobs.from_wire(rows[0][8]).ranks and not request.is_finished
+    assert request.prompt_logprobs is None
+    while llm.has_unfinished_requests():
+        assert all(row[8] is None for row in llm.step_rows())
+
+
+@pytest.mark.parametrize("steps_before_abort", [1, 2])  # the old prompt's chunk from position 0 in flight, or from 8
+def test_a_step_in_flight_gives_its_prompt_logprobs_to_its_own_request_not_a_new_one_under_its_id(hf_model,
+                                                                                                 steps_before_abort):
+    """Under async scheduling a step's prompt logprobs were added to whatever request held the id
+    when the step completed: one aborted meanwhile and a new request under its id got the old
+    prompt's values, or (the old one a chunk further on) PromptLogprobs.extend raised and failed
+    the whole step. The step's own request objects are matched, the aborted one skipped."""
+    llm = engine(max_num_batched_tokens=8, async_scheduling=True)
+    old_prompt, new_prompt = _prompts((24, 24), seed=5)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
+    llm.add_request(llm.make_request("r", old_prompt, params), detokenize=False)
+    other = llm.make_request("other", new_prompt[:12], params)  # keeps the engine busy throughout
+    llm.add_request(other, detokenize=False)
+    for _ in range(steps_before_abort):
+        assert llm.step() == []
+    assert llm.abort_request("r") is not None
+    new = llm.make_request("r", new_prompt, params)
+    llm.add_request(new, detokenize=False)
+    outputs: dict[str, list[RequestOutput]] = {"r": [], "other": []}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            outputs[output.request_id].append(output)
+    check_against_oracle(hf_model, new_prompt, handed_out(outputs["r"]))
+    check_against_oracle(hf_model, new_prompt[:12], handed_out(outputs["other"]))
+    kv_cache = llm.scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks
 
 
 def test_a_request_without_prompt_logprobs_computes_no_full_vocabulary_logits_past_its_sampling_row():

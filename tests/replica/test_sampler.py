@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from replica.executor.counter_rng import exponential_noise
-from replica.executor.sampler import LogitsProcessing, Sampler, SamplerOutput, SamplingArrays, SamplingBatch
+from replica.executor.sampler import (
+    LogitsProcessing, Sampler, SamplerOutput, SamplingArrays, SamplingBatch, logprobs_of,
+)
 from replica.executor.logits_processors import apply_logits_processors
 from replica.core.request import SamplingParams
 
@@ -56,6 +58,19 @@ def test_greedy_breaks_ties_toward_the_lowest_token_id():
     logits = torch.zeros(1, VOCAB_SIZE)
     logits[0, [7, 3, 40]] = 5.0
     assert sample_ids(logits, [SamplingParams(temperature=0.0)], [0]) == [3]
+
+
+def test_a_tokens_rank_counts_every_token_at_least_as_likely_so_a_tie_takes_its_worst_rank():
+    """vLLM v1's convention (batched_count_greater_than: x >= value): two tokens tied for the most
+    likely are both rank 2, not 1 (vLLM v0's, which this counted before), so a prompt_logprobs
+    entry's rank agrees with vLLM's."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5]] * 3 + [[2.0, 2.0, 2.0, 2.0]])
+    token_logprobs, ranks, top_logprobs, top_ids = logprobs_of(logits, torch.tensor([1, 2, 3, 0]), 2)
+    assert ranks.tolist() == [2, 2, 4, 4]
+    assert token_logprobs.tolist() == logits.log_softmax(dim=-1)[[0, 1, 2, 3], [1, 2, 3, 0]].tolist()
+    assert top_ids[0].tolist() == [1, 2] and top_logprobs[0, 0] == top_logprobs[0, 1]
+    untied = logprobs_of(torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([1]), 0)
+    assert untied[1].tolist() == [1] and untied[2] is None
 
 
 def test_greedy_ignores_the_seed_and_the_filters():

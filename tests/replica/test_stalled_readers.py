@@ -181,6 +181,53 @@ def test_a_front_still_starting_is_not_taken_for_a_wedged_one_and_serves_once_it
     assert sum(len(output.new_token_ids) for output in served) == short.max_tokens
 
 
+def test_a_front_that_never_attaches_is_taken_out_after_the_attach_deadline_while_front_0_serves_on(caplog):
+    """The stall clock starts at a front's attach, so a front process that hung while starting
+    (its socket open, its attach word never sent) was never timed out: the core queued it a
+    message every step for ever. Here the real core, in a thread, serves front 0 over a raw
+    socket while front 1's raw socket never says a word: past the attach deadline front 1 is
+    taken out (its channel shut: it reads EOF) and front 0's request runs to its end."""
+    import socket
+    import threading
+
+    from replica.core.engine import LLMEngine
+    from replica.core.engine_core import EngineCore
+    from replica.ipc.messages import Shutdown, StepOutputs, from_wire
+
+    engine = LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64, borrow_idle_cpus_min_tokens=0),
+                       "builtin", device="cpu")
+    pairs = [socket.socketpair() for _ in range(2)]
+    core = EngineCore(engine, [FrameSocket(core_end) for core_end, _ in pairs])
+    core._front_attach_timeout_s = 0.5  # FRONT_ATTACH_TIMEOUT_S's 120 s, shortened for the test
+    front_0, silent = FrameSocket(pairs[0][1]), pairs[1][1]
+    running = threading.Thread(target=core.run, name="engine-core")
+    running.start()
+    try:
+        time.sleep(1.0)  # past the deadline: the core idles meanwhile, sending nothing
+        short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        front_0.send(to_wire(AddRequest.of(engine.make_request("served", PROMPT, short))))
+        rows = []
+        while not rows or rows[-1][2] is None:
+            message = from_wire(front_0.recv())
+            if isinstance(message, StepOutputs):
+                rows += message.outputs
+        open_then = list(core._fronts_open)
+        silent.settimeout(10.0)
+        received = b""
+        while chunk := silent.recv(65536):  # old code: no EOF, the recv times out
+            received += chunk
+    finally:
+        front_0.send(to_wire(Shutdown()))
+        running.join(timeout=30)
+        for _, front_end in pairs:
+            front_end.close()
+    assert not running.is_alive()
+    assert open_then == [True, False]
+    assert received == b""  # taken out before its first message: nothing was ever queued for it
+    assert sum(len(row[1]) for row in rows) == short.max_tokens and rows[-1][2] == "length"
+    assert "front 1 did not attach within 0.5 s of the engine core's start" in caplog.text
+
+
 def test_dropping_a_wedged_fronts_backlog_survives_its_sender_taking_the_last_message_meanwhile():
     """The backlog was emptied with `while not empty(): get_nowait()`, while the front's sender
     thread may take the last message between the two: queue.Empty escaped the busy loop and
