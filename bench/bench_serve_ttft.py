@@ -3,8 +3,8 @@
     python bench/bench_serve_ttft.py [--model smollm2-135m] [--prompt-tokens 1250] [--max-tokens 4]
                                      [--http-port 28410] [-- EXTRA headroom serve FLAGS]
 
-Starts `headroom serve` (two replicas by default, as a new user runs it), waits until /v1/models
-answers, then sends streaming `/v1/completions` requests of about --prompt-tokens tokens of text
+Starts `headroom serve` (two replicas by default, as a new user runs it), waits until /health
+answers 200 (a replica runs), then sends streaming `/v1/completions` requests of about --prompt-tokens tokens of text
 and times each to its first streamed token from the client's side: "cold" is the first request
 the cluster serves, "fresh" another prompt of the same length (nothing cached, everything warm),
 "cached" the cold prompt again (its prefix in a replica's cache). Stops the cluster at the end.
@@ -71,7 +71,7 @@ def wait_until_serving(process: subprocess.Popen, port: int, timeout_s: float) -
             raise RuntimeError(f"headroom serve exited with {process.returncode}")
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", "/v1/models")
+            connection.request("GET", "/health")  # /v1/models answers before any replica is up
             if connection.getresponse().status == 200:
                 return time.perf_counter() - start
         except OSError:

@@ -62,6 +62,7 @@ from replica.server.grpc_service import (
 from replica.model.checkpoint import read_model_config, sampling_defaults
 from replica.model.registry import resolve_model_path
 from replica.core.outputs import PromptLogprobs, RequestOutput
+from replica.core.process import freeze_startup_heap
 from replica.core.request import validate_request
 from replica.server.auth import (
     Credentials, api_key_credentials, host_port, metadata_authorization, missing_credential,
@@ -471,6 +472,10 @@ class Ingress:
                                              host_port(host, self.router_metrics_http.server_port),
                                              self._replica_metrics_endpoints)
             self.targets.start()
+        # As the replicas' fronts and engine cores: what is alive now (Ray, Serve, FastAPI, the
+        # tokenizer) lives as long as this process, so full collections, which walked all of it
+        # and stopped every stream this ingress serves for ~100 ms, scan only what serving made.
+        freeze_startup_heap()
 
     async def __del__(self) -> None:
         self._grammars.cancel()
@@ -640,7 +645,7 @@ class Ingress:
         return self._model_info
 
     def _known_max_model_len(self) -> Optional[int]:
-        """max_model_len as known here without asking a replica (/tokenize answers with none up):
+        """max_model_len as known here without asking a replica (/tokenize, /v1/models answer with none up):
         what one has said, else the configured value; None while it follows the model and the KV
         pool a replica sizes (a GPU's profiled pool may cut it) and no replica has said it yet."""
         if self._model_info is not None:
@@ -676,7 +681,7 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [await self._model_object()]}
+        return {"object": "list", "data": [self._model_object()]}
 
     @api.get("/v1/models/{model:path}")
     async def model(self, model: str):
@@ -684,12 +689,12 @@ class Ingress:
         if model != self.model_id:
             return JSONResponse(error_body(f"model: this endpoint serves {self.model_id!r}, not {model!r}", "model",
                                            "model_not_found"), status_code=404)
-        return await self._model_object()
+        return self._model_object()
 
-    async def _model_object(self) -> dict[str, Any]:
-        info = await self.model_info()
+    def _model_object(self) -> dict[str, Any]:
+        # No replica asked (with none up the call hung): the context length as /tokenize gives it.
         return {"id": self.model_id, "object": "model", "created": self.started_at, "owned_by": "headroom",
-                "max_model_len": info.max_model_len}
+                "max_model_len": self._known_max_model_len()}
 
     @api.get("/version")
     async def version(self) -> dict[str, str]:

@@ -48,8 +48,6 @@ UNSUPPORTED_PARAMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_ASKS, "allowed_token_ids is not supported"),
     "bad_words": (_ASKS, "bad_words is not supported"),
     "truncate_prompt_tokens": (_ASKS, "prompt truncation is not supported"),
-    "skip_special_tokens": (lambda value: value is False, "special tokens are skipped in the text (a tool-calling "
-                                                          "request's keeps only its tool parser's tags)"),
     "spaces_between_special_tokens": (lambda value: value is False, "not configurable"),
     "structural_tag": (_ASKS, "structural tags are not supported; use a JSON schema, regex, choice or grammar"),
     "logits_processors": (_ASKS, "custom logits processors are not supported"),
@@ -199,7 +197,8 @@ class StreamOptions(BaseModel):
 
 # Request fields whose null is their default (their types take no None).
 NULL_IS_DEFAULT = frozenset({"stream", "echo", "logprobs", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-                             "add_special_tokens", "add_generation_prompt", "continue_final_message"})
+                             "skip_special_tokens", "add_special_tokens", "add_generation_prompt",
+                             "continue_final_message"})
 
 
 class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
@@ -232,6 +231,8 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: StrictBool = False
+    # false: the text keeps every special token (EOS, control tokens), as vLLM's.
+    skip_special_tokens: StrictBool = True
     priority: int = 0  # vLLM's sense, which is the engine's: lower runs first
     # Each prompt token's logprob and this many alternatives, in vLLM's shape (its -1, the whole
     # vocabulary, is past the bound).
@@ -337,6 +338,7 @@ class _OpenAIRequest(StructuredOutputFields, NumbersNotBooleans):
             prompt_logprobs=self.num_prompt_logprobs,
             stop=self.stop_strings,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

@@ -43,7 +43,7 @@ from replica.model.registry import DEFAULT_MODEL_NAME, check_checkpoint, resolve
 from replica.server.replica_server import ReplicaServer
 from replica.text.tokenizer import TokenizerLoadError
 from replica.core.process import freeze_startup_heap
-from replica.ipc.messages import CoreSpec
+from replica.ipc.messages import FRONT_ATTACH_TIMEOUT_S, CoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,9 @@ class OtherFronts:
 
     async def start(self, core_sockets: list[socket.socket], settings: "FrontSettings") -> None:
         """Start front K for each channel (K from 1), and wait until each serves on the
-        settings' port; raises FrontFailed naming a front that exited instead."""
+        settings' port; raises FrontFailed naming a front that exited instead, or that has not
+        said so FRONT_ATTACH_TIMEOUT_S after they started (unbounded where the settings'
+        front_stall_timeout_s is 0, as the core's own wait for it is)."""
         try:
             for index, core_socket in enumerate(core_sockets, start=1):
                 process = subprocess.Popen(
@@ -220,8 +222,16 @@ class OtherFronts:
             for core_socket in core_sockets:  # theirs now: the core must see EOF when one dies
                 core_socket.close()
         loop = asyncio.get_running_loop()
+        # The core takes out a front that has not attached by then; one hung while starting
+        # (before its first line) kept front 0 waiting here for ever, the replica never serving.
+        deadline = loop.time() + FRONT_ATTACH_TIMEOUT_S if settings.config.front_stall_timeout_s else None
         for index, process in enumerate(self.processes, start=1):
-            line = await loop.run_in_executor(None, process.stdout.readline)
+            try:
+                line = await asyncio.wait_for(loop.run_in_executor(None, process.stdout.readline),
+                                              None if deadline is None else max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise FrontFailed(f"front {index} of the engine core (pid {process.pid}) did not start serving "
+                                  f"within {FRONT_ATTACH_TIMEOUT_S:g} s") from None
             if not line.startswith(b"front"):
                 code = await loop.run_in_executor(None, process.wait)
                 raise FrontFailed(f"front {index} of the engine core exited with code {code} while starting "

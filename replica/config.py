@@ -307,7 +307,7 @@ class EngineConfig(ConfigModel):
         "front that started the core then stops it, as its exit does. A front that reads at all, however far "
         "behind, never hits it; nor does one still starting (counted from its attach), though one that has not "
         "attached 120 s after the core started (hung while starting) is taken out too "
-        "(replica/core/engine_core.py's FRONT_ATTACH_TIMEOUT_S). 0: no bound, for either.",
+        "(replica/ipc/messages.py's FRONT_ATTACH_TIMEOUT_S). 0: no bound, for either.",
     )
     fused_ops: FusedOpsName = Field(
         DEFAULT_FUSED_OPS,

@@ -219,8 +219,10 @@ class LLMEngine:
         else:
             self.scheduler.add_request(request)
         if detokenize:
+            params = request.sampling_params
             self.detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, kept_special_token_ids=request.sampling_params.kept_special_token_ids)
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                kept_special_token_ids=params.kept_special_token_ids)
 
     def _add_constrained(self, request: Request) -> None:
         """Check it now, compile its grammar on the compiler's thread (a cached grammar is done

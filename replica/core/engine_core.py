@@ -34,8 +34,8 @@ from replica.errors import InvalidRequestError
 from replica.parallel.group import TensorParallelDead
 from replica.ipc.channel import ChannelClosed, FrameSocket
 from replica.ipc.messages import (
-    AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult, error_for_front,
-    from_wire, load_to_wire, to_wire,
+    FRONT_ATTACH_TIMEOUT_S, AbortRequests, AddRequest, Shutdown, StepFailed, StepOutputs, UtilityCall, UtilityResult,
+    error_for_front, from_wire, load_to_wire, to_wire,
 )
 from replica.core.slo import SLOView
 
@@ -45,13 +45,6 @@ logger = logging.getLogger(__name__)
 # died while nothing ran went unnoticed until the next request (no step sent it anything), so
 # the front, Serve's health check and the load stream went on reporting a live replica.
 IDLE_WORKER_CHECK_S = 0.5
-# How long another front may take to attach (its first word) after the core started, while
-# front_stall_timeout_s is on: one that has not by then hung while starting, and would have a
-# message queued for it every step for ever, its stall clock never started. A front process's
-# start (Python, its imports, its gRPC server) takes 2-5 s: this is ten times that, for a
-# loaded node, and twice again; what queues for it meanwhile is one message a step (the load and
-# KV events), ~12k at 100 steps a second.
-FRONT_ATTACH_TIMEOUT_S = 120.0
 
 
 class EngineCore:

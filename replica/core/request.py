@@ -92,6 +92,8 @@ class SamplingParams:
     # checkpoint makes them special (vLLM keeps every special token of a tool-calling request,
     # EOS and control tokens showing in its content; here only these show).
     kept_special_token_ids: tuple[int, ...] = ()
+    # False: the text keeps every special token (vLLM's skip_special_tokens).
+    skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -127,6 +129,8 @@ class SamplingParams:
             for token_id in token_ids:
                 if not _is_int(token_id):
                     raise InvalidRequestError(name, f"token ids must be integers, got {token_id!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidRequestError("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if prompt_len + self.max_tokens > max_model_len:

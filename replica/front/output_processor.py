@@ -107,7 +107,8 @@ class OutputProcessor:
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         core_id = stream.request.request_id
         request_id = request_id or core_id
-        detokenizer = IncrementalDetokenizer(self.tokenizer, kept_special_token_ids=params.kept_special_token_ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                             kept_special_token_ids=params.kept_special_token_ids)
         self._live[core_id] = _Live(stream, detokenizer, matcher, request_id)
         if core_id != request_id:
             self._core_ids[request_id] = core_id

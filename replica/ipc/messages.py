@@ -22,6 +22,15 @@ from replica.core.load import LOAD_FIELDS, SchedulerLoad
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
+# How long another front may take to attach (its first word) after the core started, while
+# front_stall_timeout_s is on: one that has not by then hung while starting, and would have a
+# message queued for it every step for ever, its stall clock never started. A front process's
+# start (Python, its imports, its gRPC server) takes 2-5 s: this is ten times that, for a
+# loaded node, and twice again; what queues for it meanwhile is one message a step (the load and
+# KV events), ~12k at 100 steps a second.
+# Front 0 waits as long for each other front to say it serves (cluster/replica_command.py).
+FRONT_ATTACH_TIMEOUT_S = 120.0
+
 
 # ---- start-up (sent once, before the loop) ---------------------------------------------
 class CoreSpec(NamedTuple):

@@ -1,5 +1,5 @@
 """What the ingress answers on its own, through its route methods on the built-in model (no
-Ray): /tokenize and /detokenize with no replica up, /version from a source tree with no
+Ray): /tokenize, /detokenize and /v1/models with no replica up, /version from a source tree with no
 package metadata, and the retry wait a 429 or 503 asks for, drawn per refusal."""
 
 from __future__ import annotations
@@ -54,10 +54,25 @@ def test_tokenize_and_detokenize_answer_with_no_replica_up(max_model_len):
     assert refused[0] == 400 and refused[1]["error"]["param"] == "tokens"
 
 
-def test_tokenize_gives_the_context_a_replica_said_once_one_has():
+@pytest.mark.parametrize("max_model_len", [None, 200])
+def test_the_model_list_answers_with_no_replica_up(max_model_len):
+    """/v1/models (and /v1/models/{id}) awaited a replica's ModelInfo for max_model_len: with no
+    replica up they hung. The context length is /tokenize's: the configured one, else null."""
+    ingress = replica_never_answers(completing_ingress(no_replica), max_model_len)
+
+    async def scenario():
+        return await asyncio.wait_for(ingress.models(), 5), await asyncio.wait_for(ingress.model(ingress.model_id), 5)
+
+    listed, retrieved = asyncio.run(scenario())
+    assert listed == {"object": "list", "data": [retrieved]}
+    assert retrieved["id"] == ingress.model_id and retrieved["max_model_len"] == max_model_len
+
+
+def test_tokenize_and_the_model_list_give_the_context_a_replica_said_once_one_has():
     ingress = completing_ingress(no_replica)  # its replica said max_model_len 256
     status, reply = answer(asyncio.run(ingress.tokenize(http_request("/tokenize", {"prompt": "hello"}))))
     assert status == 200 and reply["max_model_len"] == 256
+    assert asyncio.run(ingress.models())["data"][0]["max_model_len"] == 256
 
 
 def test_the_ingress_reads_the_vocabulary_a_replica_reads():

@@ -565,7 +565,7 @@ def completing_ingress(replica_stream, sampling_defaults=None):
     ingress.engine_config, ingress.tool_call_parser = config.engine, config.tool_call_parser
     ingress.sampling_defaults = sampling_defaults or SamplingDefaults()
     ingress.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.token_bytes)
-    ingress.vocab_size = tokenizer.vocab_size
+    ingress.vocab_size, ingress.started_at = tokenizer.vocab_size, 1_700_000_000
     # What a replica said, as the ingress keeps it.
     ingress._model_info = pb.ModelInfo(max_model_len=256, vocab_size=tokenizer.vocab_size, block_size=16)
 
