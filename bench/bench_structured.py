@@ -367,6 +367,12 @@ def in_turns(run, repeat: int, sides: list[tuple[str, tuple]]) -> tuple[dict[str
     return {name: statistics.median(values) for name, values in rates.items()}, last
 
 
+def print_beside(rates: dict[str, float], beside: str, sides: list[tuple[str, str, str]]) -> None:
+    """One line per (side, label, what else) of `in_turns`' rates: its tok/s over the "alone" side's."""
+    for side, label, rest in sides:
+        print(f"  beside {beside}, {label}: {rates[side]:.0f} tok/s, ratio {rates[side] / rates['alone']:.3f}; {rest}")
+
+
 def slow_row(engine, prompts, max_tokens: int, repeat: int) -> None:
     """The batch's tok/s beside one slow-masked request, over its tok/s alone."""
     from replica.core.request import SamplingParams
@@ -403,13 +409,12 @@ def slow_row(engine, prompts, max_tokens: int, repeat: int) -> None:
 
     rates, slow_tokens = in_turns(run, repeat, [("alone", (False, default_ms)), ("beside, no limit", (True, 1e9)),
                                                 ("beside, limit", (True, default_ms))])
-    alone = rates["alone"]
-    print(f"slow row, batch {len(prompts)} x {max_tokens} tokens: alone {alone:.0f} tok/s")
-    for side, label in (("beside, no limit", "no mask time limit (before)"),
-                        ("beside, limit", f"limit {default_ms:g} ms (structured_output_max_mask_ms)")):
-        rate = rates[side]
-        print(f"  beside one slow-masked request, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
-              f"the slow request wrote {slow_tokens[side]} tokens")
+    print(f"slow row, batch {len(prompts)} x {max_tokens} tokens: alone {rates['alone']:.0f} tok/s")
+    print_beside(rates, "one slow-masked request", [
+        ("beside, no limit", "no mask time limit (before)",
+         f"the slow request wrote {slow_tokens['beside, no limit']} tokens"),
+        ("beside, limit", f"limit {default_ms:g} ms (structured_output_max_mask_ms)",
+         f"the slow request wrote {slow_tokens['beside, limit']} tokens")])
 
 
 # A regex whose every mask takes several ms on the 2-core VM, from the first token on, each within
@@ -465,13 +470,11 @@ def slow_rows(engine, prompts, max_tokens: int, repeat: int, count: int) -> None
                                                 ("budget", (True, budget_ms))])
     finally:
         engine.scheduler.config = default_config
-    alone = rates["alone"]
-    print(f"slow rows, {len(prompts)} unconstrained x {max_tokens} tokens: alone {alone:.0f} tok/s")
-    for side, label in (("no budget", "no step mask budget (before)"),
-                        ("budget", f"step mask budget {budget_ms:g} ms (structured_output_step_mask_ms)")):
-        rate = rates[side]
-        print(f"  beside {count} slow-masked requests, {label}: {rate:.0f} tok/s, ratio {rate / alone:.3f}; "
-              f"they wrote {written[side]} tokens meanwhile")
+    print(f"slow rows, {len(prompts)} unconstrained x {max_tokens} tokens: alone {rates['alone']:.0f} tok/s")
+    print_beside(rates, f"{count} slow-masked requests", [
+        ("no budget", "no step mask budget (before)", f"they wrote {written['no budget']} tokens meanwhile"),
+        ("budget", f"step mask budget {budget_ms:g} ms (structured_output_step_mask_ms)",
+         f"they wrote {written['budget']} tokens meanwhile")])
 
 
 if __name__ == "__main__":

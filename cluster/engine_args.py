@@ -48,7 +48,8 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field; unset flags keep EngineConfig's defaults."""
     group = parser.add_argument_group("engine", "knobs of replica.config.EngineConfig")
     for name, field in EngineConfig.model_fields.items():
-        default = f"{field.default}; {NONE_VALUE!r} for None" if _takes_none(field) else field.default
+        takes_none = _takes_none(field)
+        default = f"{field.default}; {NONE_VALUE!r} for None" if takes_none else field.default
         # argparse expands help text with %-formatting: a literal % (block_size's "// and %") must be doubled.
         help_text = f"{field.description or name} (default: {default})".replace("%", "%%")
         # default=None marks "not given", so only explicit flags override the config.
@@ -59,7 +60,7 @@ def add_engine_config_arguments(parser: argparse.ArgumentParser) -> None:
         elif typing.get_origin(annotation) is Literal:
             kwargs["choices"] = typing.get_args(annotation)
         else:
-            kwargs["type"] = _or_none(annotation) if _takes_none(field) else annotation
+            kwargs["type"] = _or_none(annotation) if takes_none else annotation
         group.add_argument(flag_for(name), **kwargs)
 
 

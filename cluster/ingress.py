@@ -687,8 +687,7 @@ class Ingress:
     async def model(self, model: str):
         """One model, as OpenAI's API answers `client.models.retrieve(id)`; another id is 404."""
         if model != self.model_id:
-            return JSONResponse(error_body(f"model: this endpoint serves {self.model_id!r}, not {model!r}", "model",
-                                           "model_not_found"), status_code=404)
+            return _other_model(self.model_id, model)
         return self._model_object()
 
     def _model_object(self) -> dict[str, Any]:

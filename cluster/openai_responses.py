@@ -173,7 +173,7 @@ class CompletionBodies:
         self._unsettled: dict[int, list[tuple[int, RequestOutput]]] = {}
         self._settled: dict[int, ChoiceResult] = {}
         self.prompt_token_ids = prompt_token_ids
-        self.echo_logprobs = echo_logprobs and not self.chat
+        self.echo_logprobs = echo_logprobs  # completions only: the caller says so for chat
         self.prompt_logprobs_field = prompt_logprobs_field
         self._echoed: set[int] = set()  # streamed completions with echo_logprobs whose prompt is out
 
@@ -223,7 +223,7 @@ class CompletionBodies:
             return None
         del self._pending[index]
         text = chunk.text
-        echoes = self.echo_logprobs and index not in self._echoed
+        echoes = self.opens_with_prompt(index)
         if echoes:  # the choice's first chunk: the prompt and its logprobs open it
             self._echoed.add(index)
             text = self.echo_texts[prompt_index] + text

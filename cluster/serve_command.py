@@ -199,7 +199,7 @@ def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
     many = len(config.applications) > 1
     cluster_gpus = resources.get("GPU", 0.0)
     needed = {"CPU": 0.0, "GPU": 0.0}
-    counts = {"CPU": [], "GPU": []}  # (where, the application, its count field, replicas, each) needing it
+    last: dict[str, tuple] = {}  # the last application needing each: (where, its args, its count field, replicas, each)
     for index, app in enumerate(config.applications):
         where = f"applications[{index}].args." if many else ""
         options = serve_deployment_options(app.args, cluster_gpus)  # ConfigError: GPUs < ranks
@@ -218,11 +218,11 @@ def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
                                   f"the Ray cluster has {have:g}")
             if each:
                 needed[resource] += replicas * each
-                counts[resource].append((where, app.args, count_field, replicas, each))
+                last[resource] = (where, app.args, count_field, replicas, each)
     for resource, total in needed.items():
         have = resources.get(resource, 0.0)
         if total > have:
-            where, app, count_field, replicas, each = counts[resource][-1]
+            where, app, count_field, replicas, each = last[resource]
             hint = " (--num-cpus sets the local node's)" if resource == "CPU" else ""
             flag = (flags or {}).get(count_field)
             if flag is None:

@@ -312,14 +312,14 @@ class Scheduler:
         if kv_cache.prefetched:
             kv_cache.cancel_prefetches(made_before_step=self._step_id + 1)
 
-        step_id, constrained = self._step_id + 1, self._num_constrained > 0
+        step_id = self._step_id + 1
         for entry in scheduled:
             request = entry.request
             num_computed = request.num_computed_tokens = request.num_computed_tokens + entry.num_new_tokens
             if num_computed >= len(request.all_token_ids) + request.num_pending_tokens:
                 entry.samples = True
                 request.num_pending_tokens += 1  # until update() appends it
-                if constrained and request.grammar is not None:
+                if request.grammar is not None:
                     request.grammar.masked_at_step = step_id  # _mask_turns: when its mask was last built
 
         self._step_id += 1

@@ -368,7 +368,7 @@ class ModelRunner:
             samples.append(entry.samples)
             if request.grammar is not None and entry.samples:
                 constrained_seqs.append(len(samples) - 1)
-            if request.prompt_logprobs is not None and not request.output_token_ids:
+            if request.gathers_prompt_logprobs:
                 prompt_logprob_seqs.append(len(samples) - 1)
         seq_rows = np.array(seq_row_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)

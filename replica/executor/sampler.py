@@ -47,12 +47,20 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     vLLM v1's batched_count_greater_than does: a token tied with others takes the worst rank of
     the tie (vLLM v0 gave it the best)."""
     all_logprobs = logits.float().log_softmax(dim=-1)
-    token_logprobs = all_logprobs.gather(-1, token_ids.unsqueeze(1))
-    ranks = (all_logprobs >= token_logprobs).sum(dim=-1)
+    token_logprobs, top_logprobs, top_token_ids = token_and_top_logprobs(all_logprobs, token_ids, num_top)
+    ranks = (all_logprobs >= token_logprobs.unsqueeze(1)).sum(dim=-1)
+    return token_logprobs, ranks, top_logprobs, top_token_ids
+
+
+def token_and_top_logprobs(all_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per row of log-probabilities [rows, vocab]: its token's, and with num_top its num_top
+    most likely (logprobs, token ids), most likely first (one topk for every row)."""
+    token_logprobs = all_logprobs.gather(-1, token_ids.unsqueeze(1)).squeeze(1)
     if not num_top:
-        return token_logprobs.squeeze(1), ranks, None, None
+        return token_logprobs, None, None
     top_logprobs, top_token_ids = all_logprobs.topk(num_top, dim=-1)
-    return token_logprobs.squeeze(1), ranks, top_logprobs, top_token_ids
+    return token_logprobs, top_logprobs, top_token_ids
 
 
 @dataclass
@@ -226,11 +234,10 @@ class Sampler:
             return SamplerOutput(token_ids, None)
         # vLLM's convention: log_softmax of the raw logits, before bias, penalties, temperature
         # or filtering. One topk serves every row's alternatives.
-        all_logprobs = raw_logits.log_softmax(dim=-1)
-        logprobs = all_logprobs.gather(-1, token_ids.unsqueeze(1)).squeeze(1)
-        if not batch.max_top_logprobs:
+        logprobs, top_logprobs, top_token_ids = token_and_top_logprobs(
+            raw_logits.log_softmax(dim=-1), token_ids, batch.max_top_logprobs)
+        if top_logprobs is None:
             return SamplerOutput(token_ids, logprobs)
-        top_logprobs, top_token_ids = all_logprobs.topk(batch.max_top_logprobs, dim=-1)
         return SamplerOutput(token_ids, logprobs, top_token_ids, top_logprobs)
 
     @staticmethod

@@ -224,8 +224,8 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             and params["original_max_position_embeddings"] != top_original):
         raise ModelConfigError(f"original_max_position_embeddings {top_original!r} and the rope parameters' "
                                f"{params['original_max_position_embeddings']!r} disagree; give one")
-    legacy_rope_type = params.pop("type", None)  # the pre-4.45 spelling of rope_type
-    rope_type = params.pop("rope_type", None) or legacy_rope_type or "default"
+    params = _rope_fields(params)  # the pre-4.45 `type` read as rope_type
+    rope_type = params.pop("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"

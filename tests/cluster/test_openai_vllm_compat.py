@@ -148,27 +148,12 @@ def tool_tags_special(model_dir, directory):
     return directory
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_tool_call_whose_tags_are_special_tokens_is_a_call_not_content(tmp_path, stream):
-    """The replica decoded the output with special tokens skipped, so a checkpoint's special
-    <tool_call> tags vanished and the call came back as content (vLLM's #25281). A tool-calling
-    request's text keeps the parser's tags, and only them: not EOS, not another special token."""
+def front_detokenizing(tokenizer, generated, sent):
+    """A replica whose front (OutputProcessor) detokenizes `generated` for each request."""
+    from replica.core.request import Request as EngineRequest
     from replica.front.output_processor import OutputProcessor
-    from replica.model.registry import resolve_model_path
-    from replica.text.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_pretrained(tool_tags_special(resolve_model_path("builtin"), tmp_path / "model"))
-    start, end = tokenizer.special_token_ids(["<tool_call>", "</tool_call>"])
-    other_special = tokenizer.special_token_ids(["<|reserved_5|>"])[0]
-    call = tokenizer.encode('{"name": "get_weather", "arguments": {"city": "Paris"}}', add_special_tokens=False)
-    generated = ([other_special] + tokenizer.encode("Sure.", add_special_tokens=False) + [start] + call + [end]
-                 + [tokenizer.eos_token_id])
-    sent = []
 
     async def replica(request):
-        """The replica's front as it detokenizes the core's rows, for the request the ingress made."""
-        from replica.core.request import Request as EngineRequest
-
         sent.append(request.sampling)
         outputs = []
 
@@ -187,7 +172,25 @@ def test_a_tool_call_whose_tags_are_special_tokens_is_a_call_not_content(tmp_pat
         for output in outputs:
             yield output
 
-    ingress = completing_ingress(replica)
+    return replica
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_whose_tags_are_special_tokens_is_a_call_not_content(tmp_path, stream):
+    """The replica decoded the output with special tokens skipped, so a checkpoint's special
+    <tool_call> tags vanished and the call came back as content (vLLM's #25281). A tool-calling
+    request's text keeps the parser's tags, and only them: not EOS, not another special token."""
+    from replica.model.registry import resolve_model_path
+    from replica.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(tool_tags_special(resolve_model_path("builtin"), tmp_path / "model"))
+    start, end = tokenizer.special_token_ids(["<tool_call>", "</tool_call>"])
+    other_special = tokenizer.special_token_ids(["<|reserved_5|>"])[0]
+    call = tokenizer.encode('{"name": "get_weather", "arguments": {"city": "Paris"}}', add_special_tokens=False)
+    generated = ([other_special] + tokenizer.encode("Sure.", add_special_tokens=False) + [start] + call + [end]
+                 + [tokenizer.eos_token_id])
+    sent = []
+    ingress = completing_ingress(front_detokenizing(tokenizer, generated, sent))
     ingress.tokenizer = tokenizer
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]

@@ -8,34 +8,7 @@ import asyncio
 import pytest
 
 from tests.cluster.test_openai_api import completing_ingress, post
-from tests.cluster.test_openai_vllm_compat import answer
-
-
-def front_detokenizing(tokenizer, generated, sent):
-    """A replica whose front (OutputProcessor) detokenizes `generated` for each request."""
-    from replica.core.request import Request as EngineRequest
-    from replica.front.output_processor import OutputProcessor
-
-    async def replica(request):
-        sent.append(request.sampling)
-        outputs = []
-
-        class Stream:
-            def put(self, item):
-                outputs.append(item)
-
-        stream = Stream()
-        stream.request = EngineRequest("r", list(request.prompt_token_ids), request.sampling,
-                                       eos_token_ids=(tokenizer.eos_token_id,))
-        processor = OutputProcessor(tokenizer, lambda core_id: None)
-        processor.track(stream)
-        for index, token_id in enumerate(generated):
-            finish = "stop" if index == len(generated) - 1 else None
-            processor.process([("r", [token_id], finish, 0, None, None, None, None, None)])
-        for output in outputs:
-            yield output
-
-    return replica
+from tests.cluster.test_openai_vllm_compat import answer, front_detokenizing
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

