@@ -34,6 +34,10 @@ def decision_families(app_name: str, decision: dict[str, Any]) -> list[Metric]:
     running = _family("headroom_autoscaler_running_replicas")
     running.add_metric([app_name], decision["running_replicas"])
     families = [desired, running]
+    if decision.get("pressure_floor") is not None:
+        floor = _family("headroom_autoscaler_pressure_floor_replicas")
+        floor.add_metric([app_name], decision["pressure_floor"])
+        families.append(floor)
     if decision["kv_capacity_tokens"] > 0 and decision["running_replicas"] > 0:
         ratio = _family("headroom_autoscaler_kv_demand_ratio")
         ratio.add_metric([app_name], decision["kv_demand_tokens"] /

@@ -201,6 +201,12 @@ class Decision:
     kv_demand_growth_tokens: float = 0.0  # what the demand's trend adds over replica_startup_s
     kv_replicas: int = 0  # replicas that hold the demand (and its growth) at the target utilisation
     waiting_replicas: int = 0  # replicas the waiting prefill asks for
+    # The pressure floor after this decision (PolicyState.pressure_floor): no scale-down below
+    # this many (0: none); held at least until pressure_floor_until (a time, while its
+    # downscale_delay_s runs), then until the KV demand falls to pressure_floor_release_tokens.
+    pressure_floor: int = 0
+    pressure_floor_until: Optional[float] = None
+    pressure_floor_release_tokens: float = 0.0
 
 
 def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: HeadroomPolicyParams,
@@ -293,6 +299,7 @@ def decide(signals: Sequence[ReplicaSignal], running: int, target: int, params: 
         wanted, reason = at_once
     kept = _with_pressure_floor(kept, state, max(waiting_replicas, at_once[0] if at_once is not None else 0),
                                 running, demand, now, params)
+    inputs.update(_pressure_floor_inputs(kept, params))
     if wanted > target:
         since = state.wants_up_since if state.wants_up_since is not None else now
         if reason in AT_ONCE_REASONS or now - since >= params.upscale_delay_s:
@@ -336,6 +343,18 @@ def _with_pressure_floor(kept: PolicyState, state: PolicyState, asked: int, runn
         elif demand <= params.scale_down_utilization / params.target_utilization * floor_demand:
             floor, asked_at, floor_demand = 0, None, None  # the load eased by the band: fewer may do
     return replace(kept, pressure_floor=floor, pressure_floor_asked_at=asked_at, pressure_floor_demand=floor_demand)
+
+
+def _pressure_floor_inputs(state: PolicyState, params: HeadroomPolicyParams) -> dict[str, Any]:
+    """The Decision fields that show `state`'s pressure floor: its count, and what holds it (its
+    delay's end, or once that has passed, the KV demand it is lifted at)."""
+    if not state.pressure_floor or state.pressure_floor_asked_at is None:
+        return {}
+    if state.pressure_floor_demand is None:
+        return dict(pressure_floor=state.pressure_floor,
+                    pressure_floor_until=state.pressure_floor_asked_at + params.downscale_delay_s)
+    return dict(pressure_floor=state.pressure_floor, pressure_floor_release_tokens=(
+        params.scale_down_utilization / params.target_utilization * state.pressure_floor_demand))
 
 
 def _clock_went_back(state: PolicyState, now: float) -> bool:

@@ -37,10 +37,11 @@ from cluster.engine_args import add_engine_config_arguments, engine_overrides_fr
 from cluster.prometheus_targets import file_stem
 from replica.model import ModelLoadError
 from replica.model.checkpoint import read_model_config, sampling_defaults
+from replica.model.config import DTYPE_BYTES, host_kv_block_bytes
 from replica.model.registry import (
     BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, check_tensor_parallel, resolve_model_path,
 )
-from replica.config import ConfigError, EngineConfig, resolve_max_model_len
+from replica.config import ConfigError, EngineConfig, resolve_host_kv_blocks, resolve_max_model_len
 from replica.server.auth import (
     CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, host_port,
     is_loopback_host, open_door_warning,
@@ -235,15 +236,24 @@ def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
                               f"the Ray cluster has {have:g}{hint}; pass {flag} {int(have // each)}")
 
 
-def check_engine_fits_model(engine: EngineConfig, model_dir: Path) -> None:
+def check_engine_fits_model(engine: EngineConfig, model_dir: Path, dtype: str = "auto") -> None:
     """The engine checks a replica makes once its model is known, made before Ray starts: under
     Serve each replica would fail them in turn, and `headroom serve` would end in a traceback.
     The model must divide among the tensor-parallel ranks and hold an explicit max_model_len in
-    its context. ConfigError naming the engine field."""
+    its context, and a host KV tier of its blocks (in `dtype`, the application's; auto: the
+    checkpoint's) must fit the memory a replica here may use: the local cluster's replicas run
+    on this machine. ConfigError naming the engine field."""
     if engine.tensor_parallel_size > 1:
         check_tensor_parallel(model_dir, engine.tensor_parallel_size)
-    if engine.max_model_len is not None:  # else the replica fits it to the model (and its pool)
-        resolve_max_model_len(engine, read_model_config(model_dir).max_model_len)
+    if engine.max_model_len is None and not engine.has_host_tier:
+        return  # the replica fits max_model_len to the model (and its pool)
+    model_config = read_model_config(model_dir)
+    if engine.max_model_len is not None:
+        resolve_max_model_len(engine, model_config.max_model_len)
+    if engine.has_host_tier:
+        element_size = DTYPE_BYTES[model_config.dtype if dtype == "auto" else dtype]
+        resolve_host_kv_blocks(engine, host_kv_block_bytes(model_config, engine.block_size, element_size,
+                                                           engine.tensor_parallel_size))
 
 
 def check_ports_free(config: ServeAppsConfig, http_name: str, grpc_name: str) -> None:
@@ -379,7 +389,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_checkpoint(model_dir, chat_template=app.args.chat_template)
             sampling_defaults(model_dir, app.args.engine.generation_config)  # a default no request could have
             try:
-                check_engine_fits_model(app.args.engine, model_dir)
+                check_engine_fits_model(app.args.engine, model_dir, app.args.dtype)
             except ConfigError as error:
                 where = f"applications[{index}].args." if len(config.applications) > 1 else ""
                 raise ConfigError(f"{where}engine.{error}") from None

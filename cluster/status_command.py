@@ -2,7 +2,8 @@
 and usage, preemption rate, running and waiting requests), read from the load endpoint each
 replica announces to the routers, with the cluster token it reads from Ray as the routers do
 (joining the Ray cluster is what entitles it); then, per application, the replicas running
-against the count its autoscaling policy wants (and why) and those draining, and what the
+against the count its autoscaling policy wants (and why), the pressure floor holding it if one
+is in force, and those draining, and what the
 public gRPC door (Serve's gRPC proxy) answers a client: open, requires an API key, accepts or
 refuses the one given (--api-key, else $HEADROOM_API_KEY), as a client outside would see it.
 """
@@ -131,7 +132,7 @@ def _door_answer(app_name: str, address: str, api_key: Optional[str]) -> tuple[g
 def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[dict]],
                 changes: dict[str, list[dict]]) -> list[str]:
     """Per application: replicas running against what the autoscaling policy wants, and why;
-    and the policy's last change of the count."""
+    the pressure floor that holds it, if any; and the policy's last change of the count."""
     lines = []
     for app_name, count in counts.items():
         line = f"{app_name}: {count.running} replica{'' if count.running == 1 else 's'} running"
@@ -143,6 +144,7 @@ def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[
         else:
             line += (f", desired {decision['desired_replicas']} ({decision['policy']} policy: {decision['reason']}), "
                      f"Serve's target {count.target}")
+            line += pressure_floor_text(decision)
             if changes.get(app_name):
                 change = changes[app_name][-1]
                 line += (f"; last change to {change['desired_replicas']} ({change['reason']}) "
@@ -151,6 +153,20 @@ def scale_lines(counts: dict[str, ReplicaCounts], decisions: dict[str, Optional[
             line += f", {count.draining} draining"
         lines.append(line)
     return lines
+
+
+def pressure_floor_text(decision: dict) -> str:
+    """The headroom policy's pressure floor in `decision`, if one is in force: its count and what
+    holds it (the rest of its delay, or the KV demand it is lifted at); "" without one."""
+    floor = decision.get("pressure_floor")
+    if not floor:
+        return ""
+    text = f"; pressure floor {floor} (a scale-down rebounded): "
+    if decision.get("pressure_floor_until") is not None:
+        return text + (f"held {max(0.0, decision['pressure_floor_until'] - time.time()):.0f} s more, then until "
+                       "the KV demand eases by the scale-down band")
+    return text + (f"held until the KV demand falls to {decision['pressure_floor_release_tokens']:.0f} tokens "
+                   f"(now {decision['kv_demand_tokens']:.0f})")
 
 
 def status_table(statuses: list[ReplicaStatus]) -> Table:

@@ -157,13 +157,14 @@ def test_errors_cross_to_the_front_as_themselves_or_named():
 
 
 # What cluster/ and router/ may import from replica/: its light roots (config, errors, the
-# model registry, the checkpoint's torch-free reading), the request and output types the ingress builds and streams, the front a
+# model registry, the checkpoint's torch-free reading, the model config's shape arithmetic), the request and output types the ingress builds and streams, the front a
 # Serve replica embeds and the server pieces it runs beside it (and the core client's child
 # environment, which `headroom replica` starts its other fronts with). Never the engine core's
 # scheduler, KV cache, executor or model internals: those stay behind the front's process
 # boundary. A new import from replica/ in cluster/ or router/ lands here on purpose, or not.
 REPLICA_SURFACE = {
-    "replica.config", "replica.errors", "replica.model", "replica.model.checkpoint", "replica.model.registry",
+    "replica.config", "replica.errors", "replica.model", "replica.model.checkpoint", "replica.model.config",
+    "replica.model.registry",
     "replica.core.request", "replica.core.outputs", "replica.core.structured_output", "replica.core.process",
     "replica.ipc.messages", "replica.front.async_engine", "replica.front.core_client", "replica.text.tokenizer",
     "replica.server.auth", "replica.server.grpc_reflection", "replica.server.grpc_service", "replica.server.metrics",

@@ -20,6 +20,7 @@ from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.config import ConfigError, EngineConfig
 from replica.executor.sampler import Sampler, SamplingBatch, logprobs_of, prompt_logits_rows
 from replica.model import LlamaForCausalLM, ModelConfig
+from replica.model.config import kv_block_bytes
 from replica.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
 
@@ -74,10 +75,8 @@ class MemoryProfile:
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of one block, across all layers."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
-            * model_config.head_dim * element_size)
+    """Keys and values of one block, across all layers (model_config: this rank's shard)."""
+    return kv_block_bytes(model_config, block_size, dtype.itemsize)
 
 
 @dataclass(frozen=True)

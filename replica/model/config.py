@@ -152,6 +152,30 @@ def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype
     return getattr(torch, dtype_name(name, field=field))
 
 
+# Bytes per element of each of DTYPE_NAMES, as torch stores it (a test holds them to torch's).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
+    """The KV heads each of `size` tensor-parallel ranks holds: its share, or one replicated
+    head where the model has fewer KV heads than ranks."""
+    return max(1, cfg.num_key_value_heads // size)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, element_size: int, tp_size: int = 1) -> int:
+    """Keys and values of one KV block across all layers, in elements of `element_size` bytes:
+    what one rank of `tp_size` holds of it (its kv_heads_per_rank). The pool sizing's and the
+    host tier's arithmetic (replica/executor/memory_profile.py, replica/executor/rank_config.py),
+    here without torch so that `headroom serve` checks a host tier before Ray starts."""
+    return 2 * cfg.num_hidden_layers * block_size * kv_heads_per_rank(cfg, tp_size) * cfg.head_dim * element_size
+
+
+def host_kv_block_bytes(cfg: ModelConfig, block_size: int, element_size: int, tp_size: int = 1) -> int:
+    """One block of a replica's host KV tier of the model `cfg` (the whole model's) under
+    tensor parallelism over `tp_size` ranks: every rank's shard of it, all in the node's memory."""
+    return tp_size * kv_block_bytes(cfg, block_size, element_size, tp_size)
+
+
 # The rotary table is built for every position up to this (16 Mi: past any model's context).
 MAX_POSITION_EMBEDDINGS = 1 << 24
 _MISSING = object()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from replica.model.config import kv_heads_per_rank  # torch-free: the pre-Ray host-tier check uses it too
+
 if TYPE_CHECKING:  # the model package imports this module
     from replica.model.config import ModelConfig
 
@@ -268,10 +270,6 @@ def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
     embedded (ids are checked against vocab_size) nor sampled (the logits gather leaves their
     columns out)."""
     return -(-vocab_size // size)
-
-
-def kv_heads_per_rank(cfg: "ModelConfig", size: int) -> int:
-    return max(1, cfg.num_key_value_heads // size)
 
 
 def kv_head_start(cfg: "ModelConfig", rank: int, size: int) -> int:

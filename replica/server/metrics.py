@@ -375,6 +375,13 @@ METRIC_NAMES: dict[str, MetricSpec] = {
         None,
         ("application",),
     ),
+    "headroom_autoscaler_pressure_floor_replicas": MetricSpec(
+        "gauge",
+        "The headroom policy's pressure floor: replicas it will not scale down below since a scale-down "
+        "rebounded (0: none), until the KV demand eases by the hysteresis band.",
+        None,
+        ("application",),
+    ),
 }
 
 ROUTER_METRIC_PREFIX = "headroom_router_"

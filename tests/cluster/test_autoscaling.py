@@ -4,6 +4,7 @@ and the Serve-facing callables on a real AutoscalingContext. No Ray needed."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -215,6 +216,23 @@ def test_preemptions_that_stop_at_one_replica_more_rebound_once_and_stay():
 
     assert [change[1:] for change in simulate(load, 1200)] == [(1, 2, "preemptions"), (2, 1, "low_demand"),
                                                                (1, 2, "preemptions")]
+
+
+def test_each_decision_shows_the_pressure_floor_its_delay_then_the_demand_it_is_lifted_at():
+    """The floor held the count invisibly: a decision (so the metric and `headroom status`)
+    carries it, and what holds it."""
+    assert decide(replicas(3000, waiting=5000), running=1, target=1, params=PARAMS, now=120.0)[0].pressure_floor == 0
+    # 2 -> 1 at t=100; at t=120 the waiting prefill asks for 2 again: a rebound.
+    decision, state = decide(replicas(3000, waiting=5000), running=1, target=1, params=PARAMS, now=120.0,
+                             state=PolicyState(scaled_down_from=2, scaled_down_from_at=100.0))
+    assert (decision.pressure_floor, decision.pressure_floor_until, decision.pressure_floor_release_tokens) == \
+        (2, 150.0, 0.0)  # held for downscale_delay_s (30 s) after it was last asked for
+    decision, state = decide(replicas(3000, 3000), running=2, target=2, params=PARAMS, now=160.0, state=state)
+    # Then until the demand (6,000 now) falls by the band: to 0.6 / 0.8 of it.
+    assert (decision.pressure_floor, decision.pressure_floor_until, decision.pressure_floor_release_tokens) == \
+        (2, None, pytest.approx(4500.0))
+    decision, state = decide(replicas(2000, 2000), running=2, target=2, params=PARAMS, now=170.0, state=state)
+    assert (decision.pressure_floor, state.pressure_floor) == (0, 0)
 
 
 def test_an_idle_cluster_still_scales_in():
@@ -477,6 +495,22 @@ def test_status_prints_running_against_desired_with_the_reason_and_the_draining(
                                "last change to 3 (kv_demand)")
     assert lines[1].endswith(", 1 draining")
     assert lines[2] == "starting: 1 replica running, Serve's target 1 (autoscaling: no decision published yet)"
+
+
+def test_status_prints_the_pressure_floor_and_what_holds_it():
+    counts = {"app": ReplicaCounts(target=2, running=2, draining=0, autoscaling=True)}
+    decision = {**asdict(Decision(2, "steady", kv_demand_tokens=6000.0, pressure_floor=2,
+                                  pressure_floor_until=time.time() + 20.5)),
+                "policy": "headroom", "timestamp": 0.0}
+    assert scale_lines(counts, {"app": decision}, {}) == [
+        "app: 2 replicas running, desired 2 (headroom policy: steady), Serve's target 2; pressure floor 2 (a "
+        "scale-down rebounded): held 20 s more, then until the KV demand eases by the scale-down band"]
+    decision.update(pressure_floor_until=None, pressure_floor_release_tokens=4500.0)
+    assert scale_lines(counts, {"app": decision}, {})[0].endswith(
+        "Serve's target 2; pressure floor 2 (a scale-down rebounded): held until the KV demand falls to 4500 tokens "
+        "(now 6000)")
+    decision.update(pressure_floor=0)
+    assert scale_lines(counts, {"app": decision}, {})[0].endswith("Serve's target 2")
 
 
 class _BoardByHand:

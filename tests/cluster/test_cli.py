@@ -3,6 +3,7 @@ field; `headroom replica` and `headroom serve` serve gRPC until SIGINT and then 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,10 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fronts import OWN_CONNECTION, engine_core_pid, front_pids, served_connections
 from cluster.cli import build_parser, main
-from cluster.serve_command import serve_config_from_args
+from cluster.serve_command import check_engine_fits_model, serve_config_from_args
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
-from replica.config import EngineConfig
+from replica.config import ConfigError, EngineConfig, make_engine_config
+from replica.model.builtin import MODEL_CONFIG as BUILTIN_MODEL_CONFIG
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -369,12 +371,33 @@ def test_a_config_files_relative_paths_are_read_from_the_commands_directory(tmp_
     (["--block-size", "48"], "error: engine.block_size: must be a power of two from 1 to 256, got 48\n"),
     # refused before Ray starts (every replica failed its start in turn, under Serve's retries)
     (["--model", "builtin", "--tensor-parallel-size", "3"], "error: engine.tensor_parallel_size: 3 does not divide"),
+    (["--model", "builtin", "--num-host-kv-blocks", "100000000000"],
+     "error: engine.num_host_kv_blocks: 100000000000 blocks of 65536 bytes exceed "),
 ])
 def test_serve_with_a_bad_value_exits_2_naming_the_field(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_checks_the_host_kv_tier_against_the_memory_as_the_replica_will(tmp_path, monkeypatch):
+    """The replicas refused a host tier past the host's memory only once Ray ran (each in turn,
+    one line, exit 1): checked before, with the replica's own arithmetic (one block is every
+    tensor-parallel rank's shard of it; a KV head fewer than the ranks is on each of them)."""
+    monkeypatch.setattr("replica.config.replica_memory_bytes", lambda: (10 * 2**20, "the host's memory"))
+    (tmp_path / "config.json").write_text(json.dumps({**BUILTIN_MODEL_CONFIG, "num_key_value_heads": 1}))
+    block_bytes = 2 * 4 * 16 * 1 * 32 * 4  # K and V x 4 layers x 16 tokens x 1 KV head x 32 dims x float32
+    fits = 10 * 2**20 // block_bytes
+    check_engine_fits_model(make_engine_config(num_host_kv_blocks=fits), tmp_path)
+    with pytest.raises(ConfigError, match=rf"^num_host_kv_blocks: {fits + 1} blocks of {block_bytes} bytes exceed "
+                                          r"the host's memory \(10485760 bytes\)$"):
+        check_engine_fits_model(make_engine_config(num_host_kv_blocks=fits + 1), tmp_path)
+    check_engine_fits_model(make_engine_config(num_host_kv_blocks=2 * fits), tmp_path, dtype="float16")
+    with pytest.raises(ConfigError, match="^num_host_kv_blocks: "):  # 2 ranks, each holding the one KV head
+        check_engine_fits_model(make_engine_config(num_host_kv_blocks=fits, tensor_parallel_size=2), tmp_path)
+    with pytest.raises(ConfigError, match="^host_kv_bytes: 100 bytes hold no KV block of this model"):
+        check_engine_fits_model(make_engine_config(host_kv_bytes=100), tmp_path)
 
 
 def test_serve_offline_without_the_default_model_exits_2_naming_the_alternatives(tmp_path):

@@ -160,12 +160,14 @@ def test_autoscaling_row_follows_the_first_with_desired_vs_running_replicas_and_
     assert any("headroom_autoscaler_desired_replicas" in q and "reason" in q for q in queries)
     assert any("headroom_autoscaler_running_replicas" in q for q in queries)
     assert any("headroom_autoscaler_kv_demand_ratio" in q for q in queries)
+    assert any("headroom_autoscaler_pressure_floor_replicas" in q for q in queries)
 
 
 def test_every_queried_autoscaler_metric_is_in_the_ingress_exposition():
     autoscaler_queried = {name for name in queried_metric_names() if name.startswith(AUTOSCALER_METRIC_PREFIX)}
     assert autoscaler_queried, "the dashboard queries no autoscaler metric"
-    decision = {**asdict(Decision(3, "kv_demand", kv_demand_tokens=12000.0, kv_capacity_tokens=8000.0)),
+    decision = {**asdict(Decision(3, "kv_demand", kv_demand_tokens=12000.0, kv_capacity_tokens=8000.0,
+                                  pressure_floor=2)),
                 "running_replicas": 2, "target_replicas": 2, "policy": "headroom"}
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     registry.register(AutoscalerCollector("builtin", read=lambda app: decision))
@@ -175,6 +177,7 @@ def test_every_queried_autoscaler_metric_is_in_the_ingress_exposition():
     assert registry.get_sample_value("headroom_autoscaler_desired_replicas", {
         "application": "builtin", "policy": "headroom", "reason": "kv_demand"}) == 3
     assert registry.get_sample_value("headroom_autoscaler_kv_demand_ratio", {"application": "builtin"}) == 0.75
+    assert registry.get_sample_value("headroom_autoscaler_pressure_floor_replicas", {"application": "builtin"}) == 2
 
 
 def test_every_queried_router_metric_is_in_a_routers_exposition():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from replica.attention import AttentionMetadata, allocate_kv_cache
 from replica.model import ModelConfig, ModelConfigError, ModelLoadError, OutputRows, load_model
+from replica.model.config import DTYPE_BYTES, DTYPE_NAMES, parse_dtype
 
 PROMPT_LEN = 13
 LOGITS_TOLERANCE = 1e-4
@@ -319,6 +320,11 @@ def test_pre_v5_rope_spelling_parses_like_rope_parameters():
     assert old == new
     assert old.rope_theta == 5e5 and old.rope_scaling == {"rope_type": "llama3", **llama3}
     assert old.eos_token_ids == (7, 9) and old.head_dim == 16
+
+
+def test_the_torch_free_dtype_sizes_are_torchs():
+    # DTYPE_BYTES sizes a host KV tier before torch is imported (`headroom serve`'s check).
+    assert DTYPE_BYTES == {name: parse_dtype(name).itemsize for name in DTYPE_NAMES}
 
 
 def test_heads_that_do_not_group_evenly_are_rejected():

@@ -37,6 +37,7 @@ from replica.front.async_engine import AsyncEngine
 from replica.front.core_client import EngineDeadError
 from replica.model import load_model
 from replica.model.checkpoint import read_model_config
+from replica.model.config import DTYPE_BYTES, host_kv_block_bytes
 from replica.model.builtin import ensure_builtin_model
 from replica.parallel.group import (
     TensorParallel, TensorParallelConfigError, TensorParallelDead, check_divisible, join_group, rendezvous_store,
@@ -448,6 +449,8 @@ def test_host_kv_bytes_is_the_whole_replicas_tier_all_ranks_shards_together(tiny
     config = resolve_rank_config(make_engine_config(block_size=4, num_kv_blocks=40, host_kv_bytes=30_720), shard,
                                  shard_cfg, torch.device("cpu"), TensorParallel(rank=1, size=2))
     assert config.num_host_kv_blocks == 10  # 30,720 bytes / (2 ranks x 1,536)
+    # `headroom serve` checks the tier before Ray starts, torch-free, from the whole model's config: the same bytes.
+    assert host_kv_block_bytes(read_model_config(tiny_mqa), 4, DTYPE_BYTES["float32"], 2) == 2 * shard_block_bytes
 
 
 # ---- the KV pool a profiled GPU holds --------------------------------------------------------
