@@ -56,8 +56,9 @@ from replica.errors import (
     EngineDeadError, EngineShutdownError, HeadroomError, InvalidRequestError, QueueFullError, ReplicaLostError,
 )
 from replica.server.grpc_service import (
-    chat_prompt_token_ids, engine_priority, generate_response, named_for_request, prompt_token_ids_from_proto,
-    output_constraint_from_proto, sampling_params_from_proto, ttft_targets_from_proto,
+    chat_prompt_token_ids, engine_priority, generate_response, generate_response_with_prompt_logprobs,
+    named_for_request, prompt_token_ids_from_proto, output_constraint_from_proto, sampling_params_from_proto,
+    ttft_targets_from_proto,
 )
 from replica.model.checkpoint import read_model_config, sampling_defaults
 from replica.model.registry import resolve_model_path
@@ -602,6 +603,10 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._check_application(grpc_context)
         try:
+            # Measured here, on the message Serve re-parsed for this process (its raw size is not
+            # handed over): headroom's proxy handlers bound the raw bytes by the largest application's
+            # limit (cluster/grpc_proxy.py), Serve's plain ones by its message cap only.
+            self.limits.check_request_bytes(request.ByteSize())
             # The context, where known already: refused token ids are then never copied out of the
             # message (validate_request, below, refuses them anyway).
             known = self._model_info.max_model_len if self._model_info is not None else None
@@ -621,7 +626,8 @@ class Ingress:
             if constraint is not None:  # compiled once the cheap checks above have passed
                 await self.check_constraint(OutputConstraint(*constraint))
             async for replica_id, output in self.stream(generation):
-                yield generate_response(output, replica_id)
+                yield (generate_response(output, replica_id) if output.prompt_logprobs is None
+                       else await generate_response_with_prompt_logprobs(output, replica_id))
         except HeadroomError as error:
             _abort(grpc_context, named_for_request(error, request))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -20,7 +21,9 @@ RECENT_BATCHES = 1024
 # A snapshot of up to this many cached blocks is built on the event loop (about a millisecond);
 # a larger one on a worker thread, from a copy of the mirror taken on the loop: built there, a
 # snapshot of 262,144 blocks held the loop, every stream and admission on it, 65-90 ms (its
-# copy takes a tenth of that).
+# copy takes a tenth of that). Subscribers that resync at once (routers restarting, a replica
+# restarting under several routers) share one such build: each building its own cost N x the
+# CPU and memory of a snapshot.
 INLINE_SNAPSHOT_MAX_BLOCKS = 16384
 
 
@@ -43,6 +46,12 @@ class KVEventLog:
         self._index: dict[tuple[bytes, int], Optional[bytes]] = {}
         self._recent: deque[KVEventBatch] = deque(maxlen=recent_batches)
         self._published = asyncio.Event()  # replaced on every publish; waiters hold the old one
+        # The large snapshot being built on a worker thread, as of its seq: a subscriber that
+        # resyncs meanwhile waits for it rather than building its own.
+        self._building: Optional[tuple[int, asyncio.Task]] = None
+        # The last large snapshot built, for as long as a subscriber still holds it (streaming
+        # it): one that resyncs just after it starts from it too.
+        self._last_snapshot: Optional[weakref.ref[KVEventBatch]] = None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -77,15 +86,47 @@ class KVEventLog:
         batches in order, or one snapshot if it has nothing yet (None) or is too far behind.
         A large snapshot is built on a worker thread from the mirror as of its `seq` (copied
         before the first await, as no publish can interleave): batches published meanwhile
-        are newer than it, so the subscriber gets each of them next, once."""
+        are newer than it, so the subscriber gets each of them next, once. Subscribers that
+        need one meanwhile get the same snapshot (see `_shared_snapshot`)."""
         if seq is not None and seq >= self.seq:
             return []
         recent = self._recent
         if seq is None or not recent or recent[0].seq > seq + 1:
             if len(self._index) <= INLINE_SNAPSHOT_MAX_BLOCKS:
                 return [self.snapshot()]
-            return [await asyncio.to_thread(_snapshot_of, self.seq, self._index.copy())]
+            return [await self._shared_snapshot()]
         return list(itertools.islice(recent, seq + 1 - recent[0].seq, None))
+
+    def _follows(self, snapshot_seq: int) -> bool:
+        """Whether a snapshot as of `snapshot_seq` can start a subscriber now: every batch after
+        it is still in the window, so the subscriber gets them next rather than another
+        snapshot. It is newer than what any subscriber that needs a snapshot has applied (that
+        is older than the window's first batch)."""
+        return snapshot_seq == self.seq or (bool(self._recent) and self._recent[0].seq <= snapshot_seq + 1)
+
+    async def _shared_snapshot(self) -> KVEventBatch:
+        """A large snapshot: the last one built while a subscriber still holds it, else the one
+        being built, else a new build, where each still has every batch after it in the window.
+        A cancelled waiter leaves the build to the others (shielded); a failed build fails
+        its waiters and the next subscriber starts a new one."""
+        last = self._last_snapshot() if self._last_snapshot is not None else None
+        if last is not None and self._follows(last.seq):
+            return last
+        building = self._building
+        if (building is None or not self._follows(building[0]) or building[1].get_loop() is not asyncio.get_running_loop()
+                or (building[1].done() and (building[1].cancelled() or building[1].exception() is not None))):
+            task = asyncio.ensure_future(asyncio.to_thread(_snapshot_of, self.seq, self._index.copy()))
+            building = self._building = (self.seq, task)
+            task.add_done_callback(self._built)
+        return await asyncio.shield(building[1])
+
+    def _built(self, task: asyncio.Task) -> None:
+        if self._building is not None and self._building[1] is task:
+            self._building = None
+        if not task.cancelled() and task.exception() is None:
+            last = self._last_snapshot() if self._last_snapshot is not None else None
+            if last is None or last.seq <= task.result().seq:  # builds may end out of order
+                self._last_snapshot = weakref.ref(task.result())
 
     async def wait_for_batch(self, after_seq: Optional[int], timeout: float) -> None:
         """Return once a batch newer than `after_seq` exists, or after `timeout` seconds."""

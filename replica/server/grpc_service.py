@@ -24,10 +24,11 @@ from protos.not_serving import ENGINE_CORE_DIED, SHUTTING_DOWN, not_serving_meta
 from replica.front.async_engine import AsyncEngine, RequestStream, ServedEngine
 from replica.errors import HeadroomError, InvalidRequestError
 from replica.text.chat_template import ChatTemplateError
-from replica.core.outputs import RequestOutput
+from replica.core.outputs import PromptLogprobs, RequestOutput
 from replica.core.kv_events import medium_of
 from replica.front.kv_event_log import KVEventBatch
 from replica.server.load_report import LoadReportBuilder, is_significant_change
+from replica.server.shared_messages import SharedMessagesCache
 from replica.core.request import (
     SamplingDefaults, SamplingParams, check_text, context_length_exceeded, validate_request,
 )
@@ -57,6 +58,10 @@ INLINE_CONSTRAINT_MAX_CHARS = 64 * 1024
 # A snapshot of a large prefix cache goes out in parts of at most this many events (~40
 # bytes each), far below gRPC's default 4 MiB message limit.
 KV_EVENTS_PER_MESSAGE = 16384
+# A first response carrying up to this many prompt positions' logprobs is built on the event loop
+# (~3 ms at 20 alternatives each); a longer one on a worker thread: 8,192 positions of 20 alternatives
+# took 23 ms of the loop, every stream's.
+INLINE_PROMPT_LOGPROBS_MAX_POSITIONS = 1024
 # WatchLoad streams check for server shutdown at least this often, whatever interval the
 # client asked for, so stop() ends them cleanly instead of cancelling them.
 WATCH_STOP_CHECK_S = 0.1
@@ -67,7 +72,8 @@ WATCH_STOP_CHECK_S = 0.1
 async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer,
                                       limits: RequestLimits, max_model_len: Optional[int] = None) -> list[int]:
     """The prompt's token ids; a request over `limits` fails before anything is tokenized, and
-    token ids past `max_model_len` before they are copied out of the message."""
+    token ids past `max_model_len` before they are copied out of the message. Its size is the
+    caller's to check, where its bytes are known (check_request_limits)."""
     check_request_limits(request, limits)
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
@@ -93,9 +99,11 @@ async def prompt_token_ids_from_proto(request: pb.GenerateRequest, tokenizer: To
 
 def check_request_limits(request: pb.GenerateRequest, limits: RequestLimits) -> None:
     """What a GenerateRequest may bring in beyond its prompt (RequestLimits), checked before any
-    work is spent on it: its size, its id, and the stop conditions and biases that cost every
-    token of its stream."""
-    limits.check_request_bytes(request.ByteSize())
+    work is spent on it: its id, and the stop conditions and biases that cost every token of its
+    stream. Not its size: a replica's server refuses a request over the byte limit from its raw
+    bytes, before parsing them (MalformedRequestInterceptor), and the cluster's ingress, handed a
+    parsed message, measures it; ByteSize costs a whole serialization (10 ms of the event loop for
+    4 MiB of token ids)."""
     limits.check_request_id(request.request_id)
     sampling = request.sampling
     limits.check_stop(sampling.stop)
@@ -187,8 +195,10 @@ def sampling_params_from_proto(
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
+        prompt_logprobs=given("prompt_logprobs"),
         stop=tuple(sampling.stop),
         include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=given("skip_special_tokens"),
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
         repetition_penalty=given("repetition_penalty"),
@@ -247,7 +257,26 @@ def generate_response(output: RequestOutput, replica_id: str) -> pb.GenerateResp
         response.stop_string = stop_reason
     elif isinstance(stop_reason, int):
         response.stop_token_id = stop_reason
+    if output.prompt_logprobs is not None:
+        _set_prompt_logprobs(response.prompt_logprobs, output.prompt_logprobs)
     return response
+
+
+def _set_prompt_logprobs(message: pb.PromptLogprobs, prompt_logprobs: PromptLogprobs) -> None:
+    message.SetInParent()  # present even for a one-token prompt, which has no entries
+    message.logprobs.extend(prompt_logprobs.logprobs)
+    message.ranks.extend(prompt_logprobs.ranks)
+    add = message.top_logprobs.add  # in place: a third faster than extending with built messages
+    for top in prompt_logprobs.top or ():
+        add(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+async def generate_response_with_prompt_logprobs(output: RequestOutput, replica_id: str) -> pb.GenerateResponse:
+    """generate_response of an output that carries prompt logprobs (a first one), built on a
+    worker thread past INLINE_PROMPT_LOGPROBS_MAX_POSITIONS positions."""
+    if len(output.prompt_logprobs.logprobs) <= INLINE_PROMPT_LOGPROBS_MAX_POSITIONS:
+        return generate_response(output, replica_id)
+    return await asyncio.to_thread(generate_response, output, replica_id)
 
 
 def engine_priority(proto_priority: int) -> int:
@@ -313,7 +342,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # timeout makes the status DEADLINE_EXCEEDED even if that races our writes.
             async with asyncio.timeout(context.time_remaining()):
                 async for output in stream:
-                    if not await _write(context, generate_response(output, self.replica_id)):
+                    response = (generate_response(output, self.replica_id) if output.prompt_logprobs is None
+                                else await generate_response_with_prompt_logprobs(output, self.replica_id))
+                    if not await _write(context, response):
                         return  # the client is gone: the request is aborted below, nothing to report
         except (TimeoutError, HeadroomError) as error:
             # The call's deadline, a missed TTFT deadline, a failed step (the engine already
@@ -396,6 +427,9 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
         self.engine = engine
         self.load_reports = load_reports
         self.stopping = stopping
+        # A big batch's messages (a snapshot's), built once for the WatchKVEvents streams
+        # sending it at the same time (the log hands them the same snapshot).
+        self._kv_batch_messages = SharedMessagesCache()
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.ReplicaLoad:
         await self._abort_if_not_serving(context)
@@ -433,6 +467,18 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
                 await context.write(self.load_reports.build(load))
                 sent_load, sent_at = load, time.monotonic()
 
+    async def _write_shared_parts(self, batch: KVEventBatch, replica_id: str, block_size: int,
+                                  context: grpc.aio.ServicerContext) -> None:
+        parts = self._kv_batch_messages.get(batch, lambda: kv_event_batch_protos(batch, replica_id, block_size))
+        reader = parts.join()
+        try:
+            index = 0
+            while (message := await parts.get(reader, index)) is not None:
+                await context.write(message)
+                index += 1
+        finally:
+            parts.leave(reader)
+
     async def WatchKVEvents(self, request: pb.WatchKVEventsRequest, context: grpc.aio.ServicerContext) -> None:
         # A dead core's cache died with it: routers must drop their index.
         await self._abort_if_not_serving(context)
@@ -443,11 +489,9 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
         while not self.stopping.is_set():
             await self._abort_if_core_dead(context)
             for batch in await log.batches_after(seq):
-                parts = kv_event_batch_protos(batch, replica_id, block_size)
                 if len(batch.events) <= KV_EVENTS_PER_MESSAGE:
-                    await context.write(next(parts))
-                else:  # each part of a big batch (a snapshot) is ~30 ms of Python: built on a worker thread
-                    while (message := await asyncio.to_thread(next, parts, None)) is not None:
-                        await context.write(message)
+                    await context.write(next(kv_event_batch_protos(batch, replica_id, block_size)))
+                else:  # each part of a big batch (a snapshot) is ~30 ms of Python: built on a worker thread, once
+                    await self._write_shared_parts(batch, replica_id, block_size, context)
                 seq = batch.seq
             await log.wait_for_batch(seq, timeout=WATCH_STOP_CHECK_S)

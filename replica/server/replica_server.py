@@ -1,9 +1,9 @@
 """ReplicaServer: one AsyncEngine (the front of an engine-core process) as a grpc.aio service
 without Ray: Generation and LoadReporter, standard health checking (NOT_SERVING once the core
-is gone) and reflection (v1 and v1alpha), request bytes that do not parse refused as INVALID_ARGUMENT
-(MalformedRequestInterceptor), Prometheus metrics kept in step with every load the
-core publishes and every output the front streams, and a graceful stop that lets in-flight
-streams end cleanly. Every other method is behind bearer credentials when some are
+is gone) and reflection (v1 and v1alpha), request bytes over the byte limit or that do not parse
+refused as INVALID_ARGUMENT (MalformedRequestInterceptor), Prometheus metrics kept in step with
+every load the core publishes and every output the front streams, and a graceful stop that lets
+in-flight streams end cleanly. Every other method is behind bearer credentials when some are
 configured (BearerAuthInterceptor; health checking and reflection stay open).
 
 `headroom replica` serves both services, behind its API keys. A cluster replica serves only
@@ -91,7 +91,7 @@ class ReplicaServer:
         `join` it (exactly `port`)."""
         self._stopping = asyncio.Event()
         interceptors = [BearerAuthInterceptor(self.credentials, self.credential_name)] if self.credentials.required else []
-        interceptors.append(MalformedRequestInterceptor())  # after auth: unauthenticated calls are refused as such
+        interceptors.append(MalformedRequestInterceptor(self.limits))  # after auth: unauthenticated calls are refused as such
         options = (SHARED_PORT_SERVER_OPTIONS if self.shared_port else SERVER_OPTIONS) + (
             ("grpc.max_receive_message_length", self.limits.receive_cap()),)
         server = grpc.aio.server(interceptors=interceptors, options=options)

@@ -7,18 +7,16 @@ import logging
 
 import grpc
 
+from protos import headroom_pb2 as pb
 from replica.errors import HeadroomError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-# The engine names fields after its own types; clients know the proto's field paths.
-_SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "top_logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-)
+# The engine names fields after its own types; clients know the proto's field paths. Each
+# field of the proto's SamplingParams carries the engine's SamplingParams field of its name.
 PROTO_FIELD_FOR_ENGINE_FIELD = {
     "prompt_token_ids": "token_ids",
-    **{name: f"sampling.{name}" for name in _SAMPLING_FIELDS},
+    **{name: f"sampling.{name}" for name in pb.SamplingParams.DESCRIPTOR.fields_by_name},
 }
 
 

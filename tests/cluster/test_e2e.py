@@ -58,8 +58,19 @@ def test_generate_streams_every_token_through_serves_grpc_proxy(channel):
     assert result.replica_id and all(response.replica_id == result.replica_id for response in result.responses)
 
 
+def test_prompt_logprobs_cross_the_cluster_on_the_first_grpc_response(channel):
+    # The replica computes them, Ray carries them back to the ingress, the proxy to the client.
+    result = stream_generate(channel, generate_request(3, prompt="hello there", prompt_logprobs=2))
+    assert result.code == grpc.StatusCode.OK, result.details
+    scored = result.responses[0].prompt_logprobs
+    assert len(scored.logprobs) == len(scored.ranks) == len(scored.top_logprobs) == len("hello there") - 1
+    assert all(len(top.token_ids) == 2 for top in scored.top_logprobs)
+    assert not any(response.HasField("prompt_logprobs") for response in result.responses[1:])
+
+
 @pytest.mark.parametrize("request_, field", [
     (generate_request(8, temperature=-1.0), "sampling.temperature"),
+    (generate_request(8, prompt_logprobs=21), "sampling.prompt_logprobs"),
     (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)), "prompt"),
     (generate_request(ENGINE["max_model_len"]), "sampling.max_tokens"),
     # Checked by the replica, not the ingress: the field survives the trip back through Ray.

@@ -2,7 +2,8 @@
 by a real in-process engine on the built-in model: OpenAI's legacy completions scoring a prompt
 (`echo: true, logprobs: k, max_tokens: 0` or 1, as lm-evaluation-harness's local-completions
 loglikelihood tasks send it), streamed too, and vLLM's `prompt_logprobs` on completions and chat,
-each in its API's shape, the values the engine's."""
+each in its API's shape, the values the engine's; and gRPC's sampling.prompt_logprobs through the
+ingress's Generate."""
 
 from __future__ import annotations
 
@@ -306,3 +307,69 @@ def test_a_long_prompts_logprobs_are_built_off_the_event_loop(monkeypatch, strea
 def test_what_cannot_be_served_is_a_400_naming_it(llm, body, param):
     status, reply = complete(llm, "/v1/completions", body)
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+class ServeGrpcContext:
+    """Ray Serve's gRPC context as the ingress's Generate uses it: metadata in, a status out."""
+
+    def __init__(self):
+        self.code = self.details = None
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+def grpc_generate(ingress, request, context: ServeGrpcContext) -> list:
+    from replica.server.auth import Credentials
+
+    ingress.api_keys, ingress.app_name = Credentials(), "default"
+
+    async def run():
+        return [response async for response in ingress.Generate(request, context)]
+
+    return asyncio.run(run())
+
+
+def test_grpc_generate_through_the_ingress_carries_prompt_logprobs_and_skip_special_tokens(llm):
+    from protos import headroom_pb2 as pb
+
+    prompt = [5, 9, 17, 40, 3, 77, 120, 8, 31, 64]  # 10 tokens: two prefill chunks of 8
+    served = []
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2, skip_special_tokens=False))
+    responses = grpc_generate(completing_ingress(served_by(llm, served)), request, ServeGrpcContext())
+    assert served[-1].prompt_logprobs == 2 and served[-1].skip_special_tokens is False
+    assert len(responses) > 1 and not any(response.HasField("prompt_logprobs") for response in responses[1:])
+    scored, expected = responses[0].prompt_logprobs, scored_alone(llm, prompt, 2)
+    assert list(scored.logprobs) == pytest.approx(expected.logprobs, rel=1e-6)  # as 32-bit floats
+    assert list(scored.ranks) == expected.ranks
+    assert [list(top.token_ids) for top in scored.top_logprobs] == [top.token_ids for top in expected.top]
+    plain = grpc_generate(completing_ingress(served_by(llm, served)), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=2)), ServeGrpcContext())
+    assert served[-1].prompt_logprobs is None and served[-1].skip_special_tokens is True
+    assert not any(response.HasField("prompt_logprobs") for response in plain)
+
+
+def test_grpc_generate_over_the_ingresss_byte_limit_is_invalid_argument_naming_request(llm):
+    """The proxy bounds raw bytes by the largest application's limit; each ingress its own."""
+    import grpc
+
+    from protos import headroom_pb2 as pb
+    from replica.errors import InvalidRequestError
+    from replica.server.request_limits import RequestLimits
+
+    served = []
+    ingress = completing_ingress(served_by(llm, served))
+    ingress.limits = RequestLimits(max_request_bytes=64)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 60))), sampling=pb.SamplingParams(max_tokens=1))
+    context = ServeGrpcContext()
+    with pytest.raises(InvalidRequestError):
+        grpc_generate(ingress, request, context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and served == []
+    assert context.details == f"request: {request.ByteSize()} bytes exceeds the limit of 64 bytes"

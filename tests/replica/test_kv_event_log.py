@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -63,6 +64,210 @@ def test_a_big_snapshot_is_split_into_parts_that_share_its_seq():
     parts = list(kv_event_batch_protos(snapshot, "r", 16))
     assert len(parts) == 3 and {part.seq for part in parts} == {1} and all(part.snapshot for part in parts)
     assert sum(len(part.events) for part in parts) == 40_001
+
+
+def _index_after(batches) -> dict:
+    """What a subscriber's index holds after applying `batches` in order (a snapshot resets it)."""
+    index = {}
+    for batch in batches:
+        for event in batch.events:
+            if event[0] == KVEventKind.BLOCK_STORED:
+                index[event[1]] = event[2]
+            elif event[0] == KVEventKind.BLOCK_REMOVED:
+                index.pop(event[1], None)
+            else:
+                index.clear()
+    return index
+
+
+def _mirror(log: KVEventLog) -> dict:
+    return {block_hash: parent for (block_hash, _medium), parent in log._index.items()}
+
+
+@pytest.fixture
+def gated_builds(monkeypatch):
+    """Large snapshots from 3 blocks up, built on the worker thread only once `release` is set;
+    `built` counts the builds."""
+    import replica.front.kv_event_log as kv_event_log
+
+    release, built, build = threading.Event(), [], kv_event_log._snapshot_of
+
+    def gated(seq, index):
+        assert release.wait(10.0)
+        built.append(seq)
+        return build(seq, index)
+
+    monkeypatch.setattr(kv_event_log, "INLINE_SNAPSHOT_MAX_BLOCKS", 2)
+    monkeypatch.setattr(kv_event_log, "_snapshot_of", gated)
+    return release, built
+
+
+def test_subscribers_resyncing_at_once_share_one_snapshot_build_and_each_ends_equal_to_the_cache(gated_builds):
+    """Each subscriber that resynced (routers restarting together) built a snapshot of its own:
+    N x a build of up to hundreds of thousands of blocks. Now those that ask while one is built
+    wait for it, whether they start fresh or fell out of the window, with batches published
+    meanwhile (the snapshot is as of its seq: they follow it, each once); one cancelled leaves
+    the build to the others; one that asks while a subscriber still holds the result starts
+    from it too."""
+    release, built = gated_builds
+
+    async def scenario():
+        log = KVEventLog(recent_batches=5)
+        log.publish([stored(H[i], None) for i in range(4)])  # seq 1
+        log.publish([removed(H[3])])  # seq 2
+        first = asyncio.create_task(log.batches_after(None))
+        await asyncio.sleep(0)  # its build has started, as of seq 2
+        log.publish([stored(H[4], H[0]), removed(H[1])])  # seq 3, newer than the build
+        joiners = [asyncio.create_task(log.batches_after(None)), asyncio.create_task(log.batches_after(None))]
+        for i in range(4):  # seq 4-7: batch 3 stays in the window, seq 1 falls out of it
+            log.publish([stored(H[5 + i % 3], H[4])] if i % 2 == 0 else [removed(H[5 + i % 3])])
+        lagging = asyncio.create_task(log.batches_after(1))
+        await asyncio.sleep(0)
+        joiners[1].cancel()
+        first.cancel()  # the one that started the build
+        release.set()
+        (snapshot,) = await joiners[0]
+        assert await lagging == [snapshot]
+        assert joiners[1].cancelled() and first.cancelled()
+        assert snapshot.snapshot and snapshot.seq == 2 and built == [2]
+        assert _index_after([snapshot]) == {H[0]: None, H[1]: None, H[2]: None}  # as of seq 2
+        after_it = await log.batches_after(snapshot.seq)
+        assert [batch.seq for batch in after_it] == [3, 4, 5, 6, 7]
+        assert _index_after([snapshot, *after_it]) == _mirror(log)
+        assert await log.batches_after(None) == [snapshot]  # held (here): no build
+        log.publish([removed(H[0])])  # seq 8: batch 3 leaves the window
+        (fresh,) = await log.batches_after(None)
+        assert fresh.seq == 8 and built == [2, 8]
+        assert _index_after([fresh]) == _mirror(log)
+
+    asyncio.run(scenario())
+
+
+def test_a_shared_snapshot_build_whose_batches_leave_the_window_is_not_joined(gated_builds):
+    """A subscriber that asks once the batches after the snapshot being built have left the
+    window gets a newer one: from the old one it would need a snapshot again."""
+    release, built = gated_builds
+
+    async def scenario():
+        log = KVEventLog(recent_batches=2)
+        log.publish([stored(H[i], None) for i in range(6)])  # seq 1
+        first = asyncio.create_task(log.batches_after(None))
+        await asyncio.sleep(0)
+        for i in range(3):  # seq 2-4: batch 2 is gone
+            log.publish([removed(H[i])])
+        second = asyncio.create_task(log.batches_after(None))
+        await asyncio.sleep(0)
+        release.set()
+        ((old,), (new,)) = await asyncio.gather(first, second)
+        assert (old.seq, new.seq) == (1, 4) and sorted(built) == [1, 4]
+        assert _index_after([new]) == {H[3]: None, H[4]: None, H[5]: None}
+        assert await log.batches_after(None) == [new]  # the newest one built is the one reused
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_shared_snapshot_build_fails_its_waiters_and_the_next_one_builds_again(monkeypatch):
+    import replica.front.kv_event_log as kv_event_log
+
+    calls = []
+
+    def failing_once(seq, index):
+        calls.append(seq)
+        if len(calls) == 1:
+            raise MemoryError("snapshot")
+        return kv_event_log.KVEventBatch(seq, (), snapshot=True)
+
+    monkeypatch.setattr(kv_event_log, "INLINE_SNAPSHOT_MAX_BLOCKS", 2)
+    monkeypatch.setattr(kv_event_log, "_snapshot_of", failing_once)
+
+    async def scenario():
+        log = KVEventLog()
+        log.publish([stored(H[i], None) for i in range(4)])
+        results = await asyncio.gather(log.batches_after(None), log.batches_after(None), return_exceptions=True)
+        assert all(isinstance(result, MemoryError) for result in results) and calls == [1]
+        assert (await log.batches_after(None))[0].seq == 1 and calls == [1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_watch_kv_events_streams_resyncing_together_build_a_snapshots_messages_once(monkeypatch):
+    """Each WatchKVEvents stream cut its snapshot into messages of its own (~0.25 s of Python
+    for 262,144 blocks): N streams resyncing at once, N x that. Now streams sending the same
+    snapshot share its messages, each built once, on a worker thread; one cancelled midway
+    stops nothing for the others, and each ends equal to the cache, with batches published
+    meanwhile following the snapshot once."""
+    import replica.front.kv_event_log as kv_event_log
+    from replica.server import grpc_service
+
+    monkeypatch.setattr(kv_event_log, "INLINE_SNAPSHOT_MAX_BLOCKS", 2)
+    monkeypatch.setattr(grpc_service, "KV_EVENTS_PER_MESSAGE", 3)
+    built, build = [], grpc_service.kv_event_batch_protos
+
+    def counting(batch, replica_id, block_size):
+        for message in build(batch, replica_id, block_size):
+            built.append(message)
+            yield message
+
+    monkeypatch.setattr(grpc_service, "kv_event_batch_protos", counting)
+
+    class Context:
+        def __init__(self):
+            self.messages = []
+
+        async def write(self, message):
+            self.messages.append(message)
+            await asyncio.sleep(0.001)
+
+    async def scenario():
+        log = KVEventLog()
+        log.publish([stored(H[i], None) for i in range(8)])  # a snapshot of 9 events: 3 messages
+        engine = SimpleNamespace(kv_events=log, dead=None, engine=SimpleNamespace(config=SimpleNamespace(block_size=16)))
+        servicer = grpc_service.LoadReporterServicer(engine, SimpleNamespace(replica_id="r"), asyncio.Event())
+        contexts = [Context() for _ in range(4)]
+        streams = [asyncio.create_task(servicer.WatchKVEvents(pb.WatchKVEventsRequest(), c)) for c in contexts]
+        while not contexts[0].messages:
+            await asyncio.sleep(0.001)
+        streams[0].cancel()
+        log.publish([removed(H[0]), stored(H[0], None)])
+        log.publish([removed(H[7])])
+        while not all(c.messages and c.messages[-1].seq == log.seq for c in contexts[1:]):
+            await asyncio.sleep(0.001)
+        servicer.stopping.set()
+        await asyncio.gather(*streams[1:])
+        return log, contexts
+
+    log, contexts = asyncio.run(scenario())
+    assert sum(message.snapshot for message in built) == 3  # once, not once a stream
+    for context in contexts[1:]:
+        assert [message for message in context.messages if message.snapshot] == built[:3]
+        index = ReplicaCache()
+        assert all(index.apply(message) for message in context.messages)
+        assert set(index.hashes) == set(_mirror(log)) and index.seq == log.seq == 3
+
+
+def test_shared_messages_keep_each_until_every_reader_passed_it_and_a_late_reader_builds_anew():
+    from replica.server.shared_messages import SharedMessagesCache
+
+    made = []
+
+    def messages():
+        for i in range(3):
+            made.append(i)
+            yield i
+
+    async def scenario():
+        cache, key = SharedMessagesCache(), object()
+        shared = cache.get(key, messages)
+        fast, slow = shared.join(), shared.join()
+        assert [await shared.get(fast, i) for i in range(4)] == [0, 1, 2, None]
+        assert await shared.get(slow, 0) == 0 and await shared.get(slow, 1) == 1  # kept for it
+        assert cache.get(key, messages) is not shared  # message 0 is gone: a new reader starts anew
+        shared.leave(fast)
+        assert await shared.get(slow, 2) == 2 and await shared.get(slow, 3) is None
+        shared.leave(slow)
+        assert made == [0, 1, 2] and not shared._kept
+
+    asyncio.run(scenario())
 
 
 def test_waiting_returns_when_a_batch_is_published():

@@ -144,6 +144,54 @@ def test_stop_string_and_top_logprobs_come_back_in_the_responses(replica):
     assert replica.wait_until_idle().kv_blocks_free == ROOMY_BLOCKS - 1
 
 
+def test_prompt_logprobs_come_once_on_the_first_response(replica):
+    """sampling.prompt_logprobs: k, as the engine gathers them: entry i is prompt token i + 1's
+    logprob, its rank and the k most likely there, on the first response and on no other."""
+    prompt = [5, 9, 17, 40, 3, 77, 120]
+
+    def generate(**fields) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling(
+            max_tokens=4, temperature=0.0, ignore_eos=True, **fields))
+
+        async def run():
+            async with grpc.aio.insecure_channel(replica.address) as channel:
+                return await collect_stream(generation_stub(channel), request)
+
+        return asyncio.run(run())
+
+    with_top, without_top, unasked = generate(prompt_logprobs=3), generate(prompt_logprobs=0), generate()
+    assert len(with_top) > 1 and not any(response.HasField("prompt_logprobs") for response in with_top[1:])
+    scored = with_top[0].prompt_logprobs
+    assert len(scored.logprobs) == len(scored.ranks) == len(scored.top_logprobs) == len(prompt) - 1
+    for token_id, logprob, rank, top in zip(prompt[1:], scored.logprobs, scored.ranks, scored.top_logprobs):
+        assert len(top.token_ids) == 3 and list(top.logprobs) == sorted(top.logprobs, reverse=True)
+        assert logprob <= top.logprobs[0] <= 0.0 and rank >= 1
+        if token_id in top.token_ids:  # its place among the top is its rank
+            assert rank == list(top.token_ids).index(token_id) + 1 and logprob == top.logprobs[rank - 1]
+        else:
+            assert rank > 3 and logprob <= top.logprobs[-1]
+    alone = without_top[0].prompt_logprobs  # k = 0: each token's own, no alternatives
+    assert list(alone.logprobs) == list(scored.logprobs) and list(alone.ranks) == list(scored.ranks)
+    assert not alone.top_logprobs
+    assert not any(response.HasField("prompt_logprobs") for response in unasked)
+    assert replica.wait_until_idle().kv_blocks_free == ROOMY_BLOCKS - 1
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(replica):
+    special = replica.engine.tokenizer.special_token_ids(["<|reserved_5|>"])[0]
+
+    def text(**fields) -> str:
+        request = pb.GenerateRequest(text="hi", sampling=sampling(
+            max_tokens=2, temperature=0.0, ignore_eos=True, logit_bias={special: 100.0}, **fields))
+        with grpc.insecure_channel(replica.address) as channel:
+            responses = list(generation_stub(channel).Generate(request, timeout=60))
+        assert [t for response in responses for t in response.token_ids] == [special, special]
+        return "".join(response.text for response in responses)
+
+    assert text(skip_special_tokens=False) == "<|reserved_5|>" * 2
+    assert text() == text(skip_special_tokens=True) == ""
+
+
 TOO_LONG_PROMPT = [1] * MAX_MODEL_LEN
 BAD_REQUESTS = {
     "neither_text_nor_token_ids": (pb.GenerateRequest(sampling=sampling(max_tokens=4)), "prompt"),
@@ -191,6 +239,8 @@ BAD_REQUESTS = {
         "sampling.repetition_penalty"),
     "top_logprobs_above_20": (
         pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, top_logprobs=21)), "sampling.top_logprobs"),
+    "prompt_logprobs_above_20": (
+        pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, prompt_logprobs=21)), "sampling.prompt_logprobs"),
     "empty_stop_string": (pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, stop=["ok", ""])), "sampling.stop"),
     "logit_bias_past_vocabulary": (
         pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=4, logit_bias={999: 1.0})), "sampling.logit_bias"),
@@ -534,6 +584,23 @@ def test_a_message_over_the_byte_limit_is_invalid_argument_naming_request(replic
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert raised.value.details().startswith(f"request: {request.ByteSize()} bytes exceeds the limit of 4194304")
         assert list(generation_stub(channel).Generate(pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=1))))
+
+
+def test_a_message_over_the_byte_limit_is_refused_from_its_raw_size_before_it_is_parsed(replica):
+    """Its parsed message's ByteSize is a whole serialization (10 ms of the event loop for 4 MiB of
+    token ids), and parsing it costs more: the bound is checked on the bytes that arrived. Bytes
+    that would not even parse are refused for their size."""
+    over = b"\xff" * (RequestLimits().max_request_bytes + 1)
+    with grpc.insecure_channel(replica.address) as channel:
+        for method, response_type in (("Generate", pb.GenerateResponse), ("Tokenize", pb.TokenizeResponse)):
+            call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+                f"/headroom.v1.Generation/{method}", request_serializer=None,
+                response_deserializer=response_type.FromString)
+            with pytest.raises(grpc.RpcError) as raised:
+                result = call(over, timeout=30)
+                list(result) if method == "Generate" else result
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert raised.value.details() == f"request: {len(over)} bytes exceeds the limit of 4194304 bytes"
 
 
 def test_a_message_far_past_the_byte_limit_is_refused_by_grpc_unread(replica):
@@ -887,6 +954,10 @@ def _keyword_generate_response(output, replica_id: str) -> pb.GenerateResponse:
 
     stop = ({"stop_string": output.stop_reason} if isinstance(output.stop_reason, str) else
             {"stop_token_id": output.stop_reason} if isinstance(output.stop_reason, int) else {})
+    scored = output.prompt_logprobs
+    prompt = {} if scored is None else {"prompt_logprobs": pb.PromptLogprobs(
+        logprobs=scored.logprobs, ranks=scored.ranks,
+        top_logprobs=[pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs) for top in scored.top or ()])}
     return pb.GenerateResponse(
         request_id=output.request_id, token_ids=output.new_token_ids, text=output.text,
         finish_reason=FINISH_REASON_TO_PROTO[output.finish_reason],
@@ -894,13 +965,13 @@ def _keyword_generate_response(output, replica_id: str) -> pb.GenerateResponse:
                        cached_prompt_tokens=output.num_cached_tokens),
         replica_id=replica_id, logprobs=output.logprobs or (),
         top_logprobs=[pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs) for top in output.top_logprobs or ()],
-        **stop)
+        **stop, **prompt)
 
 
 def test_each_output_field_reaches_its_generate_response_field():
     # generate_response sets only the fields an output has (it runs once per message); it must
     # give the message the keyword form gives, usage included when every count is 0.
-    from replica.core.outputs import RequestOutput, TopLogprobs
+    from replica.core.outputs import PromptLogprobs, RequestOutput, TopLogprobs
     from replica.server.grpc_service import generate_response
 
     outputs = [
@@ -911,13 +982,49 @@ def test_each_output_field_reaches_its_generate_response_field():
         RequestOutput("r-3", [257], "", "stop", 5, 3, 0, None, None, 257),
         RequestOutput("r-4", [], "", "abort", 5, 3, 0, None, None, None),
         RequestOutput("r-5", [9], "\t", "length", 5, 8, 0, [-0.0], None, None),
+        # A first output with the prompt's logprobs: with alternatives, without, and a one-token
+        # prompt's (none to give, but there: the client asked).
+        RequestOutput("r-6", [4], "a", None, 3, 1, 0, None, None, None, PromptLogprobs(
+            [-1.5, -0.25], [4, 1], [TopLogprobs([8, 2], [-0.5, -1.0]), TopLogprobs([6, 1], [-0.25, -3.0])])),
+        RequestOutput("r-7", [4], "a", None, 3, 1, 0, None, None, None, PromptLogprobs([-1.5, -0.25], [4, 1], None)),
+        RequestOutput("r-8", [4], "a", None, 1, 1, 0, None, None, None, PromptLogprobs([], [], [])),
     ]
     for output in outputs:
         response = generate_response(output, "replica-a")
         assert response == _keyword_generate_response(output, "replica-a"), output
         assert response.HasField("usage")
+        assert response.HasField("prompt_logprobs") == (output.prompt_logprobs is not None)
         assert response.SerializeToString(deterministic=True) == _keyword_generate_response(
             output, "replica-a").SerializeToString(deterministic=True)
+
+
+def test_a_long_prompts_logprobs_response_is_built_off_the_event_loop(monkeypatch):
+    """A first response with 8,192 positions of 20 alternatives took 23 ms to build, on the event
+    loop every stream shares: past INLINE_PROMPT_LOGPROBS_MAX_POSITIONS on a worker thread."""
+    import threading
+
+    from replica.core.outputs import PromptLogprobs, RequestOutput
+    from replica.server import grpc_service
+
+    threads = []
+    original = grpc_service.generate_response
+
+    def recording(*args):
+        threads.append(threading.current_thread())
+        return original(*args)
+
+    monkeypatch.setattr(grpc_service, "generate_response", recording)
+
+    def first_output(positions: int) -> RequestOutput:
+        return RequestOutput("r", [4], "a", None, positions + 1, 1, 0,
+                             prompt_logprobs=PromptLogprobs([-1.0] * positions, [2] * positions, None))
+
+    long = first_output(grpc_service.INLINE_PROMPT_LOGPROBS_MAX_POSITIONS + 1)
+    response = asyncio.run(grpc_service.generate_response_with_prompt_logprobs(long, "replica-a"))
+    assert len(response.prompt_logprobs.logprobs) == len(long.prompt_logprobs.logprobs)
+    assert threads[-1] is not threading.main_thread()
+    asyncio.run(grpc_service.generate_response_with_prompt_logprobs(first_output(8), "replica-a"))
+    assert threads[-1] is threading.main_thread()
 
 
 def test_a_large_output_constraint_is_read_off_the_event_loop(monkeypatch):
