@@ -15,7 +15,7 @@ import ssl
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import ray
 from ray import serve
@@ -41,7 +41,7 @@ from replica.model.config import DTYPE_BYTES, host_kv_block_bytes
 from replica.model.registry import (
     BUILTIN_MODEL_NAME, DEFAULT_MODEL_NAME, PACKAGED_MODELS, check_checkpoint, check_tensor_parallel, resolve_model_path,
 )
-from replica.config import ConfigError, EngineConfig, resolve_host_kv_blocks, resolve_max_model_len
+from replica.config import ConfigError, EngineConfig, replica_memory_bytes, resolve_host_kv_blocks, resolve_max_model_len
 from replica.server.auth import (
     CredentialsError, add_api_key_arguments, api_key_credentials_from_args, export_api_key_flags, host_port,
     is_loopback_host, open_door_warning,
@@ -236,24 +236,48 @@ def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
                               f"the Ray cluster has {have:g}{hint}; pass {flag} {int(have // each)}")
 
 
-def check_engine_fits_model(engine: EngineConfig, model_dir: Path, dtype: str = "auto") -> None:
+def check_engine_fits_model(engine: EngineConfig, model_dir: Path, dtype: str = "auto") -> int:
     """The engine checks a replica makes once its model is known, made before Ray starts: under
     Serve each replica would fail them in turn, and `headroom serve` would end in a traceback.
     The model must divide among the tensor-parallel ranks and hold an explicit max_model_len in
     its context, and a host KV tier of its blocks (in `dtype`, the application's; auto: the
     checkpoint's) must fit the memory a replica here may use: the local cluster's replicas run
-    on this machine. ConfigError naming the engine field."""
+    on this machine. Returns the bytes of one replica's host tier (0 without one); ConfigError
+    naming the engine field."""
     if engine.tensor_parallel_size > 1:
         check_tensor_parallel(model_dir, engine.tensor_parallel_size)
     if engine.max_model_len is None and not engine.has_host_tier:
-        return  # the replica fits max_model_len to the model (and its pool)
+        return 0  # the replica fits max_model_len to the model (and its pool)
     model_config = read_model_config(model_dir)
     if engine.max_model_len is not None:
         resolve_max_model_len(engine, model_config.max_model_len)
-    if engine.has_host_tier:
-        element_size = DTYPE_BYTES[model_config.dtype if dtype == "auto" else dtype]
-        resolve_host_kv_blocks(engine, host_kv_block_bytes(model_config, engine.block_size, element_size,
-                                                           engine.tensor_parallel_size))
+    if not engine.has_host_tier:
+        return 0
+    element_size = DTYPE_BYTES[model_config.dtype if dtype == "auto" else dtype]
+    block_bytes = host_kv_block_bytes(model_config, engine.block_size, element_size, engine.tensor_parallel_size)
+    return resolve_host_kv_blocks(engine, block_bytes).num_host_kv_blocks * block_bytes
+
+
+def check_host_tiers_fit(config: ServeAppsConfig, tier_bytes: Sequence[int]) -> None:
+    """The host KV tiers of the replicas the applications start with (`tier_bytes`: one
+    replica's, per application) together within the memory a replica here may use: each fits
+    alone (check_engine_fits_model), but the local cluster's replicas share this machine, and
+    their page-locked tiers past it are killed for memory, not refused. ConfigError naming the
+    replica count of the last application with a tier."""
+    memory_bytes, bound = replica_memory_bytes()
+    total, last = 0, None
+    for index, (app, each) in enumerate(zip(config.applications, tier_bytes)):
+        if each:
+            replicas = app.args.replicas
+            count, field = ((replicas.autoscaling.min_replicas, "replicas.autoscaling.min_replicas")
+                            if replicas.autoscaling is not None else (replicas.num_replicas, "replicas.num_replicas"))
+            total += count * each
+            last = (f"applications[{index}].args." if len(config.applications) > 1 else "", field)
+    if last is not None and total > memory_bytes:
+        where, field = last
+        raise ConfigError(f"{where}{field}: the replicas' host KV tiers need {total} bytes together, more than "
+                          f"{bound} ({memory_bytes} bytes), and every replica of `headroom serve` runs on this "
+                          "machine; fewer replicas, or a smaller engine.num_host_kv_blocks / engine.host_kv_bytes")
 
 
 def check_ports_free(config: ServeAppsConfig, http_name: str, grpc_name: str) -> None:
@@ -382,6 +406,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if app.runtime_env:  # `serve run` honours it; silently dropping it would be worse
                 raise ConfigError(f"applications[{index}].runtime_env: not supported by headroom serve; "
                                   "use `serve run` for runtime environments")
+        tier_bytes: list[int] = []  # one replica's host KV tier, per application
         for index, app in enumerate(config.applications):
             # Fetched and converted here, once, before any replica starts; a missing model fails here,
             # and so does a directory the replicas could not load (each would fail in turn, under Serve).
@@ -389,10 +414,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_checkpoint(model_dir, chat_template=app.args.chat_template)
             sampling_defaults(model_dir, app.args.engine.generation_config)  # a default no request could have
             try:
-                check_engine_fits_model(app.args.engine, model_dir, app.args.dtype)
+                tier_bytes.append(check_engine_fits_model(app.args.engine, model_dir, app.args.dtype))
             except ConfigError as error:
                 where = f"applications[{index}].args." if len(config.applications) > 1 else ""
                 raise ConfigError(f"{where}engine.{error}") from None
+        check_host_tiers_fit(config, tier_bytes)
         http_name, grpc_name = (flag if _written_as_flag(args, flag) else field for flag, field in
                                 (("--http-port", "http_options.port"), ("--grpc-port", "grpc_options.port")))
         check_ports_free(config, http_name, grpc_name)

@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fronts import OWN_CONNECTION, engine_core_pid, front_pids, served_connections
 from cluster.cli import build_parser, main
-from cluster.serve_command import check_engine_fits_model, serve_config_from_args
+from cluster.config import load_config
+from cluster.serve_command import check_engine_fits_model, check_host_tiers_fit, serve_config_from_args
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.config import ConfigError, EngineConfig, make_engine_config
@@ -400,6 +401,33 @@ def test_serve_checks_the_host_kv_tier_against_the_memory_as_the_replica_will(tm
         check_engine_fits_model(make_engine_config(host_kv_bytes=100), tmp_path)
 
 
+def test_serve_checks_the_host_kv_tiers_of_every_starting_replica_together(tmp_path, monkeypatch):
+    """Each replica's tier fitting alone, two on this machine did not: counted together, over the
+    replicas each application starts with, and refused naming the last one's count."""
+    memory = (10 * 2**20, "the host's memory")
+    monkeypatch.setattr("replica.config.replica_memory_bytes", lambda: memory)
+    monkeypatch.setattr("cluster.serve_command.replica_memory_bytes", lambda: memory)
+    (tmp_path / "config.json").write_text(json.dumps(BUILTIN_MODEL_CONFIG))
+    half = 5 * 2**20
+
+    def config(*replicas: dict):
+        return load_config({"applications": [{"name": f"app{index}", "route_prefix": f"/app{index}",
+                                              "args": {"replicas": counts}} for index, counts in enumerate(replicas)]})
+
+    check_host_tiers_fit(config({"num_replicas": 2}), [half])
+    with pytest.raises(ConfigError, match=r"^replicas.num_replicas: the replicas' host KV tiers need 10485762 bytes "
+                                          r"together, more than the host's memory \(10485760 bytes\)"):
+        check_host_tiers_fit(config({"num_replicas": 2}), [half + 1])
+    with pytest.raises(ConfigError, match=r"^applications\[1\]\.args\.replicas\.autoscaling\.min_replicas: "):
+        check_host_tiers_fit(config({"num_replicas": 1}, {"autoscaling": {"min_replicas": 1}}, {"num_replicas": 3}),
+                             [half, half + 1, 0])
+    check_host_tiers_fit(config({"num_replicas": 4}, {"num_replicas": 1}), [0, 2 * half])
+    # The bytes a replica's tier takes, as the check above adds them: host_kv_bytes rounds down to whole blocks.
+    block_bytes = 2 * 4 * 16 * 4 * 32 * 4  # K and V x 4 layers x 16 tokens x 4 KV heads x 32 dims x float32
+    assert check_engine_fits_model(make_engine_config(host_kv_bytes=3 * block_bytes + 1), tmp_path) == 3 * block_bytes
+    assert check_engine_fits_model(make_engine_config(), tmp_path) == 0
+
+
 def test_serve_offline_without_the_default_model_exits_2_naming_the_alternatives(tmp_path):
     offline_index = tmp_path / "offline"  # pip finds nothing here, and reaches no index
     offline_index.mkdir()
@@ -574,7 +602,6 @@ def test_serve_model_dot_is_served_under_its_directorys_name(tmp_path, monkeypat
 
 
 def test_replicas_that_do_not_fit_the_ray_cluster_are_a_config_error_naming_the_field():
-    from cluster.config import load_config
     from cluster.serve_command import check_resources_fit
     from replica.config import ConfigError
 
@@ -866,7 +893,6 @@ def test_serve_refuses_an_engine_setting_the_model_cannot_hold_before_ray_starts
 
 def test_serve_refuses_device_cuda_for_replicas_that_reserve_no_gpu():
     # Ray hides every GPU from such a replica: each failed its start in turn, under Serve.
-    from cluster.config import load_config
     from cluster.serve_command import check_resources_fit
     from replica.config import ConfigError
 
