@@ -27,7 +27,7 @@ from replica.executor.memory_profile import kv_cache_bytes_per_block
 from replica.executor.rank_config import resolve_rank_config
 from replica.executor.preemption_profile import preemption_costs
 from replica.executor.model_runner import StepInFlight
-from replica.core.outputs import PromptLogprobs, RequestOutput, StepStats, make_request
+from replica.core.outputs import GatheredPromptLogprobs, PromptLogprobArrays, RequestOutput, StepStats, make_request
 from replica.core.request import Request, RequestStatus, SamplingParams, validate_request
 from replica.core.structured_output import GrammarCompiler, compiled_in_time
 from replica.core.load import SchedulerLoad
@@ -213,7 +213,7 @@ class LLMEngine:
             # compile ended (helper-43's fuzzing).
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.sampling_params.prompt_logprobs is not None:
-            request.prompt_logprobs = PromptLogprobs.empty(request.sampling_params.prompt_logprobs)
+            request.prompt_logprobs = GatheredPromptLogprobs(request.sampling_params.prompt_logprobs)
         if request.sampling_params.structured_output is not None:
             self._add_constrained(request)
         else:
@@ -524,16 +524,17 @@ class LLMEngine:
                 outputs.append(RequestOutput(
                     request_id, [token_id], text, finished.finish_reason if finished is not None else None,
                     len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
-                    logprobs, top_logprobs, request.stop_reason if finished is not None else None, prompt_logprobs,
+                    logprobs, top_logprobs, request.stop_reason if finished is not None else None,
+                    prompt_logprobs.unpack() if prompt_logprobs is not None else None,
                 ))
         return outputs
 
     def _gather_prompt_logprobs(self, scheduler_output: SchedulerOutput,
-                                gathered: dict[str, tuple[int, PromptLogprobs]]) -> None:
+                                gathered: dict[str, tuple[int, PromptLogprobArrays]]) -> None:
         """Add a step's prompt log-probabilities to the requests of that step still live. By the
         step's own request objects, not their ids: one aborted while its step was in flight may
         have a new request under its id, which took the old one's values (or, from a later
-        position than it holds, failed the whole step in PromptLogprobs.extend)."""
+        position than it holds, failed the whole step in GatheredPromptLogprobs.extend)."""
         stepped = {entry.request.request_id: entry.request for entry in scheduler_output.scheduled}
         live = self.scheduler.requests
         for request_id, (first_position, values) in gathered.items():

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
+import numpy as np
+
 from replica.config import EngineConfig
 from replica.core.request import Request, SamplingParams, StopReason
 from replica.core.slo import ttft_deadline as _ttft_deadline
@@ -29,30 +31,81 @@ class PromptLogprobs(NamedTuple):
     ranks: list[int]  # each token's rank in the vocabulary there, 1 the most likely
     top: Optional[list[TopLogprobs]]  # the prompt_logprobs most likely at each position; None when 0
 
-    @classmethod
-    def empty(cls, num_top: int) -> "PromptLogprobs":
-        return cls([], [], [] if num_top else None)
-
-    def extend(self, first_position: int, more: "PromptLogprobs") -> None:
-        """Append `more`, entries from `first_position` on, past those this holds already: a
-        prefill recomputed after a preemption may repeat positions a step still in flight
-        computed too (equal values; the first kept)."""
-        skip = len(self.logprobs) - first_position
-        if skip < 0:
-            raise RuntimeError(f"prompt logprobs from position {first_position} follow only {len(self.logprobs)}")
-        self.logprobs.extend(more.logprobs[skip:])
-        self.ranks.extend(more.ranks[skip:])
-        if self.top is not None:
-            self.top.extend(more.top[skip:])
-
     def to_wire(self) -> tuple:
-        """As plain tuples (replica/ipc/messages.py's CoreOutput)."""
-        return self.logprobs, self.ranks, None if self.top is None else [tuple(top) for top in self.top]
+        """As PromptLogprobArrays' numpy arrays (replica/ipc/messages.py's CoreOutput)."""
+        top_ids = top_logprobs = None
+        if self.top is not None:
+            num_top = len(self.top[0].token_ids) if self.top else 0
+            top_ids = np.array([top.token_ids for top in self.top], dtype=np.int32).reshape(-1, num_top)
+            top_logprobs = np.array([top.logprobs for top in self.top], dtype=np.float32).reshape(-1, num_top)
+        return PromptLogprobArrays(np.array(self.logprobs, dtype=np.float32), np.array(self.ranks, dtype=np.int32),
+                                   top_ids, top_logprobs).to_wire()
 
     @classmethod
     def from_wire(cls, wire: tuple) -> "PromptLogprobs":
-        logprobs, ranks, top = wire
-        return cls(logprobs, ranks, None if top is None else [TopLogprobs._make(entry) for entry in top])
+        """Unpacked from the engine core's arrays into lists, by the front (its own process)."""
+        logprobs, ranks, top_ids, top_logprobs = wire
+        top = None
+        if top_ids is not None:
+            top = list(map(TopLogprobs, top_ids.tolist(), top_logprobs.tolist()))
+        return cls(logprobs.tolist(), ranks.tolist(), top)
+
+
+class PromptLogprobArrays(NamedTuple):
+    """Prompt log-probabilities as the engine core holds and sends them: numpy arrays, which
+    pickle as their bytes (an 8k-token prompt's top 20 as lists took ~12 ms of the core's GIL
+    to pickle). Positions as PromptLogprobs'; ranks and ids int32, logprobs float32."""
+
+    logprobs: np.ndarray  # [positions]
+    ranks: np.ndarray  # [positions]
+    top_token_ids: Optional[np.ndarray]  # [positions, prompt_logprobs], None when it is 0
+    top_logprobs: Optional[np.ndarray]
+
+    def to_wire(self) -> tuple:
+        return tuple(self)
+
+
+class GatheredPromptLogprobs:
+    """The engine core's prompt log-probabilities of one request so far, prefill chunk by
+    prefill chunk (PromptLogprobArrays each), joined once when they go out with the first token."""
+
+    __slots__ = ("num_top", "num_positions", "_chunks")
+
+    def __init__(self, num_top: int):
+        self.num_top = num_top
+        self.num_positions = 0
+        self._chunks: list[PromptLogprobArrays] = []
+
+    def extend(self, first_position: int, more: PromptLogprobArrays) -> None:
+        """Append `more`, entries from `first_position` on, past those this holds already: a
+        prefill recomputed after a preemption may repeat positions a step still in flight
+        computed too (equal values; the first kept)."""
+        skip = self.num_positions - first_position
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs from position {first_position} follow only {self.num_positions}")
+        if skip >= len(more.logprobs):
+            return
+        if skip:
+            more = PromptLogprobArrays(*(None if values is None else values[skip:] for values in more))
+        self._chunks.append(more)
+        self.num_positions += len(more.logprobs)
+
+    def arrays(self) -> PromptLogprobArrays:
+        """Every position's, as one set of arrays."""
+        if len(self._chunks) == 1:
+            return self._chunks[0]
+        if not self._chunks:
+            top = np.zeros((0, self.num_top), dtype=np.int32) if self.num_top else None
+            return PromptLogprobArrays(np.zeros(0, np.float32), np.zeros(0, np.int32), top,
+                                       None if top is None else top.astype(np.float32))
+        return PromptLogprobArrays(*(None if parts[0] is None else np.concatenate(parts)
+                                     for parts in zip(*self._chunks)))
+
+    def to_wire(self) -> tuple:
+        return self.arrays().to_wire()
+
+    def unpack(self) -> PromptLogprobs:
+        return PromptLogprobs.from_wire(self.to_wire())
 
 
 @dataclass

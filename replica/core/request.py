@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from replica.errors import ContextLengthExceededError, InvalidRequestError
 
 if TYPE_CHECKING:
-    from replica.core.outputs import PromptLogprobs
+    from replica.core.outputs import GatheredPromptLogprobs
     from replica.core.structured_output import StructuredOutput
 
 
@@ -304,7 +304,7 @@ class Request:
     # The engine core's prompt log-probabilities gathered so far (sampling_params.prompt_logprobs),
     # prefill chunk by prefill chunk: entry i is prompt token i + 1's. Complete when the first
     # token is sampled, which carries them out.
-    prompt_logprobs: Optional["PromptLogprobs"] = None
+    prompt_logprobs: Optional["GatheredPromptLogprobs"] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -24,12 +24,13 @@ import functools
 import itertools
 import json
 import logging
+import os
 import re
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -771,8 +772,12 @@ class GrammarBitmask:
     next (structured_output_step_mask_ms bounds a step's sum): a row built alone, its own; a row
     of the parallel build, its share of that build's CPU time (_share_build_time).
 
-    The executor builds a step's masks at once, on its own threads, and times none of them, so
-    the step's whole build is timed (wall time): when it is within the limit, so was every row.
+    The executor builds a step's masks at once, on its own threads (one mask alone on the calling
+    thread), and times none of them, so the step's whole build is timed (wall time): when it is
+    within the limit, so was every row. Its CPU time, shared out among the rows, is the CPU time
+    of the executor's threads and this one (BuildClock), not the process's: that counted every
+    other thread too (grammar compiles, the channel's sender), so constrained rows seemed to cost
+    more than they did and waited for turns they did not need.
     When it is not, each row's mask is built again on its own, timed by this thread's CPU time
     (no wait for the GIL or a core counts), to find the slow ones. That search costs the step
     about the sum of its rows' masks (up to the build times the executor's threads), so while
@@ -792,7 +797,8 @@ class GrammarBitmask:
         # A build slower than this looks for its slow rows (raised after a search finds none).
         self._search_above_s = self.max_mask_s
         self._search_again_at = 0
-        self._executor = llguidance.LLExecutor()
+        self._clock = BuildClock(llguidance.LLExecutor)
+        self._executor = self._clock.executor
         # Two buffers alternate: with overlapped scheduling a step's copy may still be queued
         # on the device while the next step's masks are filled.
         self._host = [torch.empty((max_rows, words_per_mask(vocab_size)), dtype=torch.int32,
@@ -819,10 +825,10 @@ class GrammarBitmask:
             else:
                 live.append((grammar.matcher, index))
         if live:
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start = time.perf_counter(), self._clock.cpu_s()
             self._executor.unsafe_compute_mask_ptr(live, host.data_ptr(), host.shape[1] * 4, count)
             elapsed = time.perf_counter() - start
-            _share_build_time(time.process_time() - cpu_start, [grammars[index] for _, index in live])
+            _share_build_time(self._clock.cpu_s() - cpu_start, [grammars[index] for _, index in live])
             # Within the limit, so was every row. Over it: find the slow rows, unless a search
             # found none lately and this build is not much slower than that one.
             if elapsed > self.max_mask_s and (elapsed > self._search_above_s
@@ -865,9 +871,42 @@ class GrammarBitmask:
 PRESUMED_MASK_S = 20e-6
 
 
+class BuildClock:
+    """The CPU time of a mask build: the calling thread's (llguidance builds a lone mask on it)
+    and the executor's own threads' (it builds several at once there), each thread's own clock,
+    so that no other thread of the process counts. Its threads are those that making the
+    executor started, less any Python thread (one started meanwhile elsewhere). Where threads'
+    clocks cannot be read (no /proc, not Linux), the process's CPU time, as before."""
+
+    def __init__(self, make_executor: Callable[[], Any]):
+        before = _thread_ids()
+        self.executor = make_executor()
+        after = _thread_ids()
+        self._clocks: Optional[list[int]] = None
+        if before is not None and after is not None:
+            python_threads = {thread.native_id for thread in threading.enumerate()}
+            # Linux's clock id of a thread's CPU time (MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)).
+            self._clocks = [(~tid << 3) | 6 for tid in sorted(after - before - python_threads)]
+
+    def cpu_s(self) -> float:
+        if self._clocks is not None:
+            try:
+                return time.thread_time() + sum(time.clock_gettime(clock) for clock in self._clocks)
+            except OSError:  # a thread of the executor's gone: the process's from now on
+                self._clocks = None
+        return time.process_time()
+
+
+def _thread_ids() -> Optional[set[int]]:
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except (OSError, ValueError):
+        return None
+
+
 def _share_build_time(cpu_s: float, grammars: Sequence[RequestGrammar]) -> None:
-    """Each row's share of a parallel build's CPU time (the process's: the executor's threads;
-    llguidance times no single row of it) as its `mask_s`: in proportion to what each was
+    """Each row's share of a parallel build's CPU time (BuildClock's: the executor's threads and
+    the caller's; llguidance times no single row of it) as its `mask_s`: in proportion to what each was
     predicted to cost, so a row timed alone before (a search, a slow row) keeps its weight beside
     cheap ones, and the shares add up to what the build cost."""
     weights = [grammar.mask_s + PRESUMED_MASK_S for grammar in grammars]

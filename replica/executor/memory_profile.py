@@ -27,8 +27,17 @@ from replica.parallel.group import NO_TENSOR_PARALLEL, TensorParallel
 logger = logging.getLogger(__name__)
 
 # Every filter on and every row seeded: the sampler's most memory-hungry path.
+# Penalties too: their token history is a persistent [rows, vocab] state on the device (39 + 156 MB
+# at 256 rows of a 152k vocabulary), allocated when a first request asks for one, after the pool
+# was sized; so the profile holds it (and the penalties' scratch) in its peak.
 _WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=True,
-                                      top_logprobs=MAX_TOP_LOGPROBS)
+                                      top_logprobs=MAX_TOP_LOGPROBS, repetition_penalty=1.1, frequency_penalty=0.1)
+
+
+@dataclass(frozen=True)
+class _ProfileHistory:
+    prompt_token_ids: tuple[int, ...] = (0,)
+    output_token_ids: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,7 @@ def profile_run(model: LlamaForCausalLM, model_config: ModelConfig, config: Engi
     num_rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:num_rows])
     Sampler().sample(logits, SamplingBatch.of_params([_WORST_CASE_SAMPLING] * num_rows, [0] * num_rows,
-                                                     model_config.vocab_size, device))
+                                                     model_config.vocab_size, device, [_ProfileHistory()] * num_rows))
     del logits
     # A prefill chunk's prompt log-probabilities: one piece of full-vocabulary logits at a time.
     num_rows = min(prompt_logits_rows(model_config.vocab_size), num_tokens)

@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -39,8 +39,8 @@ from replica.executor.request_rows import RequestRows
 from replica.executor.sampler import LogitsProcessing, Sampler, SamplingBatch, logprobs_of, prompt_logits_rows
 from replica.executor.staging import StagedField, StagedInputs
 from replica.executor.step_abort import StepAbort, StepAborted
-from replica.executor.logits_processors import to_device
-from replica.core.outputs import PromptLogprobs, TopLogprobs
+from replica.executor.logits_processors import Penalties, to_device
+from replica.core.outputs import PromptLogprobArrays, TopLogprobs
 from replica.model import LlamaForCausalLM, ModelConfig, OutputRows
 from replica.core.request import MAX_TOP_LOGPROBS
 from replica.core.structured_output import GrammarBitmask, GrammarMask
@@ -58,7 +58,7 @@ class ModelRunnerOutput:
     top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # only requests that asked
     # Per request gathering its prompt's logprobs this step (any row, sampling or not): the first
     # position's index in PromptLogprobs and the values from there on.
-    prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobArrays]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,21 +81,28 @@ class _PromptLogprobsInFlight:
     ranks: torch.Tensor  # host int64 [rows]
     top_token_ids: Optional[torch.Tensor]  # host int64 [rows, max_top]
     top_logprobs: Optional[torch.Tensor]  # host float32 [rows, max_top]
-    done: Optional[torch.cuda.Event]
+    done: Optional[torch.cuda.Event]  # under tensor parallelism, one that watches the workers
 
-    def result(self) -> dict[str, tuple[int, PromptLogprobs]]:
-        if self.done is not None:
-            self.done.synchronize()
-        logprobs, ranks = self.logprobs.tolist(), self.ranks.tolist()
-        top_ids = self.top_token_ids.tolist() if self.top_token_ids is not None else None
-        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+    def wait(self) -> float:
+        """Until they are on the host; the seconds it waited."""
+        if self.done is None:
+            return 0.0
+        start = time.perf_counter()
+        self.done.synchronize()
+        return time.perf_counter() - start
+
+    def result(self) -> dict[str, tuple[int, PromptLogprobArrays]]:
+        """Per request, as numpy arrays (copies: the step's pinned buffers are not held on to),
+        which the engine core keeps and sends as they are."""
+        logprobs, ranks = self.logprobs.numpy().copy(), self.ranks.numpy().astype(np.int32)
+        top_ids = top_values = None
+        if self.top_token_ids is not None:
+            top_ids, top_values = self.top_token_ids.numpy().astype(np.int32), self.top_logprobs.numpy().copy()
         gathered, row = {}, 0
         for request_id, first_position, num_rows, num_top in self.spans:
             end = row + num_rows
-            top = ([TopLogprobs(ids[:num_top], values[:num_top]) for ids, values in zip(top_ids[row:end],
-                                                                                         top_values[row:end])]
-                   if num_top else None)
-            gathered[request_id] = (first_position, PromptLogprobs(logprobs[row:end], ranks[row:end], top))
+            top = (top_ids[row:end, :num_top], top_values[row:end, :num_top]) if num_top else (None, None)
+            gathered[request_id] = (first_position, PromptLogprobArrays(logprobs[row:end], ranks[row:end], *top))
             row = end
         return gathered
 
@@ -123,7 +130,8 @@ class StepInFlight:
         if self.unsampled is not None:
             raise RuntimeError("the step's constrained rows were never sampled (ModelRunner.sample_tokens)")
         output = self._sampled()
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None:  # computed before the sampling rows: seldom a wait of its own
+            self.wait_s += self.prompt_logprobs.wait()
             output.prompt_logprobs = self.prompt_logprobs.result()
         return output
 
@@ -245,6 +253,10 @@ class ModelRunner:
             StagedField("seeded_rows", torch.int64, seqs),
             StagedField("seeds", torch.int64, seqs),
             StagedField("seed_steps", torch.int64, seqs),
+            # The penalties of the sampling rows, written only by steps where some row has them.
+            StagedField("repetition_penalty", torch.float32, seqs),
+            StagedField("frequency_penalty", torch.float32, seqs),
+            StagedField("presence_penalty", torch.float32, seqs),
             # Variable length, so last: the copy stops where the step's changes end.
             StagedField("block_changes", torch.int32, 2 * self.block_change_capacity),
         ]
@@ -323,8 +335,7 @@ class ModelRunner:
                                                   self.max_mask_ms)
         grammar = self.grammar_bitmask.build(np.searchsorted(step.sampling_seqs, constrained_seqs),
                                              [scheduled[index].request.grammar for index in constrained_seqs])
-        # The engine appended the step before's tokens first: the histories hold every token.
-        sampled = self._sample_logits(step, unsampled.logits, scheduled, grammar, histories_complete=True)
+        sampled = self._sample_logits(step, unsampled.logits, scheduled, grammar)
         sampled.prompt_logprobs = in_flight.prompt_logprobs
         in_flight.unsampled = None
         sampled.launch_s = in_flight.launch_s + time.perf_counter() - start
@@ -370,6 +381,7 @@ class ModelRunner:
                 constrained_seqs.append(len(samples) - 1)
             if request.gathers_prompt_logprobs:
                 prompt_logprob_seqs.append(len(samples) - 1)
+        rows.flush_admissions()
         seq_rows = np.array(seq_row_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
         # A token the host does not have yet (a position past the request's known tokens)
@@ -446,6 +458,10 @@ class ModelRunner:
             # A seeded draw is keyed by the index of the output token it produces.
             views["seed_steps"][:num_seeded] = (seq_lens[sampling_seqs[seeded]]
                                                 - rows.num_prompt_tokens[sample_rows[seeded]])
+        if sampling.any_penalized:
+            views["repetition_penalty"][:num_samples] = sampling.arrays.repetition_penalty
+            views["frequency_penalty"][:num_samples] = sampling.arrays.frequency_penalty
+            views["presence_penalty"][:num_samples] = sampling.arrays.presence_penalty
 
         change_index, change_ids = block_tables.take_changes()
         num_changes = len(change_index)
@@ -457,17 +473,14 @@ class ModelRunner:
         self.staged.send(self.staged.end_of("block_changes", 2 * staged_changes))
         if num_changes > staged_changes:  # rare: many admissions with long (prefix-cached) tables at once
             self._apply_unstaged_changes(change_index[staged_changes:], change_ids[staged_changes:])
-        processed_rows = None
-        if sampling.any_processed:  # logit_bias or penalties: only such batches build this
-            # A sampling sequence runs past its known tokens by the one still being sampled.
-            processed_rows = np.where(seq_lens[sampling_seqs] > known_lens[sampling_seqs], sample_rows, -1)
         return _StepPlan(
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()), graph_size=graph_size, num_pending=len(pending_seqs),
             max_sampling_seq_len=int(seq_lens[sampling_seqs].max()) if num_samples else 0,
             num_staged_changes=staged_changes, sampling_seqs=sampling_seqs, num_seeded=num_seeded,
             facts=sampling.facts, wants_logprobs=sampling.wants_logprobs,
-            num_top_logprobs=sampling.num_top_logprobs, pending_rows_of_samples=processed_rows,
+            num_top_logprobs=sampling.num_top_logprobs, any_logit_bias=sampling.any_logit_bias,
+            any_repetition=sampling.any_repetition, any_additive=sampling.any_additive,
             sample_request_ids=sample_request_ids,
             constrained_seqs=constrained_seqs or None, prompt_logprobs=prompt_logprobs,
         )
@@ -581,7 +594,7 @@ class ModelRunner:
             every_row = num_samples == step.num_seqs
             logits = self.decode_logits[:num_samples] if every_row else self.decode_logits.index_select(0, logits_indices)
             facts = step.facts
-            if (facts["all_greedy"] and not facts["any_logprobs"] and step.pending_rows_of_samples is None
+            if (facts["all_greedy"] and not facts["any_logprobs"] and not step.processed
                     and step.constrained_seqs is None):
                 greedy = self.decode_greedy
                 return self._send_sampled(step, greedy[:num_samples] if every_row else greedy.index_select(
@@ -589,7 +602,7 @@ class ModelRunner:
         if step.constrained_seqs is not None:
             return StepInFlight(step.sample_request_ids, step.wants_logprobs, graph_batch_size=step.graph_size,
                                 unsampled=_UnsampledStep(step, logits, scheduled))
-        return self._sample_logits(step, logits, scheduled, None, histories_complete=False)
+        return self._sample_logits(step, logits, scheduled, None)
 
     def logits_of(self, step: "_StepPlan", hidden: torch.Tensor) -> torch.Tensor:
         """The logits of the step's sampling rows from its forward pass's hidden states (a pass
@@ -598,14 +611,25 @@ class ModelRunner:
             hidden = hidden.index_select(0, self.staged.device_views["logits_indices"][:len(step.sampling_seqs)])
         return self.model.compute_logits(hidden)
 
+    def prompt_logprob_logits(self, rows: PromptLogprobRows, hidden: torch.Tensor
+                              ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The full-vocabulary logits at `rows`, a bounded number of rows at a time
+        (sampler.prompt_logits_rows): (start, end, logits) per piece. Under tensor parallelism
+        every rank computes each piece (its logits are a gather); only rank 0 takes values."""
+        num_rows = len(rows.token_index)
+        token_index = to_device(rows.token_index, None, self.device)
+        piece = prompt_logits_rows(self.vocab_size)
+        for start in range(0, num_rows, piece):
+            end = min(start + piece, num_rows)
+            yield start, end, self.model.compute_logits(hidden.index_select(0, token_index[start:end]))
+        self.num_prompt_logprob_rows += num_rows
+
     def prompt_logprob_values(self, rows: PromptLogprobRows, hidden: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The prompt tokens' logprobs, ranks and top alternatives at `rows` (device tensors),
-        computed a bounded number of rows at a time (sampler.prompt_logits_rows) so that only the
-        gathered values outlive each piece's full-vocabulary logits. Under tensor parallelism
-        every rank runs it (each piece's logits are a gather)."""
+        piece by piece (prompt_logprob_logits), so that only the gathered values outlive each
+        piece's full-vocabulary logits."""
         num_rows = len(rows.token_index)
-        token_index = to_device(rows.token_index, None, self.device)
         target_ids = to_device(rows.target_ids, None, self.device)
         logprobs = torch.empty(num_rows, dtype=torch.float32, device=self.device)
         ranks = torch.empty(num_rows, dtype=torch.int64, device=self.device)
@@ -613,15 +637,11 @@ class ModelRunner:
         if rows.max_top:
             top_logprobs = torch.empty((num_rows, rows.max_top), dtype=torch.float32, device=self.device)
             top_token_ids = torch.empty((num_rows, rows.max_top), dtype=torch.int64, device=self.device)
-        piece = prompt_logits_rows(self.vocab_size)
-        for start in range(0, num_rows, piece):
-            end = min(start + piece, num_rows)
-            values = logprobs_of(self.model.compute_logits(hidden.index_select(0, token_index[start:end])),
-                                 target_ids[start:end], rows.max_top)
+        for start, end, logits in self.prompt_logprob_logits(rows, hidden):
+            values = logprobs_of(logits, target_ids[start:end], rows.max_top)
             for out, value in zip((logprobs, ranks, top_logprobs, top_token_ids), values):
                 if out is not None:
                     out[start:end] = value
-        self.num_prompt_logprob_rows += num_rows
         return logprobs, ranks, top_token_ids, top_logprobs
 
     def _send_prompt_logprobs(self, rows: PromptLogprobRows, hidden: torch.Tensor) -> _PromptLogprobsInFlight:
@@ -638,7 +658,7 @@ class ModelRunner:
         self.last_token_by_row.index_copy_(0, self.staged.device_views["sample_rows"][:len(token_ids)], token_ids)
 
     def _sample_logits(self, step: "_StepPlan", logits: torch.Tensor, scheduled: list[ScheduledRequest],
-                       grammar: Optional[GrammarMask], histories_complete: bool) -> StepInFlight:
+                       grammar: Optional[GrammarMask]) -> StepInFlight:
         device_views = self.staged.device_views
         num_samples = len(step.sampling_seqs)
         batch = SamplingBatch(
@@ -650,7 +670,7 @@ class ModelRunner:
             seeded_rows=device_views["seeded_rows"][:step.num_seeded],
             step_indices=device_views["seed_steps"][:step.num_seeded],
             **step.facts,
-            processors=self._logits_processing(step, scheduled, histories_complete),
+            processors=self._logits_processing(step, scheduled),
             grammar=grammar,
         )
         sampled = self.sampler.sample(logits, batch)
@@ -663,6 +683,8 @@ class ModelRunner:
         any logprobs) to the host without waiting; the StepInFlight waits when read."""
         num_samples = len(token_ids)
         self.keep_sampled(token_ids)
+        if step.any_repetition or step.any_additive:  # the penalized rows' histories grow on the device
+            self.rows.penalties.count(self.staged.device_views["sample_rows"][:num_samples], token_ids)
         # Two host buffers alternate: with overlapped scheduling the next step's copy lands
         # while this step's tokens are still being read.
         slot = self._num_launched % 2
@@ -689,21 +711,24 @@ class ModelRunner:
             host_top_logprobs, done, step.graph_size,
         )
 
-    def _logits_processing(self, step: "_StepPlan", scheduled: list[ScheduledRequest],
-                           histories_complete: bool) -> Optional[LogitsProcessing]:
-        """logit_bias and penalties of a batch where some row has them: the rows' parameters and
-        token histories, and (async scheduling, unless `histories_complete`: the tokens in flight
-        at launch were appended since) the output token each history still lacks, read on the
-        device from the rows' latest samples."""
-        if step.pending_rows_of_samples is None:
+    def _logits_processing(self, step: "_StepPlan", scheduled: list[ScheduledRequest]
+                           ) -> Optional[LogitsProcessing]:
+        """logit_bias and penalties of a batch where some row has them: the rows' parameters
+        when some row has logit_bias, and the penalties' staged parameters and rows of the
+        persistent PenaltyState (which has counted every token sampled before this step, the
+        one of a step still in flight included: the device runs them in order)."""
+        if not step.processed:
             return None
-        requests = [scheduled[index].request for index in step.sampling_seqs.tolist()]
-        pending_token_ids = None
-        pending_rows = step.pending_rows_of_samples
-        if not histories_complete and (pending_rows >= 0).any():
-            rows = to_device(pending_rows, None, self.device)
-            pending_token_ids = torch.where(rows >= 0, self.last_token_by_row.index_select(0, rows.clamp(min=0)), -1)
-        return LogitsProcessing([request.sampling_params for request in requests], requests, pending_token_ids)
+        bias_params = None
+        if step.any_logit_bias:
+            bias_params = [scheduled[index].request.sampling_params for index in step.sampling_seqs.tolist()]
+        penalties = None
+        if step.any_repetition or step.any_additive:
+            views, num_samples = self.staged.device_views, len(step.sampling_seqs)
+            penalties = Penalties(self.rows.penalties, views["sample_rows"][:num_samples],
+                                  views["repetition_penalty"][:num_samples], views["frequency_penalty"][:num_samples],
+                                  views["presence_penalty"][:num_samples], step.any_repetition, step.any_additive)
+        return LogitsProcessing(bias_params, penalties)
 
 
 def _prompt_logprob_rows(scheduled: list[ScheduledRequest], seqs: list[int], query_start_loc: np.ndarray
@@ -716,7 +741,7 @@ def _prompt_logprob_rows(scheduled: list[ScheduledRequest], seqs: list[int], que
     for seq in seqs:
         entry = scheduled[seq]
         request = entry.request
-        first = max(entry.start_pos, len(request.prompt_logprobs.logprobs))
+        first = max(entry.start_pos, request.prompt_logprobs.num_positions)
         end = min(entry.start_pos + entry.num_new_tokens, len(request.prompt_token_ids) - 1)
         if first >= end:
             continue
@@ -754,14 +779,20 @@ class _StepPlan:
     facts: dict
     wants_logprobs: list[bool]
     num_top_logprobs: Optional[list[int]]  # per sampling row, when any asks for alternatives
-    # Per sampling row when some row has logit_bias or penalties: the row whose latest sample
-    # its history lacks (still in flight), -1 where the host has every token.
-    pending_rows_of_samples: Optional[np.ndarray]
+    # What some sampling row asks of logits_processors.py.
+    any_logit_bias: bool
+    any_repetition: bool
+    any_additive: bool  # a frequency or presence penalty
     sample_request_ids: list[str]  # of the sampling rows, in order
     max_sampling_seq_len: int  # the longest context among the sequences that sample (0: none does)
     # The sampling sequences with a structured-output grammar (indices into the step's), if any.
     constrained_seqs: Optional[list[int]] = None
     prompt_logprobs: Optional[PromptLogprobRows] = None  # rows whose logits give prompt logprobs, if any
+
+    @property
+    def processed(self) -> bool:
+        """Some sampling row has logit_bias or penalties: its logits go through the sampler."""
+        return self.any_logit_bias or self.any_repetition or self.any_additive
 
     @property
     def prunes_last_layer(self) -> bool:

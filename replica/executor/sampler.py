@@ -23,7 +23,7 @@ import torch
 
 from replica.core.structured_output import GrammarMask, apply_grammar_bitmask
 from replica.executor.counter_rng import exponential_noise
-from replica.executor.logits_processors import TokenHistory, apply_logits_processors
+from replica.executor.logits_processors import Penalties, TokenHistory, process_logits
 from replica.core.request import SamplingParams
 
 
@@ -76,12 +76,18 @@ class SamplingArrays:
     logprobs: np.ndarray  # bool: the row asked for the sampled token's logprob (or alternatives)
     top_logprobs: np.ndarray  # int32: alternatives per token the row asked for; 0 = none
     processed: np.ndarray  # bool: the row has logit_bias or penalties (logits_processors.py)
+    logit_bias: np.ndarray  # bool: the row has logit_bias
+    repetition_penalty: np.ndarray  # float32; 1 = off
+    frequency_penalty: np.ndarray  # float32; 0 = off
+    presence_penalty: np.ndarray  # float32; 0 = off
 
     @classmethod
     def empty(cls, num_rows: int) -> "SamplingArrays":
         return cls(np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32), np.ones(num_rows, np.float32),
                    np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int64), np.zeros(num_rows, bool),
-                   np.zeros(num_rows, bool), np.zeros(num_rows, np.int32), np.zeros(num_rows, bool))
+                   np.zeros(num_rows, bool), np.zeros(num_rows, np.int32), np.zeros(num_rows, bool),
+                   np.zeros(num_rows, bool), np.ones(num_rows, np.float32), np.zeros(num_rows, np.float32),
+                   np.zeros(num_rows, np.float32))
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> "SamplingArrays":
@@ -94,7 +100,8 @@ class SamplingArrays:
         """The parameters of these rows, in this order."""
         return SamplingArrays(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
                               self.seed[rows], self.has_seed[rows], self.logprobs[rows], self.top_logprobs[rows],
-                              self.processed[rows])
+                              self.processed[rows], self.logit_bias[rows], self.repetition_penalty[rows],
+                              self.frequency_penalty[rows], self.presence_penalty[rows])
 
     def set_row(self, row: int, params: SamplingParams, vocab_size: int) -> None:
         self.temperature[row] = params.temperature
@@ -106,18 +113,20 @@ class SamplingArrays:
         self.logprobs[row] = params.num_logprobs is not None
         self.top_logprobs[row] = params.top_logprobs
         self.processed[row] = bool(params.logit_bias) or params.has_penalties
+        self.logit_bias[row] = bool(params.logit_bias)
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.presence_penalty[row] = params.presence_penalty
 
 
 @dataclass
 class LogitsProcessing:
     """What logit_bias and the penalties need, built only for a batch where some row asks:
-    every row's parameters and token history (host), and each row's latest output token that
-    its history does not hold yet because the step that samples it is still in flight
-    (async scheduling): int64 [rows] on the device, -1 where none."""
+    every row's parameters when some row has logit_bias (host), and the penalties' per-row
+    state and parameters on the device when some row has penalties."""
 
-    params: Sequence[SamplingParams]
-    histories: Optional[Sequence[TokenHistory]]
-    pending_token_ids: Optional[torch.Tensor] = None
+    bias_params: Optional[Sequence[SamplingParams]]
+    penalties: Optional[Penalties] = None
 
 
 @dataclass
@@ -168,7 +177,14 @@ class SamplingBatch:
         """A batch of rows with these parameters (tests, the memory profile run); histories are
         the rows' tokens, which penalties need."""
         arrays = SamplingArrays.of(params, vocab_size)
-        processors = LogitsProcessing(params, histories) if arrays.processed.any() else None
+        processors = None
+        if arrays.processed.any():
+            penalties = None
+            if any(row_params.has_penalties for row_params in params):
+                if histories is None:
+                    raise ValueError("penalties need each row's token history")
+                penalties = Penalties.of_histories(params, histories, vocab_size, device)
+            processors = LogitsProcessing(params if arrays.logit_bias.any() else None, penalties)
         return cls.of(arrays, np.asarray(step_indices, dtype=np.int64), device, processors)
 
 
@@ -214,9 +230,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for a sampling batch of {batch.num_rows} rows")
         raw_logits = logits = logits.float()
         if batch.processors is not None:
-            processors = batch.processors
-            logits = apply_logits_processors(raw_logits, processors.params, processors.histories,
-                                             processors.pending_token_ids)
+            logits = process_logits(raw_logits, batch.processors.bias_params, batch.processors.penalties)
         if batch.grammar is not None:  # structured outputs: what the grammar forbids is at -inf
             logits = apply_grammar_bitmask(logits, batch.grammar)
         greedy_ids = _argmax_rows(logits) if batch.any_greedy else None  # ties go to the lowest id

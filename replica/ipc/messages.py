@@ -124,7 +124,8 @@ class CoreOutput(NamedTuple):
     top_logprobs: Optional[list[tuple[list[int], list[float]]]]
     stop_reason: Optional[int]  # the stop token id that finished it (stop strings are the front's)
     first_admitted_time: Optional[float]  # with the first token only (queue-time metric)
-    # With the first token, when asked for: PromptLogprobs.to_wire()'s plain tuples.
+    # With the first token, when asked for: PromptLogprobArrays' numpy arrays (the front unpacks
+    # them into PromptLogprobs' lists).
     prompt_logprobs: Optional[tuple]
 
 

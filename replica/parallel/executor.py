@@ -72,12 +72,11 @@ _SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
 # Rank 0 waiting on NCCL for a step's tokens polls the step's event, and checks its workers
 # every STEP_WORKER_CHECK_S: NCCL's wait never raises, so a worker that died mid-step would
 # otherwise hold it until NCCL's watchdog fires (max(120 s, tensor_parallel_timeout_s)), where
-# gloo fails the collective at once. For the first DEVICE_SPIN_S of a wait it polls without
-# sleeping (a CPU core kept busy for at most that long a step), so tokens ready that soon are
-# seen at once; then every DEVICE_POLL_S, a sleep that takes ~0.15-0.2 ms on Linux (timer slack and
-# the wake-up): a step ending then is seen up to that late, ~5% of a 3 ms decode step.
-DEVICE_SPIN_S = 0.0005
-DEVICE_POLL_S = 0.0001
+# gloo fails the collective at once. It polls without sleeping, giving up the core between asks
+# (os.sched_yield: the process's other threads, the channel's sender or a grammar compile, run
+# meanwhile): a sleep of even 0.1 ms took ~0.15-0.2 ms on Linux (timer slack and the wake-up),
+# so a step that ended was seen up to that late, every step under async scheduling (~5% of a
+# 3 ms decode step). The core that polls stays busy while rank 0 waits, as NCCL's own waits do.
 STEP_WORKER_CHECK_S = 0.05
 
 
@@ -239,21 +238,18 @@ def check_workers_alive(processes) -> None:
 
 
 def wait_watching_workers(done: Callable[[], bool], check_workers: Callable[[], None],
-                          poll_s: float = DEVICE_POLL_S, check_every_s: float = STEP_WORKER_CHECK_S,
-                          spin_s: float = DEVICE_SPIN_S) -> None:
-    """Return once `done()`, asked without a pause for the first `spin_s`, then every `poll_s`;
-    meanwhile `check_workers()` every `check_every_s`, which raises (TensorParallelDead) for a
-    dead worker: a wait on the device that a dead peer would otherwise stretch to NCCL's
-    watchdog timeout."""
+                          check_every_s: float = STEP_WORKER_CHECK_S) -> None:
+    """Return once `done()`, asked again after each os.sched_yield() (never a sleep); meanwhile
+    `check_workers()` every `check_every_s`, which raises (TensorParallelDead) for a dead
+    worker: a wait on the device that a dead peer would otherwise stretch to NCCL's watchdog
+    timeout."""
     next_check = time.monotonic()
-    spin_until = next_check + spin_s
     while not done():
         now = time.monotonic()
         if now >= next_check:
             check_workers()
             next_check = now + check_every_s
-        if now >= spin_until:
-            time.sleep(poll_s)
+        os.sched_yield()
 
 
 class _WatchedEvent:
@@ -405,6 +401,14 @@ class TensorParallelRunner(ModelRunner):
             in_flight.done = _WatchedEvent(in_flight.done, self.workers.check_alive)
         return in_flight
 
+    def _send_prompt_logprobs(self, rows, hidden):
+        # Their logits are gathers (and a prefill chunk that samples nothing waits on this event
+        # alone): a dead worker must not hold rank 0 until NCCL's watchdog either.
+        in_flight = super()._send_prompt_logprobs(rows, hidden)
+        if in_flight.done is not None:
+            in_flight.done = _WatchedEvent(in_flight.done, self.workers.check_alive)
+        return in_flight
+
 
 # ---- the worker process -------------------------------------------------------------------
 
@@ -523,7 +527,8 @@ class _Worker:
         except StepAborted:
             return  # every rank unwound at this layer; rank 0 rolls the step back
         if plan.prompt_logprobs is not None:  # this rank's vocabulary blocks, for rank 0's gathers
-            runner.prompt_logprob_values(plan.prompt_logprobs, hidden)
+            for _ in runner.prompt_logprob_logits(plan.prompt_logprobs, hidden):
+                pass  # rank 0 alone takes their logprobs
         num_samples = len(plan.sampling_seqs)
         if not num_samples:
             return

@@ -185,9 +185,40 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours(che
     assert alone != other_seed
 
 
-def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_scheduling_or_padding(checkpoint):
+def _decode_launch_copies(engine: LLMEngine, monkeypatch) -> dict:
+    """Of the launches of decode-only steps: the largest host array any copied to the device,
+    and how many ran the padded pass (as a CUDA graph replays it)."""
+    from replica.executor import logits_processors, model_runner
+
+    seen = {"in_decode": False, "largest": 0, "padded": 0}
+    for module in (logits_processors, model_runner):
+        def probed(values, dtype, device, to_device=module.to_device):
+            if seen["in_decode"]:
+                seen["largest"] = max(seen["largest"], len(values))
+            return to_device(values, dtype, device)
+        monkeypatch.setattr(module, "to_device", probed)
+    launch, decode_pass = engine.runner.launch, engine.runner._decode_pass
+
+    def probed_launch(scheduler_output):
+        seen["in_decode"] = bool(scheduler_output.scheduled) and all(
+            entry.num_new_tokens == 1 and not entry.is_new for entry in scheduler_output.scheduled)
+        try:
+            return launch(scheduler_output)
+        finally:
+            seen["in_decode"] = False
+
+    def probed_decode_pass(size):
+        seen["padded"] += 1
+        return decode_pass(size)
+
+    engine.runner.launch, engine.runner._decode_pass = probed_launch, probed_decode_pass
+    return seen
+
+
+def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_scheduling_or_padding(checkpoint,
+                                                                                                 monkeypatch):
     # Under async scheduling a penalty's history lacks the token still being sampled; the
-    # runner adds it from the device. A padded decode pass (as a CUDA graph runs it) leaves
+    # runner counts it on the device. A padded decode pass (as a CUDA graph runs it) leaves
     # logits for every row, which the sampler then reads. Each request's params differ.
     common = dict(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.4,
@@ -204,9 +235,15 @@ def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_sched
         tops: dict[str, list] = {request.request_id: [] for request in requests}
         for request in requests:
             engine.add_request(request, detokenize=False)
+        copies = _decode_launch_copies(engine, monkeypatch)
         while engine.has_unfinished_requests():
             for output in engine.step():
                 tops[output.request_id] += output.top_logprobs or []
+        # A decode step's penalties read the rows' histories kept on the device since admission:
+        # it copies per-row values at most, no token history (the prompts have 3-30 tokens).
+        # (It rebuilt every penalized row's prompt and output counts from the host's lists.)
+        assert copies["largest"] <= len(requests), copies
+        assert (copies["padded"] > 0) == padded_decode  # penalties or not, the forward pads (a graph on CUDA)
         runs.append(([request.output_token_ids for request in requests],
                      [[top.token_ids for top in tops[r.request_id]] for r in requests],
                      [[value for top in tops[r.request_id] for value in top.logprobs] for r in requests]))

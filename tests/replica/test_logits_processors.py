@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from replica.executor.logits_processors import apply_logits_processors, token_counts
+from replica.executor.logits_processors import PenaltyState, apply_logits_processors
 from replica.core.request import SamplingParams
 from replica.executor.sampler import Sampler, SamplingBatch
 
@@ -38,11 +38,22 @@ def reference_penalties(row: torch.Tensor, params: SamplingParams, history: Hist
     return row
 
 
-def test_token_counts_count_every_occurrence_per_row():
-    counts = token_counts([[1, 1, 5], [], [31]], VOCAB_SIZE, torch.device("cpu"))
-    assert counts.shape == (3, VOCAB_SIZE)
-    assert counts[0, 1] == 2 and counts[0, 5] == 1 and counts[0].sum() == 3
-    assert counts[1].sum() == 0 and counts[2, 31] == 1
+def test_a_rows_penalty_state_is_rebuilt_on_admission_and_counts_each_sampled_token():
+    """Each output occurrence counted, prompt and output tokens seen; a row admitted again (a
+    new request, or one recomputed after a preemption) holds its own tokens alone."""
+    state = PenaltyState(4, VOCAB_SIZE, torch.device("cpu"))
+    both = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)
+    state.admit(0, History([2, 2], [1, 1, 5]), both)
+    state.admit(2, History([3], [31]), both)
+    state.flush()
+    state.count(torch.tensor([0, 2]), torch.tensor([5, 7]))
+    counts, seen = state.output_counts, state.seen
+    assert counts[0, 1] == 2 and counts[0, 5] == 2 and counts[0].sum() == 4 and counts[0, 2] == 0
+    assert counts[2, 31] == 1 and counts[2, 7] == 1 and counts[2].sum() == 2
+    assert seen[0].nonzero().flatten().tolist() == [1, 2, 5] and seen[2].nonzero().flatten().tolist() == [3, 7, 31]
+    state.admit(0, History([9], []), both)
+    state.flush()
+    assert counts[0].sum() == 0 and seen[0].nonzero().flatten().tolist() == [9] and counts[2].sum() == 2
 
 
 def test_rows_without_bias_or_penalties_return_the_same_tensor():

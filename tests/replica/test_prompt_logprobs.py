@@ -3,19 +3,23 @@ pass of the built-in model in Hugging Face transformers, log_softmax of its logi
 position gathered at the next prompt token. The engine's are the same whether the prompt is
 prefilled whole or in chunks, found in the prefix cache or not (a request that asks takes no
 hits), preempted and recomputed (still handed out once, with the first token); they leak no
-blocks, and a request that does not ask computes no logits but its sampling row's."""
+blocks, and a request that does not ask computes no logits but its sampling row's.
+HEADROOM_TEST_DEVICE=cuda runs the engines on a GPU (the oracle stays on the CPU)."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import random
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
-from replica.core.outputs import PromptLogprobs, RequestOutput, TopLogprobs
+from replica.core.outputs import GatheredPromptLogprobs, PromptLogprobArrays, PromptLogprobs, RequestOutput, TopLogprobs
 from replica.core.request import SamplingParams
 from replica.errors import InvalidRequestError
 from replica.front.async_engine import MergingOutput
@@ -23,6 +27,7 @@ from replica.model.builtin import VOCAB_SIZE
 from replica.model.registry import resolve_model_path
 
 TOP = 3
+TEST_DEVICE = os.environ.get("HEADROOM_TEST_DEVICE", "cpu")
 # fp32 on both sides, different kernels (HF's eager attention against the engine's paged one).
 ATOL = 2e-5
 
@@ -52,7 +57,7 @@ def oracle(hf_model, prompt: list[int]) -> tuple[list[float], list[int], list[li
 
 def engine(**overrides) -> LLMEngine:
     config = dict(block_size=4, num_kv_blocks=128, max_model_len=128, max_num_batched_tokens=256, max_num_seqs=8)
-    return LLMEngine(make_engine_config(**{**config, **overrides}), "builtin", device="cpu")
+    return LLMEngine(make_engine_config(**{**config, **overrides}), "builtin", device=TEST_DEVICE)
 
 
 def run(llm: LLMEngine, prompts, params: SamplingParams, prefix: str = "p") -> tuple[list, list[list[RequestOutput]]]:
@@ -223,9 +228,15 @@ def test_the_engine_cores_rows_carry_the_prompt_logprobs_the_outputs_carry():
         while llm.has_unfinished_requests():
             steps += llm.step() if kind == "outputs" else llm.step_rows()
         by_kind[kind] = steps
-    assert [row[8] for row in by_kind["rows"]] == [
-        output.prompt_logprobs.to_wire() if output.prompt_logprobs is not None else None for output in by_kind["outputs"]]
-    assert PromptLogprobs.from_wire(by_kind["rows"][0][8]) == by_kind["outputs"][0].prompt_logprobs
+    rows, outputs = by_kind["rows"], by_kind["outputs"]
+    assert [row[8] is None for row in rows] == [output.prompt_logprobs is None for output in outputs]
+    assert PromptLogprobs.from_wire(rows[0][8]) == outputs[0].prompt_logprobs
+    # Numpy arrays, not lists: an 8k-token prompt's top 20 as lists took ~12 ms of the core's GIL
+    # to pickle (on the channel's sender thread, beside the step loop).
+    logprobs, ranks, top_ids, top_logprobs = rows[0][8]
+    assert all(isinstance(values, np.ndarray) for values in rows[0][8])
+    assert logprobs.shape == ranks.shape == (9,) and top_ids.shape == top_logprobs.shape == (9, 2)
+    assert PromptLogprobs.from_wire(pickle.loads(pickle.dumps(rows[0][8]))) == outputs[0].prompt_logprobs
 
 
 def test_a_merged_output_keeps_the_first_outputs_prompt_logprobs():
@@ -236,10 +247,19 @@ def test_a_merged_output_keeps_the_first_outputs_prompt_logprobs():
 
 
 def test_positions_a_recompute_repeats_are_kept_once():
-    gathered = PromptLogprobs([-1.0, -2.0], [1, 2], [TopLogprobs([4], [-1.0]), TopLogprobs([5], [-1.5])])
-    gathered.extend(1, PromptLogprobs([-2.0, -3.0], [2, 3], [TopLogprobs([5], [-1.5]), TopLogprobs([6], [-0.5])]))
-    assert gathered == PromptLogprobs([-1.0, -2.0, -3.0], [1, 2, 3], [TopLogprobs([4], [-1.0]), TopLogprobs([5], [-1.5]),
-                                                                        TopLogprobs([6], [-0.5])])
+    def arrays(logprobs, ranks, top_ids, top_logprobs):
+        return PromptLogprobArrays(np.array(logprobs, np.float32), np.array(ranks, np.int32),
+                                   np.array(top_ids, np.int32), np.array(top_logprobs, np.float32))
+
+    gathered = GatheredPromptLogprobs(1)
+    gathered.extend(0, arrays([-1.0, -2.0], [1, 2], [[4], [5]], [[-1.0], [-1.5]]))
+    gathered.extend(1, arrays([-2.0, -3.0], [2, 3], [[5], [6]], [[-1.5], [-0.5]]))
+    gathered.extend(2, arrays([-3.0], [3], [[6]], [[-0.5]]))
+    assert gathered.num_positions == 3
+    assert gathered.unpack() == PromptLogprobs([-1.0, -2.0, -3.0], [1, 2, 3], [
+        TopLogprobs([4], [-1.0]), TopLogprobs([5], [-1.5]), TopLogprobs([6], [-0.5])])
+    with pytest.raises(RuntimeError, match="from position 5 follow only 3"):
+        gathered.extend(5, arrays([-1.0], [1], [[1]], [[-1.0]]))
 
 
 @pytest.mark.parametrize("value, says", [(21, "must be in [0, 20]"), (-1, "must be in [0, 20]"),

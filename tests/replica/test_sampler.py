@@ -13,7 +13,7 @@ from replica.executor.counter_rng import exponential_noise
 from replica.executor.sampler import (
     LogitsProcessing, Sampler, SamplerOutput, SamplingArrays, SamplingBatch, logprobs_of,
 )
-from replica.executor.logits_processors import apply_logits_processors
+from replica.executor.logits_processors import Penalties, apply_logits_processors, process_logits
 from replica.core.request import SamplingParams
 
 VOCAB_SIZE = 64
@@ -226,7 +226,8 @@ class History:
 
 
 def test_penalties_count_an_output_token_still_in_flight_as_history():
-    # Async scheduling: the token sampled by the step in flight is on the device only.
+    # Async scheduling: the token sampled by the step in flight is on the device only; the
+    # rows' persistent state counted it there, as if the history held it.
     logits = random_logits(3, seed=5)
     params = [SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3),
               SamplingParams(temperature=0.0),
@@ -234,14 +235,13 @@ def test_penalties_count_an_output_token_still_in_flight_as_history():
     known = [History([1, 2], [7, 9]), History([3], []), History([4], [8])]
     with_pending = [History([1, 2], [7, 9, 9]), History([3], []), History([4], [8])]
     arrays = SamplingArrays.of(params, VOCAB_SIZE)
-
-    def processed_logits(histories, pending):
-        return apply_logits_processors(logits, params, histories, pending)
-
-    pending = torch.tensor([9, -1, -1])
-    assert torch.equal(processed_logits(known, pending), processed_logits(with_pending, None))
-    batch = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(params, known, pending))
-    expected = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(params, with_pending))
+    counted = Penalties.of_histories(params, known, VOCAB_SIZE, "cpu")
+    counted.state.count(torch.tensor([0]), torch.tensor([9]))
+    whole = Penalties.of_histories(params, with_pending, VOCAB_SIZE, "cpu")
+    assert torch.equal(process_logits(logits, None, counted), process_logits(logits, None, whole))
+    assert torch.equal(process_logits(logits, None, whole), apply_logits_processors(logits, params, with_pending))
+    batch = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(None, counted))
+    expected = SamplingBatch.of(arrays, np.zeros(3), "cpu", LogitsProcessing(None, whole))
     assert torch.equal(Sampler().sample(logits, batch).token_ids, Sampler().sample(logits, expected).token_ids)
 
 

@@ -6,7 +6,7 @@ for the forward pass in flight, and the overlap that async scheduling buys is lo
 capture it fails outright. The sampler alone is checked on the meta device (test_sampler.py); this
 checks the whole launch of real steps (scheduling, staging, block-table changes, the host tier's
 copies and prefetches, the pruned last layer, padded decode passes as a graph runs them, logit bias,
-penalties, logprobs, seeded and top-k/p/min-p sampling, structured-output masks) without mocks: a
+penalties, logprobs, prompt logprobs, seeded and top-k/p/min-p sampling, structured-output masks) without mocks: a
 TorchFunctionMode sees every such call made from the engine's code while the CPU engine runs them.
 
 The CPU's own attention backend (replica/attention/torch_*.py) reads sequence lengths on the host by
@@ -131,6 +131,7 @@ def _mixed_params(max_tokens: int) -> list[SamplingParams]:
         SamplingParams(temperature=0.0, logit_bias=((5, 3.0),), logprobs=True, top_logprobs=2, **common),
         SamplingParams(temperature=1.0, min_p=0.05, **common),
         SamplingParams(temperature=0.7, frequency_penalty=1.0, seed=9, top_logprobs=1, **common),
+        SamplingParams(temperature=0.0, prompt_logprobs=3, **common),  # its prefill steps run eagerly, unpruned
     ]
 
 
@@ -165,7 +166,7 @@ def test_launching_steps_with_every_sampling_feature_reads_nothing_back(padded_d
     probe = _probe_launches(engine)
     params = _mixed_params(12)
     _run(engine, params, [5 + 3 * index for index in range(len(params))], shared_prefix=12)
-    assert probe.calls["launch"] > 0
+    assert probe.calls["launch"] > 0 and engine.runner.num_prompt_logprob_rows > 0
     if padded_decode and engine.runner.graphs is None:
         assert probe.calls["_decode_pass"] > 0, "decode steps must have run the padded pass a graph captures"
     _assert_no_reads(probe)

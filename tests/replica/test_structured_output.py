@@ -808,6 +808,44 @@ def test_the_bitmask_forbids_exactly_the_masked_tokens_of_exactly_the_masked_row
     assert not torch.isinf(logits).any(), "the caller's logits are left as they were (raw logprobs read them)"
 
 
+def test_a_mask_builds_cpu_time_is_its_own_threads_not_the_whole_processes(builtin_engine):
+    """A parallel build's CPU time, shared out as its rows' predicted mask costs, was the
+    process's: a grammar compile or the channel's sender busy meanwhile counted as mask time, and
+    constrained rows waited for turns they did not need. Here a native thread (hashlib, without
+    the GIL) burns a core while the build's caller waits 30 ms: none of it is the rows'."""
+    import hashlib
+
+    from replica.core.structured_output import GrammarBitmask
+
+    compiler = builtin_engine._grammars()
+    choice = StructuredOutput("choice", ("yes", "no"))
+    grammars = [compiler.matcher(choice) for _ in range(2)]
+    bitmask = GrammarBitmask(2, compiler.vocab_size, torch.device("cpu"), max_mask_ms=1000.0)  # no search for slow rows
+    executor, burning, stop = bitmask._executor, threading.Event(), threading.Event()
+
+    class CallerWaits:  # the build, then the calling thread waits while another thread works
+        def unsafe_compute_mask_ptr(self, *args):
+            executor.unsafe_compute_mask_ptr(*args)
+            burning.set()
+            time.sleep(0.03)
+
+    def burn():
+        data = b"x" * (1 << 20)
+        burning.wait()
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    burner = threading.Thread(target=burn)
+    burner.start()
+    bitmask._executor = CallerWaits()
+    try:
+        bitmask.build([0, 1], grammars)
+    finally:
+        stop.set()
+        burner.join()
+    assert sum(grammar.mask_s for grammar in grammars) < 0.01
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_output_matches_its_constraint_on_a_model_that_would_never_write_it(builtin_engine, temperature):
     choices = ("yes", "no", "maybe not")

@@ -313,6 +313,30 @@ def test_tp2_seeded_samples_and_logprobs_equal_tp1_over_the_padded_vocabulary(ti
         assert ours == pytest.approx(theirs, abs=1e-4)
 
 
+def test_tp2_prompt_logprobs_and_penalties_equal_tp1(tiny_tp1, tiny_tp2):
+    """The workers compute each piece of a chunk's prompt-logprob logits (gathers) and take
+    nothing else of them; rank 0 alone keeps the penalties' token counts, on its device."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
+                            repetition_penalty=1.3, frequency_penalty=0.4)
+    gathered = []
+    for engine in (tiny_tp1, tiny_tp2):
+        requests = [engine.make_request(f"pl{index}-{time.monotonic_ns()}", prompt, params)
+                    for index, prompt in enumerate(PROMPTS[:3])]
+        outputs = {request.request_id: [] for request in requests}
+        for request in requests:
+            engine.add_request(request, detokenize=False)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs[output.request_id].append(output)
+        gathered.append(([request.output_token_ids for request in requests],
+                         [outputs[request.request_id][0].prompt_logprobs for request in requests]))
+    (tokens1, prompt1), (tokens2, prompt2) = gathered
+    assert tokens2 == tokens1
+    for ours, theirs in zip(prompt2, prompt1):
+        assert ours.ranks == theirs.ranks and [top.token_ids for top in ours.top] == [top.token_ids for top in theirs.top]
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+
+
 def test_a_structured_output_grammar_constrains_the_gathered_logits_at_tp2(tiny_tp1, tiny_tp2):
     """The grammar's bitmask is as wide as the vocabulary, not as a rank's block of the LM head."""
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True,

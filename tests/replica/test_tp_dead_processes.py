@@ -98,20 +98,59 @@ def test_rank_0s_wait_on_the_device_fails_within_the_check_interval_once_a_worke
         worker.join()
 
 
-@pytest.mark.parametrize("spin_s, pauses", [(60.0, 0), (0.0, 19)])
-def test_rank_0s_wait_asks_without_pausing_at_first_then_sleeps_between_asks(monkeypatch, spin_s, pauses):
-    """Every ask was followed by a 0.1 ms sleep, which takes ~0.15-0.2 ms on Linux: a step done
-    just after rank 0 asked was seen that late (~5% of a 3 ms decode step, not the 1% claimed).
-    For its first spin_s (0.5 ms) the wait asks without a pause."""
+def test_rank_0s_wait_yields_the_core_between_asks_and_never_sleeps(monkeypatch):
+    """After a 0.5 ms spin every ask was followed by a 0.1 ms sleep, which takes ~0.15-0.2 ms on
+    Linux: a step done just after rank 0 asked was seen that late, every step under async
+    scheduling. The wait yields the core between asks (os.sched_yield), and sleeps never."""
     from types import SimpleNamespace
 
     from replica.parallel import executor
 
-    slept, asked = [], []
+    slept, asked, yielded = [], [], []
     monkeypatch.setattr(executor, "time", SimpleNamespace(monotonic=time.monotonic, sleep=slept.append))
+    monkeypatch.setattr(executor.os, "sched_yield", lambda: yielded.append(len(asked)))
     done = lambda: asked.append(None) or len(asked) == 20  # noqa: E731
-    wait_watching_workers(done, lambda: None, spin_s=spin_s)
-    assert len(asked) == 20 and slept == [executor.DEVICE_POLL_S] * pauses
+    wait_watching_workers(done, lambda: None)
+    assert len(asked) == 20 and slept == [] and yielded == list(range(1, 20))
+
+
+def test_a_steps_prompt_logprobs_wait_watches_the_workers_and_counts_as_waiting(monkeypatch):
+    """A prefill chunk that samples nothing waits on its prompt logprobs' event alone: a plain
+    CUDA event under NCCL, so a dead worker held rank 0 until NCCL's watchdog; and that wait
+    counted as the step's update time, not as waiting for the device. (Stand-in events: CPU.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from replica.executor import model_runner
+    from replica.parallel.executor import TensorParallelRunner, _WatchedEvent
+
+    class Event:  # done at its third query; synchronize() takes 20 ms
+        queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries >= 3
+
+        def synchronize(self):
+            time.sleep(0.02)
+
+    empty = torch.zeros(0)
+
+    def in_flight(event):
+        return model_runner._PromptLogprobsInFlight([], empty, empty, None, None, event)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_send_prompt_logprobs", lambda self, rows, hidden: in_flight(event))
+    event, checks = Event(), []
+    runner = object.__new__(TensorParallelRunner)  # rank 0's runner, as far as this override needs
+    runner.workers = SimpleNamespace(check_alive=lambda: checks.append(None))
+    watched = runner._send_prompt_logprobs(None, None)
+    assert isinstance(watched.done, _WatchedEvent)
+    step = model_runner.StepInFlight([], [], prompt_logprobs=watched)
+    assert step.result().prompt_logprobs == {} and event.queries == 3 and checks
+    step = model_runner.StepInFlight([], [], prompt_logprobs=in_flight(Event()))
+    step.result()
+    assert step.wait_s >= 0.02
 
 
 def test_rank_0s_wait_returns_once_the_step_is_done_while_its_workers_live():
