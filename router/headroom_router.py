@@ -144,13 +144,15 @@ class HeadroomRouter:
 
     def serving(self, replica_ids) -> list[str]:
         """The replicas among `replica_ids` that have not said they serve nothing more (a
-        dead engine core, a shutdown: protos/not_serving.py), or all of them if every one
-        has: a dead core fails requests fast, so its short queue would otherwise draw
-        traffic until Serve's health check replaces it."""
+        dead engine core, a shutdown: protos/not_serving.py) and whose endpoint does not answer
+        as another replica (the replica is gone and a new one took its port), or all of them if
+        none is left: a dead core fails requests fast, and a gone replica's queue is unknown
+        (counted 0), so either would otherwise draw traffic until Serve's health check or probe
+        drops it."""
         serving = []
         for replica_id in replica_ids:
             subscription = self.loads.get(replica_id)
-            if subscription is None or subscription.not_serving is None:
+            if subscription is None or (subscription.not_serving is None and subscription.wrong_replica is None):
                 serving.append(replica_id)
         return serving or list(replica_ids)
 

@@ -130,6 +130,11 @@ def test_a_new_replica_on_a_gone_replicas_port_is_not_taken_for_it():
             assert router.cache_index.get("r0") is None  # nothing of r9's cache under r0
             assert loads.connects == 1 and loads.failed_attempts >= 2  # backing off, not streaming
             assert router.rank(RoutingRequest(prompt_tokens=40, max_tokens=60), {"r0": 0}, "k") is None
+            # Nor is it among the replicas Serve's queue lengths choose from (r0's unknown queue counts
+            # 0): r0 stopped cleanly and said so, but one killed outright (SIGKILL, a lost node) says nothing.
+            assert loads.not_serving is not None
+            loads.not_serving = None  # as if r0 had been killed without a word
+            assert router.serving(["r0", "r1"]) == ["r1"] and router.serving(["r0"]) == ["r0"]
         finally:
             await router.close()
             await server.stop(0.5)
@@ -207,7 +212,7 @@ def test_a_replica_whose_engine_core_died_is_routed_around_at_once_though_its_qu
     """A dead core fails requests fast, so its queue looks shortest: the replica's stream
     says it serves nothing more and the router drops it long before its load goes stale."""
     async def scenario() -> None:
-        dying, healthy = await start_replica(0, "dying"), await start_replica(0, "healthy")
+        dying, healthy = await asyncio.gather(start_replica(0, "dying"), start_replica(0, "healthy"))  # side by side
         router = HeadroomRouter("headroom", staleness_s=5.0)
         request = RoutingRequest(prompt_tokens=40, max_tokens=60)
         try:
