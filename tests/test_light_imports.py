@@ -46,9 +46,10 @@ from replica.errors import InvalidRequestError
 from replica.front.async_engine import AsyncEngine
 from replica.model import ModelLoadError
 
-async def main():
-    config = make_engine_config(max_model_len=128, num_kv_blocks=32)
-    front = await AsyncEngine.launch(config, "builtin", device="cpu")
+CONFIG = make_engine_config(max_model_len=128, num_kv_blocks=32)
+
+async def serve():
+    front = await AsyncEngine.launch(CONFIG, "builtin", device="cpu")
     try:
         assert front.engine.model_config.dtype == "float32"
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
@@ -70,14 +71,17 @@ async def main():
             assert error.field == "prompt", error
     finally:
         await front.shutdown(grace_period_s=0)
-    for model, bad_config, expected in (
-            ("builtin", make_engine_config(max_model_len=1 << 20, num_kv_blocks=(1 << 16) + 1), ConfigError),
-            (sys.argv[1], config, ModelLoadError)):
-        try:
-            await AsyncEngine.launch(bad_config, model, device="cpu")
-            raise AssertionError(f"{model} started")
-        except expected:
-            pass
+
+async def refused(model, bad_config, expected):
+    try:
+        await AsyncEngine.launch(bad_config, model, device="cpu")
+        raise AssertionError(f"{model} started")
+    except expected:
+        pass
+
+async def main():  # the three engine cores start side by side (each its own process)
+    await asyncio.gather(serve(), refused("builtin", make_engine_config(max_model_len=1 << 20, num_kv_blocks=(1 << 16) + 1),
+                                          ConfigError), refused(sys.argv[1], CONFIG, ModelLoadError))
 
 asyncio.run(main())
 assert 'torch' not in sys.modules

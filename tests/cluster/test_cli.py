@@ -3,6 +3,7 @@ field; `headroom replica` and `headroom serve` serve gRPC until SIGINT and then 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -104,18 +105,38 @@ def test_a_truncated_checkpoint_exits_2_naming_the_file_before_any_process_start
     assert f"error: {weights}: truncated: 100000 bytes, its tensors end at byte" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, field", [
-    (["--num-host-kv-blocks", "100000000000"], "num_host_kv_blocks"),  # past the host's memory
-    (["--max-model-len", "4096", "--num-kv-blocks", "300"], "max_model_len"),  # past the model's 2048
-])
-def test_a_setting_refused_once_the_model_is_known_exits_2_in_one_line_naming_the_field(flags, field):
+REFUSED_ONCE_THE_MODEL_IS_KNOWN = {  # the field named: the flags that set it
+    "num_host_kv_blocks": ["--num-host-kv-blocks", "100000000000"],  # past the host's memory
+    "max_model_len": ["--max-model-len", "4096", "--num-kv-blocks", "300"],  # past the model's 2048
+}
+
+
+@pytest.fixture(scope="module")
+def refused_once_the_model_is_known() -> dict[str, subprocess.CompletedProcess]:
+    """Each case's `headroom replica`, all started at once (each waits on its own engine core's
+    start; two cores, half the wait): the field -> how its command ended."""
+    processes = {field: subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0", "--num-kv-blocks", "32",
+         *flags], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for field, flags in REFUSED_ONCE_THE_MODEL_IS_KNOWN.items()}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(processes)) as pool:
+            ended = {field: pool.submit(process.communicate, timeout=300) for field, process in processes.items()}
+            outputs = {field: future.result() for field, future in ended.items()}  # each process has exited
+        return {field: subprocess.CompletedProcess(process.args, process.returncode, *outputs[field])
+                for field, process in processes.items()}
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.parametrize("field", list(REFUSED_ONCE_THE_MODEL_IS_KNOWN))
+def test_a_setting_refused_once_the_model_is_known_exits_2_in_one_line_naming_the_field(field, refused_once_the_model_is_known):
     # Checked in the engine core's process against the model (and the host): the core sends the
     # error to the front without a traceback, and the command says it once.
-    result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "replica", "--model", "builtin", "--port", "0",
-         "--num-kv-blocks", "32", *flags],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
+    result = refused_once_the_model_is_known[field]
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if f"{field}:" in line] == [

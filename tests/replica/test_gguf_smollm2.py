@@ -6,6 +6,9 @@ conversion is checked against transformers' own GGUF loading, type by type, in t
 
 from __future__ import annotations
 
+import concurrent.futures
+from typing import Iterator
+
 import pytest
 import torch
 import transformers
@@ -74,7 +77,25 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(smollm2_dir, prompts):
+def beside(one_torch_thread, smollm2_dir, prompts) -> Iterator[dict[str, concurrent.futures.Future]]:
+    """Work run in this order on a thread beside the tests, on one intra-op thread as theirs: HF
+    generate()'s tokens (the first test's engine run takes the other core meanwhile), then the
+    prefix-cache test's engine run (beside the cramped-pool test's). The tokens are the same
+    either way; the module took ~36 s one run at a time, ~24 s two at once on two cores."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="smollm2-beside")
+    try:
+        yield {"hf": pool.submit(hf_generate, smollm2_dir, prompts),
+               "prefix_cached": pool.submit(prefix_cached_run, smollm2_dir, prompts)}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # what no test asked for (a test run alone) is not run
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(beside) -> list[list[int]]:
+    return beside["hf"].result()
+
+
+def hf_generate(smollm2_dir, prompts) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     # Past EOS like the engine's ignore_eos (min_new_tokens would instead forbid EOS, changing the tokens).
     model.generation_config.eos_token_id = None
@@ -97,10 +118,17 @@ def engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(make_engine_config(**{**config, **overrides}), str(model_dir), device="cpu", dtype="float32")
 
 
-def test_sixteen_prompts_of_real_weights_generate_hf_generates_tokens(smollm2_dir, prompts, hf_outputs):
+def prefix_cached_run(model_dir, prompts) -> tuple[LLMEngine, list[list[int]]]:
+    """test_prefix_cache_hits_keep_the_tokens' engine and its tokens for the prompts."""
+    llm = engine(model_dir, enable_prefix_caching=True)
+    llm.generate(prompts[:1], GREEDY)  # caches the default system prompt every other prompt opens with
+    return llm, llm.generate(prompts, GREEDY)
+
+
+def test_sixteen_prompts_of_real_weights_generate_hf_generates_tokens(smollm2_dir, prompts, beside):
     assert len(prompts) == 16
     llm = engine(smollm2_dir)
-    assert llm.generate(prompts, GREEDY) == hf_outputs
+    assert llm.generate(prompts, GREEDY) == beside["hf"].result()  # HF generates them meanwhile
     assert llm.scheduler.kv_cache.num_free_blocks == llm.scheduler.kv_cache.num_usable_blocks
 
 
@@ -114,10 +142,9 @@ def test_chunked_prefill_in_a_cramped_pool_that_preempts_keeps_the_tokens(smollm
     assert llm.scheduler.counters.preemptions > 0, "the cramped pool must really preempt"
 
 
-def test_prefix_cache_hits_keep_the_tokens(smollm2_dir, prompts, hf_outputs):
-    llm = engine(smollm2_dir, enable_prefix_caching=True)
-    llm.generate(prompts[:1], GREEDY)  # caches the default system prompt every other prompt opens with
-    assert llm.generate(prompts, GREEDY) == hf_outputs
+def test_prefix_cache_hits_keep_the_tokens(beside, hf_outputs):
+    llm, outputs = beside["prefix_cached"].result()  # run beside the cramped-pool test: prefix_cached_run
+    assert outputs == hf_outputs
     assert llm.scheduler.kv_cache.prefix_cache_hits >= 14 * 16, "each prompt's system prefix must come from cache"
 
 

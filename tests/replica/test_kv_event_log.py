@@ -19,7 +19,7 @@ from replica.server.grpc_service import kv_event_batch_protos
 from replica.front.kv_event_log import KVEventLog
 from replica.core.kv_events import KVEventKind, removed, stored
 from router.cache_index import ReplicaCache
-from replica_harness import REPLICA_ID, RunningReplica, collect_stream, sampling
+from replica_harness import REPLICA_ID, collect_stream, sampling, start_replicas
 
 H = [bytes([i]) * 16 for i in range(8)]
 
@@ -283,10 +283,18 @@ def test_waiting_returns_when_a_batch_is_published():
 
 
 @pytest.fixture(scope="module")
-def replica():
-    running = RunningReplica(max_model_len=256, block_size=16, num_kv_blocks=64)
+def replicas():
+    """Two replicas of the same engine, started side by side: the stream test's, and the big
+    snapshot test's own (nothing else touches it)."""
+    running = start_replicas(*[dict(max_model_len=256, block_size=16, num_kv_blocks=64)] * 2)
     yield running
-    running.close()
+    for replica in running:
+        replica.close()
+
+
+@pytest.fixture(scope="module")
+def replica(replicas):
+    return replicas[0]
 
 
 def test_watch_kv_events_streams_a_snapshot_then_the_prompts_block_hashes(replica):
@@ -317,59 +325,56 @@ def test_watch_kv_events_streams_a_snapshot_then_the_prompts_block_hashes(replic
     assert any(e.block_hash == second_block and e.parent_hash == first_block for e in events)
 
 
-def test_a_big_snapshot_is_served_off_the_event_loop_and_the_batches_after_it_follow_it_once():
+def test_a_big_snapshot_is_served_off_the_event_loop_and_the_batches_after_it_follow_it_once(replicas):
     """A new subscriber's snapshot of a prefix cache of 300,000 blocks was built on the front's
     event loop (and each of its parts after it): every stream and admission on that loop stalled
     for as long as the build. Now the loop's largest stall while it is served is a fraction of
     the build (both measured here), and batches published while it is built reach the
     subscriber after it, each once: its index ends equal to the replica's."""
-    replica = RunningReplica(max_model_len=256, block_size=16, num_kv_blocks=64)
-    try:
-        log = replica.async_engine.kv_events
-        cached = [i.to_bytes(16, "little") for i in range(300_000)]
-        replica.on_loop(lambda: log.publish([stored(block_hash, None) for block_hash in cached]))
-        started = time.perf_counter()
-        log.snapshot()  # what the loop did for each new subscriber (the mirror is idle now)
-        build_s = time.perf_counter() - started
-        stop = threading.Event()
+    replica = replicas[1]  # its own: the fixture started it beside the other, and closes it
+    log = replica.async_engine.kv_events
+    cached = [i.to_bytes(16, "little") for i in range(300_000)]
+    replica.on_loop(lambda: log.publish([stored(block_hash, None) for block_hash in cached]))
+    started = time.perf_counter()
+    log.snapshot()  # what the loop did for each new subscriber (the mirror is idle now)
+    build_s = time.perf_counter() - started
+    stop = threading.Event()
 
-        async def probe_the_loop_and_publish() -> float:
-            """On the server's loop: its largest gap between 2 ms ticks, while a step's batch
-            is published every other tick."""
-            largest_s, last, tick = 0.0, time.perf_counter(), 0
-            while not stop.is_set():
-                await asyncio.sleep(0.002)
-                now = time.perf_counter()
-                largest_s, last, tick = max(largest_s, now - last), now, tick + 1
-                if tick % 2 == 0:
-                    log.publish([stored((10**6 + tick).to_bytes(16, "little"), None), removed(cached[tick])])
-            return largest_s
+    async def probe_the_loop_and_publish() -> float:
+        """On the server's loop: its largest gap between 2 ms ticks, while a step's batch
+        is published every other tick."""
+        largest_s, last, tick = 0.0, time.perf_counter(), 0
+        while not stop.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            largest_s, last, tick = max(largest_s, now - last), now, tick + 1
+            if tick % 2 == 0:
+                log.publish([stored((10**6 + tick).to_bytes(16, "little"), None), removed(cached[tick])])
+        return largest_s
 
-        async def subscribe() -> list[pb.KVEventBatch]:
-            """Every message up to the first batch after the snapshot, then (the publishing
-            stopped) up to the log's last batch."""
-            async with grpc.aio.insecure_channel(replica.address) as channel:
-                watch = pb_grpc.LoadReporterStub(channel).WatchKVEvents(pb.WatchKVEventsRequest())
-                messages = [await asyncio.wait_for(watch.read(), 30.0)]
-                while messages[-1].snapshot:
-                    messages.append(await asyncio.wait_for(watch.read(), 30.0))
-                stop.set()
-                largest_gap_s = await asyncio.wrap_future(probe)
-                last_seq = replica.on_loop(lambda: log.seq)
-                while messages[-1].seq < last_seq:
-                    messages.append(await asyncio.wait_for(watch.read(), 30.0))
-                watch.cancel()
-                return messages, largest_gap_s
+    async def subscribe() -> list[pb.KVEventBatch]:
+        """Every message up to the first batch after the snapshot, then (the publishing
+        stopped) up to the log's last batch."""
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            watch = pb_grpc.LoadReporterStub(channel).WatchKVEvents(pb.WatchKVEventsRequest())
+            messages = [await asyncio.wait_for(watch.read(), 30.0)]
+            while messages[-1].snapshot:
+                messages.append(await asyncio.wait_for(watch.read(), 30.0))
+            stop.set()
+            largest_gap_s = await asyncio.wrap_future(probe)
+            last_seq = replica.on_loop(lambda: log.seq)
+            while messages[-1].seq < last_seq:
+                messages.append(await asyncio.wait_for(watch.read(), 30.0))
+            watch.cancel()
+            return messages, largest_gap_s
 
-        probe = asyncio.run_coroutine_threadsafe(probe_the_loop_and_publish(), replica.loop)
-        messages, largest_gap_s = asyncio.run(subscribe())
-        assert largest_gap_s < build_s / 3, (largest_gap_s, build_s)
-        index = ReplicaCache()
-        assert all(index.apply(message) for message in messages)  # no batch missing or repeated
-        assert messages[0].snapshot and sum(message.snapshot for message in messages) > 1  # in parts
-        published_meanwhile = [message for message in messages if not message.snapshot]
-        assert len(published_meanwhile) > 1
-        source = replica.on_loop(lambda: {event[1] for event in log.snapshot().events[1:]})
-        assert set(index.hashes) == source and len(source) > len(cached) // 2
-    finally:
-        replica.close()
+    probe = asyncio.run_coroutine_threadsafe(probe_the_loop_and_publish(), replica.loop)
+    messages, largest_gap_s = asyncio.run(subscribe())
+    assert largest_gap_s < build_s / 3, (largest_gap_s, build_s)
+    index = ReplicaCache()
+    assert all(index.apply(message) for message in messages)  # no batch missing or repeated
+    assert messages[0].snapshot and sum(message.snapshot for message in messages) > 1  # in parts
+    published_meanwhile = [message for message in messages if not message.snapshot]
+    assert len(published_meanwhile) > 1
+    source = replica.on_loop(lambda: {event[1] for event in log.snapshot().events[1:]})
+    assert set(index.hashes) == source and len(source) > len(cached) // 2

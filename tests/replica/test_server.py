@@ -22,7 +22,7 @@ from replica.server.metrics import REPLICA_METRIC_NAMES
 from replica.core.request import SamplingParams
 from replica.server.auth import Credentials
 from replica.server.request_limits import RequestLimits
-from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling
+from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling, start_replicas
 
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -31,13 +31,36 @@ CRAMPED_BLOCKS = 24  # 23 usable: two long sequences fill it
 
 
 @pytest.fixture(scope="module")
-def replica():
-    # A 2 ms limit on one request's token mask (default 10): the built-in model's 320-id masks
-    # take microseconds; a terminal built to take ~9 ms trips it without a slow test.
-    running = RunningReplica(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS,
-                             structured_output_max_mask_ms=2.0)
-    yield running
-    running.close()
+def replicas():
+    """The module's replica, and test_without_generation_behind_a_token_...'s own (on the first
+    free port from a base that is taken: (replica, base port)), started side by side; an idle
+    replica takes no CPU from the tests beside it."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    base_port = taken.getsockname()[1]
+    try:
+        # A 2 ms limit on one request's token mask (default 10): the built-in model's 320-id masks
+        # take microseconds; a terminal built to take ~9 ms trips it without a slow test.
+        running = start_replicas(
+            dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS,
+                 structured_output_max_mask_ms=2.0),
+            dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS,
+                 server_options=dict(generation=False, credentials=Credentials(["cluster-secret"]),
+                                     credential_name="cluster token"),
+                 port=base_port, port_search=8))
+        try:
+            yield running[0], (running[1], base_port)
+        finally:
+            for replica in running:
+                replica.close()
+    finally:
+        taken.close()
+
+
+@pytest.fixture(scope="module")
+def replica(replicas):
+    return replicas[0]
 
 
 @pytest.fixture
@@ -811,54 +834,43 @@ def test_reflection_lists_and_describes_the_services_in_both_protocol_versions(r
 
 
 # ---- a cluster replica's internal endpoint ----------------------------------------------
-def test_without_generation_behind_a_token_the_server_answers_loads_to_the_token_only():
+def test_without_generation_behind_a_token_the_server_answers_loads_to_the_token_only(replicas):
     """As LLMReplica runs it: LoadReporter (and open health and reflection) behind the cluster
     token, no Generation, on the first free port from a base (here the base is taken)."""
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    base_port = taken.getsockname()[1]
-    replica = RunningReplica(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS,
-                             server_options=dict(generation=False, credentials=Credentials(["cluster-secret"]),
-                                                 credential_name="cluster token"),
-                             port=base_port, port_search=8)
+    replica, base_port = replicas[1]  # its own, started beside the module's replica: nothing else touches it
     token = (("authorization", "Bearer cluster-secret"),)
-    try:
-        assert base_port < replica.port < base_port + 8
-        with grpc.insecure_channel(replica.address) as channel:
-            generate = generation_stub(channel).Generate(
-                pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=2)), metadata=token, timeout=30)
-            with pytest.raises(grpc.RpcError) as refused:
-                list(generate)
-            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            loads = pb_grpc.LoadReporterStub(channel)
-            calls = {
-                "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
-                "WatchLoad": lambda metadata: first_of(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata,
-                                                                       timeout=30)),
-                "WatchKVEvents": lambda metadata: first_of(loads.WatchKVEvents(pb.WatchKVEventsRequest(),
-                                                                               metadata=metadata, timeout=30)),
-            }
-            for name, call in calls.items():
-                for metadata in (None, (("authorization", "Bearer cluster-secre"),), (("authorization", "cluster-secret"),)):
-                    with pytest.raises(grpc.RpcError) as unauthenticated:
-                        call(metadata)
-                    assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
-                    assert "cluster token" in unauthenticated.value.details()
-                    assert "cluster-secre" not in unauthenticated.value.details()
-            assert calls["GetLoad"](token).replica_id == REPLICA_ID
-            assert calls["WatchLoad"](token).replica_id == REPLICA_ID
-            assert calls["WatchKVEvents"](token).snapshot
-            services, _ = reflect(channel, "v1", "headroom.v1.LoadReporter")
-        assert "headroom.v1.LoadReporter" in services and "headroom.v1.Generation" not in services
-        for service in ("", "headroom.v1.LoadReporter"):
-            assert replica.health_status(service) == health_pb2.HealthCheckResponse.SERVING
-        with pytest.raises(grpc.RpcError) as unknown:
-            replica.health_status("headroom.v1.Generation")
-        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-    finally:
-        replica.close()
-        taken.close()
+    assert base_port < replica.port < base_port + 8
+    with grpc.insecure_channel(replica.address) as channel:
+        generate = generation_stub(channel).Generate(
+            pb.GenerateRequest(text="hi", sampling=sampling(max_tokens=2)), metadata=token, timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(generate)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        loads = pb_grpc.LoadReporterStub(channel)
+        calls = {
+            "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
+            "WatchLoad": lambda metadata: first_of(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata,
+                                                                   timeout=30)),
+            "WatchKVEvents": lambda metadata: first_of(loads.WatchKVEvents(pb.WatchKVEventsRequest(),
+                                                                           metadata=metadata, timeout=30)),
+        }
+        for name, call in calls.items():
+            for metadata in (None, (("authorization", "Bearer cluster-secre"),), (("authorization", "cluster-secret"),)):
+                with pytest.raises(grpc.RpcError) as unauthenticated:
+                    call(metadata)
+                assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
+                assert "cluster token" in unauthenticated.value.details()
+                assert "cluster-secre" not in unauthenticated.value.details()
+        assert calls["GetLoad"](token).replica_id == REPLICA_ID
+        assert calls["WatchLoad"](token).replica_id == REPLICA_ID
+        assert calls["WatchKVEvents"](token).snapshot
+        services, _ = reflect(channel, "v1", "headroom.v1.LoadReporter")
+    assert "headroom.v1.LoadReporter" in services and "headroom.v1.Generation" not in services
+    for service in ("", "headroom.v1.LoadReporter"):
+        assert replica.health_status(service) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as unknown:
+        replica.health_status("headroom.v1.Generation")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def first_of(stream):

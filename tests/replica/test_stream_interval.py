@@ -16,7 +16,7 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
-from replica_harness import RunningReplica, collect_stream, sampling
+from replica_harness import RunningReplica, collect_stream, sampling, start_replicas
 
 INTERVAL = 4
 ENGINE = dict(max_model_len=256, block_size=16, num_kv_blocks=129)
@@ -38,10 +38,9 @@ class PacedEngine(LLMEngine):
 @pytest.fixture(scope="module")
 def replicas():
     """(interval 1, interval INTERVAL) replicas of the same paced engine."""
-    running = []
+    running = start_replicas(*(dict(engine_factory=f"{__name__}:PacedEngine", stream_interval=interval, **ENGINE)
+                               for interval in (1, INTERVAL)))
     try:
-        for interval in (1, INTERVAL):
-            running.append(RunningReplica(engine_factory=f"{__name__}:PacedEngine", stream_interval=interval, **ENGINE))
         yield tuple(running)
     finally:
         for replica in running:
