@@ -56,7 +56,7 @@ from replica.errors import (
     EngineDeadError, EngineShutdownError, HeadroomError, InvalidRequestError, QueueFullError, ReplicaLostError,
 )
 from replica.server.grpc_service import (
-    chat_prompt_token_ids, engine_priority, generate_response, generate_response_with_prompt_logprobs,
+    chat_prompt_token_ids, engine_priority, generate_response_off_loop,
     named_for_request, prompt_token_ids_from_proto, output_constraint_from_proto, sampling_params_from_proto,
     ttft_targets_from_proto,
 )
@@ -626,8 +626,7 @@ class Ingress:
             if constraint is not None:  # compiled once the cheap checks above have passed
                 await self.check_constraint(OutputConstraint(*constraint))
             async for replica_id, output in self.stream(generation):
-                yield (generate_response(output, replica_id) if output.prompt_logprobs is None
-                       else await generate_response_with_prompt_logprobs(output, replica_id))
+                yield await generate_response_off_loop(output, replica_id)
         except HeadroomError as error:
             _abort(grpc_context, named_for_request(error, request))
 

@@ -27,7 +27,7 @@ from cluster.app import build_app_from_config
 from cluster.arg_types import chat_template, fixed_port_number, positive_int
 from cluster.autoscaling import POLICY_NAMES as AUTOSCALING_POLICY_NAMES
 from cluster.config import (
-    DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeAppsConfig, load_config, serve_deployment_options,
+    DEFAULT_HTTP_HOST, TOOL_CALL_PARSERS, ServeApplication, ServeAppsConfig, load_config, serve_deployment_options,
 )
 from cluster.deployment import node_ip
 from cluster.grpc_proxy import (
@@ -188,6 +188,14 @@ def _merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
+def starting_replicas(app: ServeApplication) -> tuple[int, str]:
+    """The replicas `app` starts with, and the config field that sets it."""
+    replicas = app.args.replicas
+    if replicas.autoscaling is not None:
+        return replicas.autoscaling.min_replicas, "replicas.autoscaling.min_replicas"
+    return replicas.num_replicas, "replicas.num_replicas"
+
+
 def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
                         flags: Optional[Mapping[str, str]] = None) -> None:
     """ConfigError naming the field when the replicas the applications start with need more CPUs
@@ -204,9 +212,7 @@ def check_resources_fit(config: ServeAppsConfig, resources: Mapping[str, float],
     for index, app in enumerate(config.applications):
         where = f"applications[{index}].args." if many else ""
         options = serve_deployment_options(app.args, cluster_gpus)  # ConfigError: GPUs < ranks
-        autoscaling = options.get("autoscaling_config")
-        replicas, count_field = ((autoscaling["min_replicas"], "replicas.autoscaling.min_replicas")
-                                 if autoscaling is not None else (options["num_replicas"], "replicas.num_replicas"))
+        replicas, count_field = starting_replicas(app)
         if app.args.device == "cuda" and not options["ray_actor_options"]["num_gpus"]:
             raise ConfigError(f"{where}device: cuda, but a replica reserves no GPU ("
                               + ("replicas.num_gpus is 0)" if cluster_gpus else "the Ray cluster has none)"))
@@ -268,9 +274,7 @@ def check_host_tiers_fit(config: ServeAppsConfig, tier_bytes: Sequence[int]) -> 
     total, last = 0, None
     for index, (app, each) in enumerate(zip(config.applications, tier_bytes)):
         if each:
-            replicas = app.args.replicas
-            count, field = ((replicas.autoscaling.min_replicas, "replicas.autoscaling.min_replicas")
-                            if replicas.autoscaling is not None else (replicas.num_replicas, "replicas.num_replicas"))
+            count, field = starting_replicas(app)
             total += count * each
             last = (f"applications[{index}].args." if len(config.applications) > 1 else "", field)
     if last is not None and total > memory_bytes:

@@ -31,16 +31,6 @@ class PromptLogprobs(NamedTuple):
     ranks: list[int]  # each token's rank in the vocabulary there, 1 the most likely
     top: Optional[list[TopLogprobs]]  # the prompt_logprobs most likely at each position; None when 0
 
-    def to_wire(self) -> tuple:
-        """As PromptLogprobArrays' numpy arrays (replica/ipc/messages.py's CoreOutput)."""
-        top_ids = top_logprobs = None
-        if self.top is not None:
-            num_top = len(self.top[0].token_ids) if self.top else 0
-            top_ids = np.array([top.token_ids for top in self.top], dtype=np.int32).reshape(-1, num_top)
-            top_logprobs = np.array([top.logprobs for top in self.top], dtype=np.float32).reshape(-1, num_top)
-        return PromptLogprobArrays(np.array(self.logprobs, dtype=np.float32), np.array(self.ranks, dtype=np.int32),
-                                   top_ids, top_logprobs).to_wire()
-
     @classmethod
     def from_wire(cls, wire: tuple) -> "PromptLogprobs":
         """Unpacked from the engine core's arrays into lists, by the front (its own process)."""

@@ -271,10 +271,10 @@ def _set_prompt_logprobs(message: pb.PromptLogprobs, prompt_logprobs: PromptLogp
         add(token_ids=top.token_ids, logprobs=top.logprobs)
 
 
-async def generate_response_with_prompt_logprobs(output: RequestOutput, replica_id: str) -> pb.GenerateResponse:
-    """generate_response of an output that carries prompt logprobs (a first one), built on a
-    worker thread past INLINE_PROMPT_LOGPROBS_MAX_POSITIONS positions."""
-    if len(output.prompt_logprobs.logprobs) <= INLINE_PROMPT_LOGPROBS_MAX_POSITIONS:
+async def generate_response_off_loop(output: RequestOutput, replica_id: str) -> pb.GenerateResponse:
+    """generate_response, built on a worker thread for an output carrying more than
+    INLINE_PROMPT_LOGPROBS_MAX_POSITIONS prompt logprobs (a first one), else here."""
+    if output.prompt_logprobs is None or len(output.prompt_logprobs.logprobs) <= INLINE_PROMPT_LOGPROBS_MAX_POSITIONS:
         return generate_response(output, replica_id)
     return await asyncio.to_thread(generate_response, output, replica_id)
 
@@ -342,9 +342,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # timeout makes the status DEADLINE_EXCEEDED even if that races our writes.
             async with asyncio.timeout(context.time_remaining()):
                 async for output in stream:
-                    response = (generate_response(output, self.replica_id) if output.prompt_logprobs is None
-                                else await generate_response_with_prompt_logprobs(output, self.replica_id))
-                    if not await _write(context, response):
+                    if not await _write(context, await generate_response_off_loop(output, self.replica_id)):
                         return  # the client is gone: the request is aborted below, nothing to report
         except (TimeoutError, HeadroomError) as error:
             # The call's deadline, a missed TTFT deadline, a failed step (the engine already

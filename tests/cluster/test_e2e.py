@@ -29,6 +29,7 @@ from protos import headroom_pb2 as pb  # noqa: E402
 from protos import headroom_pb2_grpc as pb_grpc  # noqa: E402
 from replica.server.auth import authorization_metadata  # noqa: E402
 from router.cluster_token import cluster_token  # noqa: E402
+from tests.replica.replica_harness import load_reporter_calls  # noqa: E402
 from tests.cluster.serve_harness import (  # noqa: E402
     local_cluster,
     APP_NAME, ENGINE, generate_request, grpc_target, http_base, small_config, sse_events,
@@ -216,14 +217,7 @@ def test_a_replicas_internal_endpoint_serves_loads_to_the_cluster_token_only_and
             with pytest.raises(grpc.RpcError) as refused:
                 list(pb_grpc.GenerationStub(channel).Generate(generate_request(2), metadata=token, timeout=30))
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            loads = pb_grpc.LoadReporterStub(channel)
-            calls = {
-                "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
-                "WatchLoad": lambda metadata: first_message(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata,
-                                                                            timeout=30)),
-                "WatchKVEvents": lambda metadata: first_message(loads.WatchKVEvents(
-                    pb.WatchKVEventsRequest(), metadata=metadata, timeout=30)),
-            }
+            calls = load_reporter_calls(channel)
             for name, call in calls.items():
                 for metadata in (None, authorization_metadata("not-the-token")):
                     with pytest.raises(grpc.RpcError) as unauthenticated:
@@ -235,12 +229,6 @@ def test_a_replicas_internal_endpoint_serves_loads_to_the_cluster_token_only_and
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
 
-
-def first_message(stream):
-    try:
-        return next(stream)
-    finally:
-        stream.cancel()
 
 
 def test_the_cluster_token_is_in_no_routing_stat_status_output_metric_log_or_command_line(cluster, channel, capsys):

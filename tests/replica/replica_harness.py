@@ -155,3 +155,22 @@ def reflect(channel: grpc.Channel, version: str, symbol: str, metadata=()) -> tu
     files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
              for raw in described.file_descriptor_response.file_descriptor_proto]
     return services, files
+
+
+def load_reporter_calls(channel: grpc.Channel) -> dict[str, Callable[[Any], Any]]:
+    """LoadReporter's methods on `channel`, each called with the metadata it is given: GetLoad's
+    answer, and each stream's first message (the stream then cancelled)."""
+    loads = pb_grpc.LoadReporterStub(channel)
+
+    def first(stream):
+        try:
+            return next(stream)
+        finally:
+            stream.cancel()
+
+    return {
+        "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
+        "WatchLoad": lambda metadata: first(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata, timeout=30)),
+        "WatchKVEvents": lambda metadata: first(loads.WatchKVEvents(pb.WatchKVEventsRequest(), metadata=metadata,
+                                                                    timeout=30)),
+    }

@@ -123,14 +123,19 @@ def test_the_cores_stop_token_id_and_top_logprobs_reach_the_output(harness):
 
 
 def test_a_prompts_logprobs_reach_the_first_output_as_the_core_sent_them(harness):
-    from replica.core.outputs import PromptLogprobs
+    import numpy as np
+
+    from replica.core.outputs import PromptLogprobArrays, PromptLogprobs
 
     stream = harness.track("r", prompt_logprobs=1)
-    sent = PromptLogprobs([-1.5, -0.25], [3, 1], [TopLogprobs([9], [-0.5]), TopLogprobs([2], [-0.25])])
+    sent = PromptLogprobArrays(np.array([-1.5, -0.25], np.float32), np.array([3, 1], np.int32),
+                               np.array([[9], [2]], np.int32), np.array([[-0.5], [-0.25]], np.float32))
     harness.processor.process([("r", [5], None, 0, None, None, None, 11.0, sent.to_wire())])
     harness.processor.process([("r", [7], "length", 0, None, None, None, None, None)])
     first, last = stream.items
-    assert first.prompt_logprobs == sent and last.prompt_logprobs is None
+    assert first.prompt_logprobs == PromptLogprobs([-1.5, -0.25], [3, 1], [TopLogprobs([9], [-0.5]),
+                                                                       TopLogprobs([2], [-0.25])])
+    assert last.prompt_logprobs is None
 
 
 @pytest.mark.parametrize("include", [False, True])

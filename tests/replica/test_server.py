@@ -22,7 +22,9 @@ from replica.server.metrics import REPLICA_METRIC_NAMES
 from replica.core.request import SamplingParams
 from replica.server.auth import Credentials
 from replica.server.request_limits import RequestLimits
-from replica_harness import MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, reflect, sampling, start_replicas
+from replica_harness import (
+    MODEL_ID, REPLICA_ID, RunningReplica, collect_stream, load_reporter_calls, reflect, sampling, start_replicas,
+)
 
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -846,14 +848,7 @@ def test_without_generation_behind_a_token_the_server_answers_loads_to_the_token
         with pytest.raises(grpc.RpcError) as refused:
             list(generate)
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        loads = pb_grpc.LoadReporterStub(channel)
-        calls = {
-            "GetLoad": lambda metadata: loads.GetLoad(pb.LoadRequest(), metadata=metadata, timeout=30),
-            "WatchLoad": lambda metadata: first_of(loads.WatchLoad(pb.WatchLoadRequest(), metadata=metadata,
-                                                                   timeout=30)),
-            "WatchKVEvents": lambda metadata: first_of(loads.WatchKVEvents(pb.WatchKVEventsRequest(),
-                                                                           metadata=metadata, timeout=30)),
-        }
+        calls = load_reporter_calls(channel)
         for name, call in calls.items():
             for metadata in (None, (("authorization", "Bearer cluster-secre"),), (("authorization", "cluster-secret"),)):
                 with pytest.raises(grpc.RpcError) as unauthenticated:
@@ -872,13 +867,6 @@ def test_without_generation_behind_a_token_the_server_answers_loads_to_the_token
         replica.health_status("headroom.v1.Generation")
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
-
-def first_of(stream):
-    """The first message of a server stream, which is then cancelled."""
-    try:
-        return next(stream)
-    finally:
-        stream.cancel()
 
 
 def test_graceful_shutdown_reports_not_serving_refuses_new_work_and_finishes_in_flight(fresh_replica):
@@ -1032,10 +1020,10 @@ def test_a_long_prompts_logprobs_response_is_built_off_the_event_loop(monkeypatc
                              prompt_logprobs=PromptLogprobs([-1.0] * positions, [2] * positions, None))
 
     long = first_output(grpc_service.INLINE_PROMPT_LOGPROBS_MAX_POSITIONS + 1)
-    response = asyncio.run(grpc_service.generate_response_with_prompt_logprobs(long, "replica-a"))
+    response = asyncio.run(grpc_service.generate_response_off_loop(long, "replica-a"))
     assert len(response.prompt_logprobs.logprobs) == len(long.prompt_logprobs.logprobs)
     assert threads[-1] is not threading.main_thread()
-    asyncio.run(grpc_service.generate_response_with_prompt_logprobs(first_output(8), "replica-a"))
+    asyncio.run(grpc_service.generate_response_off_loop(first_output(8), "replica-a"))
     assert threads[-1] is threading.main_thread()
 
 
