@@ -59,6 +59,9 @@ class GrowthLedger:
     def final_tokens(self, request: Request) -> int:
         return self._final_tokens[request.request_id]
 
+    def final_blocks(self, request: Request) -> int:
+        return self._blocks(self._final_tokens[request.request_id])
+
     # ---- a request's life ----------------------------------------------------------------
     def add(self, request: Request, shared_blocks: int) -> None:
         """A new waiting request; `shared_blocks`: cached blocks of its prefix other requests hold."""
@@ -148,12 +151,9 @@ class GrowthLedger:
         length, to the end of that length's last block."""
         return (self._blocks(self._final_tokens[request.request_id]) - self._blocks(request.num_tokens)) * self.block_size
 
-    def growth_blocks(self, held_blocks: int, running_only: bool = False) -> int:
-        """Blocks the live (or only the running) requests will still claim beyond the
-        `held_blocks` they hold (only running requests hold blocks) and, for waiting ones,
-        beyond the cached blocks they will share."""
-        if running_only:
-            return self.running_final_blocks - held_blocks
+    def growth_blocks(self, held_blocks: int) -> int:
+        """Blocks the live requests will still claim beyond the `held_blocks` they hold and,
+        for waiting ones, beyond the cached blocks they will share."""
         return self.live_final_blocks - held_blocks - self.waiting_shared_blocks
 
 

@@ -49,6 +49,7 @@ class Prefetched(NamedTuple):
     num_start: int  # tokens its device blocks hold once the copies are done
     num_hit_tokens: int  # of those, found in the device's prefix cache rather than copied
     num_copies: int  # blocks copied back
+    request: Request  # it holds device blocks while it waits: admission reserves its growth too
 
 
 class KVCacheManager:
@@ -527,7 +528,7 @@ class KVCacheManager:
         copies = [(host.block_id, device.block_id)
                   for host, device in zip(host_blocks[num_hit_blocks:], device_blocks[num_hit_blocks:])]
         self._prefetch.extend(copies)
-        self.prefetched[request.request_id] = Prefetched(step_id, num_start, num_hit_tokens, len(copies))
+        self.prefetched[request.request_id] = Prefetched(step_id, num_start, num_hit_tokens, len(copies), request)
         self.swapped_in_blocks += len(copies)
         self.prefetched_blocks += len(copies)
         return len(copies)

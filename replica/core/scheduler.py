@@ -419,10 +419,10 @@ class Scheduler:
                 # (with the blocks it is about to share counted as held by their owners too).
                 growth.update_shared(request, sum(1 for block in hit_blocks if block.ref_cnt > 0))
                 # Its own prompt is fitted by allocate_slots below, net of its prefix-cache hit.
-                growth_blocks = growth.peak_reserve_blocks(self.running, (), kv_cache, candidate=request)
+                growth_blocks = growth.peak_reserve_blocks(self._holders(request), (), kv_cache, candidate=request)
             elif growth.reserves_growth:
-                # Its whole final size must fit beside all that running requests are still owed.
-                growth_blocks = growth.growth_blocks(kv_cache.num_request_blocks, running_only=True)
+                # Its whole final size must fit beside all that the requests holding blocks are still owed.
+                growth_blocks = self._owed_growth_blocks(request)
                 own_growth = growth.final_tokens(request) - request.num_tokens
 
             def room(share: float) -> dict[str, Any]:
@@ -733,6 +733,28 @@ class Scheduler:
             copy_wait_blocks_total=kv_cache.copy_wait_blocks,
         )
 
+    def _holders(self, candidate: Optional[Request] = None) -> list[Request]:
+        """The requests that hold device blocks, but `candidate`: the running ones and the
+        swapped-out ones prefetched back (waiting to resume, holding the blocks their KV is
+        copied into)."""
+        prefetched = [entry.request for entry in self.kv_cache.prefetched.values() if entry.request is not candidate]
+        return self.running + prefetched if prefetched else self.running
+
+    def _owed_growth_blocks(self, candidate: Optional[Request] = None) -> int:
+        """reserve_max_tokens: blocks the requests holding device blocks but `candidate` will
+        still claim to reach max_tokens, beyond those they hold. A prefetched request holds
+        blocks and is owed its growth as a running one is: left out, the reserve came out
+        negative (running requests' growth less the prefetched ones' blocks) and admitted
+        requests the pool could not hold."""
+        kv_cache, growth = self.kv_cache, self.growth
+        owed = growth.running_final_blocks - kv_cache.num_request_blocks
+        for request_id, entry in kv_cache.prefetched.items():
+            if entry.request is candidate:
+                owed += kv_cache.num_held_blocks(candidate)
+            else:
+                owed += growth.final_blocks(entry.request)
+        return owed
+
     def _committed_blocks(self) -> int:
         """KV blocks live requests will still claim: their summed growth, or under
         reserve_expected the peak of their expected future (what admission reserves)."""
@@ -781,6 +803,8 @@ class Scheduler:
         assert kv_cache.num_request_blocks == sum(held.values())
         assert (self.growth.live_final_blocks, self.growth.running_final_blocks) == (
             sum(final.values()), sum(final[r.request_id] for r in self.running))
+        assert self._owed_growth_blocks() == sum(final[r.request_id] - held.get(r.request_id, 0)
+                                                 for r in self._holders())
 
 
 def _check_pool(pool, held_blocks, label: str = "") -> None:
