@@ -56,7 +56,7 @@ from replica.errors import (
     EngineDeadError, EngineShutdownError, HeadroomError, InvalidRequestError, QueueFullError, ReplicaLostError,
 )
 from replica.server.grpc_service import (
-    chat_prompt_token_ids, engine_priority, generate_response_off_loop,
+    chat_prompt_token_ids, engine_priority, generate_responses_off_loop,
     named_for_request, prompt_token_ids_from_proto, output_constraint_from_proto, sampling_params_from_proto,
     ttft_targets_from_proto,
 )
@@ -626,7 +626,8 @@ class Ingress:
             if constraint is not None:  # compiled once the cheap checks above have passed
                 await self.check_constraint(OutputConstraint(*constraint))
             async for replica_id, output in self.stream(generation):
-                yield await generate_response_off_loop(output, replica_id)
+                for response in await generate_responses_off_loop(output, replica_id):
+                    yield response
         except HeadroomError as error:
             _abort(grpc_context, named_for_request(error, request))
 

@@ -62,6 +62,10 @@ KV_EVENTS_PER_MESSAGE = 16384
 # (~3 ms at 20 alternatives each); a longer one on a worker thread: 8,192 positions of 20 alternatives
 # took 23 ms of the loop, every stream's.
 INLINE_PROMPT_LOGPROBS_MAX_POSITIONS = 1024
+# A first response's prompt logprobs go out in parts of at most about this many bytes, each on
+# a message of its own: gRPC clients refuse a message over 4 MiB by default, and the top 20 of
+# a prompt of ~29k tokens is more (PromptLogprobs.start).
+PROMPT_LOGPROBS_PART_BYTES = 1 << 20
 # WatchLoad streams check for server shutdown at least this often, whatever interval the
 # client asked for, so stop() ends them cleanly instead of cancelling them.
 WATCH_STOP_CHECK_S = 0.1
@@ -262,21 +266,55 @@ def generate_response(output: RequestOutput, replica_id: str) -> pb.GenerateResp
     return response
 
 
-def _set_prompt_logprobs(message: pb.PromptLogprobs, prompt_logprobs: PromptLogprobs) -> None:
+def generate_responses(output: RequestOutput, replica_id: str) -> list[pb.GenerateResponse]:
+    """One engine output as the Generate responses that carry it: one, but for a first output
+    whose prompt logprobs would pass PROMPT_LOGPROBS_PART_BYTES, which go in parts, each on a
+    response of its own (no tokens; its usage and ids as the output's) but the last, which
+    rides with the output's own response."""
+    prompt_logprobs = output.prompt_logprobs
+    per_part = _prompt_logprobs_per_part(prompt_logprobs)
+    if prompt_logprobs is None or len(prompt_logprobs.logprobs) <= per_part:
+        return [generate_response(output, replica_id)]
+    starts = range(0, len(prompt_logprobs.logprobs), per_part)
+    responses = []
+    for start in starts[:-1]:
+        response = pb.GenerateResponse(request_id=output.request_id, replica_id=replica_id)
+        response.usage.prompt_tokens = output.num_prompt_tokens  # as on every message
+        response.usage.completion_tokens = output.num_output_tokens - len(output.new_token_ids)
+        response.usage.cached_prompt_tokens = output.num_cached_tokens
+        _set_prompt_logprobs(response.prompt_logprobs, prompt_logprobs, start, start + per_part)
+        responses.append(response)
+    last = generate_response(replace(output, prompt_logprobs=None), replica_id)
+    _set_prompt_logprobs(last.prompt_logprobs, prompt_logprobs, starts[-1], len(prompt_logprobs.logprobs))
+    responses.append(last)
+    return responses
+
+
+def _prompt_logprobs_per_part(prompt_logprobs: Optional[PromptLogprobs]) -> int:
+    """Positions per part: each at most its packed logprob and rank (5 bytes each) and a
+    TopLogprobs entry of k ids (up to 5 bytes each), k floats and its tags (6 bytes)."""
+    num_top = len(prompt_logprobs.top[0].token_ids) if prompt_logprobs is not None and prompt_logprobs.top else 0
+    return max(1, PROMPT_LOGPROBS_PART_BYTES // (16 + 9 * num_top))
+
+
+def _set_prompt_logprobs(message: pb.PromptLogprobs, prompt_logprobs: PromptLogprobs, start: int = 0,
+                         stop: Optional[int] = None) -> None:
     message.SetInParent()  # present even for a one-token prompt, which has no entries
-    message.logprobs.extend(prompt_logprobs.logprobs)
-    message.ranks.extend(prompt_logprobs.ranks)
+    message.logprobs.extend(prompt_logprobs.logprobs[start:stop])
+    message.ranks.extend(prompt_logprobs.ranks[start:stop])
+    if start:
+        message.start = start
     add = message.top_logprobs.add  # in place: a third faster than extending with built messages
-    for top in prompt_logprobs.top or ():
+    for top in (prompt_logprobs.top or ())[start:stop]:
         add(token_ids=top.token_ids, logprobs=top.logprobs)
 
 
-async def generate_response_off_loop(output: RequestOutput, replica_id: str) -> pb.GenerateResponse:
-    """generate_response, built on a worker thread for an output carrying more than
+async def generate_responses_off_loop(output: RequestOutput, replica_id: str) -> list[pb.GenerateResponse]:
+    """generate_responses, built on a worker thread for an output carrying more than
     INLINE_PROMPT_LOGPROBS_MAX_POSITIONS prompt logprobs (a first one), else here."""
     if output.prompt_logprobs is None or len(output.prompt_logprobs.logprobs) <= INLINE_PROMPT_LOGPROBS_MAX_POSITIONS:
-        return generate_response(output, replica_id)
-    return await asyncio.to_thread(generate_response, output, replica_id)
+        return generate_responses(output, replica_id)
+    return await asyncio.to_thread(generate_responses, output, replica_id)
 
 
 def engine_priority(proto_priority: int) -> int:
@@ -342,8 +380,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # timeout makes the status DEADLINE_EXCEEDED even if that races our writes.
             async with asyncio.timeout(context.time_remaining()):
                 async for output in stream:
-                    if not await _write(context, await generate_response_off_loop(output, self.replica_id)):
-                        return  # the client is gone: the request is aborted below, nothing to report
+                    for response in await generate_responses_off_loop(output, self.replica_id):
+                        if not await _write(context, response):
+                            return  # the client is gone: the request is aborted below, nothing to report
         except (TimeoutError, HeadroomError) as error:
             # The call's deadline, a missed TTFT deadline, a failed step (the engine already
             # aborted the request), a dead core, or a queue that filled after validation.

@@ -202,6 +202,50 @@ def test_prompt_logprobs_come_once_on_the_first_response(replica):
     assert replica.wait_until_idle().kv_blocks_free == ROOMY_BLOCKS - 1
 
 
+def test_a_long_prompts_logprobs_come_in_parts_each_within_what_a_grpc_client_takes(replica, monkeypatch):
+    """The top 20 of a prompt of ~29k tokens made one first response over 4 MiB, which a gRPC
+    client refuses by default (RESOURCE_EXHAUSTED, the answer lost). Now past
+    PROMPT_LOGPROBS_PART_BYTES they come in consecutive parts on responses of their own (no
+    tokens), the last on the first token's: at the real bound a 40k-token prompt's messages are
+    each under 4 MiB, and through the server (the bound made small) the parts, appended,
+    are what one message carried."""
+    from replica.core.outputs import PromptLogprobs, RequestOutput, TopLogprobs
+    from replica.server import grpc_service
+
+    positions = 40_000
+    top = [TopLogprobs(list(range(100_000, 100_020)), [-0.5 - i / 7 for i in range(20)])] * positions
+    huge = RequestOutput("r", [4], "a", None, positions + 1, 1, 0,
+                         prompt_logprobs=PromptLogprobs([-1.25] * positions, [70_000] * positions, top))
+    assert grpc_service.generate_response(huge, "replica-a").ByteSize() > 4 << 20  # one message would not do
+    parts = grpc_service.generate_responses(huge, "replica-a")
+    assert len(parts) > 1 and all(part.ByteSize() < 4 << 20 for part in parts)
+    assert [part.prompt_logprobs.start for part in parts] == list(range(0, positions, len(parts[0].prompt_logprobs.logprobs)))
+    assert sum(len(part.prompt_logprobs.top_logprobs) for part in parts) == positions
+    assert [list(part.token_ids) for part in parts] == [[]] * (len(parts) - 1) + [[4]]
+
+    prompt = list(range(3, 43))
+
+    def generate() -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling(
+            max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=3))
+        with grpc.insecure_channel(replica.address) as channel:
+            return list(generation_stub(channel).Generate(request, timeout=60))
+
+    whole = generate()
+    monkeypatch.setattr(grpc_service, "PROMPT_LOGPROBS_PART_BYTES", 600)  # 13 positions of top 3
+    split = generate()
+    scored = [response for response in split if response.HasField("prompt_logprobs")]
+    assert [response.prompt_logprobs.start for response in scored] == [0, 13, 26]
+    assert split[:3] == scored and [len(response.token_ids) for response in split] == [0, 0, 1, 1, 1]
+    joined = pb.PromptLogprobs()
+    for response in scored:
+        joined.logprobs.extend(response.prompt_logprobs.logprobs)
+        joined.ranks.extend(response.prompt_logprobs.ranks)
+        joined.top_logprobs.extend(response.prompt_logprobs.top_logprobs)
+    assert joined == whole[0].prompt_logprobs and len(joined.logprobs) == len(prompt) - 1
+    assert [r.token_ids for r in split[2:]] == [r.token_ids for r in whole]
+
+
 def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(replica):
     special = replica.engine.tokenizer.special_token_ids(["<|reserved_5|>"])[0]
 
@@ -1007,23 +1051,23 @@ def test_a_long_prompts_logprobs_response_is_built_off_the_event_loop(monkeypatc
     from replica.server import grpc_service
 
     threads = []
-    original = grpc_service.generate_response
+    original = grpc_service.generate_responses
 
     def recording(*args):
         threads.append(threading.current_thread())
         return original(*args)
 
-    monkeypatch.setattr(grpc_service, "generate_response", recording)
+    monkeypatch.setattr(grpc_service, "generate_responses", recording)
 
     def first_output(positions: int) -> RequestOutput:
         return RequestOutput("r", [4], "a", None, positions + 1, 1, 0,
                              prompt_logprobs=PromptLogprobs([-1.0] * positions, [2] * positions, None))
 
     long = first_output(grpc_service.INLINE_PROMPT_LOGPROBS_MAX_POSITIONS + 1)
-    response = asyncio.run(grpc_service.generate_response_off_loop(long, "replica-a"))
+    (response,) = asyncio.run(grpc_service.generate_responses_off_loop(long, "replica-a"))
     assert len(response.prompt_logprobs.logprobs) == len(long.prompt_logprobs.logprobs)
     assert threads[-1] is not threading.main_thread()
-    asyncio.run(grpc_service.generate_response_off_loop(first_output(8), "replica-a"))
+    asyncio.run(grpc_service.generate_responses_off_loop(first_output(8), "replica-a"))
     assert threads[-1] is threading.main_thread()
 
 
