@@ -236,14 +236,19 @@ def test_a_long_prompts_logprobs_come_in_parts_each_within_what_a_grpc_client_ta
     split = generate()
     scored = [response for response in split if response.HasField("prompt_logprobs")]
     assert [response.prompt_logprobs.start for response in scored] == [0, 13, 26]
-    assert split[:3] == scored and [len(response.token_ids) for response in split] == [0, 0, 1, 1, 1]
+    # The parts carry no tokens but the last, which carries the first token (a stream whose
+    # reader is behind merges later tokens into it, so only the concatenation is fixed).
+    assert split[:3] == scored and [len(response.token_ids) for response in scored[:2]] == [0, 0]
+    assert len(scored[2].token_ids) >= 1
     joined = pb.PromptLogprobs()
     for response in scored:
         joined.logprobs.extend(response.prompt_logprobs.logprobs)
         joined.ranks.extend(response.prompt_logprobs.ranks)
         joined.top_logprobs.extend(response.prompt_logprobs.top_logprobs)
     assert joined == whole[0].prompt_logprobs and len(joined.logprobs) == len(prompt) - 1
-    assert [r.token_ids for r in split[2:]] == [r.token_ids for r in whole]
+    def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+        return [token for response in responses for token in response.token_ids]
+    assert tokens(split) == tokens(whole) and len(tokens(whole)) == 3
 
 
 def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(replica):
