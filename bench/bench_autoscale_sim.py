@@ -67,6 +67,7 @@ from replica.config import EngineConfig  # noqa: E402
 from replica.core.request import Request  # noqa: E402
 from replica.core.scheduler import SchedulerOutput  # noqa: E402
 from router.inflight import InflightCounts, InflightTracker  # noqa: E402
+from router.load_subscriber import load_age  # noqa: E402
 from router.policies import ReplicaView, RoutingRequest, make_policy  # noqa: E402
 
 OURS, BASELINE = POLICY_NAMES  # headroom, requests
@@ -156,6 +157,7 @@ class AutoscaleSim:
         block_size = self.config.block_size
         replicas: list[Replica] = []
         latest_load: dict[int, object] = {}
+        delivered_at: dict[int, float] = {}  # when each latest_load reached the router (at once)
         inflight = InflightTracker()
         events: list[tuple] = []
         tiebreak = itertools.count()
@@ -193,7 +195,7 @@ class AutoscaleSim:
             candidates = [i for i, replica in enumerate(replicas) if serving(replica, now)]
             views = [
                 ReplicaView(replicas[i].sim.replica_id, latest_load.get(i),
-                            now - latest_load[i].timestamp if i in latest_load else math.inf,
+                            load_age(latest_load[i], now - delivered_at[i]) if i in latest_load else math.inf,
                             len(replicas[i].sim.scheduler.requests), inflight.counts(replicas[i].sim.replica_id),
                             0, block_size)
                 for i in candidates
@@ -322,6 +324,7 @@ class AutoscaleSim:
                     load = replicas[index].sim.report(now)
                     if inflight.observe_snapshot(load.replica_id, load.seq, load.timestamp):
                         latest_load[index] = load
+                        delivered_at[index] = now
                     push(now + REPORT_INTERVAL_S, self.REPORT, index)
             else:
                 control(now)

@@ -65,6 +65,7 @@ from replica.core.request import Request, SamplingParams
 from replica.core.scheduler import Scheduler, SchedulerOutput
 from router.cache_index import ReplicaCache
 from router.inflight import InflightCounts, InflightTracker
+from router.load_subscriber import load_age
 from router.policies import ReplicaView, RoutingPolicy, RoutingRequest, make_policy
 
 TRACE_ATTRIBUTION = (
@@ -250,7 +251,10 @@ def trace_workload(trace_path: str, num_requests: int, seeds, skip: int = 0) -> 
 @dataclass(frozen=True)
 class StatsFeed:
     """How snapshots and KV events reach the router: `delay_s` late, a `drop_fraction` of the
-    load snapshots never (the KV event stream is reliable: a gap makes the router resync)."""
+    load snapshots never (the KV event stream is reliable: a gap makes the router resync). A
+    late snapshot arrives aged by its delay, as a replica whose loads come late says
+    (ReplicaLoad.load_age_ms), so the router sees its age as before that field: its time
+    since arriving plus that."""
 
     delay_s: float = 0.0
     drop_fraction: float = 0.0
@@ -395,6 +399,7 @@ class ClusterSim:
         policy = policy_for(name, rng, replicas)
         block_size = config.block_size
         latest_load: list[Optional[ReplicaLoad]] = [None] * self.num_replicas
+        delivered_at = [0.0] * self.num_replicas  # when each latest_load reached the router
         caches = [RouterCacheView() for _ in replicas]
         inflight = InflightTracker()
         events: list[tuple] = []
@@ -431,7 +436,7 @@ class ClusterSim:
                 on_device.append(device_hit)
             views = [
                 ReplicaView(replica.replica_id, latest_load[i],
-                            now - latest_load[i].timestamp if latest_load[i] is not None else math.inf,
+                            load_age(latest_load[i], now - delivered_at[i]) if latest_load[i] is not None else math.inf,
                             len(replica.scheduler.requests), inflight.counts(replica.replica_id),
                             cached[i], block_size, on_device[i])
                 for i, replica in enumerate(replicas)
@@ -505,8 +510,10 @@ class ClusterSim:
                 push(now + REPORT_INTERVAL_S, self.REPORT, index)
             else:  # DELIVER
                 index, load = payload
+                load.load_age_ms = (now - load.timestamp) * 1000.0  # the feed's delay (StatsFeed)
                 if inflight.observe_snapshot(load.replica_id, load.seq, load.timestamp):
                     latest_load[index] = load
+                    delivered_at[index] = now
 
         measured_from_s = sorted(arrival_order)[int(len(arrival_order) * WARMUP_FRACTION)]
         measured = [r for r in finished if r.arrival_time >= measured_from_s]

@@ -240,7 +240,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, max_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica_id", "seq", "timestamp", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens", "num_running", "num_waiting", "waiting_prefill_tokens", "preemptions_total", "preemption_rate", "preemption_rate_per_running", "recomputed_tokens_total", "step_time_ms", "generation_tokens_per_s", "max_num_seqs", "kv_committed_tokens", "admissions_held_total", "expected_output_tokens", "host_kv_blocks_total", "host_kv_blocks_free", "swap_preemptions_total", "recompute_tokens_avoided_total", "host_hit_cost_ratio", "prefetched_blocks_total", "copy_wait_steps_total", "copy_wait_blocks_total")
+    __slots__ = ("replica_id", "seq", "timestamp", "kv_blocks_total", "kv_blocks_free", "block_size", "kv_usage", "headroom_tokens", "num_running", "num_waiting", "waiting_prefill_tokens", "preemptions_total", "preemption_rate", "preemption_rate_per_running", "recomputed_tokens_total", "step_time_ms", "generation_tokens_per_s", "max_num_seqs", "kv_committed_tokens", "admissions_held_total", "expected_output_tokens", "host_kv_blocks_total", "host_kv_blocks_free", "swap_preemptions_total", "recompute_tokens_avoided_total", "host_hit_cost_ratio", "prefetched_blocks_total", "copy_wait_steps_total", "copy_wait_blocks_total", "load_age_ms")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class ReplicaLoad(_message.Message):
     PREFETCHED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COPY_WAIT_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COPY_WAIT_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     seq: int
     timestamp: float
@@ -299,7 +300,8 @@ class ReplicaLoad(_message.Message):
     prefetched_blocks_total: int
     copy_wait_steps_total: int
     copy_wait_blocks_total: int
-    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., headroom_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., preemption_rate: _Optional[float] = ..., preemption_rate_per_running: _Optional[float] = ..., recomputed_tokens_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., kv_committed_tokens: _Optional[int] = ..., admissions_held_total: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., swap_preemptions_total: _Optional[int] = ..., recompute_tokens_avoided_total: _Optional[int] = ..., host_hit_cost_ratio: _Optional[float] = ..., prefetched_blocks_total: _Optional[int] = ..., copy_wait_steps_total: _Optional[int] = ..., copy_wait_blocks_total: _Optional[int] = ...) -> None: ...
+    load_age_ms: float
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., headroom_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., preemption_rate: _Optional[float] = ..., preemption_rate_per_running: _Optional[float] = ..., recomputed_tokens_total: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., kv_committed_tokens: _Optional[int] = ..., admissions_held_total: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_free: _Optional[int] = ..., swap_preemptions_total: _Optional[int] = ..., recompute_tokens_avoided_total: _Optional[int] = ..., host_hit_cost_ratio: _Optional[float] = ..., prefetched_blocks_total: _Optional[int] = ..., copy_wait_steps_total: _Optional[int] = ..., copy_wait_blocks_total: _Optional[int] = ..., load_age_ms: _Optional[float] = ...) -> None: ...
 
 class WatchKVEventsRequest(_message.Message):
     __slots__ = ()

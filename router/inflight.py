@@ -34,11 +34,13 @@ class InflightTracker:
     """Per replica, the sends newer than the replica's latest snapshot.
 
     A snapshot with a higher `seq` than any seen covers every send made at or before the
-    moment it was taken (`ReplicaLoad.timestamp`), so those are forgotten; sends after it
-    stay counted. With snapshots that arrive at once this is "reset on each new snapshot";
-    with delayed ones it keeps counting what the old snapshot still misses. Times are
-    Unix seconds on the router's clock (virtual seconds in the simulation); clock skew
-    between hosts only matters when it approaches the report interval (100 ms).
+    moment the engine core took it (`ReplicaLoad.timestamp`: not when it was sent, since a
+    replica sends its core's latest load again while the core has not stepped), so those are
+    forgotten; sends after it stay counted. With snapshots that arrive at once this is "reset
+    on each new snapshot"; with delayed ones, or a load sent again, it keeps counting what the
+    old snapshot still misses. Sends are stamped in Unix seconds on the router's clock and
+    snapshots on the replica's (virtual seconds in the simulation); clock skew between hosts
+    only matters when it approaches the report interval (100 ms).
     """
 
     # A replica that never reports would otherwise accumulate sends forever; policies stop

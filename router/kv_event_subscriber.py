@@ -13,11 +13,12 @@ import grpc
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from router.cache_index import PrefixCacheIndex
-from router.stream_subscription import Backoff, StreamSubscription, SubscriptionSet
+from router.stream_subscription import Backoff, Resync, StreamSubscription, SubscriptionSet
 
 
-class KVEventGap(Exception):
-    """A live batch did not follow the previous one: reconnect for a fresh snapshot."""
+class KVEventGap(Resync):
+    """A live batch did not follow the previous one: reconnect for a fresh snapshot (an
+    expected resync, counted by headroom_router_kv_event_resyncs_total when it arrives)."""
 
 
 class KVEventSubscription(StreamSubscription):
@@ -39,6 +40,7 @@ class KVEventSubscription(StreamSubscription):
                 self._check_identity(batch.replica_id)
                 self._delivered()
                 first = False
+            after_seq = previous_seq
             if batch.snapshot and batch.seq != previous_seq:
                 self.snapshots += 1  # the first part of a new snapshot
                 if self.snapshots > 1 and self.on_resync is not None:
@@ -47,7 +49,8 @@ class KVEventSubscription(StreamSubscription):
             if self.stopped:  # unsubscribed: its index entry is gone and stays gone
                 return
             if not self.index.apply(self.replica_id, batch):
-                raise KVEventGap(f"{self.replica_id}: batch {batch.seq} after a gap")
+                raise KVEventGap(f"KV event batch {batch.seq} came after {after_seq}: batches missed, "
+                                 "reconnecting for a fresh snapshot")
 
     def _disconnected(self) -> None:
         self.index.drop(self.replica_id)

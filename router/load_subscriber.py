@@ -1,5 +1,6 @@
 """Load subscriptions: one WatchLoad stream per replica per router, keeping each replica's
-latest ReplicaLoad and when it arrived (its age is what tells a policy whether to trust it).
+latest ReplicaLoad and when it arrived (its age is what tells a policy whether to trust it:
+the time since it arrived plus the age its replica sent it at, `load_age`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,20 @@ from protos import headroom_pb2_grpc as pb_grpc
 from protos.not_serving import not_serving_reason
 from router.stream_subscription import Backoff, StreamSubscription, SubscriptionSet
 
-__all__ = ["Backoff", "LoadSubscriber", "LoadSubscription", "WATCH_INTERVAL_MS"]
+__all__ = ["Backoff", "LoadSubscriber", "LoadSubscription", "WATCH_INTERVAL_MS", "load_age"]
 
 logger = logging.getLogger(__name__)
 
 # Replicas push a snapshot at least this often; asking for the same keeps one contract.
 WATCH_INTERVAL_MS = 100
+
+
+def load_age(load: pb.ReplicaLoad, since_arrival_s: float) -> float:
+    """How old `load` is, in seconds, `since_arrival_s` after it reached the router: that plus
+    the age its replica sent it at (ReplicaLoad.load_age_ms, on the replica's own monotonic
+    clock: a core that hangs with work has its load age though the stream goes on; an idle
+    core's stays fresh). No wall clocks compared across hosts."""
+    return since_arrival_s + load.load_age_ms / 1000.0
 
 
 class LoadSubscription(StreamSubscription):
@@ -38,10 +47,11 @@ class LoadSubscription(StreamSubscription):
         self.not_serving: Optional[str] = None  # why the replica said it serves nothing more
 
     def age_s(self) -> Optional[float]:
-        """Seconds since the latest snapshot arrived; None before the first one."""
-        if self.received_at is None:
+        """How old the latest snapshot is (load_age: since it arrived, plus its age when its
+        replica sent it); None before the first one."""
+        if self.received_at is None or self.load is None:
             return None
-        return self.clock() - self.received_at
+        return load_age(self.load, self.clock() - self.received_at)
 
     async def _stream_once(self, channel: grpc.aio.Channel) -> None:
         call = pb_grpc.LoadReporterStub(channel).WatchLoad(pb.WatchLoadRequest(max_interval_ms=WATCH_INTERVAL_MS),

@@ -36,6 +36,11 @@ class Backoff:
         return nominal / 2 + rng.uniform(0.0, nominal / 2)
 
 
+class Resync(Exception):
+    """The stream must start over (a KV event batch missed: the next stream's snapshot repairs
+    it). Expected, not a failure: logged as one warning line, without a traceback."""
+
+
 class WrongReplica(Exception):
     """The endpoint answered as another replica: the one subscribed to is gone and its port was
     taken by a new one (which the router learns of under its own id). Nothing it sends is
@@ -112,6 +117,8 @@ class StreamSubscription(abc.ABC):
                     await self._stream_once(channel)
             except grpc.aio.AioRpcError as error:
                 logger.debug("%s %s at %s: %s", self.kind, self.replica_id, self.endpoint, error.code())
+            except Resync as error:
+                logger.warning("%s %s at %s: %s", self.kind, self.replica_id, self.endpoint, error)
             except WrongReplica as error:
                 if self.wrong_replica != str(error):
                     logger.warning("%s %s: %s answers as replica %s; ignoring it until %s is removed",

@@ -92,7 +92,8 @@ COUNTER_FOR_FIELD: dict[str, str] = {f.name: f.metadata["counter"] for f in _FIE
 GAUGE_FOR_FIELD: dict[str, str] = {f.name: f.metadata["gauge"] for f in _FIELDS if f.metadata["gauge"]}
 
 # The ReplicaLoad fields the load report adds to those declared proto=True above: its
-# identity and what is measured over time rather than per step (replica/server/load_report.py).
-REPORT_FIELDS: tuple[str, ...] = ("replica_id", "seq", "timestamp", "preemption_rate", "preemption_rate_per_running",
-                                  "step_time_ms", "generation_tokens_per_s")
+# identity, when the core took the load and how old it was when sent, and what is measured
+# over time rather than per step (replica/server/load_report.py).
+REPORT_FIELDS: tuple[str, ...] = ("replica_id", "seq", "timestamp", "load_age_ms", "preemption_rate",
+                                  "preemption_rate_per_running", "step_time_ms", "generation_tokens_per_s")
 GAUGE_FOR_REPORT_FIELD: dict[str, str] = {"preemption_rate": "headroom_preemption_rate"}

@@ -245,6 +245,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.load_version = 0  # bumped each time a new load snapshot arrives from the core
         self._load: Optional[SchedulerLoad] = None
+        self._load_arrived_at = 0.0  # time.monotonic() when self._load arrived
+        self._sent_since_load = False  # a request went to the core after self._load arrived
         self._load_arrived = asyncio.Event()
         self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
         self._kv_event_listeners: list[Callable[[list], None]] = []
@@ -283,6 +285,7 @@ class AsyncEngine:
         suffix = f"|f{self.front_index}" if several else ""
         self._processor = OutputProcessor(tokenizer, self._abort_in_core, self._request_observer, suffix)
         self._load = load_from_wire(ready.load)
+        self._load_arrived_at = time.monotonic()
         self._accepting = True
         if self._core_socket is not None:
             logger.info("front %d attached to the engine core: %s on %s", self.front_index, self.spec.model,
@@ -375,6 +378,7 @@ class AsyncEngine:
                                engine.config.stream_stall_timeout_s)
         self._processor.track(stream, request_id)
         self.core.add(request)
+        self._sent_since_load = True
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -410,6 +414,22 @@ class AsyncEngine:
         """The core's snapshot after its latest step (immutable; safe from any task)."""
         return self._load
 
+    def load_age_s(self) -> float:
+        """Seconds since the core's latest snapshot arrived here (the core sends one after every
+        step, and after applying messages while idle)."""
+        return time.monotonic() - self._load_arrived_at
+
+    def load_is_current(self) -> bool:
+        """Whether the latest snapshot still describes the core however old it is: it shows
+        nothing running or waiting, and the core has been sent no request it may not show
+        (none of this front's requests is live, none was sent since it arrived). An idle core
+        steps no more, so its snapshot stays true until a request reaches it; a core with work
+        that sends no newer one is stuck, and its snapshot ages (ReplicaLoad.load_age_ms).
+        This front's requests only: another front's reach the core unseen here."""
+        load = self._load
+        return (load is not None and load.num_running == 0 and load.num_waiting == 0
+                and not self._sent_since_load and not (self._processor is not None and len(self._processor)))
+
     async def wait_for_load(self, after_version: int, timeout: float) -> int:
         """Wait until a snapshot newer than after_version arrives, or the timeout."""
         if self.load_version <= after_version:
@@ -434,6 +454,8 @@ class AsyncEngine:
             for listener in self._kv_event_listeners:
                 listener(step.kv_events)
         self._load = load_from_wire(step.load)
+        self._load_arrived_at = time.monotonic()
+        self._sent_since_load = False
         self.load_version += 1
         self._wake_load_waiters()
 

@@ -470,7 +470,7 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.ReplicaLoad:
         await self._abort_if_not_serving(context)
-        return self.load_reports.build(self.engine.load())
+        return self.load_reports.build_for(self.engine)
 
     async def _abort_if_not_serving(self, context: grpc.aio.ServicerContext) -> None:
         """A call begun when the replica can serve nothing more: its core died, or it is
@@ -491,7 +491,9 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
         await self._abort_if_not_serving(context)
         version = self.engine.load_version
         sent_load = self.engine.load()
-        await context.write(self.load_reports.build(sent_load))
+        # Each message says when the core took its load and how old it is (a load sent again,
+        # the core not having stepped, keeps ageing unless it is current): load_report.py.
+        await context.write(self.load_reports.build_for(self.engine))
         sent_at = time.monotonic()
         while not self.stopping.is_set():
             await self._abort_if_core_dead(context)
@@ -501,7 +503,7 @@ class LoadReporterServicer(pb_grpc.LoadReporterServicer):
             load = self.engine.load()
             due = time.monotonic() - sent_at >= max_interval_s
             if due or is_significant_change(sent_load, load):
-                await context.write(self.load_reports.build(load))
+                await context.write(self.load_reports.build_for(self.engine))
                 sent_load, sent_at = load, time.monotonic()
 
     async def _write_shared_parts(self, batch: KVEventBatch, replica_id: str, block_size: int,

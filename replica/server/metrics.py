@@ -333,7 +333,9 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_router_cached_blocks": MetricSpec(
         "gauge",
-        "Prefix-cache blocks of the replica in the router's index, rebuilt from its KV events.",
+        "Prefix-cache blocks of the replica in the router's index, rebuilt from its KV events and set as each batch "
+        "is applied; absent while the router holds no index of it (no stream, or a broken one until its next "
+        "snapshot).",
         None,
         ("replica",),
     ),
@@ -346,7 +348,8 @@ METRIC_NAMES: dict[str, MetricSpec] = {
     ),
     "headroom_router_load_age_seconds": MetricSpec(
         "histogram",
-        "Age of a replica's ReplicaLoad snapshot when the router scored that replica.",
+        "Age of a replica's ReplicaLoad snapshot when the router scored that replica: since it arrived, "
+        "plus its load_age_ms.",
         None,
         ("replica",),
         LOAD_AGE_BUCKETS_S,

@@ -43,6 +43,20 @@ def test_snapshots_are_numbered_stamped_and_carry_the_engine_load():
     assert second.step_time_ms == pytest.approx(4.0) and second.generation_tokens_per_s == 250.0
 
 
+def test_a_report_carries_when_the_core_took_its_load_and_how_old_it_was_when_sent():
+    """Not when it was sent: a load sent again, the core not having stepped since, must neither
+    claim the router's sends since (timestamp) nor look fresh (load_age_ms), unless it is
+    current: an idle core's load stays true however old."""
+    builder = LoadReportBuilder("r1", StepStats(), wall_clock=lambda: 1_700_000_000.0)
+    busy = dataclasses.replace(IDLE, num_running=2)
+    old = builder.build(busy, taken_s_ago=0.25)
+    assert old.timestamp == pytest.approx(1_699_999_999.75, abs=1e-6) and old.load_age_ms == pytest.approx(250.0)
+    idle = builder.build(IDLE, taken_s_ago=30.0, current=True)
+    assert idle.timestamp == pytest.approx(1_699_999_970.0, abs=1e-6) and idle.load_age_ms == 0.0
+    fresh = builder.build(busy)  # read now, as the router simulation reads its scheduler
+    assert fresh.timestamp == 1_700_000_000.0 and fresh.load_age_ms == 0.0
+
+
 def test_preemption_rate_rises_with_preemptions_and_is_split_across_running_requests():
     now = [0.0]
     builder = LoadReportBuilder("r1", StepStats(), monotonic_clock=lambda: now[0])

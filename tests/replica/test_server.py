@@ -796,7 +796,8 @@ def test_get_load_agrees_with_the_engine_when_idle(replica):
     engine_load = replica.on_loop(replica.async_engine.load)
     assert (load.kv_blocks_free, load.preemptions_total, load.max_num_seqs) == (
         engine_load.kv_blocks_free, engine_load.preemptions_total, engine_load.max_num_seqs)
-    assert abs(load.timestamp - time.time()) < 5
+    # When the core took it, however long ago: an idle core's load stays current, so it is not old.
+    assert load.timestamp <= time.time() and load.load_age_ms == 0
 
 
 def test_metrics_endpoint_parses_and_carries_every_replica_metric(replica):

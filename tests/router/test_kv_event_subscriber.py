@@ -120,3 +120,62 @@ def test_a_batch_arriving_as_its_replica_is_unsubscribed_does_not_bring_its_inde
         await subscriber.close()
 
     asyncio.run(scenario())
+
+
+def test_a_gap_in_the_batches_is_a_resync_logged_as_one_warning_line(monkeypatch, caplog):
+    """A replica's stream skipping a batch number is expected (the router resyncs from the
+    next stream's snapshot), not an error: one warning line, no traceback, and the resync
+    counted. The transport is a stand-in: a live stream cannot be made to skip on demand."""
+    import logging
+
+    import grpc
+
+    from protos import headroom_pb2 as pb
+    from router.cache_index import PrefixCacheIndex
+    from router.kv_event_subscriber import KVEventSubscriber
+    from router.metrics import RouterMetrics
+
+    snapshot = pb.KVEventBatch(replica_id="r", seq=1, snapshot=True, block_size=16, events=[
+        pb.KVEvent(kind=pb.KV_EVENT_ALL_BLOCKS_CLEARED), pb.KVEvent(kind=pb.KV_EVENT_BLOCK_STORED, block_hash=b"a")])
+    after_a_gap = pb.KVEventBatch(replica_id="r", seq=3, block_size=16, events=[
+        pb.KVEvent(kind=pb.KV_EVENT_BLOCK_STORED, block_hash=b"c", parent_hash=b"b")])
+    streams = []
+
+    class Channel:
+        """Each stream: the snapshot, then (the first stream only) a batch past a gap."""
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return False
+
+        def unary_stream(self, *args, **kwargs):
+            async def stream():
+                streams.append(None)
+                yield snapshot
+                if len(streams) == 1:
+                    yield after_a_gap
+                await asyncio.Event().wait()
+            return lambda request, metadata=(): stream()
+
+        unary_unary = unary_stream
+
+    monkeypatch.setattr(grpc.aio, "insecure_channel", lambda *args, **kwargs: Channel())
+    caplog.set_level(logging.DEBUG, logger="router")
+
+    async def scenario() -> None:
+        index = PrefixCacheIndex()
+        metrics = RouterMetrics("headroom")
+        subscriber = KVEventSubscriber(index, backoff=Backoff(initial_s=0.01, max_s=0.02),
+                                       on_resync=metrics.kv_event_resynced)
+        subscriber.subscribe("r", "unused:1")
+        await eventually(lambda: len(streams) == 2 and index.get("r") is not None, timeout_s=2.0)
+        assert metrics.sample("headroom_router_kv_event_resyncs_total", replica="r") == 1
+        await subscriber.close()
+
+    asyncio.run(scenario())
+    records = [record for record in caplog.records if record.levelno >= logging.INFO]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
+    assert "batch 3 came after 1" in records[0].getMessage() and "\n" not in records[0].getMessage()
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]

@@ -1,7 +1,9 @@
 """Load subscriptions and the Ray-free router core against a real ReplicaServer on loopback:
 snapshots arrive, age grows while the replica is down, the stream resumes after a restart,
-stale loads fall back to Ray Serve's choice, a burst spreads before any snapshot, and a
-replica whose engine core died is routed around at once.
+stale loads (a replica down, an engine core stuck with work) fall back to Ray Serve's choice
+while an idle core's stay fresh, a stuck core's load sent again does not forget the sends it
+cannot show, a burst spreads before any snapshot, and a replica whose engine core died is
+routed around at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from protos.not_serving import ENGINE_CORE_DIED
 from replica.front.async_engine import AsyncEngine
 from replica.ipc.messages import CoreSpec
 from replica.config import make_engine_config
+from replica.core.request import SamplingParams
 from replica.server.metrics import ReplicaMetrics
 from replica.server.replica_server import ReplicaServer
 from router.headroom_router import ROUTING_KWARG, UNSIZED_REQUEST, HeadroomRouter, routing_request_of
@@ -143,21 +146,64 @@ def test_a_new_replica_on_a_gone_replicas_port_is_not_taken_for_it():
 
 
 def test_stale_loads_fall_back_to_ray_serves_choice_and_fresh_ones_rank():
+    """A load is stale when its replica is down, and when its engine core has work but makes
+    no new load (a step that never ends; here the core process is stopped, its front serving
+    on): WatchLoad sends the core's latest load again every 100 ms, and each message carries
+    the load's age (ReplicaLoad.load_age_ms) and when the core took it (timestamp), not when it
+    was sent. Stamped at each send, a stuck core's load looked fresh forever, and it claimed the
+    router's sends made since the core's last step, which the router then forgot (a burst
+    landed on one replica). An idle core's load stays true and fresh, stopped or not."""
     async def scenario() -> None:
         port = free_port()
         server: Optional[ReplicaServer] = await start_replica(port)
         router = HeadroomRouter("headroom", staleness_s=0.3)
         request = RoutingRequest(prompt_tokens=40, max_tokens=60)
+        core = server.engine.core.process
+        stopped = False
         try:
             router.sync_replicas({"r0": f"127.0.0.1:{port}", "r1": None})
-            await eventually(lambda: router.loads.get("r0").load is not None)
+            subscription = router.loads.get("r0")
+            await eventually(lambda: subscription.load is not None)
             # r1 has not announced an endpoint: it ranks by queue length beside r0.
             assert sorted(router.rank(request, {"r0": 3, "r1": 0}, "a")) == ["r0", "r1"]
+            router.abandoned("a")
+
+            os.kill(core.pid, signal.SIGSTOP)
+            stopped = True
+            await asyncio.sleep(0.45)  # past staleness_s: an idle core's load is still true
+            assert subscription.age_s() < 0.2 and subscription.load.load_age_ms == 0
+            assert router.rank(request, {"r0": 0}, "idle") == ["r0"]
+            router.abandoned("idle")
+
+            # A send the core has not seen (it reached the front; the core does not step).
+            router.routed(request, "sent", "r0")
+            stream = server.engine.add_request(list(range(1, 41)), SamplingParams(max_tokens=2, temperature=0.0))
+            seq = subscription.load.seq
+            await eventually(lambda: subscription.load.seq >= seq + 2, timeout_s=2.0)  # the load sent again
+            # Its messages do not cover the send: it still counts against r0.
+            assert router._view(request, "r0", 0).inflight_since_snapshot.requests == 1
+            # The load ages though the stream goes on, and stops ranking after staleness_s.
+            await eventually(lambda: subscription.age_s() > 0.3, timeout_s=2.0)
+            assert subscription.load.load_age_ms > 100  # the replica says so: no clocks compared
+            assert router.rank(request, {"r0": 0}, "stuck") is None
+
+            os.kill(core.pid, signal.SIGCONT)  # the core steps again: fresh loads that cover the send
+            stopped = False
+            async with asyncio.timeout(10):
+                async for _ in stream:
+                    pass
+            await eventually(lambda: router._view(request, "r0", 0).inflight_since_snapshot.requests == 0,
+                             timeout_s=2.0)
+            await eventually(lambda: subscription.age_s() < 0.15, timeout_s=2.0)
+            assert router.rank(request, {"r0": 0}, "b") == ["r0"]
+
             await server.stop(0.5)
             server = None
             await asyncio.sleep(0.45)
-            assert router.rank(request, {"r0": 3, "r1": 0}, "b") is None
+            assert router.rank(request, {"r0": 3, "r1": 0}, "c") is None
         finally:
+            if stopped:
+                os.kill(core.pid, signal.SIGCONT)
             await router.close()
             if server is not None:
                 await server.stop(0.5)
