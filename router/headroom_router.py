@@ -31,9 +31,9 @@ UNSIZED_REQUEST = RoutingRequest(prompt_tokens=0, max_tokens=16)
 # A choice the router made but Ray Serve has not confirmed (the replica may still reject
 # it, or the caller cancel) counts against its replica for at most this long.
 TENTATIVE_SEND_TTL_S = 5.0
-# How long a request's end, reported before its routing (Serve marshals the two callbacks onto
-# the router's loop separately: a request refused at once, or a very short one, may end first),
-# is remembered so that the late routing records nothing live.
+# How long a request's end, reported before its routing (a caller whose two reports cross: a
+# request refused at once, or a very short one, may end first), is remembered so that the late
+# routing records nothing live.
 ENDED_BEFORE_ROUTED_TTL_S = 60.0
 
 
@@ -174,10 +174,12 @@ class HeadroomRouter:
         self.policy.on_routed(request, replica_id, request_key, cached_blocks)
 
     def abandoned(self, request_key: str, replica_id: Optional[str] = None) -> None:
-        """The request will not be sent after all (cancelled), or it ended on `replica_id` (a
-        rejection there, or its end; None: wherever it was routed). An end reported for another
-        replica than the one it is live on (a rejected attempt's, after its retry was accepted)
-        leaves the live one be; one reported before its routing is remembered for it."""
+        """The request will not be sent after all (cancelled), or its accepted attempt ended on
+        `replica_id` (None: wherever it was routed). Never report a rejected attempt's end here:
+        Ray Serve reports it under the same key, and a retry may be accepted by the replica that
+        rejected it (serve_router watches the accepted attempt's own result instead). An end
+        reported for another replica than the one it is live on leaves the live one be; one
+        reported before its routing is remembered for it."""
         self._tentative.pop(request_key, None)
         live_on = self._live.get(request_key)
         if live_on is not None and (replica_id is None or live_on == replica_id):

@@ -12,8 +12,10 @@ the `routing=RoutingRequest(...)` keyword argument (router.headroom_router.ROUTI
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import List, Mapping, Optional
+from functools import partial
+from typing import Callable, List, Mapping, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -81,13 +83,30 @@ class HeadroomRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         # Called only once the replica accepted the request (Ray Serve's rejection protocol,
         # on everywhere but Ray Client); there the tentative choice expires on its own.
-        self.headroom.routed(
-            routing_request_of(pending_request.kwargs),
-            pending_request.metadata.internal_request_id,
-            replica_id.unique_id,
-        )
+        key, replica = pending_request.metadata.internal_request_id, replica_id.unique_id
+        self.headroom.routed(routing_request_of(pending_request.kwargs), key, replica)
+        # The request ends with this accepted attempt's own result, not with
+        # on_request_completed: Serve 2.60 reports every attempt's end there under the same
+        # internal_request_id, a rejected one's too (its result is cancelled and completes), and
+        # a retry may be accepted by the replica that rejected it. Serve registers its own
+        # callback on the same result the same way (AsyncioRouter._register_completion_callback),
+        # so this fires exactly when Serve's completion of the accepted attempt does, always
+        # after routed() above (marshalled onto this loop, as Serve marshals its own).
+        loop = asyncio.get_running_loop()
+        try:
+            result.add_done_callback(partial(_attempt_done, loop, self.headroom.abandoned, key, replica))
+        except Exception:  # no end will ever be reported: count nothing live rather than forever
+            logger.exception("cannot watch the end of request %s; not counting it as live on %s", key, replica)
+            self.headroom.abandoned(key, replica)
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # Serve 2.60 marshals this onto the router's loop apart from on_request_routed: it may
-        # come first (HeadroomRouter.abandoned keeps what it needs for that).
-        self.headroom.abandoned(internal_request_id, replica_id.unique_id)
+    # on_request_completed stays Serve's no-op: it cannot tell a rejected attempt's end from
+    # the accepted one's (on_request_routed watches the latter's result instead).
+
+
+def _attempt_done(loop: asyncio.AbstractEventLoop, ended: Callable[[str, str], None], key: str, replica_id: str,
+                  _result=None) -> None:
+    """A ReplicaResult's done callback: Ray runs it on one of its own threads."""
+    try:
+        loop.call_soon_threadsafe(ended, key, replica_id)
+    except RuntimeError:  # the loop is closed: the router, and its books, are gone with it
+        pass

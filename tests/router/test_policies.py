@@ -597,7 +597,7 @@ def test_a_request_that_ends_before_its_routing_is_reported_leaves_nothing_live_
     router.abandoned("k", "r0")  # its end, first
     router.routed(request, "k", "r0")
     assert not router.policy._live.of("r0") and not router._live
-    # A rejected attempt's end (on r1) arriving after its retry was accepted on r0 leaves r0's live.
+    # An end reported for another replica (r1) than the one it is live on (r0) leaves r0's live.
     router.rank(request, {"r0": 0, "r1": 0}, "k2")
     router.routed(request, "k2", "r0")
     router.abandoned("k2", "r1")
