@@ -6,7 +6,7 @@ snapshot that starts the next one.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from protos import headroom_pb2 as pb
 
@@ -99,22 +99,31 @@ def host_hit_worth(load: Optional[pb.ReplicaLoad]) -> float:
 
 
 class PrefixCacheIndex:
-    """Every replica's ReplicaCache. Replicas without one (no stream yet) hold nothing."""
+    """Every replica's ReplicaCache. Replicas without one (no stream yet) hold nothing.
+    `on_change(replica_id, num_blocks)` follows every change: after a message is applied, with
+    the device blocks the replica's set now holds (`num_blocks`); after its set is dropped,
+    with None (the router's cached-blocks gauge, kept current without a request to rank)."""
 
-    def __init__(self, max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA):
+    def __init__(self, max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA,
+                 on_change: Optional[Callable[[str, Optional[int]], None]] = None):
         self.max_blocks_per_replica = max_blocks_per_replica
+        self.on_change = on_change
         self._caches: dict[str, ReplicaCache] = {}
 
     def apply(self, replica_id: str, batch: pb.KVEventBatch) -> bool:
         cache = self._caches.get(replica_id)
         if cache is None:
             cache = self._caches[replica_id] = ReplicaCache(self.max_blocks_per_replica)
-        return cache.apply(batch)
+        applied = cache.apply(batch)
+        if applied and self.on_change is not None:
+            self.on_change(replica_id, len(cache.hashes))
+        return applied
 
     def drop(self, replica_id: str) -> None:
         """Forget a replica's cache (its stream broke, or it is gone): stale hashes would
         send requests where their prefix may no longer be."""
-        self._caches.pop(replica_id, None)
+        if self._caches.pop(replica_id, None) is not None and self.on_change is not None:
+            self.on_change(replica_id, None)
 
     def get(self, replica_id: str) -> Optional[ReplicaCache]:
         cache = self._caches.get(replica_id)

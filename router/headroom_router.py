@@ -75,7 +75,8 @@ class HeadroomRouter:
         self.loads = LoadSubscriber(backoff=backoff, clock=clock, metadata=metadata)
         self.inflight = InflightTracker()
         self.metrics = RouterMetrics(self.policy.name)
-        self.cache_index = PrefixCacheIndex()
+        # The cached-blocks gauge follows the index as its batches arrive (an idle router's too).
+        self.cache_index = PrefixCacheIndex(on_change=self.metrics.set_cached_blocks)
         self.kv_events: Optional[KVEventSubscriber] = None
         if self.policy.uses_prefix_cache:
             self.kv_events = KVEventSubscriber(self.cache_index, backoff=backoff, clock=clock,
@@ -208,11 +209,9 @@ class HeadroomRouter:
         subscription = self.loads.get(replica_id)
         load = subscription.load if subscription is not None else None
         if load is not None:
-            # Sends the snapshot already covers stop counting; a repeat does nothing.
+            # Sends made before the core took the snapshot stop counting; a repeat does nothing.
             self.inflight.observe_snapshot(replica_id, load.seq, load.timestamp)
         cached_blocks, device_blocks, block_size = self._cached_blocks(request, replica_id)
-        if self.kv_events is not None:
-            self.metrics.set_cached_blocks(replica_id, self.cache_index.num_blocks(replica_id))
         return ReplicaView(
             replica_id=replica_id,
             load=load,

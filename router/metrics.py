@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Iterator
+from typing import Iterator, Optional
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
@@ -79,8 +79,16 @@ class RouterMetrics:
         if spilled:
             self._prefix_spills.labels(self.policy, replica_id).inc()
 
-    def set_cached_blocks(self, replica_id: str, num_blocks: int) -> None:
-        self._cached_blocks.labels(replica_id).set(num_blocks)
+    def set_cached_blocks(self, replica_id: str, num_blocks: Optional[int]) -> None:
+        """The blocks the router's index holds for the replica; None: it holds no set for it
+        (its stream broke, until the next snapshot, or the replica is gone): no series."""
+        if num_blocks is not None:
+            self._cached_blocks.labels(replica_id).set(num_blocks)
+            return
+        try:
+            self._cached_blocks.remove(replica_id)
+        except KeyError:  # never set, or already dropped
+            pass
 
     def kv_event_resynced(self, replica_id: str) -> None:
         self._kv_event_resyncs.labels(replica_id).inc()

@@ -22,6 +22,11 @@ def follow_up() -> RoutingRequest:
     return RoutingRequest(prompt_tokens=len(FOLLOW_UP), max_tokens=8, prompt_token_ids=FOLLOW_UP)
 
 
+def cached_blocks_gauge(router: HeadroomRouter, replica_id: str = "r0"):
+    """headroom_router_cached_blocks for the replica as a scrape reads it; None: no series."""
+    return router.metrics.registry.get_sample_value("headroom_router_cached_blocks", {"replica": replica_id})
+
+
 def test_the_index_learns_what_the_replica_cached_and_is_rebuilt_after_a_restart():
     async def scenario() -> None:
         port = free_port()
@@ -34,16 +39,22 @@ def test_the_index_learns_what_the_replica_cached_and_is_rebuilt_after_a_restart
                 pass
             hashes = block_hashes(PROMPT, 16)
             await eventually(lambda: router.cache_index.get("r0").leading_blocks(hashes) == 3)
+            # The gauge follows the batches: nothing has been ranked yet.
+            assert cached_blocks_gauge(router) == len(router.cache_index.get("r0").hashes) >= 3
             await eventually(lambda: router.loads.get("r0").load is not None)
             assert router.rank(follow_up(), {"r0": 0}, "k") == ["r0"]
             assert router._view(follow_up(), "r0", 0).cached_tokens == 48
 
             await server.stop(0.5)
             await eventually(lambda: router.cache_index.get("r0") is None)  # dropped with the stream
+            assert cached_blocks_gauge(router) is None  # and its gauge with it: no stale count
             server = await start_replica(port)  # a new engine: its cache is empty
             await eventually(lambda: router.cache_index.get("r0") is not None)
             assert router.cache_index.get("r0").leading_blocks(hashes) == 0
+            assert cached_blocks_gauge(router) == 0
             assert router.metrics.sample("headroom_router_kv_event_resyncs_total", replica="r0") == 1
+            router.sync_replicas({})  # the replica left: no series left behind
+            assert cached_blocks_gauge(router) is None
         finally:
             await router.close()
             await server.stop(0.5)
