@@ -1,5 +1,6 @@
 """`headroom status`: every engine replica of a running cluster with its live load (KV headroom
-and usage, preemption rate, running and waiting requests), read from the load endpoint each
+net of the KV its live requests are owed, as the router scores it, and gross; KV usage,
+preemption rate, running and waiting requests), read from the load endpoint each
 replica announces to the routers, with the cluster token it reads from Ray as the routers do
 (joining the Ray cluster is what entitles it); then, per application, the replicas running
 against the count its autoscaling policy wants (and why), the pressure floor holding it if one
@@ -169,20 +170,37 @@ def pressure_floor_text(decision: dict) -> str:
                    f"(now {decision['kv_demand_tokens']:.0f})")
 
 
+NET_HEADROOM_COLUMN = "KV headroom net"
+GROSS_HEADROOM_COLUMN = "gross"
+HEADROOM_CAPTION = (
+    "KV headroom in tokens. net: free KV beyond the admission watermark less the growth the replica's live "
+    "requests are still owed (kv_committed_tokens), the room the router scores; gross: without that growth"
+)
+
+
+def net_headroom_tokens(load: pb.ReplicaLoad) -> int:
+    """The room the router scores a replica by (router/policies.py, HeadroomPolicy.score, before
+    its own sends and the request): free tokens beyond the watermark less the committed growth.
+    Negative when the live requests are owed more than is free."""
+    return load.headroom_tokens - load.kv_committed_tokens
+
+
 def status_table(statuses: list[ReplicaStatus]) -> Table:
-    table = Table(title="headroom replicas")
+    table = Table(title="headroom replicas", caption=HEADROOM_CAPTION)
     for column in ("application", "replica", "node"):
         table.add_column(column, no_wrap=True)
-    for column in ("KV headroom (tokens)", "KV usage", "preemptions/s", "running", "waiting"):
+    for column in (NET_HEADROOM_COLUMN, GROSS_HEADROOM_COLUMN, "KV usage", "preemptions/s", "running", "waiting"):
         table.add_column(column, justify="right")
     for status in statuses:
         load = status.load
         if load is None:
-            table.add_row(status.application, status.replica_id, status.node_ip, status.error or "?", "", "", "", "")
+            table.add_row(status.application, status.replica_id, status.node_ip, status.error or "?",
+                          "", "", "", "", "")
             continue
         table.add_row(
-            status.application, status.replica_id, status.node_ip, str(load.headroom_tokens),
-            f"{load.kv_usage:.1%}", f"{load.preemption_rate:.2f}", str(load.num_running), str(load.num_waiting),
+            status.application, status.replica_id, status.node_ip, str(net_headroom_tokens(load)),
+            str(load.headroom_tokens), f"{load.kv_usage:.1%}", f"{load.preemption_rate:.2f}", str(load.num_running),
+            str(load.num_waiting),
         )
     return table
 
