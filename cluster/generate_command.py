@@ -1,7 +1,9 @@
 """`headroom generate`: one prompt (or, with --chat, one user message through the model's chat
 template) through the cluster's gRPC endpoint (Serve's proxy, or a single `headroom replica`),
 its text streamed to stdout as it is generated, with control characters escaped (a model can
-emit ESC sequences that would drive the terminal) unless --raw. --json-schema, --regex and
+emit ESC sequences that would drive the terminal) unless --raw. The sampling flags are the
+request's SamplingParams (an unset one takes the server's default: the model's
+generation_config.json, else vLLM's); --json-schema, --json-object, --regex, --grammar and
 --choice constrain the output (structured outputs).
 
 Also how a gRPC client command (generate, bench) reaches --target: plaintext, or TLS (--tls,
@@ -30,6 +32,9 @@ from replica.server.auth import CredentialsError, add_client_api_key_argument, a
 max_tokens_value = checked(int, lambda value: 1 <= value < 2 ** 32, "an integer from 1 to 4294967295")
 seed_value = checked(int, lambda value: 0 <= value < 2 ** 64, "an integer from 0 to 2**64 - 1")
 temperature_value = checked(float, lambda value: 0 <= value < math.inf, "a number >= 0")
+top_p_value = checked(float, lambda value: 0 < value <= 1, "a number in (0, 1]")
+top_k_value = checked(int, lambda value: value == -1 or 0 <= value < 2 ** 31, "-1 (off) or an integer >= 0")
+min_p_value = checked(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens to generate (default: %(default)s)")
     parser.add_argument("--temperature", type=temperature_value, default=None,
                         help="0 = greedy (default: the server's: the model's generation_config.json, else 1.0)")
+    parser.add_argument("--top-p", type=top_p_value, default=None, help="nucleus sampling: the smallest set of "
+                        "tokens whose probability reaches this (default: the server's)")
+    parser.add_argument("--top-k", type=top_k_value, default=None,
+                        help="sample among the k most likely tokens; -1: all (default: the server's)")
+    parser.add_argument("--min-p", type=min_p_value, default=None,
+                        help="drop tokens less likely than this times the likeliest (default: the server's)")
     parser.add_argument("--seed", type=seed_value, default=None, help="sampler seed, for reproducible output")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the output before this text (repeat the flag for each)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate --max-tokens tokens even past the model's end-of-sequence token")
     parser.add_argument("--timeout-s", type=positive_seconds, default=300.0, help="give up after this long (default: %(default)s)")
     parser.add_argument("--raw", action="store_true",
                         help="write the text as generated, control characters included (default: escape them)")
@@ -51,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help="the output is JSON that validates against the JSON schema in FILE")
     constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     constraint.add_argument("--regex", default=None, help="the output matches this regular expression")
+    constraint.add_argument("--grammar", metavar="FILE", default=None,
+                            help="the output is a sentence of the Lark grammar in FILE (its start rule: start)")
     constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
                             help="the output is exactly one of these (repeat the flag for each choice)")
 
@@ -141,28 +158,34 @@ def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return application + authorization_metadata(client_api_key(args.api_key))
 
 
+def _read_text(path: str, flag: str, parser: argparse.ArgumentParser) -> str:
+    """The UTF-8 text of the file a flag names; one that cannot be read exits 2 naming the flag."""
+    try:
+        with open(path, encoding="utf-8") as text_file:
+            return text_file.read()
+    except OSError as error:
+        parser.error(f"{flag}: cannot read {path}: {error.strerror}")
+    except UnicodeDecodeError as error:
+        parser.error(f"{flag}: {path} is not UTF-8 text (byte {error.start})")
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens)
-    if args.temperature is not None:
-        sampling.temperature = args.temperature
-    if args.seed is not None:
-        sampling.seed = args.seed
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or ())
+    for field in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        if getattr(args, field) is not None:
+            setattr(sampling, field, getattr(args, field))
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     metadata, credentials = target_connection(args, parser)
     request = pb.GenerateRequest(sampling=sampling)
     if args.json_schema is not None:
-        try:
-            with open(args.json_schema, encoding="utf-8") as schema_file:
-                request.json_schema = schema_file.read()
-        except OSError as error:
-            parser.error(f"--json-schema: cannot read {args.json_schema}: {error.strerror}")
-        except UnicodeDecodeError as error:
-            parser.error(f"--json-schema: {args.json_schema} is not UTF-8 text (byte {error.start})")
+        request.json_schema = _read_text(args.json_schema, "--json-schema", parser)
     elif args.json_object:
         request.json_object = True
     elif args.regex is not None:
         request.regex = args.regex
+    elif args.grammar is not None:
+        request.grammar = _read_text(args.grammar, "--grammar", parser)
     elif args.choice is not None:
         request.choice.choices.extend(args.choice)
     if args.chat:

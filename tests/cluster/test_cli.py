@@ -333,6 +333,10 @@ def test_a_client_key_it_could_not_send_exits_2_naming_the_flag(command, key, ca
     (["generate", "x", "--max-tokens", "4294967296"], "argument --max-tokens: invalid value '4294967296'"),
     (["generate", "x", "--seed", "18446744073709551616"], "argument --seed: invalid value"),
     (["generate", "x", "--temperature", "nan"], "argument --temperature: invalid value 'nan'"),
+    (["generate", "x", "--top-p", "0"], "argument --top-p: invalid value '0': a number in (0, 1]"),
+    (["generate", "x", "--top-k", "-2"], "argument --top-k: invalid value '-2'"),
+    (["generate", "x", "--min-p", "1.5"], "argument --min-p: invalid value '1.5'"),
+    (["generate", "x", "--grammar", "g", "--regex", "a"], "argument --regex: not allowed with argument --grammar"),
     (["bench", "--max-tokens", "4294967296"], "argument --max-tokens: invalid value '4294967296'"),
     # Metadata gRPC cannot send ("INTERNAL: Invalid metadata", naming nothing).
     (["generate", "x", "--application", "mod\u00e8le"], "argument --application: invalid value"),
@@ -351,13 +355,16 @@ def test_a_client_or_replica_flag_refused_before_anything_starts_exits_2_naming_
     assert f"error: {message}" in capsys.readouterr().err
 
 
-def test_a_json_schema_file_that_is_no_utf_8_exits_2_naming_the_flag(tmp_path, capsys):
-    schema = tmp_path / "schema.json"
-    schema.write_bytes(b"\xff{}")
-    with pytest.raises(SystemExit) as exited:
-        main(["generate", "x", "--target", "127.0.0.1:1", "--json-schema", str(schema)])
-    assert exited.value.code == 2
-    assert f"error: --json-schema: {schema} is not UTF-8 text (byte 0)" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", ["--json-schema", "--grammar"])
+def test_a_constraint_file_that_is_no_utf_8_or_missing_exits_2_naming_the_flag(flag, tmp_path, capsys):
+    constraint = tmp_path / "constraint"
+    constraint.write_bytes(b"\xff{}")
+    for path, message in ((constraint, "is not UTF-8 text (byte 0)"), (tmp_path / "absent", "cannot read")):
+        with pytest.raises(SystemExit) as exited:
+            main(["generate", "x", "--target", "127.0.0.1:1", flag, str(path)])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag}: " in err and message in err and str(path) in err
 
 
 def test_a_replica_port_already_taken_exits_2_naming_it(capsys):

@@ -188,6 +188,24 @@ def test_headroom_generate_streams_the_text_to_stdout(cluster, capsys):
     assert capsys.readouterr().out.endswith("\n")
 
 
+def test_headroom_generate_sends_its_sampling_and_constraint_flags(cluster, capsys, tmp_path):
+    def generate(*flags: str) -> str:
+        assert main(["generate", "hello", "--target", grpc_target(cluster), "--max-tokens", "8", "--ignore-eos",
+                     "--raw", *flags]) == 0
+        return capsys.readouterr().out[:-1]
+
+    greedy = generate("--temperature", "0")
+    hot = ("--temperature", "1.5", "--seed", "3")
+    assert generate(*hot) != greedy  # sampling this hot leaves the greedy path...
+    assert generate(*hot, "--top-k", "1") == greedy  # ...unless only the likeliest token is left
+    assert generate(*hot, "--top-p", "1e-6") == greedy
+    stop = greedy[len(greedy) // 2:][:2]
+    assert stop and generate("--temperature", "0", "--stop", "\u2603" * 3, "--stop", stop) == greedy[:greedy.index(stop)]
+    grammar = tmp_path / "answer.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    assert generate(*hot, "--grammar", str(grammar)) in ("yes", "no")
+
+
 def test_headroom_bench_completes_every_request_and_counts_preemptions(cluster, capsys):
     assert main(["bench", "--target", grpc_target(cluster), "--requests", "8", "--concurrency", "4",
                  "--prompt-tokens", "16", "--max-tokens", "8"]) == 0
