@@ -34,10 +34,11 @@ the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
   the swap-ins the prefetch overlapped and the steps that still waited for copies, greedy
   tokens equal);
 - tp (issue 26; needs >= 2 GPUs, one row saying so otherwise): bench/bench_tp.py --device cuda
-  (TP=2 vs TP=1 step time, the SLO vote's cost per layer, NCCL); then on the 1.1B checkpoint in
-  bf16, TP=1 with graphs, TP=2 with graphs (both ranks capture the same ladder, NCCL inside)
-  and TP=2 eager, one engine at a time: decode step wall ms at batch 8 and 256 (graphs / eager
-  and TP=2 / TP=1 ratios), each rank's captured sizes and order, the worker replaying every
+  (TP=2 vs TP=1 step time over NCCL, the SLO vote's cost per layer on the host group, rank 0's
+  pacing wait per layer of an abortable step); then on the 1.1B checkpoint in bf16, TP=1 with
+  graphs, TP=2 with graphs (both ranks capture the same ladder, NCCL inside) and TP=2 eager,
+  one engine at a time: decode step wall ms at batch 8 and 256 (graphs / eager and TP=2 / TP=1
+  ratios), each rank's captured sizes and order, the worker replaying every
   size rank 0 did, greedy tokens of the three compared. --cpu-smoke runs this second part on
   two gloo ranks, the padded pass run eagerly (no graphs on a CPU);
 - structured (issue 22; `--sections structured`, not in the default): bench/bench_structured.py
@@ -895,10 +896,11 @@ def tensor_parallel_gpus() -> Optional[str]:
 
 
 def tensor_parallel(model_dir: str, decode_steps: int) -> list[tuple]:
-    """bench_tp.py on the GPUs: TP=2 against TP=1 step time and the SLO vote's cost per layer
-    (NCCL); then TP=2 decode steps replaying CUDA graphs (both ranks, NCCL inside) against TP=2
-    eager and TP=1 with graphs, on the 1.1B checkpoint. The CPU smoke run (gloo, no graphs on a
-    CPU) runs the second part with the padded decode pass run eagerly in place of the graphs."""
+    """bench_tp.py on the GPUs: TP=2 against TP=1 step time (NCCL), the SLO vote's cost per layer
+    (on the host group, gloo) and rank 0's pacing wait per layer of an abortable step; then TP=2
+    decode steps replaying CUDA graphs (both ranks, NCCL inside) against TP=2 eager and TP=1
+    with graphs, on the 1.1B checkpoint. The CPU smoke run (gloo, no graphs on a CPU) runs the
+    second part with the padded decode pass run eagerly in place of the graphs."""
     rows = []
     if DEVICE == "cuda":
         _, returncode = run_subprocess([sys.executable, str(REPO / "bench" / "bench_tp.py"), "--device", "cuda",

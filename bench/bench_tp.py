@@ -17,6 +17,10 @@ prefill steps with the vote at every layer boundary and without it (its StepAbor
 in turns. Per layer: the time rank 0 spends in the vote's all_reduce (timed around each vote;
 an upper bound, as it includes waiting for the worker to reach the same boundary), against
 the step's time per layer (ratio = vote / layer time); the two step medians are printed too.
+The vote runs on the host group (gloo) on either device, so on CUDA it no longer includes
+waiting for the device; what an abortable step spends waiting for it is the pacing
+(ModelRunner._layer_check, CUDA only), timed apart around each of rank 0's pacing waits, and
+the with / without medians hold both.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replica.config import make_engine_config  # noqa: E402
 from replica.core.engine import LLMEngine  # noqa: E402
 from replica.core.request import SamplingParams  # noqa: E402
+from replica.executor.model_runner import ABORT_PACING_LAYERS  # noqa: E402
 from replica.model.builtin import ensure_builtin_model  # noqa: E402
 
 PREFILL_TOKENS = 128
@@ -172,6 +177,15 @@ def vote_cost(model: str, repeat: int) -> dict:
         return answer
 
     ballot.cast = timed_cast
+    wait_for_device = engine.runner._wait_for_device
+    pacing_times: list[float] = []
+
+    def timed_wait(event) -> None:
+        start = time.perf_counter()
+        wait_for_device(event)
+        pacing_times.append(time.perf_counter() - start)
+
+    engine.runner._wait_for_device = timed_wait
     workload = Workload(2)
     try:
         workload.prefill_step(engine)
@@ -186,7 +200,8 @@ def vote_cost(model: str, repeat: int) -> dict:
         engine.shutdown()
     step_ms = median_ms(without_vote)
     return {"vote_ms": median_ms(vote_times), "votes": len(vote_times), "layer_ms": step_ms / layers,
-            "with_ms": median_ms(with_vote), "without_ms": step_ms, "layers": layers}
+            "with_ms": median_ms(with_vote), "without_ms": step_ms, "layers": layers,
+            "pacing_ms": median_ms(pacing_times) if pacing_times else None, "pacing_waits": len(pacing_times)}
 
 
 def agreement(model: str, size: int, num_tokens: int = 16) -> None:
@@ -248,6 +263,9 @@ def main() -> None:
     print(f"vote per layer (rank 0, {votes['votes']} votes): {votes['vote_ms'] * 1000:.0f} us; "
           f"layer time (TP=2 prefill step / layers): {votes['layer_ms'] * 1000:.0f} us; "
           f"vote / layer = {votes['vote_ms'] / votes['layer_ms']:.3f}")
+    pacing = ("none (a CPU: nothing to pace)" if votes["pacing_ms"] is None else
+              f"{votes['pacing_ms'] * 1000:.0f} us median over {votes['pacing_waits']} waits")
+    print(f"pacing wait per layer (rank 0, the host kept {ABORT_PACING_LAYERS} layers ahead of its device): {pacing}")
     print(f"TP=2 prefill step medians with / without the votes: {votes['with_ms']:.2f} / {votes['without_ms']:.2f} ms "
           f"(their difference is within the noise of a shared machine)")
 

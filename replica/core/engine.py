@@ -178,7 +178,7 @@ class LLMEngine:
             self.runner.step_abort = SLOAbort(self.slo_monitor, self.scheduler, max_abort_layer)
             if self.tp_workers is not None:  # every rank votes at each layer boundary
                 self.slo_monitor.order_board = self.tp_workers.board
-                self.runner.step_abort = TensorParallelVote(self.runner.step_abort, self.tp_workers.tp, self.device)
+                self.runner.step_abort = TensorParallelVote(self.runner.step_abort, self.tp_workers.tp)
             self.slo_monitor.start()
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.runner.dtype)
         logger.info("engine ready: model=%s device=%s kv_blocks=%d x %d tokens (%.2f GiB) cuda_graphs=%s "
@@ -389,6 +389,19 @@ class LLMEngine:
         if not_served:
             not_served = [(request.request_id, [], "abort", request.num_cached_tokens, None, None, None, None, None)
                           if as_rows else RequestOutput.of(request, [], "", "abort") for request in not_served]
+        outputs = not_served
+        wait_s = sample_s = early_s = 0.0
+        if (self._in_flight is not None and self.runner.paces_layers and self.runner.step_abort is not None
+                and self.scheduler.may_schedule_prefill()):
+            # A step that may be aborted launches paced: the host waits on the device layer by
+            # layer, so the launch returns near the end of its pass, and the step before's tokens,
+            # taken in after it, would wait that long (a first token a whole step late). Take them
+            # in first: this step loses its overlap (a device gap of the host's schedule and
+            # prepare), not its predecessor's outputs a step.
+            early = time.perf_counter()
+            outputs = outputs + self._complete(self._in_flight, as_rows)
+            wait_s, self._in_flight = self._in_flight.in_flight.wait_s, None
+            early_s = time.perf_counter() - early  # counted as the update it is, not as scheduling
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
         launched = self._launch(scheduler_output)
@@ -397,8 +410,6 @@ class LLMEngine:
         else:
             previous = launched
         completing = time.perf_counter()
-        outputs = not_served
-        wait_s = sample_s = 0.0
         if launched is not None and launched.in_flight.unsampled is not None:
             # Its constrained rows' masks stand on the previous step's tokens: take those in
             # first (their matchers advance), while the forward pass just launched runs.
@@ -420,10 +431,10 @@ class LLMEngine:
             end - start, wait_s, launched.in_flight.launch_s if launched is not None else 0.0,
             len(scheduler_output.scheduled), scheduler_output.num_scheduled_tokens,
             launched.in_flight.graph_batch_size if launched is not None else None,
-            scheduled - start, end - completing - wait_s - sample_s,
+            scheduled - start - early_s, end - completing + early_s - wait_s - sample_s,
         )
         elapsed = end - start
-        if launched is not None or previous is not None:
+        if launched is not None or previous is not None or early_s:
             self.stats.observe(elapsed, len(outputs))
         return outputs
 

@@ -596,6 +596,15 @@ class Scheduler:
     def _urgency(self, request: Request, now: float) -> float:
         return urgency(request.ttft_deadline, now, self.ttft_predictor.predict(self._num_tokens_to_first_token(request)))
 
+    def may_schedule_prefill(self) -> bool:
+        """Whether the next schedule() may hold a prefill as slo_snapshot counts one (prompt
+        tokens of a request with no output yet): a waiter before its first token, or a running
+        request still in its prompt. May say yes for a step that holds none (a waiter that will
+        not fit)."""
+        return (any(request.num_output_tokens == 0 for request in self.waiting)
+                or any(request.num_output_tokens == 0 and request.num_computed_tokens < request.num_prompt_tokens
+                       for request in self.running))
+
     def slo_snapshot(self, output: SchedulerOutput) -> StepSnapshot:
         """What the SLO monitor needs of the step about to run: its requests still before
         their first token, and the most urgent waiters still before theirs."""

@@ -48,6 +48,15 @@ from replica.core.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# How many decoder layers the host may run ahead of the device in a step that may be aborted
+# (CUDA; on a CPU the forward runs where the host is). Unpaced, the host only launches the
+# kernels and passes every layer's check in the first few ms of a big prefill (an 8B model's
+# 4k-token chunk: roughly 10 ms of launches for 100 ms of GPU work), so an abort the SLO
+# monitor orders later never fires. Two layers queued hide the next layer's launches behind
+# the device's work (a layer's launches take a fraction of its GPU time); an abort wastes at
+# most those two, already launched, layers.
+ABORT_PACING_LAYERS = 2
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -213,6 +222,14 @@ class ModelRunner:
                                                 pin_memory=on_cuda) for _ in range(2)]
         self._host_top_logprobs = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.float32,
                                                pin_memory=on_cuda) for _ in range(2)]
+        # One per decoder layer, recorded at its check in a step that may be aborted (the host's
+        # pacing, _layer_check) and reused by every such step; none on a CPU, where there is
+        # nothing to pace.
+        self._layer_events = ([torch.cuda.Event() for _ in range(model_config.num_hidden_layers)]
+                              if on_cuda else None)
+        # Whether a step step_abort may abort is launched paced (the engine then takes the step
+        # before it in first, LLMEngine._step); an attribute so a CPU test can run that path.
+        self.paces_layers = self._layer_events is not None
         self._num_launched = 0
         # Rows of full-vocabulary logits computed for prompt log-probabilities, in all (tests
         # check that a request that asks for none costs none).
@@ -342,15 +359,30 @@ class ModelRunner:
         return sampled
 
     def _layer_check(self, step_id: int) -> Callable[[int], None]:
-        """The model's layer hook for an abortable step: StepAborted when step_abort says so."""
+        """The model's layer hook for an abortable step: StepAborted when step_abort says so.
+        On CUDA it first paces the host: before layer L it marks the work launched so far
+        (layers < L) with an event and waits for the device to finish layers
+        < L - ABORT_PACING_LAYERS, so each check is asked with the device at most that many
+        layers behind, not after the host has raced through the whole pass's launches."""
         abort_now = self.step_abort.abort_now
+        events = self._layer_events
+        wait_for_device = self._wait_for_device
 
         def check(layer_index: int) -> None:
+            if events is not None:
+                events[layer_index].record()
+                if layer_index >= ABORT_PACING_LAYERS:
+                    wait_for_device(events[layer_index - ABORT_PACING_LAYERS])
             victim_request_id = abort_now(step_id, layer_index)
             if victim_request_id is not None:
                 raise StepAborted(victim_request_id, layer_index)
 
         return check
+
+    def _wait_for_device(self, event: torch.cuda.Event) -> None:
+        """Until the device has run the work `event` marks. synchronize() releases the GIL: the
+        SLO monitor's thread runs meanwhile, and its order is read at the check that follows."""
+        event.synchronize()
 
     def _prepare(self, scheduled: list[ScheduledRequest], graphable: bool) -> "_StepPlan":
         """Fill the host staging buffer for this step and send it (one copy)."""

@@ -401,6 +401,14 @@ class TensorParallelRunner(ModelRunner):
             in_flight.done = _WatchedEvent(in_flight.done, self.workers.check_alive)
         return in_flight
 
+    def _wait_for_device(self, event: torch.cuda.Event) -> None:
+        # The pacing of an abortable step (ModelRunner._layer_check). The layers it waits for
+        # hold NCCL all-reduces a killed worker never finishes: watch the workers, as the wait
+        # for a step's tokens does. (A hung worker's device still runs what it launched, which
+        # covers those layers, since it cast the vote before the layer before; the next vote
+        # then fails after the collective timeout.)
+        wait_watching_workers(event.query, self.workers.check_alive)
+
     def _send_prompt_logprobs(self, rows, hidden):
         # Their logits are gathers (and a prefill chunk that samples nothing waits on this event
         # alone): a dead worker must not hold rank 0 until NCCL's watchdog either.
@@ -480,7 +488,7 @@ def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, boar
         capture_sizes(config.max_num_seqs, config.max_num_batched_tokens), device)
     runner = ModelRunner(model, model_config, config, device, cuda_graphs=cuda_graphs)  # captures with rank 0's
     max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
-    vote = WorkerVote(tp, device, board, max_abort_layer)
+    vote = WorkerVote(tp, board, max_abort_layer)
     runner.step_abort = vote
     return runner, vote, model_config, config
 

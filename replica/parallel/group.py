@@ -4,7 +4,9 @@ heads, MLP and vocabulary divide among the ranks.
 
 Collectives run over torch.distributed (gloo on CPU, NCCL on CUDA) with a timeout, so a rank
 whose peer died or hangs raises instead of waiting forever; the executor turns that into
-a dead replica (TensorParallelDead).
+a dead replica (TensorParallelDead). Control collectives, which carry the host's decisions
+rather than the model's tensors (the SLO abort vote), run over a second group, gloo on every
+device, so they never wait on the device.
 """
 
 from __future__ import annotations
@@ -54,23 +56,28 @@ class TensorParallel:
     # How long one collective waits for the other ranks (EngineConfig.tensor_parallel_timeout_s;
     # None: the group's own bound).
     timeout: Optional[datetime.timedelta] = None
+    # The same ranks' host-side group, gloo on CPU tensors, for control collectives
+    # (all_reduce_on_host): beside an NCCL group, a collective on it never waits for the device.
+    # Made beside a gloo model group too, so that a CPU runs the one path a GPU does.
+    control: Optional[object] = field(default=None, compare=False, repr=False)
 
     def _bound(self, options):
         if self.timeout is not None:
             options.timeout = self.timeout
         return options
 
-    def _run(self, name: str, work_of) -> None:
-        """One collective. On gloo the wait is the host's, and a dead or hung peer raises
-        TensorParallelDead here. On NCCL the wait only orders the compute stream after the
-        collective and never raises: rank 0, waiting for a step's tokens, watches its workers
-        meanwhile (executor.wait_watching_workers), so a dead one raises TensorParallelDead
-        there; otherwise a rank whose peer stopped answering is ended by NCCL's watchdog once
-        the collective passes the group's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's default
-        tears the process down), so the engine core dies and its front reports
-        EngineDeadError, as for a killed core: down, not hung, but not through this exception."""
+    def _run(self, name: str, start) -> None:
+        """One collective, as `start()` launches it. On gloo the wait is the host's, and a dead
+        or hung peer raises TensorParallelDead here. On NCCL the wait only orders the compute
+        stream after the collective and never raises: rank 0, waiting for a step's tokens (or
+        pacing an abortable step), watches its workers meanwhile (executor.wait_watching_workers),
+        so a dead one raises TensorParallelDead there; otherwise a rank whose peer stopped
+        answering is ended by NCCL's watchdog once the collective passes the group's timeout
+        (TORCH_NCCL_ASYNC_ERROR_HANDLING's default tears the process down), so the engine core
+        dies and its front reports EngineDeadError, as for a killed core: down, not hung, but
+        not through this exception."""
         try:
-            work_of(self.group).wait()
+            start().wait()
         except RuntimeError as error:  # gloo: a peer closed its connection, or the timeout passed
             raise TensorParallelDead(f"tensor-parallel rank {self.rank}: {name} failed: {error}") from error
 
@@ -87,7 +94,16 @@ class TensorParallel:
         """In place on every rank; returns the tensor."""
         if self.size > 1:
             options = self._all_reduce_options[op]
-            self._run("all_reduce", lambda group: group.allreduce([tensor], options))
+            self._run("all_reduce", lambda: self.group.allreduce([tensor], options))
+        return tensor
+
+    def all_reduce_on_host(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place on every rank, over the control group: `tensor` is on the CPU, and the
+        collective waits for the other ranks' hosts, never for a device. A dead or hung peer
+        raises TensorParallelDead here, after the collective's timeout at most, on CUDA too."""
+        if self.size > 1:
+            options = self._all_reduce_options[op]
+            self._run("all_reduce on the host", lambda: self.control.allreduce([tensor], options))
         return tensor
 
     def min_at_start(self, value: float, device: torch.device) -> float:
@@ -118,7 +134,7 @@ class TensorParallel:
         options = dist.AllreduceOptions()
         options.reduceOp = op
         options.timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        self._run(what, lambda group: group.allreduce([box], options))
+        self._run(what, lambda: self.group.allreduce([box], options))
 
     def all_gather_last_dim(self, tensor: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last dimension, in rank order; with
@@ -131,7 +147,7 @@ class TensorParallel:
         gathered = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                                device=tensor.device)
         options = self._bound(distributed_c10d.AllgatherOptions())
-        self._run("all_gather", lambda group: group._allgather_base(gathered, tensor, options))
+        self._run("all_gather", lambda: self.group._allgather_base(gathered, tensor, options))
         parts = list(gathered.view(self.size, *tensor.shape).unbind(0))
         columns = tensor.shape[-1]
         if width is not None and width < columns * self.size:
@@ -143,7 +159,7 @@ class TensorParallel:
             options = dist.BroadcastOptions()
             options.rootRank, options.rootTensor = src, 0
             self._bound(options)
-            self._run("broadcast", lambda group: group.broadcast([tensor], options))
+            self._run("broadcast", lambda: self.group.broadcast([tensor], options))
         return tensor
 
 
@@ -219,8 +235,9 @@ def remove_rendezvous(path: str) -> None:
 
 def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TensorParallel:
     """Join the group of `size` ranks meeting at `store` (one node: Serve packs a tensor-parallel
-    replica's GPUs on one node, STRICT_PACK); returns when every rank has joined. Each
-    collective then fails (TensorParallelDead) after timeout_s without its peers."""
+    replica's GPUs on one node, STRICT_PACK), and its control group beside it; returns when
+    every rank has joined. Each collective then fails (TensorParallelDead) after timeout_s
+    without its peers (on NCCL, see TensorParallel._run)."""
     if torch.device(device).type == "cuda":
         # Collectives run inside captured decode graphs (parallel/graphs.py): without the
         # record_stream calls ProcessGroupNCCL otherwise makes on their tensors (graph-pool
@@ -233,13 +250,21 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, timeout_s))
         group = dist.ProcessGroupNCCL(store, rank, size, options)
-    else:  # this timeout bounds the joining; each collective passes its own
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        # Gloo's own sockets on loopback (its default device binds the hostname's address).
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        group = dist.ProcessGroupGloo(store, rank, size, options)
-    return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s))
+    else:
+        group = _gloo_group(store, rank, size)
+    # Its keys under a prefix of their own: the two groups meet on one store.
+    control = _gloo_group(dist.PrefixStore("control/", store), rank, size) if size > 1 else None
+    return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s), control=control)
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroupGloo:
+    """A gloo group of `size` ranks at `store`. Its timeout bounds the joining; each collective
+    passes its own."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    # Gloo's own sockets on loopback (its default device binds the hostname's address).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def check_divisible(cfg: "ModelConfig", size: int) -> None:

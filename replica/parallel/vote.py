@@ -6,6 +6,11 @@ all). So all ranks unwind at the same layer or none does. No rank may skip the v
 before the all-reduce would leave the others waiting in it. Steps that cannot be abort
 targets (no prefill: StepAbort.begin says no) run without votes.
 
+The vote runs on the host, over the group's gloo control group (TensorParallel.all_reduce_on_host),
+even where the model's collectives are NCCL: a vote on the device had to read its answer
+back, which waited for every layer launched so far, at every layer. A dead or hung peer fails
+the vote (TensorParallelDead) within the collective timeout.
+
 Rank 0 reads the order from the SLO monitor thread beside it (through SLOAbort); the worker ranks
 read the ordered step id from a board in shared memory the monitor writes (SLOMonitor.order_board).
 """
@@ -25,16 +30,16 @@ UNKNOWN_VICTIM = ""
 
 
 class _Ballot:
-    def __init__(self, tp: TensorParallel, device: torch.device):
+    def __init__(self, tp: TensorParallel):
         self.tp = tp
-        self.box = torch.zeros(2, dtype=torch.int32, device=device)  # [ordered, stubborn]
+        self.box = torch.zeros(2, dtype=torch.int32)  # [ordered, stubborn], on the host
         self.num_votes = 0  # collectives cast, for benchmarks and tests
 
     def cast(self, ordered: bool, stubborn: bool) -> bool:
         """Every rank's answer: some rank saw the order and none is stubborn."""
         box = self.box
         box[0], box[1] = int(ordered), int(stubborn)
-        self.tp.all_reduce(box, op=dist.ReduceOp.MAX)
+        self.tp.all_reduce_on_host(box, op=dist.ReduceOp.MAX)
         self.num_votes += 1
         any_ordered, any_stubborn = box.tolist()
         return bool(any_ordered and not any_stubborn)
@@ -43,9 +48,9 @@ class _Ballot:
 class TensorParallelVote:
     """Rank 0's StepAbort: the engine's own (`inner`) decides the local vote and names the victim."""
 
-    def __init__(self, inner: SLOAbort, tp: TensorParallel, device: torch.device):
+    def __init__(self, inner: SLOAbort, tp: TensorParallel):
         self.inner = inner
-        self.ballot = _Ballot(tp, device)
+        self.ballot = _Ballot(tp)
 
     def begin(self, scheduler_output) -> bool:
         return self.inner.begin(scheduler_output)
@@ -65,8 +70,8 @@ class TensorParallelVote:
 class WorkerVote:
     """A worker rank's StepAbort: its local vote reads the board rank 0's monitor writes."""
 
-    def __init__(self, tp: TensorParallel, device: torch.device, board, max_abort_layer: int):
-        self.ballot = _Ballot(tp, device)
+    def __init__(self, tp: TensorParallel, board, max_abort_layer: int):
+        self.ballot = _Ballot(tp)
         self.board = board  # .value: the step id the latest order names, -1 for none
         self.max_abort_layer = max_abort_layer
         self.aborts: list[tuple[int, int]] = []  # (step id, layer) of each step this rank unwound

@@ -6,12 +6,14 @@ constraint too; SmolLM2 at TP=3 (its 9 heads rule out 2) as at TP=1; the load re
 the whole replica's KV; each rank loads only its slices; a cramped pool swapping to every rank's host
 shard, and a prefix spilled there, give TP=1's tokens; the ranks size a profiled pool to the
 tightest GPU; the SLO abort is a vote every rank reaches at every layer boundary of an
-abortable step; a dead worker takes the replica down."""
+abortable step, cast over the host (control) group, which a peer killed or hung in it fails
+within the collective timeout; a dead worker takes the replica down."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -42,6 +44,7 @@ from replica.model.builtin import ensure_builtin_model
 from replica.parallel.group import (
     TensorParallel, TensorParallelConfigError, TensorParallelDead, check_divisible, join_group, rendezvous_store,
 )
+from replica.parallel.vote import UNKNOWN_VICTIM, WorkerVote
 
 from tests.replica.test_kv_swap_engine import GREEDY as SWAP_GREEDY
 from tests.replica.test_kv_swap_engine import _check_pools_empty as check_pools_empty
@@ -723,6 +726,45 @@ def test_with_the_real_monitor_an_urgent_arrival_aborts_the_long_prefill_on_both
         assert aborted[1] == engine.scheduler.counters.slo_discarded_layers, "the ranks unwound at different layers"
     finally:
         engine.shutdown()
+
+
+# 2 s: far above an 8-byte gloo all-reduce on a loaded machine, and the hung peer's case waits it out.
+VOTE_TIMEOUT_S = 2.0
+
+
+def _rank_1_votes_then_waits(rendezvous: str, results) -> None:
+    """Rank 1 sees an order for step 7 (rank 0 does not) and may abort up to layer 5: it votes
+    before layers 0 and 2 of step 7, reports, and casts no other vote (rank 0 kills or stops it)."""
+    tp = join_group(rendezvous_store(2, rendezvous), 1, 2, torch.device("cpu"), VOTE_TIMEOUT_S)
+    vote = WorkerVote(tp, multiprocessing.RawValue("q", 7), max_abort_layer=5)
+    results.put((os.getpid(), [vote.abort_now(7, layer) for layer in (0, 2)]))
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("peer", ["killed", "hung"])
+def test_the_vote_between_two_ranks_and_a_peer_killed_or_hung_in_it_failing_it_within_the_timeout(peer):
+    """The vote's collective on its own, over a real 2-rank group's host (control) group: rank 1's
+    order aborts both ranks at layer 0, rank 0's stubbornness vetoes it for both at layer 2.
+    Then rank 1 casts no more votes: killed, rank 0's next vote fails at once; stopped (hung),
+    after the collective timeout; never a hang."""
+    with beside_rank_1(_rank_1_votes_then_waits, timeout_s=VOTE_TIMEOUT_S) as (tp, results):
+        vote = WorkerVote(tp, multiprocessing.RawValue("q", -1), max_abort_layer=1)
+        ours = [vote.abort_now(7, layer) for layer in (0, 2)]
+        pid, theirs = results.get(timeout=60)
+        assert ours == theirs == [UNKNOWN_VICTIM, None]
+        assert vote.aborts == [(7, 0)] and vote.ballot.num_votes == 2
+        os.kill(pid, signal.SIGKILL if peer == "killed" else signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(TensorParallelDead, match="rank 0: all_reduce on the host failed"):
+                vote.abort_now(8, 0)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGKILL)
+    if peer == "killed":
+        assert elapsed < VOTE_TIMEOUT_S, f"the vote failed {elapsed:.1f} s after the kill, not at once"
+    else:
+        assert VOTE_TIMEOUT_S <= elapsed < 30, f"the vote gave up after {elapsed:.1f} s"
 
 
 # ---- a dead worker -------------------------------------------------------------------------
