@@ -122,13 +122,20 @@ class EngineCore:
     def _busy_loop(self) -> None:
         engine = self.engine
         while not self._stopping:
-            messages = self._take_inbox(block=not engine.has_unfinished_requests())
+            idle = not engine.has_unfinished_requests()
+            messages = self._take_inbox(block=idle)
             if messages is None:
                 return  # the front is gone: nobody would read another output
             self._apply(messages)
             if self._stopping:
                 return
             if engine.has_unfinished_requests():
+                if idle and len(self.channels) > 1:
+                    # Work for an idle core: every front hears it is busy now, not after the step.
+                    # A front takes an idle load for current however old (it knows its own sends
+                    # only); had this step never ended, a front whose requests were none of it
+                    # would have served that idle load as fresh for good.
+                    self._send_outputs([])
                 self._step()
             elif messages:
                 self._send_outputs([])  # aborts, rejections or an idle load change to report

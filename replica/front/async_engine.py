@@ -425,7 +425,8 @@ class AsyncEngine:
         (none of this front's requests is live, none was sent since it arrived). An idle core
         steps no more, so its snapshot stays true until a request reaches it; a core with work
         that sends no newer one is stuck, and its snapshot ages (ReplicaLoad.load_age_ms).
-        This front's requests only: another front's reach the core unseen here."""
+        This front's requests only: another front's reach the core unseen here, but an idle
+        core that takes one sends every front a load showing it before it steps."""
         load = self._load
         return (load is not None and load.num_running == 0 and load.num_waiting == 0
                 and not self._sent_since_load and not (self._processor is not None and len(self._processor)))

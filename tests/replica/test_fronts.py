@@ -83,6 +83,38 @@ def test_two_fronts_share_one_core_and_each_gets_only_its_own_streams():
     assert versions_second >= versions_first - 1
 
 
+def test_an_idle_core_tells_every_front_it_is_busy_before_its_first_step():
+    """A front takes an idle load for current however old (AsyncEngine.load_is_current: it knows
+    of no request the core may not show), so a load must reach it as soon as another front's
+    request makes the core busy, before a step that might never end: the first load the first
+    front sees after the idle one shows the request waiting, not yet run."""
+    async def scenario():
+        first, second = await two_fronts()
+        try:
+            await until(first, lambda load: load is not None)
+            assert first.load_is_current()
+            seen = []
+            on_step = first.core._on_step  # every StepOutputs the core sends this front, as it arrives
+
+            def recording(step) -> None:
+                seen.append(step.load)
+                on_step(step)
+
+            first.core._on_step = recording
+            await collect(second.add_request(list(range(3, 40)), GREEDY))
+            return seen, first.load_is_current()
+        finally:
+            await second.shutdown(grace_period_s=0)
+            await first.shutdown(grace_period_s=0)
+
+    from replica.ipc.messages import load_from_wire
+
+    seen, current_after = asyncio.run(scenario())
+    busy = [load for load in map(load_from_wire, seen) if load.num_running or load.num_waiting]
+    assert busy and (busy[0].num_waiting, busy[0].num_running) == (1, 0), busy[:2]
+    assert current_after  # idle again once it finished
+
+
 def test_a_client_id_shaped_like_another_fronts_core_id_stays_apart_and_its_abort_touches_only_it():
     """Front 0's client picks "x|f1", the core id front 1 gives its client's "x". With every
     front's ids suffixed (front 0's too) they are two requests: the abort of front 0's leaves
