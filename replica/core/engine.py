@@ -59,10 +59,13 @@ class StepTiming:
     # Turning the completed step's tokens into outputs (appending them, stop checks,
     # finishing requests, detokenizing): from its wait to the outputs, less the wait.
     update_s: float = 0.0
+    # In the model runner waiting for the device between an abortable step's layers (its
+    # pacing, CUDA): device time, apart from launch_s.
+    pacing_s: float = 0.0
 
     @property
     def host_s(self) -> float:
-        return self.wall_s - self.wait_s
+        return self.wall_s - self.wait_s - self.pacing_s
 
 
 @dataclass
@@ -432,6 +435,7 @@ class LLMEngine:
             len(scheduler_output.scheduled), scheduler_output.num_scheduled_tokens,
             launched.in_flight.graph_batch_size if launched is not None else None,
             scheduled - start - early_s, end - completing + early_s - wait_s - sample_s,
+            launched.in_flight.pacing_s if launched is not None else 0.0,
         )
         elapsed = end - start
         if launched is not None or previous is not None or early_s:

@@ -141,6 +141,9 @@ class Scheduler:
         # The time between admission checks while requests run (a smoothed step time): a
         # request's last chance to start by its latest start is the check before it.
         self._last_admission_check_time: Optional[float] = None
+        # The latest admission pass stopped at a head that did not fit: (its id, free blocks,
+        # running requests) then; None when it did not (may_schedule_prefill).
+        self._admission_blocked: Optional[tuple[str, int, int]] = None
         self._admission_interval_s = 0.0
         self._slo_preempted_req_ids: list[str] = []  # victims of an aborted step, for the next output
         self._step_id = 0
@@ -305,6 +308,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (admitting now would only take
         # back the memory the preemption just freed) or waits for finishing requests' memory.
+        self._admission_blocked = None
         if not preempted and not waits_for_finishing:
             self.waiting.reorder()
             token_budget = self._admit_waiting(token_budget, scheduled, mask_room)
@@ -467,6 +471,7 @@ class Scheduler:
                     kv_cache.release_host_hits(host_hits)
                 if growth.reserves_growth:
                     self._count_held_admission(request, num_new_tokens, hit_blocks, num_start)
+                self._admission_blocked = (request.request_id, kv_cache.num_free_blocks, len(self.running))
                 break  # head-of-line: later requests do not overtake
 
             self.waiting.pop()
@@ -598,12 +603,22 @@ class Scheduler:
 
     def may_schedule_prefill(self) -> bool:
         """Whether the next schedule() may hold a prefill as slo_snapshot counts one (prompt
-        tokens of a request with no output yet): a waiter before its first token, or a running
-        request still in its prompt. May say yes for a step that holds none (a waiter that will
-        not fit)."""
-        return (any(request.num_output_tokens == 0 for request in self.waiting)
-                or any(request.num_output_tokens == 0 and request.num_computed_tokens < request.num_prompt_tokens
-                       for request in self.running))
+        tokens of a request with no output yet): a running request still in its prompt, or a
+        waiter before its first token that may be admitted. Not while every sequence slot is
+        taken, nor while the head the latest admission pass stopped at still heads the queue
+        with no more free blocks and no fewer running requests than then: a loaded replica's
+        blocked queue must not cost its decode steps their overlap (LLMEngine._step). It may
+        still be wrong both ways: yes for a head that will not fit after all, and no for one
+        a relaxed growth reserve (a hold past its time) or a reordered queue lets in."""
+        waiting, running = self.waiting, self.running
+        if waiting and len(running) < self.config.max_num_seqs:
+            blocked = self._admission_blocked
+            if (blocked is None or waiting.peek().request_id != blocked[0]
+                    or self.kv_cache.num_free_blocks > blocked[1] or len(running) < blocked[2]):
+                if any(request.num_output_tokens == 0 for request in waiting):
+                    return True
+        return any(request.num_output_tokens == 0 and request.num_computed_tokens < request.num_prompt_tokens
+                   for request in running)
 
     def slo_snapshot(self, output: SchedulerOutput) -> StepSnapshot:
         """What the SLO monitor needs of the step about to run: its requests still before

@@ -130,6 +130,9 @@ class StepInFlight:
     done: Optional[torch.cuda.Event] = None
     graph_batch_size: Optional[int] = None  # the padded size replayed, None for an eager pass
     launch_s: float = 0.0  # host time launch() took: input preparation and kernel launches
+    # Of launch()'s time, what an abortable step's pacing waited for the device (CUDA): device
+    # time, not host work, so it is not in launch_s.
+    pacing_s: float = 0.0
     wait_s: float = field(default=0.0)  # host time result() spent waiting for the device
     # Launched up to its logits; sampling waits for its grammars (ModelRunner.sample_tokens).
     unsampled: Optional["_UnsampledStep"] = None
@@ -230,6 +233,7 @@ class ModelRunner:
         # Whether a step step_abort may abort is launched paced (the engine then takes the step
         # before it in first, LLMEngine._step); an attribute so a CPU test can run that path.
         self.paces_layers = self._layer_events is not None
+        self._pacing_s = 0.0  # this launch's pacing waits (launch() resets it)
         self._num_launched = 0
         # Rows of full-vocabulary logits computed for prompt log-probabilities, in all (tests
         # check that a request that asks for none costs none).
@@ -322,6 +326,7 @@ class ModelRunner:
         if not scheduled:
             return StepInFlight([], [])
         start = time.perf_counter()
+        self._pacing_s = 0.0
         step_abort = self.step_abort
         abortable = step_abort is not None and step_abort.begin(scheduler_output)
         try:
@@ -335,7 +340,8 @@ class ModelRunner:
             prompt_logprobs = self._send_prompt_logprobs(step.prompt_logprobs, hidden)
         in_flight = self._sample(step, hidden, scheduled)
         in_flight.prompt_logprobs = prompt_logprobs
-        in_flight.launch_s = time.perf_counter() - start
+        in_flight.pacing_s = self._pacing_s
+        in_flight.launch_s = time.perf_counter() - start - self._pacing_s
         return in_flight
 
     @torch.inference_mode()
@@ -356,6 +362,7 @@ class ModelRunner:
         sampled.prompt_logprobs = in_flight.prompt_logprobs
         in_flight.unsampled = None
         sampled.launch_s = in_flight.launch_s + time.perf_counter() - start
+        sampled.pacing_s = in_flight.pacing_s
         return sampled
 
     def _layer_check(self, step_id: int) -> Callable[[int], None]:
@@ -363,16 +370,23 @@ class ModelRunner:
         On CUDA it first paces the host: before layer L it marks the work launched so far
         (layers < L) with an event and waits for the device to finish layers
         < L - ABORT_PACING_LAYERS, so each check is asked with the device at most that many
-        layers behind, not after the host has raced through the whole pass's launches."""
+        layers behind, not after the host has raced through the whole pass's launches. Past the
+        step_abort's stubbornness limit (its max_abort_layer) no abort can fire: the rest of the
+        pass is launched unpaced."""
         abort_now = self.step_abort.abort_now
-        events = self._layer_events
+        events = self._layer_events if self.paces_layers else None
+        last_paced = getattr(self.step_abort, "max_abort_layer", None)
+        if last_paced is None and events is not None:
+            last_paced = len(events) - 1
         wait_for_device = self._wait_for_device
 
         def check(layer_index: int) -> None:
-            if events is not None:
+            if events is not None and layer_index <= last_paced:
                 events[layer_index].record()
                 if layer_index >= ABORT_PACING_LAYERS:
+                    waited = time.perf_counter()
                     wait_for_device(events[layer_index - ABORT_PACING_LAYERS])
+                    self._pacing_s += time.perf_counter() - waited
             victim_request_id = abort_now(step_id, layer_index)
             if victim_request_id is not None:
                 raise StepAborted(victim_request_id, layer_index)

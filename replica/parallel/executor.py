@@ -490,6 +490,11 @@ def _build_rank(spec: WorkerSpec, tp: TensorParallel, device: torch.device, boar
     max_abort_layer = int(config.slo_abort_max_layer_fraction * model_config.num_hidden_layers)
     vote = WorkerVote(tp, board, max_abort_layer)
     runner.step_abort = vote
+    # No pacing here: a worker reaches layer L's launches only through vote L, which waits for
+    # rank 0's host at that check, its device already past layer L - 2 (and the collectives
+    # keep the devices in step). A worker waiting on its device for an all-reduce a dead rank 0
+    # never joins would hold its GPU until NCCL's watchdog; in the gloo vote it fails at once.
+    runner.paces_layers = False
     return runner, vote, model_config, config
 
 

@@ -52,6 +52,11 @@ class TensorParallelVote:
         self.inner = inner
         self.ballot = _Ballot(tp)
 
+    @property
+    def max_abort_layer(self) -> int:
+        """The stubbornness limit (the runner paces no layer past it): every rank's is the same."""
+        return self.inner.max_abort_layer
+
     def begin(self, scheduler_output) -> bool:
         return self.inner.begin(scheduler_output)
 

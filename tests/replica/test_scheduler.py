@@ -501,3 +501,23 @@ def test_the_priority_queue_skips_removed_requests_and_a_burst_of_removals_stays
     assert popped == sorted(left + [requests[0]], key=lambda r: (r.priority, r.arrival_time)) and len(queue) == 0
     with pytest.raises(ValueError):
         queue.remove(requests[1])
+
+
+def test_may_schedule_prefill_says_no_while_the_blocked_head_still_cannot_fit():
+    """LLMEngine._step takes the step in flight in first when the next may hold a prefill (a
+    paced launch would hold its outputs back): a head that cannot fit, with no more free
+    blocks than when it was refused, must not cost every decode step its overlap."""
+    scheduler = make_scheduler(block_size=4, num_kv_blocks=9, max_model_len=32, max_num_batched_tokens=64,
+                               scheduling_policy="slo")
+    scheduler.add_request(make_request("big", list(range(1, 25)), 4))  # 6 of the 8 usable blocks
+    assert scheduler.may_schedule_prefill()  # a waiter before its first token, nothing blocked
+    run_step(scheduler)
+    scheduler.add_request(make_request("late", list(range(30, 50)), 4))  # 5 more blocks: no room
+    assert scheduler.may_schedule_prefill()  # not yet refused
+    output = run_step(scheduler)
+    assert [entry.request.request_id for entry in output.scheduled] == ["big"]  # a decode; "late" refused
+    assert not scheduler.may_schedule_prefill()  # the same head, no more room: no prefill next step
+    scheduler.abort_request("big")  # its blocks come back: the head may fit now
+    assert scheduler.may_schedule_prefill()
+    output = run_step(scheduler)
+    assert [entry.request.request_id for entry in output.scheduled] == ["late"]
