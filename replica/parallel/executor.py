@@ -146,9 +146,11 @@ class TensorParallelWorkers:
         # start failed after spawning them), as shutdown() does.
         self._stop = weakref.finalize(self, _stop_workers, self._sockets, self._broken, self._processes, path,
                                       self.timeout_s)
-        self.tp = self._join(store, device, config.tensor_parallel_timeout_s)
+        # The control group (the SLO vote's) only where the policy votes, as the workers decide.
+        self.tp = self._join(store, device, config.tensor_parallel_timeout_s,
+                             votes=config.scheduling_policy == "slo")
 
-    def _join(self, store, device: torch.device, timeout_s: float) -> TensorParallel:
+    def _join(self, store, device: torch.device, timeout_s: float, votes: bool) -> TensorParallel:
         """Rank 0 joins the group, watching the workers meanwhile: one that exits before it
         joins (killed, or its device refused it) fails the start at once, naming its rank,
         instead of after the rendezvous timeout."""
@@ -156,7 +158,7 @@ class TensorParallelWorkers:
 
         def join() -> None:
             try:
-                joined["group"] = join_group(store, 0, self.size, device, timeout_s)
+                joined["group"] = join_group(store, 0, self.size, device, timeout_s, control=votes)
             except BaseException as error:  # noqa: BLE001 - re-raised on the starting thread
                 joined["error"] = error
 
@@ -428,7 +430,7 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     tp = join_group(rendezvous_store(spec.size, spec.rendezvous), spec.rank, spec.size, device,
-                    spec.config.tensor_parallel_timeout_s)
+                    spec.config.tensor_parallel_timeout_s, control=spec.config.scheduling_policy == "slo")
     try:
         runner, vote, model_config, config = _build_rank(spec, tp, device, board)
     except Exception as error:

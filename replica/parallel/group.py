@@ -58,7 +58,8 @@ class TensorParallel:
     timeout: Optional[datetime.timedelta] = None
     # The same ranks' host-side group, gloo on CPU tensors, for control collectives
     # (all_reduce_on_host): beside an NCCL group, a collective on it never waits for the device.
-    # Made beside a gloo model group too, so that a CPU runs the one path a GPU does.
+    # Made beside a gloo model group too, so that a CPU runs the one path a GPU does; None where
+    # nothing votes (join_group(control=False)).
     control: Optional[object] = field(default=None, compare=False, repr=False)
 
     def _bound(self, options):
@@ -102,6 +103,8 @@ class TensorParallel:
         collective waits for the other ranks' hosts, never for a device. A dead or hung peer
         raises TensorParallelDead here, after the collective's timeout at most, on CUDA too."""
         if self.size > 1:
+            if self.control is None:
+                raise RuntimeError("no control group: join_group(control=False) (a replica whose policy never votes)")
             options = self._all_reduce_options[op]
             self._run("all_reduce on the host", lambda: self.control.allreduce([tensor], options))
         return tensor
@@ -233,11 +236,15 @@ def remove_rendezvous(path: str) -> None:
         os.close(lock)
 
 
-def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> TensorParallel:
+def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
+               control: bool = True) -> TensorParallel:
     """Join the group of `size` ranks meeting at `store` (one node: Serve packs a tensor-parallel
-    replica's GPUs on one node, STRICT_PACK), and its control group beside it; returns when
-    every rank has joined. Each collective then fails (TensorParallelDead) after timeout_s
-    without its peers (on NCCL, see TensorParallel._run)."""
+    replica's GPUs on one node, STRICT_PACK), and with `control` its control group beside it
+    (every rank must pass the same); returns when every rank has joined. Each collective then
+    fails (TensorParallelDead) after timeout_s without its peers (on NCCL, see
+    TensorParallel._run). The control group is for the SLO vote alone: a replica that never
+    votes makes none, as joining it waits for every rank (NCCL's own joining does not, so rank 0
+    would otherwise load its shard only once the workers had started)."""
     if torch.device(device).type == "cuda":
         # Collectives run inside captured decode graphs (parallel/graphs.py): without the
         # record_stream calls ProcessGroupNCCL otherwise makes on their tensors (graph-pool
@@ -253,7 +260,7 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     else:
         group = _gloo_group(store, rank, size)
     # Its keys under a prefix of their own: the two groups meet on one store.
-    control = _gloo_group(dist.PrefixStore("control/", store), rank, size) if size > 1 else None
+    control = _gloo_group(dist.PrefixStore("control/", store), rank, size) if control and size > 1 else None
     return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s), control=control)
 
 

@@ -131,6 +131,8 @@ def test_tp2_greedy_equals_tp1_with_kv_heads_divided(builtin_tp1, builtin_tp2):
     assert builtin_tp2.runner.kv_caches[0][0].shape[2] == 2, "the KV cache holds this rank's heads only"
     assert builtin_tp2.config.max_model_len == builtin_tp1.config.max_model_len == 156
     assert_same_greedy_run(builtin_tp1, builtin_tp2, PROMPTS)
+    # fcfs never votes: no control group, whose joining would wait for every rank at start.
+    assert builtin_tp2.tp_workers.tp.control is None and builtin_tp2.tp_workers.tp.group is not None
 
 
 def test_each_rank_freezes_its_startup_heap_as_the_engine_core_does(builtin_tp2):
