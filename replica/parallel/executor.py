@@ -158,7 +158,8 @@ class TensorParallelWorkers:
 
         def join() -> None:
             try:
-                joined["group"] = join_group(store, 0, self.size, device, timeout_s, control=votes)
+                joined["group"] = join_group(store, 0, self.size, device, timeout_s,
+                                             control="auto" if votes else "none")
             except BaseException as error:  # noqa: BLE001 - re-raised on the starting thread
                 joined["error"] = error
 
@@ -430,7 +431,8 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     tp = join_group(rendezvous_store(spec.size, spec.rendezvous), spec.rank, spec.size, device,
-                    spec.config.tensor_parallel_timeout_s, control=spec.config.scheduling_policy == "slo")
+                    spec.config.tensor_parallel_timeout_s,
+                    control="auto" if spec.config.scheduling_policy == "slo" else "none")
     try:
         runner, vote, model_config, config = _build_rank(spec, tp, device, board)
     except Exception as error:

@@ -5,8 +5,9 @@ heads, MLP and vocabulary divide among the ranks.
 Collectives run over torch.distributed (gloo on CPU, NCCL on CUDA) with a timeout, so a rank
 whose peer died or hangs raises instead of waiting forever; the executor turns that into
 a dead replica (TensorParallelDead). Control collectives, which carry the host's decisions
-rather than the model's tensors (the SLO abort vote), run over a second group, gloo on every
-device, so they never wait on the device.
+rather than the model's tensors (the SLO abort vote), run over gloo on CPU tensors (beside
+NCCL a second group of the same ranks; on a CPU the model's own), so they never wait on the
+device.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class TensorParallel:
     timeout: Optional[datetime.timedelta] = None
     # The same ranks' host-side group, gloo on CPU tensors, for control collectives
     # (all_reduce_on_host): beside an NCCL group, a collective on it never waits for the device.
-    # Made beside a gloo model group too, so that a CPU runs the one path a GPU does; None where
-    # nothing votes (join_group(control=False)).
+    # On a CPU the model's gloo group itself (join_group's control "auto"); None where nothing
+    # votes (control "none").
     control: Optional[object] = field(default=None, compare=False, repr=False)
 
     def _bound(self, options):
@@ -104,7 +105,7 @@ class TensorParallel:
         raises TensorParallelDead here, after the collective's timeout at most, on CUDA too."""
         if self.size > 1:
             if self.control is None:
-                raise RuntimeError("no control group: join_group(control=False) (a replica whose policy never votes)")
+                raise RuntimeError("no control group: join_group(control='none') (a replica whose policy never votes)")
             options = self._all_reduce_options[op]
             self._run("all_reduce on the host", lambda: self.control.allreduce([tensor], options))
         return tensor
@@ -237,14 +238,19 @@ def remove_rendezvous(path: str) -> None:
 
 
 def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
-               control: bool = True) -> TensorParallel:
+               control: str = "auto") -> TensorParallel:
     """Join the group of `size` ranks meeting at `store` (one node: Serve packs a tensor-parallel
-    replica's GPUs on one node, STRICT_PACK), and with `control` its control group beside it
-    (every rank must pass the same); returns when every rank has joined. Each collective then
-    fails (TensorParallelDead) after timeout_s without its peers (on NCCL, see
-    TensorParallel._run). The control group is for the SLO vote alone: a replica that never
-    votes makes none, as joining it waits for every rank (NCCL's own joining does not, so rank 0
-    would otherwise load its shard only once the workers had started)."""
+    replica's GPUs on one node, STRICT_PACK), and its control group (every rank must pass the
+    same `control`); returns when every rank has joined. Each collective then fails
+    (TensorParallelDead) after timeout_s without its peers (on NCCL, see TensorParallel._run).
+
+    The control group, for the SLO vote alone: "auto", a gloo group of its own beside an NCCL
+    one, and the model's own group on a CPU (gloo already: a second group's worker threads,
+    asleep between votes, made the vote 1-5x slower and noisy there, 0.41-0.48 ms against
+    0.49-2.46 ms a layer on the 2-core VM); "separate", a group of its own whatever the device
+    (tests: the CUDA path's group on a CPU); "none", none, for a replica that never votes
+    (joining a gloo group waits for every rank, which NCCL's joining does not, so rank 0 would
+    otherwise load its shard only once the workers had started)."""
     if torch.device(device).type == "cuda":
         # Collectives run inside captured decode graphs (parallel/graphs.py): without the
         # record_stream calls ProcessGroupNCCL otherwise makes on their tensors (graph-pool
@@ -260,8 +266,16 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     else:
         group = _gloo_group(store, rank, size)
     # Its keys under a prefix of their own: the two groups meet on one store.
-    control = _gloo_group(dist.PrefixStore("control/", store), rank, size) if control and size > 1 else None
-    return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s), control=control)
+    if control not in ("auto", "separate", "none"):
+        raise ValueError(f"control: 'auto', 'separate' or 'none', got {control!r}")
+    separate = control == "separate" or (control == "auto" and not isinstance(group, dist.ProcessGroupGloo))
+    if size == 1 or control == "none":
+        control_group = None
+    elif separate:  # its keys under a prefix of their own: the two groups meet on one store
+        control_group = _gloo_group(dist.PrefixStore("control/", store), rank, size)
+    else:
+        control_group = group
+    return TensorParallel(rank, size, group, datetime.timedelta(seconds=timeout_s), control=control_group)
 
 
 def _gloo_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroupGloo:

@@ -590,6 +590,7 @@ def test_an_order_for_the_step_in_flight_fires_on_both_ranks_at_the_same_layer(s
 
 def test_a_rank_past_its_stubbornness_limit_vetoes_the_abort_for_every_rank(slo_tp2):
     engine, monitor = slo_tp2, slo_tp2.slo_monitor
+    assert engine.tp_workers.tp.control is engine.tp_workers.tp.group  # on a CPU the vote shares the gloo group
     slo_abort = hooked(engine, None).runner.step_abort.inner  # under the vote (and no hook) sits rank 0's own
     slo_abort.max_abort_layer = 0  # rank 0 alone turns stubborn after layer 0
     before = worker_stats(engine)
@@ -738,7 +739,7 @@ VOTE_TIMEOUT_S = 2.0
 def _rank_1_votes_then_waits(rendezvous: str, results) -> None:
     """Rank 1 sees an order for step 7 (rank 0 does not) and may abort up to layer 5: it votes
     before layers 0 and 2 of step 7, reports, and casts no other vote (rank 0 kills or stops it)."""
-    tp = join_group(rendezvous_store(2, rendezvous), 1, 2, torch.device("cpu"), VOTE_TIMEOUT_S)
+    tp = join_group(rendezvous_store(2, rendezvous), 1, 2, torch.device("cpu"), VOTE_TIMEOUT_S, control="separate")
     vote = WorkerVote(tp, multiprocessing.RawValue("q", 7), max_abort_layer=5)
     results.put((os.getpid(), [vote.abort_now(7, layer) for layer in (0, 2)]))
     time.sleep(120)
@@ -746,11 +747,13 @@ def _rank_1_votes_then_waits(rendezvous: str, results) -> None:
 
 @pytest.mark.parametrize("peer", ["killed", "hung"])
 def test_the_vote_between_two_ranks_and_a_peer_killed_or_hung_in_it_failing_it_within_the_timeout(peer):
-    """The vote's collective on its own, over a real 2-rank group's host (control) group: rank 1's
+    """The vote's collective on its own, over a real 2-rank control group of its own (as beside
+    NCCL; on a CPU the vote runs on the model's gloo group): rank 1's
     order aborts both ranks at layer 0, rank 0's stubbornness vetoes it for both at layer 2.
     Then rank 1 casts no more votes: killed, rank 0's next vote fails at once; stopped (hung),
     after the collective timeout; never a hang."""
-    with beside_rank_1(_rank_1_votes_then_waits, timeout_s=VOTE_TIMEOUT_S) as (tp, results):
+    with beside_rank_1(_rank_1_votes_then_waits, timeout_s=VOTE_TIMEOUT_S, control="separate") as (tp, results):
+        assert tp.control is not tp.group  # the group of its own a GPU's vote runs on, here on a CPU
         vote = WorkerVote(tp, multiprocessing.RawValue("q", -1), max_abort_layer=1)
         ours = [vote.abort_now(7, layer) for layer in (0, 2)]
         pid, theirs = results.get(timeout=60)

@@ -12,8 +12,8 @@ from replica.parallel.group import TensorParallel, join_group, remove_rendezvous
 
 
 @contextlib.contextmanager
-def beside_rank_1(rank_1_target: Callable[[int, "multiprocessing.Queue"], None], timeout_s: float = 30.0
-                  ) -> Iterator[tuple[TensorParallel, "multiprocessing.Queue"]]:
+def beside_rank_1(rank_1_target: Callable[[int, "multiprocessing.Queue"], None], timeout_s: float = 30.0,
+                  control: str = "auto") -> Iterator[tuple[TensorParallel, "multiprocessing.Queue"]]:
     """Starts rank 1 as `rank_1_target(rendezvous, results)` in a spawned process, joins rank 0
     to the group here (each collective bounded by `timeout_s`) and yields (rank 0's group, the
     queue rank 1 puts its answers on); rank 1 is joined on exit, and killed if it is still
@@ -25,7 +25,7 @@ def beside_rank_1(rank_1_target: Callable[[int, "multiprocessing.Queue"], None],
     rank_1 = context.Process(target=rank_1_target, args=(path, results), daemon=True)
     rank_1.start()
     try:
-        yield join_group(store, 0, 2, torch.device("cpu"), timeout_s), results
+        yield join_group(store, 0, 2, torch.device("cpu"), timeout_s, control=control), results
     finally:
         rank_1.join(timeout=30)
         if rank_1.is_alive():
