@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import ssl
+import struct
 import sys
 import unicodedata
 from typing import Optional, Union
@@ -27,14 +28,25 @@ from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
 
-# What the request's fields carry (protos/headroom.proto: uint32 max_tokens, uint64 seed), and
-# what the server takes: a value outside them was a traceback here, or a refusal there.
+def float32(text: str) -> float:
+    """A number as the request's 32-bit float fields carry it: 1e-46 arrives as 0 and 1e39 does
+    not fit (ValueError), so the range checks below see what the server would."""
+    try:
+        return struct.unpack("f", struct.pack("f", float(text)))[0]
+    except OverflowError:
+        raise ValueError(text) from None
+
+
+# What the request's fields carry (protos/headroom.proto: uint32 max_tokens, uint64 seed, float
+# sampling values), and what the server takes: a value outside them was a traceback here, or a
+# refusal there.
 max_tokens_value = checked(int, lambda value: 1 <= value < 2 ** 32, "an integer from 1 to 4294967295")
 seed_value = checked(int, lambda value: 0 <= value < 2 ** 64, "an integer from 0 to 2**64 - 1")
-temperature_value = checked(float, lambda value: 0 <= value < math.inf, "a number >= 0")
-top_p_value = checked(float, lambda value: 0 < value <= 1, "a number in (0, 1]")
+temperature_value = checked(float32, lambda value: 0 <= value < math.inf, "a number >= 0")
+top_p_value = checked(float32, lambda value: 0 < value <= 1, "a number in (0, 1]")
 top_k_value = checked(int, lambda value: value == -1 or 0 <= value < 2 ** 31, "-1 (off) or an integer >= 0")
-min_p_value = checked(float, lambda value: 0 <= value <= 1, "a number in [0, 1]")
+min_p_value = checked(float32, lambda value: 0 <= value <= 1, "a number in [0, 1]")
+stop_text = checked(str, lambda text: text != "", "non-empty text")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=min_p_value, default=None,
                         help="drop tokens less likely than this times the likeliest (default: the server's)")
     parser.add_argument("--seed", type=seed_value, default=None, help="sampler seed, for reproducible output")
-    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+    parser.add_argument("--stop", action="append", type=stop_text, default=None, metavar="TEXT",
                         help="end the output before this text (repeat the flag for each)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate --max-tokens tokens even past the model's end-of-sequence token")

@@ -136,6 +136,8 @@ class EngineCore:
                     # only); had this step never ended, a front whose requests were none of it
                     # would have served that idle load as fresh for good.
                     self._send_outputs([])
+                    if self._stopping:
+                        return  # front 0 was taken out as stalled meanwhile
                 self._step()
             elif messages:
                 self._send_outputs([])  # aborts, rejections or an idle load change to report

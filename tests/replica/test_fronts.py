@@ -102,6 +102,8 @@ def test_an_idle_core_tells_every_front_it_is_busy_before_its_first_step():
 
             first.core._on_step = recording
             await collect(second.add_request(list(range(3, 40)), GREEDY))
+            # The first front's copy of the last (idle) load may still be on its way.
+            await until(first, lambda load: load.num_running == 0 and load.num_waiting == 0)
             return seen, first.load_is_current()
         finally:
             await second.shutdown(grace_period_s=0)

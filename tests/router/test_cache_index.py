@@ -47,7 +47,7 @@ def test_a_gap_in_the_numbering_is_refused_and_changes_nothing():
 
 
 def test_a_steps_events_in_several_parts_apply_as_one_batch():
-    """The replica sends a step of more than 16,384 events in parts sharing its seq, as it
+    """The replica sends a step of more than KV_EVENTS_PER_MESSAGE events in parts sharing its seq, as it
     sends a snapshot; the second part was refused as a gap, and the router dropped the replica's
     index and resynced from a snapshot. A live seq repeated right after a snapshot stays a gap."""
     from replica.core.kv_events import stored as engine_stored
