@@ -46,14 +46,28 @@ temperature_value = checked(float32, lambda value: 0 <= value < math.inf, "a num
 top_p_value = checked(float32, lambda value: 0 < value <= 1, "a number in (0, 1]")
 top_k_value = checked(int, lambda value: value == -1 or 0 <= value < 2 ** 31, "-1 (off) or an integer >= 0")
 min_p_value = checked(float32, lambda value: 0 <= value <= 1, "a number in [0, 1]")
-stop_text = checked(str, lambda text: text != "", "non-empty text")
+
+
+def _utf8(text: str) -> bool:
+    """Whether protobuf can send it: an argument the locale could not decode holds surrogate
+    escapes (Python's surrogateescape), and setting it raised UnicodeEncodeError, a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+utf8_text = checked(str, _utf8, "not UTF-8 text")
+stop_text = checked(str, lambda text: text != "" and _utf8(text), "non-empty UTF-8 text")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="prompt text (with --chat: the user's message)")
+    parser.add_argument("prompt", type=utf8_text, help="prompt text (with --chat: the user's message)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
-    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
+    parser.add_argument("--system", type=utf8_text, default=None,
+                        help="with --chat: a system message before the user's")
     add_target_arguments(parser)
     parser.add_argument("--max-tokens", type=max_tokens_value, default=64,
                         help="most tokens to generate (default: %(default)s)")
@@ -77,10 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     constraint.add_argument("--json-schema", metavar="FILE", default=None,
                             help="the output is JSON that validates against the JSON schema in FILE")
     constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    constraint.add_argument("--regex", default=None, help="the output matches this regular expression")
+    constraint.add_argument("--regex", type=utf8_text, default=None, help="the output matches this regular expression")
     constraint.add_argument("--grammar", metavar="FILE", default=None,
                             help="the output is a sentence of the Lark grammar in FILE (its start rule: start)")
-    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
+    constraint.add_argument("--choice", action="append", type=utf8_text, default=None, metavar="TEXT",
                             help="the output is exactly one of these (repeat the flag for each choice)")
 
 

@@ -336,7 +336,10 @@ def test_a_client_key_it_could_not_send_exits_2_naming_the_flag(command, key, ca
     (["generate", "x", "--top-p", "0"], "argument --top-p: invalid value '0': a number in (0, 1]"),
     (["generate", "x", "--top-p", "1e-46"], "argument --top-p: invalid value '1e-46'"),  # 0 as a 32-bit float
     (["generate", "x", "--temperature", "1e39"], "argument --temperature: invalid value '1e39'"),  # past float32
-    (["generate", "x", "--stop", ""], "argument --stop: invalid value '': non-empty text"),
+    (["generate", "x", "--stop", ""], "argument --stop: invalid value '': non-empty UTF-8 text"),
+    # An argument the locale could not decode (surrogate escapes): a UnicodeEncodeError traceback.
+    (["generate", "caf\udce9"], "argument prompt: invalid value"),
+    (["generate", "x", "--choice", "a", "--choice", "\udcff"], "argument --choice: invalid value"),
     (["generate", "x", "--top-k", "-2"], "argument --top-k: invalid value '-2'"),
     (["generate", "x", "--min-p", "1.5"], "argument --min-p: invalid value '1.5'"),
     (["generate", "x", "--grammar", "g", "--regex", "a"], "argument --regex: not allowed with argument --grammar"),
