@@ -228,6 +228,11 @@ class TensorParallelWorkers:
             answers.append(connection.recv())
         return answers
 
+    def abandon(self) -> None:
+        """The workers wait in a collective no later step can meet: shutdown kills them at once
+        rather than waiting for them to take its stop message (they never would)."""
+        self._broken[:] = [True] * len(self._broken)
+
     def shutdown(self) -> None:
         self._stop()
 
@@ -301,7 +306,8 @@ def _write_within(sock: socket.socket, buffers, deadline: float) -> bool:
 def _stop_workers(sockets: list[socket.socket], broken: list[bool], processes, rendezvous: str,
                   timeout_s: float) -> None:
     """Each worker reads None and returns; one that does not take it within the collective
-    timeout (hung, stopped), or whose pipe holds a message cut short, is killed at once."""
+    timeout (hung, stopped), whose pipe holds a message cut short, or that waits in a collective
+    no step can meet (TensorParallelWorkers.abandon), is killed at once."""
     remove_rendezvous(rendezvous)
     frame = _frame(None)
     deadline = time.monotonic() + timeout_s
@@ -357,6 +363,7 @@ class TensorParallelRunner(ModelRunner):
         workers are stuck mid-step, since no later step could meet them (they would wait out
         the collective timeout, then fail it anyway)."""
         if self.workers_mid_step:
+            self.workers.abandon()  # stuck in the step's broadcast: stopping them waits for nothing
             raise TensorParallelDead("a step failed on rank 0 while the other ranks were in it: the ranks are out "
                                      "of step")
 
