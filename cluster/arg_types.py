@@ -23,6 +23,17 @@ def checked(convert, check, wanted: str):
     return parse
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` has a UTF-8 form: a lone surrogate (JSON's `\\ud83d` alone, or an argument
+    the locale could not decode, held as Python's surrogateescape) has none, and protobuf or a
+    response body would raise encoding it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 port_number = checked(int, lambda port: 0 <= port <= 65535, "a port, 0-65535")
 # A port a server must listen on as given (Serve's proxies: no "any free port").
 fixed_port_number = checked(int, lambda port: 1 <= port <= 65535, "a port, 1-65535")

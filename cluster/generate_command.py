@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import grpc
 
-from cluster.arg_types import application_name, checked, positive_seconds
+from cluster.arg_types import application_name, checked, is_utf8, positive_seconds
 from protos import headroom_pb2 as pb
 from protos import headroom_pb2_grpc as pb_grpc
 from replica.server.auth import CredentialsError, add_client_api_key_argument, authorization_metadata, client_api_key
@@ -48,18 +48,10 @@ top_k_value = checked(int, lambda value: value == -1 or 0 <= value < 2 ** 31, "-
 min_p_value = checked(float32, lambda value: 0 <= value <= 1, "a number in [0, 1]")
 
 
-def _utf8(text: str) -> bool:
-    """Whether protobuf can send it: an argument the locale could not decode holds surrogate
-    escapes (Python's surrogateescape), and setting it raised UnicodeEncodeError, a traceback."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-utf8_text = checked(str, _utf8, "not UTF-8 text")
-stop_text = checked(str, lambda text: text != "" and _utf8(text), "non-empty UTF-8 text")
+# An argument the locale could not decode holds surrogate escapes: setting it on the request
+# raised UnicodeEncodeError, a traceback.
+utf8_text = checked(str, is_utf8, "not UTF-8 text")
+stop_text = checked(str, lambda text: text != "" and is_utf8(text), "non-empty UTF-8 text")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

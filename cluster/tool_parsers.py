@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cluster.arg_types import is_utf8
 from cluster.openai_structured import ToolCalling, new_tool_call_id
 
 # A call's object as models (and the `required` grammar) write it: the name first, then the
@@ -138,7 +139,7 @@ class _CallBody:
         if self.name is None and self._args_start is None:
             header = _HEADER.match(text)
             name = json.loads(header.group(1)) if header is not None else None
-            if name is not None and _is_utf8(name):
+            if name is not None and is_utf8(name):
                 self.name = name
                 self._args_start = header.end()
             elif end is not None or self._object.top_colons >= 2:
@@ -206,7 +207,7 @@ class _CallBody:
 
 
 def _call_of(value: Any, needs_arguments: bool = False) -> Optional[ParsedCall]:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _is_utf8(value["name"]):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not is_utf8(value["name"]):
         return None
     if needs_arguments and "arguments" not in value and "parameters" not in value:
         return None
@@ -214,20 +215,12 @@ def _call_of(value: Any, needs_arguments: bool = False) -> Optional[ParsedCall]:
     if isinstance(arguments, str):
         # Arguments given as a JSON string pass as written; one holding half a surrogate pair
         # (`"\ud83d"` decoded) has no UTF-8 form, so no response could carry it.
-        return ParsedCall(value["name"], arguments) if _is_utf8(arguments) else None
+        return ParsedCall(value["name"], arguments) if is_utf8(arguments) else None
     text = json.dumps(arguments, ensure_ascii=False)
     # Half a surrogate pair inside stays escaped, as the model wrote it.
-    return ParsedCall(value["name"], text if _is_utf8(text) else json.dumps(arguments))
+    return ParsedCall(value["name"], text if is_utf8(text) else json.dumps(arguments))
 
 
-def _is_utf8(text: str) -> bool:
-    """Whether `text` has a UTF-8 form: JSON's `\\ud83d` alone decodes to a lone surrogate,
-    which a response body cannot encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class ToolParser:
