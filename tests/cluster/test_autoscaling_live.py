@@ -4,7 +4,8 @@ Two applications serve the built-in model in one Ray: one scaled by the headroom
 `requests` (Serve's own policy at target_ongoing_requests 32, what `--autoscaling requests`
 configures). The same ramp (the same prompts, greedy, the same arrival offsets) goes to each in
 turn: twelve long generations that together commit nearly all of one replica's KV, then a tail
-of sixteen more once the headroom application's second replica serves. Under headroom, the
+of sixteen more once the headroom application's second replica serves (to the requests
+application at the same point of the ramp: as many KV blocks held, or as long after its start). Under headroom, the
 committed KV asks for a second replica while the ramp arrives, long before any preemption, and
 the tail goes to it; when the ramp ends, the demand fits one replica again and Serve removes
 the newer one while the tail's long streams still run, and they finish; requests sent while it
@@ -215,13 +216,14 @@ class DrainProbe:
 @dataclass
 class Run:
     """One application's run: its probe, its streams (the ramp's, then the tail's), when the
-    ramp started and how long after it the tail was sent, and the requests sent while a
-    replica was being removed."""
+    ramp started, how long after it the tail was sent and how far the ramp had got by then,
+    and the requests sent while a replica was being removed."""
 
     probe: Probe
     streams: list[TimedStream]
     started_at: float
     tail_offset_s: float
+    tail_blocks_used: int  # the KV blocks the ramp's replica held when the tail was sent
     drain_probes: list[DrainProbe]
 
     @property
@@ -242,10 +244,18 @@ def await_router_routes_past(channel: grpc.Channel, application: str, full_repli
         time.sleep(PROBE_PERIOD_S)
 
 
-def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[float] = None,
+def blocks_used(load: Any) -> int:
+    return load.kv_blocks_total - load.kv_blocks_free
+
+
+def run_ramp(channel: grpc.Channel, application: str, tail_at: Optional[Run] = None,
              until_preempting: bool = False) -> Run:
-    """The ramp to `application`: its streams RAMP_GAP_S apart, then the tail tail_offset_s
-    after the first (None: as soon as a second replica runs and the router ranks it).
+    """The ramp to `application`: its streams RAMP_GAP_S apart, then the tail (without
+    `tail_at`: as soon as a second replica runs and the router ranks it; with it, at the same
+    point of the ramp as that run's: once the ramp's replica holds as many KV blocks as that
+    run's did when it sent its tail, or as long after the ramp's start, whichever comes first.
+    The ramp alone runs faster than beside a replica starting: at the same offset, one run's
+    tail met a ramp that had ended, and nothing preempted).
     While a replica is being removed and the streams still run, up to DRAIN_PROBES one-token
     requests are sent, one per probe period. Returns once every stream has ended and the
     application is back to one replica; or, with until_preempting, as soon as the replicas
@@ -278,12 +288,16 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
             for index in range(RAMP_STREAMS):
                 futures.append(pool.submit(timed_stream, RAMP_MAX_TOKENS, f"ramp {index}"))
                 time.sleep(RAMP_GAP_S)
-            if tail_offset_s is None:
+            if tail_at is None:
                 probe.wait_for(lambda target, running, draining: running == 2, 240, "a second replica")
                 await_router_routes_past(channel, application, first_replica)
             else:
-                time.sleep(max(0.0, started_at + tail_offset_s - time.monotonic()))
+                while (time.monotonic() < started_at + tail_at.tail_offset_s
+                       and (first_replica not in probe.loads
+                            or blocks_used(probe.loads[first_replica]) < tail_at.tail_blocks_used)):
+                    time.sleep(PROBE_PERIOD_S / 5)
             tail_offset_s = time.monotonic() - started_at
+            tail_blocks_used = blocks_used(probe.loads[first_replica]) if first_replica in probe.loads else 0
             futures += [pool.submit(timed_stream, max_tokens, f"tail {index}")
                         for index, max_tokens in enumerate(TAIL_MAX_TOKENS)]
             while not all(future.done() for future in futures) and not stopped():
@@ -309,7 +323,7 @@ def run_ramp(channel: grpc.Channel, application: str, tail_offset_s: Optional[fl
     finally:
         probe.stop.set()
         prober.join(timeout=30)
-    return Run(probe, streams, started_at, tail_offset_s, drain_probes)
+    return Run(probe, streams, started_at, tail_offset_s, tail_blocks_used, drain_probes)
 
 
 def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_preempts_first(
@@ -322,12 +336,14 @@ def test_the_ramp_adds_a_replica_before_preemptions_where_the_request_count_pree
     with urllib.request.urlopen(f"http://127.0.0.1:{router_metrics_port}/metrics", timeout=10) as response:
         exposition = response.read().decode()
     # The same arrivals to the application Serve's request count scales, the tail at the
-    # same offset from the ramp's start.
-    theirs = run_ramp(channel, REQUESTS, ours.tail_offset_s, until_preempting=True)
+    # same point of the ramp.
+    assert ours.tail_blocks_used > 0, ours.probe.report()  # the ramp was running when ours' tail went
+    theirs = run_ramp(channel, REQUESTS, tail_at=ours, until_preempting=True)
     for name, run in ((HEADROOM, ours), (REQUESTS, theirs)):  # shown if the test fails
         ends = [f"{stream.ended_at - run.started_at:.1f}" for stream in run.streams]
         drains = [(f"{drain.sent_at - run.started_at:.1f}", drain.result.replica_id) for drain in run.drain_probes]
-        print(f"{name}: ramp from {run.started_at:.1f}, tail {run.tail_offset_s:.1f} s after, streams ended after "
+        print(f"{name}: ramp from {run.started_at:.1f}, tail {run.tail_offset_s:.1f} s after "
+              f"({run.tail_blocks_used} KV blocks held), streams ended after "
               f"{ends}; sent while a replica was STOPPING (after, to) {drains}; {run.probe.report()}")
 
     # headroom: Serve's target went to 2 on the KV demand before any replica preempted (so
