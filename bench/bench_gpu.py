@@ -5,6 +5,7 @@ what it measured.
     python bench/bench_gpu.py [--sections tests,engine,smollm2,served,swap] [--quick] [--json PATH]
                               [--smollm2 FILE.gguf|DIR] [--cpu-smoke]
     python bench/bench_gpu.py --sections peers     # bench_attention.py and bench_fused_ops.py
+    python bench/bench_gpu.py --cpu --sections smollm2   # the SmolLM2 agreement on a CPU
 
 Sections, run in the order --sections lists them (a run cut at its limit keeps the first ones;
 the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
@@ -22,7 +23,10 @@ the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
 - smollm2: greedy agreement with HF on the real default model, SmolLM2-135M-Instruct converted
   from its GGUF as the engine loads it, in fp32 and bf16 on CUDA: the first 32 tokens of 16
   chat prompts, free-running up to each prompt's first divergence and per position given HF's
-  tokens before it (forced_divergences), with HF's logit gap at each position that differs;
+  tokens before it (forced_divergences), with HF's logit gap at each position that differs; in
+  bf16 the model in fp32 referees (referee_rows): its greedy token given HF's bf16 tokens,
+  against HF bf16's and the engine's, and which of the two it prefers at each divergence (the
+  engine section's 1.1B agreement gets the same);
 - served: bench/bench_served.py on the GPU (the 1.1B checkpoint, bf16): served over gRPC by
   `headroom replica` / the offline engine, at 64 and 256 streams, with one front and with two
   (`--api-server-count 2`);
@@ -156,27 +160,35 @@ def main() -> None:
     parser.add_argument("--profile-dir", help="write torch.profiler kernel tables of the batch-256 decode steps here")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the smollm2 section in full on the CPU (a CPU's bf16 GEMMs round otherwise than a "
+                             "GPU's: its counts are the CPU's)")
     args = parser.parse_args()
-    global PROFILE_DIR, FULL_RUN
+    global PROFILE_DIR, FULL_RUN, DEVICE
     PROFILE_DIR = Path(args.profile_dir) if args.profile_dir else None
     FULL_RUN = not (args.quick or args.cpu_smoke)
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if unknown := sorted(set(sections) - set(ALL_SECTIONS)):
         parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(ALL_SECTIONS)})")
     if args.cpu_smoke:
-        global DEVICE, DECODE_BATCH, DECODE_CONTEXT, AGREEMENT_PROMPTS, AGREEMENT_TOKENS
+        global DECODE_BATCH, DECODE_CONTEXT, AGREEMENT_PROMPTS, AGREEMENT_TOKENS
         DEVICE, DECODE_BATCH, DECODE_CONTEXT, AGREEMENT_PROMPTS, AGREEMENT_TOKENS = "cpu", 8, 40, 4, 8
         MODEL_SHAPE.update(SMOKE_MODEL_SHAPE)
         ENGINE_CONFIG.clear()
         ENGINE_CONFIG.update(SMOKE_ENGINE_CONFIG)
         args.quick = True
         sections = [name for name in sections if name in ("engine", "smollm2", "swap", "tp", "structured")]
+    elif args.cpu:
+        DEVICE = "cpu"
+        if sections != ["smollm2"]:
+            parser.error("--cpu runs --sections smollm2 only")
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device (--cpu-smoke checks the script on a CPU)")
     else:
         preflight()
     started = time.perf_counter()
-    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"
+    device_name = (torch.cuda.get_device_name() if DEVICE == "cuda"
+                   else "cpu (smoke run)" if args.cpu_smoke else f"cpu ({os.cpu_count()} cores)")
     import transformers
     import triton
 
@@ -514,9 +526,11 @@ def forced_divergences(generate, prompts: list[list[int]], hf_tokens: list[list[
 
 
 def forced_agreement_rows(label: str, generate, prompts: list[list[int]], hf: dict, target: str,
-                          first_outputs: Optional[list[list[int]]] = None, minimum: Optional[float] = None) -> list[tuple]:
+                          first_outputs: Optional[list[list[int]]] = None, minimum: Optional[float] = None,
+                          referee=None) -> list[tuple]:
     """The share of positions where the engine's greedy token equals HF's given HF's tokens
-    before it (forced_divergences), and HF's own logit gap at each position that differs."""
+    before it (forced_divergences), and HF's own logit gap at each position that differs;
+    `referee(prompts, hf_tokens, found)`: rows of its own on those divergences (referee_rows)."""
     found = forced_divergences(generate, prompts, hf["tokens"], first_outputs)
     total = sum(len(tokens) for tokens in hf["tokens"])
     gaps = sorted(float(scores[position, theirs[position]] - scores[position, ours])
@@ -528,7 +542,64 @@ def forced_agreement_rows(label: str, generate, prompts: list[list[int]], hf: di
     if gaps:
         rows.append((f"{label}: HF logit gap at each position that differs", ", ".join(f"{gap:.3f}" for gap in gaps),
                      "near-ties"))
+    if referee is not None:
+        rows += referee(prompts, hf["tokens"], found)
     return rows
+
+
+def referee_rows(label: str, next_logits, prompts: list[list[int]], hf_tokens: list[list[int]],
+                 found: list[list[tuple[int, int]]]) -> list[tuple]:
+    """The model in fp32 as the referee of two bf16 implementations (HF's and the engine's):
+    `next_logits(sequence)` is its logits [len(sequence), vocab] for the token after each
+    position (one teacher-forced forward). Given HF's bf16 tokens before each position, the
+    fp32 model's greedy token is compared with HF bf16's and with the engine's (HF's but at
+    the divergences `found`), and at each divergence the fp32 logit of the engine's token less
+    HF's (> 0: fp32 prefers the engine's). Where the two bf16 runs disagree on ties that fp32
+    splits between them, neither is the less faithful: bf16's rounding flips them both ways."""
+    hf_equal = ours_equal = total = 0
+    margins = []
+    for prompt, tokens, divergences in zip(prompts, hf_tokens, found):
+        logits = next_logits(list(prompt) + list(tokens)).float().cpu()
+        logits = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]  # the one for token p at row p
+        best = logits.argmax(-1).tolist()
+        ours = list(tokens)
+        for position, token in divergences:
+            ours[position] = token
+            margins.append(float(logits[position, token] - logits[position, tokens[position]]))
+        hf_equal += sum(a == b for a, b in zip(best, tokens))
+        ours_equal += sum(a == b for a, b in zip(best, ours))
+        total += len(tokens)
+    rows = [(f"{label}: the fp32 model's greedy token equal to HF bf16's / to the engine's, each given HF's bf16 "
+             f"tokens before it", f"{hf_equal}/{total} = {hf_equal / total:.1%} / {ours_equal}/{total} = "
+             f"{ours_equal / total:.1%}", "no target: what HF's own bf16 run reaches")]
+    if margins:
+        rows.append((f"{label}: at each divergence, the fp32 logit of the engine's token less HF's",
+                     ", ".join(f"{margin:+.3f}" for margin in sorted(margins)),
+                     f"fp32 sides with the engine at {sum(margin > 0 for margin in margins)} of {len(margins)}"))
+    return rows
+
+
+def fp32_referee(label: str, model_dir: str):
+    """referee_rows with HF's model in fp32, loaded for the call and freed after: on this device,
+    or on the CPU where the engine beside it (its KV pool sized to gpu_memory_utilization) leaves
+    too little of the GPU's memory."""
+    def referee(prompts, hf_tokens, found) -> list[tuple]:
+        for device in dict.fromkeys((DEVICE, "cpu")):
+            model = None
+            try:
+                model = load_hf_model(model_dir, torch.float32, device)
+                with torch.inference_mode():
+                    return referee_rows(f"{label} (fp32 on {device})",
+                                        lambda sequence: model(torch.tensor([sequence], device=device)).logits[0],
+                                        prompts, hf_tokens, found)
+            except torch.OutOfMemoryError:
+                if device == "cpu":
+                    raise
+            finally:
+                del model
+                free_device_memory()
+        raise AssertionError("unreachable")
+    return referee
 
 
 HF_BATCH_SIZES = (64, 256)  # 256: the engine's own max_num_seqs, so HF is not held to a smaller batch
@@ -589,7 +660,8 @@ def engine_modes(model_dir, requests, prompts, hf_greedy, hf_result, *, eager: b
             ours = engine.generate(prompts, greedy)
             yield from agreement_rows("bf16 1.1B", ours, hf_greedy, "near 100%")
             yield from forced_agreement_rows("bf16 1.1B", lambda batch: engine.generate(batch, greedy), prompts,
-                                             hf_greedy, "near 100%", first_outputs=ours)
+                                             hf_greedy, "near 100%", first_outputs=ours,
+                                             referee=fp32_referee("bf16 1.1B", model_dir))
         compiled_before = compiled_attention_kernels()
         for label, _, async_scheduling, seed in modes:
             engine.async_scheduling = async_scheduling
@@ -783,7 +855,8 @@ def smollm2_agreement(path: str | None, cpu_smoke: bool) -> Iterator[tuple]:
             ours = engine.generate(prompts, greedy)
             yield from agreement_rows(label, ours, hf, target, minimum)
             yield from forced_agreement_rows(label, lambda batch: engine.generate(batch, greedy), prompts, hf, target,
-                                             first_outputs=ours, minimum=minimum)
+                                             first_outputs=ours, minimum=minimum,
+                                             referee=fp32_referee(label, model_dir) if dtype != torch.float32 else None)
         finally:
             engine.shutdown()
             del engine

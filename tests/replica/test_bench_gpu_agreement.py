@@ -68,3 +68,31 @@ def test_forced_agreement_finds_each_flipped_position_once_where_free_running_lo
     calls.clear()
     assert bench_gpu.forced_divergences(generate, prompts, hf_tokens, first_outputs=free_running) == found
     assert calls == [1, 1]
+
+
+def test_the_fp32_referee_counts_each_bf16_runs_agreement_and_sides_at_each_divergence():
+    """referee_rows: the fp32 model's logits for each position of prompt + HF's bf16 tokens; at
+    a divergence it prefers the engine's token in one prompt and HF's in the other, and at one
+    position where both bf16 runs agree it prefers a third token (both count it as a miss)."""
+    prompts = [[1, 2, 3], [4, 5]]
+    hf_tokens = [[10, 11, 12, 13], [20, 21, 22, 23]]
+    found = [[(1, 50)], [(2, 60)]]  # (position, the engine's token)
+    preferred = {(0, 1): 50, (1, 2): 22, (1, 3): 70}  # fp32's choice where it is not HF's token
+
+    def next_logits(sequence: list[int]) -> torch.Tensor:
+        index = next(i for i, prompt in enumerate(prompts) if sequence[:len(prompt)] == prompt)
+        prompt, tokens = prompts[index], hf_tokens[index]
+        assert sequence == prompt + tokens  # teacher-forced on HF's bf16 tokens
+        logits = torch.zeros(len(sequence), VOCAB)
+        for position, token in enumerate(tokens):
+            row = len(prompt) - 1 + position  # the logits for token `position`
+            logits[row, token] = 1.0
+            logits[row, preferred.get((index, position), token)] = 2.0
+            logits[row, 60] = 1.5 if (index, position) == (1, 2) else logits[row, 60]
+        logits[-1, 0] = 9.0  # past the last token: ignored
+        return logits
+
+    (equal, sides) = bench_gpu.referee_rows("toy", next_logits, prompts, hf_tokens, found)
+    # HF's bf16 tokens: all but (0, 1) and (1, 3) are fp32's choice; the engine's: all but (1, 2) and (1, 3).
+    assert equal[1] == "6/8 = 75.0% / 6/8 = 75.0%"
+    assert sides[1] == "-0.500, +1.000" and sides[2] == "fp32 sides with the engine at 1 of 2"
