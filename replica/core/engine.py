@@ -78,6 +78,15 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """`device` with its index: plain "cuda" (the default, `--device cuda`) is the current CUDA
+    device, as torch places a tensor there. torch.cuda.set_device refuses a device without an
+    index (ValueError), and a tensor's .device always has one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def check_device(device: torch.device) -> None:
     """ConfigError naming `device` where this host has no such device: torch fails only at the
     first tensor placed there, deep inside the model's load, as a traceback."""
@@ -107,6 +116,7 @@ class LLMEngine:
         self.model_name = str(model)
         self.device = torch.device(device) if device else default_device()
         check_device(self.device)
+        self.device = indexed_device(self.device)
         if self.device.type == "cuda":
             # Events, streams and graph captures made without a device take the current one:
             # on cuda:1 they went to cuda:0 (a capture of nothing, events that waited for nothing).

@@ -383,3 +383,33 @@ def test_padded_decode_through_the_triton_split_kv_kernel_equals_the_torch_refer
     assert 4 in padded_sizes and padded_plans, "padded split-KV decodes must have run"
     assert all(p.is_split for p in padded_plans) and len(set(padded_plans)) == 1
     assert all(bounds == (4, 1, 64) for bounds, _ in plans_of_padded_steps), "a decode planned from real lengths"
+
+
+class _MadeCurrent(Exception):
+    """Stops the engine's start once it has made its device current (nothing more runs here)."""
+
+
+@pytest.mark.parametrize("asked", [None, "cuda", "cuda:1"])
+def test_an_engine_on_cuda_without_an_index_makes_the_current_device_current_by_its_index(monkeypatch, asked):
+    """`headroom replica` without --device, `--device cuda` and bench_gpu.py's "cuda" give the
+    engine a device without an index, which torch.cuda.set_device refuses (ValueError): every
+    GPU engine died at its start that way (756485c, found by a desk review). Here torch.cuda says
+    it has two devices, the current one cuda:1, and set_device checks its argument as torch
+    does, then stops the start."""
+    from torch.cuda._utils import _get_device_index
+
+    from replica.core.engine import LLMEngine
+
+    made_current = []
+
+    def set_device(device) -> None:
+        made_current.append(torch.device("cuda", _get_device_index(device)))  # torch's own check
+        raise _MadeCurrent
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(_MadeCurrent):
+        LLMEngine(make_engine_config(max_model_len=64, num_kv_blocks=16), "builtin", device=asked)
+    assert made_current == [torch.device("cuda", 1)]
