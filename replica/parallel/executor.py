@@ -155,9 +155,14 @@ class TensorParallelWorkers:
         joins (killed, or its device refused it) fails the start at once, naming its rank,
         instead of after the rendezvous timeout."""
         joined: dict[str, Any] = {}
+        # A thread starts on cuda:0, whatever device its process made current.
+        index = (device.index if device.index is not None else torch.cuda.current_device()
+                 ) if device.type == "cuda" else None
 
         def join() -> None:
             try:
+                if index is not None:
+                    torch.cuda.set_device(index)
                 joined["group"] = join_group(store, 0, self.size, device, timeout_s,
                                              control="auto" if votes else "none")
             except BaseException as error:  # noqa: BLE001 - re-raised on the starting thread
