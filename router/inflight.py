@@ -31,7 +31,8 @@ class InflightCounts:
 
 
 class InflightTracker:
-    """Per replica, the sends newer than the replica's latest snapshot.
+    """Per replica, the sends newer than the replica's latest snapshot, and the ends of requests
+    (sent whenever) that the snapshot cannot show yet.
 
     A snapshot with a higher `seq` than any seen covers every send made at or before the
     moment the engine core took it (`ReplicaLoad.timestamp`: not when it was sent, since a
@@ -41,6 +42,13 @@ class InflightTracker:
     old snapshot still misses. Sends are stamped in Unix seconds on the router's clock and
     snapshots on the replica's (virtual seconds in the simulation); clock skew between hosts
     only matters when it approaches the report interval (100 ms).
+
+    A request that ended after the snapshot was taken (`record_ended`: the router sees its end
+    on the response path, however late the replica's reports are) freed its KV there: its
+    blocks are credited back (`counts().blocks` may go negative: room the snapshot does not
+    show), and if it was sent after the snapshot it no longer counts as a request or as
+    prefill to do. With reports 500 ms late the snapshot's room was 0.115 of a pool too low
+    on mixed_long, nearly all of it the KV of requests that had ended since (bench notes).
     """
 
     # A replica that never reports would otherwise accumulate sends forever; policies stop
@@ -48,14 +56,31 @@ class InflightTracker:
     FORGET_AFTER_S = 60.0
 
     def __init__(self) -> None:
-        self._sends: dict[str, deque[tuple[float, int, int]]] = {}  # replica -> (sent_at, blocks, prefill)
+        # replica -> [sent_at, blocks, prefill, requests]: a list, the handle record_ended takes
+        self._sends: dict[str, deque[list]] = {}
+        self._ends: dict[str, deque[tuple[float, int]]] = {}  # replica -> (ended_at, blocks freed)
         self._latest_seq: dict[str, int] = {}
 
-    def record_sent(self, replica_id: str, blocks: int, now: float, prefill_tokens: int = 0) -> None:
+    def record_sent(self, replica_id: str, blocks: int, now: float, prefill_tokens: int = 0) -> list:
+        """Counts a send; returns its handle for record_ended."""
         sends = self._sends.setdefault(replica_id, deque())
-        sends.append((now, blocks, prefill_tokens))
+        send = [now, blocks, prefill_tokens, 1]
+        sends.append(send)
         while sends[0][0] < now - self.FORGET_AFTER_S:
             sends.popleft()
+        return send
+
+    def record_ended(self, replica_id: str, send: list, now: float) -> None:
+        """The request of `send` (record_sent's handle) ended at `now`: every snapshot taken
+        before that still holds its KV, so its blocks count as freed until one taken after it
+        arrives; if the send is itself newer than the snapshot, its request and prefill stop
+        counting (its blocks stay, which the credit cancels)."""
+        if send[3]:
+            send[2], send[3] = 0, 0
+        ends = self._ends.setdefault(replica_id, deque())
+        ends.append((now, send[1]))
+        while ends[0][0] < now - self.FORGET_AFTER_S:
+            ends.popleft()
 
     def observe_snapshot(self, replica_id: str, seq: int, taken_at: float) -> bool:
         """Forget the sends the snapshot covers. Returns False (and changes nothing) for a
@@ -66,16 +91,22 @@ class InflightTracker:
         sends = self._sends.get(replica_id)
         while sends and sends[0][0] <= taken_at:
             sends.popleft()
+        ends = self._ends.get(replica_id)
+        while ends and ends[0][0] <= taken_at:
+            ends.popleft()
         return True
 
     def counts(self, replica_id: str) -> InflightCounts:
-        sends = self._sends.get(replica_id)
-        if not sends:
+        sends = self._sends.get(replica_id) or ()
+        ends = self._ends.get(replica_id) or ()
+        if not sends and not ends:
             return InflightCounts()
-        return InflightCounts(requests=len(sends), blocks=sum(send[1] for send in sends),
+        return InflightCounts(requests=sum(send[3] for send in sends),
+                              blocks=sum(send[1] for send in sends) - sum(end[1] for end in ends),
                               prefill_tokens=sum(send[2] for send in sends))
 
     def remove_replica(self, replica_id: str) -> None:
         """Drops a dead or removed replica's bookkeeping; a new replica under the same id starts afresh."""
         self._sends.pop(replica_id, None)
+        self._ends.pop(replica_id, None)
         self._latest_seq.pop(replica_id, None)

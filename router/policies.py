@@ -465,7 +465,10 @@ class HeadroomPolicy(RoutingPolicy):
         block_size = load.block_size
         pool_tokens = max(load.kv_blocks_total * block_size, 1)
         inflight = view.inflight_since_snapshot
-        inflight_tokens = inflight.blocks * block_size  # full sequences, like kv_committed_tokens
+        # full sequences, like kv_committed_tokens, less the KV of requests that ended since the
+        # snapshot (never more room than the pool)
+        inflight_tokens = max(inflight.blocks * block_size,
+                              load.headroom_tokens - load.kv_committed_tokens - pool_tokens)
         cached_tokens = min(view.cached_tokens, request.prompt_tokens)  # prefill saved
         shared_tokens = min(view.shared_tokens, request.prompt_tokens)  # memory not allocated again
         own_tokens = request.expected_blocks(load) * block_size - shared_tokens
