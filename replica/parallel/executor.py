@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 
 # How often an idle worker checks that rank 0 is still there.
 PARENT_WATCH_INTERVAL_S = 1.0
+# The store key a worker sets as it is about to join the group (rank 0 joins once all are set),
+# and how often rank 0 looks for them, watching the workers in between.
+ARRIVED_KEY = "arrived/{rank}"
+ARRIVAL_POLL_S = 0.05
 # How many of its latest padded decode steps' sizes a worker keeps for its stats.
 RECENT_GRAPH_SIZES = 4096
 # Rank 0 writes to a worker's pipe without ever blocking in the write (a stopped worker stops
@@ -153,7 +157,14 @@ class TensorParallelWorkers:
     def _join(self, store, device: torch.device, timeout_s: float, votes: bool) -> TensorParallel:
         """Rank 0 joins the group, watching the workers meanwhile: one that exits before it
         joins (killed, or its device refused it) fails the start at once, naming its rank,
-        instead of after the rendezvous timeout."""
+        instead of after the rendezvous timeout.
+
+        Rank 0 joins only once every worker has said it is about to (ARRIVED_KEY): joining
+        blocks in torch until every rank has joined or the rendezvous times out, so a join
+        begun beside a worker killed as it started was left blocked in its thread for 120 s
+        after the start had failed, and returning into a finalizing interpreter it aborted the
+        process (SIGABRT, after a test run had passed)."""
+        self._await_arrivals(store)
         joined: dict[str, Any] = {}
         # A thread starts on cuda:0, whatever device its process made current.
         index = (device.index if device.index is not None else torch.cuda.current_device()
@@ -181,6 +192,20 @@ class TensorParallelWorkers:
         if "error" in joined:
             raise joined["error"]
         return joined["group"]
+
+    def _await_arrivals(self, store) -> None:
+        keys = [ARRIVED_KEY.format(rank=rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        while not store.check(keys):
+            try:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TensorParallelDead(f"tensor-parallel workers did not reach the rendezvous within "
+                                             f"{RENDEZVOUS_TIMEOUT_S:.0f} s")
+            except TensorParallelDead:
+                self._stop()
+                raise
+            time.sleep(ARRIVAL_POLL_S)
 
     @property
     def pids(self) -> list[int]:
@@ -442,8 +467,9 @@ def worker_main(spec: WorkerSpec, connection, board) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
-    tp = join_group(rendezvous_store(spec.size, spec.rendezvous), spec.rank, spec.size, device,
-                    spec.config.tensor_parallel_timeout_s,
+    store = rendezvous_store(spec.size, spec.rendezvous)
+    store.set(ARRIVED_KEY.format(rank=spec.rank), b"1")  # rank 0 joins once every worker is here
+    tp = join_group(store, spec.rank, spec.size, device, spec.config.tensor_parallel_timeout_s,
                     control="auto" if spec.config.scheduling_policy == "slo" else "none")
     try:
         runner, vote, model_config, config = _build_rank(spec, tp, device, board)

@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -862,6 +863,9 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once_naming_its_ra
     with pytest.raises(TensorParallelDead, match=r"rank 1 \(pid \d+\) exited with code -9"):
         make_engine(tensor_parallel_size=2)
     assert started and time.monotonic() - began < 30
+    # Nor is rank 0 left joining: a join begun beside the killed worker stayed blocked in torch
+    # for the 120 s rendezvous, and returning into a finalizing interpreter it aborted the process.
+    assert not [thread for thread in threading.enumerate() if thread.name == "tp-join"]
 
 
 def test_the_ranks_meet_in_a_private_directory_gone_once_the_engine_stops(tiny_mqa, monkeypatch):
