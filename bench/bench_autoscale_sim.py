@@ -164,7 +164,6 @@ class AutoscaleSim:
         live: dict[str, Request] = {}
         spec_of: dict[str, WorkloadRequest] = {}
         finished: list[Request] = []
-        handles: dict[str, tuple[str, list]] = {}  # request id -> (replica, its InflightTracker send)
         target = self.initial_replicas
         policy_state: dict = {}
         scale_ups = scale_downs = 0
@@ -206,8 +205,7 @@ class AutoscaleSim:
             load = latest_load.get(index)
             blocks = routing.expected_blocks(load) if load is not None else routing.num_blocks(block_size)
             send = InflightCounts.one_send(blocks, len(prompt), 0, block_size)
-            handles[request.request_id] = (target_id, inflight.record_sent(target_id, send.blocks, now,
-                                                                           send.prefill_tokens))
+            inflight.record_sent(target_id, send.blocks, now, send.prefill_tokens, request.request_id)
             router.on_routed(routing, target_id, request.request_id, 0)
             request.block_hashes.extend(routing.prefix_hashes(block_size))
             replica = replicas[index].sim
@@ -233,7 +231,7 @@ class AutoscaleSim:
             for update in replica.scheduler.update(output, sampled):
                 if update.finished is not None:
                     router.on_finished(update.request.request_id)
-                    inflight.record_ended(*handles.pop(update.request.request_id), now)  # as the router does
+                    inflight.record_ended(update.request.request_id, now)  # as the router does
                     finished.append(live.pop(update.request.request_id))
             replica.scheduler.kv_cache.take_kv_events()  # the router here reads no KV events
             replica.step_stats.observe(step_s, len(sampled))

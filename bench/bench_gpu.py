@@ -583,22 +583,25 @@ def fp32_referee(label: str, model_dir: str):
     """referee_rows with HF's model in fp32, loaded for the call and freed after: on this device,
     or on the CPU where the engine beside it (its KV pool sized to gpu_memory_utilization) leaves
     too little of the GPU's memory."""
+    def on(device: str, prompts, hf_tokens, found) -> list[tuple]:
+        model = load_hf_model(model_dir, torch.float32, device)
+        try:
+            with torch.inference_mode():
+                return referee_rows(f"{label} (fp32 on {device})",
+                                    lambda sequence: model(torch.tensor([sequence], device=device)).logits[0],
+                                    prompts, hf_tokens, found)
+        finally:
+            del model
+            free_device_memory()
+
     def referee(prompts, hf_tokens, found) -> list[tuple]:
-        for device in dict.fromkeys((DEVICE, "cpu")):
-            model = None
-            try:
-                model = load_hf_model(model_dir, torch.float32, device)
-                with torch.inference_mode():
-                    return referee_rows(f"{label} (fp32 on {device})",
-                                        lambda sequence: model(torch.tensor([sequence], device=device)).logits[0],
-                                        prompts, hf_tokens, found)
-            except torch.OutOfMemoryError:
-                if device == "cpu":
-                    raise
-            finally:
-                del model
-                free_device_memory()
-        raise AssertionError("unreachable")
+        try:
+            return on(DEVICE, prompts, hf_tokens, found)
+        except torch.OutOfMemoryError:
+            if DEVICE == "cpu":
+                raise
+        free_device_memory()  # whatever the failed load held
+        return on("cpu", prompts, hf_tokens, found)
     return referee
 
 

@@ -404,7 +404,6 @@ class ClusterSim:
         delivered_at = [0.0] * self.num_replicas  # when each latest_load reached the router
         caches = [RouterCacheView() for _ in replicas]
         inflight = InflightTracker()
-        handles: dict[str, tuple[str, list]] = {}  # request id -> (replica, its InflightTracker send)
         events: list[tuple] = []
         tiebreak = itertools.count()
         specs = workload.requests
@@ -450,7 +449,7 @@ class ClusterSim:
             load = latest_load[target]
             sequence_blocks = routing.expected_blocks(load) if load is not None else routing.num_blocks(block_size)
             send = InflightCounts.one_send(sequence_blocks, len(prompt), cached[target], block_size, on_device[target])
-            handles[request.request_id] = (target_id, inflight.record_sent(target_id, send.blocks, now, send.prefill_tokens))
+            inflight.record_sent(target_id, send.blocks, now, send.prefill_tokens, request.request_id)
             policy.on_routed(routing, target_id, request.request_id, cached[target])
             request.block_hashes.extend(hashes)  # the same chain the replica would compute
             replica = replicas[target]
@@ -481,7 +480,7 @@ class ClusterSim:
                 if update.finished is not None:
                     request = update.request
                     policy.on_finished(request.request_id)
-                    inflight.record_ended(*handles.pop(request.request_id), now)
+                    inflight.record_ended(request.request_id, now)  # as the router does
                     finished.append(live.pop(request.request_id))
                     follower = workload.followers.get(index_of[request.request_id])
                     if follower is not None:

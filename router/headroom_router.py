@@ -84,7 +84,6 @@ class HeadroomRouter:
         self._tentative: dict[str, TentativeSend] = {}  # request key -> the router's first choice
         self._replica_ids: set[str] = set()  # what Serve routes to now (sync_replicas)
         self._live: dict[str, str] = {}  # request key -> the replica it was routed to, until it ends
-        self._send_handles: dict[str, list] = {}  # request key -> its InflightTracker send, until it ends
         self._ended_before_routed: dict[str, tuple[str, float]] = {}  # request key -> (replica, when)
 
     # ---- the replica set -------------------------------------------------------------
@@ -114,7 +113,6 @@ class HeadroomRouter:
             del self._tentative[key]
         for key in [key for key, owner in self._live.items() if owner == replica_id]:
             del self._live[key]
-            self._send_handles.pop(key, None)
         self._replica_ids.discard(replica_id)
 
     # ---- routing -----------------------------------------------------------------------
@@ -165,17 +163,16 @@ class HeadroomRouter:
         if self._replica_ids and replica_id not in self._replica_ids:
             return  # removed meanwhile (a scale-down during the accept round trip): nothing to recreate
         send = self._send_of(request, replica_id)
-        handle = self.inflight.record_sent(replica_id, send.blocks, self.wall_clock(), send.prefill_tokens)
+        self.inflight.record_sent(replica_id, send.blocks, self.wall_clock(), send.prefill_tokens, request_key)
         cached = {other: self._cached_blocks(request, other) for other in self.cache_index.replica_ids()}
         cached_blocks, _, block_size = cached.get(replica_id, (0, 0, 0))
         spilled = any(blocks > cached_blocks for blocks, _, _ in cached.values())
         self.metrics.decided(replica_id, cached_blocks * block_size, spilled)
         ended = self._ended_before_routed.pop(request_key, None)
         if ended is not None and ended[0] == replica_id:
-            self.inflight.record_ended(replica_id, handle, self.wall_clock())
+            self.inflight.record_ended(request_key, self.wall_clock())
             return  # it ended before this call came: its prompt is live nowhere
         self._live[request_key] = replica_id
-        self._send_handles[request_key] = handle
         self.policy.on_routed(request, replica_id, request_key, cached_blocks)
 
     def abandoned(self, request_key: str, replica_id: Optional[str] = None) -> None:
@@ -189,10 +186,7 @@ class HeadroomRouter:
         live_on = self._live.get(request_key)
         if live_on is not None and (replica_id is None or live_on == replica_id):
             del self._live[request_key]
-            handle = self._send_handles.pop(request_key, None)
-            if handle is not None:
-                # Its KV is free: the snapshots taken before now cannot show it.
-                self.inflight.record_ended(live_on, handle, self.wall_clock())
+            self.inflight.record_ended(request_key, self.wall_clock())  # the loads taken before now still hold its KV
             self.policy.on_finished(request_key)
         elif live_on is None and replica_id is not None:
             now = self.clock()

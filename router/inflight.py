@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,14 @@ class InflightCounts:
         return cls(1, max(0, sequence_blocks - shared_blocks), prompt_tokens - cached_tokens)
 
 
+@dataclass(slots=True)
+class _Send:
+    sent_at: float
+    blocks: int
+    prefill_tokens: int
+    pending: bool = True  # the request has not ended (an ended one counts neither as a request nor as prefill)
+
+
 class InflightTracker:
     """Per replica, the sends newer than the replica's latest snapshot, and the ends of requests
     (sent whenever) that the snapshot cannot show yet.
@@ -43,8 +51,9 @@ class InflightTracker:
     snapshots on the replica's (virtual seconds in the simulation); clock skew between hosts
     only matters when it approaches the report interval (100 ms).
 
-    A request that ended after the snapshot was taken (`record_ended`: the router sees its end
-    on the response path, however late the replica's reports are) freed its KV there: its
+    A request that ended after the snapshot was taken (`record_ended` with the key its send was
+    recorded under: the router sees its end on the response path, however late the replica's
+    reports are) freed its KV there: its
     blocks are credited back (`counts().blocks` may go negative: room the snapshot does not
     show), and if it was sent after the snapshot it no longer counts as a request or as
     prefill to do. With reports 500 ms late the snapshot's room was 0.115 of a pool too low
@@ -56,29 +65,34 @@ class InflightTracker:
     FORGET_AFTER_S = 60.0
 
     def __init__(self) -> None:
-        # replica -> [sent_at, blocks, prefill, requests]: a list, the handle record_ended takes
-        self._sends: dict[str, deque[list]] = {}
+        self._sends: dict[str, deque[_Send]] = {}
         self._ends: dict[str, deque[tuple[float, int]]] = {}  # replica -> (ended_at, blocks freed)
+        self._pending: dict[Hashable, tuple[str, _Send]] = {}  # request key -> its replica and send, until it ends
         self._latest_seq: dict[str, int] = {}
 
-    def record_sent(self, replica_id: str, blocks: int, now: float, prefill_tokens: int = 0) -> list:
-        """Counts a send; returns its handle for record_ended."""
+    def record_sent(self, replica_id: str, blocks: int, now: float, prefill_tokens: int = 0,
+                    request_key: Optional[Hashable] = None) -> None:
+        """Counts a send; with `request_key`, record_ended(request_key) credits its end."""
         sends = self._sends.setdefault(replica_id, deque())
-        send = [now, blocks, prefill_tokens, 1]
+        send = _Send(now, blocks, prefill_tokens)
         sends.append(send)
-        while sends[0][0] < now - self.FORGET_AFTER_S:
+        while sends[0].sent_at < now - self.FORGET_AFTER_S:
             sends.popleft()
-        return send
+        if request_key is not None:
+            self._pending[request_key] = (replica_id, send)
 
-    def record_ended(self, replica_id: str, send: list, now: float) -> None:
-        """The request of `send` (record_sent's handle) ended at `now`: every snapshot taken
-        before that still holds its KV, so its blocks count as freed until one taken after it
-        arrives; if the send is itself newer than the snapshot, its request and prefill stop
-        counting (its blocks stay, which the credit cancels)."""
-        if send[3]:
-            send[2], send[3] = 0, 0
+    def record_ended(self, request_key: Hashable, now: float) -> None:
+        """The request sent under `request_key` ended at `now` (nothing for a key not pending):
+        every snapshot taken before that still holds its KV, so its blocks count as freed until
+        one taken after it arrives; if the send is itself newer than the snapshot, its request
+        and prefill stop counting (its blocks stay, which the credit cancels)."""
+        pending = self._pending.pop(request_key, None)
+        if pending is None:
+            return
+        replica_id, send = pending
+        send.pending, send.prefill_tokens = False, 0
         ends = self._ends.setdefault(replica_id, deque())
-        ends.append((now, send[1]))
+        ends.append((now, send.blocks))
         while ends[0][0] < now - self.FORGET_AFTER_S:
             ends.popleft()
 
@@ -89,7 +103,7 @@ class InflightTracker:
             return False
         self._latest_seq[replica_id] = seq
         sends = self._sends.get(replica_id)
-        while sends and sends[0][0] <= taken_at:
+        while sends and sends[0].sent_at <= taken_at:
             sends.popleft()
         ends = self._ends.get(replica_id)
         while ends and ends[0][0] <= taken_at:
@@ -101,12 +115,14 @@ class InflightTracker:
         ends = self._ends.get(replica_id) or ()
         if not sends and not ends:
             return InflightCounts()
-        return InflightCounts(requests=sum(send[3] for send in sends),
-                              blocks=sum(send[1] for send in sends) - sum(end[1] for end in ends),
-                              prefill_tokens=sum(send[2] for send in sends))
+        return InflightCounts(requests=sum(send.pending for send in sends),
+                              blocks=sum(send.blocks for send in sends) - sum(blocks for _, blocks in ends),
+                              prefill_tokens=sum(send.prefill_tokens for send in sends))
 
     def remove_replica(self, replica_id: str) -> None:
         """Drops a dead or removed replica's bookkeeping; a new replica under the same id starts afresh."""
         self._sends.pop(replica_id, None)
         self._ends.pop(replica_id, None)
+        for key in [key for key, (owner, _) in self._pending.items() if owner == replica_id]:
+            del self._pending[key]
         self._latest_seq.pop(replica_id, None)

@@ -163,13 +163,13 @@ def test_an_end_the_snapshot_cannot_show_yet_credits_its_blocks_until_a_later_sn
     shows as held: with reports 500 ms late the router's room was 0.115 of a pool too low on
     mixed_long, nearly all of it requests ended since (bench_router_sim staleness)."""
     tracker = InflightTracker()
-    before = tracker.record_sent("r", blocks=10, now=1.0)
+    tracker.record_sent("r", blocks=10, now=1.0, request_key="before")
     tracker.observe_snapshot("r", seq=1, taken_at=1.5)  # holds `before`'s KV
-    after = tracker.record_sent("r", blocks=20, now=2.0)
+    tracker.record_sent("r", blocks=20, now=2.0, request_key="after")
     assert tracker.counts("r") == InflightCounts(requests=1, blocks=20)
-    tracker.record_ended("r", before, now=2.5)  # sent before the snapshot: its blocks are freed
+    tracker.record_ended("before", now=2.5)  # sent before the snapshot: its blocks are freed
     assert tracker.counts("r") == InflightCounts(requests=1, blocks=10)
-    tracker.record_ended("r", after, now=3.0)  # sent and ended since: nothing of it counts
+    tracker.record_ended("after", now=3.0)  # sent and ended since: nothing of it counts
     assert tracker.counts("r") == InflightCounts(requests=0, blocks=-10)  # room the snapshot does not show
     tracker.observe_snapshot("r", seq=2, taken_at=2.7)  # shows `before` gone and `after` still held
     assert tracker.counts("r") == InflightCounts(requests=0, blocks=-20)
