@@ -21,6 +21,7 @@ from replica.config import ConfigError, EngineConfig
 from replica.core.kv_events import KVEvent
 from replica.model import load_model
 from replica.executor import ModelRunner
+from replica.executor import cuda_runtime
 from replica.executor.cpu_threads import StepThreads
 from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block
@@ -117,7 +118,7 @@ class LLMEngine:
         self.device = torch.device(device) if device else default_device()
         check_device(self.device)
         self.device = indexed_device(self.device)
-        if self.device.type == "cuda":
+        if cuda_runtime.on_cuda(self.device):
             # Events, streams and graph captures made without a device take the current one:
             # on cuda:1 they went to cuda:0 (a capture of nothing, events that waited for nothing).
             torch.cuda.set_device(self.device)
@@ -132,7 +133,7 @@ class LLMEngine:
             tp=tp,
         )
         config = resolve_rank_config(config, self.model, self.model_config, self.device, tp)
-        on_cuda = self.device.type == "cuda"
+        on_cuda = cuda_runtime.on_cuda(self.device)
         self.config = config
         # config.json's, then generation_config.json's (as HF's generate() stops on both), else the tokenizer's.
         eos_token_ids = tuple(dict.fromkeys(
@@ -359,7 +360,7 @@ class LLMEngine:
             raise RuntimeError("recover_from_failed_step: abort every live request first")
         self.runner.check_recoverable()  # tensor parallel: the other ranks may be stuck in the failed step
         self._in_flight = None
-        if self.device.type == "cuda":
+        if cuda_runtime.on_cuda(self.device):
             # Whatever of it is still queued ends before the next step writes the inputs it may
             # read; an error the device keeps (a sticky CUDA fault) raises here, and the engine
             # core then exits, as it must: nothing more can run on that device.

@@ -798,6 +798,8 @@ class GrammarBitmask:
         import llguidance
         import torch
 
+        from replica.executor import cuda_runtime
+
         self.device = device
         self.max_mask_s = max_mask_ms / 1e3
         # A build slower than this looks for its slow rows (raised after a search finds none).
@@ -808,13 +810,15 @@ class GrammarBitmask:
         # Two buffers alternate: with overlapped scheduling a step's copy may still be queued
         # on the device while the next step's masks are filled.
         self._host = [torch.empty((max_rows, words_per_mask(vocab_size)), dtype=torch.int32,
-                                  pin_memory=device.type == "cuda") for _ in range(2)]
+                                  pin_memory=cuda_runtime.pins_host_memory(device)) for _ in range(2)]
         self._num_built = 0
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def build(self, rows: Sequence[int], grammars: Sequence[RequestGrammar]) -> GrammarMask:
         """The masks of these sampling rows, whose grammars stand at the rows' tokens."""
         import torch
+
+        from replica.executor import cuda_runtime
 
         count = len(rows)
         host = self._host[self._num_built % 2][:count]
@@ -848,7 +852,7 @@ class GrammarBitmask:
         for grammar, index in suspects:
             self._build_one(grammar, host, index)
         row_index = torch.as_tensor(np.asarray(rows, dtype=np.int64))
-        if self.device.type == "cuda":  # pinned, so the copy never waits for the step in flight
+        if cuda_runtime.pins_host_memory(self.device):  # pinned, so the copy never waits for the step in flight
             row_index = row_index.pin_memory()
         return GrammarMask(host.to(self.device, non_blocking=True), row_index.to(self.device, non_blocking=True),
                            self._shifts)

@@ -21,6 +21,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from replica.executor import cuda_runtime
+
 logger = logging.getLogger(__name__)
 
 # Past this many sequences a decode step is compute-bound enough that launches no longer
@@ -33,7 +35,7 @@ def use_cuda_graphs(device: torch.device, enforce_eager: bool, supports_cuda_gra
     attention backend whose forward pass never waits for the host (the Triton one; the torch
     reference reads sequence lengths on the host). Never on a CPU, so never with gloo. Each
     tensor-parallel rank decides with this, and the ranks then agree (parallel/graphs.py)."""
-    return device.type == "cuda" and not enforce_eager and supports_cuda_graphs
+    return cuda_runtime.on_cuda(device) and not enforce_eager and supports_cuda_graphs
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, largest: int = MAX_CAPTURE_SIZE) -> list[int]:

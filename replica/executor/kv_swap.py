@@ -50,6 +50,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from replica.executor import cuda_runtime
 from replica.attention.base import KVCaches
 from replica.config import ConfigError
 from replica.core.host_pool import BlockCopies
@@ -131,7 +132,7 @@ class KVSwapper:
         self.kv_caches = kv_caches
         self.stacked = kv_caches.stacked  # [layers, key/value, device blocks, block_size, kv heads, head_dim]
         self.device = torch.device(device)
-        self.on_cuda = self.device.type == "cuda"
+        self.on_cuda = cuda_runtime.on_cuda(self.device)
         key_cache = kv_caches[0][0]
         self.block_shape = tuple(key_cache.shape[1:])  # block_size, kv heads, head_dim
         self.num_layers = len(kv_caches)
@@ -215,7 +216,10 @@ class KVSwapper:
         """The stacked cache's rows of `block_ids`, in the staging buffer's row order, as an int64
         index tensor on the device (from pinned memory, asynchronously, on CUDA)."""
         rows = torch.from_numpy((np.asarray(block_ids, dtype=np.int64)[:, None] + self.plane_starts).ravel())
-        return rows.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else rows
+        if not self.on_cuda:
+            return rows
+        return (rows.pin_memory() if cuda_runtime.pins_host_memory(self.device) else rows).to(self.device,
+                                                                                             non_blocking=True)
 
     def synchronize(self) -> None:
         if self.stream is not None:

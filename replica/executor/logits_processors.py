@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from replica.core.request import FLOAT32_MAX, GREEDY_TEMPERATURE_EPS, SamplingParams
+from replica.executor import cuda_runtime
 
 MAX_PROCESSED_LOGIT = FLOAT32_MAX * GREEDY_TEMPERATURE_EPS / 10
 
@@ -158,7 +159,7 @@ def to_device(values: Sequence | np.ndarray | torch.Tensor, dtype: Optional[torc
     pageable memory would wait for everything queued on the GPU (a whole forward pass in
     flight). `dtype` None keeps the values' own."""
     tensor = torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
+    if not cuda_runtime.pins_host_memory(device):
         return tensor.to(device)  # a no-op on the CPU; tests pass the meta device
     return tensor.pin_memory().to(device, non_blocking=True)
 

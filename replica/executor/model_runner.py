@@ -33,6 +33,7 @@ import torch
 
 from replica.attention import AttentionMetadata, allocate_kv_cache, block_table_width
 from replica.config import EngineConfig
+from replica.executor import cuda_runtime
 from replica.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_batch_size
 from replica.executor.kv_swap import KVSwapper
 from replica.executor.request_rows import RequestRows
@@ -215,16 +216,17 @@ class ModelRunner:
         self._single_token_starts = torch.arange(self.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.sampler = Sampler()
         self.grammar_bitmask: Optional[GrammarBitmask] = None  # made by the first step with a constrained row
-        on_cuda = self.device.type == "cuda"
-        self._host_token_ids = [torch.zeros(self.max_num_seqs, dtype=torch.int64, pin_memory=on_cuda)
+        on_cuda = cuda_runtime.on_cuda(self.device)
+        pinned = cuda_runtime.pins_host_memory(self.device)
+        self._host_token_ids = [torch.zeros(self.max_num_seqs, dtype=torch.int64, pin_memory=pinned)
                                 for _ in range(2)]
-        self._host_logprobs = [torch.zeros(self.max_num_seqs, dtype=torch.float32, pin_memory=on_cuda)
+        self._host_logprobs = [torch.zeros(self.max_num_seqs, dtype=torch.float32, pin_memory=pinned)
                                for _ in range(2)]
         # Flat, so that [rows, k] is a contiguous view whatever k: the target of one async copy.
         self._host_top_token_ids = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.int64,
-                                                pin_memory=on_cuda) for _ in range(2)]
+                                                pin_memory=pinned) for _ in range(2)]
         self._host_top_logprobs = [torch.zeros(self.max_num_seqs * MAX_TOP_LOGPROBS, dtype=torch.float32,
-                                               pin_memory=on_cuda) for _ in range(2)]
+                                               pin_memory=pinned) for _ in range(2)]
         # One per decoder layer, recorded at its check in a step that may be aborted (the host's
         # pacing, _layer_check) and reused by every such step; none on a CPU, where there is
         # nothing to pace.
@@ -694,7 +696,7 @@ class ModelRunner:
         """The step's prompt log-probabilities computed and copied to the host without waiting."""
         values = [_to_host(value) if value is not None else None for value in self.prompt_logprob_values(rows, hidden)]
         done = None
-        if self.device.type == "cuda":
+        if cuda_runtime.on_cuda(self.device):
             done = torch.cuda.Event()
             done.record()
         return _PromptLogprobsInFlight(rows.spans, *values, done)
@@ -749,7 +751,7 @@ class ModelRunner:
             host_top_logprobs = self._host_top_logprobs[slot][:shape.numel()].view(shape)
             host_top_logprobs.copy_(top_logprobs, non_blocking=True)
         done = None
-        if self.device.type == "cuda":
+        if cuda_runtime.on_cuda(self.device):
             done = torch.cuda.Event()
             done.record()
         return StepInFlight(
@@ -803,9 +805,9 @@ def _prompt_logprob_rows(scheduled: list[ScheduledRequest], seqs: list[int], que
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A device tensor's copy in host memory, without waiting (pinned, non-blocking) on CUDA."""
-    if tensor.device.type != "cuda":
+    if not cuda_runtime.on_cuda(tensor.device):
         return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda_runtime.pins_host_memory(tensor.device))
     return host.copy_(tensor, non_blocking=True)
 
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from replica.executor import cuda_runtime
 from replica.config import EngineConfig
 from replica.core.host_pool import BlockCopies
 from replica.core.preemption_mode import PreemptionCosts, prefill_probe_tokens
@@ -26,7 +27,7 @@ REPEATS = 3  # the fastest of these counts: the others met a cold cache or a bus
 
 
 def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
+    if cuda_runtime.on_cuda(device):
         torch.cuda.synchronize(device)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from replica.config import EngineConfig, make_engine_config, resolve_host_kv_blocks, resolve_max_model_len
+from replica.executor import cuda_runtime
 from replica.executor.memory_profile import kv_cache_bytes_per_block, profile_num_kv_blocks
 from replica.model import LlamaForCausalLM, ModelConfig
 from replica.parallel.group import TensorParallel
@@ -19,7 +20,7 @@ def resolve_rank_config(config: EngineConfig, model: LlamaForCausalLM, model_con
     """`config` as this rank runs it, model_config being its shard's; equal on every rank."""
     dtype = next(model.parameters()).dtype
     on_cuda = device.type == "cuda"
-    profiled = config.gpu_memory_utilization is not None and on_cuda
+    profiled = config.gpu_memory_utilization is not None and cuda_runtime.on_cuda(device)
     follows_model = config.max_model_len is None
     # A pool that profiling will size cannot bound max_model_len before it exists: that bound
     # (the default num_kv_blocks') would cap a long-context model at ~32k tokens, or refuse an

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from replica.executor import cuda_runtime
+
 # Fields start at multiples of this many bytes: any dtype's view of the bytes is aligned.
 FIELD_ALIGNMENT = 64
 
@@ -62,10 +64,10 @@ class StagedInputs:
             offset += field.capacity * self.itemsizes[field.name]
         self.num_bytes = -(-offset // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
         self._fields = list(fields)
-        on_cuda = self.device.type == "cuda"
+        pinned = cuda_runtime.pins_host_memory(self.device)
         self._device_bytes = torch.zeros(self.num_bytes, dtype=torch.uint8, device=self.device)
         # Pinned memory lets the copy run asynchronously; a CPU "device" needs none.
-        self._host_bytes = [torch.zeros(self.num_bytes, dtype=torch.uint8, pin_memory=on_cuda)
+        self._host_bytes = [torch.zeros(self.num_bytes, dtype=torch.uint8, pin_memory=pinned)
                             for _ in range(num_host_buffers)]
         self.device_views = self._views(self._device_bytes)
         self._host_views = [{name: view.numpy() for name, view in self._views(host).items()}
@@ -110,7 +112,7 @@ class StagedInputs:
         num_words = -(-num_bytes // 8)
         host = self._host_bytes[self._current].view(torch.int64)
         self._device_bytes.view(torch.int64)[:num_words].copy_(host[:num_words], non_blocking=True)
-        if self.device.type == "cuda":
+        if cuda_runtime.on_cuda(self.device):
             event = torch.cuda.Event()
             event.record()
             self._copy_done[self._current] = event

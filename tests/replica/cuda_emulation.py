@@ -1,0 +1,210 @@
+"""CUDA's runtime played on a CPU, so the replica's CUDA-only host branches run in CI.
+
+`emulate_cuda_runtime(monkeypatch)` makes `replica.executor.cuda_runtime.on_cuda` say yes for the
+CPU and stands in for the torch.cuda calls those branches make: events, streams, set_device,
+synchronize, cudart's host registration, and CUDA graphs. The kernels stay what the CPU runs
+(Triton's interpreter for the GPU's kernels: import attention_harness first).
+
+The graph stand-in keeps what makes a CUDA graph a CUDA graph. A capture records the device
+work of the code under it, op by op: every aten op (a TorchDispatchMode) and every Triton
+launch, with the very tensors and Python scalars they were given. A replay runs those again on
+those tensors, writing each op's result into the tensor its capture made (the graph's pool), and
+runs no Python: a pass whose inputs are refilled in place replays right; one whose Python picks
+values at each call (a scalar, a tile, a fresh buffer put in an attribute) replays what the
+capture saw, as the GPU would. A host read during a capture (`.item()`, `.tolist()`, a
+nonzero) raises, as CUDA's capture does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import triton.runtime.interpreter as triton_interpreter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from replica.executor import cuda_runtime
+
+# aten ops that read a device value on the host: refused inside a capture, as CUDA refuses a
+# synchronizing call in a capturing stream.
+_HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.is_nonzero.default}
+
+
+class HostReadDuringCapture(RuntimeError):
+    pass
+
+
+@dataclass
+class RuntimeCounts:
+    """What the emulated runtime was asked for: the probes that the CUDA branches really ran."""
+
+    events_recorded: int = 0
+    events_synchronized: int = 0
+    stream_waits: int = 0
+    streams_made: int = 0
+    set_device: list = field(default_factory=list)
+    host_registrations: int = 0
+    captures: list = field(default_factory=list)  # ops recorded per captured graph, in order
+    replays: int = 0
+
+
+class _Event:
+    def __init__(self, counts: RuntimeCounts, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False):
+        self._counts = counts
+        self.synchronized = 0
+
+    def record(self, stream=None) -> None:
+        self._counts.events_recorded += 1
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self._counts.events_synchronized += 1
+
+    def wait(self, stream=None) -> None:
+        self._counts.stream_waits += 1
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    def __init__(self, counts: RuntimeCounts, device=None, priority: int = 0):
+        self._counts = counts
+
+    def wait_event(self, event) -> None:
+        self._counts.stream_waits += 1
+
+    def wait_stream(self, stream) -> None:
+        self._counts.stream_waits += 1
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event if event is not None else _Event(self._counts)
+        event.record(self)
+        return event
+
+
+class _Cudart:
+    def __init__(self, counts: RuntimeCounts):
+        self._counts = counts
+
+    def cudaHostRegister(self, pointer: int, length: int, flags: int) -> int:
+        self._counts.host_registrations += 1
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:
+        return 0
+
+
+@dataclass
+class _Recorded:
+    run: Callable[[], Any]  # the op again, on the same arguments
+    output: Any  # what its capture returned
+
+
+def _write_back(captured: Any, replayed: Any) -> None:
+    """A replayed op's results into the tensors its capture returned (the graph's memory)."""
+    for old, new in zip(tree_leaves(captured), tree_leaves(replayed)):
+        if not isinstance(old, torch.Tensor) or old is new:
+            continue
+        if (old.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+                and old.storage_offset() == new.storage_offset() and old.stride() == new.stride()):
+            continue  # a view of the same memory (or an in-place op's own input)
+        old.copy_(new)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list[_Recorded]):
+        super().__init__()
+        self.ops = ops
+        self.paused = 0  # inside a Triton launch: its own host work is not device work
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused and func in _HOST_READS:
+            raise HostReadDuringCapture(f"{func} read a device value on the host during a CUDA-graph capture")
+        output = func(*args, **kwargs)
+        if not self.paused:
+            self.ops.append(_Recorded(lambda: func(*args, **kwargs), output))
+        return output
+
+
+class _Graph:
+    def __init__(self, counts: RuntimeCounts, keep_graph: bool = False):
+        self._counts = counts
+        self.ops: list[_Recorded] = []
+
+    def pool(self) -> object:
+        return self
+
+    def replay(self) -> None:
+        self._counts.replays += 1
+        for op in self.ops:
+            _write_back(op.output, op.run())
+
+
+class _GraphCapture:
+    """torch.cuda.graph(graph, pool=..., stream=..., capture_error_mode=...)."""
+
+    def __init__(self, counts: RuntimeCounts, graph: _Graph, pool=None, stream=None, capture_error_mode: str = "global"):
+        self._counts = counts
+        self._graph = graph
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        recorder = _Recorder(self._graph.ops)
+        launch = triton_interpreter.GridExecutor.__call__
+
+        def recording_launch(executor, *args, **kwargs):
+            recorder.paused += 1
+            try:
+                output = launch(executor, *args, **kwargs)
+            finally:
+                recorder.paused -= 1
+            self._graph.ops.append(_Recorded(lambda: launch(executor, *args, **kwargs), None))
+            return output
+
+        self._stack.enter_context(_patched(triton_interpreter.GridExecutor, "__call__", recording_launch))
+        self._stack.enter_context(recorder)
+        return self._graph
+
+    def __exit__(self, *exc) -> bool:
+        self._stack.close()
+        if exc[0] is None:
+            self._counts.captures.append(len(self._graph.ops))
+        return False
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def emulate_cuda_runtime(monkeypatch, counts: Optional[RuntimeCounts] = None) -> RuntimeCounts:
+    """Until `monkeypatch` undoes it, the CPU runs the replica's CUDA runtime branches."""
+    counts = counts or RuntimeCounts()
+    stream = _Stream(counts)
+    monkeypatch.setattr(cuda_runtime, "on_cuda", lambda device: True)
+    monkeypatch.setattr(cuda_runtime, "pins_host_memory", lambda device: False)  # no pinned allocator here
+    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: _Event(counts, *args, **kwargs))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: _Stream(counts, *args, **kwargs))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext(stream))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: counts.set_device.append(torch.device(device)))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(counts))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *args, **kwargs: _Graph(counts, *args, **kwargs))
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kwargs: _GraphCapture(counts, graph, **kwargs))
+    return counts

@@ -1,0 +1,116 @@
+"""The replica's CUDA-only host branches, run on a CPU under an emulated CUDA runtime.
+
+Every GPU run so far found a host-side defect no CPU test reached: a second
+enable_decode_padding reallocated the tensors captured graphs write (every replayed token 0,
+run B), a capture invalidated by a collector's CUDA call (run C), a set_device that refused the
+default device (found by a desk review). These engines take the branches a GPU takes
+(`cuda_runtime.on_cuda` says yes: cuda_emulation.py): decode steps padded to the ladder and
+replayed from CUDA graphs recorded op by op, async scheduling by default, events on every
+copy a step's reader waits for, the SLO abort's per-layer pacing, the host KV tier's copy
+stream and registered host memory, the preemption costs measured at start. Each must give the
+plain CPU engine's tokens, and each is paired with a probe that the branch really ran.
+"""
+
+from __future__ import annotations
+
+import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+
+import random
+
+import pytest
+
+from cuda_emulation import emulate_cuda_runtime
+from replica.config import make_engine_config
+from replica.core.engine import LLMEngine
+from replica.core.request import SamplingParams
+from replica.core.structured_output import StructuredOutput
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _jobs() -> list[tuple[list[int], SamplingParams]]:
+    """Queued past max_num_seqs; three share a 12-token prefix; one prefills in two chunks;
+    greedy, seeded, with logprobs, and under a constraint."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 250) for _ in range(12)]
+    prompts = [prefix + [rng.randrange(3, 250) for _ in range(n)] for n in (3, 5, 2)]
+    prompts += [[rng.randrange(3, 250) for _ in range(n)] for n in (30, 4, 9)]
+    params = [GREEDY, GREEDY, SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, structured_output=StructuredOutput(
+                  "choice", ("yes", "no", "maybe so"))),
+              GREEDY]
+    return list(zip(prompts, params))
+
+
+def _run(engine: LLMEngine, jobs) -> list[tuple[list[int], list[float]]]:
+    requests = [engine.make_request(f"job-{index}", prompt, params) for index, (prompt, params) in enumerate(jobs)]
+    for request in requests:
+        engine.add_request(request, detokenize=False)
+    logprobs: dict[str, list[float]] = {request.request_id: [] for request in requests}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            logprobs[output.request_id] += output.logprobs or []
+            cached[output.request_id] = output.num_cached_tokens
+    engine.scheduler.check_invariants()
+    kv_cache = engine.scheduler.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_usable_blocks, "leaked device blocks"
+    assert sum(cached.values()) > 0, "the shared prefix must really be served from the cache"
+    return [(list(request.output_token_ids), logprobs[request.request_id]) for request in requests]
+
+
+def _config(**overrides):
+    return make_engine_config(**{**dict(block_size=4, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4,
+                                        num_kv_blocks=64), **overrides})
+
+
+@pytest.fixture(scope="module")
+def cpu_outputs():
+    engine = LLMEngine(_config(), "builtin", device="cpu", dtype="float32")
+    assert engine.runner.graphs is None and not engine.async_scheduling
+    return _run(engine, _jobs())
+
+
+def _assert_same(outputs, expected) -> None:
+    assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in expected]
+    for (_, logprobs), (_, expected_logprobs) in zip(outputs, expected):
+        assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+
+
+def test_the_gpu_s_engine_replays_captured_graphs_and_gives_the_cpu_s_tokens(monkeypatch, cpu_outputs):
+    runtime = emulate_cuda_runtime(monkeypatch)
+    engine = LLMEngine(_config(fused_ops="triton", scheduling_policy="slo"), "builtin", device="cpu",
+                       dtype="float32", attention_backend="triton")
+    # The GPU's defaults, each taken because the runtime says CUDA.
+    assert engine.async_scheduling and engine.runner.paces_layers
+    assert engine.runner.graphs.captured == [4, 2, 1] and len(runtime.captures) == 3
+    assert min(runtime.captures) > 50, "a capture records the decode pass's device work"
+    replays_before = runtime.replays
+    _assert_same(_run(engine, _jobs()), cpu_outputs)
+    assert runtime.replays > replays_before, "decode steps must replay the captured graphs"
+    assert runtime.events_recorded > 0 and runtime.events_synchronized > 0
+    # Prefills (abortable under the SLO policy) launched paced: the host waited on layer events.
+    assert sum(event.synchronized for event in engine.runner._layer_events) > 0
+    engine.shutdown()
+
+
+def test_the_host_tier_swaps_through_the_copy_stream_into_registered_host_memory(monkeypatch):
+    # The roomy CPU engine's greedy tokens; then a cramped pool on the GPU's path: 10 usable
+    # blocks of 4 tokens for five requests growing to 20-33 tokens, the host tier 64 blocks.
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    jobs = [(prompt, params) for prompt, _ in _jobs() if len(prompt) < 20]
+    expected = _run(LLMEngine(_config(), "builtin", device="cpu", dtype="float32"), jobs)
+    runtime = emulate_cuda_runtime(monkeypatch)
+    engine = LLMEngine(_config(num_kv_blocks=11, max_model_len=40, num_host_kv_blocks=64, preemption_mode="swap",
+                               max_num_batched_tokens=64), "builtin", device="cpu", dtype="float32")
+    # Costs measured at start on the GPU's path; the tier's memory registered with the runtime;
+    # swap-ins prefetched beside the step before (a copy stream overlaps them on CUDA).
+    assert engine.scheduler.prefetch_swap_ins and runtime.host_registrations >= 1
+    streams_waited = runtime.stream_waits
+    assert _run(engine, jobs) == expected
+    counters, kv_cache = engine.scheduler.counters, engine.scheduler.kv_cache
+    assert counters.swap_preemptions == counters.preemptions > 0, "the cramped pool must really swap"
+    assert engine.runner.kv_swap.prefetched_blocks > 0 and runtime.stream_waits > streams_waited
+    assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks, "leaked host blocks"
+    engine.shutdown()
