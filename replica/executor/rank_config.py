@@ -19,7 +19,7 @@ def resolve_rank_config(config: EngineConfig, model: LlamaForCausalLM, model_con
                         device: torch.device, tp: TensorParallel) -> EngineConfig:
     """`config` as this rank runs it, model_config being its shard's; equal on every rank."""
     dtype = next(model.parameters()).dtype
-    on_cuda = device.type == "cuda"
+    kernels_compile = device.type == "cuda"  # Triton on a GPU (the runtime's branches ask cuda_runtime)
     profiled = config.gpu_memory_utilization is not None and cuda_runtime.on_cuda(device)
     follows_model = config.max_model_len is None
     # A pool that profiling will size cannot bound max_model_len before it exists: that bound
@@ -28,7 +28,7 @@ def resolve_rank_config(config: EngineConfig, model: LlamaForCausalLM, model_con
     config = resolve_max_model_len(config, model_config.max_model_len, pool_sized_later=profiled)
     if not profiled:
         config.check_pool_holds_max_model_len()  # skipped at validation while gpu_memory_utilization is set
-    if on_cuda:  # every kernel variant a batch shape can pick compiles now, not inside a step
+    if kernels_compile:  # every kernel variant a batch shape can pick compiles now, not inside a step
         model.attn_backend.warm_up(model_config.num_attention_heads, model_config.num_key_value_heads,
                                    model_config.head_dim, dtype, config.block_size, config.max_model_len, device)
     if profiled:

@@ -30,20 +30,24 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 def _jobs() -> list[tuple[list[int], SamplingParams]]:
     """Queued past max_num_seqs; three share a 12-token prefix; one prefills in two chunks;
-    greedy, seeded, with logprobs, and under a constraint."""
+    greedy, seeded, penalised, biased, with logprobs and prompt logprobs, and under a constraint."""
     rng = random.Random(5)
     prefix = [rng.randrange(3, 250) for _ in range(12)]
     prompts = [prefix + [rng.randrange(3, 250) for _ in range(n)] for n in (3, 5, 2)]
     prompts += [[rng.randrange(3, 250) for _ in range(n)] for n in (30, 4, 9)]
-    params = [GREEDY, GREEDY, SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, ignore_eos=True),
+    params = [GREEDY,
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=0.5,
+                             repetition_penalty=1.3, logit_bias=((prompts[1][-1], 4.0),)),
+              SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=11, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2),
               SamplingParams(max_tokens=6, temperature=0.0, structured_output=StructuredOutput(
                   "choice", ("yes", "no", "maybe so"))),
-              GREEDY]
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2)]
     return list(zip(prompts, params))
 
 
 def _run(engine: LLMEngine, jobs) -> list[tuple[list[int], list[float]]]:
+    """Each job's output tokens, and its prompt's and its tokens' log-probabilities where asked."""
     requests = [engine.make_request(f"job-{index}", prompt, params) for index, (prompt, params) in enumerate(jobs)]
     for request in requests:
         engine.add_request(request, detokenize=False)
@@ -51,6 +55,8 @@ def _run(engine: LLMEngine, jobs) -> list[tuple[list[int], list[float]]]:
     cached: dict[str, int] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
+            if output.prompt_logprobs is not None:
+                logprobs[output.request_id] += output.prompt_logprobs.logprobs
             logprobs[output.request_id] += output.logprobs or []
             cached[output.request_id] = output.num_cached_tokens
     engine.scheduler.check_invariants()
