@@ -50,6 +50,7 @@ class RuntimeCounts:
     host_registrations: int = 0
     captures: list = field(default_factory=list)  # ops recorded per captured graph, in order
     replays: int = 0
+    memory_profiles: int = 0
 
 
 class _Event:
@@ -192,9 +193,11 @@ def _patched(owner, name: str, value):
         setattr(owner, name, old)
 
 
-def emulate_cuda_runtime(monkeypatch, counts: Optional[RuntimeCounts] = None) -> RuntimeCounts:
-    """Until `monkeypatch` undoes it, the CPU runs the replica's CUDA runtime branches."""
-    counts = counts or RuntimeCounts()
+def emulate_cuda_runtime(monkeypatch, device_memory_bytes: int = 2**30) -> RuntimeCounts:
+    """Until `monkeypatch` undoes it, the CPU runs the replica's CUDA runtime branches. The
+    caching allocator reports a device of `device_memory_bytes`, all free, nothing allocated (a
+    profiling run under gpu_memory_utilization then gives the KV pool that fraction of it)."""
+    counts = RuntimeCounts()
     stream = _Stream(counts)
     monkeypatch.setattr(cuda_runtime, "on_cuda", lambda device: True)
     monkeypatch.setattr(cuda_runtime, "pins_host_memory", lambda device: False)  # no pinned allocator here
@@ -207,4 +210,14 @@ def emulate_cuda_runtime(monkeypatch, counts: Optional[RuntimeCounts] = None) ->
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(counts))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *args, **kwargs: _Graph(counts, *args, **kwargs))
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kwargs: _GraphCapture(counts, graph, **kwargs))
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        counts.memory_profiles += 1
+        return device_memory_bytes, device_memory_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     return counts

@@ -4,11 +4,12 @@ Every GPU run so far found a host-side defect no CPU test reached: a second
 enable_decode_padding reallocated the tensors captured graphs write (every replayed token 0,
 run B), a capture invalidated by a collector's CUDA call (run C), a set_device that refused the
 default device (found by a desk review). These engines take the branches a GPU takes
-(`cuda_runtime.on_cuda` says yes: cuda_emulation.py): decode steps padded to the ladder and
-replayed from CUDA graphs recorded op by op, async scheduling by default, events on every
+(`cuda_runtime.on_cuda` says yes: cuda_emulation.py): decode steps padded to the ladder
+and replayed from CUDA graphs recorded op by op, async scheduling by default, events on every
 copy a step's reader waits for, the SLO abort's per-layer pacing, the host KV tier's copy
-stream and registered host memory, the preemption costs measured at start. Each must give the
-plain CPU engine's tokens, and each is paired with a probe that the branch really ran.
+stream and registered host memory, the preemption costs measured at start, the KV pool sized
+by a profiling run under gpu_memory_utilization (where run C's first call died). Each must
+give the plain CPU engine's tokens, and each is paired with a probe that the branch ran.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import attention_harness  # noqa: F401  (sets TRITON_INTERPRET before the kernel
 import random
 
 import pytest
+import torch
 
 from cuda_emulation import emulate_cuda_runtime
 from replica.config import make_engine_config
 from replica.core.engine import LLMEngine
 from replica.core.request import SamplingParams
 from replica.core.structured_output import StructuredOutput
+from replica.executor.memory_profile import kv_cache_bytes_per_block
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+DEVICE_MEMORY_BYTES = 16 * 2**20
 
 
 def _jobs() -> list[tuple[list[int], SamplingParams]]:
@@ -85,11 +89,15 @@ def _assert_same(outputs, expected) -> None:
 
 
 def test_the_gpu_s_engine_replays_captured_graphs_and_gives_the_cpu_s_tokens(monkeypatch, cpu_outputs):
-    runtime = emulate_cuda_runtime(monkeypatch)
-    engine = LLMEngine(_config(fused_ops="triton", scheduling_policy="slo"), "builtin", device="cpu",
-                       dtype="float32", attention_backend="triton")
-    # The GPU's defaults, each taken because the runtime says CUDA.
+    runtime = emulate_cuda_runtime(monkeypatch, device_memory_bytes=DEVICE_MEMORY_BYTES)
+    engine = LLMEngine(_config(fused_ops="triton", scheduling_policy="slo", gpu_memory_utilization=0.5), "builtin",
+                       device="cpu", dtype="float32", attention_backend="triton")
+    # The GPU's defaults, each taken because the runtime says CUDA; the pool sized by profiling:
+    # half of the device (its allocator reports nothing allocated, the profiling run's scratch
+    # KV then lending a few blocks more), not num_kv_blocks' 64.
     assert engine.async_scheduling and engine.runner.paces_layers
+    per_block = kv_cache_bytes_per_block(engine.model_config, 4, torch.float32)
+    assert runtime.memory_profiles == 1 and 64 < DEVICE_MEMORY_BYTES // 2 // per_block <= engine.config.num_kv_blocks
     assert engine.runner.graphs.captured == [4, 2, 1] and len(runtime.captures) == 3
     assert min(runtime.captures) > 50, "a capture records the decode pass's device work"
     replays_before = runtime.replays
