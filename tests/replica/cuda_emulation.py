@@ -6,8 +6,8 @@ synchronize, cudart's host registration, and CUDA graphs. The kernels stay what 
 (Triton's interpreter for the GPU's kernels: import attention_harness first).
 
 The graph stand-in keeps what makes a CUDA graph a CUDA graph. A capture records the device
-work of the code under it, op by op: every aten op (a TorchDispatchMode) and every Triton
-launch, with the very tensors and Python scalars they were given. A replay runs those again on
+work of the code under it, op by op: every aten op (a TorchDispatchMode), collective and
+Triton launch, with the very tensors and Python scalars they were given. A replay runs those again on
 those tensors, writing each op's result into the tensor its capture made (the graph's pool), and
 runs no Python: a pass whose inputs are refilled in place replays right; one whose Python picks
 values at each call (a scalar, a tile, a fresh buffer put in an attribute) replays what the
@@ -21,12 +21,14 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import pytest
 import torch
 import triton.runtime.interpreter as triton_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from replica.executor import cuda_runtime
+from replica.parallel.group import TensorParallel
 
 # aten ops that read a device value on the host: refused inside a capture, as CUDA refuses a
 # synchronizing call in a capturing stream.
@@ -108,6 +110,7 @@ class _Cudart:
 class _Recorded:
     run: Callable[[], Any]  # the op again, on the same arguments
     output: Any  # what its capture returned
+    kind: str = "aten"  # or "triton" (a kernel launch), "collective" (tensor parallelism's)
 
 
 def _write_back(captured: Any, replayed: Any) -> None:
@@ -169,10 +172,20 @@ class _GraphCapture:
                 output = launch(executor, *args, **kwargs)
             finally:
                 recorder.paused -= 1
-            self._graph.ops.append(_Recorded(lambda: launch(executor, *args, **kwargs), None))
+            self._graph.ops.append(_Recorded(lambda: launch(executor, *args, **kwargs), None, "triton"))
             return output
 
+        # A tensor-parallel collective: the group is the backend itself (ProcessGroupGloo /
+        # ProcessGroupNCCL), whose calls bypass the dispatcher; a CUDA capture records NCCL's
+        # kernels all the same, so this records each as the rank ran it (TensorParallel._run).
+        collective = TensorParallel._run
+
+        def recording_collective(tp, name, start):
+            collective(tp, name, start)
+            self._graph.ops.append(_Recorded(lambda: collective(tp, name, start), None, "collective"))
+
         self._stack.enter_context(_patched(triton_interpreter.GridExecutor, "__call__", recording_launch))
+        self._stack.enter_context(_patched(TensorParallel, "_run", recording_collective))
         self._stack.enter_context(recorder)
         return self._graph
 
@@ -221,3 +234,13 @@ def emulate_cuda_runtime(monkeypatch, device_memory_bytes: int = 2**30) -> Runti
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     return counts
+
+
+def emulated_worker_main(spec, connection, board) -> None:
+    """A tensor-parallel worker process (spawned: the test's patches do not reach it) under the
+    emulated runtime, as rank 0 is: the test puts this in executor.worker_main's place."""
+    import attention_harness  # noqa: F401  (the interpreter's fixes, in this process too)
+    from replica.parallel import executor
+
+    emulate_cuda_runtime(pytest.MonkeyPatch())
+    executor.worker_main(spec, connection, board)

@@ -128,3 +128,46 @@ def test_the_host_tier_swaps_through_the_copy_stream_into_registered_host_memory
     assert engine.runner.kv_swap.prefetched_blocks > 0 and runtime.stream_waits > streams_waited
     assert kv_cache.num_free_host_blocks == kv_cache.num_host_blocks, "leaked host blocks"
     engine.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_captures_collectives_in_its_graphs_and_replays_them_on_both_ranks_in_lockstep(monkeypatch):
+    """test_tp_graphs.py's GPU test, which no machine with two GPUs has run, on two gloo ranks:
+    each rank captures its ladder with its collectives inside the graphs (an all-reduce after
+    the embedding and after each layer's o-proj and down-proj, the logits' all-gather), and a
+    replay runs them again, meeting the other rank's replay of the same size. Rank 0's tokens
+    depend on every one of rank 1's replayed collectives."""
+    import cuda_emulation
+    from replica.executor.cuda_graphs import capture_order, capture_sizes
+    from replica.parallel import executor
+
+    config = dict(block_size=4, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=64)
+    jobs = [(prompt, GREEDY) for prompt, _ in _jobs()[:4]]
+    expected = _run(LLMEngine(make_engine_config(**config), "builtin", device="cpu", dtype="float32"), jobs)
+    emulate_cuda_runtime(monkeypatch)
+    monkeypatch.setattr(executor, "worker_main", cuda_emulation.emulated_worker_main)  # rank 1 emulates too
+    engine = LLMEngine(make_engine_config(**config, tensor_parallel_size=2), "builtin", device="cpu",
+                       dtype="float32", attention_backend="triton")
+    try:
+        (before,) = engine.tp_workers.call("stats")
+        assert engine.runner.graphs is not None and before["cuda_graphs"], "a rank did not capture"
+        assert before["capture_order"] == engine.runner.graphs.captured == capture_order(capture_sizes(4, 16))
+        layers = engine.model_config.num_hidden_layers
+        for graph in engine.runner.graphs._graphs.values():
+            assert sum(op.kind == "collective" for op in graph.ops) == 2 * layers + 2
+        replayed = []
+        original_step = engine.step
+
+        def step():
+            outputs = original_step()
+            if engine.last_step.graph_batch_size is not None:
+                replayed.append(engine.last_step.graph_batch_size)
+            return outputs
+
+        engine.step = step
+        assert _run(engine, jobs) == expected
+        (after,) = engine.tp_workers.call("stats")
+        assert len(replayed) > 3, "no decode graph was replayed"
+        assert after["graph_sizes"][-len(replayed):] == replayed, "the worker replayed other sizes than rank 0"
+    finally:
+        engine.shutdown()

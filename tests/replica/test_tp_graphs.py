@@ -8,7 +8,9 @@ padding each decode step to the size rank 0 padded it to, padded steps casting n
 
 With HEADROOM_TEST_DEVICE=cuda on a machine with >= 2 GPUs (NCCL): TP=2 captures its decode
 graphs on both ranks in the same order and replays them in lockstep, greedy tokens equal to
-TP=1's. No such machine has run it yet; bench/bench_gpu.py --sections tp runs it.
+TP=1's. No such machine has run it yet; bench/bench_gpu.py --sections tp runs it. On the CPU,
+test_cuda_runtime_on_cpu.py runs the same path on two gloo ranks under an emulated CUDA runtime
+(graphs recorded op by op, collectives included, and replayed).
 """
 
 from __future__ import annotations
