@@ -6,6 +6,7 @@ what it measured.
                               [--smollm2 FILE.gguf|DIR] [--cpu-smoke]
     python bench/bench_gpu.py --sections peers     # bench_attention.py and bench_fused_ops.py
     python bench/bench_gpu.py --cpu --sections smollm2   # the SmolLM2 agreement on a CPU
+    python bench/bench_gpu.py --cpu-smoke --emulate-cuda --sections engine,tp,swap  # GPU branches, on a CPU
 
 Sections, run in the order --sections lists them (a run cut at its limit keeps the first ones;
 the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
@@ -44,7 +45,8 @@ the default tests,smollm2,engine,served,tp takes about 6 minutes on an H100):
   one engine at a time: decode step wall ms at batch 8 and 256 (graphs / eager and TP=2 / TP=1
   ratios), each rank's captured sizes and order, the worker replaying every
   size rank 0 did, greedy tokens of the three compared. --cpu-smoke runs this second part on
-  two gloo ranks, the padded pass run eagerly (no graphs on a CPU);
+  two gloo ranks, the padded pass run eagerly (no graphs on a CPU; with --emulate-cuda, graphs
+  under the emulated runtime);
 - structured (issue 22; `--sections structured`, not in the default): bench/bench_structured.py
   --device cuda on SmolLM2 (cold compiles, a batch of 64 all constrained against none, the
   masks' host time, outputs that validate, ordinary constraints' slowest masks against the mask
@@ -160,6 +162,11 @@ def main() -> None:
     parser.add_argument("--profile-dir", help="write torch.profiler kernel tables of the batch-256 decode steps here")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny model on the CPU, no tests, peers or served: checks this script, measures nothing")
+    parser.add_argument("--emulate-cuda", action="store_true",
+                        help="with --cpu-smoke: the engine takes the GPU's host branches (CUDA graphs, async, "
+                             "pacing, the profiled pool) under tests/replica/cuda_emulation.py's stand-in runtime, "
+                             "Triton interpreted: crashes in GPU-only code before a lease (bf16 numbers are the "
+                             "interpreter's: its bf16 dot is wrong)")
     parser.add_argument("--cpu", action="store_true",
                         help="the smollm2 section in full on the CPU (a CPU's bf16 GEMMs round otherwise than a "
                              "GPU's: its counts are the CPU's)")
@@ -167,6 +174,8 @@ def main() -> None:
     global PROFILE_DIR, FULL_RUN, DEVICE
     PROFILE_DIR = Path(args.profile_dir) if args.profile_dir else None
     FULL_RUN = not (args.quick or args.cpu_smoke)
+    if args.emulate_cuda and not args.cpu_smoke:
+        parser.error("--emulate-cuda goes with --cpu-smoke")
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if unknown := sorted(set(sections) - set(ALL_SECTIONS)):
         parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(ALL_SECTIONS)})")
@@ -178,6 +187,8 @@ def main() -> None:
         ENGINE_CONFIG.update(SMOKE_ENGINE_CONFIG)
         args.quick = True
         sections = [name for name in sections if name in ("engine", "smollm2", "swap", "tp", "structured")]
+        if args.emulate_cuda:
+            emulate_cuda_for_smoke()
     elif args.cpu:
         DEVICE = "cpu"
         if sections != ["smollm2"]:
@@ -623,6 +634,21 @@ def hf_throughput(model_dir: str, requests, result: dict) -> list[tuple]:
 
 
 # ---- engine: the 1.1B model in bf16 -------------------------------------------------------------
+def emulate_cuda_for_smoke() -> None:
+    """--cpu-smoke --emulate-cuda: this process and its tensor-parallel workers run the GPU's
+    host branches on the CPU (tests/replica/cuda_emulation.py), for the rest of the run."""
+    sys.path.insert(0, str(REPO / "tests" / "replica"))
+    import attention_harness  # noqa: F401  (TRITON_INTERPRET, before the kernels are imported)
+    import cuda_emulation
+    import pytest
+
+    from replica.parallel import executor
+
+    patches = pytest.MonkeyPatch()  # never undone: the run ends with the process
+    cuda_emulation.emulate_gpu_replica(patches, device_memory_bytes=2**31)
+    patches.setattr(executor, "worker_main", cuda_emulation.emulated_worker_main)
+
+
 def engine_sections(report: Report, model_dir: str, num_requests: int, decode_steps: int, cpu_smoke: bool,
                     hf: bool = True, eager: bool = True) -> None:
     requests = workload(num_requests, MODEL_SHAPE["vocab_size"],

@@ -56,9 +56,9 @@ class RuntimeCounts:
 
 
 class _Event:
-    def __init__(self, counts: RuntimeCounts, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False):
-        self._counts = counts
+    _counts: RuntimeCounts  # each emulation's subclass sets its own
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.synchronized = 0
 
     def record(self, stream=None) -> None:
@@ -76,8 +76,10 @@ class _Event:
 
 
 class _Stream:
-    def __init__(self, counts: RuntimeCounts, device=None, priority: int = 0):
-        self._counts = counts
+    _counts: RuntimeCounts
+
+    def __init__(self, device=None, priority: int = 0):
+        self._counts.streams_made += 1
 
     def wait_event(self, event) -> None:
         self._counts.stream_waits += 1
@@ -89,7 +91,7 @@ class _Stream:
         pass
 
     def record_event(self, event=None):
-        event = event if event is not None else _Event(self._counts)
+        event = event if event is not None else torch.cuda.Event()
         event.record(self)
         return event
 
@@ -141,8 +143,9 @@ class _Recorder(TorchDispatchMode):
 
 
 class _Graph:
-    def __init__(self, counts: RuntimeCounts, keep_graph: bool = False):
-        self._counts = counts
+    _counts: RuntimeCounts
+
+    def __init__(self, keep_graph: bool = False):
         self.ops: list[_Recorded] = []
 
     def pool(self) -> object:
@@ -157,8 +160,9 @@ class _Graph:
 class _GraphCapture:
     """torch.cuda.graph(graph, pool=..., stream=..., capture_error_mode=...)."""
 
-    def __init__(self, counts: RuntimeCounts, graph: _Graph, pool=None, stream=None, capture_error_mode: str = "global"):
-        self._counts = counts
+    _counts: RuntimeCounts
+
+    def __init__(self, graph: _Graph, pool=None, stream=None, capture_error_mode: str = "global"):
         self._graph = graph
         self._stack = contextlib.ExitStack()
 
@@ -211,18 +215,22 @@ def emulate_cuda_runtime(monkeypatch, device_memory_bytes: int = 2**30) -> Runti
     caching allocator reports a device of `device_memory_bytes`, all free, nothing allocated (a
     profiling run under gpu_memory_utilization then gives the KV pool that fraction of it)."""
     counts = RuntimeCounts()
-    stream = _Stream(counts)
+    # Classes, as torch's are (code annotates with them: `torch.cuda.CUDAGraph | None`), each
+    # counting into this emulation's counts.
+    event, stream_type, graph, capture = (type(base.__name__.lstrip("_"), (base,), {"_counts": counts})
+                                          for base in (_Event, _Stream, _Graph, _GraphCapture))
+    stream = stream_type()
     monkeypatch.setattr(cuda_runtime, "on_cuda", lambda device: True)
     monkeypatch.setattr(cuda_runtime, "pins_host_memory", lambda device: False)  # no pinned allocator here
-    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: _Event(counts, *args, **kwargs))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: _Stream(counts, *args, **kwargs))
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "Stream", stream_type)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext(stream))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: counts.set_device.append(torch.device(device)))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(counts))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *args, **kwargs: _Graph(counts, *args, **kwargs))
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kwargs: _GraphCapture(counts, graph, **kwargs))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved"):
@@ -236,11 +244,25 @@ def emulate_cuda_runtime(monkeypatch, device_memory_bytes: int = 2**30) -> Runti
     return counts
 
 
+def emulate_gpu_replica(monkeypatch, device_memory_bytes: int = 2**30) -> RuntimeCounts:
+    """emulate_cuda_runtime, and attention backend "auto" picks the GPU's (Triton, interpreted):
+    an engine built with defaults then takes the GPU's whole path, CUDA graphs included (the
+    torch backend reads lengths on the host, so no graph holds it). For bench_gpu.py
+    --cpu-smoke --emulate-cuda; tests name their backend."""
+    import replica.model.loader as loader
+    from replica.attention import get_attention_backend
+
+    counts = emulate_cuda_runtime(monkeypatch, device_memory_bytes)
+    monkeypatch.setattr(loader, "get_attention_backend",
+                        lambda name, device: get_attention_backend("triton" if name == "auto" else name, device))
+    return counts
+
+
 def emulated_worker_main(spec, connection, board) -> None:
     """A tensor-parallel worker process (spawned: the test's patches do not reach it) under the
-    emulated runtime, as rank 0 is: the test puts this in executor.worker_main's place."""
+    emulated runtime, as rank 0 is: put this in executor.worker_main's place."""
     import attention_harness  # noqa: F401  (the interpreter's fixes, in this process too)
     from replica.parallel import executor
 
-    emulate_cuda_runtime(pytest.MonkeyPatch())
+    emulate_gpu_replica(pytest.MonkeyPatch())
     executor.worker_main(spec, connection, board)
