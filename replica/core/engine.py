@@ -20,8 +20,7 @@ from replica.model.registry import resolve_model_path
 from replica.config import ConfigError, EngineConfig
 from replica.core.kv_events import KVEvent
 from replica.model import load_model
-from replica.executor import ModelRunner
-from replica.executor import cuda_runtime
+from replica.executor import ModelRunner, cuda_runtime
 from replica.executor.cpu_threads import StepThreads
 from replica.executor.cuda_graphs import use_cuda_graphs
 from replica.executor.memory_profile import kv_cache_bytes_per_block

@@ -50,10 +50,10 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from replica.executor import cuda_runtime
 from replica.attention.base import KVCaches
 from replica.config import ConfigError
 from replica.core.host_pool import BlockCopies
+from replica.executor import cuda_runtime
 
 # Blocks staged on the device per round of copies: bounds the staging buffer.
 STAGING_BLOCKS = 32

@@ -7,12 +7,14 @@ synchronize, cudart's host registration, and CUDA graphs. The kernels stay what 
 
 The graph stand-in keeps what makes a CUDA graph a CUDA graph. A capture records the device
 work of the code under it, op by op: every aten op (a TorchDispatchMode), collective and
-Triton launch, with the very tensors and Python scalars they were given. A replay runs those again on
-those tensors, writing each op's result into the tensor its capture made (the graph's pool), and
-runs no Python: a pass whose inputs are refilled in place replays right; one whose Python picks
-values at each call (a scalar, a tile, a fresh buffer put in an attribute) replays what the
-capture saw, as the GPU would. A host read during a capture (`.item()`, `.tolist()`, a
-nonzero) raises, as CUDA's capture does.
+Triton launch, with the very tensors and Python scalars they were given. A replay runs those
+again on those tensors, writing each op's result into the tensor its capture made (the graph's
+pool), and runs no Python: a pass whose inputs are refilled in place replays right; one whose
+Python picks values at each call (a scalar, a tile, a fresh buffer put in an attribute)
+replays what the capture saw, as the GPU would. A host read during a capture (`.item()`,
+`int()` or `bool()` of a tensor, a nonzero) raises, as CUDA's capture does; `.tolist()` and
+`.numpy()` read CPU memory without the dispatcher and pass unseen (test_step_host_reads.py's
+TorchFunctionMode probes every such read in a step's launch).
 """
 
 from __future__ import annotations
