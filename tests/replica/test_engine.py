@@ -187,7 +187,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours(che
 
 def _decode_launch_copies(engine: LLMEngine, monkeypatch) -> dict:
     """Of the launches of decode-only steps: the largest host array any copied to the device,
-    and how many ran the padded pass (as a CUDA graph replays it)."""
+    and how many ran padded (the padded pass, eagerly or as a CUDA graph replays it: a replay
+    runs no Python, so the launch's graph_batch_size counts, not calls of _decode_pass)."""
     from replica.executor import logits_processors, model_runner
 
     seen = {"in_decode": False, "largest": 0, "padded": 0}
@@ -197,21 +198,19 @@ def _decode_launch_copies(engine: LLMEngine, monkeypatch) -> dict:
                 seen["largest"] = max(seen["largest"], len(values))
             return to_device(values, dtype, device)
         monkeypatch.setattr(module, "to_device", probed)
-    launch, decode_pass = engine.runner.launch, engine.runner._decode_pass
+    launch = engine.runner.launch
 
     def probed_launch(scheduler_output):
         seen["in_decode"] = bool(scheduler_output.scheduled) and all(
             entry.num_new_tokens == 1 and not entry.is_new for entry in scheduler_output.scheduled)
         try:
-            return launch(scheduler_output)
+            in_flight = launch(scheduler_output)
         finally:
             seen["in_decode"] = False
+        seen["padded"] += in_flight.graph_batch_size is not None
+        return in_flight
 
-    def probed_decode_pass(size):
-        seen["padded"] += 1
-        return decode_pass(size)
-
-    engine.runner.launch, engine.runner._decode_pass = probed_launch, probed_decode_pass
+    engine.runner.launch = probed_launch
     return seen
 
 
@@ -243,7 +242,8 @@ def test_penalties_logit_bias_and_top_logprobs_do_not_depend_on_overlapped_sched
         # it copies per-row values at most, no token history (the prompts have 3-30 tokens).
         # (It rebuilt every penalized row's prompt and output counts from the host's lists.)
         assert copies["largest"] <= len(requests), copies
-        assert (copies["padded"] > 0) == padded_decode  # penalties or not, the forward pads (a graph on CUDA)
+        # Penalties or not, the forward pads (CUDA graphs, on by default on CUDA, pad every decode step).
+        assert (copies["padded"] > 0) == (padded_decode or engine.runner.graphs is not None)
         runs.append(([request.output_token_ids for request in requests],
                      [[top.token_ids for top in tops[r.request_id]] for r in requests],
                      [[value for top in tops[r.request_id] for value in top.logprobs] for r in requests]))
