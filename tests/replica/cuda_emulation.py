@@ -49,8 +49,6 @@ class RuntimeCounts:
     events_recorded: int = 0
     events_synchronized: int = 0
     stream_waits: int = 0
-    streams_made: int = 0
-    set_device: list = field(default_factory=list)
     host_registrations: int = 0
     captures: list = field(default_factory=list)  # ops recorded per captured graph, in order
     replays: int = 0
@@ -81,7 +79,7 @@ class _Stream:
     _counts: RuntimeCounts
 
     def __init__(self, device=None, priority: int = 0):
-        self._counts.streams_made += 1
+        pass
 
     def wait_event(self, event) -> None:
         self._counts.stream_waits += 1
@@ -229,7 +227,7 @@ def emulate_cuda_runtime(monkeypatch, device_memory_bytes: int = 2**30) -> Runti
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext(stream))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: counts.set_device.append(torch.device(device)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(counts))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", graph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
