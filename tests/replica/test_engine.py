@@ -308,7 +308,10 @@ def test_a_request_stopping_under_async_scheduling_drops_its_extra_token_and_fre
 
 
 def test_streamed_text_deltas_concatenate_to_the_full_decode():
-    engine = LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64), "builtin", device=TEST_DEVICE)
+    # max_num_seqs 8 (one request runs): on CUDA 4 decode graphs to capture, not the default 35
+    # (under tests/replica/cuda_emulation.py's interpreter those took past pytest's 600 s timeout).
+    engine = LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64, max_num_seqs=8), "builtin",
+                       device=TEST_DEVICE)
     request = engine.make_request("t", engine.tokenizer.encode("héllo wörld ✓"), SamplingParams(max_tokens=40, seed=3))
     engine.add_request(request)
     text, finish = "", None
@@ -376,7 +379,7 @@ def _run_to_completion(engine: LLMEngine, prompt: str, params: SamplingParams):
 
 @pytest.fixture(scope="module")
 def builtin_engine() -> LLMEngine:
-    return LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64), "builtin", device="cpu")
+    return LLMEngine(make_engine_config(max_model_len=256, num_kv_blocks=64, max_num_seqs=8), "builtin", device="cpu")
 
 
 def test_stop_token_id_is_reported_as_the_stop_reason_and_its_text_is_left_out(builtin_engine):
@@ -411,7 +414,7 @@ def test_top_logprobs_come_with_every_token_and_rank_the_greedy_choice_first(bui
 
 def test_the_engine_cores_rows_carry_what_the_outputs_carry():
     # step_rows() is step() as the engine core sends it: CoreOutput rows built in place of RequestOutputs.
-    config = make_engine_config(max_model_len=256, num_kv_blocks=64)
+    config = make_engine_config(max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
     requests = [("logprobs", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True,
                                                          top_logprobs=2)),
                 ("long", [8, 9], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))]
