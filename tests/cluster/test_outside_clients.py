@@ -284,6 +284,20 @@ def delays_beside(channel, big_request) -> tuple[object, float, list[float]]:
     return result, baseline, during
 
 
+def result_delaying_no_other_request(channel, big_request) -> object:
+    """`big_request()`'s result, asserting that small calls beside it were delayed by at most
+    MAX_SIZE_DELAY_S over their round trip before it. A miss is measured once more: a stall the
+    server causes (work on an event loop) repeats with the request, a hiccup of a shared 2-core
+    machine (one call 0.11-0.15 s late, twice in full-suite runs beside other load) does not."""
+    tries = []
+    for _ in range(2):
+        result, baseline, during = delays_beside(channel, big_request)
+        tries.append((baseline, during))
+        if during and max(during) - baseline <= MAX_SIZE_DELAY_S:
+            return result
+    raise AssertionError(f"small calls delayed past {MAX_SIZE_DELAY_S} s in both tries (baseline, during): {tries}")
+
+
 def test_a_10mb_http_body_is_413_and_delays_no_other_request(cluster, channel):
     body = json.dumps({"model": APP_NAME, "prompt": "x" * 10_000_000, "max_tokens": 1}).encode()
 
@@ -291,11 +305,10 @@ def test_a_10mb_http_body_is_413_and_delays_no_other_request(cluster, channel):
         return requests.post(f"{HTTP}/v1/completions", data=body, headers={"content-type": "application/json"},
                              timeout=120)
 
-    response, baseline, during = delays_beside(channel, post_big)
+    response = result_delaying_no_other_request(channel, post_big)
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["message"].startswith("body: ") and error["code"] == "request_too_large"
-    assert during and max(during) - baseline <= MAX_SIZE_DELAY_S, (baseline, during)
 
 
 def test_a_batch_of_50000_prompts_is_refused_at_once_and_delays_no_other_request(cluster, channel):
@@ -308,9 +321,8 @@ def test_a_batch_of_50000_prompts_is_refused_at_once_and_delays_no_other_request
     def post_batch():
         return requests.post(f"{HTTP}{C}", data=body, headers={"content-type": "application/json"}, timeout=120)
 
-    response, baseline, during = delays_beside(channel, post_batch)
+    response = result_delaying_no_other_request(channel, post_batch)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
-    assert during and max(during) - baseline <= MAX_SIZE_DELAY_S, (baseline, during)
 
 
 def generate_from_another_client(cluster, request: pb.GenerateRequest):
@@ -336,9 +348,8 @@ def generate_from_another_client(cluster, request: pb.GenerateRequest):
 
 def test_a_10mb_grpc_message_is_invalid_argument_and_delays_no_other_request(cluster, channel):
     big = pb.GenerateRequest(text="x" * 10_000_000, sampling=pb.SamplingParams(max_tokens=1))
-    (code, details), baseline, during = delays_beside(channel, generate_from_another_client(cluster, big))
+    code, details = result_delaying_no_other_request(channel, generate_from_another_client(cluster, big))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request: "), details
-    assert during and max(during) - baseline <= MAX_SIZE_DELAY_S, (baseline, during)
 
 
 def proxy_peak_rss_bytes(port: int) -> int:
