@@ -224,15 +224,16 @@ class EngineConfig(ConfigModel):
     slo_predictor_window: int = Field(
         64, ge=2, description="Measured prefills the TTFT predictor's least-squares fit covers."
     )
-    slo_doomed_wait_factor: Optional[float] = Field(
-        None, ge=1.0,
-        description="A waiter that has waited this many times its TTFT SLO goes ahead of rescuable ones, oldest "
-        "first, for at most slo_doomed_share of the admissions: a bound on how long the SLO queue leaves a doomed "
-        "request behind rescuable ones, paid for in goodput under a sustained overload. None: no bound.",
+    slo_doomed_max_wait_ms: Optional[float] = Field(
+        4000.0, gt=0,
+        description="A waiter past its TTFT deadline that has waited this long since it arrived goes ahead of "
+        "rescuable ones, oldest first, for at most slo_doomed_share of the admissions: how long the SLO queue may "
+        "leave a doomed request behind rescuable ones under a sustained overload (docs/architecture.md). None: no "
+        "bound, the most requests within their SLO and an unbounded tail.",
     )
     slo_doomed_share: float = Field(
         1.0, gt=0, le=1.0,
-        description="The share of admissions overdue waiters may take (slo_doomed_wait_factor); 1: all they need.",
+        description="The share of admissions overdue waiters may take (slo_doomed_max_wait_ms); 1: all they need.",
     )
     slo_preemption_margin: float = Field(
         1.2, ge=1.0, description="How many times more urgent than a running prefill a waiter must be to abort it."

@@ -103,22 +103,23 @@ class SLOQueue:
     at the head: its TTFT deadline is behind it (met or missed), and ranked by it the request
     sank below every new arrival and, under a steady stream of them, never resumed its stream.
 
-    Doomed requests sink below every rescuable one, so under a sustained overload they wait
-    for as long as rescuable ones keep arriving. The bound (`doomed_wait_factor`, off when
-    None): a request that has waited that many times its TTFT SLO since it arrived is overdue,
-    and the oldest overdue request goes first, ahead of rescuable ones, for at most
+    Doomed requests sink below every rescuable one, so under a sustained overload they would
+    wait for as long as rescuable ones keep arriving. The bound (`doomed_max_wait_ms`, off when
+    None): a request past its TTFT deadline that has waited that long since it arrived is
+    overdue, and the oldest overdue request goes first, ahead of rescuable ones, for at most
     `doomed_share` of the admissions (each admission earns that share of a credit, at most one
     banked, and an overdue request that goes first spends one), so the rescuable ones keep the
-    rest.
+    rest. The bound is a wait, not a multiple of the SLO: under tight SLOs (tens to hundreds of
+    ms) a multiple promotes most doomed requests at once and gives the goodput away.
     """
 
     def __init__(self, urgency_of: Callable[[Request, float], float], clock: Callable[[], float],
-                 doomed_wait_factor: Optional[float] = None, doomed_share: float = 1.0):
+                 doomed_max_wait_ms: Optional[float] = None, doomed_share: float = 1.0):
         self._urgency_of = urgency_of
         self._clock = clock
         self._requests: list[Request] = []
         self._sorted = True
-        self._doomed_wait_factor = doomed_wait_factor
+        self._doomed_max_wait_s = None if doomed_max_wait_ms is None else doomed_max_wait_ms / 1000.0
         self._doomed_share = doomed_share
         self._credit = 1.0  # overdue requests that may go first now (each costs 1)
         self._promoted: Optional[Request] = None  # the overdue request put first by the last ordering
@@ -134,8 +135,8 @@ class SLOQueue:
 
     def _overdue(self, request: Request, now: float) -> bool:
         deadline = request.ttft_deadline
-        return (deadline is not None and request.num_output_tokens == 0
-                and now - request.arrival_time >= self._doomed_wait_factor * (deadline - request.arrival_time))
+        return (deadline is not None and request.num_output_tokens == 0 and now >= deadline
+                and now - request.arrival_time >= self._doomed_max_wait_s)
 
     def _ordered(self) -> list[Request]:
         if not self._sorted:
@@ -144,7 +145,7 @@ class SLOQueue:
                                                -self._urgency_of(r, now) if r.num_output_tokens == 0 else 0.0,
                                                r.arrival_time))
             self._promoted = None
-            if self._doomed_wait_factor is not None and self._credit >= 1.0:
+            if self._doomed_max_wait_s is not None and self._credit >= 1.0:
                 oldest = min((r for r in self._requests if self._overdue(r, now)),
                              key=lambda r: r.arrival_time, default=None)
                 if oldest is not None:
@@ -159,7 +160,7 @@ class SLOQueue:
 
     def pop(self) -> Request:
         request = self._ordered().pop(0)
-        if self._doomed_wait_factor is not None:
+        if self._doomed_max_wait_s is not None:
             had_credit = self._credit >= 1.0
             self._credit += self._doomed_share
             if request is self._promoted:
@@ -185,10 +186,10 @@ class SLOQueue:
 
 
 def make_waiting_queue(policy: str, urgency_of: Optional[Callable[[Request, float], float]] = None,
-                       clock: Optional[Callable[[], float]] = None, doomed_wait_factor: Optional[float] = None,
+                       clock: Optional[Callable[[], float]] = None, doomed_max_wait_ms: Optional[float] = None,
                        doomed_share: float = 1.0):
     """urgency_of(request, now) and clock: required for the "slo" policy; the doomed bound is
     its (SLOQueue)."""
     if policy == "slo":
-        return SLOQueue(urgency_of, clock, doomed_wait_factor, doomed_share)
+        return SLOQueue(urgency_of, clock, doomed_max_wait_ms, doomed_share)
     return PriorityQueue() if policy == "priority" else FCFSQueue()

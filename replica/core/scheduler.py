@@ -121,7 +121,7 @@ class Scheduler:
         self.prefetch_swap_ins = True
         self.ttft_predictor = TTFTPredictor.from_config(config)
         self.waiting = make_waiting_queue(config.scheduling_policy, self._urgency, clock,
-                                          config.slo_doomed_wait_factor, config.slo_doomed_share)
+                                          config.slo_doomed_max_wait_ms, config.slo_doomed_share)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request
         self.select_victim = VICTIM_POLICIES[config.resolved_victim_policy]

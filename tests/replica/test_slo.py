@@ -68,7 +68,8 @@ def test_urgency_is_sign_of_slack_over_time_left():
 
 def test_rescuable_rank_by_earliest_deadline_then_no_deadline_then_doomed():
     clock = FakeClock(10.0)
-    scheduler = slo_scheduler(clock, max_num_seqs=1, slo_predictor_base_ms=100.0)
+    # The ranking alone: "missed" has waited past the doomed bound (7 s), which would put it first.
+    scheduler = slo_scheduler(clock, max_num_seqs=1, slo_predictor_base_ms=100.0, slo_doomed_max_wait_ms=None)
     deadlines = {"far": 15.0, "none": None, "near": 10.3, "missed": 9.0, "doomed": 10.05}
     for arrival, (request_id, deadline) in enumerate(deadlines.items()):
         scheduler.add_request(make_request(request_id, [1, 2, 3], arrival_time=float(arrival), ttft_deadline=deadline))
@@ -103,11 +104,13 @@ def test_a_waiters_urgency_counts_its_prompt_net_of_the_prefix_it_found_cached()
 
 def test_a_doomed_waiter_overdue_by_the_bound_goes_first_for_its_share_of_admissions():
     # "old" (SLO 100 ms) is doomed at 0.15 s; rescuable arrivals keep coming. Unbounded, it waits
-    # behind every one of them; with slo_doomed_wait_factor 2 it is overdue once it has waited
+    # behind every one of them; with slo_doomed_max_wait_ms 200 it is overdue once it has waited
     # 0.2 s and goes first, the oldest overdue first, for at most half the admissions (share 0.5).
+    # "patient" (SLO 1 s) has waited as long, but its deadline is ahead: it is not overdue.
     def fill(scheduler: Scheduler, clock: FakeClock) -> None:
         scheduler.add_request(make_request("old", [1, 2], arrival_time=0.0, ttft_deadline=0.1))
         scheduler.add_request(make_request("older", [1, 2], arrival_time=-0.01, ttft_deadline=0.09))
+        scheduler.add_request(make_request("patient", [1, 2], arrival_time=-0.02, ttft_deadline=4.0))
         clock.now = 0.15
         for i, name in enumerate(("a", "b", "c")):
             scheduler.add_request(make_request(name, [3, 4], arrival_time=0.15, ttft_deadline=1.0 + i))
@@ -117,21 +120,20 @@ def test_a_doomed_waiter_overdue_by_the_bound_goes_first_for_its_share_of_admiss
         return [r.request_id for r in scheduler.waiting]
 
     clock = FakeClock(0.0)
-    unbounded = slo_scheduler(clock, slo_predictor_base_ms=50.0)
+    unbounded = slo_scheduler(clock, slo_predictor_base_ms=50.0, slo_doomed_max_wait_ms=None)
     fill(unbounded, clock)
     clock.now = 0.3
-    assert unbounded.config.slo_doomed_wait_factor is None  # off unless the operator sets it
-    assert order(unbounded) == ["a", "b", "c", "older", "old"]
+    assert order(unbounded) == ["a", "b", "c", "patient", "older", "old"]
 
     clock = FakeClock(0.0)
-    bounded = slo_scheduler(clock, slo_predictor_base_ms=50.0, slo_doomed_wait_factor=2.0, slo_doomed_share=0.5)
+    bounded = slo_scheduler(clock, slo_predictor_base_ms=50.0, slo_doomed_max_wait_ms=200.0, slo_doomed_share=0.5)
     fill(bounded, clock)
-    assert order(bounded) == ["a", "b", "c", "older", "old"]  # waited 0.15 s of the 0.2 s bound
+    assert order(bounded) == ["a", "b", "c", "patient", "older", "old"]  # waited 0.15 s of the 0.2 s bound
     clock.now = 0.3
-    assert order(bounded) == ["older", "a", "b", "c", "old"]
-    admitted = [bounded.waiting.pop().request_id for _ in range(5)]
+    assert order(bounded) == ["older", "a", "b", "c", "patient", "old"]
+    admitted = [bounded.waiting.pop().request_id for _ in range(6)]
     # older (its credit), then a rescuable one earns half a credit each: old after a.
-    assert admitted == ["older", "a", "old", "b", "c"]
+    assert admitted == ["older", "a", "old", "b", "c", "patient"]
 
 
 def test_default_ttft_slo_sets_the_deadline_and_an_explicit_one_wins():
