@@ -225,11 +225,11 @@ class EngineConfig(ConfigModel):
         64, ge=2, description="Measured prefills the TTFT predictor's least-squares fit covers."
     )
     slo_doomed_max_wait_ms: Optional[float] = Field(
-        4000.0, gt=0,
+        None, gt=0,
         description="A waiter past its TTFT deadline that has waited this long since it arrived goes ahead of "
-        "rescuable ones, oldest first, for at most slo_doomed_share of the admissions: how long the SLO queue may "
-        "leave a doomed request behind rescuable ones under a sustained overload (docs/architecture.md). None: no "
-        "bound, the most requests within their SLO and an unbounded tail.",
+        "rescuable ones, oldest first, for at most slo_doomed_share of the admissions: a bound on how long the SLO "
+        "queue leaves a doomed request behind rescuable ones under a sustained overload, paid for in requests within "
+        "their SLO (docs/architecture.md). None: no bound.",
     )
     slo_doomed_share: float = Field(
         1.0, gt=0, le=1.0,

@@ -68,8 +68,7 @@ def test_urgency_is_sign_of_slack_over_time_left():
 
 def test_rescuable_rank_by_earliest_deadline_then_no_deadline_then_doomed():
     clock = FakeClock(10.0)
-    # The ranking alone: "missed" has waited past the doomed bound (7 s), which would put it first.
-    scheduler = slo_scheduler(clock, max_num_seqs=1, slo_predictor_base_ms=100.0, slo_doomed_max_wait_ms=None)
+    scheduler = slo_scheduler(clock, max_num_seqs=1, slo_predictor_base_ms=100.0)
     deadlines = {"far": 15.0, "none": None, "near": 10.3, "missed": 9.0, "doomed": 10.05}
     for arrival, (request_id, deadline) in enumerate(deadlines.items()):
         scheduler.add_request(make_request(request_id, [1, 2, 3], arrival_time=float(arrival), ttft_deadline=deadline))
@@ -120,9 +119,10 @@ def test_a_doomed_waiter_overdue_by_the_bound_goes_first_for_its_share_of_admiss
         return [r.request_id for r in scheduler.waiting]
 
     clock = FakeClock(0.0)
-    unbounded = slo_scheduler(clock, slo_predictor_base_ms=50.0, slo_doomed_max_wait_ms=None)
+    unbounded = slo_scheduler(clock, slo_predictor_base_ms=50.0)
     fill(unbounded, clock)
     clock.now = 0.3
+    assert unbounded.config.slo_doomed_max_wait_ms is None  # off unless the operator sets it
     assert order(unbounded) == ["a", "b", "c", "patient", "older", "old"]
 
     clock = FakeClock(0.0)
